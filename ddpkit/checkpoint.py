@@ -1,0 +1,306 @@
+"""Crash-safe checkpoint files: write, validate, find the newest good one, load safely.
+
+A checkpoint is two files in the checkpoint directory::
+
+    step-000001200.pt     the state dict (torch.save)
+    step-000001200.json   its manifest: size, SHA-256, step, versions; written last
+
+Writing never leaves a half-written file under a final name: data goes to a hidden temporary
+file in the same directory, is flushed and fsynced, renamed with ``os.replace`` (atomic), and the
+directory is fsynced; the manifest follows the same way. A checkpoint counts only when its
+manifest exists and the data file matches the manifest's size and checksum, so a crash at any
+point leaves either the previous checkpoints or the new one, never a corrupt "latest".
+Temporary files of a killed write are removed by the next save; old checkpoints beyond
+``keep_last`` are removed only after the new one is complete.
+
+Loading always uses ``torch.load(..., weights_only=True)``: a file carrying a pickle payload
+that would run code is refused and the code does not run.
+
+This module reads and writes state dicts; it knows nothing of the Trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import CheckpointError
+
+__all__ = [
+    "CheckpointInfo",
+    "save_checkpoint",
+    "load_checkpoint",
+    "validate_checkpoint",
+    "list_checkpoints",
+    "find_latest_checkpoint",
+    "resolve_resume_path",
+    "AsyncCheckpointWriter",
+    "to_cpu",
+]
+
+log = logging.getLogger("ddpkit")
+
+FORMAT_VERSION = 1
+_STEP_FILE = re.compile(r"^step-(\d{9})\.pt$")
+_HASH_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint on disk: its data file, its manifest path and the manifest's content."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def manifest_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def save_checkpoint(
+    state: dict[str, Any], directory: str | os.PathLike, *, step: int, name: str | None = None,
+    keep_last: int | None = None, meta: dict[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Write ``state`` crash-safely as ``step-<step>.pt`` (or ``<name>.pt``) plus its manifest.
+
+    Args:
+        state: a state dict of tensors, numbers, strings, lists, tuples and dicts.
+        step: the global optimizer step, recorded in the manifest and the file name.
+        name: a fixed name (e.g. ``"best"``) instead of ``step-<step>``; never pruned.
+        keep_last: after the write, remove all but this many ``step-*`` checkpoints.
+        meta: extra manifest fields (config hash, versions, epoch).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory)
+    path = directory / (f"{name}.pt" if name else f"step-{step:09d}.pt")
+    # Invalidate any previous checkpoint under this name before its data file is replaced.
+    manifest_path(path).unlink(missing_ok=True)
+    digest, size = _write_atomically(path, lambda f: torch.save(state, f))
+    manifest = {
+        "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
+        "created": time.time(), **(meta or {}),
+    }
+    _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    if keep_last is not None:
+        prune(directory, keep_last)
+    return CheckpointInfo(path, manifest)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what is written through it (one pass over the data)."""
+
+    def __init__(self, f: Any):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_atomically(path: Path, write: Callable[[Any], Any]) -> tuple[str, int]:
+    """Write via ``write(file)`` to a temporary file, fsync, rename over ``path``; return (sha256, size)."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        write(writer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return writer.sha.hexdigest(), writer.size
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: fsync the directory entry (a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Delete temporary files left by a write that was killed."""
+    for tmp in directory.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` valid ``step-*`` checkpoints (manifest first)."""
+    for info in list_checkpoints(directory)[:-keep_last]:
+        manifest_path(info.path).unlink(missing_ok=True)  # from here on the data file counts as invalid
+        info.path.unlink(missing_ok=True)
+
+
+def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) -> CheckpointInfo:
+    """Check that ``path`` is a complete checkpoint: manifest present, size and checksum match.
+
+    Raises:
+        CheckpointError: saying what is wrong (missing, no manifest, truncated, corrupt).
+    """
+    path = Path(path)
+    if path.is_dir():
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"checkpoint directory {path} holds no complete checkpoint")
+        return latest
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no manifest {manifest_path(path).name}: the write did not finish") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is unreadable: {exc}") from None
+    if not isinstance(manifest, dict) or not {"bytes", "sha256", "step"} <= manifest.keys():
+        raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is not a ddpkit manifest")
+    size = path.stat().st_size
+    if size != manifest["bytes"]:
+        raise CheckpointError(f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}")
+    if verify_hash and _sha256(path) != manifest["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
+    return CheckpointInfo(path, manifest)
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """``step-*`` checkpoints with a readable manifest whose size matches, oldest first (checksums not verified)."""
+    found = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    for path in directory.iterdir():
+        if _STEP_FILE.match(path.name):
+            try:
+                found.append(validate_checkpoint(path, verify_hash=False))
+            except CheckpointError:
+                continue
+    return sorted(found, key=lambda info: info.step)
+
+
+def find_latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
+    """The newest checkpoint in ``directory`` that passes full validation.
+
+    Newer files that fail (a truncated or bit-flipped write, a data file whose manifest is
+    missing) are reported with a warning and skipped.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    candidates = sorted((p for p in directory.iterdir() if _STEP_FILE.match(p.name)), reverse=True)
+    for path in candidates:
+        try:
+            return validate_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+def resolve_resume_path(resume: str, directory: str | os.PathLike) -> CheckpointInfo | None:
+    """What ``checkpoint.resume`` points at: ``auto`` (newest valid in ``directory``, or None), ``none``, or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest_checkpoint(directory)
+    try:
+        return validate_checkpoint(Path(resume).expanduser())
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.resume={resume}: {exc}") from None
+
+
+def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a state dict with ``weights_only=True``; refuse anything that would execute code."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is long; keep the line that names the refused object.
+        lines = [line.strip() for line in str(exc).splitlines() if "Unsupported" in line or "WeightsUnpickler" in line]
+        detail = lines[0].split(" was not an allowed")[0] if lines else type(exc).__name__
+        raise CheckpointError(
+            f"refusing to load {path}: it contains a pickled object that could run code when loaded "
+            f"({detail}). ddpkit loads only tensors and plain values (weights_only=True); "
+            "load only checkpoints written by ddpkit or another source you trust."
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def to_cpu(state: Any) -> Any:
+    """A deep copy of ``state`` with every tensor cloned to CPU memory (the snapshot an async save writes)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(v) for v in state)
+    return state
+
+
+class AsyncCheckpointWriter:
+    """Runs :func:`save_checkpoint` in a background thread, at most one save in flight.
+
+    ``submit`` first waits for the previous save (so two writes never overlap), then starts the
+    next one and returns at once. An error in the background is raised by the next ``submit`` or
+    ``wait``, so it is never lost.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                save_checkpoint(state, directory, **kwargs)
+            except BaseException as exc:  # re-raised on the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="ddpkit-checkpoint", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -1,0 +1,215 @@
+"""The ``ddpkit`` command line (also ``python -m ddpkit``).
+
+    ddpkit run CONFIG [key=value ...] [--nproc-per-node N] [--max-restarts K]   # launch a training run
+    ddpkit run CONFIG --nnodes 2 --node-rank 0 --master-addr HOST [--master-port P]
+    ddpkit run CONFIG --nnodes 2 --rdzv-endpoint HOST:PORT [--rdzv-id ID]       # elastic rendezvous
+    ddpkit train CONFIG [key=value ...]      # one worker; what `run` starts (torchrun -m ddpkit train ...)
+    ddpkit config CONFIG [key=value ...]     # print the resolved config
+    ddpkit export CHECKPOINT OUT.pt          # plain model state_dict for inference
+    ddpkit bench {throughput,allreduce,autotune} ...
+    ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
+
+``run`` validates the config, then starts the workers through torch's own launcher
+(``torch.distributed.run``, i.e. torchrun): a free port is chosen by default, ``--max-restarts``
+restarts the whole group after a failure (the Trainer resumes from the newest valid
+checkpoint), and a failing rank's traceback appears in the launcher's summary.
+Exit codes: 0 success, 1 a run or launch failure, 2 a config or usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from ddpkit.errors import DdpkitError, LaunchError
+
+__all__ = ["main", "torchrun_args"]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``ddpkit`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        sys.exit(0 if argv else 2)
+    if argv[0] not in commands:
+        parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
+    if argv[0] in ("bench", "plot"):  # these parse their own options
+        args = argparse.Namespace(command=argv[0], rest=argv[1:])
+    else:
+        # Intermixed: options may come before, between or after the key=value overrides.
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+    try:
+        code = _COMMANDS[args.command](args)
+    except DdpkitError as exc:
+        print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="ddpkit", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="launch a training run on N processes through torch's launcher")
+    _add_config_args(run)
+    run.add_argument("--nproc-per-node", "--nproc_per_node", default=None, help="processes per node (default: GPUs per node, or 1 on CPU)")
+    run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic runs (default 1)")
+    run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (static rendezvous)")
+    run.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)")
+    run.add_argument("--master-port", "--master_port", type=int, default=None, help="port on node 0 (default: a free port)")
+    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of a c10d rendezvous (instead of --master-addr)")
+    run.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="rendezvous id shared by all nodes of one job")
+    run.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the worker group this many times after a failure")
+    run.add_argument("--script", default=None, help="run this training script instead of the YAML-driven Trainer")
+
+    train = sub.add_parser("train", help="run one training worker (what `ddpkit run` launches)")
+    _add_config_args(train)
+
+    config = sub.add_parser("config", help="print the resolved config (file + overrides + defaults)")
+    _add_config_args(config)
+
+    export = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict")
+    export.add_argument("checkpoint", help="a checkpoint file (step-*.pt) or a checkpoint directory (newest valid)")
+    export.add_argument("output", help="where to write the state_dict (.pt)")
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune (see `ddpkit bench -h`)")
+    plot = sub.add_parser("plot", help="plot metrics of one or more run directories (see `ddpkit plot -h`)")
+    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot}
+    for name, subparser in commands.items():
+        subparser.prog = f"ddpkit {name}"
+    return parser, commands
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=0.1 train.epochs=3")
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from ddpkit.config_loader import dump_config, load_config
+
+    print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ddpkit.trainer import Trainer
+
+    Trainer.main([args.config, *args.overrides])
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ddpkit.config_loader import load_config
+
+    cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
+    return launch(torchrun_args(args, failure_timeout=cfg.dist.failure_timeout))
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from ddpkit.checkpoint import load_checkpoint, validate_checkpoint
+
+    info = validate_checkpoint(args.checkpoint)
+    state = load_checkpoint(info.path)
+    if "model" not in state:
+        raise DdpkitError(f"{info.path} has no 'model' entry; is it a ddpkit checkpoint?")
+    tmp = f"{args.output}.tmp"
+    torch.save(state["model"], tmp)
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}: {len(state['model'])} tensors from {info.path} (step {info.step})")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ddpkit.bench import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from ddpkit.plot import main as plot_main
+
+    return plot_main(args.rest)
+
+
+_COMMANDS = {"run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot}
+
+
+# --- launching through torch.distributed.run -------------------------------------------------------
+
+
+def torchrun_args(args: argparse.Namespace, *, failure_timeout: float = 10.0) -> list[str]:
+    """The ``torchrun`` argument list equivalent to a ``ddpkit run`` invocation."""
+    nproc = args.nproc_per_node or str(_default_nproc())
+    launcher = [
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={args.nnodes}",
+        f"--max-restarts={args.max_restarts}",
+        # How long the agent waits for workers to exit after SIGTERM before SIGKILL.
+        f"--shutdown-timeout={max(1, math.ceil(failure_timeout))}",
+    ]
+    single_node = args.nnodes in ("1", "1:1")
+    if args.rdzv_endpoint:
+        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+    elif single_node and args.master_addr is None and args.master_port is None:
+        launcher += ["--standalone"]  # c10d rendezvous on localhost with a free port
+    else:
+        addr = args.master_addr or "127.0.0.1"
+        port = args.master_port if args.master_port is not None else 29500
+        if args.node_rank == 0:
+            check_port_free(addr, port)
+        launcher += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={args.node_rank}"]
+    if args.script:
+        return [*launcher, args.script, args.config, *args.overrides]
+    return [*launcher, "-m", "ddpkit", "train", args.config, *args.overrides]
+
+
+def launch(torchrun_argv: list[str]) -> int:
+    """Run torch's launcher with ``torchrun_argv``; return 0, or 1 with torchrun's failure summary printed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(torchrun_argv)
+    # torchrun would set this too (with a banner) for several processes per node: one thread
+    # per process keeps N processes from oversubscribing the cores.
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        print(f"ddpkit run: the training job failed.\n{exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Raise a LaunchError if ``port`` cannot be bound on this machine."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            raise LaunchError(
+                f"--master-port {port} is already in use on this machine (another job?). "
+                "Pick another with --master-port=PORT, or leave --master-port out to get a free one."
+            ) from None
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1

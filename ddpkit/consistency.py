@@ -1,0 +1,46 @@
+"""Startup check that every rank is about to train the same thing.
+
+Before the first step, ranks exchange a fingerprint (config hash, model parameter count and
+shapes, dataset lengths, ddpkit and torch versions). A rank that got a different override, a
+different file, a different data directory or a different install would otherwise train
+silently wrong or hang at the first allreduce; here every rank stops with a message naming the
+field and each rank's value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpkit.distributed import all_gather_object
+from ddpkit.errors import ConsistencyError
+
+__all__ = ["check_ranks_agree"]
+
+
+def check_ranks_agree(fingerprint: dict[str, Any]) -> None:
+    """Compare ``fingerprint`` across ranks (a collective); raise ConsistencyError on any difference."""
+    everyone = all_gather_object(fingerprint)
+    problems = [describe_difference(key, [fp.get(key) for fp in everyone]) for key in fingerprint]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConsistencyError(
+            "ranks disagree on what must be identical on every rank:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nEvery rank must get the same config file, overrides, data and software versions."
+        )
+
+
+def describe_difference(key: str, values: list[Any]) -> str | None:
+    """``None`` if all ``values`` are equal, else one line naming ``key`` and each rank's value."""
+    if all(v == values[0] for v in values):
+        return None
+    if all(isinstance(v, list) for v in values):
+        # Long lists (parameter shapes): show the first entry where ranks differ.
+        width = max(len(v) for v in values)
+        for index in range(width):
+            entries = [v[index] if index < len(v) else "<missing>" for v in values]
+            if any(e != entries[0] for e in entries):
+                shown = ", ".join(f"rank {r}: {e!r}" for r, e in enumerate(entries))
+                return f"{key}[{index}] differs: {shown}"
+    shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+    return f"{key} differs: {shown}"

@@ -1,0 +1,160 @@
+"""Data loaders for DDP: sharded training order, exact evaluation, resumable epochs, seeded workers.
+
+Training (``build_train_loader``): a ``DistributedSampler`` gives each rank a disjoint slice of a
+permutation that depends only on ``(seed, epoch)``; ``start_epoch`` must be called before every
+epoch (the Trainer does it), optionally starting part-way through for an exact mid-epoch resume.
+
+Evaluation (``build_eval_loader``): rank ``r`` of ``W`` sees samples ``r, r+W, r+2W, ...`` and
+nothing else. ``DistributedSampler`` would pad the last shard with duplicates so every rank has
+the same count, which skews metrics; here shards differ by at most one sample and every sample
+is counted exactly once, whatever the world size.
+
+Randomness: each loader owns a ``torch.Generator`` reseeded per epoch, so iterating a loader never
+consumes the global RNG (which would make a resumed run diverge). With ``num_workers > 0`` every
+sample's random augmentation is seeded from ``(seed, epoch, index)``, so it is the same whatever
+the number of workers and after a resume.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
+
+from ddpkit.env import DistEnv
+from ddpkit.errors import DataError
+
+__all__ = [
+    "ResumableDistributedSampler",
+    "ExactShardSampler",
+    "build_train_loader",
+    "build_eval_loader",
+    "start_epoch",
+    "batches_per_epoch",
+]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A ``DistributedSampler`` whose epoch can start at any sample position (for mid-epoch resume)."""
+
+    start_index = 0
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start_index = start_index
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start_index, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+class ExactShardSampler(Sampler[int]):
+    """Rank ``rank`` of ``world_size`` gets indices ``rank, rank + world_size, ...``: no padding, no duplicates."""
+
+    def __init__(self, length: int, *, rank: int, world_size: int):
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _SampleSeeded(Dataset):
+    """Seeds the worker's RNGs from ``(seed, epoch, index)`` before loading each sample."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        if get_worker_info() is not None:  # only inside worker processes: never touch the main RNG
+            sample_seed = hash((self.seed, self.epoch, index)) & 0xFFFF_FFFF
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed(sample_seed)
+        return self.dataset[index]
+
+
+def build_train_loader(
+    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, shuffle: bool = True,
+    drop_last: bool = True, seed: int = 0, pin_memory: bool = False,
+) -> DataLoader:
+    """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
+
+    Raises:
+        DataError: the dataset is empty, or too small to give every rank one full batch.
+    """
+    length = _length(dataset, "training")
+    if drop_last and length < env.world_size * batch_size:
+        raise DataError(
+            f"the training set has {length} samples, fewer than world_size ({env.world_size}) x data.batch_size "
+            f"({batch_size}) = {env.world_size * batch_size}, so with data.drop_last=true no rank gets a full batch. "
+            "Use a smaller data.batch_size, fewer processes, or data.drop_last=false."
+        )
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+    source = _SampleSeeded(dataset, seed) if num_workers else dataset
+    return DataLoader(
+        source, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
+        pin_memory=pin_memory, generator=torch.Generator(), persistent_workers=False,
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False
+) -> DataLoader:
+    """An evaluation loader over this rank's exact shard (possibly empty when the set is tiny)."""
+    sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None:
+    """Prepare ``loader`` for ``epoch``, skipping the first ``start_batch`` batches (resume)."""
+    sampler = loader.sampler
+    if isinstance(sampler, ResumableDistributedSampler):
+        sampler.set_epoch(epoch, start_batch * (loader.batch_size or 1))
+    elif isinstance(sampler, DistributedSampler) or hasattr(sampler, "set_epoch"):
+        if start_batch:
+            raise DataError(
+                f"cannot resume mid-epoch with a {type(sampler).__name__}: it cannot skip samples. "
+                "Use ddpkit.data.ResumableDistributedSampler or checkpoint only at epoch ends."
+            )
+        sampler.set_epoch(epoch)  # type: ignore[union-attr]
+    if isinstance(loader.dataset, _SampleSeeded):
+        loader.dataset.epoch = epoch
+    if loader.generator is not None:
+        seed = loader.sampler.seed if isinstance(loader.sampler, DistributedSampler) else 0
+        loader.generator.manual_seed(seed * 1_000_003 + epoch)
+
+
+def batches_per_epoch(loader: DataLoader) -> int:
+    """Batches in a whole epoch of ``loader`` on this rank (ignoring any resume offset)."""
+    sampler = loader.sampler
+    samples = sampler.num_samples if isinstance(sampler, DistributedSampler) else len(sampler)  # type: ignore[arg-type]
+    batch_size = loader.batch_size or 1
+    return samples // batch_size if loader.drop_last else -(-samples // batch_size)
+
+
+def _length(dataset: Dataset, what: str) -> int:
+    if not isinstance(dataset, Sized):
+        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); ddpkit needs map-style datasets")
+    length = len(dataset)
+    if length == 0:
+        raise DataError(f"the {what} dataset is empty; check data.name and data.kwargs (e.g. the root path)")
+    return length

@@ -1,0 +1,192 @@
+"""Process-group setup and teardown, backend and device choice, and small collective helpers.
+
+    env = read_dist_env()
+    with process_group(env, backend="auto", device="auto", timeout=300) as runtime:
+        ...  # runtime.device, runtime.backend; collectives work, also at world size 1
+
+A world of one (``python train.py``) still gets a real, single-member Gloo/NCCL group backed by an
+in-memory store, so the training loop has exactly one code path. Every helper here is also safe
+when no group exists at all (it then acts on this process only).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.env import DistEnv
+from ddpkit.errors import ConfigError, LaunchError
+
+__all__ = [
+    "Runtime",
+    "process_group",
+    "resolve_device",
+    "resolve_backend",
+    "barrier",
+    "all_reduce_sum",
+    "all_gather_object",
+    "broadcast_object",
+]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What process-group setup resolved: where this rank sits, its device and the backend in use."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str
+    #: Whether ``debug`` mode is on (monitored barriers, per-rank step logs).
+    debug: bool = False
+
+
+def resolve_device(env: DistEnv, requested: str = "auto") -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is requested or available (``auto``), else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("dist.device=cuda but torch.cuda.is_available() is False; use dist.device=auto or cpu")
+    visible = torch.cuda.device_count()
+    if env.local_rank >= visible:
+        raise LaunchError(
+            f"LOCAL_RANK={env.local_rank} has no GPU: only {visible} visible on this node "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
+            f"Use --nproc-per-node={visible} or fewer."
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """``auto``: NCCL for CUDA devices, Gloo for the CPU. ``nccl`` without CUDA is an error."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA GPUs, but this run is on the CPU "
+            f"(torch.cuda.is_available() is {torch.cuda.is_available()}); use dist.backend=gloo or auto"
+        )
+    return requested
+
+
+@contextmanager
+def process_group(
+    env: DistEnv,
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout: float = 300.0,
+    debug: bool = False,
+) -> Iterator[Runtime]:
+    """Create the default process group for ``env`` and always destroy it on exit.
+
+    A group that already exists (created by the caller, e.g. :mod:`ddpkit.testing`) is reused
+    and left alone on exit.
+    """
+    torch_device = resolve_device(env, device)
+    backend = resolve_backend(backend, torch_device)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    if debug:
+        # Must be set before the group is created to take effect.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    created = not dist.is_initialized()
+    if created:
+        _init(env, backend, timeout)
+    elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise LaunchError(
+            f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"but the environment says RANK={env.rank} of WORLD_SIZE={env.world_size}"
+        )
+    try:
+        yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init(env: DistEnv, backend: str, timeout: float) -> None:
+    kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    if env.launcher == "none":
+        # No launcher, no rendezvous: a private in-memory store makes a group of one.
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    elif env.launcher == "torchrun":
+        # env:// joins the store torchrun's agent already serves on MASTER_ADDR:MASTER_PORT.
+        kwargs.update(init_method="env://")
+    else:
+        kwargs.update(init_method=f"tcp://{_host(env.master_addr)}:{env.master_port}", rank=env.rank, world_size=env.world_size)
+    try:
+        dist.init_process_group(**kwargs)
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+        raise _launch_error(env, exc) from None
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def _launch_error(env: DistEnv, exc: BaseException) -> LaunchError:
+    text = str(exc)
+    where = f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return LaunchError(
+            f"port {env.master_port} is already in use ({where}), probably by another job. "
+            "Pick a free one with --master-port=PORT, or use `ddpkit run`, which picks a free port by default."
+        )
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return LaunchError(
+            f"rank {env.rank} could not reach the other {env.world_size - 1} rank(s) at {where} in time. "
+            "Check that every node uses the same MASTER_ADDR/MASTER_PORT, that the port is open in the "
+            "firewall, and that --nnodes x --nproc-per-node equals the number of processes started."
+        )
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return LaunchError(f"could not create the process group ({where}, rank {env.rank} of {env.world_size}): {first_line}")
+
+
+# --- collectives that are safe at any world size ------------------------------------------
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier(*, debug: bool = False, timeout: float | None = None) -> None:
+    """Wait for every rank. With ``debug`` on Gloo, a stuck rank is named in the error."""
+    if not _active():
+        return
+    if debug and dist.get_backend() == "gloo":
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+        dist.monitored_barrier(wait_all_ranks=True, **kwargs)
+    else:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place and return it."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a group)."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,147 @@
+"""Read the launcher's environment variables once into an immutable :class:`DistEnv`.
+
+Three ways a process can be started, checked in this order:
+
+* ``torchrun`` (or ``ddpkit run``, which uses torch's launcher) sets ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. They must all be
+  present or all absent: a half-set environment is a launch mistake and gets a clear error.
+* ``srun`` (SLURM, one task per GPU) sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``;
+  the master address is the first host of ``SLURM_STEP_NODELIST`` unless ``MASTER_ADDR`` is set.
+* Nothing set: a world of one (``python train.py``), which runs the very same code path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddpkit.errors import LaunchError
+
+__all__ = ["DistEnv", "read_dist_env", "TORCHRUN_VARS"]
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. Field names follow torch's launcher variables."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    #: ``"torchrun"``, ``"slurm"`` or ``"none"`` (a single process started by hand).
+    launcher: str = "none"
+    #: How many times torchrun has restarted the worker group (``TORCHELASTIC_RESTART_COUNT``).
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that writes files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Build a :class:`DistEnv` from ``environ`` (default ``os.environ``).
+
+    Raises:
+        LaunchError: some but not all torchrun variables are set, or a value is not a valid number.
+    """
+    environ = os.environ if environ is None else environ
+    present = [name for name in TORCHRUN_VARS if name in environ]
+    # LOCAL_WORLD_SIZE is optional: older launchers and torch.multiprocessing users omit it.
+    required = [name for name in TORCHRUN_VARS if name != "LOCAL_WORLD_SIZE"]
+    if present and any(name not in environ for name in required):
+        missing = [name for name in required if name not in environ]
+        raise LaunchError(
+            f"partial torchrun environment: {', '.join(present)} set but {', '.join(missing)} missing. "
+            "Launch with `torchrun --nproc-per-node=N script.py` or `ddpkit run CONFIG`, "
+            "or unset these variables to run a single process."
+        )
+    if present:
+        return _from_torchrun(environ)
+    if _inside_srun(environ):
+        return _from_slurm(environ)
+    return DistEnv()
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
+    world_size = _int(environ, "WORLD_SIZE", minimum=1)
+    rank = _int(environ, "RANK", minimum=0)
+    local_rank = _int(environ, "LOCAL_RANK", minimum=0)
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in environ else world_size
+    if rank >= world_size:
+        raise LaunchError(f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's --nnodes and --nproc-per-node")
+    if local_rank >= local_world_size:
+        raise LaunchError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
+    if world_size % local_world_size:
+        raise LaunchError(
+            f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: every node "
+            "must run the same --nproc-per-node, and WORLD_SIZE must equal --nnodes x --nproc-per-node"
+        )
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        master_addr=environ["MASTER_ADDR"],
+        master_port=_int(environ, "MASTER_PORT", minimum=0),
+        launcher="torchrun",
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0) if "TORCHELASTIC_RESTART_COUNT" in environ else 0,
+    )
+
+
+def _inside_srun(environ: Mapping[str, str]) -> bool:
+    """True inside an ``srun`` step with several tasks (not a bare ``salloc`` shell)."""
+    return all(k in environ for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")) and environ["SLURM_NTASKS"] != "1"
+
+
+def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
+    world_size = _int(environ, "SLURM_NTASKS", minimum=1)
+    # SLURM_STEP_TASKS_PER_NODE looks like "4(x2)": 4 tasks on each of 2 nodes.
+    tasks_per_node = re.match(r"\d+", environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    local_world_size = int(tasks_per_node.group()) if tasks_per_node else world_size
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    job_id = environ.get("SLURM_JOB_ID", "0")
+    # A port derived from the job id: every task computes the same one without talking.
+    default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+    return DistEnv(
+        rank=_int(environ, "SLURM_PROCID", minimum=0),
+        local_rank=_int(environ, "SLURM_LOCALID", minimum=0) if "SLURM_LOCALID" in environ else 0,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist),
+        master_port=_int(environ, "MASTER_PORT", minimum=0) if "MASTER_PORT" in environ else default_port,
+        launcher="slurm",
+        restart_count=_int(environ, "SLURM_RESTART_COUNT", minimum=0) if "SLURM_RESTART_COUNT" in environ else 0,
+    )
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return nodelist
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
+    text = environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={text!r} is not an integer; check how the job was launched") from None
+    if value < minimum:
+        raise LaunchError(f"environment variable {name}={value} must be >= {minimum}")
+    return value

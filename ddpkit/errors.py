@@ -1,0 +1,46 @@
+"""The exceptions ddpkit raises for problems a user can cause and fix.
+
+Every message names what is wrong (the config key, file, value or rank) and says what to do.
+The command line turns these into a one-paragraph message and a non-zero exit code instead of a
+traceback; internal invariants use ``assert`` and are bugs, not user errors.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DdpkitError",
+    "ConfigError",
+    "LaunchError",
+    "DataError",
+    "CheckpointError",
+    "ConsistencyError",
+]
+
+
+class DdpkitError(Exception):
+    """Base class: a problem with the user's input or environment, with a message saying how to fix it."""
+
+    #: Process exit code used by the command line for this kind of error.
+    exit_code = 1
+
+
+class ConfigError(DdpkitError, ValueError):
+    """The YAML file, a ``key=value`` override or a config value is invalid."""
+
+    exit_code = 2
+
+
+class LaunchError(DdpkitError):
+    """The processes cannot form a group: bad launcher variables, ports, backends or devices."""
+
+
+class DataError(DdpkitError):
+    """A dataset cannot be found or is too small for the requested world size and batch size."""
+
+
+class CheckpointError(DdpkitError):
+    """A checkpoint is missing, corrupt, unsafe to load, or belongs to a different run."""
+
+
+class ConsistencyError(DdpkitError):
+    """Ranks disagree on something that must be identical (config, model, data, versions)."""

@@ -1,0 +1,75 @@
+"""Metrics that accumulate on the device and are reduced across ranks only when read.
+
+The training loop adds each step's loss to a device tensor (no ``.item()``, no host sync) and
+reads the rank-averaged value every ``train.log_every`` steps with one allreduce. Validation sums
+per-sample values in float64 and divides by the global sample count, so the result is the exact
+mean over the whole validation set however it was sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ddpkit.distributed import all_gather_object, all_reduce_sum
+
+__all__ = ["RunningMean", "ExactMeans"]
+
+
+class RunningMean:
+    """Mean of a scalar (the training loss) over steps and ranks since the last read."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._values: list[torch.Tensor] = []
+
+    def add(self, value: torch.Tensor) -> None:
+        """Keep a detached reference: no kernel launch, no host sync."""
+        self._values.append(value.detach())
+
+    @property
+    def pending(self) -> bool:
+        """Whether values were added since the last read (the same on every rank)."""
+        return bool(self._values)
+
+    def read(self) -> float:
+        """All-reduce, return the mean over ranks and steps (nan if empty), and start over."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._values:
+            totals[0] = torch.stack(self._values).to(torch.float64).sum()
+            totals[1] = len(self._values)
+        self._values.clear()
+        total, count = all_reduce_sum(totals).tolist()
+        return total / count if count else float("nan")
+
+
+class ExactMeans:
+    """Per-metric means over every validation sample, exact whatever the world size.
+
+    ``add`` takes a batch's metrics: a 1-D tensor holds one value per sample; a 0-d tensor is the
+    batch mean and is weighted by ``batch_size``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: Mapping[str, torch.Tensor], batch_size: int) -> None:
+        for name, value in metrics.items():
+            value = value.detach().to(self.device, torch.float64)
+            if value.dim() == 0:
+                total, count = value * batch_size, batch_size
+            else:
+                total, count = value.sum(), value.numel()
+            entry = self._sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
+            entry[0] += total
+            entry[1] += count
+
+    def compute(self) -> dict[str, float]:
+        """Reduce across ranks and return ``{name: mean}``. Every rank must call this."""
+        # A rank whose shard was empty has seen no metric names: agree on the union first.
+        names = sorted(set().union(*all_gather_object(sorted(self._sums))))
+        stacked = torch.stack([self._sums.get(n, torch.zeros(2, dtype=torch.float64, device=self.device)) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
+        totals = all_reduce_sum(stacked).tolist()
+        return {name: (total / count if count else float("nan")) for name, (total, count) in zip(names, totals)}

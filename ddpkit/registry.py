@@ -1,0 +1,130 @@
+"""Models, datasets and optimizers by name.
+
+Config files name what to build (``model: {name: resnet18, kwargs: {num_classes: 10}}``); a
+:class:`Registry` maps the name to a builder function and calls it with the config's kwargs.
+A name can be:
+
+* a built-in (``mlp``, ``mnist_cnn``; ``digits``, ``mnist``, ...; ``sgd``, ``adam``, ``adamw``);
+* one of yours, registered with a decorator before the Trainer runs::
+
+      @ddpkit.register_model("tiny")
+      def tiny(width: int = 16) -> nn.Module: ...
+
+* for models, any ``torchvision.models`` builder (``resnet18``, ``vit_b_16``, ...);
+* an explicit ``package.module:callable`` path, imported on use.
+
+Built-ins live in :mod:`ddpkit.models`, :mod:`ddpkit.datasets` and :mod:`ddpkit.optim` and are
+imported the first time a name is looked up, so ``import ddpkit`` stays fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ddpkit.errors import ConfigError
+
+__all__ = ["Registry", "MODELS", "DATASETS", "OPTIMIZERS", "register_model", "register_dataset", "register_optimizer"]
+
+
+class Registry:
+    """A name -> builder table for one kind of object (``kind`` is used in error messages)."""
+
+    def __init__(self, kind: str, *, builtins: str, fallback: Callable[[], dict[str, Callable]] | None = None):
+        self.kind = kind
+        self._builders: dict[str, Callable[..., Any]] = {}
+        self._builtins_module = builtins
+        # Names resolved elsewhere (torchvision's models), looked up only when ours miss.
+        self._fallback = fallback
+
+    def register(self, name: str, builder: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """Register ``builder`` under ``name``; without ``builder``, works as a decorator."""
+
+        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self._builders[name] = fn
+            return fn
+
+        return add(builder) if builder is not None else add
+
+    def names(self) -> list[str]:
+        """Registered names (built-ins and user registrations), sorted."""
+        self._load_builtins()
+        return sorted(self._builders)
+
+    def get(self, name: str, *, key: str) -> Callable[..., Any]:
+        """The builder for ``name``; ``key`` is the config path reported in errors (e.g. ``model.name``)."""
+        self._load_builtins()
+        if ":" in name:
+            return _import_callable(name, key)
+        if name in self._builders:
+            return self._builders[name]
+        others = self._fallback() if self._fallback else {}
+        if name in others:
+            return others[name]
+        hint = difflib.get_close_matches(name, [*self.names(), *others], n=1)
+        raise ConfigError(
+            f"{key}: unknown {self.kind} {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" Registered: {', '.join(self.names())}"
+            + (" (and every torchvision model)" if self.kind == "model" else "")
+            + ". Or give an import path, package.module:callable."
+        )
+
+    def build(self, name: str, *args: Any, key: str, kwargs: dict[str, Any]) -> Any:
+        """Look up ``name`` and call its builder, reporting bad ``kwargs`` against ``key``."""
+        builder = self.get(name, key=key)
+        check_kwargs(builder, args, kwargs, key=key.rsplit(".", 1)[0] + ".kwargs", what=f"{self.kind} {name!r}")
+        return builder(*args, **kwargs)
+
+    def _load_builtins(self) -> None:
+        if self._builtins_module:
+            module, self._builtins_module = self._builtins_module, ""
+            importlib.import_module(module)
+
+
+def check_kwargs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, key: str, what: str) -> None:
+    """Raise a ConfigError naming ``key`` when ``fn`` cannot accept ``kwargs``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature; let the call decide
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        accepted = [p for p in signature.parameters if p not in ("self", "params", "args", "kwargs")]
+        raise ConfigError(f"{key}: {exc} for {what}; it accepts: {', '.join(accepted) or 'no arguments'}") from None
+
+
+def _import_callable(path: str, key: str) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import {module_name!r} from {path!r} ({exc}); is it on PYTHONPATH?") from None
+    target = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise ConfigError(f"{key}: {path!r} is not callable")
+    return target
+
+
+def _torchvision_models() -> dict[str, Callable[..., Any]]:
+    import torchvision.models  # lazy: torchvision costs ~0.5 s to import
+
+    return {name: torchvision.models.get_model_builder(name) for name in torchvision.models.list_models()}
+
+
+MODELS = Registry("model", builtins="ddpkit.models", fallback=_torchvision_models)
+DATASETS = Registry("dataset", builtins="ddpkit.datasets")
+OPTIMIZERS = Registry("optimizer", builtins="ddpkit.optim")
+
+#: Decorators for user code: ``@ddpkit.register_model("name")``.
+register_model = MODELS.register
+register_dataset = DATASETS.register
+register_optimizer = OPTIMIZERS.register

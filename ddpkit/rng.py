@@ -1,0 +1,61 @@
+"""Seeding and capturing / restoring every random number generator a training step may use.
+
+A checkpoint stores each rank's generator states so a resumed run draws exactly the numbers the
+uninterrupted run would have drawn (dropout masks, augmentations): the key to bitwise resume.
+States are stored as tensors, tuples and ints only, so they load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["seed_everything", "capture_rng", "restore_rng"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy (if installed) and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states, in a ``weights_only``-loadable form."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the generator states saved by :func:`capture_rng`."""
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = _numpy()
+    if "numpy" in state and np is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _as_tuple(value: Any) -> Any:
+    """Python's RNG state is nested tuples; make sure a loaded copy is too."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy

@@ -1,0 +1,48 @@
+"""Small builders shared by tests: tiny configs, subprocess runners, weight comparisons."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(tmp_path: Path | str, **sections: Any) -> dict[str, Any]:
+    """A fast config (MLP on a few hundred generated digits), with per-section overrides merged in."""
+    cfg: dict[str, Any] = {
+        "run": {"name": "test", "output_dir": str(Path(tmp_path) / "run"), "seed": 0},
+        "data": {"name": "digits", "batch_size": 16, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
+        "model": {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [32]}},
+        "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "train": {"epochs": 2, "log_every": 4},
+        "checkpoint": {"every_epochs": None},
+        "log": {"progress_bar": False},
+        "dist": {"timeout": 60},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def run_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m ddpkit ARGS`` in a subprocess; return the completed process (text output)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO
+    )
+
+
+def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs (max abs diff {(a[key] - b[key]).abs().max().item():.3g})"
