@@ -206,7 +206,7 @@ def _single(
         ax.set_ylabel(labels[0])
         ax.set_title(labels[1])
         if scientific:
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         if from_zero:
             ax.set_ylim(bottom=0)
         if percent:
