@@ -297,7 +297,7 @@ def _unknown_key_message(path: str, valid: list[str], prefix: str) -> str:
 
 
 def _closest(word: str, candidates: list[str]) -> str | None:
-    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.5)
     return matches[0] if matches else None
 
 

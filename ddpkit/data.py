@@ -35,7 +35,6 @@ __all__ = [
     "build_train_loader",
     "build_eval_loader",
     "start_epoch",
-    "batches_per_epoch",
 ]
 
 
@@ -141,14 +140,6 @@ def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None
     if loader.generator is not None:
         seed = loader.sampler.seed if isinstance(loader.sampler, DistributedSampler) else 0
         loader.generator.manual_seed(seed * 1_000_003 + epoch)
-
-
-def batches_per_epoch(loader: DataLoader) -> int:
-    """Batches in a whole epoch of ``loader`` on this rank (ignoring any resume offset)."""
-    sampler = loader.sampler
-    samples = sampler.num_samples if isinstance(sampler, DistributedSampler) else len(sampler)  # type: ignore[arg-type]
-    batch_size = loader.batch_size or 1
-    return samples // batch_size if loader.drop_last else -(-samples // batch_size)
 
 
 def _length(dataset: Dataset, what: str) -> int:

@@ -15,12 +15,13 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import DdpkitError
 
-__all__ = ["setup_logging", "ProgressBar", "MetricSinks"]
+__all__ = ["setup_logging", "ProgressBar", "MetricSinks", "StepLog"]
 
 log = logging.getLogger("ddpkit")
 
@@ -141,3 +142,28 @@ def _tensorboard_writer(log_dir: Path) -> Any:
             "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)"
         ) from None
     return SummaryWriter(log_dir=str(log_dir))
+
+
+class StepLog:
+    """Debug mode's per-rank trail: one timestamped line per step and collective, flushed at once.
+
+    When a job hangs, the last line of each rank's file says where it stopped, so the rank that
+    is behind (or stuck before a collective) stands out. A no-op when ``path`` is None.
+    """
+
+    def __init__(self, path: str | Path | None):
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, fmt: str, *args: Any) -> None:
+        """Append ``fmt % args`` (formatted only when the log is on: free in the step loop otherwise)."""
+        if self._file is not None:
+            now = time.time()
+            self._file.write(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {fmt % args}\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -36,13 +36,13 @@ from ddpkit._version import __version__
 from ddpkit.config import Config
 from ddpkit.config_loader import config_hash, config_to_dict, dump_config, load_config
 from ddpkit.consistency import check_ranks_agree
-from ddpkit.data import batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
+from ddpkit.data import build_eval_loader, build_train_loader, start_epoch
 from ddpkit.ddp import parameter_shapes, sync_gradients, unwrap_model, wrap_model
 from ddpkit.distributed import Runtime, all_gather_object, barrier, broadcast_object, process_group
 from ddpkit.entrypoint import run_entrypoint
 from ddpkit.env import DistEnv, read_dist_env
-from ddpkit.errors import CheckpointError, ConfigError, DdpkitError
-from ddpkit.log import MetricSinks, ProgressBar, log, setup_logging
+from ddpkit.errors import CheckpointError, ConfigError, DataError, DdpkitError
+from ddpkit.log import MetricSinks, ProgressBar, StepLog, log, setup_logging
 from ddpkit.metrics import ExactMeans, RunningMean
 from ddpkit.optim import build_optimizer, build_scheduler
 from ddpkit.precision import autocast, check_precision, grad_scaler
@@ -236,6 +236,7 @@ class Trainer:
             self.runtime = runtime
             self._sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard)
             self._bar: ProgressBar | None = None
+            self._step_log = StepLog(None)
             try:
                 self._setup()
                 self.on_fit_start()
@@ -246,6 +247,7 @@ class Trainer:
                 if self._bar is not None:
                     self._bar.close()
                 self._sinks.close()
+                self._step_log.close()
         self.on_fit_end(metrics)
         return metrics
 
@@ -268,7 +270,7 @@ class Trainer:
         self._train_model = wrap_model(model, runtime, cfg.ddp)
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._batches_per_epoch = batches_per_epoch(self.train_loader)
+        self._batches_per_epoch = len(self.train_loader)
         accum = cfg.train.grad_accum_steps
         self._steps_per_epoch = math.ceil(self._batches_per_epoch / accum)
         self.total_steps = min(cfg.train.max_steps or math.inf, (cfg.train.epochs or math.inf) * self._steps_per_epoch)
@@ -280,6 +282,7 @@ class Trainer:
         self._timeline = Timeline(enabled=cfg.train.timeline, rank=self.rank, device=runtime.device)
         self._async_writer = ckpt.AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self._tracker = _BestTracker.from_config(cfg)
+        self._step_log = StepLog(self.output_dir / "logs" / f"steps-rank{self.rank}.log" if cfg.dist.debug else None)
         self._last_eval_step = self._last_checkpoint_step = -1
         self.metrics: dict[str, float] = {}
         if resume_state is not None:
@@ -353,13 +356,19 @@ class Trainer:
     def _train_epoch(self) -> None:
         progress, accum = self.progress, self.config.train.grad_accum_steps
         start_epoch(self.train_loader, progress.epoch, start_batch=progress.batch_in_epoch)
+        self._batches_per_epoch = self._agree_on_batch_count()
         if progress.batch_in_epoch == 0:
             self.on_epoch_start(progress.epoch)
         self._train_model.train()
         batches = iter(self.train_loader)
         while progress.batch_in_epoch < self._batches_per_epoch and not self._finished():
             with self._timeline.span("data"):
-                batch = next(batches)
+                batch = next(batches, None)
+            if batch is None:
+                raise DataError(
+                    f"rank {self.rank}'s training loader ended after {progress.batch_in_epoch} batches of epoch "
+                    f"{progress.epoch}, but its len() promised {self._batches_per_epoch}; fix the sampler's __len__"
+                )
             progress.batch_in_epoch += 1
             boundary = progress.batch_in_epoch % accum == 0 or progress.batch_in_epoch == self._batches_per_epoch
             self._micro_step(batch, sync=boundary)
@@ -369,6 +378,25 @@ class Trainer:
         if progress.batch_in_epoch >= self._batches_per_epoch:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
             self._after_epoch(progress.epoch - 1)
+
+    def _agree_on_batch_count(self) -> int:
+        """This epoch's batch count, checked to be the same on every rank.
+
+        DDP needs every rank to run the same number of backward passes: a rank with an extra
+        batch would wait forever in an allreduce the others never join. A custom sampler that
+        shards unevenly is stopped here, on every rank, with the counts.
+        """
+        counts = all_gather_object(self.progress.batch_in_epoch + len(self.train_loader))
+        if any(count != counts[0] for count in counts):
+            raise DataError(
+                f"ranks would run different numbers of training batches in epoch {self.progress.epoch}: "
+                + ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+                + ". DDP needs the same number on every rank (a rank with more would wait forever in allreduce). "
+                "Give every rank the same number of samples, e.g. DistributedSampler(drop_last=True) and data.drop_last=true."
+            )
+        if counts[0] == 0:
+            raise DataError(f"the training loader yields no batches on any rank in epoch {self.progress.epoch}; check the dataset and data.batch_size")
+        return counts[0]
 
     def _micro_step(self, batch: Any, *, sync: bool) -> None:
         batch = move_to_device(batch, self.device)
@@ -405,6 +433,7 @@ class Trainer:
     def _after_step(self) -> None:
         step, train, ck = self.progress.step, self.config.train, self.config.checkpoint
         self._bar.update()
+        self._step_log.write("step %d done (epoch %d, batch %d)", step, self.progress.epoch, self.progress.batch_in_epoch)
         self.on_step_end(step)
         if step % train.log_every == 0:
             self._log_training()
@@ -434,7 +463,7 @@ class Trainer:
         if self.is_main:
             _atomic_torch_save(self.unwrapped_model.state_dict(), self.output_dir / "model.pt")
             log.info("saved %s", self.output_dir / "model.pt")
-        barrier()
+        self._barrier("end of training")
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     # --- logging and evaluation -----------------------------------------------------------------------
@@ -501,6 +530,11 @@ class Trainer:
         ck = self.config.checkpoint
         return bool(ck.every_steps or ck.every_epochs or ck.best)
 
+    def _barrier(self, where: str) -> None:
+        """Wait for every rank; in debug mode a monitored barrier names ranks that never arrive."""
+        self._step_log.write("barrier: %s", where)
+        barrier(debug=self.config.dist.debug, timeout=self.config.dist.timeout)
+
     def _save_checkpoint(self, name: str | None = None) -> None:
         """Rank 0 writes the full training state; the other ranks contribute their RNG states and wait."""
         if name is None and self._last_checkpoint_step == self.progress.step:
@@ -517,7 +551,7 @@ class Trainer:
                 else:
                     ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
             if self._async_writer is None:
-                barrier()
+                self._barrier("checkpoint")
         if name is None:
             self._last_checkpoint_step = self.progress.step
 
