@@ -1,0 +1,90 @@
+"""Samplers and loaders without a process group: shards, resume offsets, size checks, datasets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from ddpkit.data import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
+from ddpkit.datasets import digits, make_digits, synthetic
+from ddpkit.env import DistEnv
+from ddpkit.errors import DataError
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_exact_shards_cover_every_index_once(world_size):
+    length = 101
+    shards = [list(ExactShardSampler(length, rank=r, world_size=world_size)) for r in range(world_size)]
+    flat = sorted(i for shard in shards for i in shard)
+    assert flat == list(range(length))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_exact_shards_may_be_empty_for_tiny_sets():
+    assert list(ExactShardSampler(2, rank=2, world_size=3)) == []
+
+
+def test_resumable_sampler_is_a_distributed_sampler_with_an_offset():
+    data = list(range(50))
+    plain = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=True)
+    resumable = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=True)
+    plain.set_epoch(4)
+    resumable.set_epoch(4, start_index=10)
+    assert list(resumable) == list(plain)[10:]
+    assert len(resumable) == len(plain) - 10
+
+
+def test_train_loader_skips_whole_batches_on_resume():
+    dataset = TensorDataset(torch.arange(64))
+    loader = build_train_loader(dataset, env=DistEnv(rank=0, world_size=2), batch_size=4, seed=1)
+    start_epoch(loader, 2)
+    full = [b[0].tolist() for b in loader]
+    start_epoch(loader, 2, start_batch=3)
+    assert [b[0].tolist() for b in loader] == full[3:]
+    start_epoch(loader, 3)
+    assert [b[0].tolist() for b in loader] != full  # a new epoch, a new order
+
+
+def test_iterating_a_loader_leaves_the_global_rng_alone():
+    loader = build_train_loader(TensorDataset(torch.arange(32)), env=DistEnv(), batch_size=4)
+    start_epoch(loader, 0)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    list(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_too_small_training_set_is_refused_before_training():
+    dataset = TensorDataset(torch.arange(10))
+    with pytest.raises(DataError, match=r"10 samples, fewer than world_size \(3\) x data.batch_size \(4\) = 12"):
+        build_train_loader(dataset, env=DistEnv(rank=0, world_size=3), batch_size=4)
+    with pytest.raises(DataError, match="dataset is empty"):
+        build_train_loader(TensorDataset(torch.arange(0)), env=DistEnv(), batch_size=4, drop_last=False)
+
+
+def test_eval_loader_has_no_padding():
+    dataset = TensorDataset(torch.arange(7))
+    seen = []
+    for rank in range(3):
+        loader = build_eval_loader(dataset, env=DistEnv(rank=rank, world_size=3), batch_size=2)
+        seen += [int(i) for (batch,) in loader for i in batch]
+    assert sorted(seen) == list(range(7))
+
+
+def test_digits_are_deterministic_balanced_and_distinct_between_splits():
+    x1, y1 = make_digits(500, seed=7)
+    x2, y2 = make_digits(500, seed=7)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.shape == (500, 1, 28, 28) and x1.min() >= -1 and x1.max() <= 1
+    assert set(y1.tolist()) == set(range(10))
+    train, val = digits(num_train=50, num_val=20)
+    assert len(train) == 50 and len(val) == 20
+    assert not torch.equal(train[0][0], val[0][0])
+
+
+def test_synthetic_dataset_shapes():
+    train, val = synthetic(size=8, shape=(3, 4, 4), num_classes=5, val_size=2)
+    x, y = train[0]
+    assert x.shape == (3, 4, 4) and 0 <= int(y) < 5 and len(val) == 2
