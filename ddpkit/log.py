@@ -109,9 +109,11 @@ class MetricSinks:
             return
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        # The writer first: a missing tensorboard package then raises before metrics.jsonl is
+        # opened, instead of leaking its file handle.
         if tensorboard:
             self._tb = _tensorboard_writer(output_dir / "tensorboard")
+        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (must contain ``step``); non-finite floats become null in JSON."""
