@@ -1,0 +1,62 @@
+"""``ddpkit bench``: the Horovod synthetic-benchmark and nccl-tests habits, for torch users.
+
+    ddpkit bench throughput --model resnet18 --batch-size 32 --nproc 1,2 [--steps 20] [--precision bf16] [--plot out.png]
+    ddpkit bench allreduce --nproc 2 --sizes 1KB..256MB
+    ddpkit bench autotune --config configs/quickstart.yaml [--steps 20] [key=value ...]
+
+* ``throughput`` (:mod:`ddpkit.bench.throughput`): samples/s per world size on synthetic data
+  and the scaling efficiency ``throughput_N / (N x throughput_1)``.
+* ``allreduce`` (:mod:`ddpkit.bench.allreduce`): time, algbw and busbw per message size, with
+  nccl-tests' definitions, on NCCL or Gloo.
+* ``autotune`` (:mod:`ddpkit.bench.autotune`): the fastest ``ddp.bucket_cap_mb`` /
+  ``ddp.gradient_as_bucket_view`` for your own config, and the override that selects it.
+
+Every measurement runs in worker processes started through torch's launcher
+(``torch.distributed.run``); tables go to stdout, progress to stderr. Exit codes: 0 success,
+1 a failed benchmark, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ddpkit.errors import DdpkitError
+
+__all__ = ["main"]
+
+_COMMANDS = {
+    "throughput": "samples/s and scaling efficiency per world size, on synthetic data",
+    "allreduce": "allreduce time, algbw and busbw per message size (nccl-tests style)",
+    "autotune": "fastest ddp.bucket_cap_mb / gradient_as_bucket_view for your config",
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``ddpkit bench BENCHMARK ...``; return the exit code (argparse exits 2 on bad options)."""
+    import importlib
+
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\n\nbenchmarks:", file=sys.stderr if not argv else sys.stdout)
+        for name, help_text in _COMMANDS.items():
+            print(f"  {name:<11} {help_text}", file=sys.stderr if not argv else sys.stdout)
+        print("\n`ddpkit bench BENCHMARK -h` shows a benchmark's options.", file=sys.stderr if not argv else sys.stdout)
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in _COMMANDS:
+        print(f"ddpkit bench: error: unknown benchmark {name!r}; choose from {', '.join(_COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"ddpkit.bench.{name}")
+    parser = argparse.ArgumentParser(prog=f"ddpkit bench {name}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    # Intermixed: autotune's key=value overrides may come before, between or after the options.
+    args = parser.parse_intermixed_args(argv[1:])
+    try:
+        return module.run(args)
+    except DdpkitError as exc:
+        print(f"ddpkit bench {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
