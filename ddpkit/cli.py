@@ -21,11 +21,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ddpkit.errors import DdpkitError, LaunchError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = ["main", "torchrun_args"]
 
@@ -191,9 +196,29 @@ def launch(torchrun_argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        print(f"ddpkit run: the training job failed.\n{exc}", file=sys.stderr)
+        print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+# How a rank's error reads when it only saw another rank go (Gloo, NCCL).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def _summary(exc: ChildFailedError) -> str:
+    """torchrun's failure summary, with the rank that failed first as its "Root Cause".
+
+    torchrun picks the failure with the earliest error-file timestamp, in whole seconds. The
+    ranks that were waiting for the failing one in a collective fail a few milliseconds later,
+    usually within the same second, and the tie goes to the lowest rank: rank 0's "Connection
+    closed by peer" would be named as the cause. Failures that only report a lost peer, or a
+    SIGTERM from the agent stopping the group, are moved back a second so the tie goes to the
+    real one (if all failures are of that kind, their order is unchanged).
+    """
+    for failure in exc.failures.values():
+        if failure.exitcode == -signal.SIGTERM or any(text in str(failure.message) for text in _PEER_LOST):
+            failure.timestamp += 1
+    return exc.format_msg()
 
 
 def check_port_free(addr: str, port: int) -> None:

@@ -1,4 +1,4 @@
-"""Running a training entry point so that failures are clear and reach torchrun's summary.
+"""Running a training entry point so that failures are clear, reach torchrun's summary and stop the job.
 
 ``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected
 exception and its traceback to the error file torchrun reads, so the failing rank's traceback
@@ -6,12 +6,19 @@ appears in the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad co
 bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
 recorded in the error file without a traceback, and becomes the exit code (2 for config errors,
 else 1).
+
+In a job of several ranks, a rank that failed exits at once (see :func:`_exit_now`), so the
+ranks waiting for it in a collective are told within moments instead of after the process-group
+timeout.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -23,20 +30,72 @@ __all__ = ["run_entrypoint"]
 
 
 def run_entrypoint(fn: Callable[[], Any]) -> int:
-    """Run ``fn``; return 0 on success or the exit code of the DdpkitError it raised."""
+    """Run ``fn``; return 0 on success or the exit code of the DdpkitError it raised.
+
+    When this process is one rank of several, a failure does not return or raise: the error is
+    printed and recorded, and the process exits with the error's code right away.
+    """
     from torch.distributed.elastic.multiprocessing.errors import record
+
+    peers = _has_peers()
 
     def guarded() -> int:
         try:
             fn()
-        except DdpkitError as exc:
-            rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        except Exception as exc:
+            if peers:
+                # torchrun's agent sends SIGTERM to every rank the moment the first one exits; a
+                # rank killed while writing its error file leaves torchrun a truncated file
+                # ("Failed to parse reply file") instead of its error. What is left to do is
+                # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if not isinstance(exc, DdpkitError):
+                raise  # record() writes the traceback to torchrun's error file
+            rank = f" (rank {os.environ.get('RANK', '?')})" if peers else ""
             print(f"ddpkit: error{rank}: {exc}", file=sys.stderr, flush=True)
             _write_error_file(exc)
             return exc.exit_code
         return 0
 
-    return record(guarded)()
+    try:
+        code = record(guarded)()
+    except Exception:
+        if not peers:
+            raise
+        sys.excepthook(*sys.exc_info())  # what the interpreter would print on its way out
+        code = 1
+    if code and peers:
+        _exit_now(code)
+    return code
+
+
+def _has_peers() -> bool:
+    """True when this process is one rank of a job of several (torchrun or srun variables)."""
+    world_size = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
+    return world_size.strip() not in ("", "0", "1")
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, after the cleanup that matters.
+
+    Peers blocked in a collective with this rank learn of the failure only when its sockets
+    close, i.e. when this process is gone: Gloo's ``destroy_process_group`` (and ``abort``) leave
+    the connections open while DDP still references the group. A normal exit waits for every
+    non-daemon thread first (a user's uploader or logger thread can keep it alive forever, and
+    the peers would then wait for the whole ``dist.timeout``) and spends a second unloading
+    libraries. Every ``finally`` block has already run by the time we get here; what is left is
+    flushing output and stopping this rank's child processes (DataLoader workers), which the
+    interpreter's exit would otherwise do.
+    """
+    logging.shutdown()
+    for child in multiprocessing.active_children():
+        child.terminate()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _write_error_file(exc: DdpkitError) -> None:
