@@ -246,9 +246,9 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch's message is long; keep the line that names the refused object.
-        lines = [line.strip() for line in str(exc).splitlines() if "Unsupported" in line or "WeightsUnpickler" in line]
-        detail = lines[0].split(" was not an allowed")[0] if lines else type(exc).__name__
+        # torch's message is long and its wording varies by version; keep the refused global's name.
+        refused = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f"it references {refused.group(1)}" if refused else type(exc).__name__
         raise CheckpointError(
             f"refusing to load {path}: it contains a pickled object that could run code when loaded "
             f"({detail}). ddpkit loads only tensors and plain values (weights_only=True); "

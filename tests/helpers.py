@@ -33,9 +33,14 @@ def tiny_config(tmp_path: Path | str, **sections: Any) -> dict[str, Any]:
 def run_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m ddpkit ARGS`` in a subprocess; return the completed process (text output)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO
-    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-4000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise AssertionError(f"`ddpkit {' '.join(args)}` still running after {timeout}s; its stderr ended with:\n{tail}") from None
 
 
 def load_weights(path: Path | str) -> dict[str, torch.Tensor]:
