@@ -120,6 +120,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config_loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
+    _check_devices(cfg.dist.backend, cfg.dist.device, nproc=args.nproc_per_node or str(_default_nproc()))
     return launch(torchrun_args(args, failure_timeout=cfg.dist.failure_timeout))
 
 
@@ -232,6 +233,18 @@ def check_port_free(addr: str, port: int) -> None:
                 f"--master-port {port} is already in use on this machine (another job?). "
                 "Pick another with --master-port=PORT, or leave --master-port out to get a free one."
             ) from None
+
+
+def _check_devices(backend: str, device: str, *, nproc: str) -> None:
+    """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than GPUs."""
+    from ddpkit.distributed import resolve_backend, resolve_device
+    from ddpkit.env import DistEnv
+
+    if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves
+        return
+    n = int(nproc)
+    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
+    resolve_backend(backend, resolve_device(last, device))
 
 
 def _default_nproc() -> int:
