@@ -88,3 +88,26 @@ def test_synthetic_dataset_shapes():
     train, val = synthetic(size=8, shape=(3, 4, 4), num_classes=5, val_size=2)
     x, y = train[0]
     assert x.shape == (3, 4, 4) and 0 <= int(y) < 5 and len(val) == 2
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """A random "augmentation" per sample, drawn from the global RNG as transforms do."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, index):
+        return torch.rand(2) + index
+
+
+def test_worker_augmentation_depends_only_on_seed_epoch_and_index():
+    def epoch_batches(num_workers, start_batch=0):
+        loader = build_train_loader(NoisyDataset(), env=DistEnv(), batch_size=4, num_workers=num_workers, seed=5)
+        start_epoch(loader, 1, start_batch=start_batch)
+        return [b.clone() for b in loader]
+
+    reference = epoch_batches(1)
+    same = epoch_batches(2)
+    assert len(reference) == 12 and all(torch.equal(a, b) for a, b in zip(reference, same))  # independent of the worker count
+    resumed = epoch_batches(2, start_batch=5)
+    assert all(torch.equal(a, b) for a, b in zip(reference[5:], resumed))  # and of a mid-epoch resume
