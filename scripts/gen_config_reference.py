@@ -1,0 +1,168 @@
+"""Generate docs/config.md, the config reference, from the schema in ddpkit/config.py.
+
+    python scripts/gen_config_reference.py            # rewrite docs/config.md
+    python scripts/gen_config_reference.py --check    # exit 1 if docs/config.md is out of date
+
+Every section and field of :class:`ddpkit.config.Config` gets a row: YAML key, type, default,
+allowed values or range, and the documentation written next to the field with
+``option(..., doc=...)``. The section texts are the dataclasses' docstrings. Edit the schema,
+not the generated file; ``tests/test_docs.py`` fails when the two drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from ddpkit.config import Config, yaml_key
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT = REPO / "docs" / "config.md"
+COMMAND = "python scripts/gen_config_reference.py"
+
+HEADER = f"""\
+<!-- Generated from ddpkit/config.py by `{COMMAND}`. Do not edit by hand:
+     edit the field's `option(..., doc=...)` in ddpkit/config.py and run the script again. -->
+
+# Config reference
+
+A run is described by a YAML file with the sections below; every key is optional and takes the
+default shown. Values can be overridden on the command line as `section.key=value` (parsed as
+YAML: `3` is an int, `true` a bool, `null` is None, `[1, 2]` a list):
+
+```bash
+ddpkit run configs/quickstart.yaml --nproc-per-node 2 optim.lr=0.1 train.epochs=3
+ddpkit config configs/quickstart.yaml optim.lr=0.1     # print the resolved config
+```
+
+Precedence: command-line overrides > YAML file > these defaults. Unknown keys are rejected
+with the closest valid key suggested; wrong types and out-of-range values are reported with
+the key, the value and what is expected, all problems in one message. The resolved config is
+written to `<output_dir>/config.yaml` at start and stored in every checkpoint.
+"""
+
+
+def render() -> str:
+    """The whole of docs/config.md as text."""
+    parts = [HEADER]
+    hints = typing.get_type_hints(Config)
+    parts.append("## Sections\n\n" + "\n".join(f"- [`{yaml_key(f)}`](#{yaml_key(f)}): {f.metadata['doc']}" for f in dataclasses.fields(Config)) + "\n")
+    for f in dataclasses.fields(Config):
+        parts.extend(_section(yaml_key(f), hints[f.name]))
+    return "\n".join(parts)
+
+
+def _section(path: str, cls: type, level: int = 2) -> list[str]:
+    """A heading, the dataclass docstring and a table of its fields; nested sections follow."""
+    hints = typing.get_type_hints(cls)
+    rows = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+    nested = []
+    for f in dataclasses.fields(cls):
+        key = f"{path}.{yaml_key(f)}"
+        tp = hints[f.name]
+        inner = _dataclass_in(tp)
+        if inner is not None:
+            nested.append((key, inner))
+            default = "`null`" if f.default is None else "see below"
+            rows.append(_row(key, "section" + (" or null" if _optional(tp) else ""), default, "", f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)})."))
+            continue
+        rows.append(_row(key, _type_name(tp), _default(f), _allowed(tp, f), f.metadata["doc"]))
+    doc = " ".join((cls.__doc__ or "").split())
+    out = [f"{'#' * level} {path}\n", f"{doc}\n", "\n".join(rows) + "\n"]
+    for key, inner in nested:
+        out.extend(_section(key, inner, level + 1))
+    return out
+
+
+def _row(*cells: str) -> str:
+    key, *rest = cells
+    return "| " + " | ".join([f"`{key}`", *(c.replace("|", "\\|") for c in rest)]) + " |"
+
+
+def _anchor(key: str) -> str:
+    return key.replace(".", "").lower()  # GitHub drops the dots of a heading in its anchor
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _strip_none(tp: Any) -> Any:
+    if _optional(tp):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner
+    return tp
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    inner = _strip_none(tp)
+    return inner if dataclasses.is_dataclass(inner) else None
+
+
+def _type_name(tp: Any) -> str:
+    inner = _strip_none(tp)
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        name = "string"
+    elif origin is dict:
+        name = "mapping"
+    else:
+        name = {bool: "bool", int: "int", float: "float", str: "string"}[inner]
+    return name + (" or null" if _optional(tp) else "")
+
+
+def _default(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return f"`{_yaml_scalar(value)}`"
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"' if value == "" else value
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return repr(value)
+
+
+def _allowed(tp: Any, f: dataclasses.Field) -> str:
+    inner = _strip_none(tp)
+    if typing.get_origin(inner) is Literal:
+        return ", ".join(f"`{v}`" for v in typing.get_args(inner))
+    bounds = []
+    if f.metadata.get("ge") is not None:
+        bounds.append(f">= {f.metadata['ge']:g}")
+    if f.metadata.get("gt") is not None:
+        bounds.append(f"> {f.metadata['gt']:g}")
+    return ", ".join(bounds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare: exit 1 if the file is out of date")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT.relative_to(REPO)})")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
+        if current != text:
+            print(f"{args.output} is out of date; regenerate it with: {COMMAND}", file=sys.stderr)
+            return 1
+        print(f"{args.output} is up to date")
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text, encoding="utf-8")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
