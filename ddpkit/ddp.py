@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -65,19 +64,19 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-@contextlib.contextmanager
-def sync_gradients(model: nn.Module, *, sync: bool) -> Iterator[None]:
-    """Run the enclosed backward with gradient allreduce (``sync=True``) or under DDP's ``no_sync()``.
+def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
+    """A context for forward + backward: with gradient allreduce (``sync=True``) or under DDP's ``no_sync()``.
 
     Gradient accumulation uses ``sync=False`` for the first k-1 micro-steps: gradients pile up
     locally and only the k-th backward communicates, so accumulation costs one allreduce per
-    optimizer step instead of k.
+    optimizer step instead of k. (DDP decides at forward time, so the forward must be inside.)
     """
     if sync or not isinstance(model, DDP):
-        yield
-    else:
-        with model.no_sync():
-            yield
+        return _NO_CONTEXT  # one shared object: nothing allocated per step
+    return model.no_sync()
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _register_comm_hook(ddp: DDP, options: DDPConfig) -> None:

@@ -26,10 +26,13 @@ def check_precision(precision: str, device: torch.device) -> None:
         )
 
 
+_FULL_PRECISION = contextlib.nullcontext()
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """The context that runs forward passes in ``precision`` on ``device``."""
+    """The context that runs forward passes in ``precision`` on ``device`` (reusable for fp32)."""
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return _FULL_PRECISION
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 

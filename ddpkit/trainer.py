@@ -89,7 +89,7 @@ class Trainer:
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict[str, Any] | None = None, *, overrides: Sequence[str] = ()):
-        self.config: Config = load_config(config, overrides) if not (isinstance(config, Config) and not overrides) else config
+        self.config: Config = load_config(config, overrides)  # a Config is re-validated too
         self.env: DistEnv = read_dist_env()
         self.progress = Progress()
         self.runtime: Runtime | None = None
@@ -655,7 +655,7 @@ class _BestTracker:
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(item, device) for item in batch)
     if isinstance(batch, dict):
