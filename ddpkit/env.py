@@ -4,7 +4,8 @@ Three ways a process can be started, checked in this order:
 
 * ``torchrun`` (or ``ddpkit run``, which uses torch's launcher) sets ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. They must all be
-  present or all absent: a half-set environment is a launch mistake and gets a clear error.
+  present or all absent: a half-set environment is a launch mistake and gets a clear error, as
+  does a ``WORLD_SIZE`` other than nodes (``GROUP_WORLD_SIZE``) x ``LOCAL_WORLD_SIZE``.
 * ``srun`` (SLURM, one task per GPU) sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``;
   the master address is the first host of ``SLURM_STEP_NODELIST`` unless ``MASTER_ADDR`` is set.
 * Nothing set: a world of one (``python train.py``), which runs the very same code path.
@@ -56,6 +57,10 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         LaunchError: some but not all torchrun variables are set, or a value is not a valid number.
     """
     environ = os.environ if environ is None else environ
+    if _inside_srun(environ) and not any(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        # Under srun, MASTER_ADDR / MASTER_PORT alone (exported by many job scripts) only choose
+        # the rendezvous address; they are not half of a torchrun environment.
+        return _from_slurm(environ)
     present = [name for name in TORCHRUN_VARS if name in environ]
     # LOCAL_WORLD_SIZE is optional: older launchers and torch.multiprocessing users omit it.
     required = [name for name in TORCHRUN_VARS if name != "LOCAL_WORLD_SIZE"]
@@ -68,8 +73,6 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         )
     if present:
         return _from_torchrun(environ)
-    if _inside_srun(environ):
-        return _from_slurm(environ)
     return DistEnv()
 
 
@@ -81,11 +84,23 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
     if rank >= world_size:
         raise LaunchError(f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's --nnodes and --nproc-per-node")
     if local_rank >= local_world_size:
-        raise LaunchError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
+        raise LaunchError(
+            f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}; "
+            "check the launcher's --nproc-per-node"
+        )
     if world_size % local_world_size:
         raise LaunchError(
             f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: every node "
             "must run the same --nproc-per-node, and WORLD_SIZE must equal --nnodes x --nproc-per-node"
+        )
+    # torchrun sets GROUP_WORLD_SIZE to the number of agents (nodes) in the rendezvous.
+    nodes = _int(environ, "GROUP_WORLD_SIZE", minimum=1) if "GROUP_WORLD_SIZE" in environ else None
+    if nodes is not None and nodes * local_world_size != world_size:
+        raise LaunchError(
+            f"WORLD_SIZE={world_size} does not match {nodes} node(s) (GROUP_WORLD_SIZE) x "
+            f"{local_world_size} process(es) per node (LOCAL_WORLD_SIZE) = {nodes * local_world_size}: "
+            "start every node with the same --nnodes and --nproc-per-node, and set WORLD_SIZE "
+            "(if you set it by hand) to --nnodes x --nproc-per-node"
         )
     return DistEnv(
         rank=rank,
@@ -143,5 +158,5 @@ def _int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
     except ValueError:
         raise LaunchError(f"environment variable {name}={text!r} is not an integer; check how the job was launched") from None
     if value < minimum:
-        raise LaunchError(f"environment variable {name}={value} must be >= {minimum}")
+        raise LaunchError(f"environment variable {name}={value} must be >= {minimum}; check how the job was launched")
     return value
