@@ -3,6 +3,9 @@
 Each "node" is its own ``ddpkit run ... --nnodes 2 --node-rank I --master-addr 127.0.0.1
 --master-port P`` launcher process, as on a real cluster; node 0's launcher hosts the rendezvous
 store on port P and both join it. Same config, same world size, same seed: same weights.
+
+scripts/slurm.sbatch is checked with stand-ins for ``srun``, ``scontrol`` and ``ddpkit``: each
+node's task must run ``ddpkit run`` with its own ``--node-rank`` and the shared master address.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import REPO, assert_bitwise_equal, load_weights, tiny_config
-
-pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 120
 
@@ -55,6 +56,7 @@ def finish(launchers: list[subprocess.Popen]) -> list[str]:
                 proc.wait()
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path):
     port = free_port()
     multi = write_config(tmp_path, "multi")
@@ -73,3 +75,47 @@ def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path):
 
     multi_weights = load_weights(tmp_path / "multi" / "run" / "model.pt")
     assert_bitwise_equal(multi_weights, load_weights(tmp_path / "single" / "run" / "model.pt"))
+
+
+def fake_slurm_bin(tmp_path: Path) -> Path:
+    """`scontrol`, `srun` and `ddpkit` stand-ins: srun runs its command once per node, ddpkit records its argv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": 'echo node001; echo node002\n',
+        # Drop srun's own options, then run the command as each node's task would.
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\nfor node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit 1; done\n',
+        "ddpkit": 'printf "%s\\n" "$@" > "$FAKE_OUT/node$SLURM_NODEID"\n',
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/bash\n" + body)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def test_slurm_script_runs_ddpkit_run_once_per_node_with_its_node_rank(tmp_path):
+    from ddpkit.cli import _parser, torchrun_args
+
+    bin_dir = fake_slurm_bin(tmp_path)
+    env = {
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2", "NPROC_PER_NODE": "4",
+    }
+    script = REPO / "scripts" / "slurm.sbatch"
+    done = subprocess.run(["bash", str(script), "configs/my run.yaml", "optim.lr=0.1"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "rendezvous on node001:16234" in done.stdout
+
+    for node in (0, 1):
+        argv = (tmp_path / f"node{node}").read_text().splitlines()
+        assert argv == [
+            "run", "configs/my run.yaml", "optim.lr=0.1", "--nnodes", "2", "--node-rank", str(node),
+            "--master-addr", "node001", "--master-port", "16234", "--nproc-per-node", "4",
+        ]
+    # ... and ddpkit's CLI turns node 1's arguments into the matching torchrun arguments.
+    args = _parser()[1]["run"].parse_intermixed_args(argv[1:])
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=node001", "--master-port=16234", "--nproc-per-node=4"} <= set(torchrun_args(args))
+
+    usage = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and "usage: sbatch scripts/slurm.sbatch CONFIG" in usage.stderr
