@@ -6,6 +6,7 @@ process group, or one process.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -22,6 +23,8 @@ from ddpkit.errors import DdpkitError
 from ddpkit.log import MetricSinks, setup_logging
 from ddpkit.testing import run_on_ranks
 
+# tensorboard is the optional `ddpkit[tensorboard]` extra.
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 TRAIN_KEYS = {"step", "epoch", "train_loss", "lr", "samples_per_s", "time"}
 EVAL_KEYS = {"step", "epoch", "val_loss", "val_accuracy", "time"}
 
@@ -63,7 +66,7 @@ def logged_run(tmp_path_factory):
     cfg = tiny_config(
         tmp,
         train={"epochs": 2, "log_every": 3, "eval_every": 4},
-        log={"progress_bar": False, "tensorboard": True, "rank_files": True},
+        log={"progress_bar": False, "tensorboard": HAS_TENSORBOARD, "rank_files": True},
         checkpoint={"every_epochs": None, "best": {"metric": "val_accuracy", "mode": "max"}},
     )
     results = run_on_ranks(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
@@ -93,6 +96,7 @@ def test_metrics_jsonl_is_flushed_as_each_record_is_logged(logged_run):
     assert results[1]["flushed"] == []
 
 
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="pip install 'ddpkit[tensorboard]'")
 @pytest.mark.multiprocess
 def test_tensorboard_event_file_written_once_with_the_scalars(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -16,6 +17,8 @@ from ddpkit.errors import DdpkitError
 from ddpkit.plot import load_metrics, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# matplotlib is the optional `ddpkit[plot]` extra: drawing tests need it, error tests do not.
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="pip install 'ddpkit[plot]'")
 
 
 def write_run(run_dir: Path, *, steps: int = 20, lr: float = 0.1, extra_lines: str = "") -> Path:
@@ -54,6 +57,7 @@ def test_load_metrics_errors_name_the_path(tmp_path):
         load_metrics(tmp_path / "empty")
 
 
+@needs_matplotlib
 def test_plot_overlays_runs_into_one_png(tmp_path, capsys):
     from PIL import Image
 
@@ -69,6 +73,7 @@ def test_plot_overlays_runs_into_one_png(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
 
 
+@needs_matplotlib
 def test_one_run_defaults_to_metrics_png_in_its_directory(tmp_path):
     run = write_run(tmp_path / "only")
     assert main([str(run)]) == 0
@@ -103,6 +108,7 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+@needs_matplotlib
 @pytest.mark.multiprocess
 def test_cli_plots_a_real_run(tmp_path):
     """A real single-process run through `ddpkit train`, then `ddpkit plot` on its directory."""
