@@ -4,8 +4,9 @@
 
 Rules, in the order they apply:
 
-1. The file is read as UTF-8 and parsed with ``yaml.safe_load`` only: Python object tags are
-   refused, nothing in a config is ever executed.
+1. The file (a regular file of at most 1 MiB) is read as UTF-8 and parsed with ``yaml.safe_load``
+   only: Python object tags are refused, nothing in a config is ever executed. Structures deeper
+   than 32 levels or with more than 100,000 values (YAML alias bombs) are refused before use.
 2. Overrides are ``dotted.key=value``; the value is parsed as a YAML scalar (``3`` is an int,
    ``true`` a bool, ``null`` None, ``[1, 2]`` a list). Precedence: overrides > file > defaults.
 3. Keys are checked against the schema: an unknown key is reported with its full path and the
@@ -39,6 +40,7 @@ __all__ = ["load_config", "parse_override", "config_to_dict", "dump_config", "co
 MAX_FILE_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_NODES = 100_000
+MAX_PROBLEMS_SHOWN = 30
 
 
 def load_config(
@@ -60,7 +62,7 @@ def load_config(
     if isinstance(source, Config):
         raw, origin = config_to_dict(source), "<Config>"
     elif isinstance(source, Mapping):
-        raw, origin = _plain_copy(source), "<dict>"
+        raw, origin = source, "<dict>"
     elif source is None:
         raw = {}
     else:
@@ -68,9 +70,14 @@ def load_config(
         raw, origin, stem = read_yaml(path), str(path), path.stem
 
     problems: list[str] = []
+    # Size first, before anything else walks the structure: a few YAML aliases can stand for
+    # billions of values ("billion laughs"), and a dict given in code may even contain itself.
     _check_size(raw, problems)
-    for text in overrides:
-        _apply_override(raw, text, problems)
+    if not problems:
+        raw = _plain_copy(raw)  # our own copy; aliased parts become independent, so an override changes one place
+        for text in overrides:
+            _apply_override(raw, text, problems)
+        _check_size(raw, problems)  # override values are YAML too
     if not problems:
         cfg = _build(Config, raw, "", problems)
         if not problems:
@@ -78,21 +85,14 @@ def load_config(
                 cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=stem or "run"))
             problems.extend(cross_field_problems(cfg))
     if problems:
-        where = origin + (f" with overrides {list(overrides)}" if overrides else "")
+        where = origin + (f" with overrides [{', '.join(_repr(o) for o in overrides)}]" if overrides else "")
         raise ConfigError(_format_problems(where, problems))
     return cfg
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path`` with ``yaml.safe_load``, turning every failure into a ConfigError."""
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist; check the path (run from the project root?)")
-    if path.is_dir():
-        raise ConfigError(f"config path {path} is a directory; pass a YAML file such as {path}/quickstart.yaml")
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ConfigError(f"config file {path} is {size} bytes; a config should be a small YAML file (limit {MAX_FILE_BYTES})")
-    data = path.read_bytes()
+    data = _read_config_bytes(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -104,9 +104,20 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         detail = " ".join(str(exc).split())
-        raise ConfigError(f"config file {path} is not valid YAML (only plain YAML is accepted, no Python tags): {detail}") from None
+        if "python/" in detail:
+            raise ConfigError(
+                f"config file {path} uses a Python object tag (!!python/...), which would run code when loaded; "
+                f"ddpkit reads plain YAML only, so remove the tag ({detail})"
+            ) from None
+        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
     except RecursionError:
         raise ConfigError(f"config file {path} is nested too deeply to be a config") from None
+    except (ValueError, OverflowError) as exc:
+        # PyYAML's own converters: an integer beyond Python's digit limit, a date such as 2024-02-30.
+        raise ConfigError(
+            f"config file {path} holds a value YAML cannot convert ({_first_clause(exc)}); "
+            "fix it, or quote it to keep it as a string"
+        ) from None
     if raw is None:
         raise ConfigError(f"config file {path} is empty; it needs at least one section, e.g. `data: {{name: digits}}`")
     if not isinstance(raw, dict):
@@ -117,16 +128,42 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _read_config_bytes(path: Path) -> bytes:
+    """The file's bytes, or a ConfigError saying why they cannot be had (never blocks on a pipe)."""
+    try:
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist; check the path (run from the project root?)")
+        if path.is_dir():
+            raise ConfigError(f"config path {path} is a directory; pass a YAML file such as {path}/quickstart.yaml")
+        if not path.is_file():
+            # A FIFO would block until someone writes to it; a device may never end.
+            raise ConfigError(f"config path {path} is not a regular file (a pipe, socket or device?); pass a YAML file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}; check the path and its permissions") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_FILE_BYTES} bytes; a config should be a small YAML file")
+    return data
+
+
+def _first_clause(exc: BaseException) -> str:
+    """``"Exceeds the limit (4300 digits) ...; use sys.set_int_max_str_digits() ..."`` -> the part before ``;``."""
+    return str(exc).split(";")[0].strip() or type(exc).__name__
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"a.b=value"`` into (``["a", "b"]``, parsed value). Raises ConfigError if malformed."""
     key, sep, value_text = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"bad override {text!r}: expected dotted.key=value, e.g. optim.lr=0.1")
+        raise ConfigError(f"bad override {_repr(text)}: expected dotted.key=value, e.g. optim.lr=0.1")
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else None
     except (yaml.YAMLError, RecursionError):
-        raise ConfigError(f"bad override {text!r}: the value {value_text!r} is not a YAML value") from None
+        raise ConfigError(f"bad override {_repr(text)}: the value is not a YAML value; quote it if it is a string") from None
+    except (ValueError, OverflowError) as exc:  # see read_yaml
+        raise ConfigError(f"bad override {_repr(text)}: the value cannot be converted ({_first_clause(exc)})") from None
     return key.split("."), value
 
 
@@ -169,6 +206,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _plain_copy(value: Any) -> Any:
+    """A deep copy of nested mappings and sequences (as dicts and lists); call after ``_check_size``."""
     if isinstance(value, Mapping):
         return {k: _plain_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -177,22 +215,40 @@ def _plain_copy(value: Any) -> Any:
 
 
 def _check_size(raw: Any, problems: list[str]) -> None:
-    """Refuse absurdly deep or large structures (e.g. YAML alias bombs) before walking them."""
+    """Refuse absurdly deep or large structures (e.g. YAML alias bombs) before walking them.
+
+    Counts a value each time it is reached, so an alias counts as often as it is used: exactly
+    what copying or printing the structure would cost.
+    """
     budget = MAX_NODES
-    stack = [(raw, 0)]
+    stack = [(raw, 0, "")]
     while stack:
-        value, depth = stack.pop()
+        value, depth, path = stack.pop()
         budget -= 1
         if depth > MAX_DEPTH:
-            problems.append(f"<file>: nested more than {MAX_DEPTH} levels deep; a config is a few levels of sections")
+            problems.append(f"{_under(path)}: nested more than {MAX_DEPTH} levels deep; a config is a few levels of sections")
             return
         if budget < 0:
-            problems.append(f"<file>: more than {MAX_NODES} values; a config holds settings, not data")
+            problems.append(
+                f"{_under(path)}: the config holds more than {MAX_NODES} values (aliases count each time "
+                "they are used); a config holds settings, not data"
+            )
             return
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1, f"{path}.{_key(k)}" if path else _key(k)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _key(key: Any) -> str:
+    return key if isinstance(key, str) else _repr(key)
+
+
+def _under(path: str) -> str:
+    """Where a deep path starts, for messages: ``"model.kwargs.x[6][8][7]"`` -> ``"model.kwargs.x..."``."""
+    parts = path.split("[", 1)[0].split(".")
+    head = ".".join(parts[:3]) or "<top level>"
+    return head + ("..." if len(parts) > 3 or "[" in path else "")
 
 
 def _apply_override(raw: dict[str, Any], text: str, problems: list[str]) -> None:
@@ -208,7 +264,7 @@ def _apply_override(raw: dict[str, Any], text: str, problems: list[str]) -> None
             child = node[key] = {}
         if not isinstance(child, dict):
             path = ".".join(keys[: depth + 1])
-            problems.append(f"bad override {text!r}: {path} is {child!r}, not a section with sub-keys")
+            problems.append(f"bad override {_repr(text)}: {path} is {_repr(child)}, not a section with sub-keys")
             return
         node = child
     node[keys[-1]] = value
@@ -226,7 +282,7 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
     for key, value in raw.items():
         f = fields.get(key) if isinstance(key, str) else None
         if f is None:
-            problems.append(_unknown_key_message(f"{path}{key}", list(fields), path))
+            problems.append(_unknown_key_message(f"{path}{_key(key)}", list(fields), path))
             continue
         values[f.name] = _convert(hints[f.name], value, f"{path}{key}", f, problems)
     try:
@@ -247,7 +303,7 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value
-        hint = _closest(str(value), list(args))
+        hint = _closest(value if isinstance(value, str) else _repr(value), list(args))
         problems.append(f"{path}: expected one of {', '.join(args)}; got {_show(value)}" + (f" (did you mean {hint!r}?)" if hint else ""))
         return args[0]
     if origin is dict:
@@ -266,7 +322,7 @@ def _convert_scalar(tp: type, value: Any, path: str, f: dataclasses.Field | None
         ok = isinstance(value, int) and not isinstance(value, bool)
         expected = "an integer"
     elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
         expected = "a finite number"
         value = float(value) if ok else value
     elif tp is str:
@@ -279,9 +335,9 @@ def _convert_scalar(tp: type, value: Any, path: str, f: dataclasses.Field | None
         return value
     meta = f.metadata if f is not None else {}
     if meta.get("ge") is not None and value < meta["ge"]:
-        problems.append(f"{path}: expected a value >= {meta['ge']:g}, got {value!r}")
+        problems.append(f"{path}: expected a value >= {meta['ge']:g}, got {_repr(value)}")
     if meta.get("gt") is not None and value <= meta["gt"]:
-        problems.append(f"{path}: expected a value > {meta['gt']:g}, got {value!r}")
+        problems.append(f"{path}: expected a value > {meta['gt']:g}, got {_repr(value)}")
     return value
 
 
@@ -312,13 +368,29 @@ def _closest_anywhere(word: str) -> str | None:
     return leaves[hint] if hint else None
 
 
+def _finite(number: int | float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _repr(value: Any) -> str:
+    """``repr(value)``, at most 60 characters (and an int too long for ``repr`` is described instead)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int beyond sys.get_int_max_str_digits()
+        text = f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{_repr(value)} ({type(value).__name__})"
 
 
 def _format_problems(where: str, problems: list[str]) -> str:
     count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-    return f"invalid config {where}: {count}\n" + "\n".join(f"  - {p}" for p in problems)
+    shown = [f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN]]
+    if len(problems) > MAX_PROBLEMS_SHOWN:  # a wrong file (data, not a config) would print thousands of lines
+        shown.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
+    return f"invalid config {where}: {count}\n" + "\n".join(shown)
