@@ -149,8 +149,13 @@ def plot_runs(runs: Sequence[RunMetrics], output: str | Path, *, title: str | No
         title=title, title_fontproperties={"size": "large", "weight": "bold"},
     )
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=dpi)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(output, dpi=dpi)
+    except ValueError as exc:  # matplotlib: "Format 'xyz' is not supported ..."
+        raise DdpkitError(f"cannot write {output}: {exc}; use a .png, .svg or .pdf name") from None
+    except OSError as exc:
+        raise DdpkitError(f"cannot write {output}: {exc.strerror or exc}") from None
     return output
 
 
@@ -170,7 +175,10 @@ def _matplotlib() -> tuple[Any, Any]:
 
 def _panels(runs: Sequence[RunMetrics]) -> list[Any]:
     """One drawing function per panel, for the quantities at least one run has."""
-    has = lambda key: any(key in run.series for run in runs)  # noqa: E731
+
+    def has(key: str) -> bool:
+        return any(key in run.series for run in runs)
+
     panels = []
     if has("train_loss") or has("val_loss"):
         panels.append(_draw_loss)

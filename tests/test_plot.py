@@ -93,6 +93,13 @@ def test_missing_run_is_a_clear_error_without_traceback(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@needs_matplotlib
+def test_unknown_image_format_is_a_clear_error(tmp_path, capsys):
+    assert main([str(write_run(tmp_path / "r")), "-o", str(tmp_path / "plot.xyz")]) == 1
+    err = capsys.readouterr().err
+    assert "ddpkit plot: error: cannot write" in err and "use a .png, .svg or .pdf name" in err
+
+
 def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
     # A None entry in sys.modules makes `import matplotlib...` raise ImportError.
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
