@@ -123,7 +123,9 @@ class MetricSinks:
             self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                # Not "time": TensorBoard stamps each event with wall time itself, and a Unix time
+                # stored as a float32 scalar is only accurate to about two minutes.
+                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, global_step=record["step"])
 
     def close(self) -> None:
