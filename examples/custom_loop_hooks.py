@@ -103,9 +103,9 @@ class HookedTrainer(ddpkit.Trainer):
 
 
 def main(argv: list[str]) -> None:
-    """``--target-accuracy X`` is this script's own option; the rest is ``[CONFIG] key=value ...``."""
+    """``--target-accuracy X`` is this script's own option; the rest are config overrides (``key=value``)."""
     parser = argparse.ArgumentParser(
-        description="Trainer hooks for custom logging.", usage="%(prog)s [--target-accuracy X] [CONFIG] [key=value ...]"
+        description="Trainer hooks for custom logging.", usage="%(prog)s [--target-accuracy X] [key=value ...]"
     )
     parser.add_argument("--target-accuracy", type=float, default=HookedTrainer.target_accuracy, help="stop once val_accuracy reaches this")
     args, rest = parser.parse_known_args(argv)
