@@ -27,19 +27,23 @@ class BenchFailed(DdpkitError):
     """The benchmark's worker processes failed (their output above says why)."""
 
 
-def run_workers(kind: str, params: dict[str, Any], *, nproc: int, threads: int | None = 1) -> dict[str, Any]:
+def run_workers(
+    kind: str, params: dict[str, Any], *, nproc: int, threads: int | None = 1, entry: list[str] | None = None
+) -> dict[str, Any]:
     """Run worker ``kind`` (see :mod:`ddpkit.bench.worker`) on ``nproc`` local processes; return rank 0's result.
 
     ``threads`` sets ``OMP_NUM_THREADS`` for the workers (one thread per rank by default, so N
     ranks on N cores neither oversubscribe nor leave the 1-rank run with extra cores); None keeps
-    the caller's setting.
+    the caller's setting. ``entry`` replaces ``-m ddpkit.bench.worker`` with another program
+    taking the spec path as its last argument (a benchmark script serving its own kinds with
+    :func:`ddpkit.bench.worker.serve`).
     """
     from ddpkit.cli import launch
 
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{kind}-") as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"kind": kind, "params": params, "result": str(result), "workdir": tmp}))
-        argv = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "ddpkit.bench.worker", str(spec)]
+        argv = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *(entry or ["-m", "ddpkit.bench.worker"]), str(spec)]
         with _env(OMP_NUM_THREADS=str(threads) if threads else None):
             code = launch(argv)
         if code != 0 or not result.exists():

@@ -1,9 +1,11 @@
 """The process torch's launcher starts for a benchmark: ``python -m ddpkit.bench.worker SPEC.json``.
 
-The spec (written by :func:`ddpkit.bench.launching.run_workers`) names the benchmark ``kind``
-(a module of :mod:`ddpkit.bench` with a ``worker(params, *, runtime, workdir)`` function), its
-parameters and where rank 0 writes the result. The process group is created once here and
-reused by everything the benchmark runs (several Trainer runs in a row, for ``autotune``).
+The spec (written by :func:`ddpkit.bench.launching.run_workers`) names the benchmark ``kind``,
+its parameters and where rank 0 writes the result. A kind is a function
+``worker(params, *, runtime, workdir) -> dict``: for the built-in benchmarks, the ``worker`` of
+the module :mod:`ddpkit.bench.<kind>`; benchmark scripts pass their own to :func:`serve`. The
+process group is created once here and reused by everything the benchmark runs (several Trainer
+runs in a row, for ``autotune``).
 """
 
 from __future__ import annotations
@@ -12,35 +14,44 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from ddpkit.distributed import process_group
 from ddpkit.entrypoint import run_entrypoint
 from ddpkit.env import read_dist_env
 
-__all__ = ["main"]
+__all__ = ["main", "serve"]
 
 KINDS = ("throughput", "allreduce", "autotune")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark described by the spec file ``argv[0]``; return the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(argv[0]).read_text())
-    if spec["kind"] not in KINDS:
-        raise SystemExit(f"ddpkit.bench.worker: unknown benchmark kind {spec['kind']!r}")
+def serve(spec_path: str | os.PathLike, workers: Mapping[str, Callable[..., dict[str, Any]]]) -> int:
+    """Run the worker the spec names on this rank inside one process group; return the exit code."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["kind"] not in workers:
+        print(f"benchmark worker: unknown kind {spec['kind']!r}; this program serves {', '.join(workers)}", file=sys.stderr)
+        return 2
 
     def job() -> None:
         env = read_dist_env()
-        module = importlib.import_module(f"ddpkit.bench.{spec['kind']}")
         with process_group(env, timeout=spec["params"].get("timeout", 300)) as runtime:
-            result = module.worker(spec["params"], runtime=runtime, workdir=Path(spec["workdir"]))
+            result = workers[spec["kind"]](spec["params"], runtime=runtime, workdir=Path(spec["workdir"]))
         if env.rank == 0:
             tmp = Path(spec["result"] + ".tmp")
             tmp.write_text(json.dumps(result))
             os.replace(tmp, spec["result"])
 
     return run_entrypoint(job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the built-in benchmarks (:data:`KINDS`) for the spec file ``argv[0]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    kind = json.loads(Path(argv[0]).read_text())["kind"]
+    workers = {kind: importlib.import_module(f"ddpkit.bench.{kind}").worker} if kind in KINDS else {}
+    return serve(argv[0], workers)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,299 @@
+"""Per-step overhead of the ddpkit Trainer against a plain hand-written DDP loop.
+
+    python scripts/bench_overhead.py                        # step-cost, mlp, mnist_cnn, resnet18; 7 rounds
+    python scripts/bench_overhead.py --workloads mlp --rounds 3
+    python scripts/bench_overhead.py --json benchmarks/overhead.json
+
+Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost``: one process)
+started through torch's launcher. Inside that job every variant trains the same model on the same data with the same
+seed, optimizer (SGD, lr 0.01, momentum 0.9), per-rank batch (64) and number of steps, in
+alternating rounds (the order rotates each round, so every variant runs in every position):
+
+* ``hand-written``: the plain loop below (``DistributedSampler``, ``DDP``, forward, backward, step),
+  the reference;
+* ``ddpkit``: the config-driven ``ddpkit.Trainer`` with its defaults (progress bar on, loss
+  reduced every 50 steps);
+* ``ddpkit+timeline``: the same with ``train.timeline: true`` (the cost of recording spans);
+* ``fabric``, ``lightning``, ``accelerate``: the same workload in Lightning Fabric, the Lightning
+  Trainer and Hugging Face Accelerate, when they are importable (else reported as skipped).
+
+Columns, per variant:
+
+* ``ms/step``, ``min..max``: wall-clock mean over the steps after the warm-up (see
+  ``ddpkit.bench.timed``), median over the rounds, and its range;
+* ``x hand``, ``x hand min..max``: the ratio to the hand-written loop, paired (both measured in
+  the same round), median and range over the rounds;
+* ``x hand (best rounds)``: the ratio of the best (lowest) per-run median step times: on a
+  machine shared with other work, noise only ever adds time, so the best runs are the cleanest;
+* ``CPU us/step vs hand``: extra CPU microseconds per step of the training thread
+  (``time.thread_time``, blind to time spent descheduled), paired median: the loop's own cost;
+* ``bitwise = hand``: final weights equal to the hand-written loop's exactly, in how many rounds.
+
+The hand-written loop mirrors the Trainer's setup order, which is what makes the weights
+bitwise equal: ``torch.manual_seed(seed)`` before building the data and the model, a
+``DistributedSampler(seed=seed, drop_last=True)``, a ``DataLoader`` with its own
+``torch.Generator`` (so iterating it never draws from the global RNG), and
+``torch.manual_seed(seed + rank)`` after setup, before the first step (dropout masks differ per
+rank, as they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit.bench.launching import run_workers
+from ddpkit.bench.report import Stats, format_table, progress
+from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step
+from ddpkit.bench.worker import serve
+from ddpkit.datasets import synthetic
+from ddpkit.distributed import Runtime
+from ddpkit.registry import MODELS
+
+SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
+
+#: model name, model kwargs, input shape, timed steps, warm-up steps, ranks. ``step-cost`` is a
+#: near-empty step (a 16 -> 10 linear layer, one process, no DDP): what is left is each loop's
+#: own fixed cost per step, in microseconds.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "step-cost": {"model": "torch.nn:Linear", "kwargs": {"in_features": 16, "out_features": 10}, "shape": [16], "steps": 1000, "warmup": 100, "nproc": 1},
+    "mlp": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30, "nproc": 2},
+    "mnist_cnn": {"model": "mnist_cnn", "kwargs": {}, "shape": [1, 28, 28], "steps": 100, "warmup": 10, "nproc": 2},
+    "resnet18": {"model": "resnet18", "kwargs": {"num_classes": 10}, "shape": [3, 32, 32], "steps": 12, "warmup": 3, "nproc": 2},
+}
+FRAMEWORKS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "accelerate"}
+
+
+# --- the variants: each returns (its StepClock, final state_dict of the bare model) -------------
+
+
+def build(w: dict[str, Any], steps: int) -> tuple[Any, torch.nn.Module]:
+    """The training set (exactly ``steps`` batches per rank) and the model, in the Trainer's order."""
+    world_size = torch.distributed.get_world_size()
+    train_set, _ = synthetic(size=steps * BATCH * world_size, shape=w["shape"], num_classes=10)
+    return train_set, MODELS.build(w["model"], key="model.name", kwargs=w["kwargs"])
+
+
+def loader_for(train_set: Any, rank: int, world_size: int) -> DataLoader:
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True)
+    sampler.set_epoch(0)
+    return DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
+
+
+def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+    torch.manual_seed(SEED)
+    train_set, model = build(w, steps)
+    ddp = DDP(model) if world_size > 1 else model  # as the Trainer: no DDP for a world of one
+    loader = loader_for(train_set, rank, world_size)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.manual_seed(SEED + rank)
+    ddp.train()
+    clock = StepClock()
+    clock.tick()
+    for x, y in loader:
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock, model.state_dict()
+
+
+def ddpkit_trainer(w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False) -> tuple[StepClock, dict]:
+    trainer = TimedTrainer({
+        "run": {"name": "overhead", "output_dir": str(workdir / "ddpkit"), "seed": SEED},
+        "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
+        "model": {"name": w["model"], "kwargs": w["kwargs"]},
+        "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "train": {"epochs": 1, "max_steps": steps, "timeline": timeline},
+        "checkpoint": {"every_epochs": None, "resume": "none"},
+    })
+    with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, but off the screen
+        trainer.fit()
+    return trainer.clock, trainer.unwrapped_model.state_dict()
+
+
+def fabric(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+    from lightning.fabric import Fabric
+
+    runner = Fabric(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto")
+    runner.launch()  # under torchrun: no new processes; the existing process group is reused
+    torch.manual_seed(SEED)
+    train_set, model = build(w, steps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    wrapped, optimizer = runner.setup(model, optimizer)
+    loader = loader_for(train_set, rank, world_size)  # our sampler: the same order as the others
+    torch.manual_seed(SEED + rank)
+    wrapped.train()
+    clock = StepClock()
+    clock.tick()
+    for x, y in loader:
+        loss = F.cross_entropy(wrapped(x), y)
+        runner.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock, model.state_dict()
+
+
+def lightning(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+    import lightning as L
+
+    clock = StepClock()
+
+    class Module(L.LightningModule):
+        def __init__(self, net: torch.nn.Module):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def on_train_start(self) -> None:
+            torch.manual_seed(SEED + rank)
+            clock.tick()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            clock.tick()
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # banners and tips go through logging
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.manual_seed(SEED)
+    train_set, model = build(w, steps)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # banners, progress bar
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto", max_steps=steps, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        )
+        trainer.fit(Module(model), train_dataloaders=loader_for(train_set, rank, world_size))
+    return clock, model.state_dict()
+
+
+def accelerate(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(SEED)
+    train_set, model = build(w, steps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    wrapped, optimizer = accelerator.prepare(model, optimizer)
+    loader = loader_for(train_set, rank, world_size)
+    torch.manual_seed(SEED + rank)
+    wrapped.train()
+    clock = StepClock()
+    clock.tick()
+    for x, y in loader:
+        loss = F.cross_entropy(wrapped(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock, model.state_dict()
+
+
+VARIANTS = {
+    "hand-written": hand_written,
+    "ddpkit": ddpkit_trainer,
+    "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
+    "fabric": fabric,
+    "lightning": lightning,
+    "accelerate": accelerate,
+}
+
+
+# --- the worker: every variant, round after round, in one process group -------------------------
+
+
+def overhead_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
+    w, variants, rounds = WORKLOADS[params["workload"]], params["variants"], params["rounds"]
+    steps = params.get("steps") or w["steps"]
+    warmup = min(w["warmup"], steps // 3)
+    rank, world_size = runtime.env.rank, runtime.env.world_size
+    runs: dict[str, dict[str, list]] = {v: {"wall": [], "step_median": [], "cpu": [], "bitwise": []} for v in variants}
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        finals = {}
+        for name in order:
+            extra = {"workdir": workdir / f"r{r}"} if name.startswith("ddpkit") else {}
+            clock, finals[name] = VARIANTS[name](w, warmup + steps, rank, world_size, **extra)
+            run = runs[name]
+            run["wall"].append(steady_ms_per_step(clock.wall, warmup=warmup))
+            run["step_median"].append(median_step_ms(clock.wall, warmup=warmup))
+            run["cpu"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
+            if rank == 0:
+                progress(f"[overhead] {params['workload']} round {r + 1}/{rounds} {name}: {run['wall'][-1]:.3f} ms/step, {run['cpu'][-1]:.3f} CPU ms/step")
+        for name in variants:
+            runs[name]["bitwise"].append(all(torch.equal(finals[name][k], v) for k, v in finals["hand-written"].items()))
+    return {"runs": runs, "steps": steps, "warmup": warmup}
+
+
+# --- the driver ------------------------------------------------------------------------------------
+
+
+def report(workload: str, result: dict[str, Any]) -> str:
+    runs, hand = result["runs"], result["runs"]["hand-written"]
+    rows = []
+    for name, run in runs.items():
+        wall, same = Stats.of(run["wall"]), run["bitwise"]
+        ratio = Stats.of([v / h for v, h in zip(run["wall"], hand["wall"])])  # paired: the same round
+        of_mins = min(run["step_median"]) / min(hand["step_median"])
+        extra_us = Stats.of([(v - h) * 1000 for v, h in zip(run["cpu"], hand["cpu"])]).median
+        rows.append([
+            name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3), f"{of_mins:.3f}",
+            f"{extra_us:+.1f}", f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})",
+        ])
+    w = WORKLOADS[workload]
+    title = (f"{workload}: {w['nproc']} rank(s) x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+             f"{result['warmup']} warm-up, {len(hand['wall'])} rounds")
+    headers = ["variant", "ms/step", "min..max", "x hand", "x hand min..max", "x hand (best rounds)", "CPU us/step vs hand", "bitwise = hand"]
+    return title + "\n" + format_table(headers, rows)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        return serve(argv[1], {"overhead": overhead_worker})
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)")
+    parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")
+    parser.add_argument("--json", default=None, help="also write all measurements here")
+    args = parser.parse_args(argv)
+    variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"])
+    for name, module in FRAMEWORKS.items():
+        if importlib.util.find_spec(module) is not None:
+            variants.append(name)
+        else:
+            print(f"skipped {name}: the {module!r} package is not importable here")
+    results = {}
+    for workload in args.workloads.split(","):
+        if workload not in WORKLOADS:
+            parser.error(f"--workloads: unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+        params = {"workload": workload, "variants": variants, "rounds": args.rounds, "steps": args.steps}
+        progress(f"[overhead] {workload}: {', '.join(variants)} x {args.rounds} rounds ...")
+        entry = [str(Path(__file__).resolve()), "--worker"]
+        results[workload] = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+        print(report(workload, results[workload]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
