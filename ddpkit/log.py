@@ -102,7 +102,8 @@ def _short(value: Any) -> Any:
 class MetricSinks:
     """Where rank 0 records metrics: ``metrics.jsonl`` always, TensorBoard optionally."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool = False):
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool = False, append: bool = True):
+        """``append=False`` starts ``metrics.jsonl`` afresh (a new run); a resumed run appends."""
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -113,7 +114,7 @@ class MetricSinks:
         # opened, instead of leaking its file handle.
         if tensorboard:
             self._tb = _tensorboard_writer(output_dir / "tensorboard")
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._jsonl = open(output_dir / "metrics.jsonl", "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (must contain ``step``); non-finite floats become null in JSON."""

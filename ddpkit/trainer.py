@@ -234,7 +234,7 @@ class Trainer:
         cfg = self.config
         with process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug) as runtime:
             self.runtime = runtime
-            self._sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard)
+            self._sinks = MetricSinks(self.output_dir, enabled=False)  # opened by _setup, once resume is decided
             self._bar: ProgressBar | None = None
             self._step_log = StepLog(None)
             try:
@@ -285,6 +285,7 @@ class Trainer:
         self._step_log = StepLog(self.output_dir / "logs" / f"steps-rank{self.rank}.log" if cfg.dist.debug else None)
         self._last_eval_step = self._last_checkpoint_step = -1
         self.metrics: dict[str, float] = {}
+        self._sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard, append=resume_state is not None)
         if resume_state is not None:
             self._restore(resume_state)
         else:
@@ -508,8 +509,10 @@ class Trainer:
         return {f"val_{name}": value for name, value in means.compute().items()}
 
     def _evaluate(self) -> None:
+        started = time.perf_counter()
         with self._timeline.span("evaluation"):
             metrics = self.validate()
+        self._window_start += time.perf_counter() - started  # samples/s measures training only
         self._last_eval_step = self.progress.step
         if not metrics:
             return
@@ -539,6 +542,7 @@ class Trainer:
         """Rank 0 writes the full training state; the other ranks contribute their RNG states and wait."""
         if name is None and self._last_checkpoint_step == self.progress.step:
             return
+        started = time.perf_counter()
         with self._timeline.span("checkpoint"):
             state = self.checkpoint_state()
             if self.is_main:
@@ -552,6 +556,7 @@ class Trainer:
                     ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
             if self._async_writer is None:
                 self._barrier("checkpoint")
+        self._window_start += time.perf_counter() - started  # samples/s measures training only
         if name is None:
             self._last_checkpoint_step = self.progress.step
 

@@ -124,3 +124,16 @@ def test_main_parses_config_and_overrides_and_exits_2_on_config_errors(tmp_path,
         ddpkit.Trainer.main([str(path), "optim.lrr=1"])
     assert exit_info.value.code == 2
     assert "did you mean 'optim.lr'?" in capsys.readouterr().err
+
+
+def test_a_fresh_run_starts_metrics_afresh_and_a_resumed_run_appends(tmp_path):
+    def logged_steps():
+        lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["step"] for line in lines if "train_loss" in line]
+
+    ddpkit.Trainer(tiny_config(tmp_path, train={"epochs": 2})).fit()
+    assert logged_steps() == [4, 8, 12, 16, 20, 24, 28, 32]
+    ddpkit.Trainer(tiny_config(tmp_path, train={"epochs": 1}, checkpoint={"resume": "none", "every_epochs": 1})).fit()
+    assert logged_steps() == [4, 8, 12, 16]  # not the old run's steps 20..32
+    ddpkit.Trainer(tiny_config(tmp_path, train={"epochs": 2}, checkpoint={"every_epochs": 1})).fit()
+    assert logged_steps() == [4, 8, 12, 16, 20, 24, 28, 32]  # resumed at 16 and appended
