@@ -125,27 +125,30 @@ def ddpkit_trainer(w: dict[str, Any], steps: int, rank: int, world_size: int, *,
     return trainer.clock, trainer.unwrapped_model.state_dict()
 
 
-def fabric(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
-    from lightning.fabric import Fabric
-
-    runner = Fabric(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto")
-    runner.launch()  # under torchrun: no new processes; the existing process group is reused
+def wrapped_loop(w: dict[str, Any], steps: int, rank: int, world_size: int, *, setup: Any, backward: Any) -> tuple[StepClock, dict]:
+    """The hand-written loop with a framework's ``setup(model, optimizer)`` and ``backward(loss)``."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    wrapped, optimizer = runner.setup(model, optimizer)
+    wrapped, optimizer = setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
     loader = loader_for(train_set, rank, world_size)  # our sampler: the same order as the others
     torch.manual_seed(SEED + rank)
     wrapped.train()
     clock = StepClock()
     clock.tick()
     for x, y in loader:
-        loss = F.cross_entropy(wrapped(x), y)
-        runner.backward(loss)
+        backward(F.cross_entropy(wrapped(x), y))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.tick()
     return clock, model.state_dict()
+
+
+def fabric(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+    from lightning.fabric import Fabric
+
+    runner = Fabric(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto")
+    runner.launch()  # under torchrun: no new processes; the existing process group is reused
+    return wrapped_loop(w, steps, rank, world_size, setup=runner.setup, backward=runner.backward)
 
 
 def lightning(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
@@ -189,22 +192,7 @@ def accelerate(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tup
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(SEED)
-    train_set, model = build(w, steps)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    wrapped, optimizer = accelerator.prepare(model, optimizer)
-    loader = loader_for(train_set, rank, world_size)
-    torch.manual_seed(SEED + rank)
-    wrapped.train()
-    clock = StepClock()
-    clock.tick()
-    for x, y in loader:
-        loss = F.cross_entropy(wrapped(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.tick()
-    return clock, model.state_dict()
+    return wrapped_loop(w, steps, rank, world_size, setup=accelerator.prepare, backward=accelerator.backward)
 
 
 VARIANTS = {
