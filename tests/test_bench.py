@@ -12,6 +12,7 @@ import re
 import sys
 
 import pytest
+import torch
 import yaml
 
 from ddpkit.bench import main as bench_main
@@ -101,6 +102,10 @@ def test_table_and_number_formatting():
         (["throughput", "--model", "mlp", "--nproc", "two"], "--nproc: 'two' is not a comma-separated list"),
         (["throughput", "--model", "mlp", "--steps", "0"], "--steps: 0 must be at least 1"),
         (["throughput", "--model", "mlp", "--input-shape", "3,x"], "--input-shape"),
+        pytest.param(
+            ["throughput", "--model", "mlp", "--precision", "fp16"], "--precision fp16 needs CUDA",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid on CUDA"),
+        ),
         (["allreduce", "--sizes", "1QB..2MB"], "cannot read '1QB' as a size"),
         (["allreduce", "--sizes", "6B"], "not a whole number of float32 elements"),
         (["autotune", "--config", "missing.yaml"], "missing.yaml"),

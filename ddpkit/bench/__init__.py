@@ -39,10 +39,10 @@ def main(argv: Sequence[str]) -> int:
 
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0] + "\n\nbenchmarks:", file=sys.stderr if not argv else sys.stdout)
-        for name, help_text in _COMMANDS.items():
-            print(f"  {name:<11} {help_text}", file=sys.stderr if not argv else sys.stdout)
-        print("\n`ddpkit bench BENCHMARK -h` shows a benchmark's options.", file=sys.stderr if not argv else sys.stdout)
+        listing = "\n".join(f"  {name:<11} {text}" for name, text in _COMMANDS.items())
+        summary = __doc__.split("\n\n")[0]
+        usage = f"{summary}\n\nbenchmarks:\n{listing}\n\n`ddpkit bench BENCHMARK -h` shows a benchmark's options."
+        print(usage, file=sys.stdout if argv else sys.stderr)  # asked for help: stdout, exit 0; no benchmark named: exit 2
         return 0 if argv else 2
     name = argv[0]
     if name not in _COMMANDS:

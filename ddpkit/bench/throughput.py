@@ -61,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
+    if args.precision == "fp16":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BenchUsageError("--precision fp16 needs CUDA GPUs (a GradScaler and fp16 kernels); on the CPU use --precision bf16")
     if args.plot:
         from ddpkit.bench.plotting import require_matplotlib
 
