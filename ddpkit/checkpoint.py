@@ -48,6 +48,8 @@ __all__ = [
     "resolve_resume_path",
     "AsyncCheckpointWriter",
     "to_cpu",
+    "save_atomically",
+    "write_atomically",
 ]
 
 log = logging.getLogger("ddpkit")
@@ -97,7 +99,7 @@ def save_checkpoint(
         "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
         "created": time.time(), **(meta or {}),
     }
-    _write_atomically(manifest_path(path), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    write_atomically(manifest_path(path), json.dumps(manifest, indent=1).encode())
     if keep_last is not None:
         prune(directory, keep_last)
     return CheckpointInfo(path, manifest)
@@ -129,6 +131,16 @@ def _write_atomically(path: Path, write: Callable[[Any], Any]) -> tuple[str, int
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     return writer.sha.hexdigest(), writer.size
+
+
+def save_atomically(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` such that ``path`` is never seen half-written (model.pt, exports)."""
+    _write_atomically(Path(path), lambda f: torch.save(obj, f))
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
+    _write_atomically(Path(path), lambda f: f.write(data))
 
 
 def _fsync_dir(directory: Path) -> None:

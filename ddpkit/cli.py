@@ -125,17 +125,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    import torch
-
-    from ddpkit.checkpoint import load_checkpoint, validate_checkpoint
+    from ddpkit.checkpoint import load_checkpoint, save_atomically, validate_checkpoint
 
     info = validate_checkpoint(args.checkpoint)
     state = load_checkpoint(info.path)
     if "model" not in state:
         raise DdpkitError(f"{info.path} has no 'model' entry; is it a ddpkit checkpoint?")
-    tmp = f"{args.output}.tmp"
-    torch.save(state["model"], tmp)
-    os.replace(tmp, args.output)
+    save_atomically(state["model"], args.output)
     print(f"wrote {args.output}: {len(state['model'])} tensors from {info.path} (step {info.step})")
     return 0
 

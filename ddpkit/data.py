@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from ddpkit.env import DistEnv
-from ddpkit.errors import DataError
+from ddpkit.errors import DataError, DdpkitError
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -35,6 +35,8 @@ __all__ = [
     "build_train_loader",
     "build_eval_loader",
     "start_epoch",
+    "move_to_device",
+    "batch_size_of",
 ]
 
 
@@ -140,6 +142,28 @@ def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None
     if loader.generator is not None:
         seed = loader.sampler.seed if isinstance(loader.sampler, DistributedSampler) else 0
         loader.generator.manual_seed(seed * 1_000_003 + epoch)
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in ``batch``: the length of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size_of(next(iter(batch.values())))
+    raise DdpkitError(f"cannot tell the batch size of a {type(batch).__name__}; return per-sample (1-D) metrics from validation_step")
 
 
 def _length(dataset: Dataset, what: str) -> int:

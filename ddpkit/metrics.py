@@ -9,12 +9,14 @@ mean over the whole validation set however it was sharded.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from ddpkit.distributed import all_gather_object, all_reduce_sum
+from ddpkit.errors import ConfigError
 
-__all__ = ["RunningMean", "ExactMeans"]
+__all__ = ["RunningMean", "ExactMeans", "BestTracker"]
 
 
 class RunningMean:
@@ -73,3 +75,43 @@ class ExactMeans:
         stacked = torch.stack([self._sums.get(n, torch.zeros(2, dtype=torch.float64, device=self.device)) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
         totals = all_reduce_sum(stacked).tolist()
         return {name: (total / count if count else float("nan")) for name, (total, count) in zip(names, totals)}
+
+
+class BestTracker:
+    """Follows one validation metric: was this evaluation a new best, and has patience run out?
+
+    Used for early stopping (``train.early_stopping``) and for keeping the best checkpoint
+    (``checkpoint.best``). Its decisions come from rank-reduced metrics, so every rank agrees.
+    With ``metric=None`` it is switched off: nothing improves, patience never runs out.
+    """
+
+    def __init__(self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0, key: str = "metric"):
+        self.metric, self.mode, self.patience, self.min_delta, self.key = metric, mode, patience, min_delta, key
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def update(self, metrics: Mapping[str, float]) -> bool:
+        """Record one evaluation; return whether it is a new best."""
+        if self.metric is None:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(f"{self.key}: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}")
+        value = metrics[self.metric]
+        sign = 1 if self.mode == "min" else -1
+        improved = self.best is None or sign * (self.best - value) > self.min_delta
+        if improved:
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+        return improved
+
+    @property
+    def exhausted(self) -> bool:
+        """True once ``patience`` evaluations in a row brought no improvement."""
+        return self.patience is not None and self.metric is not None and self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.bad_evals = state.get("best"), state.get("bad_evals", 0)

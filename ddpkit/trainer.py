@@ -36,14 +36,14 @@ from ddpkit._version import __version__
 from ddpkit.config import Config
 from ddpkit.config_loader import config_hash, config_to_dict, dump_config, load_config
 from ddpkit.consistency import check_ranks_agree
-from ddpkit.data import build_eval_loader, build_train_loader, start_epoch
+from ddpkit.data import batch_size_of, build_eval_loader, build_train_loader, move_to_device, start_epoch
 from ddpkit.ddp import parameter_shapes, sync_gradients, unwrap_model, wrap_model
 from ddpkit.distributed import Runtime, all_gather_object, barrier, broadcast_object, process_group
 from ddpkit.entrypoint import run_entrypoint
 from ddpkit.env import DistEnv, read_dist_env
 from ddpkit.errors import CheckpointError, ConfigError, DataError, DdpkitError
 from ddpkit.log import MetricSinks, ProgressBar, StepLog, log, setup_logging
-from ddpkit.metrics import ExactMeans, RunningMean
+from ddpkit.metrics import BestTracker, ExactMeans, RunningMean
 from ddpkit.optim import build_optimizer, build_scheduler
 from ddpkit.precision import autocast, check_precision, grad_scaler
 from ddpkit.registry import DATASETS, MODELS
@@ -254,38 +254,17 @@ class Trainer:
     # --- setup ------------------------------------------------------------------------------------
 
     def _setup(self) -> None:
+        """Build everything in an order that makes every rank identical and a resume exact."""
         cfg, runtime = self.config, self.runtime
         assert runtime is not None
         log_dir = self.output_dir / "logs" if (cfg.log.rank_files or cfg.dist.debug) else None
         setup_logging(self.rank, all_ranks=cfg.log.all_ranks, log_dir=log_dir)
         check_precision(cfg.train.precision, runtime.device)
         self._write_resolved_config()
-        seed_everything(cfg.run.seed)
-        train_set, val_set = self.build_datasets()
-        model = self.build_model()
-        resume_state = self._load_resume_state()
-        if resume_state is not None:
-            model.load_state_dict(resume_state["model"])
-        check_ranks_agree(self._fingerprint(model, train_set, val_set))
-        self._train_model = wrap_model(model, runtime, cfg.ddp)
-        self.train_loader = self.build_train_loader(train_set)
-        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._batches_per_epoch = len(self.train_loader)
-        accum = cfg.train.grad_accum_steps
-        self._steps_per_epoch = math.ceil(self._batches_per_epoch / accum)
-        self.total_steps = min(cfg.train.max_steps or math.inf, (cfg.train.epochs or math.inf) * self._steps_per_epoch)
-        self.optimizer = self.build_optimizer(self._train_model)
-        self.scheduler = self.build_scheduler(self.optimizer, int(self.total_steps))
-        self.scaler = grad_scaler(cfg.train.precision, runtime.device)
-        self._autocast = lambda: autocast(cfg.train.precision, runtime.device)
-        self._running_loss = RunningMean(runtime.device)
-        self._timeline = Timeline(enabled=cfg.train.timeline, rank=self.rank, device=runtime.device)
-        self._async_writer = ckpt.AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
-        self._tracker = _BestTracker.from_config(cfg)
-        self._step_log = StepLog(self.output_dir / "logs" / f"steps-rank{self.rank}.log" if cfg.dist.debug else None)
-        self._last_eval_step = self._last_checkpoint_step = -1
-        self.metrics: dict[str, float] = {}
-        self._sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard, append=resume_state is not None)
+        seed_everything(cfg.run.seed)  # the same initial weights and data on every rank
+        resume_state = self._build_model_and_data()
+        self._build_optimization()
+        self._prepare_loop(resumed=resume_state is not None)
         if resume_state is not None:
             self._restore(resume_state)
         else:
@@ -293,6 +272,44 @@ class Trainer:
         self._log_start()
         self._bar = ProgressBar(total=int(self.total_steps), initial=self.progress.step, enabled=self.is_main and cfg.log.progress_bar)
         self._window_start, self._window_step = time.perf_counter(), self.progress.step
+
+    def _build_model_and_data(self) -> dict[str, Any] | None:
+        """Datasets, model (with resumed weights), the rank agreement check, DDP, loaders."""
+        train_set, val_set = self.build_datasets()
+        model = self.build_model()
+        resume_state = self._load_resume_state()
+        if resume_state is not None:
+            model.load_state_dict(resume_state["model"])
+        check_ranks_agree(self._fingerprint(model, train_set, val_set))
+        self._train_model = wrap_model(model, self.runtime, self.config.ddp)
+        self.train_loader = self.build_train_loader(train_set)
+        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
+        return resume_state
+
+    def _build_optimization(self) -> None:
+        """Run length, optimizer, schedule, precision."""
+        train, device = self.config.train, self.runtime.device
+        self._batches_per_epoch = len(self.train_loader)
+        self._steps_per_epoch = math.ceil(self._batches_per_epoch / train.grad_accum_steps)
+        self.total_steps = int(min(train.max_steps or math.inf, (train.epochs or math.inf) * self._steps_per_epoch))
+        self.optimizer = self.build_optimizer(self._train_model)
+        self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
+        self.scaler = grad_scaler(train.precision, device)
+        self._autocast = lambda: autocast(train.precision, device)
+
+    def _prepare_loop(self, *, resumed: bool) -> None:
+        """Metric accumulators, sinks, trackers, timeline, step log, async writer."""
+        cfg, device = self.config, self.runtime.device
+        self._running_loss = RunningMean(device)
+        self._timeline = Timeline(enabled=cfg.train.timeline, rank=self.rank, device=device)
+        self._async_writer = ckpt.AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
+        early, best = cfg.train.early_stopping, cfg.checkpoint.best
+        self._early_stopping = BestTracker(early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, key="train.early_stopping.metric")
+        self._best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
+        self._step_log = StepLog(self.output_dir / "logs" / f"steps-rank{self.rank}.log" if cfg.dist.debug else None)
+        self._last_eval_step = self._last_checkpoint_step = -1
+        self.metrics: dict[str, float] = {}
+        self._sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard, append=resumed)
 
     def build_train_loader(self, dataset: Dataset) -> DataLoader:
         """The training loader: ``DistributedSampler`` sharding, per-rank batch size from config."""
@@ -313,9 +330,7 @@ class Trainer:
     def _write_resolved_config(self) -> None:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.output_dir / ".config.yaml.tmp"
-            tmp.write_text(dump_config(self.config))
-            os.replace(tmp, self.output_dir / "config.yaml")
+            ckpt.write_atomically(self.output_dir / "config.yaml", dump_config(self.config).encode())
 
     def _fingerprint(self, model: nn.Module, train_set: Dataset, val_set: Dataset | None) -> dict[str, Any]:
         shapes = parameter_shapes(model)
@@ -462,7 +477,7 @@ class Trainer:
             self._async_writer.wait()
         self._timeline.write(self.output_dir / "timeline.json")
         if self.is_main:
-            _atomic_torch_save(self.unwrapped_model.state_dict(), self.output_dir / "model.pt")
+            ckpt.save_atomically(self.unwrapped_model.state_dict(), self.output_dir / "model.pt")
             log.info("saved %s", self.output_dir / "model.pt")
         self._barrier("end of training")
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
@@ -502,7 +517,7 @@ class Trainer:
             with torch.no_grad(), self._autocast():
                 for batch in self.val_loader:
                     batch = move_to_device(batch, self.device)
-                    means.add(self.validation_step(batch), batch_size=_batch_size(batch))
+                    means.add(self.validation_step(batch), batch_size=batch_size_of(batch))
         finally:
             self._in_validation = False
             bare.train(was_training)
@@ -520,10 +535,10 @@ class Trainer:
         self._sinks.write({"step": self.progress.step, "epoch": self.progress.epoch, **metrics, "time": time.time()})
         log.info("step %d validation: %s", self.progress.step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         self.on_validation_end(metrics)
-        improved, stop = self._tracker.update(metrics)
-        if improved and self.config.checkpoint.best is not None:
+        if self._best.update(metrics):
             self._save_checkpoint(name="best")
-        if stop:
+        self._early_stopping.update(metrics)
+        if self._early_stopping.exhausted:
             log.info("early stopping: %s has not improved for %d evaluations", self.config.train.early_stopping.metric, self.config.train.early_stopping.patience)
             self.request_stop()
 
@@ -570,7 +585,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "progress": {"step": self.progress.step, "epoch": self.progress.epoch, "batch_in_epoch": self.progress.batch_in_epoch},
             "rng": rng_states,
-            "tracker": self._tracker.state_dict(),
+            "trackers": {"early_stopping": self._early_stopping.state_dict(), "best": self._best.state_dict()},
             "world_size": self.world_size,
             "config": config_to_dict(self.config),
             "config_hash": config_hash(self.config),
@@ -581,17 +596,18 @@ class Trainer:
         ck = self.config.checkpoint
         # Rank 0 decides which file (so all ranks agree even if a save lands meanwhile) ...
         choice: str | None = None
+        problem: str | None = None
         if self.is_main:
             try:
                 info = ckpt.resolve_resume_path(ck.resume, self.config.checkpoint_dir)
                 choice = str(info.path) if info else None
             except CheckpointError as exc:
-                choice = f"error:{exc}"
-        choice = broadcast_object(choice)
+                problem = str(exc)
+        choice, problem = broadcast_object((choice, problem))
+        if problem is not None:
+            raise CheckpointError(problem)
         if choice is None:
             return None
-        if choice.startswith("error:"):
-            raise CheckpointError(choice[len("error:"):])
         # ... and every rank reads it (checkpoint.dir must be on a filesystem all nodes share).
         state = ckpt.load_checkpoint(choice)
         differences = config_differences(
@@ -614,77 +630,14 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.progress = Progress(**state["progress"])
         self._last_checkpoint_step = self.progress.step
-        self._tracker.load_state_dict(state.get("tracker", {}))
+        trackers = state.get("trackers", {})
+        self._early_stopping.load_state_dict(trackers.get("early_stopping", {}))
+        self._best.load_state_dict(trackers.get("best", {}))
         rng = state["rng"]
         restore_rng(rng[self.rank] if len(rng) == self.world_size else rng[0])
-
-
-class _BestTracker:
-    """Follows one validation metric: is this evaluation a new best, and has patience run out?"""
-
-    def __init__(self, metric: str | None, mode: str, *, patience: int | None, min_delta: float = 0.0):
-        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
-        self.best: float | None = None
-        self.bad_evals = 0
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> _BestTracker:
-        early = cfg.train.early_stopping
-        if early.metric:
-            return cls(early.metric, early.mode, patience=early.patience, min_delta=early.min_delta)
-        best = cfg.checkpoint.best
-        return cls(best.metric if best else None, best.mode if best else "min", patience=None)
-
-    def update(self, metrics: dict[str, float]) -> tuple[bool, bool]:
-        """Record an evaluation; return ``(improved, should_stop)``."""
-        if self.metric is None:
-            return False, False
-        if self.metric not in metrics:
-            raise ConfigError(f"train.early_stopping.metric / checkpoint.best.metric: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}")
-        value = metrics[self.metric]
-        sign = 1 if self.mode == "min" else -1
-        improved = self.best is None or sign * (self.best - value) > self.min_delta
-        if improved:
-            self.best, self.bad_evals = value, 0
-        else:
-            self.bad_evals += 1
-        return improved, self.patience is not None and self.bad_evals >= self.patience
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "bad_evals": self.bad_evals}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.bad_evals = state.get("best"), state.get("bad_evals", 0)
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked)."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: move_to_device(value, device) for key, value in batch.items()}
-    return batch
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    raise DdpkitError(f"cannot tell the batch size of a {type(batch).__name__}; return per-sample (1-D) metrics from validation_step")
 
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r:.60}"
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.parent / f".{path.name}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
