@@ -20,11 +20,13 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpkit.errors import DdpkitError
+from ddpkit.env import read_dist_env
+from ddpkit.errors import DdpkitError, LaunchError
 
 __all__ = ["run_entrypoint"]
 
@@ -43,7 +45,7 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
         try:
             fn()
         except Exception as exc:
-            if peers:
+            if peers and threading.current_thread() is threading.main_thread():
                 # torchrun's agent sends SIGTERM to every rank the moment the first one exits; a
                 # rank killed while writing its error file leaves torchrun a truncated file
                 # ("Failed to parse reply file") instead of its error. What is left to do is
@@ -71,8 +73,10 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
 
 def _has_peers() -> bool:
     """True when this process is one rank of a job of several (torchrun or srun variables)."""
-    world_size = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
-    return world_size.strip() not in ("", "0", "1")
+    try:
+        return read_dist_env().world_size > 1
+    except LaunchError:  # a broken launch environment: no group was ever formed
+        return False
 
 
 def _exit_now(code: int) -> None:

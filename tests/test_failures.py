@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,21 +186,26 @@ class UnequalDataTrainer(ddpkit.Trainer):
         return train, val
 
 
+def _messages_of_failed_fits(error: type[Exception], *make_trainers: Callable[[], ddpkit.Trainer]) -> list[str]:
+    """Fit each trainer in turn, each expected to raise ``error``; return the messages."""
+    messages = []
+    for make_trainer in make_trainers:
+        with pytest.raises(error) as caught:
+            make_trainer().fit()
+        messages.append(str(caught.value))
+    return messages
+
+
 def _start_disagreeing_runs(tmp: Path) -> list[str]:
     """Runs on each rank: two runs whose ranks disagree; returns each run's ConsistencyError."""
     rank = int(os.environ["RANK"])
-    errors = []
-    runs = [
+    return _messages_of_failed_fits(
+        ConsistencyError,
         # An override given to rank 1 only: the same file, a different config.
         lambda: ddpkit.Trainer(tiny_config(tmp / "override"), overrides=["optim.lr=0.2"] if rank == 1 else []),
         # The same config, but a training set of another length on rank 1.
         lambda: UnequalDataTrainer(tiny_config(tmp / "data")),
-    ]
-    for make_trainer in runs:
-        with pytest.raises(ConsistencyError) as caught:
-            make_trainer().fit()
-        errors.append(str(caught.value))
-    return errors
+    )
 
 
 def test_ranks_that_disagree_are_stopped_at_startup_naming_field_and_values(tmp_path):
@@ -240,13 +246,10 @@ class _FirstN(Sampler[int]):
 
 def _start_runs_with_bad_data(tmp: Path) -> list[str]:
     """Runs on each rank: a training set too small for 2 x 16, then uneven per-rank batch counts."""
-    errors = []
     too_small = tiny_config(tmp / "small", data={"kwargs": {"num_train": 24, "num_val": 10, "image_size": 12}})
-    for make_trainer in (lambda: ddpkit.Trainer(too_small), lambda: UnevenShardsTrainer(tiny_config(tmp / "uneven"))):
-        with pytest.raises(DataError) as caught:
-            make_trainer().fit()
-        errors.append(str(caught.value))
-    return errors
+    return _messages_of_failed_fits(
+        DataError, lambda: ddpkit.Trainer(too_small), lambda: UnevenShardsTrainer(tiny_config(tmp / "uneven"))
+    )
 
 
 def test_too_small_or_uneven_training_data_stops_every_rank_with_a_data_error(tmp_path):

@@ -130,7 +130,7 @@ def test_a_world_size_that_is_not_nodes_times_processes_per_node(config):
     assert done.returncode == 1
     assert_one_clear_message(
         done.stdout + done.stderr,
-        "ddpkit: error (rank 0): WORLD_SIZE=4 does not match 1 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node "
+        "ddpkit: error: WORLD_SIZE=4 does not match 1 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node "
         "(LOCAL_WORLD_SIZE) = 2: start every node with the same --nnodes and --nproc-per-node, and set WORLD_SIZE "
         "(if you set it by hand) to --nnodes x --nproc-per-node",
     )
