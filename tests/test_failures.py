@@ -29,8 +29,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import REPO, tiny_config
-from torch.utils.data import Sampler, TensorDataset
+from torch.utils.data import Sampler
 
 import ddpkit
 from ddpkit import ConsistencyError, DataError
@@ -46,19 +47,9 @@ STARTUP_ALLOWANCE = 90.0  # launcher + two workers importing torch on a busy 2-c
 
 
 def _write_config(tmp_path: Path) -> Path:
+    cfg = tiny_config(tmp_path, dist={"timeout": PG_TIMEOUT, "failure_timeout": FAILURE_TIMEOUT}, checkpoint={"resume": "none"})
     path = tmp_path / "fault.yaml"
-    path.write_text(
-        f"""
-run: {{name: fault, output_dir: {tmp_path / "run"}, seed: 0}}
-data: {{name: digits, batch_size: 16, kwargs: {{num_train: 256, num_val: 64, image_size: 12}}}}
-model: {{name: mlp, kwargs: {{in_features: 144, hidden: [32]}}}}
-optim: {{name: sgd, lr: 0.1}}
-train: {{epochs: 2, log_every: 4}}
-checkpoint: {{every_epochs: null, resume: none}}
-log: {{progress_bar: false}}
-dist: {{timeout: {PG_TIMEOUT}, failure_timeout: {FAILURE_TIMEOUT}}}
-"""
-    )
+    path.write_text(yaml.safe_dump(cfg))
     return path
 
 
