@@ -34,6 +34,11 @@ def describe_difference(key: str, values: list[Any]) -> str | None:
     """``None`` if all ``values`` are equal, else one line naming ``key`` and each rank's value."""
     if all(v == values[0] for v in values):
         return None
+    if all(isinstance(v, dict) for v in values):
+        # Flattened configs: name each key whose value differs.
+        keys = sorted(set().union(*values))
+        lines = [describe_difference(f"{key}.{sub}", [v.get(sub, "<unset>") for v in values]) for sub in keys]
+        return "\n  - ".join(line for line in lines if line)
     if all(isinstance(v, list) for v in values):
         # Long lists (parameter shapes): show the first entry where ranks differ.
         width = max(len(v) for v in values)

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import checkpoint as ckpt
 from ddpkit._version import __version__
 from ddpkit.config import Config
-from ddpkit.config_loader import config_hash, config_to_dict, dump_config, load_config
+from ddpkit.config_loader import config_hash, config_to_dict, dump_config, flatten, load_config
 from ddpkit.consistency import check_ranks_agree
 from ddpkit.data import batch_size_of, build_eval_loader, build_train_loader, move_to_device, start_epoch
 from ddpkit.ddp import parameter_shapes, sync_gradients, unwrap_model, wrap_model
@@ -335,7 +335,7 @@ class Trainer:
     def _fingerprint(self, model: nn.Module, train_set: Dataset, val_set: Dataset | None) -> dict[str, Any]:
         shapes = parameter_shapes(model)
         return {
-            "config_hash": config_hash(self.config),
+            "config": flatten(config_to_dict(self.config)),
             "parameter_count": sum(math.prod(shape) for _, shape in shapes),
             "parameter_shapes": shapes,
             "train_dataset_length": len(train_set),  # type: ignore[arg-type]
