@@ -190,6 +190,9 @@ def launch(torchrun_argv: list[str]) -> int:
     # per process keeps N processes from oversubscribing the cores.
     if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
         os.environ["OMP_NUM_THREADS"] = "1"
+    # A fresh rendezvous store per round: the shared one keeps a failed attempt's keys, which
+    # can point restarted ranks at dead peers (pytorch/pytorch#135712; see ddpkit.distributed).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
     except ChildFailedError as exc:

@@ -116,15 +116,31 @@ def _init(env: DistEnv, backend: str, timeout: float) -> None:
     if env.launcher == "none":
         # No launcher, no rendezvous: a private in-memory store makes a group of one.
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    elif env.launcher == "torchrun":
-        # env:// joins the store torchrun's agent already serves on MASTER_ADDR:MASTER_PORT.
-        kwargs.update(init_method="env://")
-    else:
+    elif env.launcher != "torchrun":
         kwargs.update(init_method=f"tcp://{_host(env.master_addr)}:{env.master_port}", rank=env.rank, world_size=env.world_size)
     try:
+        if env.launcher == "torchrun":
+            kwargs.update(_torchrun_store(env, timeout))
         dist.init_process_group(**kwargs)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise _launch_error(env, exc) from None
+
+
+def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
+    """The store for a torchrun-launched group: torch's env:// rendezvous, isolated per restart.
+
+    Under torchrun the ranks usually join a store served by the elastic agent
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), and that store outlives a restart of the worker
+    group (pytorch/pytorch#135712). The process group's keys from the failed attempt are still
+    there, so a restarted rank can read a dead peer's address and fail to connect. A prefix per
+    attempt (``TORCHELASTIC_RESTART_COUNT``) gives every attempt clean keys. (``ddpkit run``
+    also asks the c10d rendezvous for a fresh store per round, where restart counts of nodes
+    that restarted for different reasons could disagree.)
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        store = dist.PrefixStore(f"ddpkit/attempt_{env.restart_count}", store)
+    return {"store": store, "rank": rank, "world_size": world_size}
 
 
 def _host(addr: str) -> str:
