@@ -3,6 +3,7 @@
     python scripts/bench_overhead.py                        # step-cost, mlp, mnist_cnn, resnet18; 7 rounds
     python scripts/bench_overhead.py --workloads mlp --rounds 3
     python scripts/bench_overhead.py --json benchmarks/overhead.json
+    valgrind --tool=cachegrind --cache-sim=no python scripts/bench_overhead.py --single ddpkit 450   # instructions
 
 Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost``: one process)
 started through torch's launcher. Inside that job every variant trains the same model on the same data with the same
@@ -28,6 +29,12 @@ Columns, per variant:
 * ``CPU us/step vs hand``: extra CPU microseconds per step of the training thread
   (``time.thread_time``, blind to time spent descheduled), paired median: the loop's own cost;
 * ``bitwise = hand``: final weights equal to the hand-written loop's exactly, in how many rounds.
+
+Timing cannot resolve a few microseconds per step on a shared machine; instruction counts can.
+``--single VARIANT STEPS [LOG_EVERY]`` runs one variant of ``step-cost`` in this process and
+nothing else, for ``valgrind --tool=cachegrind``: run it for two step counts, and the difference
+of the instruction totals divided by the difference of the steps is the loop's instructions per
+step, with start-up cancelled out.
 
 The hand-written loop mirrors the Trainer's setup order, which is what makes the weights
 bitwise equal: ``torch.manual_seed(seed)`` before building the data and the model, a
@@ -111,13 +118,15 @@ def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int) -> t
     return clock, model.state_dict()
 
 
-def ddpkit_trainer(w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False) -> tuple[StepClock, dict]:
+def ddpkit_trainer(
+    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False, log_every: int = 50
+) -> tuple[StepClock, dict]:
     trainer = TimedTrainer({
         "run": {"name": "overhead", "output_dir": str(workdir / "ddpkit"), "seed": SEED},
         "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
         "model": {"name": w["model"], "kwargs": w["kwargs"]},
         "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        "train": {"epochs": 1, "max_steps": steps, "timeline": timeline},
+        "train": {"epochs": 1, "max_steps": steps, "timeline": timeline, "log_every": log_every},
         "checkpoint": {"every_epochs": None, "resume": "none"},
     })
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, but off the screen
@@ -253,9 +262,26 @@ def report(workload: str, result: dict[str, Any]) -> str:
     return title + "\n" + format_table(headers, rows)
 
 
+def run_single(variant: str, steps: int, log_every: int) -> None:
+    """One variant of ``step-cost`` in this process (a world of one), nothing else: for instruction counts."""
+    import tempfile
+
+    from ddpkit.distributed import process_group
+    from ddpkit.env import read_dist_env
+
+    extra = {"log_every": log_every} if variant.startswith("ddpkit") else {}
+    with tempfile.TemporaryDirectory() as tmp, process_group(read_dist_env()):
+        if variant.startswith("ddpkit"):
+            extra["workdir"] = Path(tmp)
+        VARIANTS[variant](WORKLOADS["step-cost"], steps, 0, 1, **extra)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         return serve(argv[1], {"overhead": overhead_worker})
+    if argv[:1] == ["--single"]:  # --single VARIANT STEPS [LOG_EVERY]
+        run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
