@@ -52,24 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the options, run each world size through torch's launcher, print the table."""
-    from ddpkit.registry import MODELS
-
-    counts = parse_nproc(args.nproc)
-    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds), ("--threads-per-rank", args.threads_per_rank)):
-        if value < 1:
-            raise BenchUsageError(f"{option}: {value} must be at least 1")
-    if args.warmup < 0:
-        raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
-    MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
-    if args.precision == "fp16":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BenchUsageError("--precision fp16 needs CUDA GPUs (a GradScaler and fp16 kernels); on the CPU use --precision bf16")
-    if args.plot:
-        from ddpkit.bench.plotting import require_matplotlib
-
-        require_matplotlib()
+    counts = _check(args)
     shape = _input_shape(args.input_shape, args.model)
     params = {
         "model": args.model, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
@@ -99,6 +82,31 @@ def run(args: argparse.Namespace) -> int:
         plot_scaling(rows, args.plot, title=f"{args.model}, batch {args.batch_size}/rank")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check(args: argparse.Namespace) -> list[int]:
+    """The world sizes to run; every option checked before any process starts."""
+    import torch
+
+    from ddpkit.registry import MODELS
+
+    counts = parse_nproc(args.nproc)
+    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds), ("--threads-per-rank", args.threads_per_rank)):
+        if value < 1:
+            raise BenchUsageError(f"{option}: {value} must be at least 1")
+    if args.warmup < 0:
+        raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
+    MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.precision == "fp16" and not gpus:
+        raise BenchUsageError("--precision fp16 needs CUDA GPUs (a GradScaler and fp16 kernels); on the CPU use --precision bf16")
+    if gpus and counts[-1] > gpus:
+        raise BenchUsageError(f"--nproc: {counts[-1]} processes, but this node has {gpus} GPU(s); one process per GPU")
+    if args.plot:
+        from ddpkit.bench.plotting import require_matplotlib
+
+        require_matplotlib()
+    return counts
 
 
 def efficiency_rows(step_ms: dict[int, Stats], *, batch_size: int) -> list[dict[str, Any]]:
