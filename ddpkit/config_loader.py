@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from ddpkit.config import Config, cross_field_problems, yaml_key
 from ddpkit.errors import ConfigError
 
@@ -92,6 +90,7 @@ def load_config(
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path`` with ``yaml.safe_load``, turning every failure into a ConfigError."""
+    import yaml  # imported here, not at the top: keeps `import ddpkit` fast
     data = _read_config_bytes(path)
     try:
         text = data.decode("utf-8")
@@ -154,6 +153,8 @@ def _first_clause(exc: BaseException) -> str:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"a.b=value"`` into (``["a", "b"]``, parsed value). Raises ConfigError if malformed."""
+    import yaml
+
     key, sep, value_text = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -180,6 +181,8 @@ def config_to_dict(cfg: Any) -> Any:
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML text (loadable again by :func:`load_config`)."""
+    import yaml
+
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
