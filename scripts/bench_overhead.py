@@ -208,6 +208,8 @@ VARIANTS = {
     "hand-written": hand_written,
     "ddpkit": ddpkit_trainer,
     "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
+    # Not run by default: the Trainer with no loss reduction inside the run (log_every past the end).
+    "ddpkit-nolog": lambda *a, **kw: ddpkit_trainer(*a, **{**kw, "log_every": 10**9}),
     "fabric": fabric,
     "lightning": lightning,
     "accelerate": accelerate,
@@ -287,13 +289,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")
+    parser.add_argument("--variants", default=None, help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
-    variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"])
+    variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"]) + list(FRAMEWORKS)
+    if args.variants:
+        variants = ["hand-written", *[v for v in args.variants.split(",") if v != "hand-written"]]
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     for name, module in FRAMEWORKS.items():
-        if importlib.util.find_spec(module) is not None:
-            variants.append(name)
-        else:
+        if name in variants and importlib.util.find_spec(module) is None:
+            variants.remove(name)
             print(f"skipped {name}: the {module!r} package is not importable here")
     results = {}
     for workload in args.workloads.split(","):
