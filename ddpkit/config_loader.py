@@ -91,6 +91,7 @@ def load_config(
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path`` with ``yaml.safe_load``, turning every failure into a ConfigError."""
     import yaml  # imported here, not at the top: keeps `import ddpkit` fast
+
     data = _read_config_bytes(path)
     try:
         text = data.decode("utf-8")
