@@ -203,7 +203,12 @@ class TrainConfig:
 class DDPConfig:
     """DistributedDataParallel options, named as in torch."""
 
-    bucket_cap_mb: float = option(25.0, "Gradient bucket size in MiB: larger buckets, fewer allreduce calls.", gt=0)
+    bucket_cap_mb: float | None = option(
+        None,
+        "Gradient bucket size in MiB: larger buckets, fewer allreduce calls. `null`: torch's default "
+        "(25 MiB, with a small first bucket so communication starts early).",
+        gt=0,
+    )
     find_unused_parameters: bool = option(False, "Allow parameters that get no gradient in some steps (costs a graph walk per step).")
     static_graph: bool = option(False, "Promise the graph and used parameters never change (enables DDP optimizations).")
     gradient_as_bucket_view: bool = option(False, "Gradients are views into the allreduce buckets (saves memory and a copy).")

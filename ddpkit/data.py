@@ -50,7 +50,8 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start_index = start_index
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.start_index, None)
+        indices = super().__iter__()
+        return itertools.islice(indices, self.start_index, None) if self.start_index else indices
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index

@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     views = {"both": [False, True], "true": [True], "false": [False]}[args.bucket_view]
-    pairs = candidates([*parse_floats(args.bucket_caps, option="--bucket-caps"), cfg.ddp.bucket_cap_mb], views)
+    # ddp.bucket_cap_mb: null is torch's default, 25 MiB per bucket (only its first bucket is smaller).
+    config_cap = cfg.ddp.bucket_cap_mb if cfg.ddp.bucket_cap_mb is not None else 25.0
+    pairs = candidates([*parse_floats(args.bucket_caps, option="--bucket-caps"), config_cap], views)
     progress(f"[autotune] {len(pairs)} candidates x {args.rounds} round(s), {args.warmup}+{args.steps} steps each, on {nproc} processes ...")
     params = {
         "config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "pairs": pairs,
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_workers("autotune", params, nproc=nproc, threads=None)
     stats = [Stats.of(ms) for ms in result["ms"]]
     best = min(range(len(pairs)), key=lambda i: stats[i].median)
-    current = (cfg.ddp.bucket_cap_mb, cfg.ddp.gradient_as_bucket_view)
+    current = (config_cap, cfg.ddp.gradient_as_bucket_view)
     rows = []
     for i, ((cap, view), s) in enumerate(zip(pairs, stats)):
         note = ", ".join(filter(None, ["fastest" if i == best else "", "your config" if (cap, view) == current else ""]))
