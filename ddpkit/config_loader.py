@@ -190,8 +190,21 @@ def dump_config(cfg: Config) -> str:
 def config_hash(cfg: Config | Mapping[str, Any]) -> str:
     """A short, stable hash of a resolved config (same config -> same hash, on every rank)."""
     plain = cfg if isinstance(cfg, Mapping) else config_to_dict(cfg)
-    text = json.dumps(plain, sort_keys=True, default=repr)
+    text = json.dumps(_canonical(plain), default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with every mapping as a list of ``[repr(key), value]`` pairs sorted by key.
+
+    ``json.dumps(sort_keys=True)`` cannot sort a mapping whose keys mix types, which YAML allows
+    inside free-form ``kwargs`` (``{0: a, b: c}``).
+    """
+    if isinstance(value, Mapping):
+        return sorted([repr(k), _canonical(v)] for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

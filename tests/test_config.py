@@ -137,3 +137,8 @@ def test_cli_config_error_exits_2_without_traceback(tmp_path):
     assert done.returncode == 2
     assert "did you mean 'optim.lr'?" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_hash_and_dump_accept_free_form_kwargs_with_mixed_key_types():
+    cfg = load_config({"model": {"name": "mlp", "kwargs": {"hidden": {0: None, "async": None}}}})
+    assert config_hash(cfg) == config_hash(load_config(yaml.safe_load(dump_config(cfg))))
