@@ -17,11 +17,12 @@ Launched by torchrun (or ``ddpkit run``) every process runs the same code; start
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -523,11 +524,17 @@ class Trainer:
             bare.train(was_training)
         return {f"val_{name}": value for name, value in means.compute().items()}
 
-    def _evaluate(self) -> None:
+    @contextlib.contextmanager
+    def _outside_training(self, span: str) -> Iterator[None]:
+        """Work recorded as ``span`` on the timeline and left out of samples/s, which measures training only."""
         started = time.perf_counter()
-        with self._timeline.span("evaluation"):
+        with self._timeline.span(span):
+            yield
+        self._window_start += time.perf_counter() - started
+
+    def _evaluate(self) -> None:
+        with self._outside_training("evaluation"):
             metrics = self.validate()
-        self._window_start += time.perf_counter() - started  # samples/s measures training only
         self._last_eval_step = self.progress.step
         if not metrics:
             return
@@ -557,8 +564,7 @@ class Trainer:
         """Rank 0 writes the full training state; the other ranks contribute their RNG states and wait."""
         if name is None and self._last_checkpoint_step == self.progress.step:
             return
-        started = time.perf_counter()
-        with self._timeline.span("checkpoint"):
+        with self._outside_training("checkpoint"):
             state = self.checkpoint_state()
             if self.is_main:
                 kwargs = dict(
@@ -571,7 +577,6 @@ class Trainer:
                     ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
             if self._async_writer is None:
                 self._barrier("checkpoint")
-        self._window_start += time.perf_counter() - started  # samples/s measures training only
         if name is None:
             self._last_checkpoint_step = self.progress.step
 
