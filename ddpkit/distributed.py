@@ -45,6 +45,12 @@ class Runtime:
     backend: str
     #: Whether ``debug`` mode is on (monitored barriers, per-rank step logs).
     debug: bool = False
+    #: The key-value store every rank of the group shares (torchrun's TCPStore, a FileStore,
+    #: or an in-memory one for a world of one), or None if it cannot be found. ddpkit's
+    #: background coordination (stop requests, heartbeats) uses it under its own key prefix,
+    #: never with a collective. Use only non-blocking calls (``set``, ``add``, ``check``)
+    #: from other threads: a blocking ``get`` of a missing key would hold the client's lock.
+    store: Any = None
 
 
 def resolve_device(env: DistEnv, requested: str = "auto") -> torch.device:
@@ -98,32 +104,48 @@ def process_group(
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     created = not dist.is_initialized()
     if created:
-        _init(env, backend, timeout)
+        store = _init(env, backend, timeout)
     elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
         raise LaunchError(
             f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
             f"but the environment says RANK={env.rank} of WORLD_SIZE={env.world_size}"
         )
+    else:
+        store = _default_store()
     try:
-        yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug)
+        yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _init(env: DistEnv, backend: str, timeout: float) -> None:
+def _init(env: DistEnv, backend: str, timeout: float) -> Any:
+    """Create the default group; return the store it was built on."""
     kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    if env.launcher == "none":
-        # No launcher, no rendezvous: a private in-memory store makes a group of one.
-        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    elif env.launcher != "torchrun":
-        kwargs.update(init_method=f"tcp://{_host(env.master_addr)}:{env.master_port}", rank=env.rank, world_size=env.world_size)
     try:
-        if env.launcher == "torchrun":
+        if env.launcher == "none":
+            # No launcher, no rendezvous: a private in-memory store makes a group of one.
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+        elif env.launcher == "torchrun":
             kwargs.update(_torchrun_store(env, timeout))
+        else:  # SLURM: a TCPStore on the first node, as init_method="tcp://..." would make
+            url = f"tcp://{_host(env.master_addr)}:{env.master_port}?rank={env.rank}&world_size={env.world_size}"
+            store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout)))
+            kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(**kwargs)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise _launch_error(env, exc) from None
+    return kwargs["store"]
+
+
+def _default_store() -> Any:
+    """The store of a group someone else created (e.g. :mod:`ddpkit.testing`), if torch exposes it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
