@@ -143,6 +143,13 @@ class DataConfig:
         "number of steps.",
     )
     pin_memory: bool = option(False, "Pin host memory for faster host-to-GPU copies (CUDA only).")
+    stream_window: int = option(
+        8,
+        "Streams (an IterableDataset training set): optimizer steps each rank reads ahead before the ranks "
+        "agree, with one small all_reduce, how many of them all ranks run. Larger: the collective is rarer; "
+        "smaller: fewer batches held in memory.",
+        ge=1,
+    )
     kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the dataset builder.")
 
 

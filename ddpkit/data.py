@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, g
 
 from ddpkit.env import DistEnv
 from ddpkit.errors import DataError, DdpkitError
+from ddpkit.streaming import build_stream_eval_loader, build_stream_loader, is_stream
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -98,6 +99,8 @@ def build_train_loader(
     Raises:
         DataError: the dataset is empty, or too small to give every rank one full batch.
     """
+    if is_stream(dataset):  # an IterableDataset: sharded, batched and made resumable by ddpkit.streaming
+        return build_stream_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
     length = _length(dataset, "training")
     if drop_last and length < env.world_size * batch_size:
         raise DataError(
@@ -119,6 +122,8 @@ def build_eval_loader(
     dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
     """An evaluation loader over this rank's exact shard (possibly empty when the set is tiny)."""
+    if is_stream(dataset):
+        return build_stream_eval_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
     sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,

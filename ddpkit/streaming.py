@@ -1,0 +1,319 @@
+"""Streaming data: an ``IterableDataset`` on N ranks x W workers, equal step counts, exact resume.
+
+    class MyTrainer(ddpkit.Trainer):
+        def build_datasets(self):
+            return MyStream(files), None       # an IterableDataset: no len(), reshuffled by set_epoch
+
+The Trainer hands a stream to :func:`build_stream_loader` and iterates it with
+:class:`StreamEpochs`; nothing else changes for the user. Three things make it exact:
+
+* **Sharding** (:func:`shard_stream`): a dataset that shards itself is sharded its way (HF
+  ``datasets`` by ``split_dataset_by_node``; a ``shard(rank, world_size)`` method; a
+  ``webdataset`` pipeline by its own node/worker splitters); a plain stream is split round-robin
+  over ``(rank, worker)`` slots, so every sample goes to exactly one slot, each slot reading the
+  whole stream. The stream must yield the same order on every rank and worker for a given epoch
+  (seed a shuffle from ``set_epoch``'s epoch, never from the global RNG).
+* **Equal step counts** (:class:`StreamEpochs`): each rank reads ahead a window of
+  ``data.stream_window`` optimizer steps and the ranks agree on the window's length with one
+  ``all_reduce(MIN)`` of one integer, so when one rank's shard ends every rank ends the epoch at
+  the same step; the leftover (less than a global step) is dropped and counted in the log.
+* **Exact resume**: torchdata's ``StatefulDataLoader`` keeps the worker round-robin state; the
+  stream's own state is its batch count per worker, so a resume skips samples without collating
+  them. A checkpoint stores the loader state at the current window's start; resuming restores it,
+  re-reads the window (the same batches) and skips the ones already trained on.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+
+from ddpkit.env import DistEnv
+from ddpkit.errors import ConfigError, DataError, DdpkitError
+
+__all__ = [
+    "ShardedStream",
+    "StreamEpochs",
+    "shard_stream",
+    "build_stream_loader",
+    "build_stream_eval_loader",
+    "stream_total_steps",
+    "is_stream",
+]
+
+log = logging.getLogger("ddpkit")
+
+#: Set this attribute to True on a stream that splits its samples over DataLoader workers itself.
+SPLITS_WORKERS = "ddpkit_splits_workers"
+
+
+def is_stream(dataset: Any) -> bool:
+    """True for an ``IterableDataset`` (a stream): it goes through this module, not a sampler."""
+    return isinstance(dataset, IterableDataset)
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """Sent by a worker whose share ended with ``samples`` that did not fill a batch (counted, dropped)."""
+
+    samples: int
+
+
+class ShardedStream(IterableDataset):
+    """One rank's view of ``source``: its slots' samples, collated into batches of ``batch_size``.
+
+    ``split_ranks`` / ``split_workers`` say which round-robin splits ddpkit still has to do (a
+    source that shards itself did the rest). Its ``state_dict`` (read by ``StatefulDataLoader`` in
+    each worker after each batch) is the number of batches that worker has produced.
+    """
+
+    def __init__(
+        self, source: Any, *, rank: int, world_size: int, batch_size: int, drop_last: bool = True,
+        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate,
+    ):
+        self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
+        self.drop_last, self.split_ranks, self.split_workers, self.collate_fn = drop_last, split_ranks, split_workers, collate_fn
+        self.epoch, self._yielded, self._ended = 0, 0, False
+        self._resume: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch``: forwarded to the source's ``set_epoch`` (a shuffling stream reshuffles)."""
+        self.epoch = epoch
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches": self._yielded, "ended": self._ended}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = dict(state)
+
+    def _slot(self) -> tuple[int, int]:
+        """``(slot, slots)``: this process's place among the round-robin readers of the source."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None and self.split_workers else (0, 1)
+        ranks = self.world_size if self.split_ranks else 1
+        return (self.rank if self.split_ranks else 0) * workers + worker, ranks * workers
+
+    def __iter__(self) -> Iterator[Any]:
+        resume, self._resume = self._resume or {"batches": 0, "ended": False}, None
+        self._yielded, self._ended = resume["batches"], resume["ended"]
+        if self._ended:
+            return
+        slot, slots = self._slot()
+        samples = iter(self.source) if slots == 1 else itertools.islice(iter(self.source), slot, None, slots)
+        # Resume: drop what earlier batches used without collating it (the cheap part of a replay).
+        samples = itertools.islice(samples, self._yielded * self.batch_size, None)
+        while batch := list(itertools.islice(samples, self.batch_size)):
+            if len(batch) < self.batch_size:
+                self._ended = True
+                yield _Tail(len(batch)) if self.drop_last else self.collate_fn(batch)
+                return
+            self._yielded += 1  # counted before the yield: the state read after this batch includes it
+            yield self.collate_fn(batch)
+        self._ended = True
+
+
+def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True) -> ShardedStream:
+    """Shard ``dataset`` over ranks its own way if it has one, else round-robin; see the module doc."""
+    rank, world = env.rank, env.world_size
+    module = type(dataset).__module__.split(".")[0]
+    splits_workers = bool(getattr(dataset, SPLITS_WORKERS, False))
+    if module == "datasets" and hasattr(dataset, "n_shards"):  # Hugging Face datasets, streaming
+        from datasets.distributed import split_dataset_by_node
+
+        dataset, split_ranks, splits_workers = split_dataset_by_node(dataset, rank=rank, world_size=world), False, True
+    elif module == "webdataset":  # its nodesplitter / workersplitter (as the user built it) decide
+        split_ranks, splits_workers = False, True
+        _note_once(f"{type(dataset).__name__}: sharded by its own nodesplitter and workersplitter (give it wds.split_by_node)")
+    elif callable(getattr(dataset, "shard", None)):
+        sharded = dataset.shard(rank, world)
+        dataset, split_ranks = (dataset if sharded is None else sharded), False
+    else:
+        split_ranks = world > 1
+        _note_once(
+            f"{type(dataset).__name__} has no shard(rank, world_size): split round-robin over ranks and workers, "
+            "so every rank and worker reads the whole stream and keeps its share"
+        )
+    return ShardedStream(dataset, rank=rank, world_size=world, batch_size=batch_size, drop_last=drop_last,
+                         split_ranks=split_ranks, split_workers=not splits_workers)
+
+
+_noted: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    if message not in _noted:
+        _noted.add(message)
+        log.info("streaming: %s", message)
+
+
+def build_stream_loader(
+    dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, **loader_kwargs: Any
+) -> DataLoader:
+    """A resumable training loader over this rank's shard of ``dataset`` (batches made by the stream).
+
+    Raises:
+        DdpkitError: torchdata (the ``stream`` extra) is not installed.
+    """
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise DdpkitError(
+            "training on an IterableDataset needs torchdata's StatefulDataLoader for exact mid-epoch resume: "
+            "pip install 'ddpkit[stream]'. Or return a map-style Dataset (with __len__) from build_datasets / data.name."
+        ) from None
+    stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True)
+    loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(
+            stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(), **loader_kwargs
+        )
+
+
+def build_stream_eval_loader(dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """An evaluation loader: every sample of the stream counted on exactly one rank, nothing dropped."""
+    stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=False)
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+
+
+def stream_total_steps(*, max_steps: int | None, epochs: int | None, steps_per_epoch: int | None, sched_name: str) -> int | None:
+    """Training length in optimizer steps, or None while a stream's epoch length is unknown.
+
+    Raises:
+        ConfigError: the schedule needs a length (cosine, linear) and neither ``train.max_steps``
+            nor a learned epoch length gives one.
+    """
+    lengths = [n for n in (max_steps, epochs * steps_per_epoch if epochs and steps_per_epoch else None) if n]
+    if lengths:
+        return min(lengths)
+    if sched_name in ("cosine", "linear"):
+        raise ConfigError(
+            f"train.max_steps: sched.name={sched_name} needs the run's length in steps, but the training set is a "
+            "stream without len(); set train.max_steps (e.g. train.max_steps=1000) or use sched.name=constant / step"
+        )
+    return None
+
+
+class StreamEpochs:
+    """Iterates a stream loader one epoch at a time; every rank yields the same number of batches.
+
+        epochs = StreamEpochs(loader, device=device, accum=2, window_steps=8)
+        epochs.start_epoch(epoch, start_batch=batch_in_epoch)   # start_batch > 0: after load_state_dict
+        for batch in epochs: ...                                  # ends on every rank at the same batch
+        state = epochs.state_dict()                               # a checkpoint's "data position"
+
+    ``batches_per_epoch`` is None until a whole epoch has been seen.
+    """
+
+    def __init__(self, loader: DataLoader, *, device: torch.device, accum: int = 1, window_steps: int = 8, seed: int = 0):
+        self.loader, self.device, self.accum, self.seed = loader, device, accum, seed
+        self.window = window_steps * accum  # micro-batches; a multiple of accum, so steps never straddle a stop
+        self.batches_per_epoch: int | None = None
+        self.epoch, self._skip = 0, 0
+        self._window_first, self._window_state = 0, None
+        self._saved: dict[str, Any] | None = None
+
+    @property
+    def stream(self) -> ShardedStream:
+        return self.loader.dataset  # type: ignore[return-value]
+
+    def start_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
+        """Prepare ``epoch``; ``start_batch`` > 0 continues a checkpointed epoch after that many batches."""
+        self.epoch, self._skip, self._window_first, self._window_state = epoch, start_batch, 0, None
+        self.stream.set_epoch(epoch)
+        if self.loader.generator is not None:
+            self.loader.generator.manual_seed(self.seed * 1_000_003 + epoch)
+        saved, self._saved = self._saved, None
+        if start_batch and saved is not None and saved["epoch"] == epoch and saved["window_first"] <= start_batch:
+            self._window_first, self._window_state = saved["window_first"], saved["loader"]
+            self._skip = start_batch - saved["window_first"]
+        if self._window_state is not None:
+            self.loader.load_state_dict(self._window_state)
+        elif start_batch:
+            log.info("streaming: no saved stream position for epoch %d; replaying %d batches", epoch, start_batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current window started: enough, with the Trainer's batch count, to resume exactly."""
+        return {"epoch": self.epoch, "window_first": self._window_first, "loader": self._window_state,
+                "batches_per_epoch": self.batches_per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Remember a checkpoint's position; the next ``start_epoch`` with its epoch resumes from it."""
+        self._saved = dict(state)
+        self.batches_per_epoch = state.get("batches_per_epoch")
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        done, first = self._window_first, True
+        while True:
+            if not first:  # the position after the last window's reads: where a resume re-reads from
+                self._window_first, self._window_state = done, copy.deepcopy(self.loader.state_dict())
+            window, tails = self._read(batches, self.window)
+            agreed = self._agree(len(window))
+            for batch in window[:agreed]:
+                done += 1
+                if self._skip:
+                    self._skip -= 1
+                    continue
+                yield batch
+            if agreed < self.window:
+                self._end_epoch(done, dropped=(len(window) - agreed) * self._batch_size() + tails, rest=batches)
+                return
+            first = False
+
+    def _read(self, batches: Iterator[Any], count: int) -> tuple[list[Any], int]:
+        """Up to ``count`` batches, and the samples of partial batches the workers dropped meanwhile."""
+        window, tails = [], 0
+        while len(window) < count:
+            item = next(batches, None)
+            if item is None:
+                break
+            if isinstance(item, _Tail):
+                tails += item.samples
+            else:
+                window.append(item)
+        return window, tails
+
+    def _agree(self, count: int) -> int:
+        """The smallest ``count`` over ranks, in whole optimizer steps: ONE all_reduce per window."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = torch.tensor([count], dtype=torch.int64, device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN)
+            count = int(box.item())
+        return count - count % self.accum
+
+    def _batch_size(self) -> int:
+        return self.stream.batch_size
+
+    def _end_epoch(self, done: int, *, dropped: int, rest: Iterator[Any]) -> None:
+        """Learn the epoch length, count this rank's unused samples (reading at most one more window)."""
+        self.batches_per_epoch = done
+        more, tails = self._read(rest, self.window)
+        dropped += len(more) * self._batch_size() + tails
+        unread = len(more) == self.window
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = torch.tensor([dropped, int(unread)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(box)
+            dropped, unread = int(box[0]), bool(box[1])
+            world = dist.get_world_size()
+        else:
+            world = 1
+        used = done * self._batch_size() * world
+        log.info(
+            "streaming: epoch %d ended after %d batches per rank (%d samples used); dropped %s%d samples that could "
+            "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
+        )
+        if not done:
+            raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; "
+                            "check the dataset, data.batch_size and the number of processes")
