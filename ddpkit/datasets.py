@@ -181,3 +181,6 @@ for _name, _builder in [
 ]:
     register_dataset(_name, _builder)
 
+
+# The streaming sources (webdataset, hf_datasets) register themselves; their libraries load only when used.
+import ddpkit.stream_sources  # noqa: E402,F401
