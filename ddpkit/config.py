@@ -84,6 +84,9 @@ class RunConfig:
     )
 
 
+HANG_TIMEOUT = 120.0  # dist.hang_timeout's default
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """How the processes form a group and how fast a failure stops all of them."""
@@ -109,6 +112,20 @@ class DistConfig:
         False,
         "Debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL, monitored barriers on Gloo that name a stuck "
         "rank, and a per-rank step log under the run directory.",
+    )
+    hang_timeout: float | None = option(
+        HANG_TIMEOUT,
+        "Seconds without progress on any rank before the hang watchdog names the stuck rank(s), writes "
+        "`<output_dir>/logs/hang-<time>.txt` with every rank's Python stacks and stops the job (exit "
+        "code 3). Must be below `dist.timeout`; the default is capped at 80% of it. `null`: no watchdog. "
+        "Off for a world of one.",
+        gt=0,
+    )
+    slow_phase_timeout: float | None = option(
+        None,
+        "The watchdog's limit instead of `hang_timeout` while a rank is in a phase that may be slow without "
+        "visible progress: setup, compile, a checkpoint save, the first batch. `null`: 90% of `dist.timeout`.",
+        gt=0,
     )
 
 
@@ -142,7 +159,17 @@ class DataConfig:
         "Drop the tail that does not fill a whole batch on every rank, so all ranks run the same "
         "number of steps.",
     )
-    pin_memory: bool = option(False, "Pin host memory for faster host-to-GPU copies (CUDA only).")
+    pin_memory: bool = option(
+        True, "Pin host memory so host-to-GPU copies run asynchronously (`non_blocking`). Only used on CUDA."
+    )
+    persistent_workers: bool = option(
+        True,
+        "Keep the `num_workers` loader processes alive from one epoch to the next instead of restarting "
+        "them every epoch. Per-sample seeding and exact resume are unaffected.",
+    )
+    prefetch_factor: int | None = option(
+        None, "Batches each worker loads ahead (needs `num_workers` > 0). `null`: torch's default (2).", ge=1
+    )
     stream_window: int = option(
         8,
         "Streams (an IterableDataset training set): optimizer steps each rank reads ahead before the ranks "
@@ -203,6 +230,18 @@ class TrainConfig:
     log_every: int = option(50, "Optimizer steps between logged (rank-reduced) training metrics.", ge=1)
     eval_every: int | None = option(None, "Optimizer steps between evaluations. `null`: at the end of every epoch.", ge=1)
     timeline: bool = option(False, "Write a Chrome-trace timeline (one row per rank) to `<output_dir>/timeline.json`.")
+    compile: bool = option(
+        False,
+        "`torch.compile` the model: `false`, `true`, or a mapping of torch.compile's `mode`, `fullgraph`, "
+        "`dynamic`, `backend`, `options`, plus ddpkit's `recompile_limit` (compiled versions of one function, default 8; past it training stops "
+        "with a message) and `validation` (default true: validate with a compiled copy too). DDP wraps first, "
+        "then compile; compile time is logged and left out of samples/s; checkpoints never carry `_orig_mod.`.",
+    )
+    channels_last: bool = option(
+        False,
+        "Convert the model and 4-D inputs to channels_last (NHWC) memory format: faster convolutions on "
+        "recent GPUs and often on CPU; no effect on models without convolutions.",
+    )
     early_stopping: EarlyStoppingConfig = option(factory=EarlyStoppingConfig, doc="Early stopping on a validation metric.")
 
 
@@ -307,5 +346,24 @@ def cross_field_problems(cfg: Config) -> list[str]:
     if cfg.optim.momentum and cfg.optim.name in ("adam", "adamw"):
         problems.append(
             f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
+        )
+    problems += _watchdog_problems(cfg.dist)
+    if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
+        problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
+    return problems
+
+
+def _watchdog_problems(d: DistConfig) -> list[str]:
+    """A watchdog limit at or above the collective timeout would never fire first (the default is capped instead)."""
+    problems = []
+    if d.hang_timeout is not None and d.hang_timeout != HANG_TIMEOUT and d.hang_timeout >= d.timeout:
+        problems.append(
+            f"dist.hang_timeout: {d.hang_timeout:g}s is not below dist.timeout ({d.timeout:g}s), so collectives would "
+            "time out first; lower dist.hang_timeout or raise dist.timeout"
+        )
+    if d.slow_phase_timeout is not None and d.slow_phase_timeout >= d.timeout:
+        problems.append(
+            f"dist.slow_phase_timeout: {d.slow_phase_timeout:g}s is not below dist.timeout ({d.timeout:g}s); "
+            "lower it, raise dist.timeout, or set it to null (90% of dist.timeout)"
         )
     return problems

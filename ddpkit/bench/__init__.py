@@ -22,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import exit_code_of
 
 __all__ = ["main"]
 
@@ -30,6 +30,7 @@ _COMMANDS = {
     "throughput": "samples/s and scaling efficiency per world size, on synthetic data",
     "allreduce": "allreduce time, algbw and busbw per message size (nccl-tests style)",
     "autotune": "fastest ddp.bucket_cap_mb / gradient_as_bucket_view for your config",
+    "scaling": "predicted step time and efficiency at 8..1024 ranks, from a one-rank profile",
 }
 
 
@@ -53,10 +54,4 @@ def main(argv: Sequence[str]) -> int:
     module.add_arguments(parser)
     # Intermixed: autotune's key=value overrides may come before, between or after the options.
     args = parser.parse_intermixed_args(argv[1:])
-    try:
-        return module.run(args)
-    except DdpkitError as exc:
-        print(f"ddpkit bench {name}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return exit_code_of(lambda: module.run(args), command=f"ddpkit bench {name}")

@@ -24,7 +24,7 @@ from ddpkit.env import read_dist_env
 
 __all__ = ["main", "serve"]
 
-KINDS = ("throughput", "allreduce", "autotune")
+KINDS = ("throughput", "allreduce", "autotune", "scaling")
 
 
 def serve(spec_path: str | os.PathLike, workers: Mapping[str, Callable[..., dict[str, Any]]]) -> int:
