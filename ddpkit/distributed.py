@@ -27,6 +27,7 @@ from ddpkit.errors import ConfigError, LaunchError
 __all__ = [
     "Runtime",
     "process_group",
+    "flight_recorder_env",
     "resolve_device",
     "resolve_backend",
     "barrier",
@@ -89,8 +90,12 @@ def process_group(
     device: str = "auto",
     timeout: float = 300.0,
     debug: bool = False,
+    trace_dir: str | os.PathLike | None = None,
 ) -> Iterator[Runtime]:
     """Create the default process group for ``env`` and always destroy it on exit.
+
+    With ``trace_dir`` on CUDA, NCCL's flight recorder is on and dumps there on a timeout (see
+    :func:`flight_recorder_env`).
 
     A group that already exists (created by the caller, e.g. :mod:`ddpkit.testing`) is reused
     and left alone on exit.
@@ -102,6 +107,10 @@ def process_group(
     if debug:
         # Must be set before the group is created to take effect.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if trace_dir is not None and torch_device.type == "cuda":
+        os.makedirs(trace_dir, exist_ok=True)  # the dump goes there on a timeout
+        for name, value in flight_recorder_env(torch_device, trace_dir).items():
+            os.environ.setdefault(name, value)  # read when the NCCL group is created; the user's values win
     created = not dist.is_initialized()
     if created:
         store = _init(env, backend, timeout)
@@ -117,6 +126,25 @@ def process_group(
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> dict[str, str]:
+    """The variables that turn on NCCL's flight recorder for a group on ``device`` (none off CUDA).
+
+    The recorder keeps the last collectives of every NCCL group in a ring buffer; when a
+    collective times out, each rank dumps it to ``<trace_dir>/nccl_trace_rank_<rank>`` (read it
+    with ``python -m torch.distributed.flight_recorder.fr_trace <trace_dir>``). Names as in torch
+    2.14 (``TORCH_NCCL_TRACE_BUFFER_SIZE`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` are the older
+    spellings of the first and last); a variable the user set either way is left alone.
+    """
+    if device.type != "cuda":
+        return {}
+    wanted = {
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # collectives kept per group
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(os.fspath(trace_dir), "nccl_trace_rank_"),
+    }
+    return {names[0]: value for names, value in wanted.items() if not any(name in os.environ for name in names)}
 
 
 def _init(env: DistEnv, backend: str, timeout: float) -> Any:
