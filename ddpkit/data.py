@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
+from ddpkit.distributed import all_gather_object
 from ddpkit.env import DistEnv
 from ddpkit.errors import DataError, DdpkitError
 from ddpkit.streaming import build_stream_eval_loader, build_stream_loader, is_stream
@@ -38,6 +39,8 @@ __all__ = [
     "start_epoch",
     "move_to_device",
     "batch_size_of",
+    "agree_on_batch_count",
+    "exact_batches",
 ]
 
 
@@ -45,14 +48,19 @@ class ResumableDistributedSampler(DistributedSampler):
     """A ``DistributedSampler`` whose epoch can start at any sample position (for mid-epoch resume)."""
 
     start_index = 0
+    #: Yield ``(epoch, index)`` pairs: persistent worker processes keep their own copy of the
+    #: dataset, so the epoch a sample is seeded with has to travel with its index.
+    tag_epoch = False
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:
         super().set_epoch(epoch)
         self.start_index = start_index
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
         indices = super().__iter__()
-        return itertools.islice(indices, self.start_index, None) if self.start_index else indices
+        if self.start_index:
+            indices = itertools.islice(indices, self.start_index, None)
+        return zip(itertools.repeat(self.epoch), indices) if self.tag_epoch else indices
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index
@@ -80,9 +88,10 @@ class _SampleSeeded(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
         if get_worker_info() is not None:  # only inside worker processes: never touch the main RNG
-            sample_seed = hash((self.seed, self.epoch, index)) & 0xFFFF_FFFF
+            sample_seed = hash((self.seed, epoch, index)) & 0xFFFF_FFFF
             torch.manual_seed(sample_seed)
             random.seed(sample_seed)
             if "numpy" in sys.modules:
@@ -92,9 +101,13 @@ class _SampleSeeded(Dataset):
 
 def build_train_loader(
     dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, shuffle: bool = True,
-    drop_last: bool = True, seed: int = 0, pin_memory: bool = False,
+    drop_last: bool = True, seed: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
+    prefetch_factor: int | None = None,
 ) -> DataLoader:
     """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
+
+    With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no
+    restart cost per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``.
 
     Raises:
         DataError: the dataset is empty, or too small to give every rank one full batch.
@@ -112,14 +125,16 @@ def build_train_loader(
         dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     source = _SampleSeeded(dataset, seed) if num_workers else dataset
+    sampler.tag_epoch = bool(num_workers)
     return DataLoader(
         source, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
-        pin_memory=pin_memory, generator=torch.Generator(), persistent_workers=False,
+        pin_memory=pin_memory, generator=torch.Generator(), **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
 
 
 def build_eval_loader(
-    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False
+    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+    persistent_workers: bool = True, prefetch_factor: int | None = None,
 ) -> DataLoader:
     """An evaluation loader over this rank's exact shard (possibly empty when the set is tiny)."""
     if is_stream(dataset):
@@ -127,8 +142,15 @@ def build_eval_loader(
     sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-        generator=torch.Generator().manual_seed(0),
+        generator=torch.Generator().manual_seed(0), **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
+
+
+def _worker_options(num_workers: int, persistent: bool, prefetch_factor: int | None) -> dict[str, Any]:
+    """DataLoader's worker arguments; torch rejects both without worker processes."""
+    if not num_workers:
+        return {}
+    return {"persistent_workers": persistent, **({"prefetch_factor": prefetch_factor} if prefetch_factor else {})}
 
 
 def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None:
@@ -179,3 +201,36 @@ def _length(dataset: Dataset, what: str) -> int:
     if length == 0:
         raise DataError(f"the {what} dataset is empty; check data.name and data.kwargs (e.g. the root path)")
     return length
+
+
+def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int) -> int:
+    """This epoch's batch count (``consumed`` already done plus what ``loader`` yields), the same on every rank.
+
+    DDP needs every rank to run the same number of backward passes: a rank with an extra
+    batch would wait forever in an allreduce the others never join. A custom sampler that
+    shards unevenly is stopped here, on every rank, with the counts.
+    """
+    counts = all_gather_object(consumed + len(loader))
+    if any(count != counts[0] for count in counts):
+        raise DataError(
+            f"ranks would run different numbers of training batches in epoch {epoch}: "
+            + ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+            + ". DDP needs the same number on every rank (a rank with more would wait forever in allreduce). "
+            "Give every rank the same number of samples, e.g. DistributedSampler(drop_last=True) and data.drop_last=true."
+        )
+    if counts[0] == 0:
+        raise DataError(f"the training loader yields no batches on any rank in epoch {epoch}; check the dataset and data.batch_size")
+    return counts[0]
+
+
+def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int) -> Iterator[Any]:
+    """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised."""
+    batches = iter(loader)
+    for position in range(consumed, count):
+        batch = next(batches, None)
+        if batch is None:
+            raise DataError(
+                f"rank {rank}'s training loader ended after {position} batches of epoch {epoch}, "
+                f"but its len() promised {count}; fix the sampler's __len__"
+            )
+        yield batch

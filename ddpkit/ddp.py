@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -25,7 +26,7 @@ from ddpkit.distributed import Runtime
 # forward-time syncing) and warns on the old name; use whichever this torch has.
 _BUFFER_SYNC_ARG = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else "broadcast_buffers"
 
-__all__ = ["wrap_model", "unwrap_model", "sync_gradients", "count_parameters", "parameter_shapes"]
+__all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "count_parameters", "parameter_shapes"]
 
 
 def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig) -> nn.Module:
@@ -54,7 +55,8 @@ def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig) -> nn.Mod
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DDP (and inside ``torch.compile``), whose state_dict has no ``module.`` prefix."""
+    """The module inside DDP and ``torch.compile``, in any nesting: its state_dict has no ``module.``
+    and no ``_orig_mod.`` prefix, so it loads into the bare network whether or not it was compiled."""
     while True:
         if isinstance(model, DDP):
             model = model.module
@@ -71,8 +73,12 @@ def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContex
     locally and only the k-th backward communicates, so accumulation costs one allreduce per
     optimizer step instead of k. (DDP decides at forward time, so the forward must be inside.)
     """
-    if sync or not isinstance(model, DDP):
+    if sync:
         return _NO_CONTEXT  # one shared object: nothing allocated per step
+    while not isinstance(model, DDP):  # torch.compile(DDP(model)): DDP is one level in
+        model = getattr(model, "_orig_mod", None)
+        if model is None:
+            return _NO_CONTEXT
     return model.no_sync()
 
 
@@ -108,3 +114,21 @@ def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every parameter, in order: what ranks compare at startup."""
     return [(name, tuple(p.shape)) for name, p in unwrap_model(model).named_parameters()]
 
+
+
+def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes a
+    wrapped model's own ``state_dict()`` carries, in any nesting: keys the bare network accepts.
+
+    ddpkit always saves the unwrapped model; this is for files written elsewhere (a hand-written
+    loop that saved ``compiled.state_dict()``), on export and resume.
+    """
+    cleaned = dict(state_dict)
+    changed = True
+    while changed and cleaned:
+        changed = False
+        for prefix in ("_orig_mod.", "module."):
+            if all(key.startswith(prefix) for key in cleaned):
+                cleaned = {key[len(prefix):]: value for key, value in cleaned.items()}
+                changed = True
+    return cleaned

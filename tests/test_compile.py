@@ -1,0 +1,186 @@
+"""torch.compile from the config (ddpkit.compile), wrapper-free state dicts, and the data path's worker options.
+
+Fast tests use Dynamo's ``eager`` / ``aot_eager`` backends (no C++ compiler involved); the
+end-to-end runs on 2 Gloo ranks use the default Inductor backend, as users do, and are slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.nn import functional as F
+
+from ddpkit.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
+from ddpkit.config import DDPConfig, TrainConfig
+from ddpkit.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
+from ddpkit.distributed import Runtime
+from ddpkit.env import read_dist_env
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: Dynamo's caches are per process and would hide recompiles."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def world_of_one() -> Runtime:
+    return Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+class Excluded:
+    """Records the spans it is asked to leave out of samples/s."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.names.append(name)
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+def test_compile_settings_split_torch_and_ddpkit_keys():
+    assert compile_settings(False) is None
+    assert compile_settings(True).torch_kwargs == {}
+    settings = compile_settings({"mode": "max-autotune", "dynamic": True, "recompile_limit": 3, "validation": False})
+    assert settings.torch_kwargs == {"mode": "max-autotune", "dynamic": True}
+    assert (settings.recompile_limit, settings.validation) == (3, False)
+
+
+# --- prefixes ---------------------------------------------------------------------------------
+
+
+def test_compiled_state_dict_prefixes_are_stripped_and_load_into_the_bare_network():
+    model = mlp()
+    compiled = torch.compile(model, backend="eager")  # no compiling happens until it is called
+    assert all(key.startswith("_orig_mod.") for key in compiled.state_dict())
+    assert list(unwrap_model(compiled).state_dict()) == list(model.state_dict())
+    nested = {f"_orig_mod.module.{k}": v for k, v in model.state_dict().items()}  # torch.compile(DDP(model))
+    fresh = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    fresh.load_state_dict(strip_wrapper_prefixes(nested))  # strict: every key matches
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert strip_wrapper_prefixes({"module_a.w": 1}) == {"module_a.w": 1}  # only whole prefixes
+
+
+# --- build_models in a world of one -------------------------------------------------------------
+
+
+def test_compile_off_gives_the_bare_model_everywhere():
+    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig())
+    assert models.train is models.eval is models.bare and models.watch is None
+
+
+def test_compiled_training_matches_eager_and_compile_time_is_excluded():
+    excluded = Excluded()
+    eager = mlp()
+    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "aot_eager"}), exclude=excluded)
+    try:
+        assert models.train is not models.bare and unwrap_model(models.train) is models.bare
+        x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+        for net in (eager, models.train):
+            F.cross_entropy(net(x), y).backward()
+        for a, b in zip(eager.parameters(), models.bare.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+        assert models.watch.compilations >= 1 and models.watch.seconds > 0
+        assert excluded.names == ["compile"] * models.watch.compilations and excluded.depth == 0
+        models.bare.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(models.eval(x), eager.eval()(x))
+    finally:
+        models.close()
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # restored
+
+
+def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog):
+    models = build_models(
+        mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "eager", "dynamic": False, "recompile_limit": 2})
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="ddpkit"):
+            models.train(torch.randn(4, 6))
+            models.train(torch.randn(5, 6))  # a new batch size: the second compiled version, with its reason
+            assert any("recompile 1" in r.getMessage() and "size mismatch" in r.getMessage() for r in caplog.records)
+            with pytest.raises(CompileError, match=r"recompile_limit=2.*train.compile=false"):
+                models.train(torch.randn(6, 6))
+    finally:
+        models.close()
+    assert len(models.bare(torch.randn(7, 6))) == 7
+
+
+@torch._dynamo.register_backend
+def ddpkit_test_broken_backend(gm, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_a_failing_compile_names_the_option_to_turn_off():
+    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "ddpkit_test_broken_backend"}))
+    try:
+        with pytest.raises(CompileError, match="train.compile=false") as info:
+            models.train(torch.randn(4, 6))
+        assert "cannot compile anything" in str(info.value)
+    finally:
+        models.close()
+
+
+def test_watch_close_is_complete():
+    before = len(torch._dynamo.callback_handler.start_callbacks)
+    watch = CompileWatch(5)
+    assert torch._dynamo.config.recompile_limit == 5
+    watch.close()
+    assert len(torch._dynamo.callback_handler.start_callbacks) == before
+    assert torch._dynamo.config.recompile_limit == 8
+
+
+def test_channels_last_converts_parameters_and_inputs_without_changing_results():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    reference = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(2, 3, 8, 8)
+    expected = net(x)
+    converted = to_channels_last(net)
+    assert converted[0].weight.is_contiguous(memory_format=torch.channels_last)
+    seen = []
+    converted[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    torch.testing.assert_close(converted(x), expected)
+    assert seen == [True]
+    assert all(torch.equal(converted.state_dict()[k], v) for k, v in reference.items())
+
+
+# --- no_sync through the compile wrapper --------------------------------------------------------
+
+
+def _no_sync_reaches_ddp_inside_compile() -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(mlp())
+    compiled = torch.compile(ddp, backend="eager")
+    with sync_gradients(compiled, sync=False):
+        inside = ddp.require_backward_grad_sync
+    return inside is False and ddp.require_backward_grad_sync is True
+
+
+@pytest.mark.multiprocess
+def test_sync_gradients_finds_ddp_inside_a_compiled_wrapper():
+    from ddpkit.testing import run_on_ranks
+
+    assert run_on_ranks(_no_sync_reaches_ddp_inside_compile, world_size=2, timeout=120) == [True, True]
