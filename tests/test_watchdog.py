@@ -1,0 +1,361 @@
+"""The hang watchdog: a stuck rank is named with its Python stack, in seconds, and the job stops.
+
+The end-to-end cases launch real jobs through the real launcher,
+
+    python -m ddpkit run CONFIG --nproc-per-node 2 --script tests/scripts/hang_trainer.py dist.hang_timeout=8
+
+with one rank made to hang at a chosen place (see that script), and check: the job exits non-zero;
+the time from the hang (the script writes a timestamp right before it) to the exit of the last
+process is about ``dist.hang_timeout`` (the process-group timeout is far longer, so a job that only
+stops when a collective times out fails); ``<output_dir>/logs/hang-*.txt`` names the stuck rank
+first and holds its stack with the user's function; and no process of the job survives. The
+no-false-alarm case runs slow-but-legitimate work longer than ``dist.hang_timeout`` and must finish.
+
+The rules that decide who is stuck, the NCCL flight-recorder variables and the config checks are
+tested without processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from helpers import REPO, tiny_config
+
+from ddpkit import ConfigError, load_config
+from ddpkit.distributed import flight_recorder_env
+from ddpkit.hang_report import classify, summary_line, thread_stacks
+from ddpkit.watchdog_io import StoreClient, StoreDown
+
+HANG_SCRIPT = REPO / "tests" / "scripts" / "hang_trainer.py"
+PG_TIMEOUT = 300.0  # dist.timeout: far longer than any hang_timeout here
+STARTUP_ALLOWANCE = 120.0  # launcher + two workers importing torch on a busy 2-core machine
+REAP_GRACE = 3.0
+
+
+# --- who is stuck: rules on heartbeats, no processes ----------------------------------------------
+
+
+def beat(step: int, phase: str, **extra) -> dict:
+    return {"step": step, "phase": phase, "since": time.time() - 20, "host": "h", "pid": 1, **extra}
+
+
+@pytest.mark.parametrize(
+    "beats, stuck, waiting",
+    [
+        # rank 1 stuck in its forward while rank 0 waits in backward's gradient allreduce
+        ({0: beat(3, "backward"), 1: beat(3, "forward")}, [1], [0]),
+        # rank 0's hook (rank 0 only) blocks after step 3; rank 1 went on to step 4's allreduce
+        ({0: beat(3, "loop"), 1: beat(3, "backward"), 2: beat(3, "backward")}, [0], [1, 2]),
+        # rank 1 stuck in data loading of the next step
+        ({0: beat(5, "backward"), 1: beat(5, "data")}, [1], [0]),
+        # validation: the rank with fewer batches done is behind
+        ({0: beat(4, "validation", phase_ticks=7), 1: beat(4, "validation", phase_ticks=2)}, [1], [0]),
+        # every rank in the same data phase (a file system stall everywhere): all stuck
+        ({0: beat(2, "data"), 1: beat(2, "data")}, [0, 1], []),
+        # every rank in the same collective: all waiting (for a collective only some call, or the network)
+        ({0: beat(2, "backward"), 1: beat(2, "backward")}, [], [0, 1]),
+    ],
+)
+def test_ranks_behind_the_furthest_are_stuck_the_others_wait(beats, stuck, waiting):
+    verdict = classify(beats, silent={})
+    assert (verdict.stuck, verdict.waiting, verdict.silent) == (stuck, waiting, [])
+
+
+def test_a_silent_rank_is_named_first_when_no_live_rank_is_stuck():
+    beats = {0: beat(3, "backward"), 1: beat(3, "forward"), 2: beat(3, "backward")}
+    verdict = classify(beats, silent={1: time.time() - 30})
+    assert (verdict.stuck, verdict.waiting, verdict.silent) == ([], [0, 2], [1])
+    line = summary_line(verdict, beats, {1: time.time() - 30}, stalled_for=15)
+    assert line.index("no heartbeat: rank 1") < line.index("waiting: rank 0, rank 2")
+
+
+def test_finished_ranks_are_neither_stuck_nor_waiting():
+    verdict = classify({0: beat(9, "done"), 1: beat(9, "loop"), 2: beat(9, "backward")}, silent={})
+    assert (verdict.stuck, verdict.waiting) == ([1], [2])
+
+
+def test_stacks_of_all_threads_show_where_a_blocked_thread_waits():
+    release = threading.Event()
+
+    def wait_for_the_lock_forever() -> None:
+        release.wait()
+
+    thread = threading.Thread(target=wait_for_the_lock_forever, name="blocked-user-thread")
+    thread.start()
+    try:
+        text = thread_stacks()
+    finally:
+        release.set()
+        thread.join()
+    assert text.startswith("Thread MainThread (main)")
+    assert "Thread blocked-user-thread" in text and "in wait_for_the_lock_forever" in text
+    assert "test_watchdog.py" in text
+
+
+# --- the store client never hangs the watchdog ---------------------------------------------------------
+
+
+def _store_server(port_file: str) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    Path(port_file).write_text(str(store.port))
+    time.sleep(600)
+
+
+@pytest.mark.multiprocess
+def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
+    """A TCPStore call to a SIGSTOPped server blocks forever; the watchdog's client gives up in time."""
+    import multiprocessing
+
+    port_file = tmp_path / "port"
+    server = multiprocessing.get_context("spawn").Process(target=_store_server, args=(str(port_file),), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = StoreClient(dist.TCPStore("127.0.0.1", int(port_file.read_text()), 1, False, datetime.timedelta(seconds=30)), 1.0)
+        client("set", "key", "1")
+        assert client.get_if_set("key") == "1" and client.get_if_set("missing") is None
+        os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreDown, match="no answer"):
+            client("check", ["key"])
+        assert time.monotonic() - started < 10
+        with pytest.raises(StoreDown, match="still waiting"):  # and does not queue more calls behind it
+            client("set", "key", "2")
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.join()
+
+
+# --- config and NCCL's flight recorder ----------------------------------------------------------
+
+
+def test_hang_timeout_must_be_below_the_collective_timeout():
+    with pytest.raises(ConfigError, match=r"dist.hang_timeout: 60s is not below dist.timeout \(30s\)"):
+        load_config({}, ["dist.timeout=30", "dist.hang_timeout=60"])
+    with pytest.raises(ConfigError, match=r"dist.slow_phase_timeout: 300s is not below dist.timeout"):
+        load_config({}, ["dist.slow_phase_timeout=300"])
+    assert load_config({}, ["dist.hang_timeout=null"]).dist.hang_timeout is None
+    assert load_config({}, ["dist.timeout=60"]).dist.hang_timeout == 120  # the default: capped when used
+
+
+def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
+    from ddpkit.distributed import Runtime
+    from ddpkit.env import DistEnv
+    from ddpkit.watchdog import Watchdog
+
+    single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled
+    pair = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, step=lambda: 0).enabled
+    on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, step=lambda: 0)
+    assert on.enabled and on.hang_timeout == 48 and on.slow_timeout == 54  # 80% and 90% of dist.timeout
+
+
+def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert flight_recorder_env(torch.device("cpu"), tmp_path) == {}
+    env = flight_recorder_env(torch.device("cuda", 0), tmp_path / "logs")
+    assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "10")  # the older spelling, set by the user
+    assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env(torch.device("cuda", 0), tmp_path)
+
+
+# --- real jobs that hang ----------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    dir: Path
+    proc: subprocess.Popen
+    started: float
+    exited: float | None = None
+    survivors: dict[int, str] | None = None
+
+    @property
+    def output(self) -> str:
+        return (self.dir / "launcher.log").read_text(errors="replace")
+
+    def hang_to_exit(self) -> float:
+        return self.exited - float((self.dir / "hang-time").read_text())
+
+    def report(self) -> str:
+        reports = sorted((self.dir / "run" / "logs").glob("hang-*.txt"))
+        assert reports, f"no hang report in {self.dir / 'run' / 'logs'}:\n{self.output[-4000:]}"
+        return reports[-1].read_text()
+
+
+def _processes_mentioning(marker: str) -> dict[int, str]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _config(tmp: Path, **sections) -> Path:
+    cfg = tiny_config(tmp, checkpoint={"resume": "none"}, **sections)
+    cfg["dist"] = {**cfg["dist"], "timeout": PG_TIMEOUT, "failure_timeout": 10, **sections.get("dist", {})}
+    path = tmp / "hang.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _start(tmp: Path, env: dict[str, str], args: list[str], *, log: str = "launcher.log") -> Job:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HANG_STAMP": str(tmp / "hang-time"), **env}
+    argv = [sys.executable, "-m", "ddpkit", "run", *args, "--script", str(HANG_SCRIPT)]
+    with open(tmp / log, "w") as out:
+        return Job(tmp, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO), time.time())
+
+
+def _wait(job: Job, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while job.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if job.proc.poll() is None:
+        return
+    job.exited = time.time()
+    while (left := _processes_mentioning(str(job.dir))) and time.time() < job.exited + REAP_GRACE:
+        time.sleep(0.05)
+    job.survivors = left
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:
+        for pid in [job.proc.pid, *_processes_mentioning(str(job.dir))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8) -> Job:
+    job = _start(tmp, {"HANG_WHERE": where, "HANG_RANK": str(rank)}, [str(_config(tmp)), "--nproc-per-node", "2", f"dist.hang_timeout={hang_timeout}", *overrides])
+    jobs.append(job)
+    _wait(job, STARTUP_ALLOWANCE + 4 * hang_timeout + 60)
+    assert job.exited is not None, f"{where}: still running:\n{job.output[-4000:]}"
+    assert (tmp / "hang-time").exists(), f"{where}: the hang was never reached:\n{job.output[-4000:]}"
+    print(f"{where}: hang to last exit {job.hang_to_exit():.1f}s (dist.hang_timeout={hang_timeout:g}s)")
+    assert job.proc.returncode != 0 and not job.survivors, (job.survivors, job.output[-4000:])
+    assert job.hang_to_exit() < hang_timeout + 30, job.output[-4000:]  # far below dist.timeout
+    return job
+
+
+def _ranks_in_order(report: str) -> list[tuple[str, int]]:
+    return [(label, int(rank)) for label, rank in re.findall(r"^(STUCK|waiting|silent) +rank (\d+):", report, re.MULTILINE)]
+
+
+def _section(report: str, rank: int) -> str:
+    return report.split(f"=== rank {rank} (", 1)[1].split("=== rank", 1)[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_rank_stuck_in_training_step_is_named_with_its_stack_and_the_job_ends(jobs, tmp_path):
+    """The issue's check: hang_timeout 15, the whole job over within 60 s of its start."""
+    job = run_hang(jobs, tmp_path, "step", hang_timeout=15)
+    print(f"training_step: job start to last exit {job.exited - job.started:.1f}s")
+    report = job.report()
+    assert _ranks_in_order(report) == [("STUCK", 1), ("waiting", 0)], report[:2000]
+    assert "stuck: rank 1 (step 2, forward)" in report
+    stack = _section(report, 1)
+    assert f'File "{HANG_SCRIPT}"' in stack and "in training_step" in stack, stack
+    assert "in backward" in _section(report, 0) or "backward" in report
+    assert "stuck: rank 1" in job.output and "report:" in job.output  # the launcher's output has it too
+    assert re.search(r"Root Cause.*?rank\s+: 1 ", job.output, re.DOTALL), job.output[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, overrides, stuck_rank, in_stack",
+    [
+        ("data", ["data.num_workers=2"], 1, "_next_data"),  # a DataLoader worker blocks; the main thread waits for it
+        ("validation", ["train.eval_every=2"], 1, "in validation_step"),
+        ("hook", [], 0, "in on_step_end"),  # a rank-0-only hook
+    ],
+)
+def test_a_hang_anywhere_names_the_stuck_rank(jobs, tmp_path, where, overrides, stuck_rank, in_stack):
+    job = run_hang(jobs, tmp_path, where, *overrides, rank=stuck_rank)
+    report = job.report()
+    assert _ranks_in_order(report)[0] == ("STUCK", stuck_rank), report[:2000]
+    assert in_stack in _section(report, stuck_rank), report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_frozen_rank_is_reported_as_silent(jobs, tmp_path):
+    job = run_hang(jobs, tmp_path, "stop")  # rank 1 sends itself SIGSTOP inside training_step
+    report = job.report()
+    assert _ranks_in_order(report) == [("waiting", 0), ("silent", 1)], report[:2000]
+    assert re.search(r"silent +rank 1: no heartbeat since \d\d:\d\d:\d\d", report)
+    assert "hang: no progress on any rank" in report and "no heartbeat: rank 1" in report.splitlines()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_long_legitimate_work_is_not_a_hang(jobs, tmp_path):
+    """Compile-like first step, slow first batch, slow validation and a slow save: each longer than hang_timeout."""
+    env = {"HANG_WHERE": "none", "SLOW": "1", "SLOW_SECONDS": "14"}
+    overrides = ["dist.hang_timeout=6", "train.max_steps=3", "train.epochs=1", "train.eval_every=2", "checkpoint.every_steps=2"]
+    job = _start(tmp_path, env, [str(_config(tmp_path)), "--nproc-per-node", "2", *overrides])
+    jobs.append(job)
+    _wait(job, STARTUP_ALLOWANCE + 240)
+    assert job.exited is not None and job.proc.returncode == 0, job.output[-4000:]
+    assert not list((tmp_path / "run" / "logs").glob("hang-*.txt"))
+    assert (tmp_path / "run" / "checkpoints").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jobs, tmp_path):
+    """Two launchers on loopback: rank 0 (node 0) raises while rank 1 (node 1) hangs in user code."""
+    config = _config(tmp_path)
+    node = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    common = [str(config), "dist.hang_timeout=100", *node]
+    failing = _start(tmp_path, {"HANG_WHERE": "fail", "HANG_RANK": "0"}, [*common, "--node-rank", "0"], log="node0.log")
+    hanging = _start(tmp_path, {"HANG_WHERE": "step", "HANG_RANK": "1", "HANG_STAMP": str(tmp_path / "hang1")}, [*common, "--node-rank", "1"], log="node1.log")
+    jobs += [failing, hanging]
+    _wait(failing, STARTUP_ALLOWANCE + 60)
+    _wait(hanging, 60)
+    node1 = (tmp_path / "node1.log").read_text()
+    assert hanging.exited is not None, f"node 1 still running:\n{node1[-3000:]}"
+    fault_to_exit = hanging.exited - float((tmp_path / "hang-time").read_text())
+    print(f"two launchers: rank 0's failure to node 1's exit {fault_to_exit:.1f}s")
+    assert hanging.proc.returncode != 0 and failing.proc.returncode != 0
+    assert "stopping because rank 0" in node1 and "injected fault in training_step on rank 0" in node1, node1[-3000:]
+    assert fault_to_exit < 20, node1[-3000:]  # seconds, not dist.hang_timeout (100) or dist.timeout (300)
+    assert not _processes_mentioning(str(tmp_path))
