@@ -106,6 +106,7 @@ class Watchdog:
             self.phases.append(name)
             if name == "data":
                 self.data_batches += 1
+                self.phases[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
         self.ticks += 1
         self.phase_ticks = 0
 
