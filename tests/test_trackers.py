@@ -1,0 +1,269 @@
+"""Metric sinks and experiment trackers: real MLflow stores (SQLite, a real `mlflow server`), W&B offline files.
+
+The sink-level tests drive a sink the way the reporter does (start, write, state_dict, finish)
+and then read what the tracker itself stored. The end-to-end tests run `ddpkit run` and resume it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ddpkit.errors import DdpkitError
+from ddpkit.sinks import STATUS_FILE, Sink, SinkGroup, StatusSink, flatten_config, read_status
+from ddpkit.trackers import MlflowSink, WandbSink, tracker_sinks
+
+mlflow = pytest.importorskip("mlflow")
+
+CONFIG = {"run": {"name": "exp", "seed": 0}, "optim": {"name": "sgd", "lr": 0.05}, "model": {"kwargs": {}, "name": None},
+          "train": {"epochs": 2}, "data": {"kwargs": {"hidden": [64, 64]}}}
+
+
+def drive(sink: Sink, steps: range, *, resumed: dict | None = None, status: str = "FINISHED", artifacts: list[Path] = ()) -> dict:
+    """What the reporter does over one attempt: train records every step, a validation record at the end."""
+    sink.start(CONFIG, resumed=resumed)
+    for step in steps:
+        sink.write({"step": step, "epoch": 0, "train_loss": 1.0 / step, "lr": 0.05, "time": time.time()})
+    sink.write({"step": steps[-1], "epoch": 0, "val_accuracy": steps[-1] / 100, "val_loss": 0.5, "time": time.time()})
+    state = sink.state_dict()
+    sink.finish(status, list(artifacts))
+    return state
+
+
+def only_run(uri: str, experiment: str = "exp"):
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, f"expected one MLflow run, found {len(runs)}"
+    return client, runs[0]
+
+
+# --- the sink interface, no tracker ---------------------------------------------------------------
+
+
+def test_flatten_config_gives_dotted_keys_and_keeps_empty_sections():
+    flat = flatten_config(CONFIG)
+    assert flat["optim.lr"] == 0.05 and flat["run.name"] == "exp"
+    assert flat["model.kwargs"] == {} and flat["model.name"] is None and flat["data.kwargs.hidden"] == [64, 64]
+
+
+class _Broken(Sink):
+    name = "broken"
+
+    def __init__(self):
+        self.calls = 0
+
+    def write(self, record):
+        self.calls += 1
+        raise ConnectionError("tracker down")
+
+
+def test_a_failing_sink_is_dropped_with_one_warning_but_a_required_one_raises(caplog):
+    broken, kept = _Broken(), []
+
+    class Keeper(Sink):
+        name = "keeper"
+
+        def write(self, record):
+            kept.append(record["step"])
+
+    group = SinkGroup([broken, Keeper()])
+    group.start(CONFIG)
+    for step in (1, 2, 3):
+        group.write({"step": step})
+    assert broken.calls == 1 and kept == [1, 2, 3]
+    assert sum("broken" in r.getMessage() and "switched off" in r.getMessage() for r in caplog.records) == 1
+
+    required = _Broken()
+    required.required = True
+    with pytest.raises(ConnectionError):
+        SinkGroup([required]).write({"step": 1})
+
+
+def test_status_sink_adds_wall_time_over_attempts(tmp_path):
+    first = StatusSink(tmp_path)
+    state = drive(first, range(1, 3), status="KILLED")
+    assert read_status(tmp_path)["status"] == "KILLED" and state["attempts"] == 1
+    time.sleep(0.05)
+    drive(StatusSink(tmp_path), range(3, 5), resumed=state)
+    status = json.loads((tmp_path / STATUS_FILE).read_text())
+    assert status["status"] == "FINISHED" and status["attempts"] == 2 and status["step"] == 4
+    assert status["wall_s"] >= state["wall_s"] and status["ended"] >= status["started"]
+
+
+def test_missing_tracker_package_names_the_extra_and_the_key(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "wandb") else real(name, *a))
+    with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[mlflow\]'.*log\.mlflow=false"):
+        MlflowSink(tmp_path, experiment="exp")
+    with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[wandb\]'.*log\.wandb=false"):
+        tracker_sinks(mlflow=False, wandb=True, output_dir=tmp_path, run_name="exp")
+
+
+# --- MLflow ------------------------------------------------------------------------------------------
+
+
+def test_mlflow_resumed_run_continues_the_same_run_in_a_sqlite_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    state = drive(MlflowSink(tmp_path, experiment="exp"), range(1, 5), status="KILLED")
+    assert state["tracking_uri"] == f"sqlite:///{tmp_path.resolve()}/mlflow.db"  # the default store: in the run dir
+    _, run = only_run(state["tracking_uri"])
+    assert run.info.status == "KILLED" and run.info.run_id == state["run_id"]
+
+    later = MlflowSink(tmp_path, experiment="exp")
+    drive(later, range(3, 9), resumed=state, artifacts=[tmp_path / "model.pt"])  # steps 3-4 again: logged after the checkpoint
+    client, run = only_run(state["tracking_uri"])
+    assert run.info.run_id == state["run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.05" and run.data.params["train.epochs"] == "2"
+    assert run.data.params["model.name"] == "null" and run.data.params["data.kwargs.hidden"] == "[64, 64]"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [(4, 0.04), (8, 0.08)]
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")} == set(range(1, 9))
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
+    assert Path(tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in the current directory
+
+
+def test_mlflow_down_never_stalls_a_step_and_warns_once(tmp_path, monkeypatch, caplog):
+    # A server that accepts connections and never answers: the worst case, each call would hang.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    try:
+        sink = MlflowSink(tmp_path, experiment="exp", timeout=3.0)
+        started = time.monotonic()
+        sink.start(CONFIG, resumed=None)
+        for step in range(1, 200):
+            sink.write({"step": step, "train_loss": 0.5, "time": time.time()})
+        assert time.monotonic() - started < 2.0, "start()/write() waited for the tracker"
+        started = time.monotonic()
+        sink.finish("FINISHED", [])
+        assert time.monotonic() - started < 3.0 + 5.0, "finish() waited longer than log.tracker_timeout"
+    finally:
+        silent.close()
+    deadline = time.monotonic() + 60
+    while not any("mlflow" in r.getMessage() for r in caplog.records if r.levelname == "WARNING") and time.monotonic() < deadline:
+        time.sleep(0.2)  # the failure surfaces on the background thread once the client gives up
+    assert sum("mlflow" in r.getMessage() for r in caplog.records if r.levelname == "WARNING") >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on 127.0.0.1 (SQLite backend); always killed."""
+    port = _free_port()
+    log_file = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)
+        log_file.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_mlflow_through_a_real_tracking_server(tmp_path, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"weights")
+    state = drive(MlflowSink(out, experiment="exp"), range(1, 4), status="KILLED")
+    drive(MlflowSink(out, experiment="exp"), range(4, 7), resumed=state, artifacts=[out / "model.pt"])
+    client, run = only_run(mlflow_server)
+    assert run.info.run_id == state["run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.05"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [3, 6]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
+    assert not (out / "mlflow.db").exists()
+
+
+# --- W&B, offline ---------------------------------------------------------------------------------
+
+
+def wandb_records(path: Path):
+    """The records of a `.wandb` file: W&B's header, then LevelDB log framing of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a .wandb file"
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768  # records never straddle a 32 KiB block header
+        if room < 7:
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE/LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def test_wandb_offline_run_has_config_history_status_and_resumes_the_same_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    state = drive(WandbSink(tmp_path, project="exp"), range(1, 4), status="KILLED")
+    drive(WandbSink(tmp_path, project="exp"), range(4, 7), resumed=state, artifacts=[tmp_path / "model.pt"])
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{state['run_id']}.wandb" for f in files)  # one W&B run id
+    deadline = time.monotonic() + 60  # wandb's service process may still be writing the tail of the last file
+    while not all(any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)) for f in files) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    history, config, exits, summary, artifacts = [], {}, [], {}, 0
+    for path in files:
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.project == "exp"
+                config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+            elif kind == "history":
+                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            elif kind == "exit":
+                exits.append(record.exit.exit_code)
+            elif kind == "summary":
+                summary.update({u.key: json.loads(u.value_json) for u in record.summary.update if u.key})
+            artifacts += kind == "artifact"
+    assert config["optim.lr"] == 0.05 and config["data.kwargs.hidden"] == [64, 64]
+    assert [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h] == [(3, 0.03), (6, 0.06)]
+    assert [h["step"] for h in history if "train_loss" in h] == list(range(1, 7))
+    assert exits == [1, 0] and summary["status"] == "FINISHED" and artifacts == 1
