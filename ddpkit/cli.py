@@ -19,12 +19,11 @@ Exit codes: 0 success, 1 a run or launch failure, 2 a config or usage error.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import DdpkitError
-from ddpkit.launch import check_port_free, launch
+from ddpkit.errors import DdpkitError, exit_code_of
+from ddpkit.launch import default_nproc, launch, preflight, torchrun_argv
 
 __all__ = ["main", "torchrun_args"]
 
@@ -44,14 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Intermixed: options may come before, between or after the key=value overrides.
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
-    try:
-        code = _COMMANDS[args.command](args)
-    except DdpkitError as exc:
-        print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
-        code = exc.exit_code
-    except KeyboardInterrupt:
-        code = 130
-    sys.exit(code)
+    sys.exit(exit_code_of(lambda: _COMMANDS[args.command](args), command=f"ddpkit {args.command}"))
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -104,9 +96,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ddpkit.entrypoint import run_trainer
     from ddpkit.trainer import Trainer
 
-    Trainer.main([args.config, *args.overrides])
+    run_trainer(Trainer, args.config, args.overrides)
     return 0
 
 
@@ -114,7 +107,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config_loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
-    _check_devices(cfg.dist.backend, cfg.dist.device, nproc=args.nproc_per_node or str(_default_nproc()))
+    preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
     return launch(torchrun_args(args, failure_timeout=cfg.dist.failure_timeout))
 
 
@@ -150,43 +143,9 @@ _COMMANDS = {"run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "expor
 
 def torchrun_args(args: argparse.Namespace, *, failure_timeout: float = 10.0) -> list[str]:
     """The ``torchrun`` argument list equivalent to a ``ddpkit run`` invocation."""
-    nproc = args.nproc_per_node or str(_default_nproc())
-    launcher = [
-        f"--nproc-per-node={nproc}",
-        f"--nnodes={args.nnodes}",
-        f"--max-restarts={args.max_restarts}",
-        # How long the agent waits for workers to exit after SIGTERM before SIGKILL.
-        f"--shutdown-timeout={max(1, math.ceil(failure_timeout))}",
-    ]
-    single_node = args.nnodes in ("1", "1:1")
-    if args.rdzv_endpoint:
-        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
-    elif single_node and args.master_addr is None and args.master_port is None:
-        launcher += ["--standalone"]  # c10d rendezvous on localhost with a free port
-    else:
-        addr = args.master_addr or "127.0.0.1"
-        port = args.master_port if args.master_port is not None else 29500
-        if args.node_rank == 0:
-            check_port_free(addr, port)
-        launcher += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={args.node_rank}"]
-    if args.script:
-        return [*launcher, args.script, args.config, *args.overrides]
-    return [*launcher, "-m", "ddpkit", "train", args.config, *args.overrides]
-
-
-def _check_devices(backend: str, device: str, *, nproc: str) -> None:
-    """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than GPUs."""
-    from ddpkit.distributed import resolve_backend, resolve_device
-    from ddpkit.env import DistEnv
-
-    if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves
-        return
-    n = int(nproc)
-    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
-    resolve_backend(backend, resolve_device(last, device))
-
-
-def _default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    program = [args.script] if args.script else ["-m", "ddpkit", "train"]
+    return torchrun_argv(
+        nproc=args.nproc_per_node or str(default_nproc()), program=[*program, args.config, *args.overrides],
+        nnodes=args.nnodes, max_restarts=args.max_restarts, shutdown_timeout=failure_timeout, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+    )

@@ -1,6 +1,11 @@
-"""Running a training entry point so that failures are clear, reach torchrun's summary and stop the job.
+"""The worker side of a launch: run a training entry point so that failures are clear, reach
+torchrun's summary and stop the job.
 
-``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected
+    run_trainer(MyTrainer, "config.yaml", ["optim.lr=0.1"])   # Trainer.main and `ddpkit train`
+    run_entrypoint(job)                                         # any worker function (the bench worker)
+
+``Trainer.main`` parses its command line once with :func:`parse_worker_argv`; ``ddpkit train``
+has argparse's result. Both then run ``cls(CONFIG, overrides=...).fit()`` through ``run_trainer``. ``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected
 exception and its traceback to the error file torchrun reads, so the failing rank's traceback
 appears in the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
 bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
@@ -22,13 +27,33 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit.env import read_dist_env
-from ddpkit.errors import DdpkitError, LaunchError
+from ddpkit.errors import DdpkitError, LaunchError, report_error
 
-__all__ = ["run_entrypoint"]
+__all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
+
+
+def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "") -> tuple[str | None, list[str]]:
+    """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
+
+    A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG.yaml] [key.sub=value ...]\n\n{usage}")
+        sys.exit(0)
+    path = args.pop(0) if args and "=" not in args[0] else None
+    return path, args
+
+
+def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> None:
+    """Run ``cls(config, overrides=overrides).fit()`` as a worker; exit non-zero on failure."""
+    code = run_entrypoint(lambda: cls(config, overrides=overrides).fit())
+    if code:
+        sys.exit(code)
 
 
 def run_entrypoint(fn: Callable[[], Any]) -> int:
@@ -53,10 +78,9 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if not isinstance(exc, DdpkitError):
                 raise  # record() writes the traceback to torchrun's error file
-            rank = f" (rank {os.environ.get('RANK', '?')})" if peers else ""
-            print(f"ddpkit: error{rank}: {exc}", file=sys.stderr, flush=True)
+            code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
             _write_error_file(exc)
-            return exc.exit_code
+            return code
         return 0
 
     try:

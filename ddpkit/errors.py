@@ -7,7 +7,12 @@ traceback; internal invariants use ``assert`` and are bugs, not user errors.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 __all__ = [
+    "report_error",
+    "exit_code_of",
     "DdpkitError",
     "ConfigError",
     "LaunchError",
@@ -44,3 +49,24 @@ class CheckpointError(DdpkitError):
 
 class ConsistencyError(DdpkitError):
     """Ranks disagree on something that must be identical (config, model, data, versions)."""
+
+
+def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = None) -> int:
+    """Print ``exc`` as one clear line on stderr (``ddpkit run: error: ...``); return its exit code.
+
+    The one place a user error becomes what a user sees: every command and every worker uses it.
+    ``rank`` is named when the process is one rank of several.
+    """
+    where = f" (rank {rank})" if rank is not None else ""
+    print(f"{command}: error{where}: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
+def exit_code_of(run: Callable[[], int], *, command: str) -> int:
+    """``run()``'s exit code, with a DdpkitError reported as above and Ctrl-C as 130."""
+    try:
+        return run()
+    except DdpkitError as exc:
+        return report_error(exc, command=command)
+    except KeyboardInterrupt:
+        return 130

@@ -1,19 +1,24 @@
-"""Starting worker processes through torch's own launcher, and reporting how they ended.
+"""The launcher side of a launch: check preconditions once, build torchrun's argv, start the workers.
 
-    code = launch(["--standalone", "--nproc-per-node=2", "-m", "ddpkit", "train", "exp.yaml"])
+    preflight(nproc="2", backend="auto", device="auto", precision="fp32")   # refuse what every worker would
+    argv = torchrun_argv(nproc="2", program=["-m", "ddpkit", "train", "exp.yaml"])
+    code = launch(argv)
 
 ``launch`` is ``torchrun`` called in-process (``torch.distributed.run``): ddpkit never starts or
 supervises workers itself. It adds the defaults ddpkit relies on (one OpenMP thread per worker,
 a fresh rendezvous store per restart) and a failure summary whose "Root Cause" is the rank that
-failed first. Used by ``ddpkit run`` and ``ddpkit bench``.
+failed first. Used by ``ddpkit run`` and ``ddpkit bench``; the worker side is
+:mod:`ddpkit.entrypoint`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ddpkit.errors import LaunchError
@@ -21,7 +26,57 @@ from ddpkit.errors import LaunchError
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["launch", "check_port_free"]
+__all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_free"]
+
+
+def preflight(*, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32", precision_option: str = "train.precision=") -> None:
+    """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than
+    GPUs, fp16 on the CPU. The checks are the workers' own functions, run for the last local rank."""
+    from ddpkit.distributed import resolve_backend, resolve_device
+    from ddpkit.env import DistEnv
+    from ddpkit.precision import check_precision
+
+    if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves
+        return
+    n = int(nproc)
+    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
+    torch_device = resolve_device(last, device)
+    resolve_backend(backend, torch_device)
+    check_precision(precision, torch_device, option=precision_option)
+
+
+def default_nproc() -> int:
+    """Processes per node when none are asked for: one per GPU, or 1 on the CPU."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def torchrun_argv(
+    *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
+    node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit",
+) -> list[str]:
+    """torchrun's argument list: a free port on one node by default, static or c10d rendezvous otherwise.
+
+    ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after SIGTERM
+    before it sends SIGKILL.
+    """
+    argv = [
+        f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
+        f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}",
+    ]
+    if rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    elif nnodes in ("1", "1:1") and master_addr is None and master_port is None:
+        argv += ["--standalone"]  # c10d rendezvous on localhost with a free port
+    else:
+        addr = master_addr or "127.0.0.1"
+        port = master_port if master_port is not None else 29500
+        if node_rank == 0:
+            check_port_free(addr, port)
+        argv += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={node_rank}"]
+    return [*argv, *program]
 
 
 def launch(torchrun_argv: list[str]) -> int:

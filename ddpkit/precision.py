@@ -17,12 +17,12 @@ from ddpkit.errors import ConfigError
 __all__ = ["check_precision", "autocast", "grad_scaler"]
 
 
-def check_precision(precision: str, device: torch.device) -> None:
-    """Raise a ConfigError for a precision the device cannot run."""
+def check_precision(precision: str, device: torch.device, *, option: str = "train.precision=") -> None:
+    """Raise a ConfigError for a precision the device cannot run; ``option`` is how the user spelled the setting."""
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError(
-            "train.precision=fp16 needs a CUDA device (it relies on a GradScaler and fp16 kernels); "
-            "this run is on the CPU: use train.precision=bf16 or fp32"
+            f"{option}fp16 needs a CUDA device (it relies on a GradScaler and fp16 kernels); "
+            f"this run is on the CPU: use {option}bf16 or fp32"
         )
 
 

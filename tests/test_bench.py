@@ -103,7 +103,7 @@ def test_table_and_number_formatting():
         (["throughput", "--model", "mlp", "--steps", "0"], "--steps: 0 must be at least 1"),
         (["throughput", "--model", "mlp", "--input-shape", "3,x"], "--input-shape"),
         pytest.param(
-            ["throughput", "--model", "mlp", "--precision", "fp16"], "--precision fp16 needs CUDA",
+            ["throughput", "--model", "mlp", "--precision", "fp16"], "--precision fp16 needs a CUDA device",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid on CUDA"),
         ),
         (["allreduce", "--sizes", "1QB..2MB"], "cannot read '1QB' as a size"),

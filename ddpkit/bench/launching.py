@@ -38,12 +38,12 @@ def run_workers(
     taking the spec path as its last argument (a benchmark script serving its own kinds with
     :func:`ddpkit.bench.worker.serve`).
     """
-    from ddpkit.launch import launch
+    from ddpkit.launch import launch, torchrun_argv
 
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{kind}-") as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"kind": kind, "params": params, "result": str(result), "workdir": tmp}))
-        argv = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *(entry or ["-m", "ddpkit.bench.worker"]), str(spec)]
+        argv = torchrun_argv(nproc=str(nproc), program=[*(entry or ["-m", "ddpkit.bench.worker"]), str(spec)])
         with _env(OMP_NUM_THREADS=str(threads) if threads else None):
             code = launch(argv)
         if code != 0 or not result.exists():

@@ -86,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> list[int]:
     """The world sizes to run; every option checked before any process starts."""
-    import torch
-
+    from ddpkit.launch import preflight
     from ddpkit.registry import MODELS
 
     counts = parse_nproc(args.nproc)
@@ -97,11 +96,7 @@ def _check(args: argparse.Namespace) -> list[int]:
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.precision == "fp16" and not gpus:
-        raise BenchUsageError("--precision fp16 needs CUDA GPUs (a GradScaler and fp16 kernels); on the CPU use --precision bf16")
-    if gpus and counts[-1] > gpus:
-        raise BenchUsageError(f"--nproc: {counts[-1]} processes, but this node has {gpus} GPU(s); one process per GPU")
+    preflight(nproc=str(counts[-1]), precision=args.precision, precision_option="--precision ")  # the checks of `ddpkit run`
     if args.plot:
         from ddpkit.bench.plotting import require_matplotlib
 
