@@ -33,8 +33,8 @@ from ddpkit.config_overrides import apply_override, parse_override
 from ddpkit.config_read import MAX_FILE_BYTES, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
 
-# Re-exported: the names callers have always imported from here.
-__all__ = ["load_config", "read_yaml", "parse_override", "config_to_dict", "dump_config", "config_hash", "flatten", "MAX_FILE_BYTES"]
+# Re-exported: the type load_config returns, and the names callers have always imported from here.
+__all__ = ["Config", "load_config", "read_yaml", "parse_override", "config_to_dict", "dump_config", "config_hash", "flatten", "MAX_FILE_BYTES"]
 
 MAX_PROBLEMS_SHOWN = 30
 

@@ -41,6 +41,8 @@ __all__ = [
     "batch_size_of",
     "agree_on_batch_count",
     "exact_batches",
+    "train_loader_for",
+    "val_loader_for",
 ]
 
 
@@ -234,3 +236,21 @@ def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, cons
                 f"but its len() promised {count}; fix the sampler's __len__"
             )
         yield batch
+
+
+def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
+    """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
+    cfg = config.data
+    return build_train_loader(
+        dataset, env=env, batch_size=cfg.batch_size, num_workers=cfg.num_workers, shuffle=cfg.shuffle,
+        drop_last=cfg.drop_last, seed=config.run.seed, pin_memory=cfg.pin_memory and device.type == "cuda",
+    )
+
+
+def val_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
+    """The Trainer's default validation loader: :func:`build_eval_loader` with the config's ``data`` options."""
+    cfg = config.data
+    return build_eval_loader(
+        dataset, env=env, batch_size=cfg.val_batch_size or cfg.batch_size, num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+    )

@@ -21,9 +21,17 @@ from typing import Any
 
 from ddpkit.errors import DdpkitError
 
-__all__ = ["setup_logging", "ProgressBar", "MetricSinks", "StepLog"]
+__all__ = ["setup_logging", "ProgressBar", "MetricSinks", "StepLog", "METRICS_FILE"]
 
 log = logging.getLogger("ddpkit")
+
+# The keys of metrics.jsonl, beside the writer; `ddpkit plot` reads the same names. Training
+# records hold step, epoch, train_loss, lr, samples_per_s, time; evaluation records hold step,
+# epoch, val_<metric>..., time.
+METRICS_FILE = "metrics.jsonl"
+STEP, EPOCH, TIME = "step", "epoch", "time"
+TRAIN_LOSS, LR, SAMPLES_PER_S = "train_loss", "lr", "samples_per_s"
+VAL_PREFIX = "val_"
 
 
 def setup_logging(rank: int, *, all_ranks: bool = False, log_dir: str | Path | None = None) -> logging.Logger:
@@ -114,7 +122,7 @@ class MetricSinks:
         # opened, instead of leaking its file handle.
         if tensorboard:
             self._tb = _tensorboard_writer(output_dir / "tensorboard")
-        self._jsonl = open(output_dir / "metrics.jsonl", "a" if append else "w", encoding="utf-8")
+        self._jsonl = open(output_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (must contain ``step``); non-finite floats become null in JSON."""
@@ -126,8 +134,8 @@ class MetricSinks:
             for key, value in record.items():
                 # Not "time": TensorBoard stamps each event with wall time itself, and a Unix time
                 # stored as a float32 scalar is only accurate to about two minutes.
-                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=record["step"])
+                if key not in (STEP, TIME) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, global_step=record[STEP])
 
     def close(self) -> None:
         if self._jsonl is not None:

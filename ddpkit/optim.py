@@ -3,6 +3,11 @@
     optim: {name: sgd, lr: 0.1, momentum: 0.9, weight_decay: 5.0e-4, kwargs: {nesterov: true}}
     sched: {name: cosine, warmup_steps: 100, min_lr: 0.0}
 
+:class:`OptimizerStep` is what the training loop runs once per optimizer step: the backward of
+each micro-batch (scaled for fp16, divided over accumulated micro-batches), then gradient
+clipping, the step, zeroing gradients and the schedule, with the autocast context for forward
+passes. The loop itself stays a few readable lines.
+
 An optimizer builder is called as ``builder(params, lr=, momentum=, weight_decay=, **kwargs)``;
 register your own with ``@ddpkit.register_optimizer("name")``. Schedules are a ``LambdaLR``
 stepped once per optimizer step: linear warmup from 0 to ``optim.lr``, then constant, cosine or
@@ -17,11 +22,12 @@ from typing import Any
 
 import torch
 
-from ddpkit.config import OptimConfig, SchedConfig
+from ddpkit.config import OptimConfig, SchedConfig, TrainConfig
 from ddpkit.errors import ConfigError
+from ddpkit.precision import autocast, check_precision, grad_scaler
 from ddpkit.registry import OPTIMIZERS, register_optimizer
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "OptimizerStep"]
 
 
 @register_optimizer("sgd")
@@ -72,3 +78,41 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, base_lr=base_lr, total_steps=total_steps)
     )
+
+
+class OptimizerStep:
+    """Backward passes and optimizer steps as ``train`` configures them (precision, accumulation, clipping)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig, device: torch.device):
+        check_precision(train.precision, device)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.scaler = grad_scaler(train.precision, device)
+        self._precision, self._device = train.precision, device
+        self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
+        self._parameters = list(model.parameters())
+
+    def autocast(self) -> Any:
+        """The context for forward passes (a reusable no-op in fp32)."""
+        return autocast(self._precision, self._device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, averaged over the accumulated micro-batches."""
+        if self._accum > 1:
+            loss = loss / self._accum
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> None:
+        """Clip, step (through the scaler in fp16), zero the gradients, advance the schedule."""
+        if self.scaler is not None:
+            if self._clip:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if self._clip:
+                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()

@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, exit_code_of
+from ddpkit.log import EPOCH, LR, METRICS_FILE, SAMPLES_PER_S, STEP, TIME, TRAIN_LOSS, VAL_PREFIX
 
 __all__ = ["main", "RunMetrics", "load_metrics", "plot_runs"]
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -49,7 +48,7 @@ class RunMetrics:
 
     def val_metrics(self) -> list[str]:
         """Validation metrics other than the loss, in a stable order."""
-        return sorted(k for k in self.series if k.startswith("val_") and k != "val_loss")
+        return sorted(k for k in self.series if k.startswith(VAL_PREFIX) and k != f"{VAL_PREFIX}loss")
 
 
 def load_metrics(run_dir: str | Path, *, name: str | None = None) -> RunMetrics:
@@ -76,9 +75,9 @@ def load_metrics(run_dir: str | Path, *, name: str | None = None) -> RunMetrics:
             if record is None:
                 skipped += line.strip() != ""
                 continue
-            step = record["step"]
+            step = record[STEP]
             for key, value in record.items():
-                if key in ("step", "epoch", "time") or isinstance(value, bool):
+                if key in (STEP, EPOCH, TIME) or isinstance(value, bool):
                     continue
                 if value is None or isinstance(value, (int, float)):
                     latest.setdefault(key, {})[step] = math.nan if value is None else float(value)
@@ -93,7 +92,7 @@ def _parse(line: str) -> dict[str, Any] | None:
         record = json.loads(line)
     except json.JSONDecodeError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+    if not isinstance(record, dict) or not isinstance(record.get(STEP), int):
         return None
     return record
 
@@ -180,16 +179,16 @@ def _panels(runs: Sequence[RunMetrics]) -> list[Any]:
         return any(key in run.series for run in runs)
 
     panels = []
-    if has("train_loss") or has("val_loss"):
+    if has(TRAIN_LOSS) or has(f"{VAL_PREFIX}loss"):
         panels.append(_draw_loss)
     for metric in sorted({m for run in runs for m in run.val_metrics()}):
-        label = metric.removeprefix("val_").replace("_", " ")
+        label = metric.removeprefix(VAL_PREFIX).replace("_", " ")
         percent = "accuracy" in metric  # ddpkit's accuracies are fractions of samples
         panels.append(_single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o", percent=percent))
-    if has("lr"):
-        panels.append(_single("lr", _LR, scientific=True))
-    if has("samples_per_s"):
-        panels.append(_single("samples_per_s", _THROUGHPUT, from_zero=True))
+    if has(LR):
+        panels.append(_single(LR, _LR, scientific=True))
+    if has(SAMPLES_PER_S):
+        panels.append(_single(SAMPLES_PER_S, _THROUGHPUT, from_zero=True))
     return panels
 
 
@@ -197,8 +196,8 @@ def _draw_loss(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
     from matplotlib.lines import Line2D
 
     for run, color in zip(runs, colors):
-        _line(ax, run.series.get("train_loss"), color=color, linestyle="-")
-        _line(ax, run.series.get("val_loss"), color=color, linestyle="--", marker="o")
+        _line(ax, run.series.get(TRAIN_LOSS), color=color, linestyle="-")
+        _line(ax, run.series.get(f"{VAL_PREFIX}loss"), color=color, linestyle="--", marker="o")
     ax.set_title("Loss")
     ax.set_ylabel("loss")
     styles = [Line2D([], [], color="0.3", linestyle="-", label="training"), Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=4, label="validation")]
@@ -261,16 +260,16 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed usage or help
         return int(exc.code or 0)
-    try:
-        names = _unique_names([Path(p) for p in args.runs])
-        runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
-        for run in runs:
-            if run.skipped_lines:
-                print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}", file=sys.stderr)
-        output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir() else Path("metrics.png"))
-        written = plot_runs(runs, output, title=args.title, dpi=args.dpi)
-    except DdpkitError as exc:
-        print(f"ddpkit plot: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return exit_code_of(lambda: _plot(args), command="ddpkit plot")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    names = _unique_names([Path(p) for p in args.runs])
+    runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
+    for run in runs:
+        if run.skipped_lines:
+            print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}", file=sys.stderr)
+    output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir() else Path("metrics.png"))
+    written = plot_runs(runs, output, title=args.title, dpi=args.dpi)
     print(f"wrote {written}")
     return 0

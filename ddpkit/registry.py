@@ -27,7 +27,10 @@ from typing import Any
 
 from ddpkit.errors import ConfigError
 
-__all__ = ["Registry", "MODELS", "DATASETS", "OPTIMIZERS", "register_model", "register_dataset", "register_optimizer"]
+__all__ = [
+    "Registry", "MODELS", "DATASETS", "OPTIMIZERS", "register_model", "register_dataset", "register_optimizer",
+    "build_model", "build_datasets",
+]
 
 
 class Registry:
@@ -128,3 +131,20 @@ OPTIMIZERS = Registry("optimizer", builtins="ddpkit.optim")
 register_model = MODELS.register
 register_dataset = DATASETS.register
 register_optimizer = OPTIMIZERS.register
+
+
+def build_model(cfg: Any) -> Any:
+    """The model config section ``model`` names (the Trainer's default ``build_model``)."""
+    if not cfg.name:
+        raise ConfigError("model.name: not set; name a model (e.g. model.name=mnist_cnn) or override build_model()")
+    return MODELS.build(cfg.name, key="model.name", kwargs=cfg.kwargs)
+
+
+def build_datasets(cfg: Any) -> tuple[Any, Any]:
+    """The ``(train, val)`` datasets config section ``data`` names (the Trainer's default ``build_datasets``)."""
+    if not cfg.name:
+        raise ConfigError("data.name: not set; name a dataset (e.g. data.name=digits) or override build_datasets()")
+    datasets = DATASETS.build(cfg.name, key="data.name", kwargs=cfg.kwargs)
+    if not (isinstance(datasets, tuple) and len(datasets) == 2):
+        raise ConfigError(f"data.name: dataset builder {cfg.name!r} must return (train, val), got {type(datasets).__name__}")
+    return datasets
