@@ -36,12 +36,26 @@ from typing import Any
 from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import fmt, format_table, progress
 from ddpkit.bench.scaling_model import (
-    Bucket, Link, Param, Profile, assign_buckets, best_bucket_cap, fit_link, parse_bandwidth, parse_latency, predict,
+    Bucket,
+    Link,
+    Param,
+    Profile,
+    best_bucket_cap,
+    fit_link,
+    parse_bandwidth,
+    parse_latency,
+    predict,
 )
-from ddpkit.bench.units import BenchUsageError, format_bytes, parse_floats, parse_nproc, parse_sizes
+from ddpkit.bench.units import (
+    BenchUsageError,
+    format_bytes,
+    parse_floats,
+    parse_nproc,
+    parse_sizes,
+)
 from ddpkit.distributed import Runtime
 
-__all__ = ["add_arguments", "run", "worker", "profile_from_dict", "local_links"]
+__all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
 
 ALLREDUCE_SIZES = "4KB..16MB"
 DEFAULT_CAPS = "1,2,5,10,25,50,100,200"
@@ -69,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.config_loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
-    world_sizes, validate, given = _check(args)
+    world_sizes, validate, given, caps = _check(args)
     if cfg.ddp.comm_hook == "powersgd":
         raise BenchUsageError("ddp.comm_hook=powersgd: the scaling model cannot predict PowerSGD's traffic; override ddp.comm_hook=none")
     params = {"config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "iters": args.iters, "warmup": args.warmup}
@@ -79,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     profiles, measured = _measure(params, validate, rounds=args.rounds)
     profile = sorted(profiles[1], key=lambda p: p.single_step_s)[len(profiles[1]) // 2]  # the median round's one-rank profile
     _print_profile(args.config, profile, cfg.ddp.bucket_cap_mb, rounds=args.rounds)
-    caps = parse_floats(args.bucket_caps, option="--bucket-caps")
     rows = prediction_rows(profile, links, world_sizes, algorithm=args.algorithm, caps=caps)
     print(format_table(["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "best bucket_cap_mb", "its efficiency"],
                        [[r["link"], str(r["ranks"]), fmt(r["ms"]), fmt(r["samples_per_s"]), f"{r['efficiency']:.3f}", fmt(r["exposed_ms"]),
@@ -102,9 +115,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[Link]]:
-    """World sizes to predict, to validate, and the given links; every option checked before any process starts."""
+def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[Link], list[float]]:
+    """World sizes to predict and to validate, the given links, the bucket caps; all checked before any process starts."""
     world_sizes = parse_nproc(args.predict, option="--predict", maximum=1 << 20)
+    caps = parse_floats(args.bucket_caps, option="--bucket-caps")
     validate = parse_nproc(args.validate, option="--validate", maximum=os.cpu_count() * 4) if args.validate else []
     for option, value in (("--rounds", args.rounds), ("--iters", args.iters)):
         if value < 1:
@@ -125,7 +139,7 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[Link]]:
         from ddpkit.bench.plotting import require_matplotlib
 
         require_matplotlib()
-    return world_sizes, validate, given
+    return world_sizes, validate, given, caps
 
 
 def _allreduce_points(path: str | None) -> list[tuple[int, int, float]]:

@@ -35,9 +35,23 @@ from typing import Literal
 from ddpkit.bench.units import BenchUsageError
 
 __all__ = [
-    "Link", "Bucket", "Param", "Profile", "Prediction", "Algorithm",
-    "ring_allreduce_s", "tree_allreduce_s", "allreduce_s", "broadcast_s", "fit_link",
-    "assign_buckets", "comm_end_s", "predict", "best_bucket_cap", "parse_bandwidth", "parse_latency",
+    "Algorithm",
+    "Bucket",
+    "Link",
+    "Param",
+    "Prediction",
+    "Profile",
+    "allreduce_s",
+    "assign_buckets",
+    "best_bucket_cap",
+    "broadcast_s",
+    "comm_end_s",
+    "fit_link",
+    "parse_bandwidth",
+    "parse_latency",
+    "predict",
+    "ring_allreduce_s",
+    "tree_allreduce_s",
 ]
 
 Algorithm = Literal["ring", "tree", "best"]

@@ -47,7 +47,7 @@ from ddpkit.precision import autocast, check_precision
 from ddpkit.registry import DATASETS, MODELS
 from ddpkit.rng import seed_everything
 
-__all__ = ["measure_profile", "COMM_FACTOR"]
+__all__ = ["COMM_FACTOR", "measure_profile"]
 
 #: Bytes on the wire per gradient byte for each ``ddp.comm_hook`` the model can represent.
 COMM_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
