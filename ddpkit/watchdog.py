@@ -1,9 +1,8 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
-    watchdog = Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step)
-    reporter.add_phase_listener(watchdog.on_phase)    # phases: data, forward, backward, ...
-    with watchdog:                                     # a daemon thread; stop(error) on the way out
-        ...                                            # the loop; watchdog.tick() per validation batch
+    with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:   # stop(error) on the way out
+        watchdog.listen_to(reporter)                        # phases from reporter.span(): data, forward, ...
+        evaluate(model, loader, watchdog.ticking(validation_step))   # each validation batch is progress
 
 The training thread only writes attributes (the phase, a counter). A daemon thread publishes them
 through the process group's own key-value store (torchrun's TCPStore; never a collective) about
@@ -44,17 +43,15 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config import HANG_TIMEOUT
-from ddpkit.hang_report import SLOW_PHASES, classify, format_report, stack_signature, summary_line, thread_stacks
+from ddpkit.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
+from ddpkit.hang_report import SLOW_PHASES, stack_signature, thread_stacks
 from ddpkit.watchdog_io import StoreClient, StoreDown, own_client, terminate, write_error_file, write_text
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
-HANG_EXIT_CODE = 3  #: every rank's exit code when the watchdog stops a hung job
 FAILED_PEER_EXIT_CODE = 1  #: exit code of a rank stopped because another rank failed
 INTERVAL = 1.0  # seconds between heartbeats (and checks of the alarm key)
-SILENT_AFTER = 10.0  # a heartbeat older than this: the rank is frozen, stopped or gone
 STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
-GATHER_WAIT = 6.0  # how long the reporting rank waits for the others' stacks
 FAILURE_GRACE = 3.0  # let torchrun stop a failed rank's node-mates itself before doing it here
 _generation = 0  # watchdogs started in this process: a fresh key prefix for each fit() of a group
 _current: Watchdog | None = None  # the running watchdog, for announce_failure()
@@ -80,7 +77,7 @@ class Watchdog:
         self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
         self._last_local: tuple[Any, ...] = ()
         self._since = time.time()
-        self._monitor = _Monitor(self)
+        self._monitor = Monitor(self)
 
     @classmethod
     def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> Watchdog | _Off:
@@ -115,6 +112,20 @@ class Watchdog:
         self.ticks += 1
         self.phase_ticks += 1
 
+    def listen_to(self, reporter: Any) -> None:
+        """Follow the phases ``reporter.span(name)`` announces."""
+        reporter.add_phase_listener(self.on_phase)
+
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` that also counts as progress each time it is called (e.g. ``validation_step``)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.ticks += 1
+            self.phase_ticks += 1
+            return fn(*args, **kwargs)
+
+        return call
+
     # --- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> Watchdog:
@@ -147,7 +158,7 @@ class Watchdog:
     # --- the watchdog thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        store_ok = time.monotonic()
+        store_ok, problem = time.monotonic(), ""
         while not self._stopped.wait(INTERVAL):
             try:
                 self._publish()
@@ -155,10 +166,11 @@ class Watchdog:
                 if raw is not None:
                     return self._respond(json.loads(raw))
                 self._monitor.check()
-                store_ok = time.monotonic()
+                store_ok, problem = time.monotonic(), ""
             except StoreDown as exc:
+                problem = problem or str(exc)  # the first symptom says most
                 if time.monotonic() - store_ok > self.hang_timeout and not self._stopped.is_set():
-                    return self._alone(str(exc), time.time() - (time.monotonic() - store_ok))
+                    return self._alone(problem, time.time() - (time.monotonic() - store_ok))
             except Exception as exc:  # a bug here must never take the training run down
                 print(f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 return
@@ -237,104 +249,6 @@ class Watchdog:
             return None
 
 
-class _Monitor:
-    """Decides that the job hangs (rank 0, or any rank once rank 0 is silent) and writes the report."""
-
-    def __init__(self, watchdog: Watchdog):
-        self.wd = watchdog
-        self.start = self.last_progress = time.monotonic()
-        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it changed)
-        self.progress: dict[int, tuple[Any, ...]] = {}
-        self.beats: dict[int, dict[str, Any] | None] = {}
-
-    def check(self) -> None:
-        wd = self.wd
-        if wd.rank != 0:
-            raw = wd.client.get_if_set("hb/0")
-            self._update({0: json.loads(raw) if raw else None})
-            if (self.beats.get(0) or {}).get("phase") == "done" or self._silent_for(0) <= wd.hang_timeout:
-                return  # rank 0 watches everyone while its heartbeat lives
-            self.read_all()  # rank 0 is frozen or gone: this rank reports
-            return self._declare(self._silent_for(0), wd.hang_timeout)
-        self.read_all()
-        live = [b for r, b in self.beats.items() if b and b.get("phase") != "done" and self._silent_for(r) <= SILENT_AFTER]
-        limit = wd.slow_timeout if any(b.get("slow") for b in live) else wd.hang_timeout
-        if time.monotonic() - self.last_progress > limit:
-            self._declare(time.monotonic() - self.last_progress, limit)
-
-    def _declare(self, stalled: float, limit: float) -> None:
-        """Raise the alarm (the first one wins) and answer whichever alarm won."""
-        wd = self.wd
-        path = wd.log_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt"
-        alarm = {"kind": "hang", "by": wd.rank, "path": str(path), "stalled": stalled, "limit": limit}
-        won = wd.client("compare_set", "alarm", "", json.dumps(alarm)).decode()
-        wd._respond(json.loads(won))
-
-    def read_all(self) -> None:
-        keys = [f"hb/{r}" for r in range(self.wd.world_size)]
-        present = [k for k in keys if int(k[3:]) in self.beats and self.beats[int(k[3:])] is not None or self.wd.client("check", [k])]
-        values = self.wd.client("multi_get", present) if present else []
-        self._update({int(k[3:]): json.loads(v) for k, v in zip(present, values)})
-
-    def _update(self, beats: dict[int, dict[str, Any] | None]) -> None:
-        now = time.monotonic()
-        for rank, beat in beats.items():
-            if beat is None:
-                continue
-            if self.seen.get(rank, (None,))[0] != beat["seq"]:
-                self.seen[rank] = (beat["seq"], now)
-            progress = (beat["step"], beat["phase"], beat["ticks"], beat["novel"])
-            if self.progress.get(rank) != progress:
-                self.progress[rank], self.last_progress = progress, now
-            self.beats[rank] = beat
-
-    def _silent_for(self, rank: int) -> float:
-        return time.monotonic() - self.seen.get(rank, (None, self.start))[1]
-
-    def silent(self) -> dict[int, float]:
-        """Ranks without a fresh heartbeat -> wall time of their last one (or of the watchdog's start)."""
-        out = {}
-        for rank in range(self.wd.world_size):
-            if (self.beats.get(rank) or {}).get("phase") != "done" and (age := self._silent_for(rank)) > SILENT_AFTER:
-                out[rank] = time.time() - age
-        return out
-
-    def report(self, alarm: dict[str, Any]) -> None:
-        """Gather every live rank's stacks, write and print the report, then stop this rank last."""
-        wd = self.wd
-        self._try_read_all()
-        silent = self.silent()
-        expected = [r for r in range(wd.world_size) if r not in silent and (self.beats.get(r) or {}).get("phase") != "done"]
-        stacks: dict[int, str] = {}
-        deadline = time.monotonic() + GATHER_WAIT
-        while time.monotonic() < deadline and len(stacks) < len(expected):
-            for rank in expected:
-                if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))) is not None:
-                    stacks[rank] = text
-            time.sleep(0.2)
-        verdict = classify(self.beats, silent)
-        stalled = alarm["stalled"]
-        text = format_report(verdict, self.beats, silent, stacks, stalled_for=stalled, limit=alarm["limit"])
-        path = write_text(Path(alarm["path"]), text)
-        summary = summary_line(verdict, self.beats, silent, stalled_for=stalled)
-        print(f"{text}\nddpkit: {summary}; report: {path}", file=sys.stderr, flush=True)
-        hang_start = time.time() - stalled
-        stuck = verdict.stuck or verdict.silent
-        write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time())
-        done = {"summary": summary, "stuck": stuck, "since": hang_start}
-        wd._try(lambda: wd.client("set", "done", json.dumps(done)))
-        deadline = time.monotonic() + 3  # let the others exit first: torchrun names the earliest failure
-        while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < len(expected) - 1:
-            time.sleep(0.1)
-        terminate(HANG_EXIT_CODE)
-
-    def _try_read_all(self) -> None:
-        try:
-            self.read_all()
-        except StoreDown:
-            pass
-
-
 class _Off:
     """The watchdog when it is off: same methods, no thread, nothing published."""
 
@@ -342,6 +256,10 @@ class _Off:
 
     def on_phase(self, name: str | None) -> None: ...
     def tick(self) -> None: ...
+    def listen_to(self, reporter: Any) -> None: ...  # no listener: Reporter.span stays free
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
     def start(self) -> _Off:
         return self
 
