@@ -135,6 +135,23 @@ def test_bandwidth_and_latency_units():
         parse_latency("5 parsecs")
 
 
+def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
+    """docs/scaling.md's table: Horovod's ResNet-101 setup (published: 0.90 at 512 GPUs)."""
+    from pathlib import Path
+
+    from ddpkit.bench.scaling_model import assumed_profile
+
+    resnet101 = assumed_profile(0.618, 44_549_160 * 4, batch_size=64, cap_mb=64)
+    ring = [round(predict(resnet101, n, Link(25e9 / 8, 10e-6)).efficiency, 3) for n in (16, 128, 512)]
+    assert ring == [0.960, 0.954, 0.943]
+    assert round(predict(resnet101, 512, Link(25e9 / 8, 20e-6)).efficiency, 3) == 0.928
+    assert round(predict(resnet101, 512, Link(25e9 / 8, 10e-6), "tree").efficiency, 3) == 0.957
+    one_bucket = assumed_profile(0.618, 44_549_160 * 4, batch_size=64, cap_mb=1e6)
+    assert round(predict(one_bucket, 512, Link(25e9 / 8, 10e-6)).efficiency, 3) == 0.833
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    assert "| predicted, ring, 10 us | 0.960 | 0.954 | **0.943** |" in docs and "| published (Horovod) | | | **0.90** |" in docs
+
+
 # --- the profile on a real rank -----------------------------------------------------------------
 
 

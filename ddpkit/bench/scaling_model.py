@@ -42,6 +42,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "allreduce_s",
+    "assumed_profile",
     "assign_buckets",
     "best_bucket_cap",
     "broadcast_s",
@@ -241,6 +242,22 @@ def predict(profile: Profile, n: int, link: Link, algorithm: Algorithm = "ring",
     compute = (profile.data_s + profile.forward_s + profile.optimizer_s + profile.local_backward_s) * compute_scale
     step = compute + broadcast_s(profile.buffer_bytes, n, link) + max(backward, end)
     return Prediction(n, step, total, max(0.0, end - backward), n * profile.batch_size / step, profile.single_step_s / step)
+
+
+def assumed_profile(step_s: float, grad_bytes: int, *, batch_size: int, backward_share: float = 2 / 3,
+                    cap_mb: float | None = None, pieces: int = 200) -> Profile:
+    """A profile from published numbers instead of a measurement (what-if studies, published checks).
+
+    ``step_s`` is one device's whole step; ``backward_share`` of it is the backward, the rest
+    forward (data and optimizer counted in it). Gradients become ready at a constant rate in
+    bytes over the backward (``pieces`` equal tensors): an assumption; real models front-load or
+    back-load their bytes.
+    """
+    backward = step_s * backward_share
+    params = tuple(Param(grad_bytes // pieces, backward * (i + 1) / pieces) for i in range(pieces))
+    return Profile(batch_size=batch_size, data_s=0.0, forward_s=step_s - backward, backward_s=backward, optimizer_s=0.0,
+                   local_backward_s=0.0, single_step_s=step_s, buckets=tuple(assign_buckets(params, cap_mb=cap_mb)),
+                   params=params, bucket_cap_mb=cap_mb)
 
 
 def best_bucket_cap(profile: Profile, n: int, link: Link, *, caps_mb: Sequence[float], algorithm: Algorithm = "ring") -> tuple[float, Prediction]:
