@@ -299,12 +299,30 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    """Console, file and TensorBoard logging."""
+    """Console, file, TensorBoard and experiment-tracker logging."""
 
-    progress_bar: bool = option(True, "Show a tqdm progress bar on rank 0.")
+    progress_bar: bool = option(
+        True, "Show progress on rank 0: a tqdm bar on a terminal, else a plain line every `log.progress_every` seconds."
+    )
     all_ranks: bool = option(False, "Log INFO messages from every rank (default: rank 0 at INFO, others at WARNING).")
     rank_files: bool = option(False, "Also write each rank's log to `<output_dir>/logs/rank<N>.log`.")
     tensorboard: bool = option(False, "Write TensorBoard event files to `<output_dir>/tensorboard` (needs `ddpkit[tensorboard]`).")
+    progress_every: float = option(
+        30.0, "When stderr is not a terminal (a batch job's log): seconds between plain progress lines, instead of a bar.", gt=0
+    )
+    mlflow: bool = option(
+        False,
+        "Log params, metrics, status and model.pt to MLflow (needs `ddpkit[mlflow]`): `MLFLOW_TRACKING_URI`, else "
+        "`sqlite:///<output_dir>/mlflow.db`; experiment = `run.name`. A resumed run continues the same MLflow run.",
+    )
+    wandb: bool = option(
+        False,
+        "Log the same to Weights & Biases (needs `ddpkit[wandb]`); project = `run.name` unless `WANDB_PROJECT` is set; "
+        "`WANDB_MODE=offline` needs no network.",
+    )
+    tracker_timeout: float = option(
+        60.0, "Seconds the end of training waits for MLflow / W&B to send what is queued; a tracker never stalls a step.", gt=0
+    )
 
 
 @dataclass(frozen=True)
