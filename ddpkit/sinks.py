@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Sink", "SinkGroup", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
+__all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
 
 log = logging.getLogger("ddpkit.sinks")
 
@@ -112,6 +112,19 @@ class SinkGroup:
             return None
 
 
+def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
+    """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.Config`): ``metrics.jsonl``
+    (+ TensorBoard), ``status.json``, the trackers ``log.mlflow`` / ``log.wandb`` ask for, then
+    ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
+    sinks: list[Sink] = [MetricsFileSink(config.output_dir, tensorboard=config.log.tensorboard, append=append), StatusSink(config.output_dir)]
+    if config.log.mlflow or config.log.wandb:
+        from ddpkit.trackers import tracker_sinks  # only then: keeps `import ddpkit` light
+
+        sinks += tracker_sinks(mlflow=config.log.mlflow, wandb=config.log.wandb, output_dir=config.output_dir,
+                               run_name=config.run.name, timeout=config.log.tracker_timeout)
+    return SinkGroup([*sinks, *extra])
+
+
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"optim": {"lr": 0.05}}`` -> ``{"optim.lr": 0.05}``: the form trackers take params in.
 
@@ -133,6 +146,27 @@ def as_text(value: Any) -> str:
     if value is None or isinstance(value, (bool, list, dict, tuple)):
         return json.dumps(value, default=str)
     return str(value)
+
+
+class MetricsFileSink(Sink):
+    """``metrics.jsonl`` (and TensorBoard when asked), the run's record of truth: ``required``.
+
+    A thin adapter over :class:`ddpkit.log.MetricSinks`, which owns the file format.
+    """
+
+    name = "metrics"
+    required = True
+
+    def __init__(self, output_dir: str | os.PathLike, *, tensorboard: bool = False, append: bool = True):
+        from ddpkit.log import MetricSinks
+
+        self._sinks = MetricSinks(output_dir, enabled=True, tensorboard=tensorboard, append=append)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._sinks.write(record)
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        self._sinks.close()
 
 
 class StatusSink(Sink):
