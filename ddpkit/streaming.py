@@ -78,9 +78,9 @@ class ShardedStream(IterableDataset):
 
     def __init__(
         self, source: Any, *, rank: int, world_size: int, batch_size: int, drop_last: bool = True,
-        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate,
+        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate, seed: int = 0,
     ):
-        self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
+        self.source, self.rank, self.world_size, self.batch_size, self.seed = source, rank, world_size, batch_size, seed
         self.drop_last, self.split_ranks, self.split_workers, self.collate_fn = drop_last, split_ranks, split_workers, collate_fn
         self.epoch, self._yielded, self._ended = 0, 0, False
         self._resume: dict[str, Any] | None = None
@@ -111,19 +111,21 @@ class ShardedStream(IterableDataset):
             return
         slot, slots = self._slot()
         samples = iter(self.source) if slots == 1 else itertools.islice(iter(self.source), slot, None, slots)
-        # Resume: drop what earlier batches used without collating it (the cheap part of a replay).
-        samples = itertools.islice(samples, self._yielded * self.batch_size, None)
-        while batch := list(itertools.islice(samples, self.batch_size)):
+        skip = self._yielded
+        for number in itertools.count():
+            batch = list(itertools.islice(samples, self.batch_size))
             if len(batch) < self.batch_size:
                 self._ended = True
-                yield _Tail(len(batch)) if self.drop_last else self.collate_fn(batch)
+                if batch:
+                    yield _Tail(len(batch)) if self.drop_last else self.collate_fn(batch)
                 return
-            self._yielded += 1  # counted before the yield: the state read after this batch includes it
+            if number < skip:  # resume: what earlier batches used is read again but not collated
+                continue
+            self._yielded = number + 1  # counted before the yield: the state read after this batch includes it
             yield self.collate_fn(batch)
-        self._ended = True
 
 
-def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True) -> ShardedStream:
+def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True, seed: int = 0) -> ShardedStream:
     """Shard ``dataset`` over ranks its own way if it has one, else round-robin; see the module doc."""
     rank, world = env.rank, env.world_size
     module = type(dataset).__module__.split(".")[0]
@@ -145,7 +147,7 @@ def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool
             "so every rank and worker reads the whole stream and keeps its share"
         )
     return ShardedStream(dataset, rank=rank, world_size=world, batch_size=batch_size, drop_last=drop_last,
-                         split_ranks=split_ranks, split_workers=not splits_workers)
+                         split_ranks=split_ranks, split_workers=not splits_workers, seed=seed)
 
 
 _noted: set[str] = set()
@@ -158,7 +160,8 @@ def _note_once(message: str) -> None:
 
 
 def build_stream_loader(
-    dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, **loader_kwargs: Any
+    dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
+    **loader_kwargs: Any,
 ) -> DataLoader:
     """A resumable training loader over this rank's shard of ``dataset`` (batches made by the stream).
 
@@ -172,7 +175,7 @@ def build_stream_loader(
             "training on an IterableDataset needs torchdata's StatefulDataLoader for exact mid-epoch resume: "
             "pip install 'ddpkit[stream]'. Or return a map-style Dataset (with __len__) from build_datasets / data.name."
         ) from None
-    stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True)
+    stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True, seed=seed)
     loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
         warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -216,8 +219,8 @@ class StreamEpochs:
     ``batches_per_epoch`` is None until a whole epoch has been seen.
     """
 
-    def __init__(self, loader: DataLoader, *, device: torch.device, accum: int = 1, window_steps: int = 8, seed: int = 0):
-        self.loader, self.device, self.accum, self.seed = loader, device, accum, seed
+    def __init__(self, loader: DataLoader, *, device: torch.device, accum: int = 1, window_steps: int = 8):
+        self.loader, self.device, self.accum = loader, device, accum
         self.window = window_steps * accum  # micro-batches; a multiple of accum, so steps never straddle a stop
         self.batches_per_epoch: int | None = None
         self.epoch, self._skip = 0, 0
@@ -233,7 +236,7 @@ class StreamEpochs:
         self.epoch, self._skip, self._window_first, self._window_state = epoch, start_batch, 0, None
         self.stream.set_epoch(epoch)
         if self.loader.generator is not None:
-            self.loader.generator.manual_seed(self.seed * 1_000_003 + epoch)
+            self.loader.generator.manual_seed(self.stream.seed * 1_000_003 + epoch)  # worker seeds: a function of the epoch
         saved, self._saved = self._saved, None
         if start_batch and saved is not None and saved["epoch"] == epoch and saved["window_first"] <= start_batch:
             self._window_first, self._window_state = saved["window_first"], saved["loader"]

@@ -1,0 +1,139 @@
+"""Samples/s of a sharded stream against the same data map-style, and the cost of the agreed stop.
+
+    python scripts/bench_streaming.py                          # 1 and 2 ranks x 0 and 2 workers, 5 rounds
+    python scripts/bench_streaming.py --rounds 9 --num-train 24000 --json /tmp/bench_streaming.json
+
+``throughput``: each rank count runs as one job of Gloo ranks (one thread each, a ``FileStore``,
+``ddpkit.testing.run_on_ranks``). Inside it, every round reads one whole epoch of the embedded
+digits data (1x28x28 images, per-rank batch 64) through
+
+* ``map``: a ``TensorDataset`` through ddpkit's ``build_train_loader`` (``DistributedSampler``);
+* ``stream``: the same tensors as a plain ``IterableDataset`` (no ``len()``, reshuffled by
+  ``set_epoch``) through ``build_stream_loader`` + ``StreamEpochs`` (round-robin over ranks and
+  workers, one ``all_reduce(MIN)`` per window of ``data.stream_window`` = 8 steps);
+
+for 0 and 2 workers, in alternating order (the order flips every round). The time is the slowest
+rank's, from ``iter()`` (worker start included) to the epoch's end; samples/s counts the samples
+the epoch used on all ranks. Each batch is touched (``x.sum()``) and nothing else: the loader is
+all that is measured, which is the worst case for any difference.
+
+``agreement``: 2 ranks, 0 workers, in-memory stream, window of 1, 8 and 100000 steps (that is,
+one all_reduce per step, per 8 steps, and one per epoch): microseconds per batch, so the cost of
+the per-window collective can be read off against a loop without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, TensorDataset
+
+from ddpkit.data import build_train_loader, start_epoch
+from ddpkit.datasets import make_digits
+from ddpkit.env import read_dist_env
+from ddpkit.streaming import StreamEpochs, build_stream_loader
+from ddpkit.testing import run_on_ranks
+
+
+class TensorStream(IterableDataset):
+    """The rows of ``tensors`` in an order drawn from the epoch: a plain stream, no len(), no sharding."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.tensors, self.epoch = tensors, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in torch.randperm(len(self.tensors[0]), generator=torch.Generator().manual_seed(self.epoch)).tolist():
+            yield tuple(t[i] for t in self.tensors)
+
+
+def _epoch(variant: str, data: tuple[torch.Tensor, ...], workers: int, epoch: int, window: int = 8) -> tuple[float, int]:
+    """Seconds for one epoch on this rank (slowest rank's, after an all_reduce) and samples used on all ranks."""
+    env = read_dist_env()
+    dist.barrier()
+    started = time.perf_counter()
+    if variant == "map":
+        loader = build_train_loader(TensorDataset(*data), env=env, batch_size=64, num_workers=workers)
+        start_epoch(loader, epoch)
+        batches = loader
+    else:
+        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers)
+        batches = StreamEpochs(loader, device=torch.device("cpu"), window_steps=window)
+        batches.start_epoch(epoch)
+    count = 0
+    for x, _ in batches:
+        x.sum()
+        count += len(x)
+    elapsed = torch.tensor([time.perf_counter() - started, float(count)], dtype=torch.float64)
+    dist.all_reduce(elapsed[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed[1:])
+    return float(elapsed[0]), int(elapsed[1])
+
+
+def _throughput_job(rounds: int, num_train: int) -> dict[str, list[float]]:
+    multiprocessing.set_start_method("fork", force=True)  # DataLoader workers: fork, as under torchrun
+    data = make_digits(num_train, seed=1234)
+    results: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for variant in (("map", "stream") if r % 2 == 0 else ("stream", "map")):
+            for workers in (0, 2):
+                seconds, samples = _epoch(variant, data, workers, epoch=r)
+                results.setdefault(f"{variant}/{workers}", []).append(samples / seconds)
+    return results
+
+
+def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
+    data = make_digits(num_train, seed=1234)
+    results: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for window in ((1, 8, 100000) if r % 2 == 0 else (100000, 8, 1)):
+            seconds, samples = _epoch("stream", data, 0, epoch=r, window=window)
+            results.setdefault(f"window {window}", []).append(seconds / (samples / 64 / dist.get_world_size()) * 1e6)
+    return results
+
+
+def _summary(name: str, values: list[float]) -> dict[str, Any]:
+    return {"name": name, "median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-train", type=int, default=12000)
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"throughput": {}, "agreement": {}}
+    print(f"samples/s, one epoch of {args.num_train} digits, per-rank batch 64; median (min..max) of {args.rounds} rounds")
+    print(f"{'ranks':>5} {'workers':>7} {'map':>22} {'stream':>22} {'stream/map':>20}")
+    for ranks in (1, 2):
+        job = run_on_ranks(_throughput_job, world_size=ranks, args=(args.rounds, args.num_train), timeout=3600)[0]
+        for workers in (0, 2):
+            m, s = job[f"map/{workers}"], job[f"stream/{workers}"]
+            ratios = [b / a for a, b in zip(m, s)]
+            report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s), _summary("ratio", ratios)]
+            print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
+    job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0]
+    print("\nus per batch, 2 ranks, 0 workers, by data.stream_window (1: an all_reduce every step; 100000: one per epoch)")
+    for name, values in job.items():
+        report["agreement"][name] = _summary(name, values)
+        print(f"{name:>14}: {_fmt(values, 1)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _fmt(values: list[float], digits: int) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f})"
+
+
+if __name__ == "__main__":
+    main()
