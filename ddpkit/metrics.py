@@ -8,7 +8,7 @@ mean over the whole validation set however it was sharded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +16,27 @@ import torch
 from ddpkit.distributed import all_gather_object, all_reduce_sum
 from ddpkit.errors import ConfigError
 
-__all__ = ["RunningMean", "ExactMeans", "BestTracker"]
+__all__ = ["RunningMean", "ExactMeans", "BestTracker", "evaluate"]
+
+
+def evaluate(model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+    """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
+
+    The model's train/eval mode is restored afterwards. Every rank calls it (the means are reduced).
+    """
+    from ddpkit.data import batch_size_of, move_to_device  # data's loaders sit above these metrics
+
+    was_training = model.training
+    model.eval()
+    means = ExactMeans(device)
+    try:
+        with torch.no_grad(), autocast():
+            for batch in loader:
+                batch = move_to_device(batch, device)
+                means.add(step(batch), batch_size=batch_size_of(batch))
+    finally:
+        model.train(was_training)
+    return {f"val_{name}": value for name, value in means.compute().items()}
 
 
 class RunningMean:

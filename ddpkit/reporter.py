@@ -154,8 +154,8 @@ class Reporter:
         """Merge every rank's spans into ``<output_dir>/timeline.json`` (a collective; when enabled)."""
         self.timeline.write(self.output_dir / "timeline.json")
 
-    def close(self) -> None:
-        """Close the bar, the sinks and the step log (safe to call twice)."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED."""
         self.bar.close()
         self.sinks.close()
         self.step_log.close()

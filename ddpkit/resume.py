@@ -156,6 +156,7 @@ class RunState:
         ck = config.checkpoint
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
         self._last_saved_step = -1
+        self._restored_components: dict[str, Any] = {}
         self.enabled = bool(ck.every_steps or ck.every_epochs or ck.best)
         best, early = ck.best, config.train.early_stopping
         self.best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
@@ -221,12 +222,21 @@ class RunState:
         if parts.scaler is not None and state.scaler is not None:
             parts.scaler.load_state_dict(state.scaler)
         parts.progress = Progress(**state.progress)
+        self._restored_components = dict(state.components)
         for name, component in parts.components.items():
             component.load_state_dict(state.components.get(name, {}))
         self._last_saved_step = parts.progress.step
         rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
         # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
         restore_rng(state.rng[rank] if len(state.rng) == world_size else state.rng[0])
+
+    def register(self, name: str, component: Any) -> None:
+        """Add a component built after resume (e.g. the reporter's tracker sinks, which need to know
+        whether the run resumed): saved in every checkpoint from now on, and handed the state the
+        resumed checkpoint holds for ``name``, if any."""
+        self.parts.components[name] = component
+        if name in self._restored_components:
+            component.load_state_dict(self._restored_components[name])
 
     # --- save ---------------------------------------------------------------------------------
 

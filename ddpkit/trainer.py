@@ -33,12 +33,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import registry, reporter
 from ddpkit.config_loader import Config, load_config
-from ddpkit.data import agree_on_batch_count, batch_size_of, exact_batches, move_to_device, start_epoch, train_loader_for, val_loader_for
+from ddpkit.data import agree_on_batch_count, exact_batches, move_to_device, start_epoch, train_loader_for, val_loader_for
 from ddpkit.ddp import sync_gradients, unwrap_model, wrap_model
 from ddpkit.distributed import Runtime, barrier, process_group
 from ddpkit.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.env import DistEnv, read_dist_env
-from ddpkit.metrics import ExactMeans
+from ddpkit.metrics import evaluate
 from ddpkit.optim import OptimizerStep, build_optimizer, build_scheduler
 from ddpkit.resume import Progress, RunState, TrainingParts, check_same_run_on_every_rank, seed_for_setup
 
@@ -211,15 +211,17 @@ class Trainer:
         cfg = self.config
         with process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug) as runtime:
             self.runtime = runtime
+            status = "FAILED"
             try:
                 self._setup()
                 self.on_fit_start()
                 while not self._finished():
                     self._train_epoch()
                 metrics = self._finish()
+                status = "FINISHED"
             finally:
                 if self.reporter is not None:
-                    self.reporter.close()
+                    self.reporter.close(status)
         self.on_fit_end(metrics)
         return metrics
 
@@ -329,20 +331,12 @@ class Trainer:
         """Exact validation metrics over the whole validation set (call on every rank)."""
         if self.val_loader is None:
             return {}
-        bare = unwrap_model(self._train_model)
-        was_training = bare.training
-        bare.eval()
-        means = ExactMeans(self.device)
         self._in_validation = True
         try:
-            with torch.no_grad(), self._step.autocast():
-                for batch in self.val_loader:
-                    batch = move_to_device(batch, self.device)
-                    means.add(self.validation_step(batch), batch_size=batch_size_of(batch))
+            bare = unwrap_model(self._train_model)
+            return evaluate(bare, self.val_loader, self.validation_step, device=self.device, autocast=self._step.autocast)
         finally:
             self._in_validation = False
-            bare.train(was_training)
-        return {f"val_{name}": value for name, value in means.compute().items()}
 
     def _evaluate(self) -> None:
         with self.reporter.outside_training("evaluation"):
