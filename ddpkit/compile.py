@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.allocator import keep_freed_host_memory
 from ddpkit.config import DDPConfig, TrainConfig
 from ddpkit.ddp import unwrap_model, wrap_model
 from ddpkit.distributed import Runtime
@@ -99,8 +100,12 @@ def build_models(
 ) -> Models:
     """``model`` on the runtime's device, in channels_last if asked, DDP-wrapped, then compiled if asked.
 
+    Also keeps freed host memory in the process (``train.keep_host_memory``, see ddpkit.allocator).
+
     ``exclude(name)`` is a context for work left out of samples/s; each compilation runs inside it.
     """
+    if train.keep_host_memory:
+        keep_freed_host_memory()
     if train.channels_last:
         model = to_channels_last(model)
     wrapped = wrap_model(model, runtime, ddp)

@@ -242,6 +242,12 @@ class TrainConfig:
         "Convert the model and 4-D inputs to channels_last (NHWC) memory format: faster convolutions on "
         "recent GPUs and often on CPU; no effect on models without convolutions.",
     )
+    keep_host_memory: bool = option(
+        True,
+        "Keep host memory freed during training in the process for reuse (glibc `mallopt`; blocks up to "
+        "32 MiB), so each step's CPU activations do not fault in fresh pages: measured 200-1,900 page faults "
+        "and up to 5 ms per MNIST-CNN step without it. `false`: malloc's defaults. Linux/glibc only.",
+    )
     early_stopping: EarlyStoppingConfig = option(factory=EarlyStoppingConfig, doc="Early stopping on a validation metric.")
 
 

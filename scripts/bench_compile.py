@@ -1,0 +1,277 @@
+"""torch.compile side by side: hand-written eager / compiled DDP loops against ddpkit eager / `train.compile: true`.
+
+    python scripts/bench_compile.py                                   # mnist_cnn and resnet18, 3 rounds
+    python scripts/bench_compile.py --workloads resnet18 --rounds 2 --variants hand-eager,ddpkit-compiled
+    python scripts/bench_compile.py --accuracy 0.95 --rounds 2        # time to 95% on the digits data
+    python scripts/bench_compile.py --variants hand-eager,ddpkit-eager,ddpkit-cl,ddpkit-compiled-cl   # channels_last
+
+Each workload runs as one job of 2 Gloo ranks (one thread each) started through torch's
+launcher; inside it every variant trains the same model on the same data (``bench_overhead.py``'s
+workloads: per-rank batch 64, SGD lr 0.01 momentum 0.9, same seed) in alternating rounds:
+
+* ``hand-eager``: the plain DDP loop of ``bench_overhead.py``, the reference;
+* ``hand-compiled``: the same loop on ``torch.compile(DDP(model))`` (the order torch's DDP notes give);
+* ``ddpkit-eager``, ``ddpkit-compiled``: ``ddpkit.Trainer`` with its defaults, ``train.compile: false`` / ``true``;
+* ``ddpkit-cl``, ``ddpkit-compiled-cl``: the same with ``train.channels_last: true``.
+
+Columns: steady ``ms/step`` (mean over the steps after the warm-up, median over rounds, and its
+range), the paired ratio to ``hand-eager`` and to ``hand-compiled`` (median of per-round ratios,
+and its range), and ``compile s``: the first step's time beyond a steady step, which is the
+compilation (Dynamo, AOTAutograd, Inductor) plus one-time costs every variant pays. Inductor
+caches compiled kernels on disk (``/tmp/torchinductor_$USER``), so rounds after the first compile
+faster: the column shows the median; the first round's value is printed with the progress lines.
+
+``--accuracy A`` measures instead the wall time from the start of a run (model built, loader,
+compile included) until the validation accuracy on the digits data (12,000 training / 2,000
+validation images) first reaches ``A``, checked every 25 steps, for the MNIST CNN (batch 64 per
+rank, SGD lr 0.05 momentum 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import BATCH, LR, MOMENTUM, SEED, WORKLOADS, build, loader_for  # noqa: E402
+
+from ddpkit.bench.launching import run_workers  # noqa: E402
+from ddpkit.bench.report import Stats, format_table, progress  # noqa: E402
+from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step  # noqa: E402
+from ddpkit.bench.worker import serve  # noqa: E402
+from ddpkit.datasets import digits  # noqa: E402
+from ddpkit.distributed import Runtime  # noqa: E402
+from ddpkit.registry import MODELS  # noqa: E402
+
+STEPS = {"mnist_cnn": (60, 10), "resnet18": (10, 3)}  # timed steps, warm-up steps (the first includes compiling)
+EVAL_EVERY, ACC_LR, ACC_MAX_STEPS = 25, 0.05, 2000
+
+
+# --- the step-time variants ----------------------------------------------------------------------
+
+
+def hand(w: dict[str, Any], steps: int, rank: int, world_size: int, *, compiled: bool) -> StepClock:
+    torch.manual_seed(SEED)
+    train_set, model = build(w, steps)
+    net = DDP(model)
+    net = torch.compile(net) if compiled else net
+    loader = loader_for(train_set, rank, world_size)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.manual_seed(SEED + rank)
+    net.train()
+    clock = StepClock()
+    clock.tick()
+    for x, y in loader:
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock
+
+
+def ddpkit_run(w: dict[str, Any], steps: int, world_size: int, workdir: Path, **train: Any) -> StepClock:
+    trainer = TimedTrainer({
+        "run": {"name": "compile", "output_dir": str(workdir), "seed": SEED},
+        "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
+        "model": {"name": w["model"], "kwargs": w["kwargs"]},
+        "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "train": {"epochs": 1, "max_steps": steps, **train},
+        "checkpoint": {"every_epochs": None, "resume": "none"},
+    })
+    with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, but off the screen
+        trainer.fit()
+    return trainer.clock
+
+
+VARIANTS = {
+    "hand-eager": lambda w, s, r, n, d: hand(w, s, r, n, compiled=False),
+    "hand-compiled": lambda w, s, r, n, d: hand(w, s, r, n, compiled=True),
+    "ddpkit-eager": lambda w, s, r, n, d: ddpkit_run(w, s, n, d),
+    "ddpkit-compiled": lambda w, s, r, n, d: ddpkit_run(w, s, n, d, compile=True),
+    "ddpkit-cl": lambda w, s, r, n, d: ddpkit_run(w, s, n, d, channels_last=True),
+    "ddpkit-compiled-cl": lambda w, s, r, n, d: ddpkit_run(w, s, n, d, compile=True, channels_last=True),
+}
+DEFAULT_VARIANTS = ["hand-eager", "hand-compiled", "ddpkit-eager", "ddpkit-compiled"]
+
+
+def steps_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
+    w, (steps, warmup) = WORKLOADS[params["workload"]], STEPS[params["workload"]]
+    rank, world_size, variants = runtime.env.rank, runtime.env.world_size, params["variants"]
+    runs: dict[str, dict[str, list[float]]] = {v: {"ms": [], "compile_s": []} for v in variants}
+    for r in range(params["rounds"]):
+        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+            torch._dynamo.reset()  # every compiled variant compiles, as a fresh process would (disk caches stay)
+            clock = VARIANTS[name](w, warmup + steps, rank, world_size, workdir / f"r{r}-{name}")
+            ms = steady_ms_per_step(clock.wall, warmup=warmup)
+            first = clock.wall[1] - clock.wall[0]
+            runs[name]["ms"].append(ms)
+            runs[name]["compile_s"].append(max(first - median_step_ms(clock.wall, warmup=warmup) / 1000, 0.0))
+            if rank == 0:
+                progress(f"[compile] {params['workload']} round {r + 1} {name}: {ms:.1f} ms/step, first step {first:.1f} s")
+    return {"runs": runs, "steps": steps, "warmup": warmup}
+
+
+def report_steps(workload: str, result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    rows = []
+    for name, run in runs.items():
+        ms = Stats.of(run["ms"])
+        cells = [name, f"{ms.median:.1f}", ms.spread(1)]
+        for ref in ("hand-eager", "hand-compiled"):
+            if ref in runs:
+                ratio = Stats.of([v / h for v, h in zip(run["ms"], runs[ref]["ms"])])
+                cells += [f"{ratio.median:.3f}", ratio.spread(3)]
+            else:
+                cells += ["-", "-"]
+        cells.append(f"{statistics.median(run['compile_s']):.1f}")
+        rows.append(cells)
+    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']} "
+             f"warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
+    headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max", "compile s"]
+    return title + "\n" + format_table(headers, rows)
+
+
+# --- time to accuracy on the digits data ------------------------------------------------------------
+
+
+class _UntilAccurate(TimedTrainer):
+    target = 1.0
+
+    def on_validation_end(self, metrics: dict[str, float]) -> None:
+        if metrics.get("val_accuracy", 0.0) >= self.target:
+            self.request_stop()
+
+
+def ddpkit_to_accuracy(target: float, workdir: Path, **train: Any) -> tuple[float, int]:
+    started = time.perf_counter()
+    trainer = _UntilAccurate({
+        "run": {"name": "accuracy", "output_dir": str(workdir), "seed": SEED},
+        "data": {"name": "digits", "batch_size": BATCH},
+        "model": {"name": "mnist_cnn"},
+        "optim": {"name": "sgd", "lr": ACC_LR, "momentum": MOMENTUM},
+        "train": {"epochs": None, "max_steps": ACC_MAX_STEPS, "eval_every": EVAL_EVERY, **train},
+        "checkpoint": {"every_epochs": None, "resume": "none"},
+    })
+    trainer.target = target
+    with contextlib.redirect_stderr(io.StringIO()):
+        metrics = trainer.fit()
+    return time.perf_counter() - started, int(metrics["step"])
+
+
+def hand_to_accuracy(target: float, rank: int, world_size: int, *, compiled: bool) -> tuple[float, int]:
+    started = time.perf_counter()
+    torch.manual_seed(SEED)
+    train_set, val_set = digits()
+    model = MODELS.build("mnist_cnn", key="model.name", kwargs={})
+    net = torch.compile(DDP(model)) if compiled else DDP(model)
+    evaluator = torch.compile(model) if compiled else model  # the bare module: no collective per batch
+    optimizer = torch.optim.SGD(net.parameters(), lr=ACC_LR, momentum=MOMENTUM)
+    val = DataLoader(torch.utils.data.Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH)
+    torch.manual_seed(SEED + rank)
+    step, epoch = 0, 0
+    while step < ACC_MAX_STEPS:
+        loader = loader_for(train_set, rank, world_size)
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            net.train()
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % EVAL_EVERY == 0 and _accuracy(evaluator, val) >= target:
+                return time.perf_counter() - started, step
+        epoch += 1
+    return time.perf_counter() - started, step
+
+
+def _accuracy(model: torch.nn.Module, val: DataLoader) -> float:
+    model.eval()
+    correct = torch.zeros(2)
+    with torch.no_grad():
+        for x, y in val:
+            correct += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
+    torch.distributed.all_reduce(correct)
+    return (correct[0] / correct[1]).item()
+
+
+ACCURACY_VARIANTS = {
+    "hand-eager": lambda t, r, n, d: hand_to_accuracy(t, r, n, compiled=False),
+    "hand-compiled": lambda t, r, n, d: hand_to_accuracy(t, r, n, compiled=True),
+    "ddpkit-eager": lambda t, r, n, d: ddpkit_to_accuracy(t, d),
+    "ddpkit-compiled": lambda t, r, n, d: ddpkit_to_accuracy(t, d, compile=True),
+    "ddpkit-cl": lambda t, r, n, d: ddpkit_to_accuracy(t, d, channels_last=True),
+    "ddpkit-compiled-cl": lambda t, r, n, d: ddpkit_to_accuracy(t, d, compile=True, channels_last=True),
+}
+
+
+def accuracy_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
+    rank, world_size, variants = runtime.env.rank, runtime.env.world_size, params["variants"]
+    runs: dict[str, dict[str, list[float]]] = {v: {"s": [], "steps": []} for v in variants}
+    for r in range(params["rounds"]):
+        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+            torch._dynamo.reset()
+            seconds, steps = ACCURACY_VARIANTS[name](params["target"], rank, world_size, workdir / f"r{r}-{name}")
+            runs[name]["s"].append(seconds)
+            runs[name]["steps"].append(steps)
+            if rank == 0:
+                progress(f"[accuracy] round {r + 1} {name}: {seconds:.1f} s, {steps} steps")
+    return {"runs": runs}
+
+
+def report_accuracy(target: float, result: dict[str, Any]) -> str:
+    runs, rows = result["runs"], []
+    for name, run in runs.items():
+        s = Stats.of(run["s"])
+        ratio = Stats.of([v / h for v, h in zip(run["s"], runs["hand-eager"]["s"])])
+        rows.append([name, f"{s.median:.1f}", s.spread(1), f"{ratio.median:.3f}", ratio.spread(3), ", ".join(str(n) for n in run["steps"])])
+    title = f"time to {target:.0%} validation accuracy, MNIST CNN on digits, 2 ranks x 1 thread, batch {BATCH}/rank"
+    return title + "\n" + format_table(["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
+
+
+# --- the driver --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        return serve(argv[1], {"compile_steps": steps_worker, "compile_accuracy": accuracy_worker})
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="mnist_cnn,resnet18", help="comma list of mnist_cnn, resnet18")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--accuracy", type=float, default=None, help="measure time to this validation accuracy instead")
+    parser.add_argument("--json", default=None, help="also write all measurements here")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants + args.workloads.split(",") if v not in VARIANTS and v not in STEPS]
+    if unknown:
+        parser.error(f"unknown variant or workload {unknown[0]!r}")
+    entry, results = [str(Path(__file__).resolve()), "--worker"], {}
+    if args.accuracy is not None:
+        params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds, "target": args.accuracy, "timeout": 1800}
+        results["accuracy"] = run_workers("compile_accuracy", params, nproc=2, threads=1, entry=entry)
+        print(report_accuracy(args.accuracy, results["accuracy"]), flush=True)
+    else:
+        for workload in args.workloads.split(","):
+            params = {"workload": workload, "variants": variants, "rounds": args.rounds, "timeout": 1800}
+            progress(f"[compile] {workload}: {', '.join(variants)} x {args.rounds} rounds ...")
+            results[workload] = run_workers("compile_steps", params, nproc=2, threads=1, entry=entry)
+            print(report_steps(workload, results[workload]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
