@@ -8,6 +8,7 @@
     ddpkit export CHECKPOINT OUT.pt          # plain model state_dict for inference
     ddpkit bench {throughput,allreduce,autotune} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
+    ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
 
 ``run`` validates the config, then starts the workers through torch's own launcher
 (``torch.distributed.run``, i.e. torchrun): a free port is chosen by default, ``--max-restarts``
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     if argv[0] not in commands:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
-    if argv[0] in ("bench", "plot"):  # these parse their own options
+    if argv[0] in ("bench", "plot", "runs"):  # these parse their own options
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
         # Intermixed: options may come before, between or after the key=value overrides.
@@ -74,7 +75,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune (see `ddpkit bench -h`)")
     plot = sub.add_parser("plot", help="plot metrics of one or more run directories (see `ddpkit plot -h`)")
-    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot}
+    runs = sub.add_parser("runs", help="table of the runs under a directory: status, steps, val metrics, best, wall time")
+    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs}
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
@@ -108,17 +110,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
     preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
-    return launch(torchrun_args(args, failure_timeout=cfg.dist.failure_timeout))
+    # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
+    grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
+    return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals))
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from ddpkit.checkpoint import load_checkpoint, save_atomically, validate_checkpoint
+    from ddpkit.ddp import strip_wrapper_prefixes
 
     info = validate_checkpoint(args.checkpoint)
     state = load_checkpoint(info.path)
     if "model" not in state:
         raise DdpkitError(f"{info.path} has no 'model' entry; is it a ddpkit checkpoint?")
-    save_atomically(state["model"], args.output)
+    save_atomically(strip_wrapper_prefixes(state["model"]), args.output)  # a file written elsewhere may carry them
     print(f"wrote {args.output}: {len(state['model'])} tensors from {info.path} (step {info.step})")
     return 0
 
@@ -135,17 +140,24 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return plot_main(args.rest)
 
 
-_COMMANDS = {"run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot}
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from ddpkit.runs import main as runs_main
+
+    return runs_main(args.rest)
+
+
+_COMMANDS = {"run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs}
 
 
 # --- launching through torch.distributed.run -------------------------------------------------------
 
 
-def torchrun_args(args: argparse.Namespace, *, failure_timeout: float = 10.0) -> list[str]:
+def torchrun_args(args: argparse.Namespace, *, failure_timeout: float = 10.0, forward_signals: Sequence[str] = ()) -> list[str]:
     """The ``torchrun`` argument list equivalent to a ``ddpkit run`` invocation."""
     program = [args.script] if args.script else ["-m", "ddpkit", "train"]
     return torchrun_argv(
         nproc=args.nproc_per_node or str(default_nproc()), program=[*program, args.config, *args.overrides],
         nnodes=args.nnodes, max_restarts=args.max_restarts, shutdown_timeout=failure_timeout, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        forward_signals=forward_signals,
     )

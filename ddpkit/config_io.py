@@ -16,7 +16,7 @@ from typing import Any
 
 from ddpkit.config import Config, yaml_key
 
-__all__ = ["config_to_dict", "dump_config", "config_hash", "flatten"]
+__all__ = ["config_to_dict", "as_written", "dump_config", "config_hash", "flatten"]
 
 
 def config_to_dict(cfg: Any) -> Any:
@@ -34,7 +34,19 @@ def dump_config(cfg: Config) -> str:
     """The resolved config as YAML text (loadable again by :func:`load_config`)."""
     import yaml
 
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    return yaml.safe_dump(as_written(cfg), sort_keys=False, default_flow_style=False)
+
+
+def as_written(cfg: Config) -> dict[str, Any]:
+    """The config as a user would write it: plain dicts, without fields other fields derive.
+
+    ``data.batch_size`` is left out when ``data.global_batch_size`` is set (the per-rank batch
+    then follows from the world size, and writing both is an error), so the result loads again.
+    """
+    plain = config_to_dict(cfg)
+    if cfg.data.global_batch_size is not None:
+        del plain["data"]["batch_size"]
+    return plain
 
 
 def config_hash(cfg: Config | Mapping[str, Any]) -> str:

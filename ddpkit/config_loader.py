@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddpkit.config import Config, cross_field_problems, yaml_key
-from ddpkit.config_io import config_hash, config_to_dict, dump_config, flatten
+from ddpkit.config_io import as_written, config_hash, config_to_dict, dump_config, flatten
 from ddpkit.config_overrides import apply_override, parse_override
 from ddpkit.config_read import MAX_FILE_BYTES, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
@@ -53,18 +53,7 @@ def load_config(
     Raises:
         ConfigError: naming every problem found (file, keys, values) in one message.
     """
-    origin = "<defaults>"
-    stem = None
-    if isinstance(source, Config):
-        raw, origin = config_to_dict(source), "<Config>"
-    elif isinstance(source, Mapping):
-        raw, origin = source, "<dict>"
-    elif source is None:
-        raw = {}
-    else:
-        path = Path(source)
-        raw, origin, stem = read_yaml(path), str(path), path.stem
-
+    raw, origin, stem = _read_source(source)
     problems: list[str] = []
     # Size first, before anything else walks the structure: a few YAML aliases can stand for
     # billions of values ("billion laughs"), and a dict given in code may even contain itself.
@@ -79,11 +68,34 @@ def load_config(
         if not problems:
             if not cfg.run.name:
                 cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=stem or "run"))
-            problems.extend(cross_field_problems(cfg))
+            problems.extend(cross_field_problems(cfg) + _given_together(cfg, raw))
     if problems:
         where = origin + (f" with overrides [{', '.join(short_repr(o) for o in overrides)}]" if overrides else "")
         raise ConfigError(_format_problems(where, problems))
     return cfg
+
+
+def _read_source(source: Any) -> tuple[Any, str, str | None]:
+    """(raw mapping, where it came from, the file's stem for the default run name)."""
+    if isinstance(source, Config):
+        return as_written(source), "<Config>", None
+    if isinstance(source, Mapping):
+        return source, "<dict>", None
+    if source is None:
+        return {}, "<defaults>", None
+    path = Path(source)
+    return read_yaml(path), str(path), path.stem
+
+
+def _given_together(cfg: Config, raw: dict[str, Any]) -> list[str]:
+    """Fields that exclude each other when both are written (a default is not "written")."""
+    data = raw.get("data") or {}
+    if cfg.data.global_batch_size is not None and "batch_size" in data:
+        return [
+            "data.global_batch_size: set together with data.batch_size; give one of them "
+            "(global_batch_size derives the per-rank batch from the world size)"
+        ]
+    return []
 
 
 def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
@@ -112,8 +124,10 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, path, f, problems)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1:  # e.g. `bool | dict[str, Any]` (train.compile): the first type the value has
+            inner = [next((a for a in inner if isinstance(value, typing.get_origin(a) or a)), inner[0])]
+        return _convert(inner[0], value, path, f, problems)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path + ".", problems)
     if origin is Literal:
@@ -122,6 +136,11 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
         hint = _closest(value if isinstance(value, str) else short_repr(value), list(args))
         problems.append(f"{path}: expected one of {', '.join(args)}; got {show(value)}" + (f" (did you mean {hint!r}?)" if hint else ""))
         return args[0]
+    if origin is list:
+        if isinstance(value, list):
+            return [_convert(args[0], item, f"{path}[{i}]", None, problems) for i, item in enumerate(value)]
+        problems.append(f"{path}: expected a list, e.g. [a, b] (or [] for none), got {show(value)}")
+        return []
     if origin is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value

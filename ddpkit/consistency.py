@@ -9,12 +9,33 @@ field and each rank's value.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sized
 from typing import Any
 
+import torch
+
+from ddpkit._version import __version__
+from ddpkit.config_io import config_to_dict, flatten
+from ddpkit.ddp import parameter_shapes
 from ddpkit.distributed import all_gather_object
 from ddpkit.errors import ConsistencyError
 
-__all__ = ["check_ranks_agree"]
+__all__ = ["check_ranks_agree", "check_same_run_on_every_rank"]
+
+
+def check_same_run_on_every_rank(config: Any, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
+    """Stop every rank with the differences if ranks built different configs, models or datasets."""
+    shapes = parameter_shapes(model)
+    check_ranks_agree({
+        "config": flatten(config_to_dict(config)),
+        "parameter_count": sum(math.prod(shape) for _, shape in shapes),
+        "parameter_shapes": shapes,
+        "train_dataset_length": len(train_set) if isinstance(train_set, Sized) else None,  # a stream has none
+        "val_dataset_length": len(val_set) if isinstance(val_set, Sized) else None,
+        "ddpkit_version": __version__,
+        "torch_version": str(torch.__version__),
+    })
 
 
 def check_ranks_agree(fingerprint: dict[str, Any]) -> None:

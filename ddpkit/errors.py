@@ -27,6 +27,8 @@ class DdpkitError(Exception):
 
     #: Process exit code used by the command line for this kind of error.
     exit_code = 1
+    #: How the one-line report names it: ``ddpkit run: error: ...`` (``stopped`` for a preemption).
+    label = "error"
 
 
 class ConfigError(DdpkitError, ValueError):
@@ -58,7 +60,7 @@ def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = Non
     ``rank`` is named when the process is one rank of several.
     """
     where = f" (rank {rank})" if rank is not None else ""
-    print(f"{command}: error{where}: {exc}", file=sys.stderr, flush=True)
+    print(f"{command}: {exc.label}{where}: {exc}", file=sys.stderr, flush=True)
     return exc.exit_code
 
 

@@ -55,17 +55,21 @@ def default_nproc() -> int:
 def torchrun_argv(
     *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
     node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit",
+    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (),
 ) -> list[str]:
     """torchrun's argument list: a free port on one node by default, static or c10d rendezvous otherwise.
 
-    ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after SIGTERM
-    before it sends SIGKILL.
+    ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after it
+    forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
+    too, besides torchrun's own SIGTERM, SIGINT, SIGHUP and SIGQUIT (e.g. SLURM's SIGUSR1).
     """
     argv = [
         f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
         f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}",
     ]
+    extra = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
+    if extra and _torchrun_forwards_signals():
+        argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *extra])}")
     if rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     elif nnodes in ("1", "1:1") and master_addr is None and master_port is None:
@@ -81,8 +85,11 @@ def torchrun_argv(
 
 def launch(torchrun_argv: list[str]) -> int:
     """Run torch's launcher with ``torchrun_argv``; return 0, or 1 with torchrun's failure summary printed."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
     args = parse_args(torchrun_argv)
     # torchrun would set this too (with a banner) for several processes per node: one thread
@@ -94,11 +101,30 @@ def launch(torchrun_argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
+    except SignalException as exc:  # the agent forwarded it to the workers and waited for them
+        print(
+            f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
+            f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.", file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
+        if all(failure.exitcode == PREEMPTED_EXIT_CODE for failure in exc.failures.values()):
+            print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return 1
     return 0
 
+
+def _torchrun_forwards_signals() -> bool:
+    """Whether this torch's launcher has --signals-to-handle (newer than torch 2.6)."""
+    from torch.distributed.run import get_args_parser
+
+    return "--signals-to-handle" in get_args_parser()._option_string_actions
+
+
+#: What torchrun's agent handles (and forwards to the workers) by default.
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 # How a rank's error reads when it only saw another rank go (Gloo, NCCL).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")

@@ -16,16 +16,20 @@ Choosing the file: rank 0 alone resolves ``checkpoint.resume`` (so every rank ag
 save lands meanwhile) and broadcasts the path; every rank then reads that file, which must be on
 a filesystem all nodes share.
 
+Stopping on a signal (:mod:`ddpkit.preemption`) is a save decision too: after the step every
+rank agrees on, :meth:`RunState.due` asks for a checkpoint whatever the periodic schedule says,
+the loop stops, and :meth:`RunState.raise_if_stopped` ends the run with exit code 75.
+
 Compatibility: fields that change the math (model, data order and batches, optimizer, schedule,
 precision, seed, world size) must match, or the resumed run would silently differ from the run
 it continues. Fields that only change bookkeeping (logging, how long to train, where to write,
-checkpoint cadence, timeouts) may differ.
+checkpoint cadence, timeouts) may differ. The world size may differ when
+``data.global_batch_size`` is set: the sample order then does not depend on it (:mod:`ddpkit.elastic`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,24 +39,24 @@ from ddpkit import checkpoint as ckpt
 from ddpkit._version import __version__
 from ddpkit.config import Config
 from ddpkit.config_io import config_hash, config_to_dict, flatten
-from ddpkit.consistency import check_ranks_agree
-from ddpkit.ddp import parameter_shapes
 from ddpkit.distributed import Runtime, all_gather_object, broadcast_object
 from ddpkit.errors import CheckpointError
 from ddpkit.log import log
 from ddpkit.metrics import BestTracker
+from ddpkit.preemption import Preempted, StopOnSignal
 from ddpkit.rng import capture_rng, restore_rng, seed_everything
 
 __all__ = [
     "Progress", "TrainingParts", "Checkpoint", "RunState", "HARMLESS_PREFIXES", "config_differences",
-    "seed_for_setup", "check_same_run_on_every_rank",
+    "seed_for_setup",
 ]
 
 #: Config paths (and path prefixes) that may differ between a checkpoint and the resuming run.
 HARMLESS_PREFIXES = (
     "run.name", "run.output_dir", "dist.", "log.", "checkpoint.", "train.epochs", "train.max_steps",
     "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
-    "data.val_batch_size", "data.pin_memory",
+    "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
+    "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
 )
 
 
@@ -119,22 +123,13 @@ def seed_for_setup(config: Config) -> None:
     seed_everything(config.run.seed)
 
 
-def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
-    """Stop every rank with the differences if ranks built different configs, models or datasets."""
-    shapes = parameter_shapes(model)
-    check_ranks_agree({
-        "config": flatten(config_to_dict(config)),
-        "parameter_count": sum(math.prod(shape) for _, shape in shapes),
-        "parameter_shapes": shapes,
-        "train_dataset_length": len(train_set),
-        "val_dataset_length": len(val_set) if val_set is not None else None,
-        "ddpkit_version": __version__,
-        "torch_version": str(torch.__version__),
-    })
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int, elastic: bool = False
+) -> list[str]:
+    """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``.
 
-
-def config_differences(saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int) -> list[str]:
-    """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``."""
+    ``elastic`` (``data.global_batch_size`` is set): the world size may change.
+    """
     old, new = flatten(saved), flatten(current)
     differences = []
     for path in sorted(old.keys() | new.keys()):
@@ -143,8 +138,11 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *, saved_
         before, after = old.get(path, "<unset>"), new.get(path, "<unset>")
         if before != after:
             differences.append(f"{path}: {before!r} -> {after!r}")
-    if saved_world_size != world_size:
-        differences.append(f"world size: {saved_world_size} -> {world_size}")
+    if saved_world_size != world_size and not elastic:
+        differences.append(
+            f"world size: {saved_world_size} -> {world_size} (the sample order depends on it unless the run sets "
+            "data.global_batch_size; train with it to resume on another number of processes)"
+        )
     return differences
 
 
@@ -157,17 +155,25 @@ class RunState:
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
         self._last_saved_step = -1
         self._restored_components: dict[str, Any] = {}
-        self.enabled = bool(ck.every_steps or ck.every_epochs or ck.best)
+        self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         best, early = ck.best, config.train.early_stopping
         self.best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
         self.early_stopping = BestTracker(
             early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, key="train.early_stopping.metric"
         )
         parts.components.update(early_stopping=self.early_stopping, best=self.best)
+        env = runtime.env
+        self.signals = StopOnSignal(ck.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size)
+        self.stopped = False  # set at the optimizer step every rank agreed to stop at
 
     @property
     def progress(self) -> Progress:
         return self.parts.progress
+
+    @property
+    def outcome(self) -> str:
+        """How the run ended, as trackers say it: ``FINISHED``, or ``KILLED`` when a signal stopped it."""
+        return "KILLED" if self.stopped else "FINISHED"
 
     # --- resume -----------------------------------------------------------------------------
 
@@ -203,9 +209,15 @@ class RunState:
         return choice, Checkpoint.from_dict(ckpt.load_checkpoint(choice), path=choice)
 
     def _check_compatible(self, state: Checkpoint, path: str) -> None:
+        world_size, elastic = self.runtime.env.world_size, self.config.data.global_batch_size is not None
         differences = config_differences(
-            state.config, config_to_dict(self.config), saved_world_size=state.world_size, world_size=self.runtime.env.world_size
+            state.config, config_to_dict(self.config), saved_world_size=state.world_size, world_size=world_size, elastic=elastic
         )
+        if elastic and state.world_size != world_size and not differences:
+            log.info(
+                "resuming on %d rank(s) a run checkpointed on %d: same samples per step (data.global_batch_size=%d); "
+                "each rank continues rank 0's random streams", world_size, state.world_size, self.config.data.global_batch_size,
+            )
         if differences and not self.config.checkpoint.allow_config_change:
             raise CheckpointError(
                 f"cannot resume from {path}: it was written by a run whose config differs in fields that change the math:\n"
@@ -262,6 +274,9 @@ class RunState:
         """Whether the periodic schedule asks for a checkpoint now (``after`` is "step" or "epoch")."""
         ck, progress = self.config.checkpoint, self.progress
         if after == "step":
+            if self.signals.requested and not self.stopped and self.signals.agreed(progress.step):
+                self.stopped = True  # the loop sees it in Trainer._finished(); this step is saved now
+                return True
             return bool(ck.every_steps) and progress.step % ck.every_steps == 0
         # After an epoch, progress.epoch already counts it.
         return bool(ck.every_epochs) and progress.epoch % ck.every_epochs == 0
@@ -294,6 +309,23 @@ class RunState:
             barrier("checkpoint")
         if name is None:
             self._last_saved_step = step
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run ends with a checkpoint: when checkpointing is configured, or a signal stopped it."""
+        return self._periodic or self.stopped
+
+    def raise_if_stopped(self) -> None:
+        """After the run's last save and flush: end a signal-stopped run with :class:`Preempted` (exit code 75)."""
+        if self.stopped:
+            raise Preempted(
+                f"stopped by {self.signals.describe()} after step {self.progress.step}, saved in {self.config.checkpoint_dir}; "
+                "run the same command again to resume from it"
+            )
+
+    def close(self) -> None:
+        """Stop listening for signals (the previous handlers come back)."""
+        self.signals.close()
 
     def save_model(self, path: Any) -> None:
         """The bare model's weights as a plain state_dict (``model.pt``): what inference loads."""

@@ -1,0 +1,149 @@
+"""Stop on a signal without losing a step: every rank stops after the same optimizer step, rank 0
+saves exactly that step, and the process exits with :data:`PREEMPTED_EXIT_CODE`.
+
+    stop = StopOnSignal(["SIGTERM", "SIGUSR1"], store=runtime.store, rank=0, world_size=2)
+    ...                                   # at every optimizer-step boundary:
+    if stop.requested and stop.agreed(step):
+        ...                               # save, flush, raise Preempted (exit code 75)
+    stop.close()
+
+Clusters stop jobs on purpose: SLURM sends SIGTERM (or ``--signal=USR1@90`` before the time
+limit), Kubernetes SIGTERM before evicting a pod, torchrun's agent forwards what it receives. The
+first signal means "stop soon and save"; a second one means "stop now" (:class:`Preempted` is
+raised at once, and the newest complete checkpoint stays the one to resume from).
+
+How the ranks agree on the stop step, with no collective per step:
+
+1. The signal handler only sets a flag (a rank may be anywhere, even inside a collective). A
+   background thread per rank publishes the request to the process group's key-value store and
+   polls the store for a request from any other rank (rank 0 alone being signalled stops all).
+   The training thread's per-step cost is reading one attribute, :attr:`StopOnSignal.requested`.
+2. Once a rank sees the request, at each step boundary it publishes the step it is at (its
+   *proposal*, once) and counts the proposals in the store: one store round trip per step, only
+   while stopping.
+3. When all ranks have proposed, the stop step is ``max(proposals) + 1``. No rank can have gone
+   past it: DDP's gradient allreduce keeps ranks within one optimizer step of each other, and
+   until the last proposal is written its author has not started the next step, so nobody has
+   finished it. Every rank then trains up to the stop step and stops there.
+
+A forked child (a DataLoader worker) inherits the handler and ignores the signal, so the loader
+keeps serving the few batches left until the stop step; its parent ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ddpkit.errors import DdpkitError
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopOnSignal", "signal_numbers"]
+
+#: Exit code of a worker (and of ``ddpkit run``) stopped by a signal after saving: sysexits.h's
+#: EX_TEMPFAIL, "temporary failure, try again". Relaunching the same command resumes.
+PREEMPTED_EXIT_CODE = 75
+
+_REQUEST = "request"
+_PROPOSALS = "proposals"
+
+
+class Preempted(DdpkitError):
+    """The run stopped on a signal after saving its state; the same command resumes it."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+    label = "stopped"
+
+
+def signal_numbers(names: Sequence[str]) -> list[signal.Signals]:
+    """``["SIGTERM", "USR1"]`` -> signal numbers; an unknown name is a ValueError naming it."""
+    numbers = []
+    for name in names:
+        full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+        if full in ("SIGKILL", "SIGSTOP") or not hasattr(signal, full):
+            raise ValueError(f"{name!r} is not a signal a process can catch (e.g. SIGTERM, SIGUSR1, SIGUSR2, SIGINT)")
+        numbers.append(signal.Signals[full])
+    return numbers
+
+
+class StopOnSignal:
+    """Signal handlers plus the store protocol that turns one rank's signal into a common stop step."""
+
+    def __init__(self, names: Sequence[str], *, store: Any, rank: int, world_size: int, poll_interval: float = 0.1):
+        self.rank, self.world_size = rank, world_size
+        self.requested = False  # read by the training thread every step: keep it a plain attribute
+        self.received: str | None = None  # the signal this process got, if any
+        self.stop_step: int | None = None
+        self._store = _prefixed(store, "ddpkit/stop")
+        self._pid, self._proposed, self._published = os.getpid(), False, False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set handlers
+            for number in signal_numbers(names):
+                self._previous[number] = signal.signal(number, self._on_signal)
+        if self._previous and self._store is not None and world_size > 1:
+            self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll", daemon=True)
+            self._thread.start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked DataLoader worker: its parent decides when to stop
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            raise Preempted(f"a second {name} arrived while stopping: stopped at once, without saving this step")
+        self.received, self.requested = name, True
+
+    def _poll(self, interval: float) -> None:
+        """Publish this rank's signal; notice another rank's. Ends on close() or a lost store."""
+        try:
+            while not self._closed.wait(interval):
+                if self.received is not None and not self._published:
+                    self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
+                    self._published = True
+                elif not self.requested and self._store.check([_REQUEST]):
+                    self.requested = True
+        except Exception:  # the group is going away (a peer failed, or the run ended): nothing to stop
+            return
+
+    def agreed(self, step: int) -> bool:
+        """Call at every optimizer-step boundary once :attr:`requested` is set: True at the agreed stop step."""
+        if self.world_size == 1 or self._store is None:
+            self.stop_step = step
+            return True
+        if not self._proposed:
+            self._store.set(f"proposal/{self.rank}", str(step))
+            self._store.add(_PROPOSALS, 1)
+            self._proposed = True
+        if self.stop_step is None:
+            if self._store.add(_PROPOSALS, 0) < self.world_size:
+                return False
+            proposals = self._store.multi_get([f"proposal/{r}" for r in range(self.world_size)])
+            self.stop_step = max(int(value) for value in proposals) + 1
+        return step >= self.stop_step
+
+    def describe(self) -> str:
+        """``"SIGTERM on rank 1"``: what asked for the stop, for messages."""
+        if self.received is not None:
+            return f"{self.received} (received by rank {self.rank})"
+        try:
+            return self._store.get(_REQUEST).decode()
+        except Exception:
+            return "a signal on another rank"
+
+    def close(self) -> None:
+        """Stop the polling thread and put the previous handlers back."""
+        self._closed.set()
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+
+
+def _prefixed(store: Any, prefix: str) -> Any:
+    if store is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
