@@ -151,6 +151,13 @@ class DataConfig:
         "`imagefolder`) or `package.module:callable`.",
     )
     batch_size: int = option(32, "Per-rank batch size (global batch = this x world size x grad_accum_steps).", ge=1)
+    global_batch_size: int | None = option(
+        None,
+        "Samples per optimizer step over all ranks, instead of `batch_size`: each rank takes "
+        "global_batch_size / (world size x grad_accum_steps), and the sample order no longer depends on "
+        "the world size, so a checkpoint resumes on more or fewer ranks. Do not set `batch_size` with it.",
+        ge=1,
+    )
     val_batch_size: int | None = option(None, "Per-rank validation batch size. Defaults to `batch_size`.", ge=1)
     num_workers: int = option(0, "DataLoader worker processes per rank.", ge=0)
     shuffle: bool = option(True, "Shuffle the training set each epoch (seeded by `run.seed` and the epoch).")
@@ -230,7 +237,7 @@ class TrainConfig:
     log_every: int = option(50, "Optimizer steps between logged (rank-reduced) training metrics.", ge=1)
     eval_every: int | None = option(None, "Optimizer steps between evaluations. `null`: at the end of every epoch.", ge=1)
     timeline: bool = option(False, "Write a Chrome-trace timeline (one row per rank) to `<output_dir>/timeline.json`.")
-    compile: bool = option(
+    compile: bool | dict[str, Any] = option(
         False,
         "`torch.compile` the model: `false`, `true`, or a mapping of torch.compile's `mode`, `fullgraph`, "
         "`dynamic`, `backend`, `options`, plus ddpkit's `recompile_limit` (compiled versions of one function, default 8; past it training stops "
@@ -300,6 +307,18 @@ class CheckpointConfig:
     )
     allow_config_change: bool = option(
         False, "Resume even when the checkpoint's model/optimizer/data/seed/world size differ from this run."
+    )
+    save_on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT"]] = option(
+        factory=lambda: ["SIGTERM", "SIGUSR1"],
+        doc="Signals that stop training at the next optimizer step every rank agrees on, save a checkpoint of "
+        "exactly that step and exit with code 75 (resumable); a second signal stops at once. `[]` turns it off.",
+    )
+    stop_timeout: float = option(
+        30.0,
+        "Seconds `ddpkit run` lets the workers take, after a signal, to reach the agreed step, save and exit "
+        "before torchrun's agent kills them (its --shutdown-timeout). Raise it when one save takes longer; a "
+        "save cut short leaves the previous complete checkpoint as the one to resume from.",
+        gt=0,
     )
 
 
@@ -372,6 +391,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
         )
     problems += _watchdog_problems(cfg.dist)
+    problems += _compile_problems(cfg.train.compile)
     if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
         problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
     return problems
@@ -390,4 +410,21 @@ def _watchdog_problems(d: DistConfig) -> list[str]:
             f"dist.slow_phase_timeout: {d.slow_phase_timeout:g}s is not below dist.timeout ({d.timeout:g}s); "
             "lower it, raise dist.timeout, or set it to null (90% of dist.timeout)"
         )
+    return problems
+
+
+_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "recompile_limit", "validation")
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
+    """A `train.compile` mapping holds torch.compile's own arguments and ddpkit's two keys, nothing else."""
+    if not isinstance(value, dict):
+        return []
+    problems = [f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}" for key in value if key not in _COMPILE_KEYS]
+    if value.get("mode") not in (None, *_COMPILE_MODES):
+        problems.append(f"train.compile.mode: expected one of {', '.join(_COMPILE_MODES)}, got {value['mode']!r}")
+    limit = value.get("recompile_limit", 8)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        problems.append(f"train.compile.recompile_limit: expected an integer >= 1, got {limit!r}")
     return problems

@@ -18,6 +18,7 @@ the number of workers and after a resume.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import sys
 from collections.abc import Iterator, Sized
@@ -27,9 +28,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from ddpkit.distributed import all_gather_object
+from ddpkit.elastic import GlobalBatchSampler, per_rank_batch_size
 from ddpkit.env import DistEnv
 from ddpkit.errors import DataError, DdpkitError
-from ddpkit.streaming import build_stream_eval_loader, build_stream_loader, is_stream
+from ddpkit.streaming import UNKNOWN_LENGTH, build_stream_eval_loader, build_stream_loader, is_stream, stream_epochs_of, stream_total_steps
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -104,9 +106,12 @@ class _SampleSeeded(Dataset):
 def build_train_loader(
     dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, shuffle: bool = True,
     drop_last: bool = True, seed: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
-    prefetch_factor: int | None = None,
+    prefetch_factor: int | None = None, global_batch_size: int | None = None, grad_accum_steps: int = 1,
 ) -> DataLoader:
     """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
+
+    With ``global_batch_size`` the order is the same at any world size (see :mod:`ddpkit.elastic`)
+    and ``batch_size`` must be this rank's share of it.
 
     With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no
     restart cost per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``.
@@ -123,9 +128,13 @@ def build_train_loader(
             f"({batch_size}) = {env.world_size * batch_size}, so with data.drop_last=true no rank gets a full batch. "
             "Use a smaller data.batch_size, fewer processes, or data.drop_last=false."
         )
-    sampler = ResumableDistributedSampler(
-        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-    )
+    if global_batch_size is not None:
+        sampler: ResumableDistributedSampler | GlobalBatchSampler = GlobalBatchSampler(
+            dataset, global_batch_size=global_batch_size, rank=env.rank, world_size=env.world_size,
+            grad_accum_steps=grad_accum_steps, shuffle=shuffle, seed=seed,
+        )
+    else:
+        sampler = ResumableDistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     source = _SampleSeeded(dataset, seed) if num_workers else dataset
     sampler.tag_epoch = bool(num_workers)
     return DataLoader(
@@ -157,8 +166,10 @@ def _worker_options(num_workers: int, persistent: bool, prefetch_factor: int | N
 
 def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None:
     """Prepare ``loader`` for ``epoch``, skipping the first ``start_batch`` batches (resume)."""
+    if (stream := stream_epochs_of(loader)) is not None:
+        return stream.start_epoch(epoch, start_batch=start_batch)
     sampler = loader.sampler
-    if isinstance(sampler, ResumableDistributedSampler):
+    if isinstance(sampler, (ResumableDistributedSampler, GlobalBatchSampler)):
         sampler.set_epoch(epoch, start_batch * (loader.batch_size or 1))
     elif isinstance(sampler, DistributedSampler) or hasattr(sampler, "set_epoch"):
         if start_batch:
@@ -210,8 +221,11 @@ def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int) -> in
 
     DDP needs every rank to run the same number of backward passes: a rank with an extra
     batch would wait forever in an allreduce the others never join. A custom sampler that
-    shards unevenly is stopped here, on every rank, with the counts.
+    shards unevenly is stopped here, on every rank, with the counts. A stream's count is not known
+    ahead (UNKNOWN_LENGTH): its ranks agree as they read, and its batches end on every rank at once.
     """
+    if stream_epochs_of(loader) is not None:
+        return UNKNOWN_LENGTH
     counts = all_gather_object(consumed + len(loader))
     if any(count != counts[0] for count in counts):
         raise DataError(
@@ -226,7 +240,13 @@ def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int) -> in
 
 
 def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int) -> Iterator[Any]:
-    """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised."""
+    """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised.
+
+    A stream's batches simply end, at the same batch on every rank (ddpkit.streaming).
+    """
+    if (stream := stream_epochs_of(loader)) is not None:
+        yield from stream
+        return
     batches = iter(loader)
     for position in range(consumed, count):
         batch = next(batches, None)
@@ -238,19 +258,42 @@ def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, cons
         yield batch
 
 
+def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where a stream does not say."""
+    train = config.train
+    if stream_epochs_of(loader) is not None:
+        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epochs, steps_per_epoch=None, sched_name=config.sched.name)
+        return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
+    steps_per_epoch = math.ceil(len(loader) / train.grad_accum_steps)
+    return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch))
+
+
 def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
     cfg = config.data
-    return build_train_loader(
+    loader = build_train_loader(
         dataset, env=env, batch_size=cfg.batch_size, num_workers=cfg.num_workers, shuffle=cfg.shuffle,
         drop_last=cfg.drop_last, seed=config.run.seed, pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
     )
+    if (stream := stream_epochs_of(loader)) is not None:  # reads ahead, and stops, in whole optimizer steps
+        stream.accum, stream.window_steps = config.train.grad_accum_steps, cfg.stream_window
+    return loader
+
+
+def data_position(loader: DataLoader) -> dict[str, Any]:
+    """Checkpoint components for where the loader is: a stream's window state; nothing for a sampler
+    (the Trainer's ``Progress.batch_in_epoch`` is all a map-style loader needs)."""
+    stream = stream_epochs_of(loader)
+    return {"data_position": stream} if stream is not None else {}
 
 
 def val_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default validation loader: :func:`build_eval_loader` with the config's ``data`` options."""
     cfg = config.data
+    per_rank = per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=config.train.grad_accum_steps)
     return build_eval_loader(
-        dataset, env=env, batch_size=cfg.val_batch_size or cfg.batch_size, num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda",
+        dataset, env=env, batch_size=cfg.val_batch_size or per_rank, num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor,
     )

@@ -29,11 +29,15 @@ import torch
 from ddpkit import log as logs
 from ddpkit.checkpoint import write_atomically
 from ddpkit.config import Config
-from ddpkit.config_io import dump_config
+from ddpkit.config_io import config_to_dict, dump_config
 from ddpkit.distributed import Runtime
+from ddpkit.elastic import per_rank_batch_size
 from ddpkit.errors import DdpkitError
-from ddpkit.log import MetricSinks, ProgressBar, StepLog, log, setup_logging
+from ddpkit.log import StepLog, log, setup_logging
 from ddpkit.metrics import RunningMean
+from ddpkit.progress import ProgressDisplay
+from ddpkit.sinks import SinkGroup, build_sinks
+from ddpkit.streaming import UNKNOWN_LENGTH
 from ddpkit.timeline import Timeline
 
 __all__ = ["Reporter", "start_logging"]
@@ -56,13 +60,17 @@ class Reporter:
         cfg, rank = config, runtime.env.rank
         self.config, self.runtime, self.total_steps, self.is_main = config, runtime, int(total_steps), rank == 0
         self.output_dir = Path(config.output_dir)
-        self.samples_per_step = cfg.data.batch_size * cfg.train.grad_accum_steps * runtime.env.world_size
+        self.per_rank_batch = per_rank_batch_size(cfg.data, world_size=runtime.env.world_size, grad_accum_steps=cfg.train.grad_accum_steps)
+        self.samples_per_step = self.per_rank_batch * cfg.train.grad_accum_steps * runtime.env.world_size
         self.timeline = Timeline(enabled=cfg.train.timeline, rank=rank, device=runtime.device)
         self.step_log = StepLog(self.output_dir / "logs" / f"steps-rank{rank}.log" if cfg.dist.debug else None)
-        self.sinks = MetricSinks(self.output_dir, enabled=self.is_main, tensorboard=cfg.log.tensorboard, append=resumed)
+        # Rank 0's sinks: metrics.jsonl, status.json, trackers. RunState saves their state (a tracker's run id).
+        self.sinks = build_sinks(cfg, append=resumed) if self.is_main else SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
-        self.bar = ProgressBar(total=int(total_steps), initial=progress.step, enabled=self._show_bar)
+        known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
+        self.bar = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step, enabled=self._show_bar, every=cfg.log.progress_every)
         self._window_start, self._window_step = time.perf_counter(), progress.step
+        self._outside = 0  # depth of outside_training spans
         self._phase_listeners: list[Callable[[str | None], None]] = []
         self._loss = RunningMean(runtime.device)
 
@@ -86,9 +94,14 @@ class Reporter:
     def outside_training(self, name: str) -> Iterator[None]:
         """Work recorded as span ``name`` and left out of samples/s, which measures training only."""
         started = time.perf_counter()
-        with self.span(name):
-            yield
-        self._window_start += time.perf_counter() - started
+        self._outside += 1
+        try:
+            with self.span(name):
+                yield
+        finally:
+            self._outside -= 1
+        if not self._outside:  # a nested one (a compile during evaluation) is inside the outer one's time
+            self._window_start += time.perf_counter() - started
 
     def note(self, fmt: str, *args: Any) -> None:
         """A line in debug mode's per-rank step log (formatted only when the log is on)."""
@@ -99,14 +112,16 @@ class Reporter:
     def start(self, *, steps_per_epoch: int, step: int) -> None:
         """The run's opening lines: world, batch arithmetic, length, where it writes."""
         cfg, rt = self.config, self.runtime
+        self.sinks.start(config_to_dict(cfg))  # after RunState handed the sinks their resumed state
         world_size = rt.env.world_size
         log.info(
             "world_size=%d backend=%s device=%s launcher=%s | per-rank batch %d x %d ranks x %d accumulation = global batch %d",
-            world_size, rt.backend, rt.device, rt.env.launcher, cfg.data.batch_size, world_size, cfg.train.grad_accum_steps, self.samples_per_step,
+            world_size, rt.backend, rt.device, rt.env.launcher, self.per_rank_batch, world_size, cfg.train.grad_accum_steps, self.samples_per_step,
         )
         log.info(
-            "%d steps per epoch, %d steps in total%s; writing to %s",
-            steps_per_epoch, self.total_steps, f", resuming at step {step}" if step else "", self.output_dir,
+            "%s steps per epoch, %s steps in total%s; writing to %s",
+            *(n if n < UNKNOWN_LENGTH else "unknown (a stream)" for n in (steps_per_epoch, self.total_steps)),
+            f", resuming at step {step}" if step else "", self.output_dir,
         )
 
     def add_loss(self, loss: Any, *, owner: type) -> None:
@@ -157,7 +172,7 @@ class Reporter:
     def close(self, status: str = "FINISHED") -> None:
         """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED."""
         self.bar.close()
-        self.sinks.close()
+        self.sinks.finish(status, [self.output_dir / "model.pt"] if status == "FINISHED" else [])
         self.step_log.close()
 
 

@@ -20,7 +20,6 @@ optimizer step, :mod:`ddpkit.data` the loaders, :mod:`ddpkit.ddp` the wrapper.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,15 +31,17 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import registry, reporter
+from ddpkit.compile import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.config_loader import Config, load_config
-from ddpkit.data import agree_on_batch_count, exact_batches, move_to_device, start_epoch, train_loader_for, val_loader_for
-from ddpkit.ddp import sync_gradients, unwrap_model, wrap_model
+from ddpkit.consistency import check_same_run_on_every_rank
+from ddpkit.data import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
 from ddpkit.distributed import Runtime, barrier, process_group
 from ddpkit.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.env import DistEnv, read_dist_env
 from ddpkit.metrics import evaluate
 from ddpkit.optim import OptimizerStep, build_optimizer, build_scheduler
-from ddpkit.resume import Progress, RunState, TrainingParts, check_same_run_on_every_rank, seed_for_setup
+from ddpkit.resume import Progress, RunState, TrainingParts, seed_for_setup
+from ddpkit.watchdog import Watchdog
 
 __all__ = ["Trainer", "Progress"]
 
@@ -81,25 +82,19 @@ class Trainer:
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
         self.metrics: dict[str, float] = {}
+        self.state: RunState | None = None  # built by fit(): the run's state, checkpoints, resume
         self.reporter: reporter.Reporter | None = None  # built by fit(), once resume is decided
         self._train_model: nn.Module | None = None
+        self._models: Models | None = None  # train (DDP, compiled), eval, bare views of the model
         self._in_validation = False
         self._stop_requested = False
         self._last_eval_step = -1
 
     # --- where this process runs -----------------------------------------------------------
 
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
+    rank = property(lambda self: self.env.rank, doc="This process's global rank (0 .. world_size - 1).")
+    local_rank = property(lambda self: self.env.local_rank, doc="This process's rank on its node: its GPU index.")
+    world_size = property(lambda self: self.env.world_size, doc="How many processes train together.")
 
     @property
     def is_main(self) -> bool:
@@ -117,7 +112,7 @@ class Trainer:
         """The DDP-wrapped model while training; the bare model during validation."""
         if self._train_model is None:
             raise RuntimeError("Trainer.model exists once fit() has built it")
-        return unwrap_model(self._train_model) if self._in_validation else self._train_model
+        return self._models.eval if self._in_validation else self._train_model
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -209,7 +204,8 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
         cfg = self.config
-        with process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug) as runtime:
+        group = process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug, trace_dir=self.output_dir / "logs")
+        with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog:  # hang diagnosis
             self.runtime = runtime
             status = "FAILED"
             try:
@@ -218,10 +214,15 @@ class Trainer:
                 while not self._finished():
                     self._train_epoch()
                 metrics = self._finish()
-                status = "FINISHED"
+                status = self.state.outcome
             finally:
                 if self.reporter is not None:
                     self.reporter.close(status)
+                if self._models is not None:
+                    self._models.close()  # torch.compile's callbacks and settings are process-wide
+                if self.state is not None:
+                    self.state.close()  # the signal handlers it installed give way to the previous ones
+        self.state.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)
         self.on_fit_end(metrics)
         return metrics
 
@@ -235,26 +236,29 @@ class Trainer:
         train_set, val_set = self.build_datasets()
         model = self.build_model()
         check_same_run_on_every_rank(cfg, model, train_set, val_set)
-        self._train_model = wrap_model(model, self.runtime, cfg.ddp)
+        self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, exclude=lambda name: self.reporter.outside_training(name))
+        self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._steps_per_epoch = math.ceil(len(self.train_loader) / cfg.train.grad_accum_steps)
-        self.total_steps = int(min(cfg.train.max_steps or math.inf, (cfg.train.epochs or math.inf) * self._steps_per_epoch))
+        self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
         self.optimizer = self.build_optimizer(self._train_model)
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         self._step = OptimizerStep(self._train_model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
-        parts = TrainingParts(unwrap_model(self._train_model), self.optimizer, self.scheduler, self._step.scaler, self.progress)
+        parts = TrainingParts(unwrap_model(self._train_model), self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))
         self.state = RunState(parts, cfg, runtime=self.runtime)
         resumed = self.state.resume()
         self.progress = parts.progress
         self.reporter = reporter.Reporter(cfg, runtime=self.runtime, total_steps=self.total_steps, progress=self.progress, resumed=resumed)
+        self.state.register("sinks", self.reporter.sinks)  # a tracker's run id travels in the checkpoint
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step)
+        self._watchdog.listen_to(self.reporter)  # every span is a phase the watchdog sees
 
     # --- the loop -----------------------------------------------------------------------------------
 
     def _finished(self) -> bool:
         epochs = self.config.train.epochs
-        return self._stop_requested or self.progress.step >= self.total_steps or (epochs is not None and self.progress.epoch >= epochs)
+        stop = self._stop_requested or self.state.stopped
+        return stop or self.progress.step >= self.total_steps or (epochs is not None and self.progress.epoch >= epochs)
 
     def _train_epoch(self) -> None:
         progress, accum, report = self.progress, self.config.train.grad_accum_steps, self.reporter
@@ -266,7 +270,10 @@ class Trainer:
         batches = exact_batches(self.train_loader, count=batches_per_epoch, rank=self.rank, epoch=progress.epoch, consumed=progress.batch_in_epoch)
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
             with report.span("data"):
-                batch = next(batches)
+                batch = next(batches, None)
+            if batch is None:  # a stream ended, at this same batch on every rank (ddpkit.streaming)
+                batches_per_epoch = progress.batch_in_epoch
+                break
             progress.batch_in_epoch += 1
             boundary = progress.batch_in_epoch % accum == 0 or progress.batch_in_epoch == batches_per_epoch
             self._micro_step(batch, sync=boundary)
@@ -309,13 +316,14 @@ class Trainer:
     def _finish(self) -> dict[str, float]:
         if self.reporter.loss_pending:
             self._log_training()
-        if self.val_loader is not None and self._last_eval_step != self.progress.step:
+        stopped = self.state.stopped  # by a signal: save and go, within the launcher's grace period
+        if not stopped and self.val_loader is not None and self._last_eval_step != self.progress.step:
             self._evaluate()
         if self.state.enabled:
             self._save_checkpoint()  # so a longer run can resume from here
         self.state.wait()
         self.reporter.write_timeline()
-        if self.is_main:
+        if self.is_main and not stopped:
             self.state.save_model(self.output_dir / "model.pt")
         self._barrier("end of training")
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
@@ -334,7 +342,7 @@ class Trainer:
         self._in_validation = True
         try:
             bare = unwrap_model(self._train_model)
-            return evaluate(bare, self.val_loader, self.validation_step, device=self.device, autocast=self._step.autocast)
+            return evaluate(bare, self.val_loader, self._watchdog.ticking(self.validation_step), device=self.device, autocast=self._step.autocast)
         finally:
             self._in_validation = False
 

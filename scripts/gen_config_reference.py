@@ -107,8 +107,12 @@ def _dataclass_in(tp: Any) -> type | None:
 def _type_name(tp: Any) -> str:
     inner = _strip_none(tp)
     origin = typing.get_origin(inner)
+    if origin in (typing.Union, types.UnionType):  # e.g. bool | dict (train.compile)
+        return " or ".join(_type_name(a) for a in typing.get_args(inner))
     if origin is Literal:
         name = "string"
+    elif origin is list:
+        name = f"list of {_type_name(typing.get_args(inner)[0])}"
     elif origin is dict:
         name = "mapping"
     else:
@@ -130,11 +134,15 @@ def _yaml_scalar(value: Any) -> str:
         return f'"{value}"' if value == "" else value
     if isinstance(value, dict):
         return "{}" if not value else str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_scalar(item) for item in value) + "]"
     return repr(value)
 
 
 def _allowed(tp: Any, f: dataclasses.Field) -> str:
     inner = _strip_none(tp)
+    if typing.get_origin(inner) is list:  # the allowed items
+        inner = typing.get_args(inner)[0]
     if typing.get_origin(inner) is Literal:
         return ", ".join(f"`{v}`" for v in typing.get_args(inner))
     bounds = []
