@@ -76,6 +76,10 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
                 # ("Failed to parse reply file") instead of its error. What is left to do is
                 # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if peers:
+                from ddpkit.watchdog import announce_failure
+
+                announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
             if not isinstance(exc, DdpkitError):
                 raise  # record() writes the traceback to torchrun's error file
             code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)

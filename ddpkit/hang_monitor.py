@@ -13,13 +13,14 @@ start of the hang.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.hang_report import classify, format_report, summary_line
-from ddpkit.watchdog_io import StoreDown, terminate, write_error_file, write_text
+from ddpkit.watchdog_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
 __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER"]
 
@@ -114,6 +115,10 @@ class Monitor:
         write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time())
         done = {"summary": summary, "stuck": stuck, "since": hang_start}
         wd._try(lambda: wd.client("set", "done", json.dumps(done)))
+        for rank in verdict.silent:  # frozen ranks on this node would hold the job until the agent's SIGKILL
+            beat = self.beats.get(rank) or {}
+            if beat.get("host") == socket.gethostname() and kill_frozen_sibling(int(beat.get("pid", 0))):
+                print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
         deadline = time.monotonic() + 3  # let the others exit first: torchrun names the earliest failure
         while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < len(expected) - 1:
             time.sleep(0.1)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "terminate"]
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "terminate"]
 
 
 class StoreDown(RuntimeError):
@@ -46,8 +47,8 @@ class StoreClient:
                 box.append((True, fn(*args)))
             except Exception as exc:  # DistStoreError, connection reset, ...
                 box.append((False, exc))
+            self._idle.set()  # before done: the caller's next call must find the line free
             done.set()
-            self._idle.set()
 
     def __call__(self, method: str, *args: Any) -> Any:
         if not self._idle.is_set():
@@ -98,6 +99,24 @@ def write_error_file(message: str, *, when: float) -> None:
             json.dump(payload, f)
     except OSError:
         pass
+
+
+def kill_frozen_sibling(pid: int) -> bool:
+    """SIGKILL ``pid`` if it is a rank of this node's job: a child of our parent (torchrun's agent).
+
+    A SIGSTOPped or otherwise frozen rank ignores the agent's SIGTERM until the agent's shutdown
+    timeout ends in SIGKILL; the job's end should not wait for that. The parent check guards
+    against a reused pid.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent != os.getppid() or pid == os.getpid():
+            return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def terminate(code: int) -> None:
