@@ -40,11 +40,15 @@ from torch import nn
 
 from ddpkit.allocator import keep_freed_host_memory
 from ddpkit.config import DDPConfig, TrainConfig
-from ddpkit.ddp import unwrap_model, wrap_model
+from ddpkit.ddp import sync_gradients, unwrap_model, wrap_model
 from ddpkit.distributed import Runtime
 from ddpkit.errors import DdpkitError
 
-__all__ = ["CompileError", "Models", "build_models", "compile_settings", "CompileWatch", "TORCH_OPTIONS", "DDPKIT_OPTIONS"]
+# sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
+__all__ = [
+    "CompileError", "Models", "build_models", "compile_settings", "CompileWatch", "TORCH_OPTIONS", "DDPKIT_OPTIONS",
+    "sync_gradients", "unwrap_model",
+]
 
 log = logging.getLogger(__name__)
 

@@ -258,3 +258,90 @@ def test_persistent_workers_keep_per_sample_seeds_across_epochs_and_resume():
     assert a == b  # the same samples whatever the number of workers and whether they persist
     assert a[0] != a[1]  # and the epoch reached the persistent workers: new draws each epoch
     assert len(a[2]) == 12  # epoch 2 resumed after its first batch
+
+
+# --- the Trainer on 2 ranks ---------------------------------------------------------------------------
+
+
+class _SeesItsModel:
+    """Mixin recording which model object validation_step and training_step see."""
+
+    def training_step(self, batch):
+        self.seen = getattr(self, "seen", set()) | {("train", type(self.model).__name__)}
+        return super().training_step(batch)
+
+    def validation_step(self, batch):
+        self.seen = getattr(self, "seen", set()) | {("val", type(self.model).__name__)}
+        return super().validation_step(batch)
+
+
+def _fit(cfg: dict) -> dict:
+    import ddpkit
+
+    trainer = type("Recording", (_SeesItsModel, ddpkit.Trainer), {})(cfg)
+    metrics = trainer.fit()
+    return {"metrics": metrics, "seen": sorted(trainer.seen)}
+
+
+def _fit_each(configs: list[dict]) -> list[dict]:
+    return [_fit(cfg) for cfg in configs]
+
+
+def _bare_mlp() -> nn.Module:
+    from ddpkit.registry import MODELS
+
+    return MODELS.build("mlp", key="model.name", kwargs={"in_features": 144, "hidden": [32]})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_on(tmp_path):
+    from helpers import load_weights, tiny_config
+
+    from ddpkit.testing import run_on_ranks
+
+    def config(epochs: int, compile_value) -> dict:
+        return tiny_config(tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value}, checkpoint={"every_epochs": 1})
+
+    first = run_on_ranks(_fit, world_size=2, args=(config(2, True),), timeout=600)  # Inductor, as users run it
+    assert first[0]["metrics"] == first[1]["metrics"] and first[0]["metrics"]["step"] == 16
+    assert first[0]["seen"] == [("train", "OptimizedModule"), ("val", "OptimizedModule")]
+    run = tmp_path / "run"
+    weights = load_weights(run / "model.pt")
+    bare = _bare_mlp()
+    bare.load_state_dict(weights)  # strict: no `_orig_mod.` or `module.` anywhere
+    saved = torch.load(sorted((run / "checkpoints").glob("step-*.pt"))[-1], weights_only=True)
+    assert set(saved["model"]) == set(bare.state_dict())
+
+    # Compile off, resuming a compiled run; then on again, resuming an eager one (one spawn for both).
+    eager, again = run_on_ranks(_fit_each, world_size=2, args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300)[0]
+    assert eager["metrics"]["step"] == 24 and eager["seen"] == [("train", "DistributedDataParallel"), ("val", "MLP")]
+    assert again["metrics"]["step"] == 32 and again["seen"] == first[0]["seen"]
+    bare.load_state_dict(load_weights(run / "model.pt"))
+
+
+def _accumulated(configs: list[dict]) -> list[dict]:
+    import ddpkit
+
+    weights = []
+    for cfg in configs:  # one after the other in the same ranks: one spawn
+        trainer = ddpkit.Trainer(cfg)
+        trainer.fit()
+        weights.append({k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()})
+    return weights
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
+    from helpers import tiny_config
+
+    from ddpkit.testing import run_on_ranks
+
+    configs = [tiny_config(tmp_path / name, train={"epochs": 1, "grad_accum_steps": 2, "compile": value})
+               for name, value in (("eager", False), ("compiled", {"backend": "aot_eager"}))]
+    ranks = run_on_ranks(_accumulated, world_size=2, args=(configs,), timeout=300)
+    for eager, compiled in ranks:
+        for key, value in eager.items():
+            torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(ranks[0][1][k], ranks[1][1][k]) for k in ranks[0][1])  # the ranks stayed in sync
