@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,20 +38,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from ddpkit.distributed import all_gather_object
 from ddpkit.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
 
 __all__ = [
-    "ShardedStream",
-    "StreamEpochs",
-    "shard_stream",
-    "build_stream_loader",
-    "build_stream_eval_loader",
-    "stream_total_steps",
-    "is_stream",
+    "ShardedStream", "StreamEpochs", "shard_stream", "build_stream_loader", "build_stream_eval_loader",
+    "stream_total_steps", "stream_epochs_of", "is_stream", "UNKNOWN_LENGTH",
 ]
 
 log = logging.getLogger("ddpkit")
+
+#: Steps or batches per epoch of a stream whose length is not known (yet): larger than any real count.
+UNKNOWN_LENGTH = sys.maxsize
 
 #: Set this attribute to True on a stream that splits its samples over DataLoader workers itself.
 SPLITS_WORKERS = "ddpkit_splits_workers"
@@ -161,9 +161,12 @@ def _note_once(message: str) -> None:
 
 def build_stream_loader(
     dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
-    **loader_kwargs: Any,
+    accum: int = 1, window_steps: int = 8, **loader_kwargs: Any,
 ) -> DataLoader:
     """A resumable training loader over this rank's shard of ``dataset`` (batches made by the stream).
+
+    Its ``stream_epochs`` attribute (:func:`stream_epochs_of`) is the :class:`StreamEpochs` that
+    the Trainer iterates instead of the loader itself.
 
     Raises:
         DdpkitError: torchdata (the ``stream`` extra) is not installed.
@@ -179,9 +182,16 @@ def build_stream_loader(
     loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
+        loader = StatefulDataLoader(
             stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(), **loader_kwargs
         )
+    loader.stream_epochs = StreamEpochs(loader, accum=accum, window_steps=window_steps)
+    return loader
+
+
+def stream_epochs_of(loader: Any) -> StreamEpochs | None:
+    """The :class:`StreamEpochs` of a loader made by :func:`build_stream_loader`; None for any other loader."""
+    return getattr(loader, "stream_epochs", None)
 
 
 def build_stream_eval_loader(dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
@@ -211,7 +221,7 @@ def stream_total_steps(*, max_steps: int | None, epochs: int | None, steps_per_e
 class StreamEpochs:
     """Iterates a stream loader one epoch at a time; every rank yields the same number of batches.
 
-        epochs = StreamEpochs(loader, device=device, accum=2, window_steps=8)
+        epochs = stream_epochs_of(loader)                         # build_stream_loader(..., accum=2, window_steps=8)
         epochs.start_epoch(epoch, start_batch=batch_in_epoch)   # start_batch > 0: after load_state_dict
         for batch in epochs: ...                                  # ends on every rank at the same batch
         state = epochs.state_dict()                               # a checkpoint's "data position"
@@ -219,9 +229,8 @@ class StreamEpochs:
     ``batches_per_epoch`` is None until a whole epoch has been seen.
     """
 
-    def __init__(self, loader: DataLoader, *, device: torch.device, accum: int = 1, window_steps: int = 8):
-        self.loader, self.device, self.accum = loader, device, accum
-        self.window = window_steps * accum  # micro-batches; a multiple of accum, so steps never straddle a stop
+    def __init__(self, loader: DataLoader, *, accum: int = 1, window_steps: int = 8):
+        self.loader, self.accum, self.window_steps = loader, accum, window_steps
         self.batches_per_epoch: int | None = None
         self.epoch, self._skip = 0, 0
         self._window_first, self._window_state = 0, None
@@ -230,6 +239,11 @@ class StreamEpochs:
     @property
     def stream(self) -> ShardedStream:
         return self.loader.dataset  # type: ignore[return-value]
+
+    @property
+    def window(self) -> int:
+        """Micro-batches per read-ahead window: whole optimizer steps, so no step straddles the stop."""
+        return self.window_steps * self.accum
 
     def start_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
         """Prepare ``epoch``; ``start_batch`` > 0 continues a checkpointed epoch after that many batches."""
@@ -247,14 +261,19 @@ class StreamEpochs:
             log.info("streaming: no saved stream position for epoch %d; replaying %d batches", epoch, start_batch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the current window started: enough, with the Trainer's batch count, to resume exactly."""
-        return {"epoch": self.epoch, "window_first": self._window_first, "loader": self._window_state,
-                "batches_per_epoch": self.batches_per_epoch}
+        """Every rank's window start (a collective: each rank's loader is at its own position).
+
+        With the Trainer's batch count that is enough to resume exactly.
+        """
+        own = {"epoch": self.epoch, "window_first": self._window_first, "loader": self._window_state,
+               "batches_per_epoch": self.batches_per_epoch}
+        return {"ranks": all_gather_object(own)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Remember a checkpoint's position; the next ``start_epoch`` with its epoch resumes from it."""
-        self._saved = dict(state)
-        self.batches_per_epoch = state.get("batches_per_epoch")
+        """Remember this rank's position; the next ``start_epoch`` with its epoch resumes from it."""
+        if state.get("ranks"):
+            self._saved = dict(state["ranks"][self.stream.rank])
+            self.batches_per_epoch = self._saved.get("batches_per_epoch")
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
@@ -271,7 +290,7 @@ class StreamEpochs:
                     continue
                 yield batch
             if agreed < self.window:
-                self._end_epoch(done, dropped=(len(window) - agreed) * self._batch_size() + tails, rest=batches)
+                self._end_epoch(done, dropped=(len(window) - agreed) * self.stream.batch_size + tails, rest=batches)
                 return
             first = False
 
@@ -290,29 +309,24 @@ class StreamEpochs:
 
     def _agree(self, count: int) -> int:
         """The smallest ``count`` over ranks, in whole optimizer steps: ONE all_reduce per window."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = torch.tensor([count], dtype=torch.int64, device=self.device)
+        if _grouped():
+            box = torch.tensor([count], dtype=torch.int64, device=_group_device())
             dist.all_reduce(box, op=dist.ReduceOp.MIN)
             count = int(box.item())
         return count - count % self.accum
-
-    def _batch_size(self) -> int:
-        return self.stream.batch_size
 
     def _end_epoch(self, done: int, *, dropped: int, rest: Iterator[Any]) -> None:
         """Learn the epoch length, count this rank's unused samples (reading at most one more window)."""
         self.batches_per_epoch = done
         more, tails = self._read(rest, self.window)
-        dropped += len(more) * self._batch_size() + tails
+        dropped += len(more) * self.stream.batch_size + tails
         unread = len(more) == self.window
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = torch.tensor([dropped, int(unread)], dtype=torch.int64, device=self.device)
+        world = dist.get_world_size() if _grouped() else 1
+        if world > 1:
+            box = torch.tensor([dropped, int(unread)], dtype=torch.int64, device=_group_device())
             dist.all_reduce(box)
             dropped, unread = int(box[0]), bool(box[1])
-            world = dist.get_world_size()
-        else:
-            world = 1
-        used = done * self._batch_size() * world
+        used = done * self.stream.batch_size * world
         log.info(
             "streaming: epoch %d ended after %d batches per rank (%d samples used); dropped %s%d samples that could "
             "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
@@ -320,3 +334,12 @@ class StreamEpochs:
         if not done:
             raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; "
                             "check the dataset, data.batch_size and the number of processes")
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _group_device() -> torch.device:
+    """Where the group's tensors live: NCCL reduces CUDA tensors, Gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -17,9 +17,10 @@ rank's, from ``iter()`` (worker start included) to the epoch's end; samples/s co
 the epoch used on all ranks. Each batch is touched (``x.sum()``) and nothing else: the loader is
 all that is measured, which is the worst case for any difference.
 
-``agreement``: 2 ranks, 0 workers, in-memory stream, window of 1, 8 and 100000 steps (that is,
-one all_reduce per step, per 8 steps, and one per epoch): microseconds per batch, so the cost of
-the per-window collective can be read off against a loop without one.
+``agreement``: 2 ranks, 0 workers: microseconds per batch of the same stream read by the loader
+alone (no read-ahead, no collective) and by ``StreamEpochs`` with a window of 8 steps (the
+default: one ``all_reduce`` per 8 batches) and of 1 (one per batch); and the time of one
+``all_reduce(MIN)`` of one integer on its own (median of 2000).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 from ddpkit.data import build_train_loader, start_epoch
 from ddpkit.datasets import make_digits
 from ddpkit.env import read_dist_env
-from ddpkit.streaming import StreamEpochs, build_stream_loader
+from ddpkit.streaming import build_stream_loader
 from ddpkit.testing import run_on_ranks
 
 
@@ -66,8 +67,8 @@ def _epoch(variant: str, data: tuple[torch.Tensor, ...], workers: int, epoch: in
         start_epoch(loader, epoch)
         batches = loader
     else:
-        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers)
-        batches = StreamEpochs(loader, device=torch.device("cpu"), window_steps=window)
+        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers, window_steps=window)
+        batches = loader.stream_epochs
         batches.start_epoch(epoch)
     count = 0
     for x, _ in batches:
@@ -92,12 +93,27 @@ def _throughput_job(rounds: int, num_train: int) -> dict[str, list[float]]:
 
 
 def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
+    """Per-batch wall time of the same stream read with no agreement, or one all_reduce per 8 or per 1 steps."""
     data = make_digits(num_train, seed=1234)
-    results: dict[str, list[float]] = {}
+    env, results = read_dist_env(), {}
     for r in range(rounds):
-        for window in ((1, 8, 100000) if r % 2 == 0 else (100000, 8, 1)):
-            seconds, samples = _epoch("stream", data, 0, epoch=r, window=window)
-            results.setdefault(f"window {window}", []).append(seconds / (samples / 64 / dist.get_world_size()) * 1e6)
+        for window in ((0, 8, 1) if r % 2 == 0 else (1, 8, 0)):
+            loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, window_steps=window or 1)
+            batches = loader.stream_epochs
+            batches.start_epoch(r)
+            if not window:  # the loader itself: the same batches, no read-ahead, no collective
+                batches = loader
+            dist.barrier()
+            started, count = time.perf_counter(), 0
+            for x, _ in batches:
+                x.sum()
+                count += 1
+            results.setdefault(f"window {window}" if window else "no agreement", []).append((time.perf_counter() - started) / count * 1e6)
+    box = torch.zeros(1, dtype=torch.int64)
+    for _ in range(2000):
+        started = time.perf_counter()
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        results.setdefault("one all_reduce(MIN)", []).append((time.perf_counter() - started) * 1e6)
     return results
 
 
@@ -122,7 +138,7 @@ def main() -> None:
             report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s), _summary("ratio", ratios)]
             print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
     job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0]
-    print("\nus per batch, 2 ranks, 0 workers, by data.stream_window (1: an all_reduce every step; 100000: one per epoch)")
+    print("\nus per batch, 2 ranks, 0 workers: the loader alone, and StreamEpochs agreeing every data.stream_window steps")
     for name, values in job.items():
         report["agreement"][name] = _summary(name, values)
         print(f"{name:>14}: {_fmt(values, 1)}")

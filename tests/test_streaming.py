@@ -27,8 +27,6 @@ from ddpkit.testing import run_on_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from write_digits_shards import write_shards  # noqa: E402
 
-CPU = torch.device("cpu")
-
 
 class IndexStream(IterableDataset):
     """Samples ``(tensor([i]), i)`` for ``i < n`` in an order reshuffled by ``set_epoch``; no ``len()``.
@@ -65,8 +63,8 @@ def env_of(rank: int, world_size: int) -> DistEnv:
 
 
 def epochs_of(dataset, *, rank=0, world_size=1, batch_size=5, workers=0, accum=1, window=2) -> StreamEpochs:
-    loader = build_stream_loader(dataset, env=env_of(rank, world_size), batch_size=batch_size, num_workers=workers)
-    return StreamEpochs(loader, device=CPU, accum=accum, window_steps=window)
+    env = env_of(rank, world_size)
+    return build_stream_loader(dataset, env=env, batch_size=batch_size, num_workers=workers, accum=accum, window_steps=window).stream_epochs
 
 
 def indices(batches) -> list[int]:
@@ -107,7 +105,7 @@ def test_a_resumed_epoch_continues_with_exactly_the_batches_the_uninterrupted_on
     assert indices(before) + indices(after) == expected
     if workers:  # worker seeds follow the epoch and a resume replays the stream: the augmentation is the same too
         assert torch.equal(torch.cat([b[0] for b in before + after]), torch.cat([b[0] for b in full_batches]))
-    assert (state["loader"] is not None) == (stop_after > 4)  # a checkpoint inside the second window (4 batches each) holds its start
+    assert (state["ranks"][0]["loader"] is not None) == (stop_after > 4)  # a checkpoint inside the second window (4 batches each) holds its start
 
 
 def _uneven_ranks(workers: int) -> tuple[int, list[int]]:
@@ -120,8 +118,7 @@ def _uneven_ranks(workers: int) -> tuple[int, list[int]]:
 
     env = read_dist_env()
     stream = IndexStream(94, shares=[40, 23, 31])
-    loader = build_stream_loader(stream, env=env, batch_size=4, num_workers=workers)
-    epochs = StreamEpochs(loader, device=CPU, accum=2, window_steps=1)
+    epochs = build_stream_loader(stream, env=env, batch_size=4, num_workers=workers, accum=2, window_steps=1).stream_epochs
     epochs.start_epoch(0)
     got = indices(epochs)
     return epochs.batches_per_epoch, got
