@@ -73,6 +73,7 @@ class Watchdog:
         self.ticks = self.phase_ticks = 0
         self.data_batches = 0
         self._stopped = threading.Event()
+        self.handling_hang = False
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
         self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
         self._last_local: tuple[Any, ...] = ()
@@ -147,7 +148,7 @@ class Watchdog:
         self.phases.append("done")
         self._stopped.set()
         try:
-            if error is not None:
+            if error is not None and not self.handling_hang:
                 message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 self.client("compare_set", "alarm", "", json.dumps(alarm))
@@ -203,6 +204,7 @@ class Watchdog:
             return
         if alarm["kind"] == "failed":
             return self._peer_failed(alarm)
+        self.handling_hang = True  # from here this thread ends the process; the main thread must not race it
         self.client("set", f"stacks/{self.rank}", thread_stacks())
         if alarm["by"] == self.rank:
             return self._monitor.report(alarm)
@@ -278,6 +280,9 @@ def announce_failure(*, wait: float = 2.0) -> None:
     """
     wd = _current
     if wd is None or not wd._stopped.is_set():
+        return
+    if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
+        time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
         return
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
