@@ -319,7 +319,7 @@ class RunState:
         """After the run's last save and flush: end a signal-stopped run with :class:`Preempted` (exit code 75)."""
         if self.stopped:
             raise Preempted(
-                f"stopped by {self.signals.describe()} after step {self.progress.step}, saved in {self.config.checkpoint_dir}; "
+                f"{self.signals.describe()}: step {self.progress.step} is saved in {self.config.checkpoint_dir}; "
                 "run the same command again to resume from it"
             )
 

@@ -1,0 +1,230 @@
+"""Preemption and elastic resume: a signal costs zero steps, and a run continues on another world size.
+
+Fast checks need no process group: the world-size-independent sampler, the per-rank batch, the
+config errors. The end-to-end checks run real launchers and send real signals: SIGTERM to
+``ddpkit run`` itself (as SLURM or Kubernetes would), a signal on one rank only, a second signal,
+a signal during validation; each relaunch must end bitwise equal to an uninterrupted run, and a
+2-rank run resumed on 1 rank must train on the same samples at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from torch.utils.data import TensorDataset
+
+from ddpkit import ConfigError, load_config
+from ddpkit.checkpoint import find_latest_checkpoint
+from ddpkit.elastic import GlobalBatchSampler, per_rank_batch_size
+from ddpkit.preemption import PREEMPTED_EXIT_CODE, signal_numbers
+
+SCRIPT = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
+
+
+# --- no process group ------------------------------------------------------------------------
+
+
+def _step_sets(world_size: int, accum: int, *, length: int = 100, global_batch: int = 12, epoch: int = 3, start: int = 0) -> list[set[int]]:
+    """The samples of each optimizer step, over all ranks of a world."""
+    data = TensorDataset(torch.arange(length))
+    per_rank = []
+    for rank in range(world_size):
+        sampler = GlobalBatchSampler(data, global_batch_size=global_batch, rank=rank, world_size=world_size, grad_accum_steps=accum, seed=7)
+        sampler.set_epoch(epoch, start * sampler.micro_batch * accum)
+        per_rank.append(list(sampler))
+        assert len(sampler) == len(per_rank[-1])
+    steps = len(per_rank[0]) // (global_batch // world_size)
+    share = global_batch // world_size
+    return [set().union(*(set(indices[s * share:(s + 1) * share]) for indices in per_rank)) for s in range(steps)]
+
+
+def test_global_batches_do_not_depend_on_the_world_size_or_accumulation():
+    reference = _step_sets(1, 1)
+    assert len(reference) == 100 // 12 and all(len(step) == 12 for step in reference)
+    assert len(set().union(*reference)) == 96  # no sample twice in an epoch; only the tail of 4 dropped
+    for world_size, accum in [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (1, 3), (6, 2)]:
+        assert _step_sets(world_size, accum) == reference, (world_size, accum)
+    assert _step_sets(3, 2, start=5) == reference[5:]  # a resume mid-epoch picks up at the same step
+    assert _step_sets(1, 1, epoch=4) != reference  # and the order still changes per epoch
+
+
+def test_per_rank_batch_is_the_share_of_the_global_batch():
+    data = load_config({"data": {"global_batch_size": 96}}).data
+    assert per_rank_batch_size(data, world_size=4, grad_accum_steps=2) == 12
+    with pytest.raises(ConfigError, match=r"data.global_batch_size: 96 does not divide into 5 rank\(s\) x 2 .* 10 equal micro-batches"):
+        per_rank_batch_size(data, world_size=5, grad_accum_steps=2)
+    assert per_rank_batch_size(load_config({}).data, world_size=4, grad_accum_steps=2) == 32  # data.batch_size
+
+
+def test_config_errors_name_the_keys():
+    with pytest.raises(ConfigError, match="data.global_batch_size: set together with data.batch_size"):
+        load_config({"data": {"global_batch_size": 64, "batch_size": 8}})
+    with pytest.raises(ConfigError, match=r"checkpoint.save_on_signals\[1\]: .* got 'SIGTERN' .*did you mean 'SIGTERM'"):
+        load_config({"checkpoint": {"save_on_signals": ["SIGUSR1", "SIGTERN"]}})
+    with pytest.raises(ConfigError, match="checkpoint.save_on_signals: expected a list"):
+        load_config({"checkpoint": {"save_on_signals": "SIGTERM"}})
+    assert load_config({"checkpoint": {"save_on_signals": []}}).checkpoint.save_on_signals == []
+    assert signal_numbers(["SIGTERM", "usr1"]) == [signal.SIGTERM, signal.SIGUSR1]
+
+
+def test_a_saved_global_batch_config_loads_again(tmp_path):
+    from ddpkit import dump_config
+
+    cfg = load_config({"data": {"global_batch_size": 64}})
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path).data.global_batch_size == 64
+
+
+# --- real launchers, real signals ---------------------------------------------------------------
+
+
+def _config(tmp_path: Path, name: str, **sections) -> Path:
+    cfg = tiny_config(tmp_path / name, **{"train": {"epochs": 3, "log_every": 2}, "checkpoint": {"every_epochs": None}, **sections})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(config: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_cli("run", str(config), *overrides, "--nproc-per-node", str(nproc), "--script", SCRIPT, env=env, timeout=300)
+
+
+def _out(config: Path) -> Path:
+    return Path(yaml.safe_load(config.read_text())["run"]["output_dir"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_the_agreed_step_and_the_relaunch_is_bitwise_equal(tmp_path):
+    long = {"epochs": 30, "log_every": 2}  # long enough to be signalled mid-run
+    whole = _config(tmp_path, "whole", train=long)
+    assert _run(whole).returncode == 0
+    cut = _config(tmp_path, "cut", train=long)
+    out = _out(cut)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", str(cut), "--nproc-per-node", "2", "--script", SCRIPT],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.1)
+    last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    signalled = time.time()
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=120)
+    elapsed = time.time() - signalled
+    leftovers = subprocess.run(["pgrep", "-f", str(cut)], capture_output=True, text=True).stdout.split()
+    assert launcher.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert elapsed < 30, f"the job took {elapsed:.1f}s to stop"
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert "stopped by SIGTERM" in output and "Run the same command again to resume" in output
+    saved = find_latest_checkpoint(out / "checkpoints")
+    assert saved is not None and saved.step >= last_logged, (saved, last_logged)
+    assert not (out / "model.pt").exists()  # a preempted run has no final model yet
+    relaunch = _run(cut)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert f"resuming from {saved.path}" in relaunch.stderr
+    assert_bitwise_equal(load_weights(_out(whole) / "model.pt"), load_weights(out / "model.pt"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, signal_name, rank",
+    [("step", "SIGUSR1", 1), ("validation", "SIGTERM", 0)],
+    ids=["SIGUSR1-on-rank-1-only", "SIGTERM-during-validation"],
+)
+def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, where, signal_name, rank):
+    whole = _config(tmp_path, "whole", train={"epochs": 2, "log_every": 2, "eval_every": 4})
+    assert _run(whole).returncode == 0
+    cut = _config(tmp_path, "cut", train={"epochs": 2, "log_every": 2, "eval_every": 4})
+    stamp = tmp_path / "stamp"
+    env = {"PREEMPT_WHERE": where, "PREEMPT_SIGNAL": signal_name, "PREEMPT_RANK": str(rank), "PREEMPT_STEP": "5", "PREEMPT_STAMP": str(stamp)}
+    stopped = _run(cut, env=env)
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
+    assert stamp.exists()
+    saved = find_latest_checkpoint(_out(cut) / "checkpoints")
+    # Signalled after step 5, or in the validation after step 8 (eval_every 4): the agreed step
+    # comes after it, a few steps later at most (the time the other rank takes to notice).
+    assert saved is not None and saved.step > (5 if where == "step" else 8), saved
+    other = 1 - rank
+    assert f"ddpkit: stopped (rank {rank}): {signal_name} (received by rank {rank}): step {saved.step} is saved" in stopped.stderr
+    assert f"ddpkit: stopped (rank {other}): rank {rank} received {signal_name}: step {saved.step} is saved" in stopped.stderr
+    relaunch = _run(cut, env=env)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert_bitwise_equal(load_weights(_out(whole) / "model.pt"), load_weights(_out(cut) / "model.pt"))
+
+
+@pytest.mark.multiprocess
+def test_a_second_signal_stops_at_once_without_saving(tmp_path):
+    cut = _config(tmp_path, "cut")
+    env = {"PREEMPT_COUNT": "2", "PREEMPT_STEP": "3", "PREEMPT_STAMP": str(tmp_path / "stamp")}
+    done = _run(cut, nproc=1, env=env)
+    assert done.returncode == PREEMPTED_EXIT_CODE, done.stderr[-3000:]
+    assert "a second SIGTERM arrived while stopping" in done.stderr
+    assert find_latest_checkpoint(_out(cut) / "checkpoints") is None
+
+
+def saved_step(config: Path) -> int:
+    info = find_latest_checkpoint(_out(config) / "checkpoints")
+    return info.step if info else -1
+
+
+def _samples(directory: Path) -> dict[int, set[int]]:
+    """Step -> the samples all ranks trained on in that step (the last record of a step wins: a
+    restarted attempt replays the steps after its checkpoint)."""
+    per_rank: dict[Path, dict[int, list[int]]] = {}
+    for file in sorted(directory.glob("rank*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            per_rank.setdefault(file, {})[record["step"]] = record["indices"]
+    steps = set().union(*(records.keys() for records in per_rank.values()))
+    return {step: set().union(*(set(records.get(step, [])) for records in per_rank.values())) for step in steps}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after, accum", [(2, 1, 1), (3, 2, 2)], ids=["2-to-1-ranks", "3-to-2-ranks-accumulating"])
+def test_a_run_preempted_on_n_ranks_resumes_on_m_with_the_same_samples_per_step(tmp_path, before, after, accum):
+    cfg = tiny_config(tmp_path / "whole", data={"global_batch_size": 24}, train={"epochs": 2, "log_every": 2, "grad_accum_steps": accum})
+    del cfg["data"]["batch_size"]  # the per-rank share follows from the global batch and the world size
+    paths = {}
+    for name in ("whole", "cut"):
+        cfg["run"]["output_dir"] = str(tmp_path / name / "run")
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+        (tmp_path / f"{name}-samples").mkdir()
+    whole = _run(paths["whole"], nproc=before, env={"SAMPLES_DIR": str(tmp_path / "whole-samples")})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    env = {"SAMPLES_DIR": str(tmp_path / "cut-samples"), "PREEMPT_STEP": "5", "PREEMPT_STAMP": str(tmp_path / "stamp")}
+    assert _run(paths["cut"], nproc=before, env=env).returncode == PREEMPTED_EXIT_CODE
+    resumed = _run(paths["cut"], nproc=after, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming on {after} rank(s) a run checkpointed on {before}" in resumed.stderr
+    reference, elastic = _samples(tmp_path / "whole-samples"), _samples(tmp_path / "cut-samples")
+    assert sorted(reference) == sorted(elastic) and len(reference) == 2 * (256 // 24)
+    assert all(elastic[step] == reference[step] and len(reference[step]) == 24 for step in reference)
+    a, b = load_weights(tmp_path / "whole" / "run" / "model.pt"), load_weights(tmp_path / "cut" / "run" / "model.pt")
+    assert all(torch.allclose(a[k], b[k], atol=1e-3) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.multiprocess
+def test_without_a_global_batch_a_world_size_change_is_refused_with_the_way_out(tmp_path):
+    path = _config(tmp_path, "run", checkpoint={"every_steps": 4})
+    assert _run(path, "train.max_steps=4", nproc=2).returncode == 0
+    refused = _run(path, "train.max_steps=8", nproc=1)
+    assert refused.returncode == 1
+    assert "world size: 2 -> 1" in refused.stderr and "data.global_batch_size" in refused.stderr
