@@ -110,11 +110,14 @@ def build_models(
     """
     if train.keep_host_memory:
         keep_freed_host_memory()
+    settings = compile_settings(train.compile)
+    if settings is not None and hasattr(model, "_orig_mod"):  # build_model compiled it: recompile in DDP's order
+        log.info("build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead")
+        model = unwrap_model(model)
     if train.channels_last:
         model = to_channels_last(model)
     wrapped = wrap_model(model, runtime, ddp)
     bare = unwrap_model(wrapped)
-    settings = compile_settings(train.compile)
     if settings is None:
         return Models(train=wrapped, eval=bare, bare=bare)
     watch = CompileWatch(settings.recompile_limit, exclude=exclude)

@@ -111,6 +111,15 @@ def test_compiled_training_matches_eager_and_compile_time_is_excluded():
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # restored
 
 
+def test_a_model_compiled_in_build_model_is_compiled_once_in_ddp_order():
+    net = mlp()
+    models = build_models(torch.compile(net, backend="eager"), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "eager"}))
+    try:
+        assert models.bare is net and models.train._orig_mod is net  # one compile wrapper, around the (DDP-wrapped) net
+    finally:
+        models.close()
+
+
 def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog):
     models = build_models(
         mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "eager", "dynamic": False, "recompile_limit": 2})
@@ -345,3 +354,26 @@ def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
         for key, value in eager.items():
             torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5)
     assert all(torch.equal(ranks[0][1][k], ranks[1][1][k]) for k in ranks[0][1])  # the ranks stayed in sync
+
+
+# --- the config keys --------------------------------------------------------------------------------
+
+
+def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tmp_path):
+    from helpers import tiny_config
+
+    from ddpkit.config_loader import load_config
+    from ddpkit.errors import ConfigError
+
+    cfg = tiny_config(tmp_path)
+    assert load_config(cfg, ["train.compile=true"]).train.compile is True
+    assert load_config(cfg).train.compile is False
+    mapping = load_config(cfg, ["train.compile.mode=max-autotune", "train.compile.recompile_limit=4"]).train.compile
+    assert mapping == {"mode": "max-autotune", "recompile_limit": 4}
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg, ["train.compile.mdoe=default", "train.compile.recompile_limit=0", "data.prefetch_factor=4"])
+    message = str(info.value)
+    assert "train.compile.mdoe: unknown option" in message and "train.compile.recompile_limit: expected an integer >= 1" in message
+    assert "data.prefetch_factor: only used with worker processes" in message
+    with pytest.raises(ConfigError, match="train.compile: expected true or false"):
+        load_config(cfg, ["train.compile=3"])
