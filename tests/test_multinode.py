@@ -82,10 +82,11 @@ def fake_slurm_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scripts = {
-        "scontrol": 'echo node001; echo node002\n',
+        # `scontrol requeue JOB` is recorded; `scontrol show hostnames` lists two nodes.
+        "scontrol": 'if [ "$1" = requeue ]; then echo "$@" > "$FAKE_OUT/requeue"; else echo node001; echo node002; fi\n',
         # Drop srun's own options, then run the command as each node's task would.
-        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\nfor node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit 1; done\n',
-        "ddpkit": 'printf "%s\\n" "$@" > "$FAKE_OUT/node$SLURM_NODEID"\n',
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\nfor node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit $?; done\n',
+        "ddpkit": 'printf "%s\\n" "$@" > "$FAKE_OUT/node$SLURM_NODEID"\nexit "${FAKE_EXIT:-0}"\n',
     }
     for name, body in scripts.items():
         path = bin_dir / name
@@ -119,3 +120,19 @@ def test_slurm_script_runs_ddpkit_run_once_per_node_with_its_node_rank(tmp_path)
 
     usage = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert usage.returncode == 2 and "usage: sbatch scripts/slurm.sbatch CONFIG" in usage.stderr
+
+
+def test_slurm_script_requeues_a_preempted_job_and_passes_other_failures_on(tmp_path):
+    bin_dir = fake_slurm_bin(tmp_path)
+    env = {
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
+    }
+    script = REPO / "scripts" / "slurm.sbatch"
+    assert "#SBATCH --signal=USR1@120" in script.read_text() and "#SBATCH --requeue" in script.read_text()
+    preempted = subprocess.run(["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "75"}, capture_output=True, text=True, timeout=30)
+    assert preempted.returncode == 0, preempted.stderr
+    assert (tmp_path / "requeue").read_text().split() == ["requeue", "1234"]
+    (tmp_path / "requeue").unlink()
+    failed = subprocess.run(["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "1"}, capture_output=True, text=True, timeout=30)
+    assert failed.returncode == 1 and not (tmp_path / "requeue").exists()
