@@ -377,3 +377,26 @@ def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tmp_pa
     assert "data.prefetch_factor: only used with worker processes" in message
     with pytest.raises(ConfigError, match="train.compile: expected true or false"):
         load_config(cfg, ["train.compile=3"])
+
+
+def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path):
+    import time
+
+    from helpers import tiny_config
+
+    from ddpkit.config_loader import load_config
+    from ddpkit.reporter import Reporter
+    from ddpkit.resume import Progress
+
+    reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), resumed=False)
+    try:
+        before, started = reporter._window_start, time.perf_counter()
+        with reporter.outside_training("evaluation"):
+            time.sleep(0.02)
+            with reporter.outside_training("compile"):  # what CompileWatch does when validation compiles
+                time.sleep(0.05)
+        elapsed = time.perf_counter() - started
+        # Counted twice, the window would move by at least elapsed + 0.05 s: samples/s far too high.
+        assert 0.07 <= reporter._window_start - before <= elapsed
+    finally:
+        reporter.close()
