@@ -21,7 +21,7 @@ from typing import Any
 
 from ddpkit.errors import DdpkitError
 
-__all__ = ["setup_logging", "ProgressBar", "MetricSinks", "StepLog", "METRICS_FILE"]
+__all__ = ["setup_logging", "console_through", "ProgressBar", "MetricSinks", "StepLog", "METRICS_FILE"]
 
 log = logging.getLogger("ddpkit")
 
@@ -73,6 +73,12 @@ class _ConsoleHandler(logging.StreamHandler):
             bar.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never raise into the training loop
             self.handleError(record)
+
+
+def console_through(writer: Any) -> None:
+    """Send console log lines through ``writer.write(line, file=...)`` (a live progress bar that
+    must not be broken, see :mod:`ddpkit.progress`), or straight to stderr again with None."""
+    _ConsoleHandler.bar = writer
 
 
 class ProgressBar:

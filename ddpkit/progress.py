@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ddpkit.log import console_through
+
 __all__ = ["ProgressDisplay", "format_duration"]
 
 _log = logging.getLogger("ddpkit")
@@ -37,7 +39,7 @@ class ProgressDisplay:
     def __init__(
         self,
         *,
-        total: int,
+        total: int | None,
         initial: int = 0,
         enabled: bool = True,
         every: float = 30.0,
@@ -45,7 +47,7 @@ class ProgressDisplay:
         terminal: bool | None = None,
         emit: Callable[[str], None] | None = None,
     ):
-        """``terminal`` defaults to ``stream.isatty()``; ``emit`` prints a plain progress line
+        """``total`` None: unknown (a stream); ``terminal`` defaults to ``stream.isatty()``; ``emit`` prints a plain progress line
         (default: an INFO line on the ``ddpkit`` logger, so it has the log's prefix and lands in
         ``log.rank_files`` too)."""
         self.total, self.step, self.every = total, initial, every
@@ -60,6 +62,7 @@ class ProgressDisplay:
             from tqdm.auto import tqdm  # lazy: keeps `import ddpkit` fast
 
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, file=self._stream)
+            console_through(self)  # ddpkit's log lines now go through write(), above the bar
 
     @property
     def plain(self) -> bool:
@@ -92,6 +95,7 @@ class ProgressDisplay:
     def close(self) -> None:
         """Leave the finished bar on screen, or print a last plain line if steps were taken since the previous one."""
         if self._bar is not None:
+            console_through(None)
             self._bar.close()
             self._bar = None
         elif self._enabled and self.step != self._last_step:
@@ -99,15 +103,15 @@ class ProgressDisplay:
         self._enabled = False
 
     def status_line(self) -> str:
-        """``step 120/900 (13%) loss 0.4512 samples/s 1530 lr 0.05 eta 3m14s``."""
-        percent = 100.0 * self.step / self.total if self.total else 100.0
-        parts = [f"step {self.step}/{self.total} ({percent:.0f}%)"]
+        """``step 120/900 (13%) loss 0.4512 samples/s 1530 lr 0.05 eta 3m14s`` (``step 120`` when the total is unknown)."""
+        total = self.total
+        parts = [f"step {self.step}/{total} ({100.0 * self.step / max(total, 1):.0f}%)" if total is not None else f"step {self.step}"]
         parts += [f"{k} {_short(v)}" for k, v in self._values.items()]
         done, elapsed = self.step - self._initial, time.monotonic() - self._started
-        if self.step >= self.total:
-            parts.append(f"done in {format_duration(elapsed)}")
+        if total is None or self.step >= total:
+            parts.append(f"{'done in' if total is not None else 'for'} {format_duration(elapsed)}")
         elif done > 0:
-            parts.append(f"eta {format_duration((self.total - self.step) * elapsed / done)}")
+            parts.append(f"eta {format_duration((total - self.step) * elapsed / done)}")
         return " ".join(parts)
 
     def _plain_line(self) -> None:

@@ -8,12 +8,17 @@ A sink is four methods. The reporter calls them on rank 0 only, in this order::
     sink.state_dict()                                            # at each checkpoint, saved in it
     sink.finish("FINISHED", [Path("runs/x/model.pt")])           # or FAILED / KILLED
 
-Write your own in a few lines and hand it to the reporter beside the built-in ones::
+Write your own in a few lines and add it beside the built-in ones (rank 0 has them all)::
 
     class PrintSink(ddpkit.sinks.Sink):
         name = "print"
         def write(self, record):
             print(record["step"], {k: v for k, v in record.items() if k.startswith("val_")})
+
+    class MyTrainer(ddpkit.Trainer):
+        def on_fit_start(self):
+            if self.is_main:
+                self.reporter.sinks.add(PrintSink())
 
 Built in: ``metrics.jsonl`` and TensorBoard (``log.tensorboard``), ``status.json`` (read by
 ``ddpkit runs``), and the trackers in :mod:`ddpkit.trackers` (``log.mlflow``, ``log.wandb``).
@@ -73,13 +78,26 @@ class SinkGroup:
 
     def __init__(self, sinks: Iterable[Sink]):
         self.sinks = list(sinks)
+        self._resumed: dict[str, dict[str, Any]] = {}
+        self._config: dict[str, Any] | None = None  # set by start()
         names = [s.name for s in self.sinks]
         assert len(set(names)) == len(names), f"sink names must be unique, got {names}"
 
+    def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
+        """The group's ``state_dict()`` from the checkpoint this run resumes: handed to ``start``."""
+        self._resumed = dict(state)
+
     def start(self, config: dict[str, Any], *, resumed: Mapping[str, dict[str, Any]] | None = None) -> None:
-        """``resumed`` is the ``state_dict()`` of this group saved in the checkpoint, if any."""
+        """Start every sink; ``resumed`` defaults to what ``load_state_dict`` was given."""
+        self._config, resumed = config, (self._resumed if resumed is None else resumed)
         for sink in list(self.sinks):
-            self._call(sink, "start", config, resumed=(resumed or {}).get(sink.name))
+            self._call(sink, "start", config, resumed=resumed.get(sink.name))
+
+    def add(self, sink: Sink) -> None:
+        """Add a sink, e.g. from ``Trainer.on_fit_start``; started at once if the group already is."""
+        self.sinks.append(sink)
+        if self._config is not None:
+            self._call(sink, "start", self._config, resumed=self._resumed.get(sink.name))
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in list(self.sinks):
@@ -94,8 +112,10 @@ class SinkGroup:
         return states
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
+        """Tell every sink how the run ended; a second call does nothing (the run ended once)."""
         assert status in STATUSES, status
-        for sink in list(self.sinks):
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
             self._call(sink, "finish", status, artifacts)
 
     def _call(self, sink: Sink, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -108,7 +128,8 @@ class SinkGroup:
             # worth the run. metrics.jsonl still has every record.
             log.warning("metric sink %r failed in %s() and is switched off for this run (metrics.jsonl keeps every record): %s: %s",
                         sink.name, method, type(exc).__name__, exc)
-            self.sinks.remove(sink)
+            if sink in self.sinks:
+                self.sinks.remove(sink)
             return None
 
 

@@ -26,6 +26,7 @@ import queue
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,13 +95,6 @@ class _Background:
             log.warning("%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer", self.name, timeout)
         return finished
 
-    def wait_for(self, event: threading.Event, timeout: float) -> bool:
-        """Wait until ``event`` is set by a call on this thread, the tracker fails, or ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while not (event.is_set() or self.failed) and time.monotonic() < deadline:
-            event.wait(0.05)
-        return event.is_set()
-
     def _run(self) -> None:
         while True:
             fn, args = self._queue.get()
@@ -152,14 +146,13 @@ class MlflowSink(Sink):
         self._pending: list[Any] = []
         self._flush_queued = False
         self._lock = threading.Lock()
-        self._opened = threading.Event()
-        self._gave_up = False
+        self.run_key = uuid.uuid4().hex  # tags the MLflow run, so a resume finds it before its id is known
         self._bg = _Background("mlflow")
 
     def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
         resumed = resumed or {}
         if resumed.get("tracking_uri") == self.tracking_uri:
-            self.run_id = resumed.get("run_id")  # known at once, so the next checkpoint keeps it
+            self.run_id, self.run_key = resumed.get("run_id"), resumed.get("run_key") or self.run_key
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._bg.started = True
         self._bg.submit(self._open, flatten_config(config))
@@ -175,11 +168,9 @@ class MlflowSink(Sink):
         self._bg.submit(self._flush)
 
     def state_dict(self) -> dict[str, Any]:
-        # MLflow's server assigns run ids, so the first checkpoint may come before the run exists.
-        # Wait for it once (bounded): a checkpoint without the id would split the run in two.
-        if self.run_id is None and not self._gave_up:
-            self._gave_up = not self._bg.wait_for(self._opened, self.timeout)
-        return {"run_id": self.run_id, "tracking_uri": self.tracking_uri} if self.run_id else {}
+        # MLflow assigns run ids, so a checkpoint may come before the run exists: the key we
+        # tagged it with (known at once) finds it again, and no checkpoint waits for MLflow.
+        return {"run_key": self.run_key, "run_id": self.run_id, "tracking_uri": self.tracking_uri}
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
         if not self._bg.started:
@@ -198,18 +189,16 @@ class MlflowSink(Sink):
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO chatter in the run's output
         self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
-        run = None
-        if self.run_id is not None:
-            run = _existing_run(client, self.run_id)
-            if run is None:
-                log.warning("mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run", self.run_id, self.tracking_uri)
+        run = _find_run(client, experiment_id, self.run_id, self.run_key)
+        if run is None and self.run_id is not None:
+            log.warning("mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run", self.run_id, self.tracking_uri)
         if run is None:
-            run = client.create_run(experiment_id, run_name=self.output_dir.name, tags={"ddpkit.output_dir": str(self.output_dir)})
-            self.run_id = run.info.run_id
+            tags = {_RUN_KEY_TAG: self.run_key, "ddpkit.output_dir": str(self.output_dir)}
+            run = client.create_run(experiment_id, run_name=self.output_dir.name, tags=tags)
         else:
-            client.update_run(self.run_id, status="RUNNING")
+            client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id = run.info.run_id
         self._log_params(client, run, params)
-        self._opened.set()
         log.info("mlflow: experiment %r, run %s at %s", self.experiment, self.run_id, self.tracking_uri)
 
     def _experiment_id(self, client: Any) -> str:
@@ -218,8 +207,10 @@ class MlflowSink(Sink):
         found = client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
-        # Our own default store keeps artifacts in the run directory, not in the current one.
-        location = None if os.environ.get("MLFLOW_TRACKING_URI") else (self.output_dir / "mlartifacts").as_uri()
+        # A SQLite store keeps artifacts beside its file (MLflow's default would be ./mlruns in
+        # whatever directory the job started in); a server decides for itself.
+        db = self.tracking_uri.removeprefix("sqlite:///") if self.tracking_uri.startswith("sqlite:///") else None
+        location = (Path(db).resolve().parent / "mlartifacts").as_uri() if db else None
         try:
             return client.create_experiment(self.experiment, artifact_location=location)
         except MlflowException:  # created meanwhile by another run sharing the store
@@ -249,14 +240,21 @@ class MlflowSink(Sink):
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
 
-def _existing_run(client: Any, run_id: str) -> Any:
+_RUN_KEY_TAG = "ddpkit_run_key"
+
+
+def _find_run(client: Any, experiment_id: str, run_id: str | None, run_key: str) -> Any:
+    """The run a resumed checkpoint belongs to: by id, else by the key it was tagged with."""
     from mlflow.exceptions import MlflowException
 
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        return None
-    return run if run.info.lifecycle_stage == "active" else None
+    if run_id is not None:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            return None
+        return run if run.info.lifecycle_stage == "active" else None
+    found = client.search_runs([experiment_id], filter_string=f"tags.{_RUN_KEY_TAG} = '{run_key}'", max_results=1)
+    return found[0] if found else None
 
 
 class WandbSink(Sink):

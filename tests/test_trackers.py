@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_config
+
 from ddpkit.errors import DdpkitError
 from ddpkit.sinks import STATUS_FILE, Sink, SinkGroup, StatusSink, flatten_config, read_status
 from ddpkit.trackers import MlflowSink, WandbSink, tracker_sinks
@@ -120,18 +122,22 @@ def test_mlflow_resumed_run_continues_the_same_run_in_a_sqlite_store(tmp_path, m
     state = drive(MlflowSink(tmp_path, experiment="exp"), range(1, 5), status="KILLED")
     assert state["tracking_uri"] == f"sqlite:///{tmp_path.resolve()}/mlflow.db"  # the default store: in the run dir
     _, run = only_run(state["tracking_uri"])
-    assert run.info.status == "KILLED" and run.info.run_id == state["run_id"]
+    assert run.info.status == "KILLED" and run.data.tags["ddpkit_run_key"] == state["run_key"]
 
     later = MlflowSink(tmp_path, experiment="exp")
     drive(later, range(3, 9), resumed=state, artifacts=[tmp_path / "model.pt"])  # steps 3-4 again: logged after the checkpoint
-    client, run = only_run(state["tracking_uri"])
-    assert run.info.run_id == state["run_id"] and run.info.status == "FINISHED"
+    client, run = only_run(state["tracking_uri"])  # found again by the key, though the checkpoint came before the id was known
+    assert run.data.tags["ddpkit_run_key"] == state["run_key"] and run.info.status == "FINISHED"
     assert run.data.params["optim.lr"] == "0.05" and run.data.params["train.epochs"] == "2"
     assert run.data.params["model.name"] == "null" and run.data.params["data.kwargs.hidden"] == "[64, 64]"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [(4, 0.04), (8, 0.08)]
     assert {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")} == set(range(1, 9))
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
     assert Path(tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in the current directory
+    third = later.state_dict()
+    assert third["run_id"] == run.info.run_id  # known by now: found by id next time
+    drive(MlflowSink(tmp_path, experiment="exp"), range(9, 10), resumed=third)
+    assert only_run(state["tracking_uri"])[1].info.run_id == run.info.run_id
 
 
 def test_mlflow_down_never_stalls_a_step_and_warns_once(tmp_path, monkeypatch, caplog):
@@ -205,7 +211,7 @@ def test_mlflow_through_a_real_tracking_server(tmp_path, mlflow_server, monkeypa
     state = drive(MlflowSink(out, experiment="exp"), range(1, 4), status="KILLED")
     drive(MlflowSink(out, experiment="exp"), range(4, 7), resumed=state, artifacts=[out / "model.pt"])
     client, run = only_run(mlflow_server)
-    assert run.info.run_id == state["run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["ddpkit_run_key"] == state["run_key"] and run.info.status == "FINISHED"
     assert run.data.params["optim.lr"] == "0.05"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [3, 6]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
@@ -267,3 +273,81 @@ def test_wandb_offline_run_has_config_history_status_and_resumes_the_same_run(tm
     assert [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h] == [(3, 0.03), (6, 0.06)]
     assert [h["step"] for h in history if "train_loss" in h] == list(range(1, 7))
     assert exits == [1, 0] and summary["status"] == "FINISHED" and artifacts == 1
+
+
+# --- end to end: `ddpkit run`, then a longer run that resumes it -------------------------------------
+
+
+def _run(tmp_path: Path, *overrides: str, env: dict | None = None):
+    import yaml
+    from helpers import run_cli
+
+    config = tmp_path / "c.yaml"
+    if not config.exists():
+        cfg = tiny_config(tmp_path, run={"name": "held", "output_dir": str(tmp_path / "run")}, checkpoint={"every_epochs": 1})
+        config.write_text(yaml.safe_dump(cfg))
+    done = run_cli("run", str(config), "--nproc-per-node", "2", *overrides, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_and_its_longer_resumed_relaunch_are_one_mlflow_run(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    (tmp_path / "store").mkdir()
+    env = {"MLFLOW_TRACKING_URI": uri}
+    _run(tmp_path, "log.mlflow=true", "train.epochs=2", env=env)
+    second = _run(tmp_path, "log.mlflow=true", "train.epochs=4", env=env)
+    assert "resuming from" in second.stderr
+    client, run = only_run(uri, experiment="held")
+    assert run.info.status == "FINISHED" and run.data.params["optim.lr"] == "0.1"
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [8, 16, 24, 32]  # 256 / (16 x 2) = 8 steps per epoch, both attempts
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")} == {4, 8, 12, 16, 20, 24, 28, 32}
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
+    assert (tmp_path / "store" / "mlartifacts").is_dir()  # beside the store, not ./mlruns where the job started
+    status = json.loads((tmp_path / "run" / STATUS_FILE).read_text())
+    assert status["status"] == "FINISHED" and status["attempts"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_training_goes_on_when_the_tracker_is_down(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = _run(tmp_path, "log.mlflow=true", env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    warnings = [line for line in done.stderr.splitlines() if "WARNING" in line and "mlflow" in line]
+    assert len(warnings) == 1, done.stderr[-3000:]  # warned once, not per record
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 16 and any("val_accuracy" in r for r in records)
+    assert (tmp_path / "run" / "model.pt").exists()
+
+
+def test_a_user_sink_added_in_on_fit_start_gets_every_record(tmp_path):
+    """The documented way to add your own sink, on a real (one-process) fit."""
+    import ddpkit
+    from ddpkit.sinks import Sink
+
+    seen: dict = {"records": [], "ended": None}
+
+    class Recorder(Sink):
+        name = "recorder"
+
+        def start(self, config, *, resumed):
+            seen["lr"] = config["optim"]["lr"]
+
+        def write(self, record):
+            seen["records"].append(record["step"])
+
+        def finish(self, status, artifacts):
+            seen["ended"] = (status, [p.name for p in artifacts])
+
+    class MyTrainer(ddpkit.Trainer):
+        def on_fit_start(self):
+            if self.is_main:
+                self.reporter.sinks.add(Recorder())
+
+    MyTrainer(tiny_config(tmp_path, train={"epochs": 1, "log_every": 4})).fit()  # one process: 256 / 16 = 16 steps
+    assert seen["lr"] == 0.1 and seen["records"] == [4, 8, 12, 16, 16] and seen["ended"] == ("FINISHED", ["model.pt"])
