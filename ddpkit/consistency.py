@@ -1,10 +1,14 @@
-"""Startup check that every rank is about to train the same thing.
+"""Checks that two things which must agree do: every rank at startup, and a checkpoint with the run resuming it.
 
 Before the first step, ranks exchange a fingerprint (config hash, model parameter count and
 shapes, dataset lengths, ddpkit and torch versions). A rank that got a different override, a
 different file, a different data directory or a different install would otherwise train
 silently wrong or hang at the first allreduce; here every rank stops with a message naming the
 field and each rank's value.
+
+:func:`config_differences` compares a checkpoint's config with the resuming run's: fields that
+change the math (model, data order and batches, optimizer, schedule, precision, seed, world size)
+must match; fields that only change bookkeeping (:data:`HARMLESS_PREFIXES`) may differ.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from ddpkit.ddp import parameter_shapes
 from ddpkit.distributed import all_gather_object
 from ddpkit.errors import ConsistencyError
 
-__all__ = ["check_ranks_agree", "check_same_run_on_every_rank"]
+__all__ = ["check_ranks_agree", "check_same_run_on_every_rank", "config_differences", "HARMLESS_PREFIXES"]
+
+#: Config paths (and path prefixes) that may differ between a checkpoint and the resuming run.
+HARMLESS_PREFIXES = (
+    "run.name", "run.output_dir", "dist.", "log.", "checkpoint.", "train.epochs", "train.max_steps",
+    "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
+    "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
+    "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
+)
 
 
 def check_same_run_on_every_rank(config: Any, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
@@ -70,3 +82,26 @@ def describe_difference(key: str, values: list[Any]) -> str | None:
                 return f"{key}[{index}] differs: {shown}"
     shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
     return f"{key} differs: {shown}"
+
+
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int, elastic: bool = False
+) -> list[str]:
+    """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``.
+
+    ``elastic`` (``data.global_batch_size`` is set): the world size may change.
+    """
+    old, new = flatten(saved), flatten(current)
+    differences = []
+    for path in sorted(old.keys() | new.keys()):
+        if path.startswith(HARMLESS_PREFIXES):
+            continue
+        before, after = old.get(path, "<unset>"), new.get(path, "<unset>")
+        if before != after:
+            differences.append(f"{path}: {before!r} -> {after!r}")
+    if saved_world_size != world_size and not elastic:
+        differences.append(
+            f"world size: {saved_world_size} -> {world_size} (the sample order depends on it unless the run sets "
+            "data.global_batch_size; train with it to resume on another number of processes)"
+        )
+    return differences

@@ -38,7 +38,8 @@ import torch
 from ddpkit import checkpoint as ckpt
 from ddpkit._version import __version__
 from ddpkit.config import Config
-from ddpkit.config_io import config_hash, config_to_dict, flatten
+from ddpkit.config_io import config_hash, config_to_dict
+from ddpkit.consistency import check_same_run_on_every_rank, config_differences
 from ddpkit.distributed import Runtime, all_gather_object, broadcast_object
 from ddpkit.errors import CheckpointError
 from ddpkit.log import log
@@ -47,17 +48,10 @@ from ddpkit.preemption import Preempted, StopOnSignal
 from ddpkit.rng import capture_rng, restore_rng, seed_everything
 
 __all__ = [
-    "Progress", "TrainingParts", "Checkpoint", "RunState", "HARMLESS_PREFIXES", "config_differences",
+    "Progress", "TrainingParts", "Checkpoint", "RunState",
     "seed_for_setup",
 ]
 
-#: Config paths (and path prefixes) that may differ between a checkpoint and the resuming run.
-HARMLESS_PREFIXES = (
-    "run.name", "run.output_dir", "dist.", "log.", "checkpoint.", "train.epochs", "train.max_steps",
-    "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
-    "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
-    "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
-)
 
 
 @dataclass
@@ -121,29 +115,6 @@ class Checkpoint:
 def seed_for_setup(config: Config) -> None:
     """Seed every rank alike, so the initial weights and data are identical before DDP checks them."""
     seed_everything(config.run.seed)
-
-
-def config_differences(
-    saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int, elastic: bool = False
-) -> list[str]:
-    """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``.
-
-    ``elastic`` (``data.global_batch_size`` is set): the world size may change.
-    """
-    old, new = flatten(saved), flatten(current)
-    differences = []
-    for path in sorted(old.keys() | new.keys()):
-        if path.startswith(HARMLESS_PREFIXES):
-            continue
-        before, after = old.get(path, "<unset>"), new.get(path, "<unset>")
-        if before != after:
-            differences.append(f"{path}: {before!r} -> {after!r}")
-    if saved_world_size != world_size and not elastic:
-        differences.append(
-            f"world size: {saved_world_size} -> {world_size} (the sample order depends on it unless the run sets "
-            "data.global_batch_size; train with it to resume on another number of processes)"
-        )
-    return differences
 
 
 class RunState:
@@ -241,6 +212,10 @@ class RunState:
         rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
         # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
         restore_rng(state.rng[rank] if len(state.rng) == world_size else state.rng[0])
+
+    def check_same_run_on_every_rank(self, train_set: Any, val_set: Any) -> None:
+        """Stop every rank with the differences if ranks built different configs, models or datasets."""
+        check_same_run_on_every_rank(self.config, self.parts.model, train_set, val_set)
 
     def register(self, name: str, component: Any) -> None:
         """Add a component built after resume (e.g. the reporter's tracker sinks, which need to know

@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import registry, reporter
 from ddpkit.compile import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.config_loader import Config, load_config
-from ddpkit.consistency import check_same_run_on_every_rank
 from ddpkit.data import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
 from ddpkit.distributed import Runtime, barrier, process_group
 from ddpkit.entrypoint import parse_worker_argv, run_trainer
@@ -134,7 +133,7 @@ class Trainer:
         return registry.build_datasets(self.config.data)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over ``model.parameters()``, from config ``optim`` by default."""
+        """The optimizer over ``model.parameters()`` (the bare model), from config ``optim`` by default."""
         return build_optimizer(model.parameters(), self.config.optim)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -235,17 +234,17 @@ class Trainer:
         seed_for_setup(cfg)  # the same initial weights and data on every rank
         train_set, val_set = self.build_datasets()
         model = self.build_model()
-        check_same_run_on_every_rank(cfg, model, train_set, val_set)
-        self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, exclude=lambda name: self.reporter.outside_training(name))
-        self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
         self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
-        self.optimizer = self.build_optimizer(self._train_model)
+        self.optimizer = self.build_optimizer(model)  # DDP and torch.compile share these parameters
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
-        self._step = OptimizerStep(self._train_model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
-        parts = TrainingParts(unwrap_model(self._train_model), self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))
+        self._step = OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
+        parts = TrainingParts(model, self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))
         self.state = RunState(parts, cfg, runtime=self.runtime)
+        self.state.check_same_run_on_every_rank(train_set, val_set)  # before DDP, which would fail less clearly
+        self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, exclude=lambda name: self.reporter.outside_training(name))
+        self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
         resumed = self.state.resume()
         self.progress = parts.progress
         self.reporter = reporter.Reporter(cfg, runtime=self.runtime, total_steps=self.total_steps, progress=self.progress, resumed=resumed)

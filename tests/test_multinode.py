@@ -11,22 +11,15 @@ node's task must run ``ddpkit run`` with its own ``--node-rank`` and the shared 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, tiny_config
+from helpers import REPO, assert_bitwise_equal, free_port, load_weights, tiny_config
 
 TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_config(tmp_path: Path, name: str) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, free_port, load_weights, run_cli, tiny_config
 from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, load_config
@@ -228,3 +228,31 @@ def test_without_a_global_batch_a_world_size_change_is_refused_with_the_way_out(
     refused = _run(path, "train.max_steps=8", nproc=1)
     assert refused.returncode == 1
     assert "world size: 2 -> 1" in refused.stderr and "data.global_batch_size" in refused.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_torchrun_elastic_mode_continues_on_the_node_that_is_left(tmp_path):
+    """Two launchers ("nodes") in elastic mode; one dies; the other restarts alone and finishes."""
+    cfg = tiny_config(tmp_path, data={"global_batch_size": 32}, train={"epochs": 20, "log_every": 2}, checkpoint={"every_steps": 4})
+    del cfg["data"]["batch_size"]
+    path = tmp_path / "elastic.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = Path(cfg["run"]["output_dir"])
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    node = [sys.executable, "-m", "ddpkit", "run", str(path), "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "2"]
+    survivor = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    time.sleep(2)  # the survivor hosts the rendezvous store: it must come first
+    doomed = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "checkpoints").glob("step-*.json")):
+        time.sleep(0.2)
+    os.killpg(doomed.pid, signal.SIGKILL)  # the node is gone: launcher and worker at once
+    doomed.wait()
+    output, _ = survivor.communicate(timeout=400)
+    assert survivor.returncode == 0, output[-4000:]
+    assert "world_size=2" in output and "world_size=1" in output
+    assert "resuming on 1 rank(s) a run checkpointed on 2" in output
+    assert (out / "model.pt").exists()
