@@ -95,10 +95,7 @@ class Trainer:
     local_rank = property(lambda self: self.env.local_rank, doc="This process's rank on its node: its GPU index.")
     world_size = property(lambda self: self.env.world_size, doc="How many processes train together.")
 
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0: the rank that writes files and shows progress."""
-        return self.env.rank == 0
+    is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0: the rank that writes files and shows progress.")
 
     @property
     def device(self) -> torch.device:
