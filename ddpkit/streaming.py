@@ -26,6 +26,7 @@ The Trainer hands a stream to :func:`build_stream_loader` and iterates it with
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import sys
@@ -150,13 +151,9 @@ def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool
                          split_ranks=split_ranks, split_workers=not splits_workers, seed=seed)
 
 
-_noted: set[str] = set()
-
-
+@functools.lru_cache(maxsize=None)
 def _note_once(message: str) -> None:
-    if message not in _noted:
-        _noted.add(message)
-        log.info("streaming: %s", message)
+    log.info("streaming: %s", message)
 
 
 def build_stream_loader(
@@ -252,6 +249,12 @@ class StreamEpochs:
         if self.loader.generator is not None:
             self.loader.generator.manual_seed(self.stream.seed * 1_000_003 + epoch)  # worker seeds: a function of the epoch
         saved, self._saved = self._saved, None
+        if start_batch and saved is not None and saved.get("saved_ranks"):
+            raise DataError(
+                f"cannot resume the training stream at batch {start_batch} of epoch {epoch} on {self.stream.world_size} ranks: "
+                f"the checkpoint was written by {saved['saved_ranks']}, and a stream's position is per rank. Resume on "
+                f"{saved['saved_ranks']} ranks, or from a checkpoint taken at an epoch's end (checkpoint.every_epochs)."
+            )
         if start_batch and saved is not None and saved["epoch"] == epoch and saved["window_first"] <= start_batch:
             self._window_first, self._window_state = saved["window_first"], saved["loader"]
             self._skip = start_batch - saved["window_first"]
@@ -271,9 +274,12 @@ class StreamEpochs:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Remember this rank's position; the next ``start_epoch`` with its epoch resumes from it."""
-        if state.get("ranks"):
-            self._saved = dict(state["ranks"][self.stream.rank])
+        ranks = state.get("ranks") or []
+        if len(ranks) == self.stream.world_size:
+            self._saved = dict(ranks[self.stream.rank])
             self.batches_per_epoch = self._saved.get("batches_per_epoch")
+        elif ranks:  # another world size: only a resume at an epoch's start can work
+            self._saved = {"epoch": None, "saved_ranks": len(ranks)}
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
@@ -332,8 +338,7 @@ class StreamEpochs:
             "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
         )
         if not done:
-            raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; "
-                            "check the dataset, data.batch_size and the number of processes")
+            raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; check the dataset and data.batch_size")
 
 
 def _grouped() -> bool:

@@ -11,14 +11,19 @@ torchrun, which must end bitwise equal to the uninterrupted run.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 from torch.utils.data import DataLoader, IterableDataset
 
+from ddpkit.datasets import make_digits
 from ddpkit.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
 from ddpkit.streaming import StreamEpochs, build_stream_loader, stream_total_steps
@@ -183,6 +188,11 @@ def test_missing_shards_and_missing_extras_are_clear_errors(tmp_path, monkeypatc
 
     with pytest.raises(DataError, match=r"data\.kwargs\.urls: 2 of 2 shard files not found.*write_digits_shards"):
         webdataset(urls=str(tmp_path / "train-{0..1}.tar"))
+    two_ranks = {"ranks": [{"epoch": 0, "window_first": 0, "loader": None, "batches_per_epoch": None}] * 2}
+    epochs = epochs_of(IndexStream(40))  # one rank resuming what two wrote
+    epochs.load_state_dict(two_ranks)
+    with pytest.raises(DataError, match=r"batch 3 of epoch 0 on 1 ranks: the checkpoint was written by 2.*checkpoint\.every_epochs"):
+        epochs.start_epoch(0, start_batch=3)
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if torchdata were not installed
     with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[stream\]'"):
         build_stream_loader(IndexStream(10), env=env_of(0, 1), batch_size=2)
@@ -194,3 +204,98 @@ def test_the_epoch_end_logs_how_many_samples_were_dropped(caplog):
     with caplog.at_level(logging.INFO, logger="ddpkit"):
         assert len(indices(epochs)) == 16  # 5 full batches, 4 in whole steps of 2
     assert "dropped 7 samples" in caplog.text  # one batch of 4 past the last whole step, and a partial batch of 3
+
+
+# --- through the Trainer ----------------------------------------------------------------------------
+
+STREAM_SCRIPT = "tests/scripts/stream_trainer.py"
+
+
+def _stream_run(out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """2 ranks x 2 workers of tests/scripts/stream_trainer.py: 3 epochs of 8000 digits, checkpoint every 10 steps."""
+    cfg = tiny_config(
+        out, data={"batch_size": 32, "num_workers": 2, "kwargs": {"num_train": 8000, "num_val": 500}},
+        model={"name": "mnist_cnn", "kwargs": {}}, optim={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        sched={"name": "cosine", "warmup_steps": 20}, train={"epochs": 3, "max_steps": 372, "log_every": 20},
+        checkpoint={"every_steps": 10},
+    )
+    out.mkdir()
+    (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    return run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "1", "--script", STREAM_SCRIPT, env=env, timeout=540)
+
+
+def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
+    """Every sample index trained on, per epoch, over both ranks (from the script's per-rank logs)."""
+    epochs: dict[int, list[int]] = {}
+    for rank in (0, 1):
+        for line in (run_dir / f"samples-rank{rank}.txt").read_text().splitlines():
+            epoch, _step, *indices = line.split()
+            epochs.setdefault(int(epoch), []).extend(map(int, indices))
+    return epochs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_rank_resumes_bitwise(tmp_path):
+    clean = _stream_run(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    epochs = _samples_per_epoch(tmp_path / "clean/run")
+    assert sorted(epochs) == [0, 1, 2]
+    for used in epochs.values():
+        assert len(used) == len(set(used))  # no sample twice within an epoch, over ranks and workers
+        assert len(used) >= 0.9 * 8000  # 7936: only partial batches were dropped
+    assert epochs[0] != epochs[1]  # set_epoch reshuffled the stream
+    assert "dropped 64 samples" in clean.stderr and "unknown (a stream) steps per epoch, 372 steps in total" in clean.stderr
+    records = [json.loads(line) for line in (tmp_path / "clean/run/metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if "val_accuracy" in r][-1]
+    assert final["val_accuracy"] >= 0.95 and final["val_index"] == 249.5  # each of 500 validation samples once
+
+    # Rank 1 is SIGKILLed after step 157 (epoch 1, inside a read-ahead window); torchrun restarts
+    # both ranks, which resume from step 150 (batch 26 of epoch 1: window start 24, then skip 2).
+    killed = _stream_run(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "157"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "step-000000150.pt (step 150)" in killed.stderr
+    assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))
+
+
+def _fit_named_stream(out: str, data: dict) -> dict:
+    import ddpkit
+
+    cfg = tiny_config(out, data=data, train={"epochs": 2, "log_every": 4})
+    return ddpkit.Trainer(cfg).fit()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_webdataset_and_hf_datasets_by_name_train_on_two_ranks(tmp_path):
+    import datasets
+
+    shards = tmp_path / "shards"
+    written = subprocess.run(
+        [sys.executable, "scripts/write_digits_shards.py", str(shards), "--num-train", "300", "--num-val", "101",
+         "--shards", "5", "--image-size", "12"], cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert written.returncode == 0, written.stderr
+    urls = {"urls": str(shards / "train-{000..004}.tar"), "val_urls": str(shards / "val-000.tar")}
+    images, labels = make_digits(300, seed=1234, image_size=12)
+    datasets.Dataset.from_dict({"image": images.tolist(), "label": labels.tolist()}).to_parquet(tmp_path / "train.parquet")
+    hf = {"path": "parquet", "data_files": {"train": str(tmp_path / "train.parquet")}, "columns": ["image", "label"]}
+    # webdataset: 5 shards of 60 over 2 ranks give one rank 3 shards (180 samples), the other 2 (120):
+    # 7 batches of 16 each epoch on both. hf_datasets: one file, split by rows: 150 per rank, 9 batches.
+    for data, steps_per_epoch in (({"name": "webdataset", "kwargs": urls}, 7), ({"name": "hf_datasets", "kwargs": hf}, 9)):
+        results = run_on_ranks(_fit_named_stream, world_size=2, args=(str(tmp_path / data["name"]), data), timeout=240)
+        assert results[0] == results[1]  # the same steps and reduced metrics on both ranks
+        assert results[0]["epoch"] == 2 and results[0]["step"] == 2 * steps_per_epoch
+        assert ("val_accuracy" in results[0]) == (data["name"] == "webdataset")  # hf: no validation split given
+
+
+def test_a_stream_with_a_schedule_that_needs_a_length_stops_with_a_config_error(tmp_path):
+    shards = tmp_path / "shards"
+    images, labels = make_digits(64, seed=0, image_size=12)
+    write_shards(images, labels, shards, prefix="train", sizes=[64])
+    cfg = tiny_config(tmp_path, data={"name": "webdataset", "kwargs": {"urls": str(shards / "train-000.tar")}}, sched={"name": "cosine"})
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    run = run_cli("run", str(tmp_path / "exp.yaml"), "--nproc-per-node", "1", timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "train.max_steps: sched.name=cosine needs the run's length" in run.stderr and "Traceback" not in run.stderr
