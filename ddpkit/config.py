@@ -148,7 +148,7 @@ class DataConfig:
     name: str | None = option(
         None,
         "A registered dataset (`digits`, `fake`, `mnist`, `fashion_mnist`, `cifar10`, "
-        "`imagefolder`) or `package.module:callable`.",
+        "`imagefolder`; streams: `webdataset`, `hf_datasets`) or `package.module:callable`.",
     )
     batch_size: int = option(32, "Per-rank batch size (global batch = this x world size x grad_accum_steps).", ge=1)
     global_batch_size: int | None = option(
