@@ -44,10 +44,12 @@ class Monitor:
         if wd.rank != 0:
             raw = wd.client.get_if_set("hb/0")
             self._update({0: json.loads(raw) if raw else None})
-            if (self.beats.get(0) or {}).get("phase") == "done" or self._silent_for(0) <= wd.hang_timeout:
+            rank0 = self.beats.get(0) or {}
+            limit = wd.slow_timeout if rank0.get("slow") else wd.hang_timeout  # e.g. a long load holding the GIL
+            if rank0.get("phase") == "done" or self._silent_for(0) <= limit:
                 return  # rank 0 watches everyone while its heartbeat lives
             self.read_all()  # rank 0 is frozen or gone: this rank reports
-            return self._declare(self._silent_for(0), wd.hang_timeout)
+            return self._declare(self._silent_for(0), limit)
         self.read_all()
         live = [b for r, b in self.beats.items() if b and b.get("phase") != "done" and self._silent_for(r) <= SILENT_AFTER]
         limit = wd.slow_timeout if any(b.get("slow") for b in live) else wd.hang_timeout

@@ -50,9 +50,9 @@ from ddpkit.watchdog_io import StoreClient, StoreDown, own_client, terminate, wr
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
 FAILED_PEER_EXIT_CODE = 1  #: exit code of a rank stopped because another rank failed
-INTERVAL = 1.0  # seconds between heartbeats (and checks of the alarm key)
+INTERVAL = 0.5  # seconds between heartbeats (and checks of the alarm key)
 STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
-FAILURE_GRACE = 3.0  # let torchrun stop a failed rank's node-mates itself before doing it here
+FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first
 _generation = 0  # watchdogs started in this process: a fresh key prefix for each fit() of a group
 _current: Watchdog | None = None  # the running watchdog, for announce_failure()
 
@@ -152,7 +152,8 @@ class Watchdog:
                 message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 self.client("compare_set", "alarm", "", json.dumps(alarm))
-            self._publish()  # phase "done": rank 0 stops counting this rank
+            else:
+                self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
             pass  # the store is gone: the job is ending anyway
 
@@ -222,7 +223,9 @@ class Watchdog:
 
     def _peer_failed(self, alarm: dict[str, Any]) -> None:
         self._try(lambda: self.client("add", "failed_seen", 1))
-        if self._stopped.wait(FAILURE_GRACE):
+        # On the failed rank's node torchrun's agent stops this rank itself (its summary then names
+        # the failed rank first); elsewhere no agent knows, so go now.
+        if self._stopped.wait(FAILURE_GRACE if alarm["host"] == self._host else 0.0):
             return  # this rank is ending by itself (its own error, or torchrun stopped it)
         message = f"rank {alarm['rank']} (host {alarm['host']}) failed: {alarm['message']}"
         print(f"ddpkit: rank {self.rank}: stopping because {message}", file=sys.stderr, flush=True)
