@@ -32,6 +32,7 @@ HARMLESS_PREFIXES = (
     "run.name", "run.output_dir", "dist.", "log.", "checkpoint.", "train.epochs", "train.max_steps",
     "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
     "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
+    "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
     "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
 )
 
