@@ -120,7 +120,9 @@ def build_train_loader(
         DataError: the dataset is empty, or too small to give every rank one full batch.
     """
     if is_stream(dataset):  # an IterableDataset: sharded, batched and made resumable by ddpkit.streaming
-        return build_stream_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed)
+        return build_stream_loader(
+            dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed, prefetch_factor=prefetch_factor,
+        )
     length = _length(dataset, "training")
     if drop_last and length < env.world_size * batch_size:
         raise DataError(
