@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import statistics
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from ddpkit.bench.units import BenchUsageError
 from ddpkit.config import Config
 from ddpkit.data import build_train_loader, move_to_device
 from ddpkit.ddp import wrap_model
-from ddpkit.distributed import Runtime
+from ddpkit.distributed import Runtime, barrier
 from ddpkit.optim import build_optimizer
 from ddpkit.precision import autocast, check_precision
 from ddpkit.registry import DATASETS, MODELS
@@ -99,7 +100,14 @@ def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -
             sample = _step(cfg, model, optimizer, batches, recorder if model is wrapped else None)
             if i >= warmup:
                 samples.append((model is wrapped, sample))
-    return _summarise(cfg, wrapped, [s for w, s in samples if w], [s for w, s in samples if not w])
+    profile = _summarise(cfg, wrapped, [s for w, s in samples if w], [s for w, s in samples if not w])
+    # Free DDP (its reducer holds the process group) while the group is alive, every rank done
+    # first: a reducer left to the interpreter's exit aborted a 2-rank profile ("terminate called").
+    if runtime.env.world_size > 1:
+        barrier()
+    del variants, wrapped
+    gc.collect()
+    return profile
 
 
 def _wrap_recorded(cfg: Config, runtime: Runtime, model: nn.Module) -> tuple[nn.Module, _Recorder]:
