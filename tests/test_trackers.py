@@ -351,3 +351,46 @@ def test_a_user_sink_added_in_on_fit_start_gets_every_record(tmp_path):
 
     MyTrainer(tiny_config(tmp_path, train={"epochs": 1, "log_every": 4})).fit()  # one process: 256 / 16 = 16 steps
     assert seen["lr"] == 0.1 and seen["records"] == [4, 8, 12, 16, 16] and seen["ended"] == ("FINISHED", ["model.pt"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_run(tmp_path):
+    import signal
+    import subprocess
+
+    import yaml
+    from helpers import REPO, run_cli
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = tiny_config(tmp_path, run={"name": "pre", "output_dir": str(tmp_path / "run")}, train={"epochs": 1000, "log_every": 2},
+                      log={"mlflow": True})
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": uri}
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    # Preempted once the tracker is up, as a real preemption (minutes in) would find it: a job
+    # killed within seconds of creating a new SQLite store can interrupt MLflow's own schema setup.
+    deadline = time.time() + 240
+    while time.time() < deadline and not any("mlflow: experiment" in line for line in lines) and launcher.poll() is None:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=180)
+    reader.join(timeout=30)
+    output = "".join(lines)
+    assert launcher.returncode == 75, output[-3000:]  # stopped at an agreed step, checkpoint saved
+    client, run = only_run(uri, experiment="pre")
+    assert run.info.status == "KILLED"
+    stopped_at = max(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    end = (stopped_at // 8 + 3) * 8  # the relaunch goes on for a few more epochs (8 steps each), not all 1000
+    relaunch = run_cli("run", str(config), "--nproc-per-node", "2", f"train.max_steps={end}", env={"MLFLOW_TRACKING_URI": uri}, timeout=400)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    client, again = only_run(uri, experiment="pre")
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    val_steps = {m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
+    assert set(range(8, end + 1, 8)) <= val_steps and max(val_steps) == end  # one curve over both attempts
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, "train_loss")) == end
