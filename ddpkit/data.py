@@ -272,11 +272,12 @@ def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
 
 def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
-    cfg = config.data
+    cfg, accum = config.data, config.train.grad_accum_steps
     loader = build_train_loader(
-        dataset, env=env, batch_size=cfg.batch_size, num_workers=cfg.num_workers, shuffle=cfg.shuffle,
-        drop_last=cfg.drop_last, seed=config.run.seed, pin_memory=cfg.pin_memory and device.type == "cuda",
-        persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor,
+        dataset, env=env, batch_size=per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=accum),
+        num_workers=cfg.num_workers, shuffle=cfg.shuffle, drop_last=cfg.drop_last, seed=config.run.seed,
+        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor, global_batch_size=cfg.global_batch_size, grad_accum_steps=accum,
     )
     if (stream := stream_epochs_of(loader)) is not None:  # reads ahead, and stops, in whole optimizer steps
         stream.accum, stream.window_steps = config.train.grad_accum_steps, cfg.stream_window
