@@ -18,6 +18,7 @@ from ddpkit.config_loader import dump_config, load_config
 from ddpkit.distributed import Runtime
 from ddpkit.env import DistEnv, read_dist_env
 from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, LaunchError
+from ddpkit.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.registry import register_dataset, register_model, register_optimizer
 from ddpkit.trainer import Progress, Trainer
 
@@ -40,4 +41,6 @@ __all__ = [
     "DataError",
     "CheckpointError",
     "ConsistencyError",
+    "Preempted",
+    "PREEMPTED_EXIT_CODE",
 ]
