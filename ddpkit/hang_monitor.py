@@ -1,6 +1,6 @@
 """The watchdog's judge: decides that a job hangs, gathers every rank's stacks, writes the report.
 
-    monitor = Monitor(watchdog)   # one per Watchdog; its thread calls monitor.check() each second
+    monitor = Monitor(watchdog)   # one per Watchdog; its thread calls monitor.check() twice a second
     monitor.check()               # rank 0: reads every heartbeat; others: rank 0's only
 
 Rank 0 watches everyone. Any other rank takes over when rank 0's own heartbeat stops (rank 0

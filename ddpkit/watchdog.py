@@ -6,7 +6,7 @@
 
 The training thread only writes attributes (the phase, a counter). A daemon thread publishes them
 through the process group's own key-value store (torchrun's TCPStore; never a collective) about
-once a second, under ``ddpkit/watchdog/<n>/``:
+twice a second, under ``ddpkit/watchdog/<n>/``:
 
 * ``hb/<rank>``: step, phase, counters, host, pid. Rank 0 reads all of them. "Progress" is any
   change of any rank's step, phase or counter, or the main thread of any rank running code it has

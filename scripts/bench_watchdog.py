@@ -10,7 +10,7 @@ alternating rounds:
 * ``off``: no phase listener, as with ``dist.hang_timeout: null`` (``Reporter.span`` returns the
   timeline's shared no-op context);
 * ``on``: the watchdog's ``on_phase`` listening, and its daemon thread running: publishing a
-  heartbeat to a store once a second, sampling the main thread's stack, reading the (here absent)
+  heartbeat to a store twice a second, sampling the main thread's stack, reading the (here absent)
   other rank's heartbeat. The store is an in-process ``HashStore``; with torchrun's TCPStore the
   I/O happens on the watchdog's own threads and connection, not the training thread's.
 

@@ -38,7 +38,7 @@ from helpers import REPO, tiny_config
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed import flight_recorder_env
 from ddpkit.hang_report import classify, summary_line, thread_stacks
-from ddpkit.watchdog_io import StoreClient, StoreDown
+from ddpkit.watchdog_io import StoreClient, StoreDown, kill_frozen_sibling
 
 HANG_SCRIPT = REPO / "tests" / "scripts" / "hang_trainer.py"
 PG_TIMEOUT = 300.0  # dist.timeout: far longer than any hang_timeout here
@@ -140,6 +140,28 @@ def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.join()
+
+
+@pytest.mark.multiprocess
+def test_only_a_frozen_sibling_is_killed_never_another_process():
+    """After a report, a SIGSTOPped rank on this host is killed; the parent check guards reused pids."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    frozen, stranger = subprocess.Popen(sleeper), subprocess.Popen(sleeper)
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        # A rank of the same job: a child of the same parent (here this test, there torchrun's agent).
+        killer = subprocess.run(
+            [sys.executable, "-c", f"from ddpkit.watchdog_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )
+        assert killer.stdout.split() == ["True", "False"], killer.stderr  # not its own parent: not a sibling
+        assert frozen.wait(timeout=10) == -signal.SIGKILL
+        assert not kill_frozen_sibling(stranger.pid)  # our child, not our sibling
+        assert stranger.poll() is None
+    finally:
+        for proc in (frozen, stranger):
+            proc.kill()
+            proc.wait()
 
 
 # --- config and NCCL's flight recorder ----------------------------------------------------------
