@@ -4,6 +4,7 @@
     python scripts/bench_compile.py --workloads resnet18 --rounds 2 --variants hand-eager,ddpkit-compiled
     python scripts/bench_compile.py --accuracy 0.95 --rounds 2        # time to 95% on the digits data
     python scripts/bench_compile.py --variants hand-eager,ddpkit-eager,ddpkit-cl,ddpkit-compiled-cl   # channels_last
+    python scripts/bench_compile.py --page-faults --rounds 5          # glibc's defaults vs train.keep_host_memory
 
 Each workload runs as one job of 2 Gloo ranks (one thread each) started through torch's
 launcher; inside it every variant trains the same model on the same data (``bench_overhead.py``'s
@@ -25,6 +26,11 @@ faster: the column shows the median; the first round's value is printed with the
 compile included) until the validation accuracy on the digits data (12,000 training / 2,000
 validation images) first reaches ``A``, checked every 25 steps, for the MNIST CNN (batch 64 per
 rank, SGD lr 0.05 momentum 0.9).
+
+``--page-faults`` runs the MNIST CNN's training step (batch 64, one process, one thread) in fresh
+processes, alternating glibc malloc's defaults with ``ddpkit.allocator.keep_freed_host_memory()``
+(what ``train.keep_host_memory`` does), and reports minor page faults, kernel time and CPU time
+per step: the cause of the CNN's run-to-run 0.98x..1.16x paired ratios in ``bench_overhead.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -240,6 +247,47 @@ def report_accuracy(target: float, result: dict[str, Any]) -> str:
     return title + "\n" + format_table(["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
 
 
+# --- page faults per step: malloc's defaults vs kept host memory ------------------------------------------
+
+_FAULTS = r"""
+import resource, sys, time, torch, torch.nn.functional as F
+from ddpkit.allocator import keep_freed_host_memory
+from ddpkit.registry import MODELS
+torch.set_num_threads(1)
+if sys.argv[1] == "kept":
+    keep_freed_host_memory()
+torch.manual_seed(0)
+model = MODELS.build("mnist_cnn", key="model.name", kwargs={})
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x, y, bookkeeping = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)), []
+def step(i):
+    F.cross_entropy(model(x), y).backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    if i % 10 == 0:
+        bookkeeping.append(torch.zeros(10))  # small long-lived blocks, as any loop's logging makes
+for i in range(20):
+    step(i)
+r0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+for i in range(200):
+    step(i)
+r1, c1 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+print((r1.ru_minflt - r0.ru_minflt) / 200, (r1.ru_stime - r0.ru_stime) / 200 * 1000, (c1 - c0) / 200 * 1000)
+"""
+
+
+def page_faults(rounds: int) -> str:
+    import subprocess
+
+    rows: dict[str, list[list[float]]] = {"malloc defaults": [], "kept (train.keep_host_memory)": []}
+    for r in range(rounds):
+        for name, arg in (("malloc defaults", "defaults"), ("kept (train.keep_host_memory)", "kept"))[:: 1 if r % 2 == 0 else -1]:
+            out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            rows[name].append([float(v) for v in out.stdout.split()])
+            progress(f"[page faults] round {r + 1} {name}: {out.stdout.strip()}")
+    table = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name, runs in rows.items()]
+    title = f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each (fresh processes, alternating)"
+    return title + "\n" + format_table(["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], table)
+
+
 # --- the driver --------------------------------------------------------------------------------------------
 
 
@@ -251,8 +299,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--accuracy", type=float, default=None, help="measure time to this validation accuracy instead")
+    parser.add_argument("--page-faults", action="store_true", help="measure page faults per step instead (see above)")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
+    if args.page_faults:
+        print(page_faults(args.rounds), flush=True)
+        return 0
     variants = args.variants.split(",")
     unknown = [v for v in variants + args.workloads.split(",") if v not in VARIANTS and v not in STEPS]
     if unknown:
