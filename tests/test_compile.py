@@ -400,3 +400,17 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path)
         assert 0.07 <= reporter._window_start - before <= elapsed
     finally:
         reporter.close()
+
+
+@pytest.mark.multiprocess
+def test_export_strips_compile_and_ddp_prefixes_from_a_checkpoint_written_elsewhere(tmp_path):
+    from helpers import load_weights, run_cli
+
+    from ddpkit.checkpoint import save_checkpoint
+
+    net = mlp()
+    wrapped = {f"_orig_mod.module.{k}": v for k, v in net.state_dict().items()}  # torch.compile(DDP(net)).state_dict()
+    save_checkpoint({"model": wrapped}, tmp_path / "ckpts", step=3)
+    done = run_cli("export", str(tmp_path / "ckpts"), str(tmp_path / "model.pt"))
+    assert done.returncode == 0, done.stderr
+    mlp().load_state_dict(load_weights(tmp_path / "model.pt"))  # strict
