@@ -185,7 +185,9 @@ def hand_to_accuracy(target: float, rank: int, world_size: int, *, compiled: boo
     net = torch.compile(DDP(model)) if compiled else DDP(model)
     evaluator = torch.compile(model) if compiled else model  # the bare module: no collective per batch
     optimizer = torch.optim.SGD(net.parameters(), lr=ACC_LR, momentum=MOMENTUM)
-    val = DataLoader(torch.utils.data.Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH)
+    # Its own generator: a loader without one draws a seed from the global RNG at every pass, and
+    # the dropout masks (and the run) would then differ from ddpkit's.
+    val = DataLoader(torch.utils.data.Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH, generator=torch.Generator())
     torch.manual_seed(SEED + rank)
     step, epoch = 0, 0
     while step < ACC_MAX_STEPS:
