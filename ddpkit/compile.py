@@ -6,6 +6,9 @@
     torch.save(models.bare.state_dict(), path)       # no `module.` and no `_orig_mod.` prefix
     models.close()                                   # end of fit: callbacks off, dynamo settings restored
 
+Before wrapping, ``build_models`` also applies ``train.keep_host_memory`` (ddpkit.allocator: no
+page faults per CPU step) and ``train.channels_last`` (NHWC parameters and 4-D inputs).
+
 ``train.compile`` is ``false`` (the default), ``true`` or a mapping of ``torch.compile``'s own
 arguments (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``) plus two of ddpkit's:
 ``recompile_limit`` (compiled versions of one function, default 8 as in torch) and ``validation``
