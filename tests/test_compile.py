@@ -189,6 +189,7 @@ def _no_sync_reaches_ddp_inside_compile() -> bool:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sync_gradients_finds_ddp_inside_a_compiled_wrapper():
     from ddpkit.testing import run_on_ranks
 
