@@ -89,7 +89,10 @@ class _Background:
     def drain(self, timeout: float) -> bool:
         """Wait until everything submitted has run, at most ``timeout`` seconds; True if it has."""
         done = threading.Event()
-        self.submit(done.set)
+        try:
+            self._queue.put((None, (done,)), timeout=timeout)  # a marker: set once everything before it ran
+        except queue.Full:
+            pass
         finished = self.failed or done.wait(timeout)
         if not finished and not self.failed:
             log.warning("%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer", self.name, timeout)
@@ -98,9 +101,10 @@ class _Background:
     def _run(self) -> None:
         while True:
             fn, args = self._queue.get()
+            if fn is None:  # drain()'s marker
+                args[0].set()
+                continue
             if self.failed:
-                if fn.__name__ == "set":  # drain()'s marker: release the waiter at once
-                    fn()
                 continue
             try:
                 fn(*args)

@@ -109,6 +109,6 @@ def test_ddpkit_runs_after_a_real_run(tmp_path):
     header, row = table.stdout.splitlines()
     assert header.split()[:5] == ["name", "status", "steps", "val_accuracy", "val_loss"]
     cells = row.split()
-    assert cells[:3] == ["real", "FINISHED", "32"] and cells[5] == "step"  # 256 samples / (16 x 2) x 2 epochs
+    assert cells[:3] == ["real", "FINISHED", "16"] and cells[5] == "step"  # 256 samples / (16 x 2) = 8 steps x 2 epochs
     status = json.loads((tmp_path / "runs" / "real" / "status.json").read_text())
     assert status["status"] == "FINISHED" and status["attempts"] == 1
