@@ -101,8 +101,8 @@ def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
             loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, window_steps=window or 1)
             batches = loader.stream_epochs
             batches.start_epoch(r)
-            if not window:  # the loader itself: the same batches, no read-ahead, no collective
-                batches = loader
+            if not window:  # the loader itself: the same batches (less the workers' end-of-share markers), no collective
+                batches = (item for item in loader if isinstance(item, (list, tuple)))
             dist.barrier()
             started, count = time.perf_counter(), 0
             for x, _ in batches:
@@ -125,23 +125,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-train", type=int, default=12000)
+    parser.add_argument("--parts", default="throughput,agreement", help="which measurements, comma-separated")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args()
     report: dict[str, Any] = {"throughput": {}, "agreement": {}}
-    print(f"samples/s, one epoch of {args.num_train} digits, per-rank batch 64; median (min..max) of {args.rounds} rounds")
-    print(f"{'ranks':>5} {'workers':>7} {'map':>22} {'stream':>22} {'stream/map':>20}")
-    for ranks in (1, 2):
+    if "throughput" in args.parts:
+        print(f"samples/s, one epoch of {args.num_train} digits, per-rank batch 64; median (min..max) of {args.rounds} rounds")
+        print(f"{'ranks':>5} {'workers':>7} {'map':>22} {'stream':>22} {'stream/map':>20}")
+    for ranks in (1, 2) if "throughput" in args.parts else ():
         job = run_on_ranks(_throughput_job, world_size=ranks, args=(args.rounds, args.num_train), timeout=3600)[0]
         for workers in (0, 2):
             m, s = job[f"map/{workers}"], job[f"stream/{workers}"]
             ratios = [b / a for a, b in zip(m, s)]
             report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s), _summary("ratio", ratios)]
             print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
-    job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0]
+    job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0] if "agreement" in args.parts else {}
     print("\nus per batch, 2 ranks, 0 workers: the loader alone, and StreamEpochs agreeing every data.stream_window steps")
     for name, values in job.items():
         report["agreement"][name] = _summary(name, values)
-        print(f"{name:>14}: {_fmt(values, 1)}")
+        paired = [v / b for v, b in zip(values, job["no agreement"])] if name.startswith("window") else None
+        print(f"{name:>19}: {_fmt(values, 1)}" + (f"   x loader alone (paired): {_fmt(paired, 3)}" if paired else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
