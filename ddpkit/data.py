@@ -211,7 +211,7 @@ def batch_size_of(batch: Any) -> int:
 
 def _length(dataset: Dataset, what: str) -> int:
     if not isinstance(dataset, Sized):
-        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); ddpkit needs map-style datasets")
+        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); return a map-style Dataset or a torch.utils.data.IterableDataset")
     length = len(dataset)
     if length == 0:
         raise DataError(f"the {what} dataset is empty; check data.name and data.kwargs (e.g. the root path)")
