@@ -16,7 +16,7 @@
    ``step_1 / step_N`` at each ``--predict`` world size, and the best ``ddp.bucket_cap_mb``.
 4. ``--validate 1,2,3``: train the config for real at those world sizes on this machine
    (alternating with the profiles for ``--rounds`` rounds) and compare with the prediction on
-   the fitted link. For N ranks the compute comes from a profile taken on N ranks at once, each
+   the fitted link. For N ranks the compute comes from N one-rank profiles run at once, each
    measuring on its own: on a machine whose cores the ranks (and other jobs) share, that is the
    compute they really get; the model supplies the communication and the overlap.
 
@@ -29,11 +29,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.launching import run_workers
+from ddpkit.bench.launching import BenchFailed, run_workers
 from ddpkit.bench.report import fmt, format_table, progress
 from ddpkit.bench.scaling_model import (
     Bucket,
@@ -58,6 +61,10 @@ from ddpkit.distributed import Runtime
 __all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
 
 ALLREDUCE_SIZES = "4KB..16MB"
+_PROFILE_TIMEOUT = 900  # seconds for one concurrent profile: generous, for a loaded machine
+#: Variables that would make a profile process join a launched job instead of being a world of one.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                  "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_ID")
 DEFAULT_CAPS = "1,2,5,10,25,50,100,200"
 
 
@@ -172,11 +179,37 @@ def _measure(params: dict[str, Any], validate: list[int], *, rounds: int) -> tup
     for round_index in range(rounds):
         for n in sorted(profiles) if round_index % 2 == 0 else sorted(profiles, reverse=True):
             progress(f"[scaling] round {round_index + 1}/{rounds}: profiling on {n} rank(s) at once ({params['warmup']}+{params['iters']} iterations) ...")
-            profiles[n].append(profile_from_dict(run_workers("scaling", {**params, "mode": "profile"}, nproc=n)))
+            profiles[n].append(_profile(params, n))
             if n in measured:
                 measured[n].append(run_workers("scaling", {**params, "mode": "train"}, nproc=n)["ms_per_step"])
                 progress(f"[scaling]   trained on {n} rank(s): {measured[n][-1]:.2f} ms/step")
     return profiles, measured
+
+
+def _profile(params: dict[str, Any], n: int) -> Profile:
+    """One rank's profile through torch's launcher; for ``n > 1``, ``n`` independent one-rank profiles at once (rank 0's kept).
+
+    Independent worlds of one rather than one world of ``n``: the ranks share only the machine,
+    as they should, and no collective or DDP group spans them.
+    """
+    if n == 1:
+        return profile_from_dict(run_workers("scaling", {**params, "mode": "profile"}, nproc=1))
+    with tempfile.TemporaryDirectory(prefix="ddpkit-bench-scaling-") as tmp:
+        procs, results = [], [Path(tmp) / f"result{i}.json" for i in range(n)]
+        for i, result in enumerate(results):
+            spec = Path(tmp) / f"spec{i}.json"
+            spec.write_text(json.dumps({"kind": "scaling", "params": {**params, "mode": "profile"}, "result": str(result), "workdir": tmp}))
+            env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+            procs.append(subprocess.Popen([sys.executable, "-m", "ddpkit.bench.worker", str(spec)], env={**env, "OMP_NUM_THREADS": "1"}))
+        try:
+            codes = [proc.wait(timeout=_PROFILE_TIMEOUT) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        if any(codes) or not all(r.exists() for r in results):
+            raise BenchFailed(f"the scaling profile on {n} concurrent processes failed; see their output above")
+        return profile_from_dict(json.loads(results[0].read_text()))
 
 
 def prediction_rows(profile: Profile, links: list[Link], world_sizes: list[int], *, algorithm: str, caps: list[float]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ copies of the step run in alternation, so a busy machine slows both alike:
   is ready, so :func:`ddpkit.bench.scaling_model.assign_buckets` can regroup them for other
   ``bucket_cap_mb`` values.
 
-On N ranks each rank profiles on its own at the same time (nothing is communicated), which
+Run as N one-rank processes at once (each measuring on its own, nothing communicated), it
 measures compute as it runs when N ranks share one machine: how ``--validate`` checks the model
 on a CPU box with fewer cores than ranks. Each quantity is the median over the timed iterations; the first ``warmup`` (DDP rebuilds its
 buckets after the first) are left out. The default ``training_step`` (cross-entropy on ``(x, y)``)
