@@ -394,3 +394,24 @@ def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_
     val_steps = {m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
     assert set(range(8, end + 1, 8)) <= val_steps and max(val_steps) == end  # one curve over both attempts
     assert max(m.step for m in client.get_metric_history(run.info.run_id, "train_loss")) == end
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_wandb_offline_run_and_its_resumed_relaunch_are_one_wandb_run(tmp_path):
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "held-wandb"}
+    _run(tmp_path, "log.wandb=true", "train.epochs=1", env=env)
+    _run(tmp_path, "log.wandb=true", "train.epochs=2", env=env)
+    files = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.name for f in files}) == 1, files  # two attempts, one W&B run id
+    val_steps, projects = [], set()
+    for path in files:
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                projects.add(record.run.project)
+            elif kind == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                val_steps += [row["step"]] if "val_accuracy" in row else []
+    assert projects == {"held-wandb"} and val_steps == [8, 16]
