@@ -6,7 +6,9 @@ A YAML file maps onto :class:`Config` section by section::
     data:  {name: digits, batch_size: 64}
     optim: {name: sgd, lr: 0.05, momentum: 0.9}
 
-Each field is declared with :func:`option`, which records its documentation and its allowed
+The training-step sections live in :mod:`ddpkit.config_train`, the cross-field checks in
+:mod:`ddpkit.config_checks`; all are importable from here. Each field is declared with
+:func:`~ddpkit.config_fields.option`, which records its documentation and its allowed
 values; :mod:`ddpkit.config_loader` uses that metadata to check YAML input and
 ``scripts/gen_config_reference.py`` uses it to write ``docs/config.md``. Precedence is
 command-line ``key=value`` > YAML file > the defaults written here.
@@ -17,9 +19,13 @@ This module knows nothing of ``torch.distributed``; checks that need the runtime
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+# The schema spans a few modules; everything is importable from here.
+from ddpkit.config_checks import HANG_TIMEOUT, cross_field_problems
+from ddpkit.config_fields import option, yaml_key
+from ddpkit.config_train import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
 
 __all__ = [
     "Config",
@@ -38,33 +44,8 @@ __all__ = [
     "option",
     "yaml_key",
     "cross_field_problems",
+    "HANG_TIMEOUT",
 ]
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    doc: str = "",
-    *,
-    factory: Any = dataclasses.MISSING,
-    ge: float | None = None,
-    gt: float | None = None,
-    key: str | None = None,
-) -> Any:
-    """Declare a config field with its documentation and range.
-
-    ``ge`` / ``gt`` bound numbers (``>=`` / ``>``); allowed strings are written as ``Literal``
-    types. ``key`` is the YAML spelling when it differs from the Python name (``async`` is a
-    Python keyword, so the field is ``async_save`` and the YAML key is ``async``).
-    """
-    metadata = {"doc": doc, "ge": ge, "gt": gt, "key": key}
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def yaml_key(f: dataclasses.Field) -> str:
-    """The YAML key of a dataclass field (its name unless an alias was declared)."""
-    return f.metadata.get("key") or f.name
 
 
 @dataclass(frozen=True)
@@ -84,7 +65,6 @@ class RunConfig:
     )
 
 
-HANG_TIMEOUT = 120.0  # dist.hang_timeout's default
 
 
 @dataclass(frozen=True)
@@ -188,99 +168,6 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """The optimizer. Not needed when the Trainer subclass overrides `build_optimizer`."""
-
-    name: str = option("sgd", "A registered optimizer (`sgd`, `adam`, `adamw`) or `package.module:callable`.")
-    lr: float = option(0.01, "Learning rate (peak rate when a warmup is used).", gt=0)
-    momentum: float = option(0.0, "SGD momentum (SGD only; Adam's are `kwargs.betas`).", ge=0)
-    weight_decay: float = option(0.0, "Weight decay.", ge=0)
-    kwargs: dict[str, Any] = option(factory=dict, doc="Other optimizer arguments, e.g. `nesterov`, `betas`, `eps`.")
-
-
-@dataclass(frozen=True)
-class SchedConfig:
-    """Learning-rate schedule, stepped once per optimizer step."""
-
-    name: Literal["constant", "cosine", "linear", "step"] = option(
-        "constant", "Shape after the warmup: constant, cosine or linear decay to `min_lr`, or step decay."
-    )
-    warmup_steps: int = option(0, "Optimizer steps of linear warmup from 0 to `optim.lr`.", ge=0)
-    min_lr: float = option(0.0, "Final learning rate of the cosine and linear schedules.", ge=0)
-    step_size: int = option(1000, "`step` schedule: multiply the rate by `gamma` every this many steps.", ge=1)
-    gamma: float = option(0.1, "`step` schedule: decay factor.", gt=0)
-
-
-@dataclass(frozen=True)
-class EarlyStoppingConfig:
-    """Stop training when a validation metric stops improving."""
-
-    metric: str | None = option(None, "Validation metric to watch, e.g. `val_loss`. `null` disables early stopping.")
-    mode: Literal["min", "max"] = option("min", "Whether smaller (`min`) or larger (`max`) is better.")
-    patience: int = option(3, "Evaluations without improvement before stopping.", ge=1)
-    min_delta: float = option(0.0, "Smallest change that counts as an improvement.", ge=0)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Length of training and what happens in each step."""
-
-    epochs: int | None = option(1, "Epochs to train. Training stops at `epochs` or `max_steps`, whichever comes first.", ge=1)
-    max_steps: int | None = option(None, "Optimizer steps to train (optional cap).", ge=1)
-    grad_accum_steps: int = option(
-        1, "Micro-batches per optimizer step; the first k-1 run under DDP's `no_sync()`.", ge=1
-    )
-    clip_grad_norm: float | None = option(None, "Clip the global gradient norm to this value.", gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = option(
-        "fp32", "Autocast precision: `bf16` on CPU or CUDA; `fp16` (with a GradScaler) on CUDA only."
-    )
-    log_every: int = option(50, "Optimizer steps between logged (rank-reduced) training metrics.", ge=1)
-    eval_every: int | None = option(None, "Optimizer steps between evaluations. `null`: at the end of every epoch.", ge=1)
-    timeline: bool = option(False, "Write a Chrome-trace timeline (one row per rank) to `<output_dir>/timeline.json`.")
-    compile: bool | dict[str, Any] = option(
-        False,
-        "`torch.compile` the model: `false`, `true`, or a mapping of torch.compile's `mode`, `fullgraph`, "
-        "`dynamic`, `backend`, `options`, plus ddpkit's `recompile_limit` (compiled versions of one function, default 8; past it training stops "
-        "with a message) and `validation` (default true: validate with a compiled copy too). DDP wraps first, "
-        "then compile; compile time is logged and left out of samples/s; checkpoints never carry `_orig_mod.`.",
-    )
-    channels_last: bool = option(
-        False,
-        "Convert the model and 4-D inputs to channels_last (NHWC) memory format: faster convolutions on "
-        "recent GPUs and often on CPU; no effect on models without convolutions.",
-    )
-    keep_host_memory: bool = option(
-        True,
-        "Keep host memory freed during training in the process for reuse (glibc `mallopt`; blocks up to "
-        "32 MiB), so each step's CPU activations do not fault in fresh pages: measured 200-1,900 page faults "
-        "and up to 5 ms per MNIST-CNN step without it. `false`: malloc's defaults. Linux/glibc only.",
-    )
-    early_stopping: EarlyStoppingConfig = option(factory=EarlyStoppingConfig, doc="Early stopping on a validation metric.")
-
-
-@dataclass(frozen=True)
-class DDPConfig:
-    """DistributedDataParallel options, named as in torch."""
-
-    bucket_cap_mb: float | None = option(
-        None,
-        "Gradient bucket size in MiB: larger buckets, fewer allreduce calls. `null`: torch's default "
-        "(25 MiB, with a small first bucket so communication starts early).",
-        gt=0,
-    )
-    find_unused_parameters: bool = option(False, "Allow parameters that get no gradient in some steps (costs a graph walk per step).")
-    static_graph: bool = option(False, "Promise the graph and used parameters never change (enables DDP optimizations).")
-    gradient_as_bucket_view: bool = option(False, "Gradients are views into the allreduce buckets (saves memory and a copy).")
-    broadcast_buffers: bool = option(True, "Broadcast buffers (e.g. BatchNorm statistics) from rank 0 at each forward.")
-    sync_batchnorm: bool = option(False, "Convert BatchNorm layers to SyncBatchNorm.")
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = option(
-        "none", "DDP communication hook: compress gradients to fp16/bf16, or PowerSGD low-rank compression."
-    )
-    powersgd_rank: int = option(1, "PowerSGD matrix approximation rank.", ge=1)
-    powersgd_start_iter: int = option(10, "PowerSGD: plain allreduce for this many steps first.", ge=2)
-
-
-@dataclass(frozen=True)
 class BestConfig:
     """Keep the checkpoint with the best value of a validation metric."""
 
@@ -374,57 +261,3 @@ class Config:
     def checkpoint_dir(self) -> str:
         """The checkpoint directory, with the `<output_dir>/checkpoints` default applied."""
         return self.checkpoint.dir or f"{self.output_dir}/checkpoints"
-
-
-def cross_field_problems(cfg: Config) -> list[str]:
-    """Problems that involve more than one field, as ``"path: message"`` strings."""
-    problems = []
-    if cfg.train.epochs is None and cfg.train.max_steps is None:
-        problems.append("train.epochs: set train.epochs or train.max_steps (both are null, so training would never end)")
-    if cfg.ddp.static_graph and cfg.ddp.find_unused_parameters:
-        problems.append(
-            "ddp.static_graph: static_graph=true already handles unused parameters; "
-            "set ddp.find_unused_parameters=false"
-        )
-    if cfg.optim.momentum and cfg.optim.name in ("adam", "adamw"):
-        problems.append(
-            f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
-        )
-    problems += _watchdog_problems(cfg.dist)
-    problems += _compile_problems(cfg.train.compile)
-    if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
-        problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
-    return problems
-
-
-def _watchdog_problems(d: DistConfig) -> list[str]:
-    """A watchdog limit at or above the collective timeout would never fire first (the default is capped instead)."""
-    problems = []
-    if d.hang_timeout is not None and d.hang_timeout != HANG_TIMEOUT and d.hang_timeout >= d.timeout:
-        problems.append(
-            f"dist.hang_timeout: {d.hang_timeout:g}s is not below dist.timeout ({d.timeout:g}s), so collectives would "
-            "time out first; lower dist.hang_timeout or raise dist.timeout"
-        )
-    if d.slow_phase_timeout is not None and d.slow_phase_timeout >= d.timeout:
-        problems.append(
-            f"dist.slow_phase_timeout: {d.slow_phase_timeout:g}s is not below dist.timeout ({d.timeout:g}s); "
-            "lower it, raise dist.timeout, or set it to null (90% of dist.timeout)"
-        )
-    return problems
-
-
-_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "recompile_limit", "validation")
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
-    """A `train.compile` mapping holds torch.compile's own arguments and ddpkit's two keys, nothing else."""
-    if not isinstance(value, dict):
-        return []
-    problems = [f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}" for key in value if key not in _COMPILE_KEYS]
-    if value.get("mode") not in (None, *_COMPILE_MODES):
-        problems.append(f"train.compile.mode: expected one of {', '.join(_COMPILE_MODES)}, got {value['mode']!r}")
-    limit = value.get("recompile_limit", 8)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        problems.append(f"train.compile.recompile_limit: expected an integer >= 1, got {limit!r}")
-    return problems
