@@ -102,30 +102,36 @@ def process_group(
     """
     torch_device = resolve_device(env, device)
     backend = resolve_backend(backend, torch_device)
-    if torch_device.type == "cuda":
-        torch.cuda.set_device(torch_device)
-    if debug:
-        # Must be set before the group is created to take effect.
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    if trace_dir is not None and torch_device.type == "cuda":
-        os.makedirs(trace_dir, exist_ok=True)  # the dump goes there on a timeout
-        for name, value in flight_recorder_env(torch_device, trace_dir).items():
-            os.environ.setdefault(name, value)  # read when the NCCL group is created; the user's values win
+    _prepare_process(torch_device, debug=debug, trace_dir=trace_dir)
     created = not dist.is_initialized()
-    if created:
-        store = _init(env, backend, timeout)
-    elif dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
-        raise LaunchError(
-            f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
-            f"but the environment says RANK={env.rank} of WORLD_SIZE={env.world_size}"
-        )
-    else:
-        store = _default_store()
+    store = _init(env, backend, timeout) if created else _existing_group_store(env)
     try:
         yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _prepare_process(device: torch.device, *, debug: bool, trace_dir: str | os.PathLike | None) -> None:
+    """What must be set before the group is created: the CUDA device, debug mode, NCCL's flight recorder."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if trace_dir is not None and device.type == "cuda":
+        os.makedirs(trace_dir, exist_ok=True)  # the dump goes there on a timeout
+        for name, value in flight_recorder_env(device, trace_dir).items():
+            os.environ.setdefault(name, value)  # read when the NCCL group is created; the user's values win
+
+
+def _existing_group_store(env: DistEnv) -> Any:
+    """The store of a group the caller created, after checking it is the group ``env`` describes."""
+    if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise LaunchError(
+            f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"but the environment says RANK={env.rank} of WORLD_SIZE={env.world_size}"
+        )
+    return _default_store()
 
 
 def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> dict[str, str]:

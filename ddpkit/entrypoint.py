@@ -32,6 +32,7 @@ from typing import Any
 
 from ddpkit.env import read_dist_env
 from ddpkit.errors import DdpkitError, LaunchError, report_error
+from ddpkit.preemption import Preempted
 
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
@@ -70,21 +71,7 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
         try:
             fn()
         except Exception as exc:
-            if peers and threading.current_thread() is threading.main_thread():
-                # torchrun's agent sends SIGTERM to every rank the moment the first one exits; a
-                # rank killed while writing its error file leaves torchrun a truncated file
-                # ("Failed to parse reply file") instead of its error. What is left to do is
-                # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if peers:
-                from ddpkit.watchdog import announce_failure
-
-                announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
-            if not isinstance(exc, DdpkitError):
-                raise  # record() writes the traceback to torchrun's error file
-            code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
-            _write_error_file(exc)
-            return code
+            return _on_failure(exc, peers=peers)
         return 0
 
     try:
@@ -96,6 +83,25 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
         code = 1
     if code and peers:
         _exit_now(code)
+    return code
+
+
+def _on_failure(exc: Exception, *, peers: bool) -> int:
+    """Report a DdpkitError (message, error file) and return its exit code; re-raise anything else."""
+    if peers and threading.current_thread() is threading.main_thread():
+        # torchrun's agent sends SIGTERM to every rank the moment the first one exits; a
+        # rank killed while writing its error file leaves torchrun a truncated file
+        # ("Failed to parse reply file") instead of its error. What is left to do is
+        # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if peers and not isinstance(exc, Preempted):  # a signal-stopped run has saved; nobody failed
+        from ddpkit.watchdog import announce_failure
+
+        announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
+    if not isinstance(exc, DdpkitError):
+        raise exc  # record() writes the traceback to torchrun's error file
+    code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
+    _write_error_file(exc)
     return code
 
 

@@ -71,9 +71,14 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
     }
     result = run_workers("autotune", params, nproc=nproc, threads=None)
-    stats = [Stats.of(ms) for ms in result["ms"]]
+    _report(args, pairs, result["ms"], current=(config_cap, cfg.ddp.gradient_as_bucket_view), nproc=nproc)
+    return 0
+
+
+def _report(args: argparse.Namespace, pairs: list[tuple[float, bool]], ms: list[list[float]], *, current: tuple[float, bool], nproc: int) -> None:
+    """The table of candidates, the fastest one, and the override that selects it (and ``--json``)."""
+    stats = [Stats.of(values) for values in ms]
     best = min(range(len(pairs)), key=lambda i: stats[i].median)
-    current = (config_cap, cfg.ddp.gradient_as_bucket_view)
     rows = []
     for i, ((cap, view), s) in enumerate(zip(pairs, stats)):
         note = ", ".join(filter(None, ["fastest" if i == best else "", "your config" if (cap, view) == current else ""]))
@@ -92,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"fastest: bucket_cap_mb={cap:g}, gradient_as_bucket_view={str(view).lower()}: {stats[best].median:.2f} ms/step{gain}")
     print(f"override: {override}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"pairs": pairs, "ms": result["ms"], "best": pairs[best], "override": override}, indent=1))
-    return 0
+        Path(args.json).write_text(json.dumps({"pairs": pairs, "ms": ms, "best": pairs[best], "override": override}, indent=1))
 
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
