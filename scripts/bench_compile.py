@@ -17,7 +17,9 @@ workloads: per-rank batch 64, SGD lr 0.01 momentum 0.9, same seed) in alternatin
 
 Columns: steady ``ms/step`` (mean over the steps after the warm-up, median over rounds, and its
 range), the paired ratio to ``hand-eager`` and to ``hand-compiled`` (median of per-round ratios,
-and its range), and ``compile s``: the first step's time beyond a steady step, which is the
+and its range), ``CPU ms/step`` of the training thread (``time.thread_time``: blind to time spent
+descheduled by other jobs or waiting for the other rank, so much steadier on a shared machine)
+and its paired ratio to the first variant, and ``compile s``: the first step's time beyond a steady step, which is the
 compilation (Dynamo, AOTAutograd, Inductor) plus one-time costs every variant pays. Inductor
 caches compiled kernels on disk (``/tmp/torchinductor_$USER``), so rounds after the first compile
 faster: the column shows the median; the first round's value is printed with the progress lines.
@@ -116,7 +118,7 @@ DEFAULT_VARIANTS = ["hand-eager", "hand-compiled", "ddpkit-eager", "ddpkit-compi
 def steps_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
     w, (steps, warmup) = WORKLOADS[params["workload"]], STEPS[params["workload"]]
     rank, world_size, variants = runtime.env.rank, runtime.env.world_size, params["variants"]
-    runs: dict[str, dict[str, list[float]]] = {v: {"ms": [], "compile_s": []} for v in variants}
+    runs: dict[str, dict[str, list[float]]] = {v: {"ms": [], "cpu_ms": [], "compile_s": []} for v in variants}
     for r in range(params["rounds"]):
         for name in variants[r % len(variants):] + variants[:r % len(variants)]:
             torch._dynamo.reset()  # every compiled variant compiles, as a fresh process would (disk caches stay)
@@ -124,6 +126,7 @@ def steps_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> 
             ms = steady_ms_per_step(clock.wall, warmup=warmup)
             first = clock.wall[1] - clock.wall[0]
             runs[name]["ms"].append(ms)
+            runs[name]["cpu_ms"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
             runs[name]["compile_s"].append(max(first - median_step_ms(clock.wall, warmup=warmup) / 1000, 0.0))
             if rank == 0:
                 progress(f"[compile] {params['workload']} round {r + 1} {name}: {ms:.1f} ms/step, first step {first:.1f} s")
@@ -142,11 +145,13 @@ def report_steps(workload: str, result: dict[str, Any]) -> str:
                 cells += [f"{ratio.median:.3f}", ratio.spread(3)]
             else:
                 cells += ["-", "-"]
-        cells.append(f"{statistics.median(run['compile_s']):.1f}")
+        cpu = Stats.of([v / h for v, h in zip(run["cpu_ms"], runs[next(iter(runs))]["cpu_ms"])])
+        cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3), f"{statistics.median(run['compile_s']):.1f}"]
         rows.append(cells)
     title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']} "
              f"warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
-    headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max", "compile s"]
+    headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max",
+               "CPU ms/step", f"CPU x {next(iter(runs))}", "min..max", "compile s"]
     return title + "\n" + format_table(headers, rows)
 
 
