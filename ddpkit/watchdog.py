@@ -73,7 +73,7 @@ class Watchdog:
         self.ticks = self.phase_ticks = 0
         self.data_batches = 0
         self._stopped = threading.Event()
-        self.handling_hang = False
+        self.handling_hang = self.published_failure = False
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
         self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
         self._last_local: tuple[Any, ...] = ()
@@ -151,7 +151,8 @@ class Watchdog:
             if error is not None and not self.handling_hang:
                 message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
-                self.client("compare_set", "alarm", "", json.dumps(alarm))
+                mine = json.dumps(alarm)
+                self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
             else:
                 self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
@@ -287,6 +288,8 @@ def announce_failure(*, wait: float = 2.0) -> None:
     if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
         time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
         return
+    if not wd.published_failure:
+        return  # another rank's alarm came first (this rank's error is probably its consequence)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         seen = wd._try(lambda: wd.client("add", "failed_seen", 0))

@@ -379,5 +379,8 @@ def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jo
     print(f"two launchers: rank 0's failure to node 1's exit {fault_to_exit:.1f}s")
     assert hanging.proc.returncode != 0 and failing.proc.returncode != 0
     assert "stopping because rank 0" in node1 and "injected fault in training_step on rank 0" in node1, node1[-3000:]
-    assert fault_to_exit < 20, node1[-3000:]  # seconds, not dist.hang_timeout (100) or dist.timeout (300)
+    # Seconds (about 8 on a quiet machine: a poll, the 3 s same-host grace, the launcher's exit), not
+    # dist.hang_timeout (100) or dist.timeout (300); rank 1 hangs outside any collective, so without
+    # the store it would never learn of the failure.
+    assert fault_to_exit < 45, node1[-3000:]
     assert not _processes_mentioning(str(tmp_path))
