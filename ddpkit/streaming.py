@@ -11,8 +11,9 @@ The Trainer hands a stream to :func:`build_stream_loader` and iterates it with
   ``datasets`` by ``split_dataset_by_node``; a ``shard(rank, world_size)`` method; a
   ``webdataset`` pipeline by its own node/worker splitters); a plain stream is split round-robin
   over ``(rank, worker)`` slots, so every sample goes to exactly one slot, each slot reading the
-  whole stream. The stream must yield the same order on every rank and worker for a given epoch
-  (seed a shuffle from ``set_epoch``'s epoch, never from the global RNG).
+  whole stream (blind to the workers: a stream written to split itself over DataLoader workers is
+  read whole, so it is never split twice). The stream must yield the same order on every rank
+  and worker for a given epoch (seed a shuffle from ``set_epoch``'s epoch, never the global RNG).
 * **Equal step counts** (:class:`~ddpkit.stream_epochs.StreamEpochs`): each rank reads ahead a window of
   ``data.stream_window`` optimizer steps and the ranks agree on the window's length with one
   ``all_reduce(MIN)`` of one integer, so when one rank's shard ends every rank ends the epoch at
