@@ -26,7 +26,6 @@ The Trainer hands a stream to :func:`build_stream_loader` and iterates it with
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -36,7 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils.data._utils.worker as _worker_state  # get_worker_info()'s global; see _as_if_single_process
+import torch.utils.data._utils.worker as _worker_state  # get_worker_info()'s global; see _read_whole
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from ddpkit.env import DistEnv
@@ -151,27 +150,26 @@ def _read_whole(source: Any) -> Iterator[Any]:
     ddpkit splits this stream over the workers itself; a stream written for DataLoader workers
     (PyTorch's pattern: each worker reads only its part) would otherwise be split twice and lose
     data. Blind to the workers, it yields everything, and the round-robin split stays exact.
+    Plain assignments, not a context manager: this runs once per sample (under 1 us here).
     """
-    with _as_if_single_process():
+    info = _worker_state._worker_info
+    _worker_state._worker_info = None
+    try:
         iterator = iter(source)
+    finally:
+        _worker_state._worker_info = info
     while True:
-        with _as_if_single_process():
+        _worker_state._worker_info = None
+        try:
             sample = next(iterator, _END)
+        finally:
+            _worker_state._worker_info = info
         if sample is _END:
             return
         yield sample
 
 
 _END = object()
-
-
-@contextlib.contextmanager
-def _as_if_single_process() -> Iterator[None]:
-    info, _worker_state._worker_info = _worker_state._worker_info, None
-    try:
-        yield
-    finally:
-        _worker_state._worker_info = info
 
 
 @functools.cache
