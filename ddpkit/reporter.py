@@ -72,6 +72,7 @@ class Reporter:
         self._window_start, self._window_step = time.perf_counter(), progress.step
         self._outside = 0  # depth of outside_training spans
         self._phase_listeners: list[Callable[[str | None], None]] = []
+        self._phase_spans: dict[str, _PhaseSpan] = {}  # one reusable span per phase name
         self._loss = RunningMean(runtime.device)
 
     # --- phases and time ---------------------------------------------------------------------
@@ -79,6 +80,7 @@ class Reporter:
     def add_phase_listener(self, listener: Callable[[str | None], None]) -> None:
         """Call ``listener(name)`` when a span starts and ``listener(None)`` when it ends."""
         self._phase_listeners.append(listener)
+        self._phase_spans.clear()
 
     def span(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Work of kind ``name`` (data, forward, backward, optimizer, ...) on the timeline.
@@ -88,7 +90,13 @@ class Reporter:
         """
         if not self._phase_listeners:
             return self.timeline.span(name)
-        return _WatchedSpan(self.timeline.span(name), name, self._phase_listeners)
+        if self.timeline.enabled:
+            return _WatchedSpan(self.timeline.span(name), name, self._phase_listeners)
+        span = self._phase_spans.get(name)
+        if span is None:  # the step path reuses it: no object per span, one call per listener
+            listeners = self._phase_listeners
+            span = self._phase_spans[name] = _PhaseSpan(name, listeners[0] if len(listeners) == 1 else _fan_out(listeners))
+        return span
 
     @contextlib.contextmanager
     def outside_training(self, name: str) -> Iterator[None]:
@@ -199,3 +207,26 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r:.60}"
+
+
+class _PhaseSpan:
+    """Tells one listener that phase ``name`` starts and ends (reused: phases of one name never nest)."""
+
+    __slots__ = ("name", "listener")
+
+    def __init__(self, name: str, listener: Callable[[str | None], None]):
+        self.name, self.listener = name, listener
+
+    def __enter__(self) -> None:
+        self.listener(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.listener(None)
+
+
+def _fan_out(listeners: list[Callable[[str | None], None]]) -> Callable[[str | None], None]:
+    def tell_all(name: str | None) -> None:
+        for listener in listeners:
+            listener(name)
+
+    return tell_all
