@@ -227,9 +227,10 @@ def test_kept_host_memory_means_no_page_faults_in_steady_steps():
 
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True, text=True, timeout=120, check=True)
     applied, faults = out.stdout.split()
-    # Each step allocates ~12 MB of activations and gradients (3,000 pages): without kept memory
-    # a share of them would be faulted in again every step.
-    assert applied == "True" and float(faults) < 20, out.stdout
+    # Each step allocates ~12 MB of activations and gradients (3,000 pages). With malloc's defaults
+    # about 1,700 of them are faulted in again every step; kept, only the heap's slow growth around
+    # the small long-lived blocks faults (1-35 pages per step measured).
+    assert applied == "True" and float(faults) < 150, out.stdout
 
 
 # --- the data path -------------------------------------------------------------------------------------
