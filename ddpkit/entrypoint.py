@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 from ddpkit.env import read_dist_env
 from ddpkit.errors import DdpkitError, LaunchError, report_error
 from ddpkit.preemption import Preempted
+from ddpkit.watchdog_io import terminate
 
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
@@ -126,14 +126,7 @@ def _exit_now(code: int) -> None:
     interpreter's exit would otherwise do.
     """
     logging.shutdown()
-    for child in multiprocessing.active_children():
-        child.terminate()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    terminate(code, stop_children=lambda child: child.terminate())
 
 
 def _write_error_file(exc: DdpkitError) -> None:

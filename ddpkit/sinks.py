@@ -39,6 +39,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.config_io import flatten
+
 __all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
 
 log = logging.getLogger("ddpkit.sinks")
@@ -146,20 +148,13 @@ def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> Sin
     return SinkGroup([*sinks, *extra])
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """``{"optim": {"lr": 0.05}}`` -> ``{"optim.lr": 0.05}``: the form trackers take params in.
 
     Leaves keep their type (a tracker that stores text, like MLflow, uses :func:`as_text`); an
     empty section keeps its key with ``{}`` so nothing silently disappears.
     """
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
+    return flatten(config)
 
 
 def as_text(value: Any) -> str:

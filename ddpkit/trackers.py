@@ -25,7 +25,6 @@ import os
 import queue
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path

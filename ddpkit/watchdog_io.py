@@ -119,14 +119,14 @@ def kill_frozen_sibling(pid: int) -> bool:
         return False
 
 
-def terminate(code: int) -> None:
-    """Exit now from the watchdog thread: the main thread is stuck, so no normal exit is possible.
+def terminate(code: int, *, stop_children: Callable[[Any], None] = lambda child: child.kill()) -> None:
+    """Exit now, without the interpreter's teardown (it would wait for threads that never end).
 
-    DataLoader workers and other child processes are killed first (nothing would reap them), and
-    output is flushed; ``os._exit`` skips waiting for threads that will never end.
+    Child processes (DataLoader workers) are stopped first, since nothing else would reap them
+    (killed by default: from the watchdog thread the main thread is stuck), and output is flushed.
     """
     for child in multiprocessing.active_children():
-        child.kill()
+        stop_children(child)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
