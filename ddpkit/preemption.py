@@ -136,6 +136,8 @@ class StopOnSignal:
     def close(self) -> None:
         """Stop the polling thread and put the previous handlers back."""
         self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)  # not mid-call into the store when the group is destroyed
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()
