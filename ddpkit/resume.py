@@ -256,10 +256,10 @@ class RunState:
         # After an epoch, progress.epoch already counts it.
         return bool(ck.every_epochs) and progress.epoch % ck.every_epochs == 0
 
-    def after_evaluation(self, metrics: dict[str, float], *, barrier: Any) -> bool:
-        """Save the "best" checkpoint if ``checkpoint.best.metric`` improved; True when early stopping says stop."""
+    def after_evaluation(self, metrics: dict[str, float], *, save_best: Any) -> bool:
+        """Call ``save_best()`` if ``checkpoint.best.metric`` improved; True when early stopping says stop."""
         if self.best.update(metrics):
-            self.save(barrier=barrier, name="best")
+            save_best()
         self.early_stopping.update(metrics)
         if not self.early_stopping.exhausted:
             return False
@@ -267,10 +267,14 @@ class RunState:
         log.info("early stopping: %s has not improved for %d evaluations", early.metric, early.patience)
         return True
 
+    def saved_already(self, name: str | None = None) -> bool:
+        """Whether a periodic save of this step is a repeat (a named one, e.g. "best", never is)."""
+        return name is None and self._last_saved_step == self.progress.step
+
     def save(self, *, barrier: Any, name: str | None = None) -> None:
         """Rank 0 writes the state (once per step unless ``name`` is given, e.g. "best"); all ranks wait."""
         step = self.progress.step
-        if name is None and self._last_saved_step == step:
+        if self.saved_already(name):
             return
         state = self.capture()
         if self.runtime.env.rank == 0:

@@ -351,16 +351,16 @@ class Trainer:
         self.metrics.update(metrics)
         self.reporter.validation(self.progress, metrics)
         self.on_validation_end(metrics)
-        with self.reporter.outside_training("checkpoint"):
-            if self.state.after_evaluation(metrics, barrier=self._barrier):
-                self.request_stop()
+        if self.state.after_evaluation(metrics, save_best=lambda: self._save_checkpoint(name="best")):
+            self.request_stop()
 
     def _barrier(self, where: str) -> None:
         """Wait for every rank; in debug mode a monitored barrier names ranks that never arrive."""
         self.reporter.note("barrier: %s", where)
         barrier(debug=self.config.dist.debug, timeout=self.config.dist.timeout)
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, name: str | None = None) -> None:
         """Rank 0 writes the full training state; the other ranks contribute their RNG states and wait."""
-        with self.reporter.outside_training("checkpoint"):
-            self.state.save(barrier=self._barrier)
+        if not self.state.saved_already(name):
+            with self.reporter.outside_training("checkpoint"):
+                self.state.save(barrier=self._barrier, name=name)
