@@ -59,3 +59,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def processes_mentioning(marker: str) -> dict[int, str]:
+    """pid -> command line of every process (but this one) whose command line contains ``marker``.
+
+    Exited processes not yet reaped (zombies) have an empty command line and do not count.
+    """
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
+        if marker in cmdline:
+            found[int(entry.name)] = cmdline
+    return found

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, tiny_config
+from helpers import REPO, processes_mentioning, tiny_config
 from torch.utils.data import Sampler
 
 import ddpkit
@@ -51,24 +51,6 @@ def _write_config(tmp_path: Path) -> Path:
     path = tmp_path / "fault.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _processes_mentioning(marker: str) -> dict[int, str]:
-    """pid -> command line of every process (but this one) whose command line contains ``marker``.
-
-    Exited processes not yet reaped (zombies) have an empty command line and do not count.
-    """
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue  # exited meanwhile
-        if marker in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
 
 
 CASES = {
@@ -121,7 +103,7 @@ def _wait(job: Job) -> None:
     if job.proc.poll() is None:
         return  # hung: reported by the test, killed by the fixture
     job.exited = time.time()
-    while (left := _processes_mentioning(str(job.dir))) and time.time() < job.exited + REAP_GRACE:
+    while (left := processes_mentioning(str(job.dir))) and time.time() < job.exited + REAP_GRACE:
         time.sleep(0.05)
     job.survivors = left
 
@@ -138,7 +120,7 @@ def launch_fault(tmp_path):
 
     yield run
     for job in jobs:
-        for pid in [job.proc.pid, *_processes_mentioning(str(job.dir))]:
+        for pid in [job.proc.pid, *processes_mentioning(str(job.dir))]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import REPO, tiny_config
+from helpers import REPO, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed import flight_recorder_env
@@ -225,20 +225,6 @@ class Job:
         return reports[-1].read_text()
 
 
-def _processes_mentioning(marker: str) -> dict[int, str]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
-
-
 def _config(tmp: Path, **sections) -> Path:
     cfg = tiny_config(tmp, checkpoint={"resume": "none"}, **sections)
     cfg["dist"] = {**cfg["dist"], "timeout": PG_TIMEOUT, "failure_timeout": 10, **sections.get("dist", {})}
@@ -261,7 +247,7 @@ def _wait(job: Job, limit: float) -> None:
     if job.proc.poll() is None:
         return
     job.exited = time.time()
-    while (left := _processes_mentioning(str(job.dir))) and time.time() < job.exited + REAP_GRACE:
+    while (left := processes_mentioning(str(job.dir))) and time.time() < job.exited + REAP_GRACE:
         time.sleep(0.05)
     job.survivors = left
 
@@ -271,7 +257,7 @@ def jobs():
     started: list[Job] = []
     yield started
     for job in started:
-        for pid in [job.proc.pid, *_processes_mentioning(str(job.dir))]:
+        for pid in [job.proc.pid, *processes_mentioning(str(job.dir))]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -383,4 +369,4 @@ def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jo
     # dist.hang_timeout (100) or dist.timeout (300); rank 1 hangs outside any collective, so without
     # the store it would never learn of the failure.
     assert fault_to_exit < 45, node1[-3000:]
-    assert not _processes_mentioning(str(tmp_path))
+    assert not processes_mentioning(str(tmp_path))
