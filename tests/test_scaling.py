@@ -33,6 +33,7 @@ from ddpkit.bench.scaling_model import (
     parse_latency,
     predict,
     ring_allreduce_s,
+    straggler_s,
     tree_allreduce_s,
 )
 from ddpkit.bench.units import BenchUsageError
@@ -97,10 +98,26 @@ def test_step_time_is_compute_plus_the_longer_of_backward_and_communication():
     assert hidden.exposed_comm_s == 0 and hidden.step_s == pytest.approx(0.0075)
     one = predict(profile(), 1, link)  # a world of one runs the bare model: no DDP, no communication
     assert (one.step_s, one.efficiency, one.samples_per_s) == (0.005, 1.0, 8 / 0.005)
-    # Buffers broadcast at each forward, and compute stretched (ranks sharing cores) for local checks.
+    # Buffers broadcast at each forward: one hop of 1 MB on 2 ranks, 1 ms.
     assert predict(profile(buffer_bytes=1_000_000), 2, link).step_s == pytest.approx(0.0065 + 0.001)
-    # x2: compute 7 ms; buckets ready at 2 and 4 ms end at 3 and 5 ms, with the 5 ms backward: 12 ms.
-    assert predict(profile(), 2, link, compute_scale=2.0).step_s == pytest.approx(0.012)
+
+
+def test_the_step_waits_for_the_slowest_rank_read_from_the_profiled_spread():
+    # 11 iterations of 10..20 ms: the median is 15 ms; the median of the slowest of n is the
+    # 0.5^(1/n) quantile: 2 ranks 0.7071 -> 10 + 10 * 0.7071 = 17.07 ms, 3 ranks 0.7937 -> 17.94 ms.
+    samples = [0.010 + 0.001 * i for i in range(11)]
+    assert straggler_s(samples, 1) == 0.0
+    assert straggler_s(samples, 2) == pytest.approx(0.010 * 0.5 ** 0.5 - 0.005)
+    assert straggler_s(samples, 3) == pytest.approx(0.010 * 0.5 ** (1 / 3) - 0.005)
+    # At 1,024 ranks the quantile is past the largest sample, so the wait stops at max - median.
+    assert straggler_s(samples, 1024) == pytest.approx(0.010 * 0.5 ** (1 / 1024) - 0.005) and straggler_s(samples, 10**6) <= 0.005
+    assert straggler_s(list(reversed(samples)), 2) == straggler_s(samples, 2)  # order does not matter
+    assert straggler_s([0.01], 8) == straggler_s([], 8) == 0.0  # no spread known: no wait
+    link = Link(bandwidth=1e9, latency=0.0)
+    spread = predict(profile(step_samples_s=tuple(samples)), 2, link)
+    assert spread.straggler_s == pytest.approx(straggler_s(samples, 2))
+    assert spread.step_s == pytest.approx(predict(profile(), 2, link).step_s + spread.straggler_s)
+    assert predict(profile(step_samples_s=tuple(samples)), 1, link).step_s == 0.005  # one rank waits for nobody
 
 
 def test_buckets_are_packed_in_ready_order_as_ddp_rebuilds_them():
@@ -137,7 +154,9 @@ def test_bandwidth_and_latency_units():
 
 def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
     """docs/scaling.md's table: Horovod's ResNet-101 setup (published: 0.90 at 512 GPUs)."""
+    from dataclasses import replace
     from pathlib import Path
+    from statistics import NormalDist
 
     from ddpkit.bench.scaling_model import assumed_profile
 
@@ -148,8 +167,12 @@ def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
     assert round(predict(resnet101, 512, Link(25e9 / 8, 10e-6), "tree").efficiency, 3) == 0.957
     one_bucket = assumed_profile(0.618, 44_549_160 * 4, batch_size=64, cap_mb=1e6)
     assert round(predict(one_bucket, 512, Link(25e9 / 8, 10e-6)).efficiency, 3) == 0.833
+    spread = NormalDist(0.618, 0.015 * 0.618)  # the assumed 1.5% step-to-step spread
+    jittery = replace(resnet101, step_samples_s=tuple(spread.inv_cdf((i + 0.5) / 1000) for i in range(1000)))
+    assert [round(predict(jittery, n, Link(25e9 / 8, 10e-6)).efficiency, 3) for n in (16, 128, 512)] == [0.937, 0.921, 0.905]
     docs = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
     assert "| predicted, ring, 10 us | 0.960 | 0.954 | **0.943** |" in docs and "| published (Horovod) | | | **0.90** |" in docs
+    assert "| predicted, ring, 10 us, 1.5% step spread (**assumed**) | 0.937 | 0.921 | 0.905 |" in docs
 
 
 # --- the profile on a real rank -----------------------------------------------------------------
@@ -178,6 +201,8 @@ def test_profile_records_ddps_own_buckets_in_firing_order(tmp_path):
     assert sum(p.nbytes for p in prof.params) == prof.grad_bytes == 4 * sum(p.numel() for p in reference.parameters())
     assert min(prof.data_s, prof.forward_s, prof.optimizer_s, prof.single_step_s) > 0 and prof.local_backward_s == 0
     assert prof.batch_size == 16 and prof.comm_factor == 1.0
+    # Every timed iteration's DDP step, sorted: the spread the straggler term reads.
+    assert len(prof.step_samples_s) == 4 and list(prof.step_samples_s) == sorted(prof.step_samples_s) and prof.step_samples_s[0] > 0
 
 
 # --- the command line ---------------------------------------------------------------------------
@@ -214,6 +239,8 @@ def test_scaling_end_to_end(tmp_path):
         assert math.isclose(float(row["samples/s"]), int(row["ranks"]) * 16 * 1000 / float(row["ms/step"]), rel_tol=2e-3)
         assert 0 < float(row["efficiency"]) <= 1 and 0 < float(row["its efficiency"]) <= 1
     result = json.loads(out.read_text())
+    assert len(result["profile"]["step_samples_s"]) == 4  # the one-rank profile's spread, one time per timed iteration
+    assert all(row["straggler_ms"] >= 0 for row in result["predictions"])
     assert math.isclose(result["links"][0]["bandwidth"], 0.5e9, rel_tol=1e-6)  # fitted to the given measurement
     assert math.isclose(result["links"][0]["latency"], 2e-4, rel_tol=1e-6)
     (check,) = result["validation"]  # a real 2-rank training run next to the prediction from a 2-rank profile
@@ -234,6 +261,7 @@ def test_scaling_end_to_end(tmp_path):
     (["--allreduce-json", "/nonexistent.json"], "--allreduce-json: /nonexistent.json is not a file"),
     (["--bucket-caps", "0,5"], "--bucket-caps"),
     (["ddp.comm_hook=powersgd"], "ddp.comm_hook=powersgd"),
+    (["train.compile=true"], "train.compile: the scaling profile times the eager step"),
     (["optim.lrr=0.1"], "optim.lrr"),
 ])
 def test_bad_input_is_a_usage_error_before_any_process_starts(tmp_path, capsys, args, message):

@@ -12,15 +12,16 @@
    the latency and bandwidth fitted to ``ddpkit bench allreduce`` on this machine at 2 and 3
    ranks (or to ``--allreduce-json``, that command's ``--json`` output).
 3. Predict (:mod:`ddpkit.bench.scaling_model`): ring / tree allreduce per bucket, overlapped with
-   the rest of the backward as DDP overlaps it; step time, samples/s, scaling efficiency
-   ``step_1 / step_N`` at each ``--predict`` world size, and the best ``ddp.bucket_cap_mb``.
+   the rest of the backward as DDP overlaps it, plus the wait for the slowest rank read from
+   the profiled step-to-step spread; step time, samples/s, scaling efficiency ``step_1 /
+   step_N`` at each ``--predict`` world size, and the best ``ddp.bucket_cap_mb``.
 4. ``--validate 1,2,3``: train the config for real at those world sizes on this machine
    (alternating with the profiles for ``--rounds`` rounds) and compare with the prediction on
    the fitted link. For N ranks the compute comes from N one-rank profiles run at once, each
    measuring on its own: on a machine whose cores the ranks (and other jobs) share, that is the
-   compute they really get; the model supplies the communication and the overlap.
+   compute they really get, spread included; the model supplies communication and overlap.
 
-The model's assumptions and limits (no stragglers, flat topology, fixed algorithm): docs/scaling.md.
+The model's assumptions and limits (flat topology, fixed algorithm, a sampled spread): docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -87,12 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the options, profile (and validate) through torch's launcher, print the tables."""
+    from ddpkit.bench.scaling_profile import check_profiled_config
     from ddpkit.config_loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     world_sizes, validate, given, caps = _check(args)
-    if cfg.ddp.comm_hook == "powersgd":
-        raise BenchUsageError("ddp.comm_hook=powersgd: the scaling model cannot predict PowerSGD's traffic; override ddp.comm_hook=none")
+    check_profiled_config(cfg)
     params = {"config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "iters": args.iters, "warmup": args.warmup}
     links = list(given)
     if validate or not given:
@@ -101,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
     profile = sorted(profiles[1], key=lambda p: p.single_step_s)[len(profiles[1]) // 2]  # the median round's one-rank profile
     _print_profile(args.config, profile, cfg.ddp.bucket_cap_mb, rounds=args.rounds)
     rows = prediction_rows(profile, links, world_sizes, algorithm=args.algorithm, caps=caps)
-    print(format_table(["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "best bucket_cap_mb", "its efficiency"],
+    print(format_table(["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "slowest-rank wait ms", "best bucket_cap_mb", "its efficiency"],
                        [[r["link"], str(r["ranks"]), fmt(r["ms"]), fmt(r["samples_per_s"]), f"{r['efficiency']:.3f}", fmt(r["exposed_ms"]),
-                         f"{r['best_cap']:g}", f"{r['best_efficiency']:.3f}"] for r in rows]))
+                         fmt(r["straggler_ms"]), f"{r['best_cap']:g}", f"{r['best_efficiency']:.3f}"] for r in rows]))
     checks = validation_rows(profiles, measured, links[0], algorithm=args.algorithm) if validate else []
     if checks:
         print(f"\nvalidation on this machine ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, link {links[0].label()} fitted): "
@@ -187,7 +188,12 @@ def _measure(params: dict[str, Any], validate: list[int], *, rounds: int) -> tup
 
 
 def _profile(params: dict[str, Any], n: int) -> Profile:
-    """One rank's profile through torch's launcher; for ``n > 1``, ``n`` independent one-rank profiles at once (rank 0's kept).
+    """One rank's profile through torch's launcher; for ``n > 1``, ``n`` independent one-rank profiles at once.
+
+    Of ``n`` concurrent profiles, the phases of the one with the median step are kept, and the
+    step times of all ``n`` pooled: with more ranks than cores, some processes share a core and
+    step twice as slowly as the others, and which ones changes as the scheduler moves them. The
+    pool is that distribution; the model's straggler term (the slowest of ``n`` ranks) reads it.
 
     Independent worlds of one rather than one world of ``n``: the ranks share only the machine,
     as they should, and no collective or DDP group spans them.
@@ -209,7 +215,8 @@ def _profile(params: dict[str, Any], n: int) -> Profile:
                     proc.kill()
         if any(codes) or not all(r.exists() for r in results):
             raise BenchFailed(f"the scaling profile on {n} concurrent processes failed; see their output above")
-        return profile_from_dict(json.loads(results[0].read_text()))
+        profiles = sorted((profile_from_dict(json.loads(r.read_text())) for r in results), key=lambda p: statistics.median(p.step_samples_s))
+        return replace(profiles[n // 2], step_samples_s=tuple(sorted(s for p in profiles for s in p.step_samples_s)))
 
 
 def prediction_rows(profile: Profile, links: list[Link], world_sizes: list[int], *, algorithm: str, caps: list[float]) -> list[dict[str, Any]]:
@@ -220,7 +227,7 @@ def prediction_rows(profile: Profile, links: list[Link], world_sizes: list[int],
             p = predict(profile, n, link, algorithm)
             cap, best = best_bucket_cap(profile, n, link, caps_mb=caps, algorithm=algorithm) if n > 1 else (profile.bucket_cap_mb or 25.0, p)
             rows.append({"link": link.label(), "ranks": n, "ms": p.step_s * 1e3, "samples_per_s": p.samples_per_s, "efficiency": p.efficiency,
-                         "exposed_ms": p.exposed_comm_s * 1e3, "best_cap": cap, "best_efficiency": best.efficiency})
+                         "exposed_ms": p.exposed_comm_s * 1e3, "straggler_ms": p.straggler_s * 1e3, "best_cap": cap, "best_efficiency": best.efficiency})
     return rows
 
 
@@ -249,8 +256,8 @@ def _print_profile(config: str, profile: Profile, cap: float | None, *, rounds: 
 
 def profile_from_dict(data: dict[str, Any]) -> Profile:
     """The :class:`Profile` a worker sent back as JSON."""
-    return replace(Profile(**{**data, "buckets": (), "params": ()}),
-                   buckets=tuple(Bucket(**b) for b in data["buckets"]), params=tuple(Param(**p) for p in data["params"]))
+    return replace(Profile(**{**data, "buckets": (), "params": ()}), buckets=tuple(Bucket(**b) for b in data["buckets"]),
+                   params=tuple(Param(**p) for p in data["params"]), step_samples_s=tuple(data.get("step_samples_s", ())))
 
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:

@@ -4,8 +4,9 @@
         profile = measure_profile(load_config("my.yaml"), runtime, iters=20, warmup=3)
     profile.buckets    # (bytes, launch time after backward began), in the order DDP fires them
 
-The config is built as the Trainer builds it (registry model and dataset, the optimizer from
-``optim``, the sharded training loader, ``wrap_model`` with the config's ``ddp`` section), and two
+The config is built as the Trainer builds it (registry model and dataset, ``train.channels_last``
+and ``train.keep_host_memory``, the optimizer from ``optim``, the sharded training loader,
+``wrap_model`` with the config's ``ddp`` section; ``train.compile`` is refused), and two
 copies of the step run in alternation, so a busy machine slows both alike:
 
 * the bare model: what a world of one runs (the Trainer does not wrap it in DDP), timed as a
@@ -37,8 +38,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddpkit.allocator import keep_freed_host_memory
 from ddpkit.bench.scaling_model import Bucket, Param, Profile
 from ddpkit.bench.units import BenchUsageError
+from ddpkit.compile import to_channels_last
 from ddpkit.config import Config
 from ddpkit.data import build_train_loader, move_to_device
 from ddpkit.ddp import wrap_model
@@ -48,7 +51,7 @@ from ddpkit.precision import autocast, check_precision
 from ddpkit.registry import DATASETS, MODELS
 from ddpkit.rng import seed_everything
 
-__all__ = ["COMM_FACTOR", "measure_profile"]
+__all__ = ["COMM_FACTOR", "check_profiled_config", "measure_profile"]
 
 #: Bytes on the wire per gradient byte for each ``ddp.comm_hook`` the model can represent.
 COMM_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
@@ -78,21 +81,31 @@ class _Recorder:
         return ready
 
 
+def check_profiled_config(cfg: Config) -> None:
+    """Refuse, with the override that fixes it, a config whose step the profile cannot time faithfully."""
+    if cfg.ddp.comm_hook not in COMM_FACTOR:
+        raise BenchUsageError(f"ddp.comm_hook={cfg.ddp.comm_hook}: the scaling model cannot predict PowerSGD's traffic; override ddp.comm_hook=none")
+    if cfg.train.compile is not False:
+        raise BenchUsageError("train.compile: the scaling profile times the eager step (a hook on every gradient); "
+                              "override train.compile=false (compiled compute is usually faster, so the prediction errs on the slow side)")
+
+
 def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -> Profile:
     """Time the config's step on this rank: bare model and DDP-wrapped, alternating.
 
     On a group of several ranks, each rank measures on its own (the recording hook communicates
     nothing): compute as it runs while that many ranks share the machine. Rank 0's is returned.
     """
-    if cfg.ddp.comm_hook not in COMM_FACTOR:
-        raise BenchUsageError(f"ddp.comm_hook={cfg.ddp.comm_hook}: the scaling model cannot predict PowerSGD's traffic; measure without it (ddp.comm_hook=none)")
+    check_profiled_config(cfg)
     check_precision(cfg.train.precision, runtime.device)
+    if cfg.train.keep_host_memory:  # as the Trainer does: without it a CPU step here measured 1.4x slower
+        keep_freed_host_memory()
     seed_everything(cfg.run.seed)
     train_set, _ = DATASETS.build(cfg.data.name, key="data.name", kwargs=cfg.data.kwargs)
     loader = build_train_loader(train_set, env=runtime.env, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                                 shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, seed=cfg.run.seed)
-    bare = MODELS.build(cfg.model.name, key="model.name", kwargs=cfg.model.kwargs).to(runtime.device)
-    wrapped, recorder = _wrap_recorded(cfg, runtime, MODELS.build(cfg.model.name, key="model.name", kwargs=cfg.model.kwargs))
+    bare, unwrapped = (_build_model(cfg, runtime) for _ in range(2))
+    wrapped, recorder = _wrap_recorded(cfg, runtime, unwrapped)
     variants = [(bare, build_optimizer(bare.parameters(), cfg.optim)), (wrapped, build_optimizer(wrapped.parameters(), cfg.optim))]
     batches, samples = _batches(loader, runtime.device), []
     for i in range(warmup + iters):
@@ -108,6 +121,12 @@ def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -
     del variants, wrapped
     gc.collect()
     return profile
+
+
+def _build_model(cfg: Config, runtime: Runtime) -> nn.Module:
+    """The config's model on the device, in channels_last if the config asks (as the Trainer builds it)."""
+    model = MODELS.build(cfg.model.name, key="model.name", kwargs=cfg.model.kwargs).to(runtime.device)
+    return to_channels_last(model) if cfg.train.channels_last else model
 
 
 def _wrap_recorded(cfg: Config, runtime: Runtime, model: nn.Module) -> tuple[nn.Module, _Recorder]:
@@ -170,7 +189,7 @@ def _step(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, batch
 
 
 def _summarise(cfg: Config, wrapped: nn.Module, ddp: list[dict[str, Any]], bare: list[dict[str, Any]]) -> Profile:
-    """Medians per phase, per bucket and per parameter over the timed iterations."""
+    """Medians per phase, per bucket and per parameter over the timed iterations; every DDP step's time."""
     def median(key: str, rows: list[dict[str, Any]] = ddp) -> float:
         return statistics.median(row[key] for row in rows)
 
@@ -184,5 +203,5 @@ def _summarise(cfg: Config, wrapped: nn.Module, ddp: list[dict[str, Any]], bare:
         batch_size=cfg.data.batch_size * cfg.train.grad_accum_steps, data_s=median("data"), forward_s=median("forward"), backward_s=median("backward"),
         optimizer_s=median("optimizer"), local_backward_s=median("local_backward"), single_step_s=median("step", bare),
         buckets=buckets, params=tuple(ready), buffer_bytes=buffers, comm_factor=COMM_FACTOR[cfg.ddp.comm_hook],
-        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+        bucket_cap_mb=cfg.ddp.bucket_cap_mb, step_samples_s=tuple(sorted(row["step"] for row in ddp)),
     )
