@@ -271,6 +271,13 @@ def test_bad_input_is_a_usage_error_before_any_process_starts(tmp_path, capsys, 
     assert message in err and "Traceback" not in err
 
 
+def test_validating_several_ranks_on_a_gpu_is_refused_until_profiles_get_a_gpu_each(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = _write(tmp_path, tiny_config(tmp_path))
+    assert bench_main(["scaling", "--config", config, "--link", "10Gbit", "--validate", "1,2"]) == 2
+    assert "--validate: on GPUs only 1 rank can be checked" in capsys.readouterr().err
+
+
 def test_missing_config_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         bench_main(["scaling", "--predict", "8"])

@@ -37,6 +37,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddpkit.bench.launching import BenchFailed, run_workers
 from ddpkit.bench.report import fmt, format_table, progress
 from ddpkit.bench.scaling_model import (
@@ -94,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     world_sizes, validate, given, caps = _check(args)
     check_profiled_config(cfg)
+    if max(validate, default=1) > 1 and cfg.dist.device != "cpu" and torch.cuda.is_available():
+        raise BenchUsageError("--validate: on GPUs only 1 rank can be checked for now (the profiles of N > 1 ranks run as worlds of one "
+                              "and would all share the first GPU); use --validate 1, or dist.device=cpu to check the CPU")
     params = {"config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "iters": args.iters, "warmup": args.warmup}
     links = list(given)
     if validate or not given:
