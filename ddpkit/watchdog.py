@@ -153,6 +153,8 @@ class Watchdog:
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
+                if not self.published_failure:  # another rank failed first: this rank has seen its failure
+                    self.client("add", "failed_seen", 1)
             else:
                 self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
@@ -280,7 +282,9 @@ def announce_failure(*, wait: float = 2.0) -> None:
     """After a failed ``fit()``: give the other ranks up to ``wait`` s to read this rank's failure.
 
     The failure was published by :meth:`Watchdog.stop`; a rank that hosts the store (rank 0 under
-    ``ddpkit run``) takes it with it when it exits, so it waits until every other rank has seen it.
+    ``ddpkit run``) takes it with it when it exits, so the publisher waits until every other rank
+    has seen it (a rank that failed too counts as having seen it) and then sets ``failed_done``.
+    Rank 0, when another rank published first, waits for ``failed_done`` before it exits.
     """
     wd = _current
     if wd is None or not wd._stopped.is_set():
@@ -288,11 +292,16 @@ def announce_failure(*, wait: float = 2.0) -> None:
     if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
         time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
         return
-    if not wd.published_failure:
-        return  # another rank's alarm came first (this rank's error is probably its consequence)
     deadline = time.monotonic() + wait
+    if not wd.published_failure:  # another rank's alarm came first (this rank's error is probably its consequence)
+        # Rank 0 may host the store: stay until the publisher has stopped reading it, or its
+        # store client prints a C++ stack trace ("recvValue failed") for a store that went away.
+        while wd.rank == 0 and time.monotonic() < deadline and wd._try(lambda: wd.client.get_if_set("failed_done")) is None:
+            time.sleep(0.05)
+        return
     while time.monotonic() < deadline:
         seen = wd._try(lambda: wd.client("add", "failed_seen", 0))
         if seen is None or seen >= wd.world_size - 1:
-            return
+            break
         time.sleep(0.1)
+    wd._try(lambda: wd.client("set", "failed_done", "1"))
