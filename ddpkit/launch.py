@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ddpkit.errors import LaunchError
+from ddpkit.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -112,8 +112,16 @@ def launch(torchrun_argv: list[str]) -> int:
             print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
-        return 1
+        return _root_cause_code(exc)
     return 0
+
+
+def _root_cause_code(exc: ChildFailedError) -> int:
+    """The first failed rank's exit code when it tells a script what to do (2: fix the config, 3: a hang), else 1."""
+    from ddpkit.hang_monitor import HANG_EXIT_CODE
+
+    _, first = exc.get_first_failure()
+    return first.exitcode if first.exitcode in (ConfigError.exit_code, HANG_EXIT_CODE) else 1
 
 
 def _torchrun_forwards_signals() -> bool:

@@ -298,6 +298,7 @@ def test_a_rank_stuck_in_training_step_is_named_with_its_stack_and_the_job_ends(
     assert "in backward" in _section(report, 0) or "backward" in report
     assert "stuck: rank 1" in job.output and "report:" in job.output  # the launcher's output has it too
     assert re.search(r"Root Cause.*?rank\s+: 1 ", job.output, re.DOTALL), job.output[-3000:]
+    assert job.proc.returncode == 3, job.output[-3000:]  # the root cause's code: the hang watchdog's
 
 
 @pytest.mark.multiprocess
