@@ -20,8 +20,9 @@ The formulas (docs/scaling.md explains them and what they ignore):
   DDP's reducer fires the buckets) and after bucket ``i-1``'s allreduce has ended; the backward
   phase ends at ``max(backward_s, last allreduce end)``;
 * step time at ``n >= 2`` ranks: ``data + forward (+ buffer broadcast) + that backward phase +
-  optimizer + the wait for the slowest rank`` (:func:`straggler_s`, from the profiled spread); at ``n = 1`` the measured step of the bare model (the Trainer does not wrap
-  a world of one in DDP); scaling efficiency = ``step_1 / step_n`` (per-rank batch fixed).
+  optimizer + the wait for the slowest rank`` (:func:`straggler_s`, from the profiled spread);
+  at ``n = 1`` the measured step of the bare model (the Trainer does not wrap a world of one in
+  DDP); scaling efficiency = ``step_1 / step_n`` (per-rank batch fixed).
 """
 
 from __future__ import annotations
