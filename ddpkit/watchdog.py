@@ -74,6 +74,7 @@ class Watchdog:
         self.data_batches = 0
         self._stopped = threading.Event()
         self.handling_hang = self.published_failure = False
+        self._seen_lock, self._counted_failure = threading.Lock(), False  # see _count_failure_seen
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
         self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
         self._last_local: tuple[Any, ...] = ()
@@ -154,7 +155,7 @@ class Watchdog:
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
                 if not self.published_failure:  # another rank failed first: this rank has seen its failure
-                    self.client("add", "failed_seen", 1)
+                    self._count_failure_seen()
             else:
                 self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
@@ -225,7 +226,7 @@ class Watchdog:
         terminate(HANG_EXIT_CODE)
 
     def _peer_failed(self, alarm: dict[str, Any]) -> None:
-        self._try(lambda: self.client("add", "failed_seen", 1))
+        self._try(self._count_failure_seen)
         # On the failed rank's node torchrun's agent stops this rank itself (its summary then names
         # the failed rank first); elsewhere no agent knows, so go now.
         if self._stopped.wait(FAILURE_GRACE if alarm["host"] == self._host else 0.0):
@@ -234,6 +235,13 @@ class Watchdog:
         print(f"ddpkit: rank {self.rank}: stopping because {message}", file=sys.stderr, flush=True)
         write_error_file(f"stopped because {message}", when=time.time() + 1)
         terminate(FAILED_PEER_EXIT_CODE)
+
+    def _count_failure_seen(self) -> None:
+        """Add this rank to ``failed_seen`` once, whichever thread (watchdog or training) learns of the failure first."""
+        with self._seen_lock:
+            if not self._counted_failure:
+                self._counted_failure = True
+                self.client("add", "failed_seen", 1)
 
     def _alone(self, problem: str, since: float) -> None:
         """The store stopped answering: report this rank alone (no other rank can be reached) and exit."""
