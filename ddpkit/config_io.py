@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ddpkit.config import Config, yaml_key
+from ddpkit.config_read import dump_yaml
 
 __all__ = ["config_to_dict", "as_written", "dump_config", "config_hash", "flatten"]
 
@@ -31,10 +32,8 @@ def config_to_dict(cfg: Any) -> Any:
 
 
 def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML text (loadable again by :func:`load_config`)."""
-    import yaml
-
-    return yaml.safe_dump(as_written(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML text (loadable again by :func:`load_config` to an equal config)."""
+    return dump_yaml(as_written(cfg))
 
 
 def as_written(cfg: Config) -> dict[str, Any]:

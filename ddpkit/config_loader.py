@@ -18,6 +18,7 @@ Turning a config back into plain data (dicts, YAML, a hash, flat keys) is :mod:`
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Any, Literal
 from ddpkit.config import Config, cross_field_problems, yaml_key
 from ddpkit.config_io import as_written, config_hash, config_to_dict, dump_config, flatten
 from ddpkit.config_overrides import apply_override, parse_override
-from ddpkit.config_read import MAX_FILE_BYTES, check_size, key_text, plain_copy, read_yaml, short_repr, show
+from ddpkit.config_read import MAX_FILE_BYTES, NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
 
 # Re-exported: the type load_config returns, and the names callers have always imported from here.
@@ -143,13 +144,41 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
         return []
     if origin is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return value
+            return _numbers_as_written(value)
         problems.append(f"{path}: expected a mapping of name: value, got {show(value)}")
         return {}
     return _convert_scalar(tp, value, path, f, problems)
 
 
+def _numbers_as_written(value: Any) -> Any:
+    """Free-form values (``model.kwargs``, ``optim.kwargs``): an unquoted ``1e-8`` is the float it reads as."""
+    if isinstance(value, NumberText):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers_as_written(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers_as_written(v) for v in value]
+    return value
+
+
+def _from_number_text(tp: type, value: NumberText) -> Any:
+    """``3e-4`` written unquoted, as the field's type reads it (see :mod:`ddpkit.config_read`).
+
+    A float field gets the float; an int field gets the int when the number is whole (``1e5`` is
+    100000) and keeps the text otherwise, so the usual "expected an integer" message names it;
+    a string field keeps the text as written (``run.name=1e3`` is the name "1e3").
+    """
+    if tp is float:
+        return float(value)
+    if tp is int:
+        exact = decimal.Decimal(value.replace("_", ""))
+        return int(exact) if exact == exact.to_integral_value() else str(value)
+    return str(value)
+
+
 def _convert_scalar(tp: type, value: Any, path: str, f: dataclasses.Field | None, problems: list[str]) -> Any:
+    if isinstance(value, NumberText):
+        value = _from_number_text(tp, value)
     if tp is bool:
         ok = isinstance(value, bool)
         expected = "true or false"

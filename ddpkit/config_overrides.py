@@ -3,14 +3,14 @@
     keys, value = parse_override("optim.lr=0.1")      # (["optim", "lr"], 0.1)
 
 The value is parsed as a YAML scalar (``3`` is an int, ``true`` a bool, ``null`` None,
-``[1, 2]`` a list). Precedence: overrides > file > defaults.
+``[1, 2]`` a list, ``3e-4`` a number as in the file: :func:`ddpkit.config_read.parse_yaml`). Precedence: overrides > file > defaults.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ddpkit.config_read import first_clause, short_repr
+from ddpkit.config_read import first_clause, parse_yaml, short_repr
 from ddpkit.errors import ConfigError
 
 __all__ = ["parse_override", "apply_override"]
@@ -25,7 +25,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"bad override {short_repr(text)}: expected dotted.key=value, e.g. optim.lr=0.1")
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
+        value = parse_yaml(value_text) if value_text.strip() else None
     except (yaml.YAMLError, RecursionError):
         raise ConfigError(f"bad override {short_repr(text)}: the value is not a YAML value; quote it if it is a string") from None
     except (ValueError, OverflowError) as exc:  # see read_yaml

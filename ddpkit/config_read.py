@@ -3,21 +3,29 @@
     raw = read_yaml(Path("configs/quickstart.yaml"))   # a dict, or a ConfigError saying why not
     problems = []; check_size(raw, problems)          # refuse alias bombs before walking them
 
-The file (a regular file of at most 1 MiB) is read as UTF-8 and parsed with ``yaml.safe_load``
-only: Python object tags are refused, nothing in a config is ever executed. Structures deeper
+The file (a regular file of at most 1 MiB) is read as UTF-8 and parsed with :func:`parse_yaml`:
+PyYAML's safe loader plus one rule, so Python object tags are refused and nothing in a config is
+ever executed. Structures deeper
 than 32 levels or with more than 100,000 values (YAML alias bombs) are refused before use.
+The one rule added to the safe loader is YAML 1.2's spelling of numbers: ``3e-4`` (no dot) is
+plain text under PyYAML's YAML 1.1 rules but a number to every user and every other tool. Such
+an unquoted scalar is read as :class:`NumberText`, a ``str`` that remembers it was written as a
+number; the schema (:mod:`ddpkit.config_loader`) turns it into a float for a float field, an int
+for an int field when it is whole (``1e5``), and keeps it as the text for a string field
+(``run.name=1e3``). A quoted ``"3e-4"`` stays an ordinary string.
 Also the small helpers that describe a raw value in a message (:func:`short_repr`, :func:`show`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
 
-__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "read_yaml", "check_size", "plain_copy", "first_clause", "short_repr", "show", "key_text"]
+__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "parse_yaml", "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause", "short_repr", "show", "key_text"]
 
 # A config is a few kilobytes; these limits turn a pathological file into a clear error
 # instead of minutes of parsing or an exponential "billion laughs" alias expansion.
@@ -26,8 +34,68 @@ MAX_DEPTH = 32
 MAX_NODES = 100_000
 
 
+# Scientific notation without a dot or without an exponent sign (3e-4, 1E5, 1.0e5, 5e+2): a float
+# in YAML 1.2, text in YAML 1.1. Spellings with both (2.5e-3) YAML 1.1 already reads as floats.
+_NUMBER_WITH_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_NUMBER_TEXT_TAG = "tag:ddpkit,2026:number-text"
+
+
+class NumberText(str):
+    """An unquoted scalar such as ``3e-4``: text to YAML 1.1, a number as the user meant it.
+
+    ``float(NumberText("3e-4"))`` is the value; the schema decides per field (see the module
+    docstring). Only :func:`parse_yaml` creates these.
+    """
+
+
+_loader_class = None
+
+
+def _config_loader() -> type:
+    """PyYAML's SafeLoader plus the YAML 1.2 exponent rule (built once, on first use)."""
+    global _loader_class
+    if _loader_class is None:
+        import yaml  # imported here, not at the top: keeps `import ddpkit` fast
+
+        class ConfigYamlLoader(yaml.SafeLoader):
+            pass
+
+        # Implicit resolvers are tried in order; int and YAML 1.1 float come first, so "3" stays an
+        # int and "2.5e-3" a float. A subclass gets its own copy of the resolver table.
+        ConfigYamlLoader.add_implicit_resolver(_NUMBER_TEXT_TAG, _NUMBER_WITH_EXPONENT, list("-+0123456789"))
+        ConfigYamlLoader.add_constructor(_NUMBER_TEXT_TAG, lambda loader, node: NumberText(loader.construct_scalar(node)))
+        _loader_class = ConfigYamlLoader
+    return _loader_class
+
+
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` with ``3e-4`` read as :class:`NumberText` (raises ``yaml.YAMLError`` etc.)."""
+    import yaml
+
+    return yaml.load(text, Loader=_config_loader())  # noqa: S506 - a SafeLoader subclass, no Python tags
+
+
+def dump_yaml(data: Any) -> str:
+    """``yaml.safe_dump`` in block style, quoting text that :func:`parse_yaml` would read as a number.
+
+    A string ``"1e3"`` inside free-form ``kwargs`` must come back as the string, so the resolved
+    ``config.yaml`` reloads to the same config.
+    """
+    import yaml
+
+    class ConfigYamlDumper(yaml.SafeDumper):
+        pass
+
+    def represent_str(dumper: yaml.SafeDumper, text: str) -> Any:
+        style = "'" if _NUMBER_WITH_EXPONENT.match(text) else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+    ConfigYamlDumper.add_representer(str, represent_str)
+    return yaml.dump(data, Dumper=ConfigYamlDumper, sort_keys=False, default_flow_style=False)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping from ``path`` with ``yaml.safe_load``, turning every failure into a ConfigError."""
+    """Read a YAML mapping from ``path`` with :func:`parse_yaml`, turning every failure into a ConfigError."""
     import yaml  # imported here, not at the top: keeps `import ddpkit` fast
 
     data = _read_config_bytes(path)
@@ -39,7 +107,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
             "save it as UTF-8 YAML"
         ) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text)
     except yaml.YAMLError as exc:
         detail = " ".join(str(exc).split())
         if "python/" in detail:

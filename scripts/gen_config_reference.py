@@ -33,7 +33,7 @@ HEADER = f"""\
 
 A run is described by a YAML file with the sections below; every key is optional and takes the
 default shown. Values can be overridden on the command line as `section.key=value` (parsed as
-YAML: `3` is an int, `true` a bool, `null` is None, `[1, 2]` a list):
+YAML: `3` is an int, `true` a bool, `null` is None, `[1, 2]` a list, `3e-4` a number):
 
 ```bash
 ddpkit run configs/quickstart.yaml --nproc-per-node 2 optim.lr=0.1 train.epochs=3
@@ -44,6 +44,12 @@ Precedence: command-line overrides > YAML file > these defaults. Unknown keys ar
 with the closest valid key suggested; wrong types and out-of-range values are reported with
 the key, the value and what is expected, all problems in one message. The resolved config is
 written to `<output_dir>/config.yaml` at start and stored in every checkpoint.
+
+Numbers may be written in scientific notation, as in YAML 1.2 and every other tool: `lr: 3e-4`,
+`weight_decay: 1E-2`, `optim.lr=5e+2` are floats (PyYAML's YAML 1.1 rules alone would read them
+as text). An integer field accepts such a number when it is whole (`train.max_steps=1e5` is
+100000) and reports "expected an integer" otherwise (`1e-3`). A string field keeps the text as
+written (`run.name=1e3` is the name `1e3`), and a quoted `"3e-4"` is always a string.
 """
 
 

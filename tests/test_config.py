@@ -142,3 +142,56 @@ def test_cli_config_error_exits_2_without_traceback(tmp_path):
 def test_hash_and_dump_accept_free_form_kwargs_with_mixed_key_types():
     cfg = load_config({"model": {"name": "mlp", "kwargs": {"hidden": {0: None, "async": None}}}})
     assert config_hash(cfg) == config_hash(load_config(yaml.safe_load(dump_config(cfg))))
+
+
+SCIENTIFIC = {"3e-4": 3e-4, "1e-3": 1e-3, "1E5": 1e5, "-2.5e-3": -2.5e-3, "5e+2": 5e2, "1.0e5": 1e5}
+
+
+@pytest.mark.parametrize("text, number", SCIENTIFIC.items())
+def test_scientific_notation_in_a_file_is_a_float(tmp_path, text, number):
+    positive = text.lstrip("-")  # the schema's numbers are >= 0; free-form kwargs take any sign
+    cfg = load_config(write(tmp_path, f"optim: {{weight_decay: {positive}}}\nsched: {{min_lr: {positive}}}\nmodel: {{kwargs: {{x: {text}}}}}\n"))
+    assert cfg.optim.weight_decay == abs(number) and isinstance(cfg.optim.weight_decay, float)
+    assert cfg.sched.min_lr == abs(number)
+    assert cfg.model.kwargs["x"] == number and isinstance(cfg.model.kwargs["x"], float)
+
+
+@pytest.mark.parametrize("text, number", SCIENTIFIC.items())
+def test_scientific_notation_in_an_override_is_a_float(tmp_path, text, number):
+    positive = text.lstrip("-")
+    cfg = load_config(write(tmp_path, "optim: {lr: 0.1}\n"), [f"optim.weight_decay={positive}", "optim.lr=3e-4", f"model.kwargs.x={text}"])
+    assert cfg.optim.weight_decay == abs(number) and cfg.optim.lr == 3e-4
+    assert cfg.model.kwargs["x"] == number
+
+
+def test_scientific_notation_spelling_does_not_change_the_config_or_its_hash(tmp_path):
+    spelled = load_config(write(tmp_path, "optim: {lr: 3e-4, weight_decay: 1E-2}\n", "a.yaml"))
+    decimal = load_config(write(tmp_path, "optim: {lr: 0.0003, weight_decay: 0.01}\n", "a.yaml"))
+    overridden = load_config(write(tmp_path, "optim: {lr: 0.1}\n", "a.yaml"), ["optim.lr=3.0e-4", "optim.weight_decay=1e-2"])
+    assert spelled == decimal == overridden
+    assert config_hash(spelled) == config_hash(decimal) == config_hash(overridden)
+    reloaded = load_config(write(tmp_path, dump_config(spelled), "a.yaml"))
+    assert reloaded == spelled and config_hash(reloaded) == config_hash(spelled)
+
+
+def test_scientific_notation_for_int_fields_must_be_whole(tmp_path):
+    cfg = load_config(write(tmp_path, "train: {epochs: null, max_steps: 1e5}\n"), ["data.batch_size=3.2e1"])
+    assert cfg.train.max_steps == 100_000 and isinstance(cfg.train.max_steps, int)
+    assert cfg.data.batch_size == 32
+    with pytest.raises(ConfigError, match=r"train\.max_steps: expected an integer, got '1e-3' \(str\)"):
+        load_config(write(tmp_path, "train: {epochs: null, max_steps: 1e-3}\n"))
+
+
+def test_scientific_notation_text_stays_text_where_a_string_is_expected(tmp_path):
+    cfg = load_config(write(tmp_path, "run: {name: 1e3}\nmodel: {kwargs: {tag: '2e5', eps: 1e-8}}\n"), ["run.output_dir=5e2"])
+    assert cfg.run.name == "1e3" and cfg.run.output_dir == "5e2"
+    assert cfg.model.kwargs == {"tag": "2e5", "eps": 1e-8}  # quoted stays text; unquoted in free-form kwargs is a number
+    reloaded = load_config(write(tmp_path, dump_config(cfg), "again.yaml"))
+    assert reloaded == cfg and reloaded.model.kwargs["tag"] == "2e5"
+
+
+def test_scientific_notation_keeps_the_safe_loader(tmp_path):
+    with pytest.raises(ConfigError, match="Python object tag"):
+        load_config(write(tmp_path, "optim: {lr: !!python/object/apply:os.system ['true']}\n"))
+    with pytest.raises(ConfigError, match="not a YAML value"):
+        load_config(write(tmp_path, "optim: {lr: 0.1}\n"), ["optim.lr=[1e-3"])

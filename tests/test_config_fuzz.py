@@ -2,8 +2,8 @@
 
 Random mutations of a valid config (unknown keys, wrong types, negative and huge numbers, wrong
 nesting, junk strings and bytes, deleted keys), the same as YAML files, arbitrary bytes as a
-file, and random ``key=value`` overrides. Never another exception; a valid result can always be
-dumped and hashed (what ``ddpkit config`` and the startup check do with it).
+file, and random ``key=value`` overrides. Never another exception; a valid result dumps to YAML
+that loads back to the same config with the same hash (what a run's ``config.yaml`` promises).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ddpkit import Config, ConfigError, load_config
 from ddpkit.config_loader import config_hash, dump_config
+from ddpkit.config_read import parse_yaml
 
 VALID: dict[str, Any] = {
     "run": {"name": "fuzz", "output_dir": "runs/fuzz", "seed": 0},
@@ -43,7 +44,7 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=40),
     st.binary(max_size=40),
-    st.sampled_from(KNOWN_KEYS + ["auto", "gloo", "nccl", "fp16", "bf16", "1e3", "0x10", "~", "null", "yes", "no"]),
+    st.sampled_from(KNOWN_KEYS + ["auto", "gloo", "nccl", "fp16", "bf16", "1e3", "3e-4", "1E5", "-2.5e-3", "5e+2", "0x10", "~", "null", "yes", "no"]),
 )
 values = st.recursive(
     scalars,
@@ -86,7 +87,7 @@ override_keys = st.lists(st.sampled_from(KNOWN_KEYS), min_size=1, max_size=4).ma
 override_values = st.one_of(
     st.text(max_size=30),
     values.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()),
-    st.sampled_from(["[", "{a: 1", "&a [*a]", "!!python/object/apply:os.system ['true']", "9" * 5000, "2024-02-30", "- a\n- b"]),
+    st.sampled_from(["3e-4", "1E5", "-2.5e-3", "5e+2", "[1e-3, 2e5]", "[", "{a: 1", "&a [*a]", "!!python/object/apply:os.system ['true']", "9" * 5000, "2024-02-30", "- a\n- b"]),
 )
 overrides = st.lists(
     st.one_of(st.builds(lambda k, v: f"{k}={v}", override_keys, override_values), st.text(max_size=40)),
@@ -105,8 +106,11 @@ def assert_config_or_config_error(source: Any, overrides: list[str] = ()) -> Non
         assert str(exc).strip()
         return
     assert isinstance(cfg, Config)
-    dump_config(cfg)
-    config_hash(cfg)
+    # The resolved config.yaml a run writes must load back to the same config, with the same hash.
+    text = dump_config(cfg)
+    reloaded = load_config(parse_yaml(text))
+    assert dump_config(reloaded) == text
+    assert config_hash(reloaded) == config_hash(cfg)
 
 
 @FUZZ
