@@ -13,12 +13,12 @@ See README.md for the config reference and the command line (``ddpkit run / conf
 """
 
 from ddpkit._version import __version__
-from ddpkit.config import Config
-from ddpkit.config_loader import dump_config, load_config
-from ddpkit.distributed import Runtime
-from ddpkit.env import DistEnv, read_dist_env
+from ddpkit.config.schema import Config
+from ddpkit.config.loader import dump_config, load_config
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, LaunchError
-from ddpkit.preemption import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.registry import register_dataset, register_model, register_optimizer
 from ddpkit.trainer import Progress, Trainer
 

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import DdpkitError, exit_code_of
-from ddpkit.launch import default_nproc, launch, preflight, torchrun_argv
+from ddpkit.launch.launcher import default_nproc, launch, preflight, torchrun_argv
 
 __all__ = ["main", "torchrun_args"]
 
@@ -91,14 +91,14 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from ddpkit.config_loader import dump_config, load_config
+    from ddpkit.config.loader import dump_config, load_config
 
     print(dump_config(load_config(args.config, args.overrides)), end="")
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ddpkit.entrypoint import run_trainer
+    from ddpkit.launch.entrypoint import run_trainer
     from ddpkit.trainer import Trainer
 
     run_trainer(Trainer, args.config, args.overrides)
@@ -106,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ddpkit.config_loader import load_config
+    from ddpkit.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
     preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
@@ -116,8 +116,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from ddpkit.checkpoint import load_checkpoint, save_atomically, validate_checkpoint
-    from ddpkit.ddp import strip_wrapper_prefixes
+    from ddpkit.checkpoint.files import load_checkpoint, save_atomically, validate_checkpoint
+    from ddpkit.distributed.ddp import strip_wrapper_prefixes
 
     info = validate_checkpoint(args.checkpoint)
     state = load_checkpoint(info.path)
@@ -135,13 +135,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from ddpkit.plot import main as plot_main
+    from ddpkit.tools.plot import main as plot_main
 
     return plot_main(args.rest)
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from ddpkit.runs import main as runs_main
+    from ddpkit.tools.runs import main as runs_main
 
     return runs_main(args.rest)
 

@@ -13,9 +13,9 @@
 
 Launched by torchrun (or ``ddpkit run``) every process runs the same code; started with plain
 ``python`` it is a world of one on the same code path. The Trainer composes small modules, each
-with one job: :mod:`ddpkit.resume` owns the run's state (checkpoints, resume, when to save),
-:mod:`ddpkit.reporter` everything the loop reports, :mod:`ddpkit.optim` the mechanics of an
-optimizer step, :mod:`ddpkit.data` the loaders, :mod:`ddpkit.ddp` the wrapper.
+with one job: :mod:`ddpkit.checkpoint.state` owns the run's state (checkpoints, resume, when to save),
+:mod:`ddpkit.reporting.reporter` everything the loop reports, :mod:`ddpkit.training.optim` the mechanics of an
+optimizer step, :mod:`ddpkit.data.loaders` the loaders, :mod:`ddpkit.distributed.ddp` the wrapper.
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit import registry, reporter
-from ddpkit.compile import Models, build_models, sync_gradients, unwrap_model
-from ddpkit.config_loader import Config, load_config
-from ddpkit.data import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
-from ddpkit.distributed import Runtime, barrier, process_group
-from ddpkit.entrypoint import parse_worker_argv, run_trainer
-from ddpkit.env import DistEnv, read_dist_env
-from ddpkit.metrics import evaluate
-from ddpkit.optim import OptimizerStep, build_optimizer, build_scheduler
-from ddpkit.resume import Progress, RunState, TrainingParts, seed_for_setup
-from ddpkit.watchdog import Watchdog
+from ddpkit import registry
+from ddpkit.reporting import reporter
+from ddpkit.training.compile import Models, build_models, sync_gradients, unwrap_model
+from ddpkit.config.loader import Config, load_config
+from ddpkit.data.loaders import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
+from ddpkit.distributed.process_group import Runtime, barrier, process_group
+from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
+from ddpkit.distributed.env import DistEnv, read_dist_env
+from ddpkit.training.metrics import evaluate
+from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
+from ddpkit.checkpoint.state import Progress, RunState, TrainingParts, seed_for_setup
+from ddpkit.faults.watchdog import Watchdog
 
 __all__ = ["Trainer", "Progress"]
 
@@ -267,7 +268,7 @@ class Trainer:
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
             with report.span("data"):
                 batch = next(batches, None)
-            if batch is None:  # a stream ended, at this same batch on every rank (ddpkit.streaming)
+            if batch is None:  # a stream ended, at this same batch on every rank (ddpkit.data.streaming)
                 batches_per_epoch = progress.batch_in_epoch
                 break
             progress.batch_in_epoch += 1

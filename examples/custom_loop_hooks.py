@@ -28,7 +28,7 @@ import sys
 import time
 
 import ddpkit
-from ddpkit.log import log
+from ddpkit.reporting.log import log
 
 DEFAULTS = [
     "run.name=custom_loop_hooks",

@@ -55,8 +55,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.datasets import digits, mnist
-from ddpkit.log import log
+from ddpkit.data.datasets import digits, mnist
+from ddpkit.reporting.log import log
 
 # Horovod's argparse defaults, as ddpkit config overrides (command-line key=value pairs win).
 DEFAULTS = [

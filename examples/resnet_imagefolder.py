@@ -24,9 +24,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.datasets import imagefolder
-from ddpkit.distributed import barrier
-from ddpkit.log import log
+from ddpkit.data.datasets import imagefolder
+from ddpkit.distributed.process_group import barrier
+from ddpkit.reporting.log import log
 
 DEFAULTS = [
     "run.name=resnet_imagefolder",

@@ -30,7 +30,7 @@ validation images) first reaches ``A``, checked every 25 steps, for the MNIST CN
 rank, SGD lr 0.05 momentum 0.9).
 
 ``--page-faults`` runs the MNIST CNN's training step (batch 64, one process, one thread) in fresh
-processes, alternating glibc malloc's defaults with ``ddpkit.allocator.keep_freed_host_memory()``
+processes, alternating glibc malloc's defaults with ``ddpkit.training.allocator.keep_freed_host_memory()``
 (what ``train.keep_host_memory`` does), and reports minor page faults, kernel time and CPU time
 per step: the cause of the CNN's run-to-run 0.98x..1.16x paired ratios in ``bench_overhead.py``.
 """
@@ -60,8 +60,8 @@ from ddpkit.bench.launching import run_workers  # noqa: E402
 from ddpkit.bench.report import Stats, format_table, progress  # noqa: E402
 from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step  # noqa: E402
 from ddpkit.bench.worker import serve  # noqa: E402
-from ddpkit.datasets import digits  # noqa: E402
-from ddpkit.distributed import Runtime  # noqa: E402
+from ddpkit.data.datasets import digits  # noqa: E402
+from ddpkit.distributed.process_group import Runtime  # noqa: E402
 from ddpkit.registry import MODELS  # noqa: E402
 
 STEPS = {"mnist_cnn": (60, 10), "resnet18": (10, 3)}  # timed steps, warm-up steps (the first includes compiling)
@@ -258,7 +258,7 @@ def report_accuracy(target: float, result: dict[str, Any]) -> str:
 
 _FAULTS = r"""
 import resource, sys, time, torch, torch.nn.functional as F
-from ddpkit.allocator import keep_freed_host_memory
+from ddpkit.training.allocator import keep_freed_host_memory
 from ddpkit.registry import MODELS
 torch.set_num_threads(1)
 if sys.argv[1] == "kept":

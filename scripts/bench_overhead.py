@@ -65,8 +65,8 @@ from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import Stats, format_table, progress
 from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step
 from ddpkit.bench.worker import serve
-from ddpkit.datasets import synthetic
-from ddpkit.distributed import Runtime
+from ddpkit.data.datasets import synthetic
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.registry import MODELS
 
 SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
@@ -268,8 +268,8 @@ def run_single(variant: str, steps: int, log_every: int) -> None:
     """One variant of ``step-cost`` in this process (a world of one), nothing else: for instruction counts."""
     import tempfile
 
-    from ddpkit.distributed import process_group
-    from ddpkit.env import read_dist_env
+    from ddpkit.distributed.process_group import process_group
+    from ddpkit.distributed.env import read_dist_env
 
     extra = {"log_every": log_every} if variant.startswith("ddpkit") else {}
     with tempfile.TemporaryDirectory() as tmp, process_group(read_dist_env()):

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.config_loader import load_config
-from ddpkit.distributed import Runtime
-from ddpkit.env import DistEnv
-from ddpkit.reporter import Reporter
-from ddpkit.resume import Progress
-from ddpkit.watchdog import Watchdog
+from ddpkit.config.loader import load_config
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.env import DistEnv
+from ddpkit.reporting.reporter import Reporter
+from ddpkit.checkpoint.state import Progress
+from ddpkit.faults.watchdog import Watchdog
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

@@ -1,9 +1,9 @@
-"""Generate docs/config.md, the config reference, from the schema in ddpkit/config.py.
+"""Generate docs/config.md, the config reference, from the schema in ddpkit/config/schema.py.
 
     python scripts/gen_config_reference.py            # rewrite docs/config.md
     python scripts/gen_config_reference.py --check    # exit 1 if docs/config.md is out of date
 
-Every section and field of :class:`ddpkit.config.Config` gets a row: YAML key, type, default,
+Every section and field of :class:`ddpkit.config.schema.Config` gets a row: YAML key, type, default,
 allowed values or range, and the documentation written next to the field with
 ``option(..., doc=...)``. The section texts are the dataclasses' docstrings. Edit the schema,
 not the generated file; ``tests/test_docs.py`` fails when the two drift apart.
@@ -19,15 +19,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from ddpkit.config import Config, yaml_key
+from ddpkit.config.schema import Config, yaml_key
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "docs" / "config.md"
 COMMAND = "python scripts/gen_config_reference.py"
 
 HEADER = f"""\
-<!-- Generated from ddpkit/config.py by `{COMMAND}`. Do not edit by hand:
-     edit the field's `option(..., doc=...)` in ddpkit/config.py and run the script again. -->
+<!-- Generated from ddpkit/config/schema.py by `{COMMAND}`. Do not edit by hand:
+     edit the field's `option(..., doc=...)` in ddpkit/config/schema.py and run the script again. -->
 
 # Config reference
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddpkit.datasets import make_digits
+from ddpkit.data.datasets import make_digits
 
 
 def write_shards(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, *, prefix: str, sizes: Sequence[int]) -> list[Path]:

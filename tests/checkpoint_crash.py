@@ -19,7 +19,7 @@ import os
 import signal
 
 import ddpkit
-import ddpkit.checkpoint as ckpt
+import ddpkit.checkpoint.files as ckpt
 
 
 def die() -> None:

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from ddpkit.checkpoint import (
+from ddpkit.checkpoint.files import (
     AsyncCheckpointWriter,
     find_latest_checkpoint,
     list_checkpoints,

@@ -22,7 +22,7 @@ import yaml
 from helpers import REPO, tiny_config
 
 from ddpkit.cli import _parser
-from ddpkit.config_loader import load_config
+from ddpkit.config.loader import load_config
 
 CLUSTER = REPO / "examples" / "cluster"
 MANIFEST = CLUSTER / "pytorchjob.yaml"

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
-import ddpkit.compile
+import ddpkit.training.compile
 from ddpkit.testing import run_on_ranks
 from helpers import assert_bitwise_equal, load_weights, tiny_config
 
@@ -42,7 +42,7 @@ def _count_bucket_reductions() -> list[int]:
         return register(self, state, counted)
 
     DDP.register_comm_hook = counting_register
-    wrap = ddpkit.compile.wrap_model  # where the Trainer's model building wraps in DDP
+    wrap = ddpkit.training.compile.wrap_model  # where the Trainer's model building wraps in DDP
 
     def wrap_and_count(model, runtime, options):
         wrapped = wrap(model, runtime, options)
@@ -50,7 +50,7 @@ def _count_bucket_reductions() -> list[int]:
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
         return wrapped
 
-    ddpkit.compile.wrap_model = wrap_and_count
+    ddpkit.training.compile.wrap_model = wrap_and_count
     return calls
 
 

@@ -1,4 +1,4 @@
-"""torch.compile from the config (ddpkit.compile), wrapper-free state dicts, and the data path's worker options.
+"""torch.compile from the config (ddpkit.training.compile), wrapper-free state dicts, and the data path's worker options.
 
 Fast tests use Dynamo's ``eager`` / ``aot_eager`` backends (no C++ compiler involved); the
 end-to-end runs on 2 Gloo ranks use the default Inductor backend, as users do, and are slow.
@@ -15,11 +15,11 @@ import torch._dynamo
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
-from ddpkit.config import DDPConfig, TrainConfig
-from ddpkit.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
-from ddpkit.distributed import Runtime
-from ddpkit.env import read_dist_env
+from ddpkit.training.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
+from ddpkit.config.schema import DDPConfig, TrainConfig
+from ddpkit.distributed.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.env import read_dist_env
 
 
 @pytest.fixture(autouse=True)
@@ -201,8 +201,8 @@ def test_sync_gradients_finds_ddp_inside_a_compiled_wrapper():
 _FAULTS_PER_STEP = r"""
 import resource, sys, torch, torch.nn.functional as F
 from torch import nn
-from ddpkit.allocator import keep_freed_host_memory
-applied = keep_freed_host_memory()
+from ddpkit.training.allocator import keep_freed_host_memory
+applied = keep_freed_host_memory() if sys.argv[1] == "keep" else False
 torch.manual_seed(0)
 net = nn.Sequential(nn.Conv2d(1, 16, 5), nn.ReLU(), nn.Conv2d(16, 16, 5), nn.Flatten(), nn.Linear(16 * 20 * 20, 10))
 x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
@@ -225,12 +225,19 @@ def test_kept_host_memory_means_no_page_faults_in_steady_steps():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True, text=True, timeout=120, check=True)
-    applied, faults = out.stdout.split()
+    def faults_per_step(mode: str) -> tuple[str, float]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True, timeout=120, check=True)
+        applied, faults = out.stdout.split()
+        return applied, float(faults)
+
     # Each step allocates ~12 MB of activations and gradients (3,000 pages). With malloc's defaults
     # about 1,700 of them are faulted in again every step; kept, only the heap's slow growth around
-    # the small long-lived blocks faults (1-35 pages per step measured).
-    assert applied == "True" and float(faults) < 150, out.stdout
+    # the small long-lived blocks faults: 1-35 pages per step when the kernel can hand out huge
+    # pages, a few hundred when memory is fragmented (seen after the compile tests). Compared
+    # side by side, so the kernel's state is the same for both.
+    applied, kept = faults_per_step("keep")
+    _, default = faults_per_step("default")
+    assert applied == "True" and kept < 0.3 * default, (kept, default)
 
 
 # --- the data path -------------------------------------------------------------------------------------
@@ -247,7 +254,7 @@ class _RandomPerSample(torch.utils.data.Dataset):
 
 
 def _epochs(loader, epochs: int) -> list[list[float]]:
-    from ddpkit.data import start_epoch
+    from ddpkit.data.loaders import start_epoch
 
     seen = []
     for epoch in range(epochs):
@@ -258,7 +265,7 @@ def _epochs(loader, epochs: int) -> list[list[float]]:
 
 @pytest.mark.multiprocess
 def test_persistent_workers_keep_per_sample_seeds_across_epochs_and_resume():
-    from ddpkit.data import build_train_loader
+    from ddpkit.data.loaders import build_train_loader
 
     env = read_dist_env()
     kwargs = dict(env=env, batch_size=4, seed=3)
@@ -364,7 +371,7 @@ def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
 def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tmp_path):
     from helpers import tiny_config
 
-    from ddpkit.config_loader import load_config
+    from ddpkit.config.loader import load_config
     from ddpkit.errors import ConfigError
 
     cfg = tiny_config(tmp_path)
@@ -386,9 +393,9 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path)
 
     from helpers import tiny_config
 
-    from ddpkit.config_loader import load_config
-    from ddpkit.reporter import Reporter
-    from ddpkit.resume import Progress
+    from ddpkit.config.loader import load_config
+    from ddpkit.reporting.reporter import Reporter
+    from ddpkit.checkpoint.state import Progress
 
     reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), resumed=False)
     try:
@@ -408,7 +415,7 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path)
 def test_export_strips_compile_and_ddp_prefixes_from_a_checkpoint_written_elsewhere(tmp_path):
     from helpers import load_weights, run_cli
 
-    from ddpkit.checkpoint import save_checkpoint
+    from ddpkit.checkpoint.files import save_checkpoint
 
     net = mlp()
     wrapped = {f"_orig_mod.module.{k}": v for k, v in net.state_dict().items()}  # torch.compile(DDP(net)).state_dict()

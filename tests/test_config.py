@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from ddpkit import ConfigError, load_config
-from ddpkit.config_loader import config_hash, dump_config, parse_override
+from ddpkit.config.loader import config_hash, dump_config, parse_override
 from helpers import run_cli
 
 

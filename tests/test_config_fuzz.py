@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpkit import Config, ConfigError, load_config
-from ddpkit.config_loader import config_hash, dump_config
-from ddpkit.config_read import parse_yaml
+from ddpkit.config.loader import config_hash, dump_config
+from ddpkit.config.yaml_text import parse_yaml
 
 VALID: dict[str, Any] = {
     "run": {"name": "fuzz", "output_dir": "runs/fuzz", "seed": 0},

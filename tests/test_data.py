@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddpkit.data import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
-from ddpkit.datasets import digits, make_digits, synthetic
-from ddpkit.env import DistEnv
+from ddpkit.data.loaders import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
+from ddpkit.data.datasets import digits, make_digits, synthetic
+from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import DataError
 
 

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
-from ddpkit.datasets import digits
-from ddpkit.models import MLP
+from ddpkit.data.datasets import digits
+from ddpkit.training.models import MLP
 from ddpkit.testing import run_on_ranks
 from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddpkit import LaunchError
-from ddpkit.env import DistEnv, first_slurm_host, read_dist_env
+from ddpkit.distributed.env import DistEnv, first_slurm_host, read_dist_env
 
 TORCHRUN = {
     "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",

@@ -35,7 +35,7 @@ from torch.utils.data import Sampler
 
 import ddpkit
 from ddpkit import ConsistencyError, DataError
-from ddpkit.distributed import barrier
+from ddpkit.distributed.process_group import barrier
 from ddpkit.testing import RankFailure, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess

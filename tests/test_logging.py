@@ -20,7 +20,7 @@ from helpers import tiny_config
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.log import MetricSinks, setup_logging
+from ddpkit.reporting.log import MetricSinks, setup_logging
 from ddpkit.testing import run_on_ranks
 
 # tensorboard is the optional `ddpkit[tensorboard]` extra.

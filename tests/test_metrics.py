@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.metrics import BestTracker, ExactMeans, RunningMean
+from ddpkit.training.metrics import BestTracker, ExactMeans, RunningMean
 
 
 def test_running_mean_reads_and_resets():

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import run_cli, tiny_config
 
-import ddpkit.plot
+import ddpkit.tools.plot
 from ddpkit.errors import DdpkitError
-from ddpkit.plot import load_metrics, main
+from ddpkit.tools.plot import load_metrics, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # matplotlib is the optional `ddpkit[plot]` extra: drawing tests need it, error tests do not.
@@ -81,7 +81,7 @@ def test_one_run_defaults_to_metrics_png_in_its_directory(tmp_path):
 
 
 def test_runs_with_the_same_directory_name_get_distinct_labels(tmp_path):
-    from ddpkit.plot import _unique_names
+    from ddpkit.tools.plot import _unique_names
 
     assert _unique_names([tmp_path / "x" / "run", tmp_path / "y" / "run"]) == ["x/run", "y/run"]
 
@@ -106,8 +106,8 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
 
-    importlib.reload(ddpkit.plot)  # importing the module itself must not need matplotlib
-    assert ddpkit.plot.main([str(write_run(tmp_path / "r")), "-o", str(tmp_path / "x.png")]) == 1
+    importlib.reload(ddpkit.tools.plot)  # importing the module itself must not need matplotlib
+    assert ddpkit.tools.plot.main([str(write_run(tmp_path / "r")), "-o", str(tmp_path / "x.png")]) == 1
 
     err = capsys.readouterr().err
     assert "needs matplotlib" in err and "pip install 'ddpkit[plot]'" in err

@@ -24,9 +24,9 @@ from helpers import REPO, assert_bitwise_equal, free_port, load_weights, run_cli
 from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, load_config
-from ddpkit.checkpoint import find_latest_checkpoint
-from ddpkit.elastic import GlobalBatchSampler, per_rank_batch_size
-from ddpkit.preemption import PREEMPTED_EXIT_CODE, signal_numbers
+from ddpkit.checkpoint.files import find_latest_checkpoint
+from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
+from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, signal_numbers
 
 SCRIPT = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
 

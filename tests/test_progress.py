@@ -17,7 +17,7 @@ import pytest
 import yaml
 from helpers import REPO, tiny_config
 
-from ddpkit.progress import ProgressDisplay, format_duration
+from ddpkit.reporting.console import ProgressDisplay, format_duration
 
 
 def plain_display(**kwargs) -> tuple[ProgressDisplay, list[str]]:

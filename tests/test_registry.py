@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.config import OptimConfig
-from ddpkit.datasets import fashion_mnist, imagefolder, mnist
+from ddpkit.config.schema import OptimConfig
+from ddpkit.data.datasets import fashion_mnist, imagefolder, mnist
 from ddpkit.errors import ConfigError, DataError
-from ddpkit.models import MnistCNN
-from ddpkit.optim import build_optimizer, lr_factor
-from ddpkit.config import SchedConfig
+from ddpkit.training.models import MnistCNN
+from ddpkit.training.optim import build_optimizer, lr_factor
+from ddpkit.config.schema import SchedConfig
 from ddpkit.registry import DATASETS, MODELS, OPTIMIZERS
 
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import ddpkit
-from ddpkit.checkpoint import list_checkpoints, save_checkpoint
+from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
 from ddpkit.errors import CheckpointError
 from ddpkit.testing import run_on_ranks
 from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config

@@ -180,9 +180,9 @@ def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
 
 def test_profile_records_ddps_own_buckets_in_firing_order(tmp_path):
     from ddpkit.bench.scaling_profile import measure_profile
-    from ddpkit.config_loader import load_config
-    from ddpkit.distributed import process_group
-    from ddpkit.env import DistEnv
+    from ddpkit.config.loader import load_config
+    from ddpkit.distributed.process_group import process_group
+    from ddpkit.distributed.env import DistEnv
     from ddpkit.registry import MODELS
 
     model = {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [64, 64]}}

@@ -23,10 +23,10 @@ import yaml
 from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ddpkit.datasets import make_digits
-from ddpkit.env import DistEnv
+from ddpkit.data.datasets import make_digits
+from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
-from ddpkit.streaming import StreamEpochs, build_stream_loader, stream_total_steps
+from ddpkit.data.streaming import StreamEpochs, build_stream_loader, stream_total_steps
 from ddpkit.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -129,7 +129,7 @@ def _uneven_ranks(workers: int) -> tuple[int, list[int]]:
     # run_on_ranks starts ranks from a forkserver, which would also start the DataLoader workers
     # (each importing torch again: ~30 s here); torchrun's ranks fork them.
     multiprocessing.set_start_method("fork", force=True)
-    from ddpkit.env import read_dist_env
+    from ddpkit.distributed.env import read_dist_env
 
     env = read_dist_env()
     stream = IndexStream(94, shares=[40, 23, 31])
@@ -152,7 +152,7 @@ def test_uneven_shards_on_three_ranks_end_the_epoch_at_the_same_batch_without_ha
 
 
 def test_webdataset_shards_split_over_ranks_and_workers_cover_every_sample_once(tmp_path):
-    from ddpkit.stream_sources import webdataset
+    from ddpkit.data.stream_sources import webdataset
 
     images, labels = torch.zeros(53, 1, 2, 2), torch.arange(53) % 10
     paths = write_shards(images, labels, tmp_path, prefix="train", sizes=[20, 3, 11, 12, 7])  # uneven on purpose
@@ -169,7 +169,7 @@ def test_webdataset_shards_split_over_ranks_and_workers_cover_every_sample_once(
 
 def test_hf_datasets_from_local_parquet_files_stream_each_row_to_one_rank(tmp_path):
     datasets = pytest.importorskip("datasets")
-    from ddpkit.stream_sources import hf_datasets
+    from ddpkit.data.stream_sources import hf_datasets
 
     files = []
     for part in range(2):
@@ -194,7 +194,7 @@ def test_a_schedule_that_needs_a_length_asks_for_train_max_steps():
 
 
 def test_missing_shards_and_missing_extras_are_clear_errors(tmp_path, monkeypatch):
-    from ddpkit.stream_sources import webdataset
+    from ddpkit.data.stream_sources import webdataset
 
     with pytest.raises(DataError, match=r"data\.kwargs\.urls: 2 of 2 shard files not found.*write_digits_shards"):
         webdataset(urls=str(tmp_path / "train-{0..1}.tar"))

@@ -11,7 +11,7 @@ import torch
 
 import ddpkit
 from ddpkit.testing import run_on_ranks
-from ddpkit.timeline import SPAN_NAMES, Timeline
+from ddpkit.reporting.timeline import SPAN_NAMES, Timeline
 from helpers import tiny_config
 
 # tiny_config: 256 samples, batch 16 per rank, 2 ranks -> 8 batches per epoch, 2 epochs.

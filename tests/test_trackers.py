@@ -22,8 +22,8 @@ import pytest
 from helpers import tiny_config
 
 from ddpkit.errors import DdpkitError
-from ddpkit.sinks import STATUS_FILE, Sink, SinkGroup, StatusSink, flatten_config, read_status
-from ddpkit.trackers import MlflowSink, WandbSink, tracker_sinks
+from ddpkit.reporting.sinks import STATUS_FILE, Sink, SinkGroup, StatusSink, flatten_config, read_status
+from ddpkit.reporting.trackers import MlflowSink, WandbSink, tracker_sinks
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -328,7 +328,7 @@ def test_training_goes_on_when_the_tracker_is_down(tmp_path):
 def test_a_user_sink_added_in_on_fit_start_gets_every_record(tmp_path):
     """The documented way to add your own sink, on a real (one-process) fit."""
     import ddpkit
-    from ddpkit.sinks import Sink
+    from ddpkit.reporting.sinks import Sink
 
     seen: dict = {"records": [], "ended": None}
 

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit import ConfigError, DdpkitError, load_config
-from ddpkit.models import MLP
+from ddpkit.training.models import MLP
 from helpers import assert_bitwise_equal, load_weights, tiny_config
 
 

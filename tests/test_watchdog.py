@@ -36,9 +36,9 @@ import yaml
 from helpers import REPO, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
-from ddpkit.distributed import flight_recorder_env
-from ddpkit.hang_report import classify, summary_line, thread_stacks
-from ddpkit.watchdog_io import StoreClient, StoreDown, kill_frozen_sibling
+from ddpkit.distributed.process_group import flight_recorder_env
+from ddpkit.faults.hang_report import classify, summary_line, thread_stacks
+from ddpkit.faults.watchdog_io import StoreClient, StoreDown, kill_frozen_sibling
 
 HANG_SCRIPT = REPO / "tests" / "scripts" / "hang_trainer.py"
 PG_TIMEOUT = 300.0  # dist.timeout: far longer than any hang_timeout here
@@ -151,7 +151,7 @@ def test_only_a_frozen_sibling_is_killed_never_another_process():
         os.kill(frozen.pid, signal.SIGSTOP)
         # A rank of the same job: a child of the same parent (here this test, there torchrun's agent).
         killer = subprocess.run(
-            [sys.executable, "-c", f"from ddpkit.watchdog_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
+            [sys.executable, "-c", f"from ddpkit.faults.watchdog_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
             capture_output=True, text=True, timeout=60, cwd=REPO,
         )
         assert killer.stdout.split() == ["True", "False"], killer.stderr  # not its own parent: not a sibling
@@ -177,9 +177,9 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
 
 
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
-    from ddpkit.distributed import Runtime
-    from ddpkit.env import DistEnv
-    from ddpkit.watchdog import Watchdog
+    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.distributed.env import DistEnv
+    from ddpkit.faults.watchdog import Watchdog
 
     single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled

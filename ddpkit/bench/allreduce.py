@@ -28,7 +28,7 @@ from typing import Any
 from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import fmt, format_table, progress
 from ddpkit.bench.units import BenchUsageError, format_bytes, parse_nproc, parse_sizes
-from ddpkit.distributed import Runtime
+from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "bus_factor"]
 

@@ -26,7 +26,7 @@ from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import Stats, fmt, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, benchmark_overrides, steady_ms_per_step
 from ddpkit.bench.units import BenchUsageError, parse_floats, parse_nproc
-from ddpkit.distributed import Runtime
+from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "candidates"]
 
@@ -52,7 +52,7 @@ def candidates(caps: list[float], views: list[bool]) -> list[tuple[float, bool]]
 
 def run(args: argparse.Namespace) -> int:
     """Validate, run every candidate in one launched job, print the table and the best override."""
-    from ddpkit.config_loader import load_config
+    from ddpkit.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     (nproc,) = _one(parse_nproc(args.nproc, minimum=2), "--nproc")

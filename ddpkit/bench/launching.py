@@ -4,7 +4,7 @@
 
 The driver writes the job's parameters to ``spec.json`` in a temporary directory and starts
 ``torchrun --standalone --nproc-per-node=N -m ddpkit.bench.worker spec.json`` with
-:func:`ddpkit.launch.launch` (``torch.distributed.run`` in this process, a free port each time).
+:func:`ddpkit.launch.launcher.launch` (``torch.distributed.run`` in this process, a free port each time).
 Rank 0 of the workers writes ``result.json`` next to the spec; the driver reads it back.
 """
 
@@ -38,7 +38,7 @@ def run_workers(
     taking the spec path as its last argument (a benchmark script serving its own kinds with
     :func:`ddpkit.bench.worker.serve`).
     """
-    from ddpkit.launch import launch, torchrun_argv
+    from ddpkit.launch.launcher import launch, torchrun_argv
 
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{kind}-") as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"

@@ -59,7 +59,7 @@ from ddpkit.bench.units import (
     parse_nproc,
     parse_sizes,
 )
-from ddpkit.distributed import Runtime
+from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
 
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate the options, profile (and validate) through torch's launcher, print the tables."""
     from ddpkit.bench.scaling_profile import check_profiled_config
-    from ddpkit.config_loader import load_config
+    from ddpkit.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     world_sizes, validate, given, caps = _check(args)
@@ -267,7 +267,7 @@ def profile_from_dict(data: dict[str, Any]) -> Profile:
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
     """On every rank: ``profile`` (one rank) measures the step's phases; ``train`` times the real Trainer."""
-    from ddpkit.config_loader import load_config
+    from ddpkit.config.loader import load_config
 
     if params["mode"] == "profile":
         from ddpkit.bench.scaling_profile import measure_profile

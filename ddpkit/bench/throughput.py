@@ -27,7 +27,7 @@ from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import Stats, fmt, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, benchmark_overrides, steady_ms_per_step
 from ddpkit.bench.units import BenchUsageError, parse_nproc
-from ddpkit.distributed import Runtime
+from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "efficiency_rows"]
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> list[int]:
     """The world sizes to run; every option checked before any process starts."""
-    from ddpkit.launch import preflight
+    from ddpkit.launch.launcher import preflight
     from ddpkit.registry import MODELS
 
     counts = parse_nproc(args.nproc)

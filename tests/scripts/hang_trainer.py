@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit import checkpoint
+from ddpkit.checkpoint import files as checkpoint
 
 WHERE = os.environ.get("HANG_WHERE", "none")
 HANG_RANK = int(os.environ.get("HANG_RANK", "1"))

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
 import ddpkit
-from ddpkit.datasets import make_digits
+from ddpkit.data.datasets import make_digits
 
 
 class DigitStream(IterableDataset):

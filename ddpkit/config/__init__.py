@@ -1,0 +1,17 @@
+"""The run's configuration: a typed schema, read strictly from YAML and ``key=value`` overrides.
+
+    from ddpkit.config import load_config
+    cfg = load_config("configs/quickstart.yaml", ["optim.lr=3e-4"])
+
+- ``schema`` / ``train_sections``: the frozen dataclasses, one documented field each (``fields``).
+- ``yaml_text``: safe YAML reading and writing; ``overrides``: ``dotted.key=value``.
+- ``loader``: raw input -> a validated :class:`Config` (unknown keys get the closest valid one).
+- ``checks``: rules that span several fields; ``serialize``: dicts, YAML text, the config hash.
+
+Nothing here knows about ``torch.distributed``.
+"""
+
+from ddpkit.config.loader import dump_config, load_config
+from ddpkit.config.schema import Config
+
+__all__ = ["Config", "load_config", "dump_config"]

@@ -1,0 +1,69 @@
+"""Checks that involve more than one config field (one field's own range is checked where it is declared).
+
+    problems = cross_field_problems(cfg)   # ["train.epochs: set train.epochs or train.max_steps ...", ...]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpkit.config.schema import Config, DistConfig
+
+__all__ = ["cross_field_problems", "HANG_TIMEOUT"]
+
+HANG_TIMEOUT = 120.0  # dist.hang_timeout's default
+
+
+def cross_field_problems(cfg: Config) -> list[str]:
+    """Problems that involve more than one field, as ``"path: message"`` strings."""
+    problems = []
+    if cfg.train.epochs is None and cfg.train.max_steps is None:
+        problems.append("train.epochs: set train.epochs or train.max_steps (both are null, so training would never end)")
+    if cfg.ddp.static_graph and cfg.ddp.find_unused_parameters:
+        problems.append(
+            "ddp.static_graph: static_graph=true already handles unused parameters; "
+            "set ddp.find_unused_parameters=false"
+        )
+    if cfg.optim.momentum and cfg.optim.name in ("adam", "adamw"):
+        problems.append(
+            f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
+        )
+    problems += _watchdog_problems(cfg.dist)
+    problems += _compile_problems(cfg.train.compile)
+    if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
+        problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
+    return problems
+
+
+def _watchdog_problems(d: DistConfig) -> list[str]:
+    """A watchdog limit at or above the collective timeout would never fire first (the default is capped instead)."""
+    problems = []
+    if d.hang_timeout is not None and d.hang_timeout != HANG_TIMEOUT and d.hang_timeout >= d.timeout:
+        problems.append(
+            f"dist.hang_timeout: {d.hang_timeout:g}s is not below dist.timeout ({d.timeout:g}s), so collectives would "
+            "time out first; lower dist.hang_timeout or raise dist.timeout"
+        )
+    if d.slow_phase_timeout is not None and d.slow_phase_timeout >= d.timeout:
+        problems.append(
+            f"dist.slow_phase_timeout: {d.slow_phase_timeout:g}s is not below dist.timeout ({d.timeout:g}s); "
+            "lower it, raise dist.timeout, or set it to null (90% of dist.timeout)"
+        )
+    return problems
+
+
+_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "recompile_limit", "validation")
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
+    """A `train.compile` mapping holds torch.compile's own arguments and ddpkit's two keys, nothing else."""
+    if not isinstance(value, dict):
+        return []
+    problems = [f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}" for key in value if key not in _COMPILE_KEYS]
+    if value.get("mode") not in (None, *_COMPILE_MODES):
+        problems.append(f"train.compile.mode: expected one of {', '.join(_COMPILE_MODES)}, got {value['mode']!r}")
+    limit = value.get("recompile_limit", 8)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        problems.append(f"train.compile.recompile_limit: expected an integer >= 1, got {limit!r}")
+    return problems

@@ -1,0 +1,263 @@
+"""The config schema: frozen nested dataclasses, one docstring per field, range checks.
+
+A YAML file maps onto :class:`Config` section by section::
+
+    run:   {name: mnist, seed: 0}
+    data:  {name: digits, batch_size: 64}
+    optim: {name: sgd, lr: 0.05, momentum: 0.9}
+
+The training-step sections live in :mod:`ddpkit.config.train_sections`, the cross-field checks in
+:mod:`ddpkit.config.checks`; all are importable from here. Each field is declared with
+:func:`~ddpkit.config.fields.option`, which records its documentation and its allowed
+values; :mod:`ddpkit.config.loader` uses that metadata to check YAML input and
+``scripts/gen_config_reference.py`` uses it to write ``docs/config.md``. Precedence is
+command-line ``key=value`` > YAML file > the defaults written here.
+
+This module knows nothing of ``torch.distributed``; checks that need the runtime (for example
+``fp16`` without CUDA) happen where the runtime is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# The schema spans a few modules; everything is importable from here.
+from ddpkit.config.checks import HANG_TIMEOUT, cross_field_problems
+from ddpkit.config.fields import option, yaml_key
+from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
+
+__all__ = [
+    "Config",
+    "RunConfig",
+    "DistConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "SchedConfig",
+    "EarlyStoppingConfig",
+    "TrainConfig",
+    "DDPConfig",
+    "BestConfig",
+    "CheckpointConfig",
+    "LogConfig",
+    "option",
+    "yaml_key",
+    "cross_field_problems",
+    "HANG_TIMEOUT",
+]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity of the run: its name, where it writes, and the seed that makes it reproducible."""
+
+    name: str = option("", "Run name. Defaults to the config file's stem (or `run`).")
+    output_dir: str | None = option(
+        None,
+        "Directory for config.yaml, metrics.jsonl, checkpoints and model.pt. Defaults to `runs/<name>`.",
+    )
+    seed: int = option(
+        0,
+        "Seed for model init, data order and per-rank randomness. Same seed + same world size gives "
+        "bitwise-equal weights.",
+        ge=0,
+    )
+
+
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """How the processes form a group and how fast a failure stops all of them."""
+
+    backend: Literal["auto", "nccl", "gloo"] = option(
+        "auto", "Collective backend. `auto`: NCCL when training on CUDA, else Gloo."
+    )
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "`auto`: `cuda:LOCAL_RANK` when CUDA is available, else CPU."
+    )
+    timeout: float = option(
+        300.0,
+        "Seconds a collective may wait for the slowest rank (the process-group timeout).",
+        gt=0,
+    )
+    failure_timeout: float = option(
+        10.0,
+        "Seconds from one rank's failure until every rank has exited: bounds startup checks and "
+        "the launcher's shutdown grace period.",
+        gt=0,
+    )
+    debug: bool = option(
+        False,
+        "Debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL, monitored barriers on Gloo that name a stuck "
+        "rank, and a per-rank step log under the run directory.",
+    )
+    hang_timeout: float | None = option(
+        HANG_TIMEOUT,
+        "Seconds without progress on any rank before the hang watchdog names the stuck rank(s), writes "
+        "`<output_dir>/logs/hang-<time>.txt` with every rank's Python stacks and stops the job (exit "
+        "code 3). Must be below `dist.timeout`; the default is capped at 80% of it. `null`: no watchdog. "
+        "Off for a world of one.",
+        gt=0,
+    )
+    slow_phase_timeout: float | None = option(
+        None,
+        "The watchdog's limit instead of `hang_timeout` while a rank is in a phase that may be slow without "
+        "visible progress: setup, compile, a checkpoint save, the first batch. `null`: 90% of `dist.timeout`.",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to build. Not needed when the Trainer subclass overrides `build_model`."""
+
+    name: str | None = option(
+        None,
+        "A registered model (`mlp`, `mnist_cnn`, any torchvision model such as `resnet18`) or "
+        "`package.module:callable`.",
+    )
+    kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the model builder.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset to load and how each rank batches it."""
+
+    name: str | None = option(
+        None,
+        "A registered dataset (`digits`, `fake`, `mnist`, `fashion_mnist`, `cifar10`, "
+        "`imagefolder`; streams: `webdataset`, `hf_datasets`) or `package.module:callable`.",
+    )
+    batch_size: int = option(32, "Per-rank batch size (global batch = this x world size x grad_accum_steps).", ge=1)
+    global_batch_size: int | None = option(
+        None,
+        "Samples per optimizer step over all ranks, instead of `batch_size`: each rank takes "
+        "global_batch_size / (world size x grad_accum_steps), and the sample order no longer depends on "
+        "the world size, so a checkpoint resumes on more or fewer ranks. Do not set `batch_size` with it.",
+        ge=1,
+    )
+    val_batch_size: int | None = option(None, "Per-rank validation batch size. Defaults to `batch_size`.", ge=1)
+    num_workers: int = option(0, "DataLoader worker processes per rank.", ge=0)
+    shuffle: bool = option(True, "Shuffle the training set each epoch (seeded by `run.seed` and the epoch).")
+    drop_last: bool = option(
+        True,
+        "Drop the tail that does not fill a whole batch on every rank, so all ranks run the same "
+        "number of steps.",
+    )
+    pin_memory: bool = option(
+        True, "Pin host memory so host-to-GPU copies run asynchronously (`non_blocking`). Only used on CUDA."
+    )
+    persistent_workers: bool = option(
+        True,
+        "Keep the `num_workers` loader processes alive from one epoch to the next instead of restarting "
+        "them every epoch. Per-sample seeding and exact resume are unaffected.",
+    )
+    prefetch_factor: int | None = option(
+        None, "Batches each worker loads ahead (needs `num_workers` > 0). `null`: torch's default (2).", ge=1
+    )
+    stream_window: int = option(
+        8,
+        "Streams (an IterableDataset training set): optimizer steps each rank reads ahead before the ranks "
+        "agree, with one small all_reduce, how many of them all ranks run. Larger: the collective is rarer; "
+        "smaller: fewer batches held in memory.",
+        ge=1,
+    )
+    kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the dataset builder.")
+
+
+@dataclass(frozen=True)
+class BestConfig:
+    """Keep the checkpoint with the best value of a validation metric."""
+
+    metric: str = option("val_loss", "Validation metric, e.g. `val_loss` or `val_accuracy`.")
+    mode: Literal["min", "max"] = option("min", "Whether smaller (`min`) or larger (`max`) is better.")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Crash-safe rank-0 checkpoints and resume."""
+
+    dir: str | None = option(None, "Checkpoint directory. Defaults to `<output_dir>/checkpoints`.")
+    every_steps: int | None = option(None, "Save every this many optimizer steps.", ge=1)
+    every_epochs: int | None = option(1, "Save at the end of every this many epochs. `null`: never at epoch ends.", ge=1)
+    keep_last: int = option(2, "Checkpoints kept; older ones are removed once a newer one is complete.", ge=1)
+    best: BestConfig | None = option(None, "Also keep the best checkpoint by a validation metric (`{metric, mode}`).")
+    resume: str = option(
+        "auto", "`auto`: newest valid checkpoint in `dir`, if any; `none`: start fresh; or a checkpoint path."
+    )
+    async_save: bool = option(
+        False,
+        "Write checkpoint files in a background thread; the step loop only pays for the copy to CPU memory.",
+        key="async",
+    )
+    allow_config_change: bool = option(
+        False, "Resume even when the checkpoint's model/optimizer/data/seed/world size differ from this run."
+    )
+    save_on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT"]] = option(
+        factory=lambda: ["SIGTERM", "SIGUSR1"],
+        doc="Signals that stop training at the next optimizer step every rank agrees on, save a checkpoint of "
+        "exactly that step and exit with code 75 (resumable); a second signal stops at once. `[]` turns it off.",
+    )
+    stop_timeout: float = option(
+        30.0,
+        "Seconds `ddpkit run` lets the workers take, after a signal, to reach the agreed step, save and exit "
+        "before torchrun's agent kills them (its --shutdown-timeout). Raise it when one save takes longer; a "
+        "save cut short leaves the previous complete checkpoint as the one to resume from.",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Console, file, TensorBoard and experiment-tracker logging."""
+
+    progress_bar: bool = option(
+        True, "Show progress on rank 0: a tqdm bar on a terminal, else a plain line every `log.progress_every` seconds."
+    )
+    all_ranks: bool = option(False, "Log INFO messages from every rank (default: rank 0 at INFO, others at WARNING).")
+    rank_files: bool = option(False, "Also write each rank's log to `<output_dir>/logs/rank<N>.log`.")
+    tensorboard: bool = option(False, "Write TensorBoard event files to `<output_dir>/tensorboard` (needs `ddpkit[tensorboard]`).")
+    progress_every: float = option(
+        30.0, "When stderr is not a terminal (a batch job's log): seconds between plain progress lines, instead of a bar.", gt=0
+    )
+    mlflow: bool = option(
+        False,
+        "Log params, metrics, status and model.pt to MLflow (needs `ddpkit[mlflow]`): `MLFLOW_TRACKING_URI`, else "
+        "`sqlite:///<output_dir>/mlflow.db`; experiment = `run.name`. A resumed run continues the same MLflow run.",
+    )
+    wandb: bool = option(
+        False,
+        "Log the same to Weights & Biases (needs `ddpkit[wandb]`); project = `run.name` unless `WANDB_PROJECT` is set; "
+        "`WANDB_MODE=offline` needs no network.",
+    )
+    tracker_timeout: float = option(
+        60.0, "Seconds the end of training waits for MLflow / W&B to send what is queued; a tracker never stalls a step.", gt=0
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole experiment: one section per concern."""
+
+    run: RunConfig = option(factory=RunConfig, doc="Run identity, output directory and seed.")
+    dist: DistConfig = option(factory=DistConfig, doc="Process group, backend and failure handling.")
+    model: ModelConfig = option(factory=ModelConfig, doc="Model to build.")
+    data: DataConfig = option(factory=DataConfig, doc="Dataset and per-rank loading.")
+    optim: OptimConfig = option(factory=OptimConfig, doc="Optimizer.")
+    sched: SchedConfig = option(factory=SchedConfig, doc="Learning-rate schedule.")
+    train: TrainConfig = option(factory=TrainConfig, doc="Training length and step options.")
+    ddp: DDPConfig = option(factory=DDPConfig, doc="DistributedDataParallel options.")
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="Checkpointing and resume.")
+    log: LogConfig = option(factory=LogConfig, doc="Logging.")
+
+    @property
+    def output_dir(self) -> str:
+        """The run directory, with the `runs/<name>` default applied."""
+        return self.run.output_dir or f"runs/{self.run.name or 'run'}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """The checkpoint directory, with the `<output_dir>/checkpoints` default applied."""
+        return self.checkpoint.dir or f"{self.output_dir}/checkpoints"

@@ -1,0 +1,98 @@
+"""A training order that does not depend on the world size, so a run can resume on more or fewer ranks.
+
+    data: {global_batch_size: 128}          # instead of data.batch_size (per rank)
+
+With ``data.global_batch_size`` = G, optimizer step ``k`` of an epoch trains on the same G
+samples at 1, 2, 3 or 4 ranks: positions ``k*G .. (k+1)*G - 1`` of a permutation that depends
+only on ``(run.seed, epoch)``. Each rank takes its share of them, ``G / (world_size *
+grad_accum_steps)`` samples per micro-batch, and DDP's gradient average over ranks times the
+accumulation average gives the mean over all G samples, as on one rank. A checkpoint written on
+N ranks therefore resumes on M ranks at the exact sample position, mid-epoch included.
+
+What cannot carry over: each rank's random streams (dropout masks, augmentation in the main
+process) are per rank, so after a world-size change every rank continues from rank 0's saved
+stream. Weights then match an uninterrupted run up to floating-point reduction order (and
+batch-dependent layers such as BatchNorm see per-rank batches of another size), not bitwise.
+Samples seeded per index in DataLoader workers (``data.num_workers > 0``) are the same at any
+world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from ddpkit.errors import ConfigError, DataError
+
+__all__ = ["per_rank_batch_size", "GlobalBatchSampler"]
+
+
+def per_rank_batch_size(data: Any, *, world_size: int, grad_accum_steps: int) -> int:
+    """``data.batch_size``, or ``data.global_batch_size / (world_size x grad_accum_steps)`` when that is set."""
+    total = data.global_batch_size
+    if total is None:
+        return data.batch_size
+    shares = world_size * grad_accum_steps
+    if total % shares:
+        raise ConfigError(
+            f"data.global_batch_size: {total} does not divide into {world_size} rank(s) x {grad_accum_steps} "
+            f"accumulation step(s) = {shares} equal micro-batches; use a multiple of {shares} "
+            f"(e.g. {max(shares, total // shares * shares)}) or another number of processes"
+        )
+    return total // shares
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """This rank's indices, global batch by global batch, in a world-size-independent order.
+
+    Yields, for each optimizer step ``k`` and micro-batch ``a``, this rank's slice of global batch
+    ``k``: ``b = G / (world_size * accum)`` indices starting at ``k*G + (a*world_size + rank)*b``.
+    The tail of an epoch that cannot fill a global batch is dropped. ``set_epoch(epoch,
+    start_index)`` starts part-way through (``start_index`` counts this rank's samples, as
+    :func:`ddpkit.data.loaders.start_epoch` passes it), which must fall on an optimizer-step boundary.
+    """
+
+    tag_epoch = False  # see ddpkit.data.loaders.ResumableDistributedSampler
+
+    def __init__(
+        self, dataset: Dataset, *, global_batch_size: int, rank: int, world_size: int, grad_accum_steps: int = 1,
+        shuffle: bool = True, seed: int = 0,
+    ):
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
+        self.micro_batch = global_batch_size // (world_size * grad_accum_steps)
+        self.steps_per_epoch = len(dataset) // global_batch_size  # type: ignore[arg-type]
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"the training set has {len(dataset)} samples, fewer than data.global_batch_size ({global_batch_size}): "  # type: ignore[arg-type]
+                "not one optimizer step fits. Use a smaller data.global_batch_size."
+            )
+        self.start_step = 0
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        super().set_epoch(epoch)
+        per_step = self.micro_batch * self.grad_accum_steps
+        if start_index % per_step:
+            raise DataError(f"cannot resume at sample {start_index} of this rank's epoch: not an optimizer-step boundary ({per_step} samples a step)")
+        self.start_step = start_index // per_step
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.dataset))  # type: ignore[arg-type]
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        order, b, world = self._order().tolist(), self.micro_batch, self.num_replicas
+        for step in range(self.start_step, self.steps_per_epoch):
+            base = step * self.global_batch_size
+            for micro in range(self.grad_accum_steps):
+                first = base + (micro * world + self.rank) * b
+                for index in order[first:first + b]:
+                    yield (self.epoch, index) if self.tag_epoch else index
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.grad_accum_steps * self.micro_batch

@@ -1,0 +1,315 @@
+"""A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
+
+    with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:   # stop(error) on the way out
+        watchdog.listen_to(reporter)                        # phases from reporter.span(): data, forward, ...
+        evaluate(model, loader, watchdog.ticking(validation_step))   # each validation batch is progress
+
+The training thread only writes attributes (the phase, a counter). A daemon thread publishes them
+through the process group's own key-value store (torchrun's TCPStore; never a collective) about
+twice a second, under ``ddpkit/watchdog/<n>/``:
+
+* ``hb/<rank>``: step, phase, counters, host, pid. Rank 0 reads all of them. "Progress" is any
+  change of any rank's step, phase or counter, or the main thread of any rank running code it has
+  not run since the last change (so a minutes-long ``torch.compile`` is progress, while a thread
+  blocked on a lock, a queue or a collective is not). With no progress for ``dist.hang_timeout``
+  seconds (``dist.slow_phase_timeout`` while a rank is in setup, compile, a checkpoint or its
+  first batch), rank 0 raises the alarm. The other ranks watch rank 0's heartbeat and raise it
+  themselves when rank 0 goes silent.
+* ``alarm``: the first alarm wins (``compare_set``). On a hang every live rank posts the stacks of
+  all its threads (``stacks/<rank>``); the rank that raised it classifies the ranks
+  (:mod:`ddpkit.faults.hang_report`), writes ``<output_dir>/logs/hang-<YYYYmmdd-HHMMSS>.txt``, prints it
+  to stderr (the launcher's output) and every rank exits with :data:`HANG_EXIT_CODE` (3).
+  ``failed`` alarms come from a rank whose ``fit`` raised (:meth:`Watchdog.stop`): ranks on other
+  nodes, which under NCCL could wait for ``dist.timeout``, exit with code 1 naming it within
+  seconds (ranks on the failing rank's node are stopped by torchrun first).
+
+The store may live in a rank (``ddpkit run`` hosts it in rank 0), so every store call runs on a
+helper thread with a short deadline: a frozen rank 0 makes calls time out, and a rank that cannot
+reach the store for ``dist.hang_timeout`` writes a report of its own and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.config.schema import HANG_TIMEOUT
+from ddpkit.faults.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
+from ddpkit.faults.hang_report import SLOW_PHASES, stack_signature, thread_stacks
+from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, terminate, write_error_file, write_text
+
+__all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
+
+FAILED_PEER_EXIT_CODE = 1  #: exit code of a rank stopped because another rank failed
+INTERVAL = 0.5  # seconds between heartbeats (and checks of the alarm key)
+STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
+FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first
+_generation = 0  # watchdogs started in this process: a fresh key prefix for each fit() of a group
+_current: Watchdog | None = None  # the running watchdog, for announce_failure()
+
+
+class Watchdog:
+    """Heartbeats and hang detection for one rank of one ``fit()``; see the module docstring."""
+
+    enabled = True
+
+    def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float, log_dir: Path, step: Callable[[], int] = lambda: 0):
+        global _generation
+        _generation += 1
+        self.client = StoreClient(dist.PrefixStore(f"ddpkit/watchdog/{_generation}", own_client(store)), STORE_DEADLINE)
+        self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
+        self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
+        # Written by the training thread (a few attribute writes per phase), read by the watchdog thread.
+        self.phases: list[str] = ["setup"]
+        self.ticks = self.phase_ticks = 0
+        self.data_batches = 0
+        self._stopped = threading.Event()
+        self.handling_hang = self.published_failure = False
+        self._seen_lock, self._counted_failure = threading.Lock(), False  # see _count_failure_seen
+        self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
+        self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
+        self._last_local: tuple[Any, ...] = ()
+        self._since = time.time()
+        self._monitor = Monitor(self)
+
+    @classmethod
+    def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> Watchdog | _Off:
+        """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store)."""
+        d = config.dist
+        if d.hang_timeout is None or runtime.env.world_size == 1 or runtime.store is None:
+            return _Off()
+        hang = min(d.hang_timeout, 0.8 * d.timeout) if d.hang_timeout == HANG_TIMEOUT else d.hang_timeout
+        slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
+        return cls(
+            runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
+            slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
+        )
+
+    # --- the training thread's side: attribute writes only -----------------------------------
+
+    def on_phase(self, name: str | None) -> None:
+        """Phase listener (see ``Reporter.add_phase_listener``): a span ``name`` starts, or (None) ends."""
+        if name is None:
+            if len(self.phases) > 1:
+                self.phases.pop()
+        else:
+            self.phases.append(name)
+            if name == "data":
+                self.data_batches += 1
+                self.phases[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
+        self.ticks += 1
+        self.phase_ticks = 0
+
+    def tick(self) -> None:
+        """Progress inside a phase (one validation batch): a long validation is not a hang."""
+        self.ticks += 1
+        self.phase_ticks += 1
+
+    def listen_to(self, reporter: Any) -> None:
+        """Follow the phases ``reporter.span(name)`` announces."""
+        reporter.add_phase_listener(self.on_phase)
+
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` that also counts as progress each time it is called (e.g. ``validation_step``)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.ticks += 1
+            self.phase_ticks += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.stop(exc if isinstance(exc, Exception) else None)
+
+    def start(self) -> Watchdog:
+        global _current
+        _current = self
+        self._thread.start()
+        return self
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop watching. With ``error``, first tell the other ranks that this rank failed and why."""
+        if self._stopped.is_set():
+            return
+        self.phases.append("done")
+        self._stopped.set()
+        try:
+            if error is not None and not self.handling_hang:
+                message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
+                alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
+                mine = json.dumps(alarm)
+                self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
+                if not self.published_failure:  # another rank failed first: this rank has seen its failure
+                    self._count_failure_seen()
+            else:
+                self._publish()  # phase "done": rank 0 stops counting this rank
+        except StoreDown:
+            pass  # the store is gone: the job is ending anyway
+
+    # --- the watchdog thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        store_ok, problem = time.monotonic(), ""
+        while not self._stopped.wait(INTERVAL):
+            try:
+                self._publish()
+                raw = self.client.get_if_set("alarm")
+                if raw is not None:
+                    return self._respond(json.loads(raw))
+                self._monitor.check()
+                store_ok, problem = time.monotonic(), ""
+            except StoreDown as exc:
+                problem = problem or str(exc)  # the first symptom says most
+                if time.monotonic() - store_ok > self.hang_timeout and not self._stopped.is_set():
+                    return self._alone(problem, time.time() - (time.monotonic() - store_ok))
+            except Exception as exc:  # a bug here must never take the training run down
+                print(f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                return
+
+    def beat(self) -> dict[str, Any]:
+        """This rank's heartbeat, read from the training thread's attributes (watchdog thread)."""
+        try:
+            phase = self.phases[-1]
+        except IndexError:
+            phase = "loop"
+        local = (self._step(), phase, self.ticks, self.phase_ticks)
+        if local != self._last_local:
+            self._last_local, self._since, self._seen_stacks = local, time.time(), set()
+        signature = stack_signature()
+        if signature not in self._seen_stacks and len(self._seen_stacks) < 10_000:
+            self._novel += len(self._seen_stacks) > 0  # the first signature after a change is the baseline
+            self._seen_stacks.add(signature)
+        self._seq += 1
+        first_batch = phase == "data" and self.data_batches <= 1
+        return {
+            "rank": self.rank, "seq": self._seq, "step": local[0], "phase": phase, "ticks": local[2], "phase_ticks": local[3],
+            "novel": self._novel, "since": self._since, "host": self._host, "pid": os.getpid(), "slow": phase in SLOW_PHASES or first_batch,
+        }
+
+    def _publish(self) -> None:
+        self.client("set", f"hb/{self.rank}", json.dumps(self.beat()))
+
+    def _respond(self, alarm: dict[str, Any]) -> None:
+        if self._stopped.is_set():
+            return
+        if alarm["kind"] == "failed":
+            return self._peer_failed(alarm)
+        self.handling_hang = True  # from here this thread ends the process; the main thread must not race it
+        self.client("set", f"stacks/{self.rank}", thread_stacks())
+        if alarm["by"] == self.rank:
+            return self._monitor.report(alarm)
+        deadline = time.monotonic() + GATHER_WAIT + 10
+        done = None
+        while done is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            done = self._try(lambda: self.client.get_if_set("done"))
+        info = json.loads(done) if done else {"summary": f"hang declared by rank {alarm['by']}", "stuck": [], "since": time.time()}
+        print(f"ddpkit: rank {self.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr, flush=True)
+        stuck = self.rank in info["stuck"]
+        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time())
+        self._try(lambda: self.client("add", "exited", 1))
+        terminate(HANG_EXIT_CODE)
+
+    def _peer_failed(self, alarm: dict[str, Any]) -> None:
+        self._try(self._count_failure_seen)
+        # On the failed rank's node torchrun's agent stops this rank itself (its summary then names
+        # the failed rank first); elsewhere no agent knows, so go now.
+        if self._stopped.wait(FAILURE_GRACE if alarm["host"] == self._host else 0.0):
+            return  # this rank is ending by itself (its own error, or torchrun stopped it)
+        message = f"rank {alarm['rank']} (host {alarm['host']}) failed: {alarm['message']}"
+        print(f"ddpkit: rank {self.rank}: stopping because {message}", file=sys.stderr, flush=True)
+        write_error_file(f"stopped because {message}", when=time.time() + 1)
+        terminate(FAILED_PEER_EXIT_CODE)
+
+    def _count_failure_seen(self) -> None:
+        """Add this rank to ``failed_seen`` once, whichever thread (watchdog or training) learns of the failure first."""
+        with self._seen_lock:
+            if not self._counted_failure:
+                self._counted_failure = True
+                self.client("add", "failed_seen", 1)
+
+    def _alone(self, problem: str, since: float) -> None:
+        """The store stopped answering: report this rank alone (no other rank can be reached) and exit."""
+        beat = self.beat()
+        summary = (
+            f"hang: the job's store has not answered since {time.strftime('%H:%M:%S', time.localtime(since))} ({problem}); "
+            f"it is hosted by rank 0 under `ddpkit run` (else by torchrun's agent on node 0), so rank 0 or node 0 is "
+            f"probably frozen or gone. This rank {self.rank} is at step {beat['step']}, in {beat['phase']}"
+        )
+        path = self.log_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{self.rank}.txt"
+        text = f"{summary}\n\n=== rank {self.rank}: Python stacks of all threads ===\n{thread_stacks()}\n"
+        path = write_text(path, text)
+        print(f"ddpkit: rank {self.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
+        write_error_file(summary, when=time.time())
+        terminate(HANG_EXIT_CODE)
+
+    def _try(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except StoreDown:
+            return None
+
+
+class _Off:
+    """The watchdog when it is off: same methods, no thread, nothing published."""
+
+    enabled = False
+
+    def on_phase(self, name: str | None) -> None: ...
+    def tick(self) -> None: ...
+    def listen_to(self, reporter: Any) -> None: ...  # no listener: Reporter.span stays free
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+    def start(self) -> _Off:
+        return self
+
+    def stop(self, error: BaseException | None = None) -> None: ...
+    def __enter__(self) -> _Off:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def announce_failure(*, wait: float = 2.0) -> None:
+    """After a failed ``fit()``: give the other ranks up to ``wait`` s to read this rank's failure.
+
+    The failure was published by :meth:`Watchdog.stop`; a rank that hosts the store (rank 0 under
+    ``ddpkit run``) takes it with it when it exits, so the publisher waits until every other rank
+    has seen it (a rank that failed too counts as having seen it) and then sets ``failed_done``.
+    Rank 0, when another rank published first, waits for ``failed_done`` before it exits.
+    """
+    wd = _current
+    if wd is None or not wd._stopped.is_set():
+        return
+    if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
+        time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
+        return
+    deadline = time.monotonic() + wait
+    if not wd.published_failure:  # another rank's alarm came first (this rank's error is probably its consequence)
+        # Rank 0 may host the store: stay until the publisher has stopped reading it, or its
+        # store client prints a C++ stack trace ("recvValue failed") for a store that went away.
+        while wd.rank == 0 and time.monotonic() < deadline and wd._try(lambda: wd.client.get_if_set("failed_done")) is None:
+            time.sleep(0.05)
+        return
+    while time.monotonic() < deadline:
+        seen = wd._try(lambda: wd.client("add", "failed_seen", 0))
+        if seen is None or seen >= wd.world_size - 1:
+            break
+        time.sleep(0.1)
+    wd._try(lambda: wd.client("set", "failed_done", "1"))

@@ -1,0 +1,135 @@
+"""The watchdog's plumbing: store calls with a deadline, torchrun's error file, exiting from a thread.
+
+    client = StoreClient(dist.PrefixStore("ddpkit/watchdog/1", own_client(store)), deadline=5.0)
+    client("set", "hb/0", "...")                  # raises StoreDown after 5 s with no answer
+    client.get_if_set("alarm")                    # None when the key does not exist; never blocks on it
+
+Kept apart from :mod:`ddpkit.faults.watchdog` so that module reads as the protocol alone.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "terminate"]
+
+
+class StoreDown(RuntimeError):
+    """The store did not answer in time, or the connection failed."""
+
+
+class StoreClient:
+    """Store calls on a daemon thread, each with a deadline (a TCPStore call to a frozen server blocks forever)."""
+
+    def __init__(self, store: Any, deadline: float):
+        self.store, self.deadline = store, deadline
+        self._requests: list[tuple[Callable[..., Any], tuple[Any, ...], list[Any], threading.Event]] = []
+        self._wake = threading.Condition()
+        self._idle = threading.Event()
+        self._idle.set()
+        threading.Thread(target=self._serve, name="ddpkit-watchdog-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._requests:
+                    self._wake.wait()
+                fn, args, box, done = self._requests.pop(0)
+            try:
+                box.append((True, fn(*args)))
+            except Exception as exc:  # DistStoreError, connection reset, ...
+                box.append((False, exc))
+            self._idle.set()  # before done: the caller's next call must find the line free
+            done.set()
+
+    def __call__(self, method: str, *args: Any) -> Any:
+        if not self._idle.is_set():
+            raise StoreDown("an earlier store call is still waiting for an answer")
+        box: list[Any] = []
+        done = threading.Event()
+        self._idle.clear()
+        with self._wake:
+            self._requests.append((getattr(self.store, method), args, box, done))
+            self._wake.notify()
+        if not done.wait(self.deadline):
+            raise StoreDown(f"no answer from the store within {self.deadline:g}s")
+        ok, value = box[0]
+        if not ok:
+            raise StoreDown(f"{type(value).__name__}: {str(value).strip().splitlines()[0] if str(value).strip() else ''}")
+        return value
+
+    def get_if_set(self, key: str) -> str | None:
+        """The value of ``key``, or None when it does not exist (never blocks on a missing key)."""
+        return self("get", key).decode() if self("check", [key]) else None
+
+
+def own_client(store: Any) -> Any:
+    """A second connection to ``store`` for the watchdog's thread, so it never waits on the training thread's lock."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):
+        return store
+
+
+def write_text(path: Path, text: str) -> Path:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        print(f"ddpkit: could not write {path} ({exc}); the report is printed above", file=sys.stderr, flush=True)
+    return path
+
+
+def write_error_file(message: str, *, when: float) -> None:
+    """torchrun's error file: its summary names the failure with the earliest timestamp first."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    payload = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(when))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(payload, f)
+    except OSError:
+        pass
+
+
+def kill_frozen_sibling(pid: int) -> bool:
+    """SIGKILL ``pid`` if it is a rank of this node's job: a child of our parent (torchrun's agent).
+
+    A SIGSTOPped or otherwise frozen rank ignores the agent's SIGTERM until the agent's shutdown
+    timeout ends in SIGKILL; the job's end should not wait for that. The parent check guards
+    against a reused pid.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent != os.getppid() or pid == os.getpid():
+            return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def terminate(code: int, *, stop_children: Callable[[Any], None] = lambda child: child.kill()) -> None:
+    """Exit now, without the interpreter's teardown (it would wait for threads that never end).
+
+    Child processes (DataLoader workers) are stopped first, since nothing else would reap them
+    (killed by default: from the watchdog thread the main thread is stuck), and output is flushed.
+    """
+    for child in multiprocessing.active_children():
+        stop_children(child)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,143 @@
+"""The worker side of a launch: run a training entry point so that failures are clear, reach
+torchrun's summary and stop the job.
+
+    run_trainer(MyTrainer, "config.yaml", ["optim.lr=0.1"])   # Trainer.main and `ddpkit train`
+    run_entrypoint(job)                                         # any worker function (the bench worker)
+
+``Trainer.main`` parses its command line once with :func:`parse_worker_argv`; ``ddpkit train``
+has argparse's result. Both then run ``cls(CONFIG, overrides=...).fit()`` through ``run_trainer``. ``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected
+exception and its traceback to the error file torchrun reads, so the failing rank's traceback
+appears in the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
+bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
+recorded in the error file without a traceback, and becomes the exit code (2 for config errors,
+else 1).
+
+In a job of several ranks, a rank that failed exits at once (see :func:`_exit_now`), so the
+ranks waiting for it in a collective are told within moments instead of after the process-group
+timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ddpkit.distributed.env import read_dist_env
+from ddpkit.errors import DdpkitError, LaunchError, report_error
+from ddpkit.faults.preemption import Preempted
+from ddpkit.faults.watchdog_io import terminate
+
+__all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
+
+
+def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "") -> tuple[str | None, list[str]]:
+    """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
+
+    A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG.yaml] [key.sub=value ...]\n\n{usage}")
+        sys.exit(0)
+    path = args.pop(0) if args and "=" not in args[0] else None
+    return path, args
+
+
+def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> None:
+    """Run ``cls(config, overrides=overrides).fit()`` as a worker; exit non-zero on failure."""
+    code = run_entrypoint(lambda: cls(config, overrides=overrides).fit())
+    if code:
+        sys.exit(code)
+
+
+def run_entrypoint(fn: Callable[[], Any]) -> int:
+    """Run ``fn``; return 0 on success or the exit code of the DdpkitError it raised.
+
+    When this process is one rank of several, a failure does not return or raise: the error is
+    printed and recorded, and the process exits with the error's code right away.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    peers = _has_peers()
+
+    def guarded() -> int:
+        try:
+            fn()
+        except Exception as exc:
+            return _on_failure(exc, peers=peers)
+        return 0
+
+    try:
+        code = record(guarded)()
+    except Exception:
+        if not peers:
+            raise
+        sys.excepthook(*sys.exc_info())  # what the interpreter would print on its way out
+        code = 1
+    if code and peers:
+        _exit_now(code)
+    return code
+
+
+def _on_failure(exc: Exception, *, peers: bool) -> int:
+    """Report a DdpkitError (message, error file) and return its exit code; re-raise anything else."""
+    if peers and threading.current_thread() is threading.main_thread():
+        # torchrun's agent sends SIGTERM to every rank the moment the first one exits; a
+        # rank killed while writing its error file leaves torchrun a truncated file
+        # ("Failed to parse reply file") instead of its error. What is left to do is
+        # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if peers and not isinstance(exc, Preempted):  # a signal-stopped run has saved; nobody failed
+        from ddpkit.faults.watchdog import announce_failure
+
+        announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
+    if not isinstance(exc, DdpkitError):
+        raise exc  # record() writes the traceback to torchrun's error file
+    code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
+    _write_error_file(exc)
+    return code
+
+
+def _has_peers() -> bool:
+    """True when this process is one rank of a job of several (torchrun or srun variables)."""
+    try:
+        return read_dist_env().world_size > 1
+    except LaunchError:  # a broken launch environment: no group was ever formed
+        return False
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, after the cleanup that matters.
+
+    Peers blocked in a collective with this rank learn of the failure only when its sockets
+    close, i.e. when this process is gone: Gloo's ``destroy_process_group`` (and ``abort``) leave
+    the connections open while DDP still references the group. A normal exit waits for every
+    non-daemon thread first (a user's uploader or logger thread can keep it alive forever, and
+    the peers would then wait for the whole ``dist.timeout``) and spends a second unloading
+    libraries. Every ``finally`` block has already run by the time we get here; what is left is
+    flushing output and stopping this rank's child processes (DataLoader workers), which the
+    interpreter's exit would otherwise do.
+    """
+    logging.shutdown()
+    terminate(code, stop_children=lambda child: child.terminate())
+
+
+def _write_error_file(exc: DdpkitError) -> None:
+    """Tell torchrun's summary what failed, in its error-file format, without a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = f"{type(exc).__name__}: {exc}"
+    payload = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(payload, f)
+    except OSError:
+        pass  # the message is already on stderr

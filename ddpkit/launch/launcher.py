@@ -1,0 +1,167 @@
+"""The launcher side of a launch: check preconditions once, build torchrun's argv, start the workers.
+
+    preflight(nproc="2", backend="auto", device="auto", precision="fp32")   # refuse what every worker would
+    argv = torchrun_argv(nproc="2", program=["-m", "ddpkit", "train", "exp.yaml"])
+    code = launch(argv)
+
+``launch`` is ``torchrun`` called in-process (``torch.distributed.run``): ddpkit never starts or
+supervises workers itself. It adds the defaults ddpkit relies on (one OpenMP thread per worker,
+a fresh rendezvous store per restart) and a failure summary whose "Root Cause" is the rank that
+failed first. Used by ``ddpkit run`` and ``ddpkit bench``; the worker side is
+:mod:`ddpkit.launch.entrypoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ddpkit.errors import ConfigError, LaunchError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+__all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_free"]
+
+
+def preflight(*, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32", precision_option: str = "train.precision=") -> None:
+    """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than
+    GPUs, fp16 on the CPU. The checks are the workers' own functions, run for the last local rank."""
+    from ddpkit.distributed.process_group import resolve_backend, resolve_device
+    from ddpkit.distributed.env import DistEnv
+    from ddpkit.training.precision import check_precision
+
+    if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves
+        return
+    n = int(nproc)
+    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
+    torch_device = resolve_device(last, device)
+    resolve_backend(backend, torch_device)
+    check_precision(precision, torch_device, option=precision_option)
+
+
+def default_nproc() -> int:
+    """Processes per node when none are asked for: one per GPU, or 1 on the CPU."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def torchrun_argv(
+    *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
+    node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (),
+) -> list[str]:
+    """torchrun's argument list: a free port on one node by default, static or c10d rendezvous otherwise.
+
+    ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after it
+    forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
+    too, besides torchrun's own SIGTERM, SIGINT, SIGHUP and SIGQUIT (e.g. SLURM's SIGUSR1).
+    """
+    argv = [
+        f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
+        f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}",
+    ]
+    extra = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
+    if extra and _torchrun_forwards_signals():
+        argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *extra])}")
+    if rdzv_endpoint:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    elif nnodes in ("1", "1:1") and master_addr is None and master_port is None:
+        argv += ["--standalone"]  # c10d rendezvous on localhost with a free port
+    else:
+        addr = master_addr or "127.0.0.1"
+        port = master_port if master_port is not None else 29500
+        if node_rank == 0:
+            check_port_free(addr, port)
+        argv += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={node_rank}"]
+    return [*argv, *program]
+
+
+def launch(torchrun_argv: list[str]) -> int:
+    """Run torch's launcher with ``torchrun_argv``; return 0, or 1 with torchrun's failure summary printed."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE
+
+    args = parse_args(torchrun_argv)
+    # torchrun would set this too (with a banner) for several processes per node: one thread
+    # per process keeps N processes from oversubscribing the cores.
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
+        os.environ["OMP_NUM_THREADS"] = "1"
+    # A fresh rendezvous store per round: the shared one keeps a failed attempt's keys, which
+    # can point restarted ranks at dead peers (pytorch/pytorch#135712; see ddpkit.distributed.process_group).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        run(args)
+    except SignalException as exc:  # the agent forwarded it to the workers and waited for them
+        print(
+            f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
+            f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.", file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
+    except ChildFailedError as exc:
+        if all(failure.exitcode == PREEMPTED_EXIT_CODE for failure in exc.failures.values()):
+            print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
+        return _root_cause_code(exc)
+    return 0
+
+
+def _root_cause_code(exc: ChildFailedError) -> int:
+    """The first failed rank's exit code when it tells a script what to do (2: fix the config, 3: a hang), else 1."""
+    from ddpkit.faults.hang_monitor import HANG_EXIT_CODE
+
+    _, first = exc.get_first_failure()
+    return first.exitcode if first.exitcode in (ConfigError.exit_code, HANG_EXIT_CODE) else 1
+
+
+def _torchrun_forwards_signals() -> bool:
+    """Whether this torch's launcher has --signals-to-handle (newer than torch 2.6)."""
+    from torch.distributed.run import get_args_parser
+
+    return "--signals-to-handle" in get_args_parser()._option_string_actions
+
+
+#: What torchrun's agent handles (and forwards to the workers) by default.
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+# How a rank's error reads when it only saw another rank go (Gloo, NCCL).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def _summary(exc: ChildFailedError) -> str:
+    """torchrun's failure summary, with the rank that failed first as its "Root Cause".
+
+    torchrun picks the failure with the earliest error-file timestamp, in whole seconds. The
+    ranks that were waiting for the failing one in a collective fail a few milliseconds later,
+    usually within the same second, and the tie goes to the lowest rank: rank 0's "Connection
+    closed by peer" would be named as the cause. Failures that only report a lost peer, or a
+    SIGTERM from the agent stopping the group, are moved back a second so the tie goes to the
+    real one (if all failures are of that kind, their order is unchanged).
+    """
+    for failure in exc.failures.values():
+        if failure.exitcode == -signal.SIGTERM or any(text in str(failure.message) for text in _PEER_LOST):
+            failure.timestamp += 1
+    return exc.format_msg()
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Raise a LaunchError if ``port`` cannot be bound on this machine."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            raise LaunchError(
+                f"--master-port {port} is already in use on this machine (another job?). "
+                "Pick another with --master-port=PORT, or leave --master-port out to get a free one."
+            ) from None

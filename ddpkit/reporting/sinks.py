@@ -1,0 +1,236 @@
+"""Metric sinks: where rank 0 sends the run's config, metrics and final status.
+
+A sink is four methods. The reporter calls them on rank 0 only, in this order::
+
+    sink.start(config, resumed=state_from_checkpoint_or_None)   # once, after resume is decided
+    sink.write({"step": 40, "epoch": 1, "train_loss": 0.31, "lr": 0.05, ...})   # each logged step
+    sink.write({"step": 48, "epoch": 1, "val_accuracy": 0.97, "val_loss": 0.09, ...})  # each evaluation
+    sink.state_dict()                                            # at each checkpoint, saved in it
+    sink.finish("FINISHED", [Path("runs/x/model.pt")])           # or FAILED / KILLED
+
+Write your own in a few lines and add it beside the built-in ones (rank 0 has them all)::
+
+    class PrintSink(ddpkit.reporting.sinks.Sink):
+        name = "print"
+        def write(self, record):
+            print(record["step"], {k: v for k, v in record.items() if k.startswith("val_")})
+
+    class MyTrainer(ddpkit.Trainer):
+        def on_fit_start(self):
+            if self.is_main:
+                self.reporter.sinks.add(PrintSink())
+
+Built in: ``metrics.jsonl`` and TensorBoard (``log.tensorboard``), ``status.json`` (read by
+``ddpkit runs``), and the trackers in :mod:`ddpkit.reporting.trackers` (``log.mlflow``, ``log.wandb``).
+
+A sink that raises is switched off with one warning and training goes on, so a broken tracker
+never costs a run; only a sink with ``required = True`` (``metrics.jsonl``, the record of
+truth) stops the run when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ddpkit.config.serialize import flatten
+
+__all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
+
+log = logging.getLogger("ddpkit.reporting.sinks")
+
+STATUS_FILE = "status.json"
+#: How a run ended, in MLflow's words: completed, raised, or stopped by a signal (preemption).
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+
+class Sink:
+    """The metric-sink interface; every method is a no-op, so override only what you need.
+
+    ``name`` keys this sink's state inside a checkpoint: keep it stable across versions.
+    """
+
+    name: str = "sink"
+    #: True: an exception from this sink stops training. False: warn once, drop the sink, go on.
+    required: bool = False
+
+    def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
+        """The resolved config as a nested dict; ``resumed`` is what ``state_dict`` returned
+        when the checkpoint this run resumes from was written (None for a fresh run)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One ``metrics.jsonl`` record: ``step`` and ``time`` plus ``train_*`` or ``val_*`` keys."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Small, picklable state saved in every checkpoint (e.g. a tracker's run id)."""
+        return {}
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        """The run ended with ``status`` (one of :data:`STATUSES`); ``artifacts`` are files to keep."""
+
+
+class SinkGroup:
+    """Fans each call out to several sinks; a failing optional sink is dropped with one warning."""
+
+    def __init__(self, sinks: Iterable[Sink]):
+        self.sinks = list(sinks)
+        self._resumed: dict[str, dict[str, Any]] = {}
+        self._config: dict[str, Any] | None = None  # set by start()
+        names = [s.name for s in self.sinks]
+        assert len(set(names)) == len(names), f"sink names must be unique, got {names}"
+
+    def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
+        """The group's ``state_dict()`` from the checkpoint this run resumes: handed to ``start``."""
+        self._resumed = dict(state)
+
+    def start(self, config: dict[str, Any], *, resumed: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """Start every sink; ``resumed`` defaults to what ``load_state_dict`` was given."""
+        self._config, resumed = config, (self._resumed if resumed is None else resumed)
+        for sink in list(self.sinks):
+            self._call(sink, "start", config, resumed=resumed.get(sink.name))
+
+    def add(self, sink: Sink) -> None:
+        """Add a sink, e.g. from ``Trainer.on_fit_start``; started at once if the group already is."""
+        self.sinks.append(sink)
+        if self._config is not None:
+            self._call(sink, "start", self._config, resumed=self._resumed.get(sink.name))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in list(self.sinks):
+            self._call(sink, "write", record)
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        states = {}
+        for sink in list(self.sinks):
+            state = self._call(sink, "state_dict")
+            if state:
+                states[sink.name] = state
+        return states
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        """Tell every sink how the run ended; a second call does nothing (the run ended once)."""
+        assert status in STATUSES, status
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            self._call(sink, "finish", status, artifacts)
+
+    def _call(self, sink: Sink, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(sink, method)(*args, **kwargs)
+        except Exception as exc:
+            if sink.required:
+                raise
+            # Any exception at all: a tracker's client can raise anything, and no metric is
+            # worth the run. metrics.jsonl still has every record.
+            log.warning("metric sink %r failed in %s() and is switched off for this run (metrics.jsonl keeps every record): %s: %s",
+                        sink.name, method, type(exc).__name__, exc)
+            if sink in self.sinks:
+                self.sinks.remove(sink)
+            return None
+
+
+def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
+    """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.schema.Config`): ``metrics.jsonl``
+    (+ TensorBoard), ``status.json``, the trackers ``log.mlflow`` / ``log.wandb`` ask for, then
+    ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
+    sinks: list[Sink] = [MetricsFileSink(config.output_dir, tensorboard=config.log.tensorboard, append=append), StatusSink(config.output_dir)]
+    if config.log.mlflow or config.log.wandb:
+        from ddpkit.reporting.trackers import tracker_sinks  # only then: keeps `import ddpkit` light
+
+        sinks += tracker_sinks(mlflow=config.log.mlflow, wandb=config.log.wandb, output_dir=config.output_dir,
+                               run_name=config.run.name, timeout=config.log.tracker_timeout)
+    return SinkGroup([*sinks, *extra])
+
+
+def flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"optim": {"lr": 0.05}}`` -> ``{"optim.lr": 0.05}``: the form trackers take params in.
+
+    Leaves keep their type (a tracker that stores text, like MLflow, uses :func:`as_text`); an
+    empty section keeps its key with ``{}`` so nothing silently disappears.
+    """
+    return flatten(config)
+
+
+def as_text(value: Any) -> str:
+    """A config value as YAML-like text: ``0.05``, ``null``, ``true``, ``[64, 64]``, ``{}``."""
+    if value is None or isinstance(value, (bool, list, dict, tuple)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+class MetricsFileSink(Sink):
+    """``metrics.jsonl`` (and TensorBoard when asked), the run's record of truth: ``required``.
+
+    A thin adapter over :class:`ddpkit.reporting.log.MetricSinks`, which owns the file format.
+    """
+
+    name = "metrics"
+    required = True
+
+    def __init__(self, output_dir: str | os.PathLike, *, tensorboard: bool = False, append: bool = True):
+        from ddpkit.reporting.log import MetricSinks
+
+        self._sinks = MetricSinks(output_dir, enabled=True, tensorboard=tensorboard, append=append)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._sinks.write(record)
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        self._sinks.close()
+
+
+class StatusSink(Sink):
+    """Keeps ``<output_dir>/status.json`` up to date: status, start/end times, wall time, steps.
+
+    ``ddpkit runs`` reads it. Wall time adds up over attempts (carried in the checkpoint), and
+    the host and pid let a reader tell a run still going from one that was killed outright.
+    """
+
+    name = "status"
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.path = Path(output_dir) / STATUS_FILE
+        self._state: dict[str, Any] = {}
+        self._started = time.monotonic()
+        self._carried = 0.0
+
+    def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
+        self._carried = float((resumed or {}).get("wall_s", 0.0))
+        attempts = int((resumed or {}).get("attempts", 0)) + 1
+        first = (resumed or {}).get("started", time.time())
+        self._state = {"status": "RUNNING", "started": first, "attempt_started": time.time(), "ended": None,
+                       "attempts": attempts, "step": 0, "wall_s": self._carried, "host": socket.gethostname(), "pid": os.getpid()}
+        self._save()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._state["step"] = record.get("step", self._state.get("step", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"wall_s": self._wall(), "attempts": self._state.get("attempts", 1), "started": self._state.get("started")}
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        self._state.update(status=status, ended=time.time(), wall_s=self._wall())
+        self._save()
+
+    def _wall(self) -> float:
+        return self._carried + time.monotonic() - self._started
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self._state, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)  # a reader never sees half a file
+
+
+def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``status.json`` of a run directory, or None when it is missing or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

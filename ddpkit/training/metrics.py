@@ -1,0 +1,137 @@
+"""Metrics that accumulate on the device and are reduced across ranks only when read.
+
+The training loop adds each step's loss to a device tensor (no ``.item()``, no host sync) and
+reads the rank-averaged value every ``train.log_every`` steps with one allreduce. Validation sums
+per-sample values in float64 and divides by the global sample count, so the result is the exact
+mean over the whole validation set however it was sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ddpkit.distributed.process_group import all_gather_object, all_reduce_sum
+from ddpkit.errors import ConfigError
+
+__all__ = ["RunningMean", "ExactMeans", "BestTracker", "evaluate"]
+
+
+def evaluate(model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+    """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
+
+    The model's train/eval mode is restored afterwards. Every rank calls it (the means are reduced).
+    """
+    from ddpkit.data.loaders import batch_size_of, move_to_device  # data's loaders sit above these metrics
+
+    was_training = model.training
+    model.eval()
+    means = ExactMeans(device)
+    try:
+        with torch.no_grad(), autocast():
+            for batch in loader:
+                batch = move_to_device(batch, device)
+                means.add(step(batch), batch_size=batch_size_of(batch))
+    finally:
+        model.train(was_training)
+    return {f"val_{name}": value for name, value in means.compute().items()}
+
+
+class RunningMean:
+    """Mean of a scalar (the training loss) over steps and ranks since the last read."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._values: list[torch.Tensor] = []
+
+    def add(self, value: torch.Tensor) -> None:
+        """Keep a detached reference: no kernel launch, no host sync."""
+        self._values.append(value.detach())
+
+    @property
+    def pending(self) -> bool:
+        """Whether values were added since the last read (the same on every rank)."""
+        return bool(self._values)
+
+    def read(self) -> float:
+        """All-reduce, return the mean over ranks and steps (nan if empty), and start over."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._values:
+            totals[0] = torch.stack(self._values).to(torch.float64).sum()
+            totals[1] = len(self._values)
+        self._values.clear()
+        total, count = all_reduce_sum(totals).tolist()
+        return total / count if count else float("nan")
+
+
+class ExactMeans:
+    """Per-metric means over every validation sample, exact whatever the world size.
+
+    ``add`` takes a batch's metrics: a 1-D tensor holds one value per sample; a 0-d tensor is the
+    batch mean and is weighted by ``batch_size``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: Mapping[str, torch.Tensor], batch_size: int) -> None:
+        for name, value in metrics.items():
+            value = value.detach().to(self.device, torch.float64)
+            if value.dim() == 0:
+                total, count = value * batch_size, batch_size
+            else:
+                total, count = value.sum(), value.numel()
+            entry = self._sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
+            entry[0] += total
+            entry[1] += count
+
+    def compute(self) -> dict[str, float]:
+        """Reduce across ranks and return ``{name: mean}``. Every rank must call this."""
+        # A rank whose shard was empty has seen no metric names: agree on the union first.
+        names = sorted(set().union(*all_gather_object(sorted(self._sums))))
+        stacked = torch.stack([self._sums.get(n, torch.zeros(2, dtype=torch.float64, device=self.device)) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
+        totals = all_reduce_sum(stacked).tolist()
+        return {name: (total / count if count else float("nan")) for name, (total, count) in zip(names, totals)}
+
+
+class BestTracker:
+    """Follows one validation metric: was this evaluation a new best, and has patience run out?
+
+    Used for early stopping (``train.early_stopping``) and for keeping the best checkpoint
+    (``checkpoint.best``). Its decisions come from rank-reduced metrics, so every rank agrees.
+    With ``metric=None`` it is switched off: nothing improves, patience never runs out.
+    """
+
+    def __init__(self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0, key: str = "metric"):
+        self.metric, self.mode, self.patience, self.min_delta, self.key = metric, mode, patience, min_delta, key
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def update(self, metrics: Mapping[str, float]) -> bool:
+        """Record one evaluation; return whether it is a new best."""
+        if self.metric is None:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(f"{self.key}: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}")
+        value = metrics[self.metric]
+        sign = 1 if self.mode == "min" else -1
+        improved = self.best is None or sign * (self.best - value) > self.min_delta
+        if improved:
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+        return improved
+
+    @property
+    def exhausted(self) -> bool:
+        """True once ``patience`` evaluations in a row brought no improvement."""
+        return self.patience is not None and self.metric is not None and self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.bad_evals = state.get("best"), state.get("bad_evals", 0)

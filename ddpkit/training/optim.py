@@ -1,0 +1,118 @@
+"""Built-in optimizers (``sgd``, ``adam``, ``adamw``) and the learning-rate schedules.
+
+    optim: {name: sgd, lr: 0.1, momentum: 0.9, weight_decay: 5.0e-4, kwargs: {nesterov: true}}
+    sched: {name: cosine, warmup_steps: 100, min_lr: 0.0}
+
+:class:`OptimizerStep` is what the training loop runs once per optimizer step: the backward of
+each micro-batch (scaled for fp16, divided over accumulated micro-batches), then gradient
+clipping, the step, zeroing gradients and the schedule, with the autocast context for forward
+passes. The loop itself stays a few readable lines.
+
+An optimizer builder is called as ``builder(params, lr=, momentum=, weight_decay=, **kwargs)``;
+register your own with ``@ddpkit.register_optimizer("name")``. Schedules are a ``LambdaLR``
+stepped once per optimizer step: linear warmup from 0 to ``optim.lr``, then constant, cosine or
+linear decay to ``min_lr``, or step decay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ddpkit.config.schema import OptimConfig, SchedConfig, TrainConfig
+from ddpkit.errors import ConfigError
+from ddpkit.training.precision import autocast, check_precision, grad_scaler
+from ddpkit.registry import OPTIMIZERS, register_optimizer
+
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "OptimizerStep"]
+
+
+@register_optimizer("sgd")
+def sgd(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
+
+
+@register_optimizer("adam")
+def adam(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+@register_optimizer("adamw")
+def adamw(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+def build_optimizer(params: Iterable[Any], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.name`` over ``params``."""
+    builder = OPTIMIZERS.get(cfg.name, key="optim.name")
+    try:
+        return builder(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **cfg.kwargs)
+    except TypeError as exc:  # an unknown keyword in optim.kwargs
+        raise ConfigError(f"optim.kwargs: {exc} (optimizer {cfg.name!r})") from None
+    except ValueError as exc:  # torch's own range checks, e.g. "Invalid beta parameter"
+        raise ConfigError(f"optim: {exc} (optimizer {cfg.name!r})") from None
+
+
+def lr_factor(step: int, cfg: SchedConfig, *, base_lr: float, total_steps: int) -> float:
+    """Multiplier of the base learning rate after ``step`` optimizer steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr / base_lr
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.name == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.name == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    if cfg.name == "step":
+        return cfg.gamma ** ((step - cfg.warmup_steps) // cfg.step_size)
+    return 1.0
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """A ``LambdaLR`` implementing ``cfg`` over ``total_steps`` optimizer steps."""
+    base_lr = optimizer.param_groups[0]["lr"]
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg, base_lr=base_lr, total_steps=total_steps)
+    )
+
+
+class OptimizerStep:
+    """Backward passes and optimizer steps as ``train`` configures them (precision, accumulation, clipping)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig, device: torch.device):
+        check_precision(train.precision, device)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.scaler = grad_scaler(train.precision, device)
+        self._precision, self._device = train.precision, device
+        self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
+        self._parameters = list(model.parameters())
+
+    def autocast(self) -> Any:
+        """The context for forward passes (a reusable no-op in fp32)."""
+        return autocast(self._precision, self._device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, averaged over the accumulated micro-batches."""
+        if self._accum > 1:
+            loss = loss / self._accum
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> None:
+        """Clip, step (through the scaler in fp16), zero the gradients, advance the schedule."""
+        if self.scaler is not None:
+            if self._clip:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if self._clip:
+                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
