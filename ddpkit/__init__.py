@@ -13,10 +13,10 @@ See README.md for the config reference and the command line (``ddpkit run / conf
 """
 
 from ddpkit._version import __version__
-from ddpkit.config.schema import Config
 from ddpkit.config.loader import dump_config, load_config
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.config.schema import Config
 from ddpkit.distributed.env import DistEnv, read_dist_env
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, LaunchError
 from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.registry import register_dataset, register_model, register_optimizer

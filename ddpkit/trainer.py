@@ -31,17 +31,17 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import registry
-from ddpkit.reporting import reporter
-from ddpkit.training.compile import Models, build_models, sync_gradients, unwrap_model
+from ddpkit.checkpoint.state import Progress, RunState, TrainingParts, seed_for_setup
 from ddpkit.config.loader import Config, load_config
 from ddpkit.data.loaders import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
-from ddpkit.distributed.process_group import Runtime, barrier, process_group
-from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.distributed.env import DistEnv, read_dist_env
+from ddpkit.distributed.process_group import Runtime, barrier, process_group
+from ddpkit.faults.watchdog import Watchdog
+from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
+from ddpkit.reporting import reporter
+from ddpkit.training.compile import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
-from ddpkit.checkpoint.state import Progress, RunState, TrainingParts, seed_for_setup
-from ddpkit.faults.watchdog import Watchdog
 
 __all__ = ["Trainer", "Progress"]
 

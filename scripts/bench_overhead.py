@@ -268,8 +268,8 @@ def run_single(variant: str, steps: int, log_every: int) -> None:
     """One variant of ``step-cost`` in this process (a world of one), nothing else: for instruction counts."""
     import tempfile
 
-    from ddpkit.distributed.process_group import process_group
     from ddpkit.distributed.env import read_dist_env
+    from ddpkit.distributed.process_group import process_group
 
     extra = {"log_every": log_every} if variant.startswith("ddpkit") else {}
     with tempfile.TemporaryDirectory() as tmp, process_group(read_dist_env()):

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.config.loader import load_config
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.env import DistEnv
-from ddpkit.reporting.reporter import Reporter
 from ddpkit.checkpoint.state import Progress
+from ddpkit.config.loader import load_config
+from ddpkit.distributed.env import DistEnv
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.faults.watchdog import Watchdog
+from ddpkit.reporting.reporter import Reporter
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

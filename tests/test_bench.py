@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 import yaml
+from helpers import run_cli, tiny_config
 
 from ddpkit.bench import main as bench_main
 from ddpkit.bench.allreduce import bus_factor
 from ddpkit.bench.report import Stats, fmt, format_table
 from ddpkit.bench.throughput import efficiency_rows
 from ddpkit.bench.units import BenchUsageError, format_bytes, parse_nproc, parse_size, parse_sizes
-from helpers import run_cli, tiny_config
 
 
 def parse_table(text: str) -> list[dict[str, str]]:

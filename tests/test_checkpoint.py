@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers import run_cli
 
 from ddpkit.checkpoint.files import (
     AsyncCheckpointWriter,
@@ -19,7 +20,6 @@ from ddpkit.checkpoint.files import (
     validate_checkpoint,
 )
 from ddpkit.errors import CheckpointError
-from helpers import run_cli
 
 
 def state(step: int) -> dict:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, load_weights, tiny_config
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
 import ddpkit.training.compile
 from ddpkit.testing import run_on_ranks
-from helpers import assert_bitwise_equal, load_weights, tiny_config
 
 pytestmark = pytest.mark.multiprocess
 

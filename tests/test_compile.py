@@ -15,11 +15,11 @@ import torch._dynamo
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.training.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.distributed.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.env import read_dist_env
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.training.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 
 
 @pytest.fixture(autouse=True)
@@ -393,9 +393,9 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path)
 
     from helpers import tiny_config
 
+    from ddpkit.checkpoint.state import Progress
     from ddpkit.config.loader import load_config
     from ddpkit.reporting.reporter import Reporter
-    from ddpkit.checkpoint.state import Progress
 
     reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), resumed=False)
     try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from helpers import run_cli
 
 from ddpkit import ConfigError, load_config
 from ddpkit.config.loader import config_hash, dump_config, parse_override
-from helpers import run_cli
 
 
 def write(tmp_path, text: str, name: str = "exp.yaml"):

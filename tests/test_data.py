@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddpkit.data.loaders import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
 from ddpkit.data.datasets import digits, make_digits, synthetic
+from ddpkit.data.loaders import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import DataError
 

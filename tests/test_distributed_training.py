@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
 from ddpkit.data.datasets import digits
-from ddpkit.training.models import MLP
 from ddpkit.testing import run_on_ranks
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from ddpkit.training.models import MLP
 
 pytestmark = pytest.mark.multiprocess
 

@@ -19,8 +19,8 @@ from helpers import run_cli, tiny_config
 
 from ddpkit import LaunchError
 from ddpkit.cli import main as cli_main
-from ddpkit.distributed.process_group import resolve_device
 from ddpkit.distributed.env import DistEnv
+from ddpkit.distributed.process_group import resolve_device
 
 # torch's @record tries to enable faulthandler on stderr, which pytest's capture cannot provide.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:UserWarning")

@@ -7,13 +7,12 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.config.schema import OptimConfig
+from ddpkit.config.schema import OptimConfig, SchedConfig
 from ddpkit.data.datasets import fashion_mnist, imagefolder, mnist
 from ddpkit.errors import ConfigError, DataError
+from ddpkit.registry import DATASETS, MODELS, OPTIMIZERS
 from ddpkit.training.models import MnistCNN
 from ddpkit.training.optim import build_optimizer, lr_factor
-from ddpkit.config.schema import SchedConfig
-from ddpkit.registry import DATASETS, MODELS, OPTIMIZERS
 
 
 def test_builtin_and_torchvision_models():

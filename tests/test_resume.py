@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 
 import ddpkit
 from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
 from ddpkit.errors import CheckpointError
 from ddpkit.testing import run_on_ranks
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cli, tiny_config
 
-from ddpkit.tools.runs import find_runs, format_table, main, summarize_run
 from ddpkit.reporting.sinks import StatusSink
+from ddpkit.tools.runs import find_runs, format_table, main, summarize_run
 
 
 def write_run(root: Path, name: str, records: list[dict], *, status: dict | None = None, best_step: int | None = None,

@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 import yaml
+from helpers import run_cli, tiny_config
+from test_bench import parse_table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.bench import main as bench_main
@@ -37,8 +39,6 @@ from ddpkit.bench.scaling_model import (
     tree_allreduce_s,
 )
 from ddpkit.bench.units import BenchUsageError
-from helpers import run_cli, tiny_config
-from test_bench import parse_table
 
 MIB = 1 << 20
 GB_LINK = Link(bandwidth=1e9, latency=1e-5)  # 1 GB/s, 10 us per step
@@ -181,8 +181,8 @@ def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
 def test_profile_records_ddps_own_buckets_in_firing_order(tmp_path):
     from ddpkit.bench.scaling_profile import measure_profile
     from ddpkit.config.loader import load_config
-    from ddpkit.distributed.process_group import process_group
     from ddpkit.distributed.env import DistEnv
+    from ddpkit.distributed.process_group import process_group
     from ddpkit.registry import MODELS
 
     model = {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [64, 64]}}

@@ -24,9 +24,9 @@ from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_conf
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ddpkit.data.datasets import make_digits
+from ddpkit.data.streaming import StreamEpochs, build_stream_loader, stream_total_steps
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
-from ddpkit.data.streaming import StreamEpochs, build_stream_loader, stream_total_steps
 from ddpkit.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 
 import ddpkit
-from ddpkit.testing import run_on_ranks
 from ddpkit.reporting.timeline import SPAN_NAMES, Timeline
-from helpers import tiny_config
+from ddpkit.testing import run_on_ranks
 
 # tiny_config: 256 samples, batch 16 per rank, 2 ranks -> 8 batches per epoch, 2 epochs.
 BATCHES, EPOCHS = 8, 2

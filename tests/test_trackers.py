@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from helpers import tiny_config
 
 from ddpkit.errors import DdpkitError

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import yaml
+from helpers import assert_bitwise_equal, load_weights, tiny_config
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -14,7 +15,6 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import ConfigError, DdpkitError, load_config
 from ddpkit.training.models import MLP
-from helpers import assert_bitwise_equal, load_weights, tiny_config
 
 
 def test_single_process_run_writes_config_metrics_and_a_plain_state_dict(tmp_path):

@@ -177,8 +177,8 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
 
 
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
-    from ddpkit.distributed.process_group import Runtime
     from ddpkit.distributed.env import DistEnv
+    from ddpkit.distributed.process_group import Runtime
     from ddpkit.faults.watchdog import Watchdog
 
     single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())

@@ -38,17 +38,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.training.allocator import keep_freed_host_memory
 from ddpkit.bench.scaling_model import Bucket, Param, Profile
 from ddpkit.bench.units import BenchUsageError
-from ddpkit.training.compile import to_channels_last
 from ddpkit.config.schema import Config
 from ddpkit.data.loaders import build_train_loader, move_to_device
 from ddpkit.distributed.ddp import wrap_model
 from ddpkit.distributed.process_group import Runtime, barrier
+from ddpkit.registry import DATASETS, MODELS
+from ddpkit.training.allocator import keep_freed_host_memory
+from ddpkit.training.compile import to_channels_last
 from ddpkit.training.optim import build_optimizer
 from ddpkit.training.precision import autocast, check_precision
-from ddpkit.registry import DATASETS, MODELS
 from ddpkit.training.rng import seed_everything
 
 __all__ = ["COMM_FACTOR", "check_profiled_config", "measure_profile"]

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.distributed.env import read_dist_env
 from ddpkit.distributed.process_group import process_group
 from ddpkit.launch.entrypoint import run_entrypoint
-from ddpkit.distributed.env import read_dist_env
 
 __all__ = ["main", "serve"]
 

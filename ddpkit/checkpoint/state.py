@@ -35,16 +35,16 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint import files as ckpt
 from ddpkit._version import __version__
+from ddpkit.checkpoint import files as ckpt
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
 from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
 from ddpkit.errors import CheckpointError
+from ddpkit.faults.preemption import Preempted, StopOnSignal
 from ddpkit.reporting.log import log
 from ddpkit.training.metrics import BestTracker
-from ddpkit.faults.preemption import Preempted, StopOnSignal
 from ddpkit.training.rng import capture_rng, restore_rng, seed_everything
 
 __all__ = [

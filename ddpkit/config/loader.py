@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from ddpkit.config.overrides import apply_override, parse_override
 from ddpkit.config.schema import Config, cross_field_problems, yaml_key
 from ddpkit.config.serialize import as_written, config_hash, config_to_dict, dump_config, flatten
-from ddpkit.config.overrides import apply_override, parse_override
 from ddpkit.config.yaml_text import MAX_FILE_BYTES, NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
-from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
-from ddpkit.distributed.env import DistEnv
-from ddpkit.errors import DataError, DdpkitError
 from ddpkit.data.streaming import UNKNOWN_LENGTH, build_stream_eval_loader, build_stream_loader, is_stream, stream_epochs_of, stream_total_steps
+from ddpkit.distributed.env import DistEnv
+from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.errors import DataError, DdpkitError
 
 __all__ = [
     "ResumableDistributedSampler",

@@ -38,9 +38,9 @@ import torch
 import torch.utils.data._utils.worker as _worker_state  # get_worker_info()'s global; see _read_whole
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from ddpkit.data.stream_epochs import StreamEpochs, Tail
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DdpkitError
-from ddpkit.data.stream_epochs import StreamEpochs, Tail
 
 __all__ = [
     "ShardedStream", "StreamEpochs", "shard_stream", "build_stream_loader", "build_stream_eval_loader",

@@ -32,8 +32,8 @@ __all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_
 def preflight(*, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32", precision_option: str = "train.precision=") -> None:
     """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than
     GPUs, fp16 on the CPU. The checks are the workers' own functions, run for the last local rank."""
-    from ddpkit.distributed.process_group import resolve_backend, resolve_device
     from ddpkit.distributed.env import DistEnv
+    from ddpkit.distributed.process_group import resolve_backend, resolve_device
     from ddpkit.training.precision import check_precision
 
     if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves

@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 
-from ddpkit.reporting import log as logs
 from ddpkit.checkpoint.files import write_atomically
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, dump_config
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.data.elastic import per_rank_batch_size
-from ddpkit.errors import DdpkitError
-from ddpkit.reporting.log import StepLog, log, setup_logging
-from ddpkit.training.metrics import RunningMean
-from ddpkit.reporting.console import ProgressDisplay
-from ddpkit.reporting.sinks import SinkGroup, build_sinks
 from ddpkit.data.streaming import UNKNOWN_LENGTH
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import DdpkitError
+from ddpkit.reporting import log as logs
+from ddpkit.reporting.console import ProgressDisplay
+from ddpkit.reporting.log import StepLog, log, setup_logging
+from ddpkit.reporting.sinks import SinkGroup, build_sinks
 from ddpkit.reporting.timeline import Timeline
+from ddpkit.training.metrics import RunningMean
 
 __all__ = ["Reporter", "start_logging"]
 

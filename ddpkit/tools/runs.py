@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import DdpkitError, exit_code_of
-from ddpkit.reporting.log import METRICS_FILE, VAL_PREFIX
-from ddpkit.tools.plot import load_metrics
 from ddpkit.reporting.console import format_duration
+from ddpkit.reporting.log import METRICS_FILE, VAL_PREFIX
 from ddpkit.reporting.sinks import read_status
+from ddpkit.tools.plot import load_metrics
 
 __all__ = ["main", "RunSummary", "summarize_run", "find_runs"]
 

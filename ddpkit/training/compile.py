@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.training.allocator import keep_freed_host_memory
 from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.distributed.ddp import sync_gradients, unwrap_model, wrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DdpkitError
+from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
 __all__ = [

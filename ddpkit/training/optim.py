@@ -24,8 +24,8 @@ import torch
 
 from ddpkit.config.schema import OptimConfig, SchedConfig, TrainConfig
 from ddpkit.errors import ConfigError
-from ddpkit.training.precision import autocast, check_precision, grad_scaler
 from ddpkit.registry import OPTIMIZERS, register_optimizer
+from ddpkit.training.precision import autocast, check_precision, grad_scaler
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor", "OptimizerStep"]
 

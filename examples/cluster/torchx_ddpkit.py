@@ -14,7 +14,6 @@ tests/test_cluster_docs.py renders this component and runs it with the local_cwd
 """
 
 import shlex
-from typing import Dict, List, Optional  # TorchX's component linter reads these spellings
 
 import torchx.specs as specs
 
@@ -30,8 +29,8 @@ def train(
     memMB: int = 16384,
     rdzv_port: int = 29500,
     max_retries: int = 0,
-    env: Optional[Dict[str, str]] = None,
-    mounts: Optional[List[str]] = None,
+    env: dict[str, str] | None = None,
+    mounts: list[str] | None = None,
 ) -> specs.AppDef:
     """ddpkit training on ``nnodes`` x ``nproc_per_node`` processes.
 
