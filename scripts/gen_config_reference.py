@@ -100,8 +100,8 @@ def _optional(tp: Any) -> bool:
 
 def _strip_none(tp: Any) -> Any:
     if _optional(tp):
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return inner
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]  # noqa: UP007 - built from a tuple
     return tp
 
 
@@ -114,7 +114,8 @@ def _type_name(tp: Any) -> str:
     inner = _strip_none(tp)
     origin = typing.get_origin(inner)
     if origin in (typing.Union, types.UnionType):  # e.g. bool | dict (train.compile)
-        return " or ".join(_type_name(a) for a in typing.get_args(inner))
+        names = [" or ".join(f"`{v}`" for v in typing.get_args(a)) if typing.get_origin(a) is Literal else _type_name(a) for a in typing.get_args(inner)]
+        return " or ".join(names) + (" or null" if _optional(tp) else "")
     if origin is Literal:
         name = "string"
     elif origin is list:

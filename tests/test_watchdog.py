@@ -173,7 +173,12 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
     with pytest.raises(ConfigError, match=r"dist.slow_phase_timeout: 300s is not below dist.timeout"):
         load_config({}, ["dist.slow_phase_timeout=300"])
     assert load_config({}, ["dist.hang_timeout=null"]).dist.hang_timeout is None
-    assert load_config({}, ["dist.timeout=60"]).dist.hang_timeout == 120  # the default: capped when used
+    assert load_config({}, ["dist.timeout=60"]).dist.hang_timeout == "auto"  # not given: capped when used
+    # Given explicitly, 120 (the auto value) is checked like any other number, never taken for the default.
+    with pytest.raises(ConfigError, match=r"dist.hang_timeout: 120s is not below dist.timeout \(60s\)"):
+        load_config({}, ["dist.timeout=60", "dist.hang_timeout=120"])
+    with pytest.raises(ConfigError, match=r"dist.hang_timeout: expected one of auto; got 'atuo'.*did you mean 'auto'"):
+        load_config({}, ["dist.hang_timeout=atuo"])
 
 
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
@@ -187,6 +192,10 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
     assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, step=lambda: 0).enabled
     on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, step=lambda: 0)
     assert on.enabled and on.hang_timeout == 48 and on.slow_timeout == 54  # 80% and 90% of dist.timeout
+    explicit = Watchdog.for_run(load_config({}, ["dist.timeout=140", "dist.hang_timeout=120"]), pair, step=lambda: 0)
+    assert explicit.hang_timeout == 120  # given explicitly (and below dist.timeout): used as given, never capped
+    auto = Watchdog.for_run(load_config({}, ["dist.timeout=140"]), pair, step=lambda: 0)
+    assert auto.hang_timeout == 112  # auto: 120 s capped at 80% of dist.timeout
 
 
 def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):

@@ -1,18 +1,32 @@
 """Checks that involve more than one config field (one field's own range is checked where it is declared).
 
     problems = cross_field_problems(cfg)   # ["train.epochs: set train.epochs or train.max_steps ...", ...]
+    hang_timeout_seconds(cfg.dist)          # dist.hang_timeout resolved: `auto` is 120 s capped at 80% of dist.timeout
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ddpkit.config.schema import HANG_TIMEOUT
+
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig
 
-__all__ = ["cross_field_problems", "HANG_TIMEOUT"]
+__all__ = ["cross_field_problems", "hang_timeout_seconds"]
 
-HANG_TIMEOUT = 120.0  # dist.hang_timeout's default
+
+def hang_timeout_seconds(d: DistConfig) -> float | None:
+    """The hang watchdog's limit in seconds, or None when it is off (``dist.hang_timeout: null``).
+
+    Args:
+        d: the ``dist`` section. ``hang_timeout: auto`` (the default, i.e. not given) is :data:`HANG_TIMEOUT`
+            capped at 80% of ``dist.timeout``; a number given explicitly is used as it is (the checks
+            below refuse one at or above ``dist.timeout``).
+    """
+    if d.hang_timeout == "auto":
+        return min(HANG_TIMEOUT, 0.8 * d.timeout)
+    return d.hang_timeout
 
 
 def cross_field_problems(cfg: Config) -> list[str]:
@@ -37,9 +51,9 @@ def cross_field_problems(cfg: Config) -> list[str]:
 
 
 def _watchdog_problems(d: DistConfig) -> list[str]:
-    """A watchdog limit at or above the collective timeout would never fire first (the default is capped instead)."""
+    """A watchdog limit at or above the collective timeout would never fire first (`auto` is capped instead)."""
     problems = []
-    if d.hang_timeout is not None and d.hang_timeout != HANG_TIMEOUT and d.hang_timeout >= d.timeout:
+    if isinstance(d.hang_timeout, float) and d.hang_timeout >= d.timeout:
         problems.append(
             f"dist.hang_timeout: {d.hang_timeout:g}s is not below dist.timeout ({d.timeout:g}s), so collectives would "
             "time out first; lower dist.hang_timeout or raise dist.timeout"

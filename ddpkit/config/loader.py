@@ -28,8 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from ddpkit.config.checks import cross_field_problems
 from ddpkit.config.overrides import apply_override, parse_override
-from ddpkit.config.schema import Config, cross_field_problems, yaml_key
+from ddpkit.config.schema import Config, yaml_key
 from ddpkit.config.serialize import as_written, config_hash, config_to_dict, dump_config, flatten
 from ddpkit.config.yaml_text import MAX_FILE_BYTES, NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
@@ -127,7 +128,7 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
             return None
         inner = [a for a in args if a is not type(None)]
         if len(inner) > 1:  # e.g. `bool | dict[str, Any]` (train.compile): the first type the value has
-            inner = [next((a for a in inner if isinstance(value, typing.get_origin(a) or a)), inner[0])]
+            inner = [next((a for a in inner if _fits(a, value)), inner[0])]
         return _convert(inner[0], value, path, f, problems)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path + ".", problems)
@@ -148,6 +149,16 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
         problems.append(f"{path}: expected a mapping of name: value, got {show(value)}")
         return {}
     return _convert_scalar(tp, value, path, f, problems)
+
+
+def _fits(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is meant as ``tp``, one member of a union: a number for a float, any word for a Literal
+    (so a misspelt ``dist.hang_timeout=atuo`` is told the words it may be)."""
+    if typing.get_origin(tp) is Literal:
+        return isinstance(value, str) and not isinstance(value, NumberText)
+    if tp is float:
+        return isinstance(value, (int, float, NumberText)) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(tp) or tp)
 
 
 def _numbers_as_written(value: Any) -> Any:

@@ -6,8 +6,8 @@ A YAML file maps onto :class:`Config` section by section::
     data:  {name: digits, batch_size: 64}
     optim: {name: sgd, lr: 0.05, momentum: 0.9}
 
-The training-step sections live in :mod:`ddpkit.config.train_sections`, the cross-field checks in
-:mod:`ddpkit.config.checks`; all are importable from here. Each field is declared with
+The training-step sections live in :mod:`ddpkit.config.train_sections` and are importable from here;
+the cross-field checks are in :mod:`ddpkit.config.checks`. Each field is declared with
 :func:`~ddpkit.config.fields.option`, which records its documentation and its allowed
 values; :mod:`ddpkit.config.loader` uses that metadata to check YAML input and
 ``scripts/gen_config_reference.py`` uses it to write ``docs/config.md``. Precedence is
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 # The schema spans a few modules; everything is importable from here.
-from ddpkit.config.checks import HANG_TIMEOUT, cross_field_problems
 from ddpkit.config.fields import option, yaml_key
 from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
 
@@ -43,9 +42,11 @@ __all__ = [
     "LogConfig",
     "option",
     "yaml_key",
-    "cross_field_problems",
     "HANG_TIMEOUT",
 ]
+
+#: Seconds of `dist.hang_timeout: auto` (its default), capped at 80% of `dist.timeout` where it is used.
+HANG_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,12 @@ class DistConfig:
         "Debug mode: TORCH_DISTRIBUTED_DEBUG=DETAIL, monitored barriers on Gloo that name a stuck "
         "rank, and a per-rank step log under the run directory.",
     )
-    hang_timeout: float | None = option(
-        HANG_TIMEOUT,
+    hang_timeout: float | Literal["auto"] | None = option(
+        "auto",
         "Seconds without progress on any rank before the hang watchdog names the stuck rank(s), writes "
         "`<output_dir>/logs/hang-<time>.txt` with every rank's Python stacks and stops the job (exit "
-        "code 3). Must be below `dist.timeout`; the default is capped at 80% of it. `null`: no watchdog. "
-        "Off for a world of one.",
+        "code 3). Must be below `dist.timeout`. `auto`: 120 s, capped at 80% of `dist.timeout`. `null`: no "
+        "watchdog. Off for a world of one.",
         gt=0,
     )
     slow_phase_timeout: float | None = option(

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.config.schema import HANG_TIMEOUT
+from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.faults.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
 from ddpkit.faults.hang_report import SLOW_PHASES, stack_signature, thread_stacks
 from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, terminate, write_error_file, write_text
@@ -85,9 +85,9 @@ class Watchdog:
     def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> Watchdog | _Off:
         """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store)."""
         d = config.dist
-        if d.hang_timeout is None or runtime.env.world_size == 1 or runtime.store is None:
+        hang = hang_timeout_seconds(d)
+        if hang is None or runtime.env.world_size == 1 or runtime.store is None:
             return _Off()
-        hang = min(d.hang_timeout, 0.8 * d.timeout) if d.hang_timeout == HANG_TIMEOUT else d.hang_timeout
         slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
         return cls(
             runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
