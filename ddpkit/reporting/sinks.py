@@ -10,7 +10,7 @@ A sink is four methods. The reporter calls them on rank 0 only, in this order::
 
 Write your own in a few lines and add it beside the built-in ones (rank 0 has them all)::
 
-    class PrintSink(ddpkit.reporting.sinks.Sink):
+    class PrintSink(ddpkit.Sink):
         name = "print"
         def write(self, record):
             print(record["step"], {k: v for k, v in record.items() if k.startswith("val_")})
@@ -39,40 +39,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.config.serialize import flatten
+# Sink and the helpers trackers share live in sink_base (trackers import them from there, not from here).
+from ddpkit.reporting.sink_base import STATUSES, Sink, as_text, flatten_config
+from ddpkit.reporting.trackers import tracker_sinks
 
 __all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
 
 log = logging.getLogger("ddpkit.reporting.sinks")
 
 STATUS_FILE = "status.json"
-#: How a run ended, in MLflow's words: completed, raised, or stopped by a signal (preemption).
-STATUSES = ("FINISHED", "FAILED", "KILLED")
-
-
-class Sink:
-    """The metric-sink interface; every method is a no-op, so override only what you need.
-
-    ``name`` keys this sink's state inside a checkpoint: keep it stable across versions.
-    """
-
-    name: str = "sink"
-    #: True: an exception from this sink stops training. False: warn once, drop the sink, go on.
-    required: bool = False
-
-    def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
-        """The resolved config as a nested dict; ``resumed`` is what ``state_dict`` returned
-        when the checkpoint this run resumes from was written (None for a fresh run)."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        """One ``metrics.jsonl`` record: ``step`` and ``time`` plus ``train_*`` or ``val_*`` keys."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Small, picklable state saved in every checkpoint (e.g. a tracker's run id)."""
-        return {}
-
-    def finish(self, status: str, artifacts: list[Path]) -> None:
-        """The run ended with ``status`` (one of :data:`STATUSES`); ``artifacts`` are files to keep."""
 
 
 class SinkGroup:
@@ -140,28 +115,10 @@ def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> Sin
     (+ TensorBoard), ``status.json``, the trackers ``log.mlflow`` / ``log.wandb`` ask for, then
     ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
     sinks: list[Sink] = [MetricsFileSink(config.output_dir, tensorboard=config.log.tensorboard, append=append), StatusSink(config.output_dir)]
-    if config.log.mlflow or config.log.wandb:
-        from ddpkit.reporting.trackers import tracker_sinks  # only then: keeps `import ddpkit` light
-
+    if config.log.mlflow or config.log.wandb:  # mlflow and wandb themselves are imported only inside the tracker sinks
         sinks += tracker_sinks(mlflow=config.log.mlflow, wandb=config.log.wandb, output_dir=config.output_dir,
                                run_name=config.run.name, timeout=config.log.tracker_timeout)
     return SinkGroup([*sinks, *extra])
-
-
-def flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"optim": {"lr": 0.05}}`` -> ``{"optim.lr": 0.05}``: the form trackers take params in.
-
-    Leaves keep their type (a tracker that stores text, like MLflow, uses :func:`as_text`); an
-    empty section keeps its key with ``{}`` so nothing silently disappears.
-    """
-    return flatten(config)
-
-
-def as_text(value: Any) -> str:
-    """A config value as YAML-like text: ``0.05``, ``null``, ``true``, ``[64, 64]``, ``{}``."""
-    if value is None or isinstance(value, (bool, list, dict, tuple)):
-        return json.dumps(value, default=str)
-    return str(value)
 
 
 class MetricsFileSink(Sink):

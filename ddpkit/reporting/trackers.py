@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import DdpkitError
-from ddpkit.reporting.sinks import Sink, as_text, flatten_config
+from ddpkit.reporting.sink_base import Sink, as_text, flatten_config
 
 __all__ = ["MlflowSink", "WandbSink", "tracker_sinks"]
 
