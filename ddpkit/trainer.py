@@ -15,7 +15,7 @@ Launched by torchrun (or ``ddpkit run``) every process runs the same code; start
 ``python`` it is a world of one on the same code path. The Trainer composes small modules, each
 with one job: :mod:`ddpkit.checkpoint.state` owns the run's state (checkpoints, resume, when to save),
 :mod:`ddpkit.reporting.reporter` everything the loop reports, :mod:`ddpkit.training.optim` the mechanics of an
-optimizer step, :mod:`ddpkit.data.loaders` the loaders, :mod:`ddpkit.distributed.ddp` the wrapper.
+optimizer step, :mod:`ddpkit.data.loaders` the loaders (:mod:`ddpkit.data.epochs` their epochs), :mod:`ddpkit.distributed.ddp` the wrapper.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import registry
 from ddpkit.checkpoint.state import Progress, RunState, TrainingParts, seed_for_setup
 from ddpkit.config.loader import Config, load_config
-from ddpkit.data.loaders import agree_on_batch_count, data_position, exact_batches, move_to_device, run_length, start_epoch, train_loader_for, val_loader_for
+from ddpkit.data.epochs import agree_on_batch_count, data_position, exact_batches, run_length, start_epoch
+from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
 from ddpkit.faults.watchdog import Watchdog
@@ -260,11 +261,13 @@ class Trainer:
     def _train_epoch(self) -> None:
         progress, accum, report = self.progress, self.config.train.grad_accum_steps, self.reporter
         start_epoch(self.train_loader, progress.epoch, start_batch=progress.batch_in_epoch)
-        batches_per_epoch = agree_on_batch_count(self.train_loader, epoch=progress.epoch, consumed=progress.batch_in_epoch)
+        batches_per_epoch = agree_on_batch_count(self.train_loader, epoch=progress.epoch, consumed=progress.batch_in_epoch, uneven=self.config.data.uneven)
         if progress.batch_in_epoch == 0:
             self.on_epoch_start(progress.epoch)
         self._train_model.train()
-        batches = exact_batches(self.train_loader, count=batches_per_epoch, rank=self.rank, epoch=progress.epoch, consumed=progress.batch_in_epoch)
+        batches = exact_batches(
+            self.train_loader, count=batches_per_epoch, rank=self.rank, epoch=progress.epoch, consumed=progress.batch_in_epoch, uneven=self.config.data.uneven,
+        )
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
             with report.span("data"):
                 batch = next(batches, None)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, TensorDataset
 
 from ddpkit.data.datasets import make_digits
-from ddpkit.data.loaders import build_train_loader, start_epoch
+from ddpkit.data.epochs import start_epoch
+from ddpkit.data.loaders import build_train_loader
 from ddpkit.data.streaming import build_stream_loader
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.testing import run_on_ranks

@@ -254,7 +254,7 @@ class _RandomPerSample(torch.utils.data.Dataset):
 
 
 def _epochs(loader, epochs: int) -> list[list[float]]:
-    from ddpkit.data.loaders import start_epoch
+    from ddpkit.data.epochs import start_epoch
 
     seen = []
     for epoch in range(epochs):

@@ -7,7 +7,9 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddpkit.data.datasets import digits, make_digits, synthetic
-from ddpkit.data.loaders import ExactShardSampler, ResumableDistributedSampler, build_eval_loader, build_train_loader, start_epoch
+from ddpkit.data.epochs import start_epoch
+from ddpkit.data.loaders import build_train_loader, build_val_loader
+from ddpkit.data.samplers import ExactShardSampler, ResumableDistributedSampler
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import DataError
 
@@ -68,7 +70,7 @@ def test_eval_loader_has_no_padding():
     dataset = TensorDataset(torch.arange(7))
     seen = []
     for rank in range(3):
-        loader = build_eval_loader(dataset, env=DistEnv(rank=rank, world_size=3), batch_size=2)
+        loader = build_val_loader(dataset, env=DistEnv(rank=rank, world_size=3), batch_size=2)
         seen += [int(i) for (batch,) in loader for i in batch]
     assert sorted(seen) == list(range(7))
 

@@ -123,7 +123,7 @@ def test_a_resumed_epoch_continues_with_exactly_the_batches_the_uninterrupted_on
     assert (state["ranks"][0]["loader"] is not None) == (stop_after > 4)  # a checkpoint inside the second window (4 batches each) holds its start
 
 
-def _uneven_ranks(workers: int) -> tuple[int, list[int]]:
+def _uneven_ranks(workers: int, uneven: str = "truncate") -> tuple[int | str, list[int]]:
     import multiprocessing
 
     # run_on_ranks starts ranks from a forkserver, which would also start the DataLoader workers
@@ -133,9 +133,12 @@ def _uneven_ranks(workers: int) -> tuple[int, list[int]]:
 
     env = read_dist_env()
     stream = IndexStream(94, shares=[40, 23, 31])
-    epochs = build_stream_loader(stream, env=env, batch_size=4, num_workers=workers, accum=2, window_steps=1).stream_epochs
+    epochs = build_stream_loader(stream, env=env, batch_size=4, num_workers=workers, accum=2, window_steps=1, uneven=uneven).stream_epochs
     epochs.start_epoch(0)
-    got = indices(epochs)
+    try:
+        got = indices(epochs)
+    except DataError as error:
+        return str(error), []
     return epochs.batches_per_epoch, got
 
 
@@ -149,6 +152,15 @@ def test_uneven_shards_on_three_ranks_end_the_epoch_at_the_same_batch_without_ha
     used = [i for _, got in results for i in got]
     assert len(used) == len(set(used)) == 3 * 4 * 4
     assert set(results[1][1]) <= set(range(40, 63))  # rank 1 trained on its own shard only
+
+
+@pytest.mark.multiprocess
+def test_uneven_shards_with_data_uneven_error_stop_every_rank_naming_each_ranks_count():
+    # shares 40/23/31 in batches of 4: rank 0 has 10 batches, rank 1 5, rank 2 7 (windows of 2 batches)
+    results = run_on_ranks(_uneven_ranks, world_size=3, args=(0, "error"), timeout=120)
+    messages = [message for message, _ in results]
+    assert all(isinstance(m, str) for m in messages) and len(set(messages)) == 1, messages  # every rank, the same error
+    assert "rank 0: 8 or more, rank 1: 5, rank 2: 7" in messages[0] and "data.uneven=truncate" in messages[0]
 
 
 def test_webdataset_shards_split_over_ranks_and_workers_cover_every_sample_once(tmp_path):

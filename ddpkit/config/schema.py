@@ -165,6 +165,17 @@ class DataConfig:
         "smaller: fewer batches held in memory.",
         ge=1,
     )
+    order: Literal["auto", "index_free", "randperm"] = option(
+        "auto",
+        "Training sample order per epoch. `index_free`: a keyed permutation computed per position, no memory "
+        "in the dataset size (for 10^8+ samples); `randperm`: torch.randperm, as DistributedSampler; `auto`: "
+        "randperm below 2^20 samples, index_free above. Both depend only on `run.seed` and the epoch.",
+    )
+    uneven: Literal["error", "truncate"] = option(
+        "error",
+        "When ranks would run different numbers of batches (a custom sampler, uneven stream shards): `error` "
+        "stops every rank with each rank's count; `truncate` ends the epoch on every rank at the shortest.",
+    )
     kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the dataset builder.")
 
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
+import numpy as np
 from torch.utils.data import Dataset, DistributedSampler
 
+from ddpkit.data.order import epoch_order
+from ddpkit.data.samplers import CHUNK, tagged
 from ddpkit.errors import ConfigError, DataError
 
 __all__ = ["per_rank_batch_size", "GlobalBatchSampler"]
@@ -52,16 +54,17 @@ class GlobalBatchSampler(DistributedSampler):
     ``k``: ``b = G / (world_size * accum)`` indices starting at ``k*G + (a*world_size + rank)*b``.
     The tail of an epoch that cannot fill a global batch is dropped. ``set_epoch(epoch,
     start_index)`` starts part-way through (``start_index`` counts this rank's samples, as
-    :func:`ddpkit.data.loaders.start_epoch` passes it), which must fall on an optimizer-step boundary.
+    :func:`ddpkit.data.epochs.start_epoch` passes it), which must fall on an optimizer-step boundary.
     """
 
-    tag_epoch = False  # see ddpkit.data.loaders.ResumableDistributedSampler
+    tag_epoch = False  # see ddpkit.data.samplers.ResumableDistributedSampler
 
     def __init__(
         self, dataset: Dataset, *, global_batch_size: int, rank: int, world_size: int, grad_accum_steps: int = 1,
-        shuffle: bool = True, seed: int = 0,
+        shuffle: bool = True, seed: int = 0, order: str = "auto",
     ):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.order = order  # data.order: see ddpkit.data.order
         self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
         self.micro_batch = global_batch_size // (world_size * grad_accum_steps)
         self.steps_per_epoch = len(dataset) // global_batch_size  # type: ignore[arg-type]
@@ -79,20 +82,20 @@ class GlobalBatchSampler(DistributedSampler):
             raise DataError(f"cannot resume at sample {start_index} of this rank's epoch: not an optimizer-step boundary ({per_step} samples a step)")
         self.start_step = start_index // per_step
 
-    def _order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(len(self.dataset))  # type: ignore[arg-type]
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=generator)  # type: ignore[arg-type]
-
     def __iter__(self) -> Iterator[Any]:
-        order, b, world = self._order().tolist(), self.micro_batch, self.num_replicas
-        for step in range(self.start_step, self.steps_per_epoch):
-            base = step * self.global_batch_size
-            for micro in range(self.grad_accum_steps):
-                first = base + (micro * world + self.rank) * b
-                for index in order[first:first + b]:
-                    yield (self.epoch, index) if self.tag_epoch else index
+        n = len(self.dataset)  # type: ignore[arg-type]
+        order = epoch_order(n, seed=self.seed, epoch=self.epoch, kind=self.order, shuffle=self.shuffle)
+        steps_per_chunk = max(1, CHUNK // (self.grad_accum_steps * self.micro_batch))
+        for step in range(self.start_step, self.steps_per_epoch, steps_per_chunk):
+            positions = self._positions(step, min(step + steps_per_chunk, self.steps_per_epoch))
+            yield from tagged(order.at(positions).tolist(), self.epoch, self.tag_epoch)
+
+    def _positions(self, first_step: int, stop_step: int) -> np.ndarray:
+        """This rank's positions in steps ``[first_step, stop_step)``: step, micro-batch, then sample order."""
+        b, world = self.micro_batch, self.num_replicas
+        steps = np.arange(first_step, stop_step).reshape(-1, 1, 1) * self.global_batch_size
+        micro = (np.arange(self.grad_accum_steps).reshape(1, -1, 1) * world + self.rank) * b
+        return (steps + micro + np.arange(b).reshape(1, 1, -1)).reshape(-1)
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum_steps * self.micro_batch

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ddpkit.data.uneven import group_device, grouped, uneven_stream_end
 from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.errors import DataError
 
@@ -53,8 +55,11 @@ class StreamEpochs:
     ``batches_per_epoch`` is None until a whole epoch has been seen.
     """
 
-    def __init__(self, loader: DataLoader, *, accum: int = 1, window_steps: int = 8):
-        self.loader, self.accum, self.window_steps = loader, accum, window_steps
+    #: Batches per epoch as the Trainer's epoch protocol asks (ddpkit.data.epochs): not known ahead.
+    length = None
+
+    def __init__(self, loader: DataLoader, *, accum: int = 1, window_steps: int = 8, uneven: str = "error"):
+        self.loader, self.accum, self.window_steps, self.uneven = loader, accum, window_steps, uneven
         self.batches_per_epoch: int | None = None
         self.epoch, self._skip = 0, 0
         self._window_first, self._window_state = 0, None
@@ -108,6 +113,14 @@ class StreamEpochs:
         elif ranks:  # another world size: only a resume at an epoch's start can work
             self._saved = {"epoch": None, "saved_ranks": len(ranks)}
 
+    def agree_on_count(self, *, epoch: int, consumed: int, uneven: str) -> int:
+        """Not known ahead: the ranks agree as they read (the epoch protocol of ddpkit.data.epochs)."""
+        return sys.maxsize
+
+    def batches(self, **_: Any) -> Iterator[Any]:
+        """The epoch's batches; they end at the same batch on every rank."""
+        return iter(self)
+
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
         done, first = self._window_first, True
@@ -123,7 +136,7 @@ class StreamEpochs:
                     continue
                 yield batch
             if agreed < self.window:
-                self._end_epoch(done, dropped=(len(window) - agreed) * self.stream.batch_size + tails, rest=batches)
+                self._end_epoch(done, left=len(window) - agreed, tails=tails, rest=batches)
                 return
             first = False
 
@@ -142,36 +155,26 @@ class StreamEpochs:
 
     def _agree(self, count: int) -> int:
         """The smallest ``count`` over ranks, in whole optimizer steps: ONE all_reduce per window."""
-        if _grouped():
-            box = torch.tensor([count], dtype=torch.int64, device=_group_device())
+        if grouped():
+            box = torch.tensor([count], dtype=torch.int64, device=group_device())
             dist.all_reduce(box, op=dist.ReduceOp.MIN)
             count = int(box.item())
         return count - count % self.accum
 
-    def _end_epoch(self, done: int, *, dropped: int, rest: Iterator[Any]) -> None:
-        """Learn the epoch length, count this rank's unused samples (reading at most one more window)."""
+    def _end_epoch(self, done: int, *, left: int, tails: int, rest: Iterator[Any]) -> None:
+        """Learn the epoch length, count every rank's unused samples (reading at most one more window),
+        and stop every rank if one still had a whole window unread (``data.uneven: error``)."""
         self.batches_per_epoch = done
-        more, tails = self._read(rest, self.window)
-        dropped += len(more) * self.stream.batch_size + tails
-        unread = len(more) == self.window
-        world = dist.get_world_size() if _grouped() else 1
-        if world > 1:
-            box = torch.tensor([dropped, int(unread)], dtype=torch.int64, device=_group_device())
-            dist.all_reduce(box)
-            dropped, unread = int(box[0]), bool(box[1])
-        used = done * self.stream.batch_size * world
+        more, more_tails = self._read(rest, self.window)
+        left += len(more)
+        dropped = left * self.stream.batch_size + tails + more_tails
+        reads = all_gather_object((done + left, len(more) == self.window, dropped))
+        uneven_stream_end([(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done, uneven=self.uneven)
+        dropped, unread = sum(r[2] for r in reads), any(r[1] for r in reads)
+        used = done * self.stream.batch_size * len(reads)
         log.info(
             "streaming: epoch %d ended after %d batches per rank (%d samples used); dropped %s%d samples that could "
             "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
         )
         if not done:
             raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; check the dataset and data.batch_size")
-
-
-def _grouped() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _group_device() -> torch.device:
-    """Where the group's tensors live: NCCL reduces CUDA tensors, Gloo CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

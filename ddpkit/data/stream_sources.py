@@ -51,7 +51,9 @@ class TarShards(IterableDataset):
 
     ddpkit_splits_workers = True  # see ddpkit.data.streaming: this class does its own worker split
 
-    def __init__(self, urls: str | Sequence[str], *, fields: Sequence[str] = ("npy", "cls"), shuffle: bool = True, seed: int = 0, key: str = "data.kwargs.urls"):
+    def __init__(
+        self, urls: str | Sequence[str], *, fields: Sequence[str] = ("npy", "cls"), shuffle: bool = True, seed: int = 0, key: str = "data.kwargs.urls",
+    ):
         self.urls = _expand(urls, key)
         self.fields, self.shuffle, self.seed = tuple(fields), shuffle, seed
         self.rank, self.world_size, self.epoch = 0, 1, 0

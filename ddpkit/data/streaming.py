@@ -43,7 +43,7 @@ from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DdpkitError
 
 __all__ = [
-    "ShardedStream", "StreamEpochs", "shard_stream", "build_stream_loader", "build_stream_eval_loader",
+    "ShardedStream", "StreamEpochs", "shard_stream", "build_stream_loader", "build_stream_val_loader",
     "stream_total_steps", "stream_epochs_of", "is_stream", "UNKNOWN_LENGTH",
 ]
 
@@ -179,11 +179,13 @@ def _note_once(message: str) -> None:
 
 def build_stream_loader(
     dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
-    accum: int = 1, window_steps: int = 8, **loader_kwargs: Any,
+    accum: int = 1, window_steps: int = 8, uneven: str = "error", **loader_kwargs: Any,
 ) -> DataLoader:
     """A resumable training loader over this rank's shard of ``dataset`` (batches made by the stream).
 
-    Its ``stream_epochs`` attribute (:func:`stream_epochs_of`) is the :class:`StreamEpochs` that
+    ``accum`` and ``window_steps`` (``data.stream_window``): the read-ahead window, in whole
+    optimizer steps; ``uneven`` (``data.uneven``): what an epoch end with a whole window left on
+    some rank does (see :mod:`ddpkit.data.uneven`). Its ``stream_epochs`` attribute (:func:`stream_epochs_of`) is the :class:`StreamEpochs` that
     the Trainer iterates instead of the loader itself.
 
     Raises:
@@ -203,7 +205,7 @@ def build_stream_loader(
         loader = StatefulDataLoader(
             stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(), **loader_kwargs
         )
-    loader.stream_epochs = StreamEpochs(loader, accum=accum, window_steps=window_steps)
+    loader.stream_epochs = StreamEpochs(loader, accum=accum, window_steps=window_steps, uneven=uneven)
     return loader
 
 
@@ -212,7 +214,7 @@ def stream_epochs_of(loader: Any) -> StreamEpochs | None:
     return getattr(loader, "stream_epochs", None)
 
 
-def build_stream_eval_loader(dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+def build_stream_val_loader(dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """An evaluation loader: every sample of the stream counted on exactly one rank, nothing dropped."""
     stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=False)
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)

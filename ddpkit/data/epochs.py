@@ -1,0 +1,126 @@
+"""The Trainer's epoch protocol over any training loader: start, agree on a length, iterate, save a position.
+
+    start_epoch(loader, epoch, start_batch=batch_in_epoch)          # reseed, skip what a resume already did
+    count = agree_on_batch_count(loader, epoch=epoch, consumed=batch_in_epoch, uneven="error")
+    for batch in exact_batches(loader, count=count, rank=rank, epoch=epoch, consumed=batch_in_epoch): ...
+
+Two kinds of loader answer the protocol: a ddpkit stream loader (its :class:`StreamEpochs`,
+which agrees as it reads) and any other ``DataLoader`` (:class:`SamplerEpochs`, which agrees on
+``len()`` up front, or batch by batch when there is no ``len()``). :func:`epochs_of` is the one
+place that tells them apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit.data.elastic import GlobalBatchSampler
+from ddpkit.data.samplers import ResumableDistributedSampler, SampleSeeded
+from ddpkit.data.stream_epochs import StreamEpochs
+from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total_steps
+from ddpkit.data.uneven import agree_on_count, agreed_batches
+from ddpkit.errors import DataError
+
+__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "run_length", "data_position"]
+
+
+class SamplerEpochs:
+    """The epoch protocol of a map-style ``DataLoader`` (or any loader that is not a ddpkit stream)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    @property
+    def length(self) -> int | None:
+        """Batches per epoch from here on (``len(loader)``), or None for a loader without ``len()``."""
+        try:
+            return len(self.loader)
+        except TypeError:  # a DataLoader over an IterableDataset without __len__
+            return None
+
+    def start_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
+        loader, sampler = self.loader, self.loader.sampler
+        if isinstance(sampler, (ResumableDistributedSampler, GlobalBatchSampler)):
+            sampler.set_epoch(epoch, start_batch * (loader.batch_size or 1))
+        elif isinstance(sampler, DistributedSampler) or hasattr(sampler, "set_epoch"):
+            if start_batch:
+                raise DataError(
+                    f"cannot resume mid-epoch with a {type(sampler).__name__}: it cannot skip samples. "
+                    "Use ddpkit.data.samplers.ResumableDistributedSampler or checkpoint only at epoch ends."
+                )
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        if isinstance(loader.dataset, SampleSeeded):  # workers seed each sample from (seed, epoch, index)
+            loader.dataset.epoch = epoch
+        if loader.generator is not None:
+            seed = sampler.seed if isinstance(sampler, DistributedSampler) else 0
+            loader.generator.manual_seed(seed * 1_000_003 + epoch)
+
+    def agree_on_count(self, *, epoch: int, consumed: int, uneven: str) -> int:
+        length = self.length
+        return UNKNOWN_LENGTH if length is None else agree_on_count(consumed + length, epoch=epoch, uneven=uneven)
+
+    def batches(self, *, count: int, rank: int, epoch: int, consumed: int, uneven: str) -> Iterator[Any]:
+        if count == UNKNOWN_LENGTH:  # no len(): the ranks agree batch by batch
+            yield from agreed_batches(iter(self.loader), epoch=epoch, uneven=uneven)
+            return
+        batches = iter(self.loader)
+        for position in range(consumed, count):
+            batch = next(batches, None)
+            if batch is None:
+                raise DataError(
+                    f"rank {rank}'s training loader ended after {position} batches of epoch {epoch}, "
+                    f"but its len() promised {count}; fix the sampler's __len__"
+                )
+            yield batch
+
+
+def epochs_of(loader: DataLoader) -> StreamEpochs | SamplerEpochs:
+    """The epoch protocol of ``loader``: its :class:`StreamEpochs` for a ddpkit stream, else a :class:`SamplerEpochs`."""
+    return stream_epochs_of(loader) or SamplerEpochs(loader)
+
+
+def start_epoch(loader: DataLoader, epoch: int, *, start_batch: int = 0) -> None:
+    """Prepare ``loader`` for ``epoch``, skipping the first ``start_batch`` batches (resume)."""
+    epochs_of(loader).start_epoch(epoch, start_batch=start_batch)
+
+
+def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int, uneven: str = "error") -> int:
+    """This epoch's batch count (``consumed`` already done plus what ``loader`` yields), the same on every rank.
+
+    DDP needs every rank to run the same number of backward passes. Uneven counts stop every rank
+    with each rank's count (``uneven="error"``) or cut every rank to the shortest (``"truncate"``);
+    see :mod:`ddpkit.data.uneven`. UNKNOWN_LENGTH for a stream or a loader without ``len()``: their
+    ranks agree as they read, and their batches end on every rank at once.
+    """
+    return epochs_of(loader).agree_on_count(epoch=epoch, consumed=consumed, uneven=uneven)
+
+
+def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int, uneven: str = "error") -> Iterator[Any]:
+    """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised."""
+    return epochs_of(loader).batches(count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven)
+
+
+def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where the loader cannot say.
+
+    The ranks agree on the epoch length first (``data.uneven``), so every rank's schedule has the same length.
+    """
+    train, length = config.train, epochs_of(loader).length
+    if length is not None:
+        length = agree_on_count(length, epoch=0, uneven=config.data.uneven)
+    if length is None:
+        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epochs, steps_per_epoch=None, sched_name=config.sched.name)
+        return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
+    steps_per_epoch = math.ceil(length / train.grad_accum_steps)
+    return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch))
+
+
+def data_position(loader: DataLoader) -> dict[str, Any]:
+    """Checkpoint components for where the loader is: a stream's window state; nothing for a sampler
+    (the Trainer's ``Progress.batch_in_epoch`` is all a map-style loader needs)."""
+    stream = stream_epochs_of(loader)
+    return {"data_position": stream} if stream is not None else {}
