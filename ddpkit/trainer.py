@@ -37,6 +37,7 @@ from ddpkit.data.epochs import agree_on_batch_count, data_position, exact_batche
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
+from ddpkit.distributed.sharding import shard_model, shard_optimizer
 from ddpkit.faults.watchdog import Watchdog
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.reporting import reporter
@@ -232,17 +233,18 @@ class Trainer:
         reporter.start_logging(cfg, rank=self.rank)
         seed_for_setup(cfg)  # the same initial weights and data on every rank
         train_set, val_set = self.build_datasets()
-        model = self.build_model()
+        model = shard_model(self.build_model(), self.runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: before the optimizer
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
         self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
-        self.optimizer = self.build_optimizer(model)  # DDP and torch.compile share these parameters
+        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel)  # zero1: ZeroRedundancyOptimizer around it
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         self._step = OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
         parts = TrainingParts(model, self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))
         self.state = RunState(parts, cfg, runtime=self.runtime)
         self.state.check_same_run_on_every_rank(train_set, val_set)  # before DDP, which would fail less clearly
-        self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, exclude=lambda name: self.reporter.outside_training(name))
+        self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
+                                    exclude=lambda name: self.reporter.outside_training(name))
         self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
         resumed = self.state.resume()
         self.progress = parts.progress
@@ -342,7 +344,8 @@ class Trainer:
         self._in_validation = True
         try:
             bare = unwrap_model(self._train_model)
-            return evaluate(bare, self.val_loader, self._watchdog.ticking(self.validation_step), device=self.device, autocast=self._step.autocast)
+            with self._models.for_evaluation():  # fsdp2: parameters gathered once, no collective per batch
+                return evaluate(bare, self.val_loader, self._watchdog.ticking(self.validation_step), device=self.device, autocast=self._step.autocast)
         finally:
             self._in_validation = False
 

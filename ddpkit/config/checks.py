@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.schema import HANG_TIMEOUT
 
+from ddpkit.config.parallel import parallel_problems
+
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig
 
@@ -45,6 +47,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
         )
     problems += _watchdog_problems(cfg.dist)
     problems += _compile_problems(cfg.train.compile)
+    problems += parallel_problems(cfg)
     if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
         problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
     return problems

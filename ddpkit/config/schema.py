@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 # The schema spans a few modules; everything is importable from here.
 from ddpkit.config.fields import option, yaml_key
+from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "EarlyStoppingConfig",
     "TrainConfig",
     "DDPConfig",
+    "ParallelConfig",
+    "FSDPConfig",
     "BestConfig",
     "CheckpointConfig",
     "LogConfig",
@@ -261,6 +264,7 @@ class Config:
     sched: SchedConfig = option(factory=SchedConfig, doc="Learning-rate schedule.")
     train: TrainConfig = option(factory=TrainConfig, doc="Training length and step options.")
     ddp: DDPConfig = option(factory=DDPConfig, doc="DistributedDataParallel options.")
+    parallel: ParallelConfig = option(factory=ParallelConfig, doc="Sharding: `ddp`, `zero1` or `fsdp2` (docs/modes.md).")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="Checkpointing and resume.")
     log: LogConfig = option(factory=LogConfig, doc="Logging.")
 

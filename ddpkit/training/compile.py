@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.config.schema import DDPConfig, TrainConfig
-from ddpkit.distributed.ddp import sync_gradients, unwrap_model, wrap_model
+from ddpkit.config.schema import DDPConfig, ParallelConfig, TrainConfig
+from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
 from ddpkit.errors import DdpkitError
 from ddpkit.training.allocator import keep_freed_host_memory
 
@@ -94,6 +95,10 @@ class Models:
     bare: nn.Module
     watch: CompileWatch | None = None
 
+    def for_evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """The context validation runs in: FSDP2 gathers the parameters once for it, other modes need nothing."""
+        return full_parameters(self.bare)
+
     def close(self) -> None:
         """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
         if self.watch is not None:
@@ -102,7 +107,7 @@ class Models:
 
 
 def build_models(
-    model: nn.Module, runtime: Runtime, *, ddp: DDPConfig, train: TrainConfig,
+    model: nn.Module, runtime: Runtime, *, ddp: DDPConfig, train: TrainConfig, parallel: ParallelConfig | None = None,
     exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Models:
     """``model`` on the runtime's device, in channels_last if asked, DDP-wrapped, then compiled if asked.
@@ -119,7 +124,7 @@ def build_models(
         model = unwrap_model(model)
     if train.channels_last:
         model = to_channels_last(model)
-    wrapped = wrap_model(model, runtime, ddp)
+    wrapped = wrap_for_mode(model, runtime, ddp, parallel or ParallelConfig())  # DDP, or the model fsdp2 already sharded
     bare = unwrap_model(wrapped)
     if settings is None:
         return Models(train=wrapped, eval=bare, bare=bare)

@@ -1,0 +1,137 @@
+"""What each rank holds: parameters, gradients and optimizer state in bytes, per ``parallel.mode``.
+
+    held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters=..., gradients=..., optimizer=...)
+    log_rank_bytes(model, optimizer, mode="fsdp2") # every rank's numbers in one startup log line (a collective)
+    plan = mode_bytes(shapes, world_size=2, mode="zero1", slots=2, element_size=4)  # the same, from shapes only
+
+``rank_bytes`` measures the tensors a rank really owns (an FSDP2 parameter's local shard, the
+optimizer state of ZeRO-1's partition). Gradients and optimizer state do not exist before the
+first step, so at startup they are counted as they will be: one gradient per trainable parameter
+element, ``slots`` state tensors per parameter element (Adam/AdamW 2, SGD with momentum 1).
+``mode_bytes`` computes the same from parameter shapes with torch's own partition rules (ZeRO's
+greedy by-size assignment, FSDP2's dim-0 ``torch.chunk``), so ``ddpkit estimate`` can predict it
+on the meta device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["RankBytes", "rank_bytes", "optimizer_slots", "log_rank_bytes", "mode_bytes", "format_bytes"]
+
+log = logging.getLogger("ddpkit")
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Bytes one rank holds; ``optimizer`` is None when the optimizer's state size is unknown before a step."""
+
+    parameters: int
+    gradients: int
+    optimizer: int | None
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + (self.optimizer or 0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> int | None:
+    """State tensors per parameter element the optimizer will keep (None: not a class ddpkit knows)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the real one
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if any(g.get("amsgrad") for g in inner.param_groups) else 2
+    if isinstance(inner, torch.optim.SGD):
+        return 1 if any(g.get("momentum") for g in inner.param_groups) else 0
+    return None
+
+
+def _owned_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "optim", optimizer)
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankBytes:
+    """What this rank holds now; state that does not exist yet is counted as it will be."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parameters = sum(_nbytes(p) for p in model.parameters())
+    gradients = sum(_nbytes(p.grad) if p.grad is not None else _nbytes(p) for p in trainable)
+    owned = _owned_parameters(optimizer)
+    inner = getattr(optimizer, "optim", optimizer)
+    if any(inner.state.get(p) for p in owned):
+        state = sum(_nbytes(v) for p in owned for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    else:
+        slots = optimizer_slots(optimizer)
+        state = None if slots is None else slots * sum(_nbytes(p) for p in owned)
+    return RankBytes(parameters, gradients, state)
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "unknown until the first step"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str) -> list[RankBytes]:
+    """Gather every rank's :func:`rank_bytes` and log them on rank 0 (call on every rank)."""
+    import torch.distributed as dist
+
+    mine = rank_bytes(model, optimizer)
+    ranks = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    count = sum(p.numel() for p in model.parameters())
+    lines = [f"rank {r}: parameters {format_bytes(b.parameters)}, gradients {format_bytes(b.gradients)}, "
+             f"optimizer state {format_bytes(b.optimizer)}" for r, b in enumerate(ranks)]
+    log.info("parallel.mode=%s: %s parameters; what each rank holds:\n  %s", mode, f"{count:,}", "\n  ".join(lines))
+    return ranks
+
+
+def mode_bytes(shapes: Sequence[tuple[int, ...]], *, world_size: int, mode: str, slots: int, element_size: int = 4) -> list[RankBytes]:
+    """Per-rank bytes of each rank under ``mode``, from the parameter shapes alone (all trainable)."""
+    sizes = [math.prod(s) for s in shapes]
+    full = sum(sizes) * element_size
+    if mode == "ddp":
+        return [RankBytes(full, full, slots * full)] * world_size
+    if mode == "zero1":
+        owned = _zero_partition(sizes, world_size)
+        return [RankBytes(full, full, slots * n * element_size) for n in owned]
+    if mode == "fsdp2":
+        local = [sum(_chunk_numel(s, world_size, rank) for s in shapes) * element_size for rank in range(world_size)]
+        return [RankBytes(n, n, slots * n) for n in local]
+    raise ValueError(f"unknown parallel.mode {mode!r}")
+
+
+def _zero_partition(sizes: Sequence[int], world_size: int) -> list[int]:
+    """Elements each rank owns under ZeroRedundancyOptimizer's rule: largest first, to the least-loaded rank."""
+    owned = [0] * world_size
+    for n in sorted(sizes, reverse=True):
+        rank = owned.index(min(owned))
+        owned[rank] += n
+    return owned
+
+
+def _chunk_numel(shape: tuple[int, ...], world_size: int, rank: int) -> int:
+    """FSDP2's shard of one parameter on ``rank``: ``torch.chunk`` along dim 0 (scalars count as one row)."""
+    rows = shape[0] if shape else 1
+    per = math.ceil(rows / world_size)
+    mine = max(0, min(per, rows - rank * per))
+    return mine * math.prod(shape[1:])

@@ -1,0 +1,162 @@
+"""The ``parallel.mode`` wrappers: DDP, DDP + ZeRO-1, or FSDP2, all torch's own engines.
+
+    model = shard_model(model, runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: fully_shard, in place
+    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel)  # zero1: ZeRO
+    wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)    # ddp / zero1: DDP; fsdp2: the sharded model
+    with sync_gradients(wrapped, sync=is_boundary):                   # no_sync(), or set_requires_gradient_sync
+        loss.backward()
+    with full_parameters(model):                                      # validation: no collective per forward
+        metrics = evaluate(model, ...)
+
+Order matters: FSDP2 replaces each parameter by a sharded ``DTensor``, so ``shard_model`` runs
+before the optimizer is built (it must see the DTensors); ZeRO-1 needs the finished optimizer's
+class and hyperparameters, so ``shard_optimizer`` runs after. The device mesh is built explicitly
+(``init_device_mesh`` on the runtime's device type: a CPU mesh on Gloo, CUDA on NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ddpkit.config.schema import DDPConfig, ParallelConfig
+from ddpkit.distributed import ddp
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
+
+__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks", "is_sharded"]
+
+log = logging.getLogger(__name__)
+
+_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
+
+
+def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *, precision: str = "fp32") -> nn.Module:
+    """``fully_shard`` each block, then the root, on a device mesh over every rank (``fsdp2``); else ``model``."""
+    if parallel.mode != "fsdp2":
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = model.to(runtime.device)
+    mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
+    # Gradients are reduced in fp32 whatever the compute precision: bf16 sums drift from DDP's.
+    mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[precision], reduce_dtype=torch.float32)
+    blocks = fsdp_blocks(model, parallel.fsdp.blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=parallel.fsdp.reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # the root keeps its parameters for the backward (FSDP2's rule)
+    model._ddpkit_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after validation
+    log.info("fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root", len(blocks), runtime.env.world_size,
+             ", ".join(sorted({type(b).__name__ for b in blocks})) or "none")
+    return model
+
+
+def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:
+    """The submodules sharded as one unit each: by class name, or the default rule (docs/modes.md).
+
+    Default: every child that has parameters, of the outermost ``nn.ModuleList`` / ``nn.Sequential``
+    containers (a transformer's layer list, an MLP's layers); the root keeps whatever is left.
+    """
+    if names is not None:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        missing = sorted(set(names) - {type(m).__name__ for m in found})
+        if missing:
+            known = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"parallel.fsdp.blocks: no submodule of class {', '.join(missing)} in the model; its classes are {', '.join(known)}")
+        return _outermost(found)
+    return list(_container_children(model))
+
+
+def _container_children(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            yield from (c for c in child.children() if any(True for _ in c.parameters()))
+        else:
+            yield from _container_children(child)
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """Drop modules nested inside another listed one: FSDP2 units must not overlap in this use."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig) -> torch.optim.Optimizer:
+    """``zero1``: the same optimizer class and groups inside ``ZeroRedundancyOptimizer``; else ``optimizer``."""
+    if parallel.mode != "zero1" or isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    groups = [dict(group) for group in optimizer.param_groups]
+    zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer), **{**optimizer.defaults, **_hyper(groups[0])})
+    for group in groups[1:]:
+        zero.add_param_group(group)
+    return zero
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params" and not k.startswith("initial_")}
+
+
+def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parallel: ParallelConfig) -> nn.Module:
+    """What training calls: the FSDP2 model as it is, or DDP around ``model`` (``ddp``, ``zero1``)."""
+    if isinstance(model, FSDPModule):
+        return model
+    if parallel.mode == "fsdp2":
+        raise RuntimeError("parallel.mode=fsdp2 but the model was not sharded: call shard_model before building the optimizer")
+    return ddp.wrap_model(model, runtime, options)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model that went through ``fully_shard``."""
+    return isinstance(model, FSDPModule)
+
+
+def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
+    """Accumulation without communication: FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync()``.
+
+    FSDP2 decides in the backward, so the flag is set for the micro-step and set back to True on
+    exit: a forgotten ``False`` would silently skip the next reduce-scatter.
+    """
+    if isinstance(model, FSDPModule) and not sync:
+        return _without_gradient_sync(model)
+    return ddp.sync_gradients(model, sync=sync)
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def full_parameters(model: nn.Module) -> Iterator[None]:
+    """FSDP2: gather every block's parameters once, keep them through validation, free them after.
+
+    Without this each forward all-gathers, and a rank with fewer validation batches than the
+    others would wait forever in a collective. Costs the full parameters on every rank meanwhile.
+    """
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()  # the same order on every rank: each is one all-gather
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        # Back to the configured behaviour; the root never reshards after forward (FSDP2's own rule).
+        after_forward = bool(getattr(model, "_ddpkit_reshard_after_forward", True))
+        for unit in units:
+            if unit is not model:
+                unit.set_reshard_after_forward(after_forward, recurse=False)
