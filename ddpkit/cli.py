@@ -9,6 +9,7 @@
     ddpkit bench {throughput,allreduce,autotune} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
+    ddpkit goodput RUN_DIR [--json]          # where the run's wall time went: productive, badput by category
 
 ``run`` validates the config, then starts the workers through torch's own launcher
 (``torch.distributed.run``, i.e. torchrun): a free port is chosen by default, ``--max-restarts``
@@ -38,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     if argv[0] not in commands:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
-    if argv[0] in ("bench", "plot", "runs"):  # these parse their own options
+    if argv[0] in ("bench", "plot", "runs", "goodput"):  # these parse their own options
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
         # Intermixed: options may come before, between or after the key=value overrides.
@@ -76,7 +77,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune (see `ddpkit bench -h`)")
     plot = sub.add_parser("plot", help="plot metrics of one or more run directories (see `ddpkit plot -h`)")
     runs = sub.add_parser("runs", help="table of the runs under a directory: status, steps, val metrics, best, wall time")
-    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs}
+    goodput = sub.add_parser("goodput", help="where a run's wall time went: productive training and badput by category")
+    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs, "goodput": goodput}
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
@@ -107,12 +109,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import load_config
+    from ddpkit.faults.goodput import launch_session
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
     preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
     # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
     grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
-    return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals))
+    with launch_session(cfg.output_dir):  # goodput.jsonl: the launcher's start and exit count in the wall time
+        return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals))
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -146,7 +150,16 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return runs_main(args.rest)
 
 
-_COMMANDS = {"run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs}
+def _cmd_goodput(args: argparse.Namespace) -> int:
+    from ddpkit.tools.goodput import main as goodput_main
+
+    return goodput_main(args.rest)
+
+
+_COMMANDS = {
+    "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs,
+    "goodput": _cmd_goodput,
+}
 
 
 # --- launching through torch.distributed.run -------------------------------------------------------

@@ -38,6 +38,7 @@ from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
 from ddpkit.distributed.sharding import shard_model, shard_optimizer
+from ddpkit.faults.goodput import GoodputLedger
 from ddpkit.faults.watchdog import Watchdog
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.reporting import reporter
@@ -204,7 +205,8 @@ class Trainer:
         """Train as configured and return the final metrics (identical on every rank)."""
         cfg = self.config
         group = process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug, trace_dir=self.output_dir / "logs")
-        with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog:  # hang diagnosis
+        with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog, \
+                GoodputLedger.for_run(cfg, runtime, step=lambda: self.progress.step) as self._goodput:  # hang diagnosis; goodput.jsonl
             self.runtime = runtime
             status = "FAILED"
             try:
@@ -246,12 +248,13 @@ class Trainer:
         self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
                                     exclude=lambda name: self.reporter.outside_training(name))
         self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
-        resumed = self.state.resume()
+        resumed = self._goodput.restore(self.state.resume)  # timed, in goodput.jsonl
         self.progress = parts.progress
         self.reporter = reporter.Reporter(cfg, runtime=self.runtime, total_steps=self.total_steps, progress=self.progress, resumed=resumed)
         self.state.register("sinks", self.reporter.sinks)  # a tracker's run id travels in the checkpoint
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step)
         self._watchdog.listen_to(self.reporter)  # every span is a phase the watchdog sees
+        self._goodput.listen_to(self.reporter)  # first step, checkpoint and validation spans
 
     # --- the loop -----------------------------------------------------------------------------------
 

@@ -65,10 +65,10 @@ def test_table_rows_from_each_runs_files(tmp_path, capsys):
 
     assert main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["name", "status", "steps", "val_accuracy", "val_loss", "best", "wall"]
-    assert lines[1].split() == ["done", "FINISHED", "40", "0.8000", "0.4000", "step", "20", "val_accuracy", "0.9000", "2m05s"]
+    assert lines[0].split() == ["name", "status", "steps", "val_accuracy", "val_loss", "best", "wall", "goodput"]
+    assert lines[1].split() == ["done", "FINISHED", "40", "0.8000", "0.4000", "step", "20", "val_accuracy", "0.9000", "2m05s", "-"]  # no goodput.jsonl
     assert lines[2].split()[:5] == ["killed-hard", "CRASHED", "10", "-", "-"]
-    assert lines[3].split() == ["old", "FINISHED", "20", "0.9000", "0.3000", "-", "5s"]
+    assert lines[3].split() == ["old", "FINISHED", "20", "0.9000", "0.3000", "-", "5s", "-"]
     assert len({line.index("steps") if i == 0 else None for i, line in enumerate(lines)}) == 2  # one header
 
     assert main([str(tmp_path), "--json"]) == 0

@@ -1,17 +1,17 @@
 """``ddpkit runs [DIR]``: one table of the runs under a directory (default ``runs/``).
 
     $ ddpkit runs
-    name        status    steps  val_accuracy  val_loss  best                          wall
-    quickstart  FINISHED    935        0.9905    0.0301  step 935 val_loss 0.0301      41s
-    lr0.1       KILLED      374        0.9812    0.0622  -                             2m03s
-    sweep-3     CRASHED     120             -         -  -                             15s
+    name        status    steps  val_accuracy  val_loss  best                          wall   goodput
+    quickstart  FINISHED    935        0.9905    0.0301  step 935 val_loss 0.0301      41s       0.81
+    lr0.1       KILLED      374        0.9812    0.0622  -                             2m03s     0.64
+    sweep-3     CRASHED     120             -         -  -                             15s          -
 
     $ ddpkit runs runs/ --json          # the same rows as JSON, for scripts
 
 Each row is read from the run's own files, nothing else: ``status.json`` (status, attempts and
 wall time, kept by the trainer), ``metrics.jsonl`` (last step, last ``val_*`` values, and the
 best value of ``checkpoint.best.metric`` from ``config.yaml``), ``checkpoints/best.json`` (the
-step the best checkpoint was taken at) and ``model.pt``. A run whose ``status.json`` still says
+step the best checkpoint was taken at), ``model.pt`` and ``goodput.jsonl`` (productive / wall time). A run whose ``status.json`` still says
 RUNNING although its process on this host is gone is shown as CRASHED (killed outright, e.g.
 out of memory, before it could record how it ended). Runs written before ``status.json``
 existed show FINISHED when they have a ``model.pt``, else ``-``.
@@ -35,6 +35,7 @@ from ddpkit.errors import DdpkitError, exit_code_of
 from ddpkit.reporting.console import format_duration
 from ddpkit.reporting.log import METRICS_FILE, VAL_PREFIX
 from ddpkit.reporting.sinks import read_status
+from ddpkit.tools.goodput_ledger import analyse, read_ledger
 from ddpkit.tools.plot import load_metrics
 
 __all__ = ["main", "RunSummary", "summarize_run", "find_runs"]
@@ -52,6 +53,7 @@ class RunSummary:
     best: str = "-"
     wall_s: float | None = None
     attempts: int | None = None
+    goodput: float | None = None  # productive / wall time, from goodput.jsonl (ddpkit goodput)
 
 
 def find_runs(directory: str | os.PathLike) -> list[Path]:
@@ -77,6 +79,7 @@ def summarize_run(run_dir: str | os.PathLike) -> RunSummary:
     row.steps = max(steps) if steps else None
     row.val = {k: values[-1][1] for k, values in sorted(series.items()) if k.startswith(VAL_PREFIX) and values}
     row.best = _best(run_dir, series)
+    row.goodput = _goodput(run_dir)
     status = read_status(run_dir)
     if status is not None:
         row.status, row.attempts = _status_word(status), status.get("attempts")
@@ -88,6 +91,13 @@ def summarize_run(run_dir: str | os.PathLike) -> RunSummary:
         times = _times(run_dir)
         row.wall_s = times[-1] - times[0] if len(times) > 1 else None
     return row
+
+
+def _goodput(run_dir: Path) -> float | None:
+    try:
+        return analyse(read_ledger(run_dir)).goodput
+    except DdpkitError:  # no ledger (an older run), or nothing in it yet
+        return None
 
 
 def _series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -155,13 +165,14 @@ def _best_metric(run_dir: Path) -> str | None:
 def format_table(rows: Sequence[RunSummary]) -> str:
     """Aligned columns: text left, numbers right; one column per ``val_*`` metric seen."""
     metrics = sorted({k for row in rows for k in row.val})
-    header = ["name", "status", "steps", *metrics, "best", "wall"]
+    header = ["name", "status", "steps", *metrics, "best", "wall", "goodput"]
     lines = [header]
     for row in rows:
         wall = format_duration(row.wall_s) if row.wall_s is not None else "-"
         values = [_number(row.val.get(m)) for m in metrics]
-        lines.append([row.name, row.status, "-" if row.steps is None else str(row.steps), *values, row.best, wall])
-    numeric = {2, *range(3, 3 + len(metrics))}
+        goodput = "-" if row.goodput is None else f"{row.goodput:.2f}"
+        lines.append([row.name, row.status, "-" if row.steps is None else str(row.steps), *values, row.best, wall, goodput])
+    numeric = {2, *range(3, 3 + len(metrics)), len(header) - 1}
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))).rstrip()

@@ -1,0 +1,169 @@
+"""The goodput ledger: each attempt appends the moments that decide where a run's time went.
+
+    with GoodputLedger.for_run(config, runtime, step=lambda: trainer.progress.step) as ledger:
+        ...                                   # build, then restore:
+        resumed = ledger.restore(state.resume)  # timed; records the step training resumes at
+        ledger.listen_to(reporter)            # first step, checkpoint and validation spans
+    # on the way out: an "end" line (FINISHED, STOPPED or FAILED) with the last completed step
+
+    ddpkit goodput runs/exp                   # the report (ddpkit.tools.goodput)
+
+``<output_dir>/goodput.jsonl`` holds one JSON object per line, ``{"event", "t", "session",
+"attempt", "rank", ...}`` with ``t`` in seconds since the epoch. Events: ``launch`` / ``exit``
+(``ddpkit run`` itself, :func:`launch_session`), ``start`` (the worker's process start, read
+from ``/proc``, with ``imported`` and ``ready``: torch imported, process group up), ``restore``
+(``began``, the restored ``step``, its ``source``), ``first_step``, ``progress`` (the step
+reached, about once a second, so a fault's lost work is known to within a second),
+``checkpoint`` (``began``, ``step``, ``kind``: disk, memory or crash), ``validation``
+(``began``, ``step``), ``fault`` (the last completed step, and whether a surviving rank saved
+it) and ``end``.
+
+Rank 0 writes the ledger; any rank may write a ``fault`` line (the survivor of a crash). A line
+is one ``os.write`` on an ``O_APPEND`` file, so lines of different processes never interleave.
+The training thread's cost per step is one clock read and a comparison in the span listener.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LEDGER_FILE", "SESSION_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
+
+LEDGER_FILE = "goodput.jsonl"
+SESSION_ENV = "DDPKIT_GOODPUT_SESSION"  # set by `ddpkit run`; every attempt it launches shares it
+PROGRESS_INTERVAL = 1.0  # seconds between "progress" lines: the resolution of "progress lost to faults"
+_IMPORTED = time.time()  # the trainer imports torch before this module: the end of the import cost
+
+
+def process_start_time(pid: int | str = "self") -> float:
+    """When process ``pid`` started (seconds since the epoch), from ``/proc``; now where unknown.
+
+    The interpreter's own start-up and ``import torch`` happen before any of our code runs, so the
+    kernel's record is the only honest start of an attempt.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # The age from uptime (10 ms resolution), not /proc/stat's btime (whole seconds).
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _identity() -> tuple[str, int]:
+    session = os.environ.get(SESSION_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getppid()}"
+    return session, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def append_event(output_dir: str | os.PathLike, event: str, **fields: Any) -> None:
+    """Append one ledger line (any process, any rank). Never raises: the ledger must not stop a run."""
+    session, attempt = _identity()
+    record = {"event": event, "t": fields.pop("t", None) or time.time(), "session": session, "attempt": attempt,
+              "rank": int(os.environ.get("RANK", "0")), **fields}
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(output_dir) / LEDGER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
+    """``ddpkit run``'s share: its own start and exit, and a session id its workers inherit."""
+    os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex[:12])
+    append_event(output_dir, "launch", t=process_start_time())
+    code: Any = "error"
+    try:
+        yield
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+        raise
+    finally:
+        append_event(output_dir, "exit", code=code)
+
+
+class GoodputLedger:
+    """One attempt's ledger on one rank (only rank 0's writes, except :meth:`fault`)."""
+
+    def __init__(self, output_dir: str | os.PathLike | None, *, step: Callable[[], int]):
+        self.output_dir, self._step = output_dir, step
+        self._span: list[str] = []
+        self._began: dict[str, float] = {}
+        self._first_done = False
+        self._next_progress = 0.0
+        self.last_step, self.last_step_time = 0, time.time()
+
+    @classmethod
+    def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> GoodputLedger:
+        """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere."""
+        return cls(config.output_dir if runtime.env.rank == 0 else None, step=step)
+
+    def _write(self, event: str, **fields: Any) -> None:
+        if self.output_dir is not None:
+            append_event(self.output_dir, event, **fields)
+
+    def __enter__(self) -> GoodputLedger:
+        self._write("start", t=process_start_time(), imported=_IMPORTED, ready=time.time(), pid=os.getpid())
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        status = "FINISHED" if exc is None else ("STOPPED" if getattr(exc, "exit_code", None) == 75 else "FAILED")
+        self._write("end", step=self.last_step, last_step_t=self.last_step_time, status=status)
+
+    def restore(self, resume: Callable[[], Any]) -> Any:
+        """Time ``resume()`` (True or a source name when it restored a checkpoint) and record where training resumes."""
+        began = time.time()
+        resumed = resume()
+        source = resumed if isinstance(resumed, str) else ("disk" if resumed else "none")
+        self.last_step, self.last_step_time = self._step(), time.time()
+        self._write("restore", began=began, step=self.last_step, source=source)
+        return resumed
+
+    def checkpoint(self, *, began: float, step: int, kind: str) -> None:
+        """A save blocked training from ``began`` until now."""
+        self._write("checkpoint", began=began, step=step, kind=kind)
+
+    def listen_to(self, reporter: Any) -> None:
+        """Follow the reporter's spans: step ends, checkpoint and evaluation spans."""
+        reporter.add_phase_listener(self.on_phase)
+
+    def on_phase(self, name: str | None) -> None:
+        """Phase listener: ``name`` starts, or (None) the innermost span ends. Cheap on the step path."""
+        if name is not None:
+            self._span.append(name)
+            if name in ("checkpoint", "evaluation"):
+                self._began[name] = time.time()
+            return
+        ended = self._span.pop() if self._span else None
+        now = time.time()
+        if ended == "optimizer":
+            self._step_done(now)
+        elif ended == "checkpoint":
+            self.checkpoint(began=self._began.pop("checkpoint", now), step=self._step(), kind="disk")
+        elif ended == "evaluation":
+            self._write("validation", began=self._began.pop("evaluation", now), step=self._step())
+
+    def _step_done(self, now: float) -> None:
+        # The optimizer span ends just before the loop counts the step: this is step + 1.
+        self.last_step, self.last_step_time = self._step() + 1, now
+        if not self._first_done:
+            self._first_done = True
+            self._write("first_step", step=self.last_step)
+            self._next_progress = now + PROGRESS_INTERVAL
+        elif now >= self._next_progress:
+            self._next_progress = now + PROGRESS_INTERVAL
+            self._write("progress", step=self.last_step)
