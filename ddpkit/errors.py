@@ -19,6 +19,7 @@ __all__ = [
     "DataError",
     "CheckpointError",
     "ConsistencyError",
+    "HealthError",
 ]
 
 
@@ -51,6 +52,10 @@ class CheckpointError(DdpkitError):
 
 class ConsistencyError(DdpkitError):
     """Ranks disagree on something that must be identical (config, model, data, versions)."""
+
+
+class HealthError(DdpkitError):
+    """Training went unhealthy and ``health`` says stop: non-finite steps, too many skips, diverged replicas."""
 
 
 def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = None) -> int:

@@ -43,6 +43,7 @@ from ddpkit.faults.watchdog import Watchdog
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.reporting import reporter
 from ddpkit.training.compile import Models, build_models, sync_gradients, unwrap_model
+from ddpkit.training.health import TrainingHealth
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
 
@@ -254,6 +255,8 @@ class Trainer:
         self.state.register("sinks", self.reporter.sinks)  # a tracker's run id travels in the checkpoint
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step)
         self._watchdog.listen_to(self.reporter)  # every span is a phase the watchdog sees
+        self._step.health = self.health = TrainingHealth(cfg, runtime=self.runtime, model=model, loader=self.train_loader, progress=self.progress,
+                                                         reporter=self.reporter, state=self.state)  # NaNs, spikes, stragglers, replicas
         self._goodput.listen_to(self.reporter)  # first step, checkpoint and validation spans
 
     # --- the loop -----------------------------------------------------------------------------------
@@ -304,6 +307,7 @@ class Trainer:
         step, train = self.progress.step, self.config.train
         self.reporter.step_done(self.progress)
         self.on_step_end(step)
+        self.health.after_step(step)  # NaN steps were skipped inside the step; stragglers, replicas here
         if step % train.log_every == 0:
             self._log_training()
         if train.eval_every and step % train.eval_every == 0:
@@ -336,7 +340,7 @@ class Trainer:
     # --- logging, evaluation, checkpoints ---------------------------------------------------------------
 
     def _log_training(self) -> None:
-        record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"])
+        record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=self.health.log_fields())
         self.metrics.update(train_loss=record["train_loss"])
         self.on_log(record)
 

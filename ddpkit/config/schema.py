@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 # The schema spans a few modules; everything is importable from here.
 from ddpkit.config.fields import option, yaml_key
+from ddpkit.config.health_section import HealthConfig, SpikeConfig, StragglerConfig
 from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
 
@@ -43,6 +44,9 @@ __all__ = [
     "BestConfig",
     "CheckpointConfig",
     "LogConfig",
+    "HealthConfig",
+    "SpikeConfig",
+    "StragglerConfig",
     "option",
     "yaml_key",
     "HANG_TIMEOUT",
@@ -267,6 +271,7 @@ class Config:
     parallel: ParallelConfig = option(factory=ParallelConfig, doc="Sharding: `ddp`, `zero1` or `fsdp2` (docs/modes.md).")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="Checkpointing and resume.")
     log: LogConfig = option(factory=LogConfig, doc="Logging.")
+    health: HealthConfig = option(factory=HealthConfig, doc="Training health: NaN steps, loss spikes, stragglers, replica divergence (docs/health.md).")
 
     @property
     def output_dir(self) -> str:

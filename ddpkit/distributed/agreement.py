@@ -34,6 +34,7 @@ HARMLESS_PREFIXES = (
     "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
     "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
     "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
+    "health.",  # what to do about a bad step; the steps that are not bad compute the same
 )
 
 

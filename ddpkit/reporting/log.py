@@ -31,6 +31,7 @@ log = logging.getLogger("ddpkit")
 METRICS_FILE = "metrics.jsonl"
 STEP, EPOCH, TIME = "step", "epoch", "time"
 TRAIN_LOSS, LR, SAMPLES_PER_S = "train_loss", "lr", "samples_per_s"
+GRAD_NORM = "grad_norm"  # written by ddpkit.training.health with the skip and spike counters
 VAL_PREFIX = "val_"
 
 

@@ -19,6 +19,7 @@ cost of a method call: a watchdog can tell what each rank is doing without a col
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,8 +149,11 @@ class Reporter:
         self.bar.update()
         self.step_log.write("step %d done (epoch %d, batch %d)", progress.step, progress.epoch, progress.batch_in_epoch)
 
-    def training(self, progress: Any, *, lr: float) -> dict[str, Any]:
-        """Record the loss averaged over ranks and steps (a collective) and the samples/s since the last record."""
+    def training(self, progress: Any, *, lr: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
+        """Record the loss averaged over ranks and steps (a collective) and the samples/s since the last record.
+
+        ``extra``: more fields of the record, the same on every rank (the health metrics: ``grad_norm``, ...).
+        """
         now, step = time.perf_counter(), progress.step
         loss = self._loss.read()
         samples = (step - self._window_step) * self.samples_per_step
@@ -159,13 +163,15 @@ class Reporter:
             logs.TRAIN_LOSS: loss,
             logs.LR: lr,
             logs.SAMPLES_PER_S: samples / max(now - self._window_start, 1e-9),
+            **(extra or {}),
             logs.TIME: time.time(),
         }
+        norm = record.get(logs.GRAD_NORM, math.nan)
         self._window_start, self._window_step = now, step
         self.sinks.write(record)
-        self.bar.show({"loss": loss, "samples/s": round(record[logs.SAMPLES_PER_S]), "lr": lr})
+        self.bar.show({"loss": loss, "grad_norm": norm, "samples/s": round(record[logs.SAMPLES_PER_S]), "lr": lr})
         if not self._show_bar:
-            log.info("step %d epoch %d loss %.4f lr %.3g %.0f samples/s", step, progress.epoch, loss, lr, record[logs.SAMPLES_PER_S])
+            log.info("step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f samples/s", step, progress.epoch, loss, norm, lr, record[logs.SAMPLES_PER_S])
         return record
 
     def validation(self, progress: Any, metrics: dict[str, float]) -> None:

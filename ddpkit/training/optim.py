@@ -90,6 +90,9 @@ class OptimizerStep:
         self._precision, self._device = train.precision, device
         self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
         self._parameters = list(model.parameters())
+        #: The run's :class:`ddpkit.training.health.TrainingHealth` (set by the Trainer): it sees each loss
+        #: before backward and the gradient norm before the update, and may skip the update.
+        self.health: Any = None
 
     def autocast(self) -> Any:
         """The context for forward passes (a reusable no-op in fp32)."""
@@ -97,22 +100,33 @@ class OptimizerStep:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulated micro-batches."""
+        if self.health is not None:
+            loss = self.health.watch_loss(loss)
         if self._accum > 1:
             loss = loss / self._accum
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
-        """Clip, step (through the scaler in fp16), zero the gradients, advance the schedule."""
+        """Clip, step (through the scaler in fp16) unless health says skip, zero the gradients, advance the schedule."""
+        norm = self._gradient_norm()
+        applied = self.health is None or self.health.allow_step(norm, scaled=self.scaler is not None)
+        if applied:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
         if self.scaler is not None:
-            if self._clip:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if self._clip:
-                torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
-            self.optimizer.step()
+            self.scaler.update()  # also after a skip: it resets the unscale_ bookkeeping
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
+        if applied and self.scheduler is not None:
             self.scheduler.step()
+
+    def _gradient_norm(self) -> torch.Tensor | None:
+        """The global gradient norm, computed once: the clip's when clipping, else only when health needs it (unscaled in fp16)."""
+        if not self._clip and self.health is None:
+            return None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self._clip:
+            return torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in self._parameters if p.grad is not None])

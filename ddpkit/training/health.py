@@ -1,0 +1,201 @@
+"""Training health: a NaN, a loss spike, a slow rank or a diverged replica is caught, named and
+handled by every rank together, at the same step.
+
+    health = TrainingHealth(config, runtime=runtime, model=model, loader=train_loader, progress=progress, reporter=reporter, state=run_state)
+    optimizer_step.health = health      # OptimizerStep calls watch_loss() and allow_step(), see below
+    ...
+    health.after_step(step)             # straggler and replica checks, every N steps
+    reporter.training(progress, lr=lr, extra=health.log_fields())   # grad_norm, skipped_steps, ...
+
+Configured by the ``health`` section (:mod:`ddpkit.config.health_section`); docs/health.md has the
+costs as measured. What happens in an optimizer step:
+
+* ``watch_loss(loss)`` (each micro-batch, before backward) multiplies the loss by ``loss * 0 + 1``:
+  exactly 1 when the loss is finite, NaN when it is not, so a rank's non-finite loss makes its
+  gradients NaN and DDP's all-reduce makes every rank's gradients NaN. The ranks agree that the
+  step is bad without a collective of their own.
+* ``allow_step(norm)`` (after the gradient norm, computed once: the clip's when clipping) reads the
+  norm on the host. Non-finite: every rank sees it; one ``all_gather_object`` (only then) collects
+  which ranks' losses were non-finite and their batches' sample indices, rank 0 logs them, and
+  every rank skips the optimizer and scheduler step (``nonfinite: skip``) or raises
+  :class:`~ddpkit.errors.HealthError` (``stop``). ``max_skips`` skips in a row also raise. With fp16,
+  non-finite gradients from finite losses are the GradScaler's business: it skips, and it is counted.
+* With ``spike`` on, one small all_reduce per step gives every rank the same mean loss; a loss or
+  norm ``sigma`` standard deviations above its window is warned about, skipped, or rolled back
+  (the newest valid checkpoint's weights and optimizer, through ``restore``; the data goes on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime, all_gather_object, all_reduce_sum
+from ddpkit.errors import HealthError
+from ddpkit.reporting.log import GRAD_NORM, log
+from ddpkit.training.health_checks import SpikeDetector, sample_indices
+from ddpkit.training.replicas import ReplicaCheck
+from ddpkit.training.straggler import StragglerWatch
+
+__all__ = ["TrainingHealth"]
+
+
+class TrainingHealth:
+    """The ``health`` section's checks for one run, on one rank; every decision is the same on every rank."""
+
+    def __init__(self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Any, reporter: Any, state: Any = None):
+        """``reporter``: its phase listeners time the steps; ``state`` (the RunState): saves these counters, and rollback restores from it."""
+        h, env = config.health, runtime.env
+        self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
+        self.loader, self.progress = loader, progress
+        self.counts = {"skipped_steps": 0, "nonfinite_steps": 0, "scaler_skips": 0, "spikes": 0, "rollbacks": 0, "divergences": 0}
+        #: Restores the newest valid checkpoint's weights and optimizer; True if it did (set by the Trainer for ``rollback``).
+        self.restore: Callable[[], bool] | None = None
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
+        self._norms: list[torch.Tensor] = []  # healthy steps' norms since the last record
+        self._in_a_row = 0
+        spike = h.spike
+        self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
+        self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
+        if self.straggler is not None:
+            reporter.add_phase_listener(self.straggler.phase)
+        if state is not None:
+            state.register("health", self)  # the counters and spike windows continue after a resume
+
+    # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: the same value, with NaN gradients if it is not finite (no host sync)."""
+        detached = loss.detach()
+        self._losses.append(detached)
+        return loss * (detached * 0 + 1)
+
+    def allow_step(self, norm: torch.Tensor, *, scaled: bool = False) -> bool:
+        """Whether to apply this step's update (False: skip it); ``scaled``: a GradScaler decides on overflow."""
+        step, losses, self._losses = self.progress.step + 1, self._losses, []
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()  # fsdp2: a DTensor of the sharded gradients' norm
+        value = float(norm)  # the step's one host read: the decision must be known before optimizer.step()
+        if not math.isfinite(value):
+            return self._nonfinite(step, losses, scaled=scaled)
+        if self.spikes and self._spiked(step, losses, value):
+            return False
+        self._norms.append(norm.detach())
+        self._in_a_row = 0
+        return True
+
+    def _nonfinite(self, step: int, losses: list[torch.Tensor], *, scaled: bool) -> bool:
+        bad = [i for i, v in enumerate(torch.stack(losses).float().tolist()) if not math.isfinite(v)] if losses else []
+        first = self.progress.batch_in_epoch - len(losses)
+        indices = [sample_indices(self.loader, epoch=self.progress.epoch, first_batch=first + i, count=1) for i in bad]
+        reports = all_gather_object((bool(bad), [i for batch in indices if batch for i in batch]))  # only on a bad step
+        ranks = [r for r, (was_bad, _) in enumerate(reports) if was_bad]
+        if not ranks and scaled:
+            self.counts["scaler_skips"] += 1  # fp16 overflow: the GradScaler skips the step and lowers its scale
+            return True
+        self.counts["nonfinite_steps"] += 1
+        where = f"non-finite loss on rank(s) {', '.join(map(str, ranks))}" if ranks else (
+            "non-finite gradients after the all-reduce (the loss was finite on every rank)")
+        samples = "".join(f"; rank {r}'s batch had samples {_short(ix)} of epoch {self.progress.epoch}" for r, (b, ix) in enumerate(reports) if b and ix)
+        if self.cfg.nonfinite == "stop":
+            raise HealthError(
+                f"step {step}: {where}{samples}; stopped (health.nonfinite=stop) before the update, so the weights and "
+                "checkpoints stay finite. Look at those samples and the learning rate, or set health.nonfinite=skip to skip such steps."
+            )
+        return self._skip(step, where + samples)
+
+    def _spiked(self, step: int, losses: list[torch.Tensor], norm: float) -> bool:
+        """Check the step's mean loss (one all_reduce) and norm against their windows; True to skip the update."""
+        total = torch.stack(losses).float().mean().reshape(1) if losses else torch.zeros(1, device=self.device)
+        values = {"loss": all_reduce_sum(total).item() / self.world_size, GRAD_NORM: norm}
+        spiked = [f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})" for name, v in values.items() if self.spikes[name].is_spike(v)]
+        if not spiked:
+            for name, v in values.items():
+                self.spikes[name].add(v)
+            return False
+        self.counts["spikes"] += 1
+        what, action = f"step {step}: spike: {', '.join(spiked)}, over {self.cfg.spike.sigma:g} sigma", self.cfg.spike.action
+        if action == "warn":
+            self._say("%s (health.spike.action=warn)", what)
+            return False
+        if action == "rollback" and self.restore is not None and self.restore():
+            self.counts["rollbacks"] += 1
+            return self._skip(step, what + "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches")
+        return self._skip(step, what)
+
+    def _skip(self, step: int, why: str) -> bool:
+        self.counts["skipped_steps"] += 1
+        self._in_a_row += 1
+        if self._in_a_row >= self.cfg.max_skips:
+            raise HealthError(
+                f"step {step}: {why}; that is {self._in_a_row} skipped steps in a row (health.max_skips={self.cfg.max_skips}): "
+                "stopping. The checkpoints on disk are from before the trouble; lower the learning rate or look at the data, "
+                "or raise health.max_skips."
+            )
+        self._say("step %d: %s; skipped the optimizer and scheduler step on every rank (%d in a row, at most %d)",
+                  step, why, self._in_a_row, self.cfg.max_skips)
+        return False
+
+    def _say(self, fmt: str, *args: Any) -> None:
+        if self.rank == 0:  # every rank took the same decision: one line is enough
+            log.warning(fmt, *args)
+
+    # --- after the step, and at log time ------------------------------------------------------
+
+    def after_step(self, step: int) -> None:
+        """Every step: close the straggler timings (a collective every ``straggler.every`` steps) and check replicas when due."""
+        if self.straggler is not None and (message := self.straggler.step_done()):
+            self._say("%s", message)
+        if self.replicas is not None and step % self.cfg.check_replicas_every == 0 and self.replicas(step=step):
+            self.counts["divergences"] += 1
+
+    def log_fields(self) -> dict[str, float]:
+        """The health metrics of a training record: mean ``grad_norm`` since the last record and the counters."""
+        norms, self._norms = self._norms, []
+        fields: dict[str, float] = {GRAD_NORM: torch.stack(norms).double().mean().item()} if norms else {}
+        fields.update(self.counts)
+        if self.straggler is not None:
+            named = self.straggler.named
+            fields.update(straggler_rank=named[0] if named else -1, straggler_slowdown=round(named[1], 3) if named else 0.0)
+        return fields
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "spikes": {name: d.state_dict() for name, d in self.spikes.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts.update(state.get("counts", {}))
+        for name, saved in state.get("spikes", {}).items():
+            if name in self.spikes:
+                self.spikes[name].load_state_dict(saved)
+
+    def close(self) -> None:
+        if self.straggler is not None:
+            self.straggler.close()
+
+
+def _rank_checks(config: Config, *, runtime: Runtime, model: torch.nn.Module) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
+    """The checks that compare ranks (none in a world of one)."""
+    h, env = config.health, runtime.env
+    if env.world_size == 1:
+        return None, None
+    straggler = None
+    if h.straggler:
+        straggler = StragglerWatch(h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device)
+    replicated = getattr(getattr(config, "parallel", None), "mode", "ddp") != "fsdp2"  # fsdp2 shards the parameters: nothing to compare
+    replicas = None
+    if h.check_replicas_every and replicated:
+        replicas = ReplicaCheck(model, rank=env.rank, world_size=env.world_size, device=runtime.device, on_divergence=h.on_divergence)
+    return straggler, replicas
+
+
+def _short(indices: list[int], limit: int = 16) -> str:
+    shown = ", ".join(map(str, indices[:limit]))
+    return f"[{shown}{', ...' if len(indices) > limit else ''}]"
+
+
+def _mean(detector: SpikeDetector) -> str:
+    return f"{sum(detector.values) / len(detector.values):.4g}" if detector.values else "n/a"

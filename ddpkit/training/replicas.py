@@ -1,0 +1,60 @@
+"""Replica divergence: every rank's parameters must stay bit-for-bit equal to rank 0's under DDP.
+
+    check = ReplicaCheck(model, rank=rank, world_size=2, device=device, on_divergence="broadcast")
+    check(step=100)    # a collective: the same call on every rank; logs, re-broadcasts or raises HealthError
+
+A missed broadcast, a bit flip or rank-dependent user code makes a replica drift while DDP goes on
+averaging gradients computed on different weights. Each rank takes an exact fingerprint of its
+parameters (:func:`ddpkit.training.health_checks.fingerprint`: two int64s, computed on the device)
+and one all_reduce of a ``world_size x 2`` table compares them with rank 0's. ``broadcast`` then
+copies rank 0's parameters to every rank (optimizer state stays each rank's own); ``stop`` raises
+:class:`~ddpkit.errors.HealthError` on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.errors import HealthError
+from ddpkit.reporting.log import log
+from ddpkit.training.health_checks import fingerprint
+
+__all__ = ["ReplicaCheck"]
+
+
+class ReplicaCheck:
+    """Compares every rank's parameter fingerprint with rank 0's, and acts on a difference."""
+
+    def __init__(self, model: torch.nn.Module, *, rank: int, world_size: int, device: torch.device, on_divergence: str):
+        self.model, self.rank, self.world_size, self.device = model, rank, world_size, device
+        self.on_divergence = on_divergence
+        self.divergences = 0  # checks that found a difference, for metrics
+
+    def differing_ranks(self) -> list[int]:
+        """The ranks whose fingerprint differs from rank 0's (a collective)."""
+        table = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.device)
+        table[self.rank] = fingerprint(self.model.parameters()).to(self.device)
+        rows = all_reduce_sum(table).tolist()
+        return [r for r in range(1, self.world_size) if rows[r] != rows[0]]
+
+    def __call__(self, *, step: int) -> list[int]:
+        """Check at optimizer step ``step``; return the differing ranks (empty when all agree)."""
+        differing = self.differing_ranks()
+        if not differing:
+            return []
+        self.divergences += 1
+        ranks = ", ".join(map(str, differing))
+        what = f"replica divergence at step {step}: the parameters of rank(s) {ranks} differ from rank 0's"
+        if self.on_divergence == "stop":
+            raise HealthError(
+                f"{what} (health.on_divergence=stop). Look for rank-dependent code that changes weights outside the optimizer, "
+                "or set health.on_divergence=broadcast to copy rank 0's weights to every rank and go on."
+            )
+        with torch.no_grad():
+            for param in self.model.parameters():
+                dist.broadcast(param.data, src=0)
+        if self.rank == 0:
+            log.warning("%s; copied rank 0's parameters to every rank (health.on_divergence=broadcast)", what)
+        return differing

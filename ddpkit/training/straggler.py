@@ -1,0 +1,101 @@
+"""Names a rank that is consistently slower than the others at its own work.
+
+    watch = StragglerWatch(config.health.straggler, parameters=model.parameters(), rank=0, world_size=2, device=device)
+    reporter.add_phase_listener(watch.phase)     # sees the data / forward / backward spans start and end
+    ...
+    message = watch.step_done()                  # every step; every `every` steps one small all_reduce
+
+Own work per step is this rank's data wait, forward, and backward *until its last gradient is
+ready* (a post-accumulate-grad hook on every parameter notes the time). Backward wall time alone
+cannot tell: DDP waits for the all-reduce at the end of backward, which makes every rank's backward
+as long as the slowest rank's. Each rank keeps its per-step times over a window of ``every`` steps
+and takes their median, so a burst of noise (a descheduled process on a busy machine) that covers
+less than half the window does not count. A rank whose median exceeds the other ranks' median by
+``margin`` in ``windows`` consecutive windows is named, on rank 0, as
+
+    straggler: rank 1 is 38% slower than the median rank over the last 20 steps (data 2.0 ms, compute 31.0 ms)
+
+On CUDA the times are the host's (kernel launches are asynchronous): a rank whose GPU is slow shows
+up through its data wait only. The CPU and the host side of a GPU job are measured exactly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+
+from ddpkit.config.health_section import StragglerConfig
+from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.training.health_checks import slower_ranks
+
+__all__ = ["StragglerWatch"]
+
+_OWN_WORK = ("data", "forward", "backward")
+
+
+class StragglerWatch:
+    """Per-step own-work times on this rank; a comparison across ranks every ``cfg.every`` steps."""
+
+    def __init__(self, cfg: StragglerConfig, *, parameters: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self._phase: str | None = None
+        self._started = self._grad_ready = 0.0
+        self._data = self._compute = 0.0  # this step so far, seconds
+        self._steps: list[tuple[float, float]] = []  # (data, compute) per step of the window
+        self._slow_windows = [0] * world_size
+        self.named: tuple[int, float] | None = None  # the rank named at the last comparison and how much slower
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in parameters if p.requires_grad]
+
+    def _gradient_ready(self, _param: torch.Tensor) -> None:
+        self._grad_ready = time.perf_counter()
+
+    def phase(self, name: str | None) -> None:
+        """A phase listener: ``name`` when a span starts, None when it ends (see Reporter.add_phase_listener)."""
+        now = time.perf_counter()
+        if name is not None:
+            self._phase, self._started = (name, now) if name in _OWN_WORK else (None, now)
+            return
+        if self._phase == "data":
+            self._data += now - self._started
+        elif self._phase == "forward":
+            self._compute += now - self._started
+        elif self._phase == "backward":
+            # Up to the last gradient: after it, the rank only waits for the others' all-reduce.
+            end = self._grad_ready if self._grad_ready > self._started else now
+            self._compute += end - self._started
+        self._phase = None
+
+    def step_done(self) -> str | None:
+        """Close this step's times; at the end of a window compare ranks (a collective) and return a message, if any."""
+        self._steps.append((self._data, self._compute))
+        self._data = self._compute = 0.0
+        if len(self._steps) < self.cfg.every:
+            return None
+        return self._compare()
+
+    def _compare(self) -> str | None:
+        own = statistics.median(d + c for d, c in self._steps)
+        data = statistics.median(d for d, _ in self._steps)
+        compute = statistics.median(c for _, c in self._steps)
+        window, self._steps = len(self._steps), []
+        table = torch.zeros(self.world_size, 3, dtype=torch.float64, device=self.device)
+        table[self.rank] = torch.tensor([own, data, compute], dtype=torch.float64)
+        rows = all_reduce_sum(table).tolist()  # every rank gets the same table, so every rank decides alike
+        slow = dict(slower_ranks([row[0] for row in rows], margin=self.cfg.margin))
+        self._slow_windows = [self._slow_windows[r] + 1 if r in slow else 0 for r in range(self.world_size)]
+        named = [(r, slow[r]) for r in range(self.world_size) if self._slow_windows[r] >= self.cfg.windows]
+        self.named = max(named, key=lambda item: item[1]) if named else None
+        return "; ".join(
+            f"straggler: rank {r} is {fraction:.0%} slower than the median rank over the last {window} steps "
+            f"(data {rows[r][1] * 1e3:.1f} ms, compute {rows[r][2] * 1e3:.1f} ms per step)"
+            for r, fraction in named
+        ) or None
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -1,0 +1,60 @@
+"""A Trainer subclass that makes training unhealthy on purpose, for tests/test_health.py.
+
+    HEALTH_NAN_RANK=1 HEALTH_NAN_STEPS=3 ddpkit run CONFIG --nproc-per-node 2 --script tests/scripts/health_trainer.py
+
+Environment variables (read when the Trainer is built), steps 1-based optimizer steps:
+
+* ``HEALTH_NAN_RANK``, ``HEALTH_NAN_STEPS`` (comma-separated): that rank's loss is NaN at those
+  steps, on the first micro-batch of the step. ``HEALTH_NAN_HOW``: ``add`` (loss + NaN: the
+  gradients stay finite, only the loss tells) or ``mul`` (loss * NaN: NaN gradients too).
+* ``HEALTH_SPIKE_STEPS``: every rank's loss is multiplied by 1000 at those steps.
+* ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step.
+* ``HEALTH_PERTURB_RANK``, ``HEALTH_PERTURB_STEP``: after that step, that rank adds 1e-3 to one
+  weight outside the optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import ddpkit
+
+
+def _steps(name: str) -> set[int]:
+    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
+
+
+class HealthTrainer(ddpkit.Trainer):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        env = os.environ
+        self.nan_rank, self.nan_steps, self.nan_how = int(env.get("HEALTH_NAN_RANK", "-1")), _steps("HEALTH_NAN_STEPS"), env.get("HEALTH_NAN_HOW", "add")
+        self.spike_steps = _steps("HEALTH_SPIKE_STEPS")
+        self.slow_rank, self.slow_s = int(env.get("HEALTH_SLOW_RANK", "-1")), float(env.get("HEALTH_SLOW_MS", "0")) / 1000
+        self.perturb_rank, self.perturb_step = int(env.get("HEALTH_PERTURB_RANK", "-1")), int(env.get("HEALTH_PERTURB_STEP", "0"))
+        self._poisoned_step = -1
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        loss = super().training_step(batch)
+        step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
+        if self.rank == self.slow_rank:
+            time.sleep(self.slow_s)
+        if self.rank == self.nan_rank and step in self.nan_steps and self._poisoned_step != step:
+            self._poisoned_step = step  # the step's first micro-batch only
+            loss = loss + float("nan") if self.nan_how == "add" else loss * float("nan")
+        if step in self.spike_steps:
+            loss = loss * 1000
+        return loss
+
+    def on_step_end(self, step: int) -> None:
+        if self.rank == self.perturb_rank and step == self.perturb_step:
+            with torch.no_grad():
+                next(self.unwrapped_model.parameters()).view(-1)[0] += 1e-3
+
+
+if __name__ == "__main__":
+    HealthTrainer.main()
