@@ -240,7 +240,7 @@ class Trainer:
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
         self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
-        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel)  # zero1: ZeroRedundancyOptimizer around it
+        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel, model=model)  # zero1: ZeRO; logs each rank's bytes
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         self._step = OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
         parts = TrainingParts(model, self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))

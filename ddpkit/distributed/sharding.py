@@ -1,7 +1,7 @@
 """The ``parallel.mode`` wrappers: DDP, DDP + ZeRO-1, or FSDP2, all torch's own engines.
 
     model = shard_model(model, runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: fully_shard, in place
-    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel)  # zero1: ZeRO
+    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel, model=model)  # zero1: ZeRO; logs bytes per rank
     wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)    # ddp / zero1: DDP; fsdp2: the sharded model
     with sync_gradients(wrapped, sync=is_boundary):                   # no_sync(), or set_requires_gradient_sync
         loss.backward()
@@ -17,6 +17,7 @@ class and hyperparameters, so ``shard_optimizer`` runs after. The device mesh is
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 
@@ -27,10 +28,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ddpkit.config.schema import DDPConfig, ParallelConfig
 from ddpkit.distributed import ddp
+from ddpkit.distributed.memory import log_rank_bytes
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 
-__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks", "is_sharded"]
+__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks", "is_sharded", "gradient_norm"]
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +89,27 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for m in modules if id(m) not in inner]
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig) -> torch.optim.Optimizer:
-    """``zero1``: the same optimizer class and groups inside ``ZeroRedundancyOptimizer``; else ``optimizer``."""
-    if parallel.mode != "zero1" or isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    groups = [dict(group) for group in optimizer.param_groups]
-    zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer), **{**optimizer.defaults, **_hyper(groups[0])})
-    for group in groups[1:]:
-        zero.add_param_group(group)
-    return zero
+def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig, *, model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """``zero1``: the same optimizer class and groups inside ``ZeroRedundancyOptimizer``; else ``optimizer``.
+
+    With ``model``, every rank's parameter, gradient and optimizer-state bytes are then logged
+    (:func:`ddpkit.distributed.memory.log_rank_bytes`, a collective): the layout is final here.
+    """
+    if parallel.mode == "zero1" and not isinstance(optimizer, ZeroRedundancyOptimizer):
+        groups = [dict(group) for group in optimizer.param_groups]
+        zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer), **_hyper(optimizer, groups[0]))
+        for group in groups[1:]:
+            zero.add_param_group(group)
+        optimizer = zero
+    if model is not None:
+        log_rank_bytes(model, optimizer, mode=parallel.mode)
+    return optimizer
 
 
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params" and not k.startswith("initial_")}
+def _hyper(optimizer: torch.optim.Optimizer, group: dict) -> dict:
+    """The constructor's keyword arguments out of a param group (AdamW's group also holds ones it sets itself)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in {**optimizer.defaults, **group}.items() if k in accepted and k != "params"}
 
 
 def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parallel: ParallelConfig) -> nn.Module:
@@ -109,6 +119,21 @@ def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parall
     if parallel.mode == "fsdp2":
         raise RuntimeError("parallel.mode=fsdp2 but the model was not sharded: call shard_model before building the optimizer")
     return ddp.wrap_model(model, runtime, options)
+
+
+def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None) -> torch.Tensor:
+    """The global L2 norm of the gradients (clipped to ``max_norm`` when given), the same in every mode.
+
+    FSDP2's gradients are DTensor shards whose norm is a partial value per rank; it is made whole
+    (one all-reduce) before clipping, as torchtitan does, or each rank would clip by its own shard.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -3,6 +3,7 @@
     model: {name: mnist_cnn}                                  # the classic MNIST CNN
     model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
     model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
+    model: {name: tiny_lm, kwargs: {dim: 128, depth: 4}}      # a small transformer LM (data: {name: tokens})
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.nn import functional as F
 
 from ddpkit.registry import register_model
 
-__all__ = ["MLP", "MnistCNN"]
+__all__ = ["MLP", "MnistCNN", "TinyLM", "TransformerBlock"]
 
 
 class MLP(nn.Module):
@@ -60,3 +61,43 @@ class MnistCNN(nn.Module):
 
 register_model("mlp", MLP)
 register_model("mnist_cnn", MnistCNN)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: causal self-attention, then a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True, bias=False)  # a key bias gets only rounding noise as gradient
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """A small GPT-style language model: token and position embeddings, ``depth`` blocks, a linear head.
+
+    ``forward(tokens[B, T])`` returns the logits of the next token after the last position, ``[B, vocab]``,
+    so the Trainer's default classification steps train it (``data: {name: tokens}``). The blocks are an
+    ``nn.ModuleList`` of :class:`TransformerBlock`: FSDP2's default rule shards each as one unit.
+    """
+
+    def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = 4, max_len: int = 128):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(depth))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x[:, -1]))
+
+
+register_model("tiny_lm", TinyLM)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ddpkit.config.schema import OptimConfig, SchedConfig, TrainConfig
+from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.errors import ConfigError
 from ddpkit.registry import OPTIMIZERS, register_optimizer
 from ddpkit.training.precision import autocast, check_precision, grad_scaler
@@ -127,6 +128,4 @@ class OptimizerStep:
             return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self._clip:
-            return torch.nn.utils.clip_grad_norm_(self._parameters, self._clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in self._parameters if p.grad is not None])
+        return gradient_norm(self._parameters, self._clip or None)  # FSDP2's shards: one global norm
