@@ -6,7 +6,7 @@
     ddpkit train CONFIG [key=value ...]      # one worker; what `run` starts (torchrun -m ddpkit train ...)
     ddpkit config CONFIG [key=value ...]     # print the resolved config
     ddpkit export CHECKPOINT OUT.pt          # plain model state_dict for inference
-    ddpkit bench {throughput,allreduce,autotune} ...
+    ddpkit bench {throughput,allreduce,autotune,scaling} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
     ddpkit goodput RUN_DIR [--json]          # where the run's wall time went: productive, badput by category
@@ -15,7 +15,14 @@
 (``torch.distributed.run``, i.e. torchrun): a free port is chosen by default, ``--max-restarts``
 restarts the whole group after a failure (the Trainer resumes from the newest valid
 checkpoint), and a failing rank's traceback appears in the launcher's summary.
-Exit codes: 0 success, 1 a run or launch failure, 2 a config or usage error.
+Exit codes (defined once, in :mod:`ddpkit.errors`; the same from ``ddpkit run``, a worker and ``ddpkit train``):
+
+    0    success
+    1    a run or launch failed (a crash, a data or checkpoint error, a rank stopped because a peer failed)
+    2    the config or the command line is invalid (nothing was started, or every worker refused it)
+    3    the hang watchdog stopped the job (``dist.hang_timeout``; report in ``<output_dir>/logs/hang-*.txt``)
+    75   stopped by a signal after saving (``checkpoint.save_on_signals``): run the same command to resume
+    130  interrupted with Ctrl-C
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import DdpkitError, exit_code_of
+from ddpkit.errors import EXIT_CONFIG, EXIT_OK, DdpkitError, exit_code_of
 from ddpkit.launch.launcher import default_nproc, launch, preflight, torchrun_argv
 
 __all__ = ["main", "torchrun_args"]
@@ -36,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser, commands = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        sys.exit(0 if argv else 2)
+        sys.exit(EXIT_OK if argv else EXIT_CONFIG)
     if argv[0] not in commands:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
     if argv[0] in ("bench", "plot", "runs", "goodput"):  # these parse their own options
@@ -74,7 +81,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     export.add_argument("checkpoint", help="a checkpoint file (step-*.pt) or a checkpoint directory (newest valid)")
     export.add_argument("output", help="where to write the state_dict (.pt)")
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune (see `ddpkit bench -h`)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune, scaling (see `ddpkit bench -h`)")
     plot = sub.add_parser("plot", help="plot metrics of one or more run directories (see `ddpkit plot -h`)")
     runs = sub.add_parser("runs", help="table of the runs under a directory: status, steps, val metrics, best, wall time")
     goodput = sub.add_parser("goodput", help="where a run's wall time went: productive training and badput by category")
@@ -96,7 +103,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import dump_config, load_config
 
     print(dump_config(load_config(args.config, args.overrides)), end="")
-    return 0
+    return EXIT_OK
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -104,7 +111,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ddpkit.trainer import Trainer
 
     run_trainer(Trainer, args.config, args.overrides)
-    return 0
+    return EXIT_OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -129,7 +136,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise DdpkitError(f"{info.path} has no 'model' entry; is it a ddpkit checkpoint?")
     save_atomically(strip_wrapper_prefixes(state["model"]), args.output)  # a file written elsewhere may carry them
     print(f"wrote {args.output}: {len(state['model'])} tensors from {info.path} (step {info.step})")
-    return 0
+    return EXIT_OK
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -3,6 +3,12 @@
 Every message names what is wrong (the config key, file, value or rank) and says what to do.
 The command line turns these into a one-paragraph message and a non-zero exit code instead of a
 traceback; internal invariants use ``assert`` and are bugs, not user errors.
+
+    raise ConfigError("optim.lr: expected a value > 0, got -1; set optim.lr to a positive number")
+    sys.exit(exit_code_of(lambda: command(args), command="ddpkit plot"))   # 0, or the error's code
+
+The process exit codes are defined here, once (every command, worker and launcher uses them):
+``EXIT_OK`` 0, ``EXIT_FAILURE`` 1, ``EXIT_CONFIG`` 2, ``EXIT_HANG`` 3, ``EXIT_PREEMPTED`` 75, ``EXIT_INTERRUPTED`` 130.
 """
 
 from __future__ import annotations
@@ -11,6 +17,12 @@ import sys
 from collections.abc import Callable
 
 __all__ = [
+    "EXIT_OK",
+    "EXIT_FAILURE",
+    "EXIT_CONFIG",
+    "EXIT_HANG",
+    "EXIT_PREEMPTED",
+    "EXIT_INTERRUPTED",
     "report_error",
     "exit_code_of",
     "DdpkitError",
@@ -22,12 +34,25 @@ __all__ = [
     "HealthError",
 ]
 
+EXIT_OK = 0
+#: A run or launch failed: a DdpkitError other than a config error, a crash, or a rank stopped because a peer failed.
+EXIT_FAILURE = 1
+#: The config (or the command line's usage) is invalid: fix it and run again; argparse uses 2 too.
+EXIT_CONFIG = 2
+#: The hang watchdog stopped the job after ``dist.hang_timeout`` without progress (see logs/hang-*.txt).
+EXIT_HANG = 3
+#: Stopped by a signal after saving the step every rank agreed on: run the same command again to resume.
+#: 75 is sysexits.h's EX_TEMPFAIL ("try again later"), the code schedulers read as "requeue me".
+EXIT_PREEMPTED = 75
+#: Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+
 
 class DdpkitError(Exception):
     """Base class: a problem with the user's input or environment, with a message saying how to fix it."""
 
     #: Process exit code used by the command line for this kind of error.
-    exit_code = 1
+    exit_code = EXIT_FAILURE
     #: How the one-line report names it: ``ddpkit run: error: ...`` (``stopped`` for a preemption).
     label = "error"
 
@@ -35,7 +60,7 @@ class DdpkitError(Exception):
 class ConfigError(DdpkitError, ValueError):
     """The YAML file, a ``key=value`` override or a config value is invalid."""
 
-    exit_code = 2
+    exit_code = EXIT_CONFIG
 
 
 class LaunchError(DdpkitError):
@@ -70,10 +95,15 @@ def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = Non
 
 
 def exit_code_of(run: Callable[[], int], *, command: str) -> int:
-    """``run()``'s exit code, with a DdpkitError reported as above and Ctrl-C as 130."""
+    """``run()``'s exit code, with a DdpkitError reported as above and Ctrl-C as :data:`EXIT_INTERRUPTED` (130).
+
+    Args:
+        run: the command; returns its exit code (:data:`EXIT_OK` on success).
+        command: how the one-line error report names the command, e.g. ``"ddpkit plot"``.
+    """
     try:
         return run()
     except DdpkitError as exc:
         return report_error(exc, command=command)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

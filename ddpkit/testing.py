@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import EXIT_FAILURE
+
 __all__ = ["run_on_ranks", "RankFailure"]
 
 
@@ -101,7 +103,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
             pickle.dump(result, f)
     except BaseException:
         Path(workdir, f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)  # skip interpreter teardown: peers may be blocked on a collective with us
+        os._exit(EXIT_FAILURE)  # skip interpreter teardown: peers may be blocked on a collective with us
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

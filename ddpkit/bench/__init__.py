@@ -3,6 +3,7 @@
     ddpkit bench throughput --model resnet18 --batch-size 32 --nproc 1,2 [--steps 20] [--precision bf16] [--plot out.png]
     ddpkit bench allreduce --nproc 2 --sizes 1KB..256MB
     ddpkit bench autotune --config configs/quickstart.yaml [--steps 20] [key=value ...]
+    ddpkit bench scaling --config configs/quickstart.yaml --predict 8,64,512,1024 [--link 100Gbit] [--latency 5us]
 
 * ``throughput`` (:mod:`ddpkit.bench.throughput`): samples/s per world size on synthetic data
   and the scaling efficiency ``throughput_N / (N x throughput_1)``.
@@ -10,10 +11,12 @@
   nccl-tests' definitions, on NCCL or Gloo.
 * ``autotune`` (:mod:`ddpkit.bench.autotune`): the fastest ``ddp.bucket_cap_mb`` /
   ``ddp.gradient_as_bucket_view`` for your own config, and the override that selects it.
+* ``scaling`` (:mod:`ddpkit.bench.scaling`): the step time and scaling efficiency predicted at 8..1024
+  ranks from a one-rank profile of your config and a link model (bandwidth, latency).
 
 Every measurement runs in worker processes started through torch's launcher
-(``torch.distributed.run``); tables go to stdout, progress to stderr. Exit codes: 0 success,
-1 a failed benchmark, 2 a usage error.
+(``torch.distributed.run``); tables go to stdout, progress to stderr. Exit codes (ddpkit.errors):
+0 success, 1 a failed benchmark, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import exit_code_of
+from ddpkit.errors import EXIT_CONFIG, EXIT_OK, exit_code_of
 
 __all__ = ["main"]
 
@@ -44,11 +47,11 @@ def main(argv: Sequence[str]) -> int:
         summary = __doc__.split("\n\n")[0]
         usage = f"{summary}\n\nbenchmarks:\n{listing}\n\n`ddpkit bench BENCHMARK -h` shows a benchmark's options."
         print(usage, file=sys.stdout if argv else sys.stderr)  # asked for help: stdout, exit 0; no benchmark named: exit 2
-        return 0 if argv else 2
+        return EXIT_OK if argv else EXIT_CONFIG
     name = argv[0]
     if name not in _COMMANDS:
         print(f"ddpkit bench: error: unknown benchmark {name!r}; choose from {', '.join(_COMMANDS)}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     module = importlib.import_module(f"ddpkit.bench.{name}")
     parser = argparse.ArgumentParser(prog=f"ddpkit bench {name}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)

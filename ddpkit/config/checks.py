@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.config.schema import HANG_TIMEOUT
-
 from ddpkit.config.parallel import parallel_problems
+from ddpkit.config.schema import HANG_TIMEOUT
 
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig

@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import EXIT_HANG
 from ddpkit.faults.hang_report import classify, format_report, summary_line
 from ddpkit.faults.watchdog_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
 __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER"]
 
-HANG_EXIT_CODE = 3  #: every rank's exit code when the watchdog stops a hung job
+HANG_EXIT_CODE = EXIT_HANG  #: every rank's exit code when the watchdog stops a hung job (3)
 SILENT_AFTER = 10.0  # a heartbeat older than this: the rank is frozen, stopped or gone
 GATHER_WAIT = 6.0  # how long the reporting rank waits for the others' stacks
 

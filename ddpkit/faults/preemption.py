@@ -38,13 +38,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import EXIT_PREEMPTED, DdpkitError
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopOnSignal", "signal_numbers"]
 
-#: Exit code of a worker (and of ``ddpkit run``) stopped by a signal after saving: sysexits.h's
-#: EX_TEMPFAIL, "temporary failure, try again". Relaunching the same command resumes.
-PREEMPTED_EXIT_CODE = 75
+#: Exit code of a worker (and of ``ddpkit run``) stopped by a signal after saving (75, defined in
+#: ddpkit.errors with the others). Relaunching the same command resumes.
+PREEMPTED_EXIT_CODE = EXIT_PREEMPTED
 
 _REQUEST = "request"
 _PROPOSALS = "proposals"

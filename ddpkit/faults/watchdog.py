@@ -43,13 +43,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
+from ddpkit.errors import EXIT_FAILURE
 from ddpkit.faults.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
 from ddpkit.faults.hang_report import SLOW_PHASES, stack_signature, thread_stacks
 from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, terminate, write_error_file, write_text
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
-FAILED_PEER_EXIT_CODE = 1  #: exit code of a rank stopped because another rank failed
+FAILED_PEER_EXIT_CODE = EXIT_FAILURE  #: exit code of a rank stopped because another rank failed (1)
 INTERVAL = 0.5  # seconds between heartbeats (and checks of the alarm key)
 STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
 FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first

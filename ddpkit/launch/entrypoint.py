@@ -5,12 +5,13 @@ torchrun's summary and stop the job.
     run_entrypoint(job)                                         # any worker function (the bench worker)
 
 ``Trainer.main`` parses its command line once with :func:`parse_worker_argv`; ``ddpkit train``
-has argparse's result. Both then run ``cls(CONFIG, overrides=...).fit()`` through ``run_trainer``. ``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected
-exception and its traceback to the error file torchrun reads, so the failing rank's traceback
-appears in the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
+has argparse's result. Both then run ``cls(CONFIG, overrides=...).fit()`` through ``run_trainer``.
+``run_entrypoint(fn)`` calls ``fn`` under torch's ``@record``, which writes an unexpected exception
+and its traceback to the error file torchrun reads, so the failing rank's traceback appears in
+the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
 bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
 recorded in the error file without a traceback, and becomes the exit code (2 for config errors,
-else 1).
+75 for a signal-stopped run, else 1; all defined in :mod:`ddpkit.errors`).
 
 In a job of several ranks, a rank that failed exits at once (see :func:`_exit_now`), so the
 ranks waiting for it in a collective are told within moments instead of after the process-group
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit.distributed.env import read_dist_env
-from ddpkit.errors import DdpkitError, LaunchError, report_error
+from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, report_error
 from ddpkit.faults.preemption import Preempted
 from ddpkit.faults.watchdog_io import terminate
 
@@ -45,7 +46,7 @@ def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "") -> 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG.yaml] [key.sub=value ...]\n\n{usage}")
-        sys.exit(0)
+        sys.exit(EXIT_OK)
     path = args.pop(0) if args and "=" not in args[0] else None
     return path, args
 
@@ -72,7 +73,7 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
             fn()
         except Exception as exc:
             return _on_failure(exc, peers=peers)
-        return 0
+        return EXIT_OK
 
     try:
         code = record(guarded)()
@@ -80,7 +81,7 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
         if not peers:
             raise
         sys.excepthook(*sys.exc_info())  # what the interpreter would print on its way out
-        code = 1
+        code = EXIT_FAILURE
     if code and peers:
         _exit_now(code)
     return code

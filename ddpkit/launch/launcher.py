@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ddpkit.errors import ConfigError, LaunchError
+from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, LaunchError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -84,12 +84,14 @@ def torchrun_argv(
 
 
 def launch(torchrun_argv: list[str]) -> int:
-    """Run torch's launcher with ``torchrun_argv``; return 0, or 1 with torchrun's failure summary printed."""
+    """Run torch's launcher with ``torchrun_argv``; return its exit code (``ddpkit.errors.EXIT_*``).
+
+    0 when every worker succeeded; 75 when they stopped on a signal after saving; else the root cause's
+    code (2 or 3, see :func:`_root_cause_code`) or 1, with torchrun's failure summary printed.
+    """
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
-
-    from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE
 
     args = parse_args(torchrun_argv)
     # torchrun would set this too (with a banner) for several processes per node: one thread
@@ -106,22 +108,20 @@ def launch(torchrun_argv: list[str]) -> int:
             f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
             f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.", file=sys.stderr,
         )
-        return PREEMPTED_EXIT_CODE
+        return EXIT_PREEMPTED
     except ChildFailedError as exc:
-        if all(failure.exitcode == PREEMPTED_EXIT_CODE for failure in exc.failures.values()):
+        if all(failure.exitcode == EXIT_PREEMPTED for failure in exc.failures.values()):
             print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
-            return PREEMPTED_EXIT_CODE
+            return EXIT_PREEMPTED
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
-    return 0
+    return EXIT_OK
 
 
 def _root_cause_code(exc: ChildFailedError) -> int:
     """The first failed rank's exit code when it tells a script what to do (2: fix the config, 3: a hang), else 1."""
-    from ddpkit.faults.hang_monitor import HANG_EXIT_CODE
-
     _, first = exc.get_first_failure()
-    return first.exitcode if first.exitcode in (ConfigError.exit_code, HANG_EXIT_CODE) else 1
+    return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_HANG) else EXIT_FAILURE
 
 
 def _torchrun_forwards_signals() -> bool:
