@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import registry
-from ddpkit.checkpoint.state import Progress, RunState, TrainingParts, seed_for_setup
+from ddpkit.checkpoint.state import Progress, RunState, seed_for_setup
 from ddpkit.config.loader import Config, load_config
 from ddpkit.data.epochs import agree_on_batch_count, data_position, exact_batches, run_length, start_epoch
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
@@ -243,14 +243,15 @@ class Trainer:
         self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel, model=model)  # zero1: ZeRO; logs each rank's bytes
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         self._step = OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
-        parts = TrainingParts(model, self.optimizer, self.scheduler, self._step.scaler, self.progress, data_position(self.train_loader))
-        self.state = RunState(parts, cfg, runtime=self.runtime)
+        self.state = RunState(cfg, runtime=self.runtime, progress=self.progress)
+        parts = dict(model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler, **data_position(self.train_loader))
+        for name, part in parts.items():
+            self.state.register(name, part)  # a checkpoint holds exactly the parts registered by name
         self.state.check_same_run_on_every_rank(train_set, val_set)  # before DDP, which would fail less clearly
         self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
                                     exclude=lambda name: self.reporter.outside_training(name))
         self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
         resumed = self._goodput.restore(self.state.resume)  # timed, in goodput.jsonl
-        self.progress = parts.progress
         self.reporter = reporter.Reporter(cfg, runtime=self.runtime, total_steps=self.total_steps, progress=self.progress, resumed=resumed)
         self.state.register("sinks", self.reporter.sinks)  # a tracker's run id travels in the checkpoint
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step)

@@ -132,7 +132,7 @@ def test_best_checkpoint_holds_the_best_evaluation(logged_run):
     best = max(evals, key=lambda r: r["val_accuracy"])  # the first of equal maxima: later ties don't improve
     state = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert state["progress"]["step"] == best["step"]
-    assert state["components"]["best"]["best"] == pytest.approx(best["val_accuracy"])
+    assert state["best"]["best"] == pytest.approx(best["val_accuracy"])
 
 
 def test_best_checkpoint_is_kept_alongside_step_checkpoints(tmp_path):

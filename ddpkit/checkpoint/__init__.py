@@ -2,5 +2,8 @@
 
 - ``files``: write (temp file, fsync, rename, manifest last), validate, find the newest good one,
   load safely (``weights_only=True``).
-- ``state``: the run's state, one owner: what a checkpoint holds and which one a run resumes from.
+- ``components``: the one state protocol: every part that must survive a restart is registered by
+  name (``state_dict`` / ``load_state_dict``); a checkpoint's schema is the list of those names.
+- ``state``: the run's state, one owner: when to save, which checkpoint a run resumes from, and
+  whether it may.
 """

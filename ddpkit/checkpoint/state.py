@@ -1,16 +1,18 @@
-"""The run's state, one owner: what a checkpoint holds, which file a run resumes from, whether it
-may, how every part is captured and restored, and when to save.
+"""The run's state, one owner: which checkpoint a run resumes from, whether it may, how the
+state is captured and restored, and when to save.
 
-    state = RunState(parts, config, runtime=runtime)
-    state.resume()                      # once, after everything is built: restore or seed fresh
+    state = RunState(config, runtime=runtime)
+    state.register("model", model)                  # every part that must survive a restart, by name
+    state.register("optimizer", optimizer)
+    resumed = state.resume()                        # once, after everything is built: restore or seed fresh
     ...
-    state.save_if_due(after="step")     # rank 0 writes; every rank contributes its RNG state
+    if state.due(after="step"):                     # the periodic schedule, or an agreed stop on a signal
+        state.save(barrier=barrier)                 # rank 0 writes; every rank contributes its RNG state
 
-A checkpoint file is a :class:`Checkpoint`: named fields, written as a plain dict so that
-``torch.load(weights_only=True)`` reads it and ``ddpkit export`` can take ``["model"]`` out.
-The parts it covers are the live objects of :class:`TrainingParts`; each has ``state_dict`` /
-``load_state_dict``. Extra components (early stopping, the best-checkpoint tracker, and whatever
-a feature adds: a data position, a tracker's run id) join by name in ``TrainingParts.components``.
+What a checkpoint holds is decided by registration alone (:mod:`ddpkit.checkpoint.components`):
+each registered name's ``state_dict()``, plus every rank's RNG streams and the run's config and
+versions. The file is a plain dict, so ``torch.load(weights_only=True)`` reads it and ``ddpkit
+export`` takes ``["model"]`` out.
 
 Choosing the file: rank 0 alone resolves ``checkpoint.resume`` (so every rank agrees even if a
 save lands meanwhile) and broadcasts the path; every rank then reads that file, which must be on
@@ -29,87 +31,25 @@ checkpoint cadence, timeouts) may differ. The world size may differ when
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
+from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
 from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
 from ddpkit.errors import CheckpointError
 from ddpkit.faults.preemption import Preempted, StopOnSignal
+from ddpkit.faults.snapshot import prefer_newer
 from ddpkit.reporting.log import log
 from ddpkit.training.metrics import BestTracker
 from ddpkit.training.rng import capture_rng, restore_rng, seed_everything
 
-__all__ = [
-    "Progress", "TrainingParts", "Checkpoint", "RunState",
-    "seed_for_setup",
-]
-
-
-
-@dataclass
-class Progress:
-    """Where training is: optimizer steps taken, current epoch, micro-batches consumed in it."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-
-
-@dataclass
-class TrainingParts:
-    """The live objects a checkpoint captures. ``model`` is the bare model (never the DDP wrapper)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any = None
-    scaler: Any = None
-    progress: Progress = field(default_factory=Progress)
-    #: Named extras with ``state_dict()`` / ``load_state_dict()``: trackers, data position, ...
-    components: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Checkpoint:
-    """What a checkpoint file holds. Saved as ``to_dict()``; read back with :meth:`from_dict`."""
-
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    scaler: dict[str, Any] | None
-    progress: dict[str, int]
-    rng: list[dict[str, Any]]  # one per rank, in rank order
-    components: dict[str, Any]
-    world_size: int
-    config: dict[str, Any]
-    config_hash: str
-    versions: dict[str, str]
-
-    def to_dict(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it deep-copies every tensor of the model and optimizer.
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, path: str) -> Checkpoint:
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [name for name in names if name not in raw]
-        if missing:
-            raise CheckpointError(
-                f"{path} lacks {', '.join(missing)}: it was not written by this version of ddpkit's Trainer. "
-                "Start fresh with checkpoint.resume=none, or load its weights yourself (`ddpkit export`)."
-            )
-        return cls(**{name: raw[name] for name in names})
-
-    def manifest_meta(self) -> dict[str, Any]:
-        """What the manifest beside the file records, for tools that list checkpoints."""
-        return {"epoch": self.progress["epoch"], "config_hash": self.config_hash, "versions": self.versions}
+__all__ = ["Progress", "RunState", "seed_for_setup"]
 
 
 def seed_for_setup(config: Config) -> None:
@@ -120,26 +60,24 @@ def seed_for_setup(config: Config) -> None:
 class RunState:
     """Owns the run's state: capture, save (and when), choose a file, check it, restore it."""
 
-    def __init__(self, parts: TrainingParts, config: Config, *, runtime: Runtime):
-        self.parts, self.config, self.runtime = parts, config, runtime
+    def __init__(self, config: Config, *, runtime: Runtime, progress: Progress):
+        self.config, self.runtime, self.progress = config, runtime, progress
         ck = config.checkpoint
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
         self._last_saved_step = -1
-        self._restored_components: dict[str, Any] = {}
+        self.components = Components()
+        self.components.register("progress", progress)
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         best, early = ck.best, config.train.early_stopping
         self.best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
         self.early_stopping = BestTracker(
             early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, key="train.early_stopping.metric"
         )
-        parts.components.update(early_stopping=self.early_stopping, best=self.best)
+        self.components.register("early_stopping", self.early_stopping)
+        self.components.register("best", self.best)
         env = runtime.env
         self.signals = StopOnSignal(ck.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size)
         self.stopped = False  # set at the optimizer step every rank agreed to stop at
-
-    @property
-    def progress(self) -> Progress:
-        return self.parts.progress
 
     @property
     def outcome(self) -> str:
@@ -160,15 +98,19 @@ class RunState:
             return False
         path, state = chosen
         self._check_compatible(state, path)
-        self._restore(state)
+        self.components.restore(state)
+        self._last_saved_step = self.progress.step
+        # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
+        rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
+        restore_rng(state["rng"][rank] if len(state["rng"]) == world_size else state["rng"][0])
         log.info("resuming from %s (step %d)", path, self.progress.step)
         return True
 
-    def _choose(self) -> tuple[str, Checkpoint] | None:
+    def _choose(self) -> tuple[str, dict[str, Any]] | None:
         choice = problem = None
         if self.runtime.env.rank == 0:
             try:
-                info = ckpt.resolve_resume_path(self.config.checkpoint.resume, self.config.checkpoint_dir)
+                info = prefer_newer(ckpt.resolve_resume_path(self.config.checkpoint.resume, self.config.checkpoint_dir), self.config)  # or /dev/shm
                 choice = str(info.path) if info else None
             except CheckpointError as exc:
                 problem = str(exc)
@@ -177,17 +119,18 @@ class RunState:
             raise CheckpointError(problem)
         if choice is None:
             return None
-        return choice, Checkpoint.from_dict(ckpt.load_checkpoint(choice), path=choice)
+        return choice, read_checkpoint(ckpt.load_checkpoint(choice), path=choice)
 
-    def _check_compatible(self, state: Checkpoint, path: str) -> None:
+    def _check_compatible(self, state: dict[str, Any], path: str) -> None:
         world_size, elastic = self.runtime.env.world_size, self.config.data.global_batch_size is not None
+        saved_world_size = state["world_size"]
         differences = config_differences(
-            state.config, config_to_dict(self.config), saved_world_size=state.world_size, world_size=world_size, elastic=elastic
+            state["config"], config_to_dict(self.config), saved_world_size=saved_world_size, world_size=world_size, elastic=elastic
         )
-        if elastic and state.world_size != world_size and not differences:
+        if elastic and saved_world_size != world_size and not differences:
             log.info(
                 "resuming on %d rank(s) a run checkpointed on %d: same samples per step (data.global_batch_size=%d); "
-                "each rank continues rank 0's random streams", world_size, state.world_size, self.config.data.global_batch_size,
+                "each rank continues rank 0's random streams", world_size, saved_world_size, self.config.data.global_batch_size,
             )
         if differences and not self.config.checkpoint.allow_config_change:
             raise CheckpointError(
@@ -196,54 +139,32 @@ class RunState:
                 + "\nStart fresh with checkpoint.resume=none (or a new run.output_dir), or resume anyway with checkpoint.allow_config_change=true."
             )
 
-    def _restore(self, state: Checkpoint) -> None:
-        parts = self.parts
-        parts.model.load_state_dict(state.model)
-        parts.optimizer.load_state_dict(state.optimizer)
-        if parts.scheduler is not None and state.scheduler is not None:
-            parts.scheduler.load_state_dict(state.scheduler)
-        if parts.scaler is not None and state.scaler is not None:
-            parts.scaler.load_state_dict(state.scaler)
-        parts.progress = Progress(**state.progress)
-        self._restored_components = dict(state.components)
-        for name, component in parts.components.items():
-            component.load_state_dict(state.components.get(name, {}))
-        self._last_saved_step = parts.progress.step
-        rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
-        # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
-        restore_rng(state.rng[rank] if len(state.rng) == world_size else state.rng[0])
-
     def check_same_run_on_every_rank(self, train_set: Any, val_set: Any) -> None:
         """Stop every rank with the differences if ranks built different configs, models or datasets."""
-        check_same_run_on_every_rank(self.config, self.parts.model, train_set, val_set)
+        check_same_run_on_every_rank(self.config, self.components["model"], train_set, val_set)
 
-    def register(self, name: str, component: Any) -> None:
-        """Add a component built after resume (e.g. the reporter's tracker sinks, which need to know
-        whether the run resumed): saved in every checkpoint from now on, and handed the state the
-        resumed checkpoint holds for ``name``, if any."""
-        self.parts.components[name] = component
-        if name in self._restored_components:
-            component.load_state_dict(self._restored_components[name])
+    def register(self, name: str, component: Stateful | None) -> None:
+        """Save ``component`` in every checkpoint from now on under ``name`` (None: nothing to save).
+
+        Register before :meth:`resume` to be restored by it; a component registered later (e.g.
+        the reporter's tracker sinks, which need to know whether the run resumed) receives the
+        state the resumed checkpoint holds for ``name``, if any.
+        """
+        self.components.register(name, component)
 
     # --- save ---------------------------------------------------------------------------------
 
-    def capture(self) -> Checkpoint:
+    def capture(self) -> dict[str, Any]:
         """Everything needed to continue exactly (a collective: gathers every rank's RNG states)."""
-        parts = self.parts
         rng_states = all_gather_object(capture_rng())
-        return Checkpoint(
-            model=parts.model.state_dict(),
-            optimizer=parts.optimizer.state_dict(),
-            scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
-            scaler=parts.scaler.state_dict() if parts.scaler is not None else None,
-            progress=dataclasses.asdict(parts.progress),
-            rng=rng_states,
-            components={name: component.state_dict() for name, component in parts.components.items()},
-            world_size=self.runtime.env.world_size,
-            config=config_to_dict(self.config),
-            config_hash=config_hash(self.config),
-            versions={"ddpkit": __version__, "torch": str(torch.__version__)},
-        )
+        metadata = {
+            "rng": rng_states,  # one per rank, in rank order
+            "world_size": self.runtime.env.world_size,
+            "config": config_to_dict(self.config),
+            "config_hash": config_hash(self.config),
+            "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+        }
+        return self.components.capture(metadata=metadata)
 
     def due(self, *, after: str) -> bool:
         """Whether the periodic schedule asks for a checkpoint now (``after`` is "step" or "epoch")."""
@@ -279,11 +200,12 @@ class RunState:
         state = self.capture()
         if self.runtime.env.rank == 0:
             ck = self.config.checkpoint
-            kwargs = dict(step=step, name=name, keep_last=ck.keep_last, meta=state.manifest_meta())
+            meta = {"epoch": self.progress.epoch, "config_hash": state["config_hash"], "versions": state["versions"]}
+            kwargs = dict(step=step, name=name, keep_last=ck.keep_last, meta=meta)
             if self._writer is not None:
-                self._writer.submit(ckpt.to_cpu(state.to_dict()), self.config.checkpoint_dir, **kwargs)
+                self._writer.submit(ckpt.to_cpu(state), self.config.checkpoint_dir, **kwargs)
             else:
-                ckpt.save_checkpoint(state.to_dict(), self.config.checkpoint_dir, **kwargs)
+                ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
         if self._writer is None:
             barrier("checkpoint")
         if name is None:
@@ -308,7 +230,7 @@ class RunState:
 
     def save_model(self, path: Any) -> None:
         """The bare model's weights as a plain state_dict (``model.pt``): what inference loads."""
-        ckpt.save_atomically(self.parts.model.state_dict(), path)
+        ckpt.save_atomically(self.components["model"].state_dict(), path)
         log.info("saved %s", path)
 
     def wait(self) -> None:

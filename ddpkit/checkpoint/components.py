@@ -1,0 +1,128 @@
+"""What a checkpoint holds: the run's named stateful components, and the file layout around them.
+
+    components = Components()
+    components.register("model", model)            # anything with state_dict() / load_state_dict()
+    components.register("optimizer", optimizer)
+    state = components.capture(rng=[...], metadata={...})   # a plain dict, what torch.save writes
+    components.restore(read_checkpoint(raw, path=path))
+
+One protocol, borrowed from torchtitan's ``Stateful``: every part of a run that must survive a
+restart (model, optimizer, schedule, gradient scaler, progress counters, data position, early
+stopping, the best-checkpoint tracker, a tracker's run id, ...) has ``state_dict()`` /
+``load_state_dict()`` and is registered by name. Nothing else decides what a checkpoint holds:
+the file's ``schema`` is the list of registered names, each saved under its own key, beside the
+run's metadata (:data:`METADATA_KEYS`). A component built late (after resume was decided)
+registers then and receives the state the resumed checkpoint holds for its name.
+
+Files written before this layout (format 1: ``model``, ``optimizer``, ``scheduler``, ``scaler``
+and ``progress`` at the top, the rest under ``components``) are read into the same shape by
+:func:`read_checkpoint`, so checkpoints of earlier releases still resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ddpkit.errors import CheckpointError
+
+__all__ = ["Stateful", "Progress", "Components", "read_checkpoint", "METADATA_KEYS", "REQUIRED_COMPONENTS"]
+
+#: Keys a checkpoint holds besides its components: every rank's RNG streams, and what wrote it.
+METADATA_KEYS = ("schema", "rng", "world_size", "config", "config_hash", "versions")
+#: Components without which a checkpoint cannot continue a run.
+REQUIRED_COMPONENTS = ("model", "optimizer", "progress")
+_FORMAT_1_TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "progress")
+
+
+class Stateful(Protocol):
+    """Anything a checkpoint can hold: ``torch.nn.Module``, ``torch.optim.Optimizer``, schedulers, ..."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Progress:
+    """Where training is: optimizer steps taken, current epoch, micro-batches consumed in it."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore in place: the loop, the reporter and the watchdog all hold this same object."""
+        self.step, self.epoch, self.batch_in_epoch = int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
+
+
+class Components:
+    """The run's stateful parts by name, in registration order."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Stateful] = {}
+        self._restored: dict[str, Any] = {}  # the resumed checkpoint, for components registered later
+
+    def register(self, name: str, component: Stateful | None) -> None:
+        """Save ``component`` under ``name`` from now on (None: nothing to save, e.g. no scheduler).
+
+        If a checkpoint was already restored, ``component`` receives the state it holds for
+        ``name``, so a part built after resume (a tracker sink) continues where it was.
+        """
+        if name in METADATA_KEYS:
+            raise ValueError(f"{name!r} is reserved for a checkpoint's metadata; register the component under another name")
+        if component is None:
+            self._parts.pop(name, None)
+            return
+        self._parts[name] = component
+        if self._restored.get(name) is not None:
+            component.load_state_dict(self._restored[name])
+
+    def __getitem__(self, name: str) -> Stateful:
+        return self._parts[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._parts)
+
+    def capture(self, *, metadata: dict[str, Any]) -> dict[str, Any]:
+        """Every component's state under its name, plus ``metadata`` (see :data:`METADATA_KEYS`)."""
+        state = {name: part.state_dict() for name, part in self._parts.items()}
+        return {**state, **metadata, "schema": list(self._parts)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load each registered component that ``state`` holds; keep the rest for late registrations.
+
+        A component the checkpoint lacks keeps its freshly built state (e.g. a run that now has a
+        schedule resumes a checkpoint written without one).
+        """
+        self._restored = {name: state[name] for name in state["schema"]}
+        for name, part in self._parts.items():
+            if self._restored.get(name) is not None:
+                part.load_state_dict(self._restored[name])
+
+
+def read_checkpoint(raw: dict[str, Any], *, path: str) -> dict[str, Any]:
+    """A loaded checkpoint file in the current layout (format 1 files are converted), or a CheckpointError."""
+    if "schema" not in raw and "components" in raw:  # format 1, written by releases before this layout
+        raw = _from_format_1(raw)
+    missing = [key for key in (*METADATA_KEYS, *REQUIRED_COMPONENTS) if key not in raw]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(missing)}: it was not written by ddpkit's Trainer. "
+            "Start fresh with checkpoint.resume=none, or load its weights yourself (`ddpkit export`)."
+        )
+    return raw
+
+
+def _from_format_1(raw: dict[str, Any]) -> dict[str, Any]:
+    extras = raw.get("components") or {}
+    top = {name: raw[name] for name in _FORMAT_1_TOP_LEVEL if raw.get(name) is not None}
+    converted = {key: raw[key] for key in METADATA_KEYS if key in raw}
+    converted.update(top)
+    converted.update(extras)
+    converted["schema"] = [*top, *extras]
+    return converted

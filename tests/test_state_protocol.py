@@ -1,0 +1,91 @@
+"""One state protocol: a checkpoint holds exactly the components registered by name.
+
+Fast, no process group beyond a world of one: registration and restore order, reserved names,
+late registration, and a checkpoint written by the previous release (format 1) resuming bitwise.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, load_weights, tiny_config
+
+import ddpkit
+from ddpkit.checkpoint.components import Components, Progress, read_checkpoint
+from ddpkit.checkpoint.files import load_checkpoint
+from ddpkit.errors import CheckpointError
+
+V1_DIR = Path(__file__).parent / "data" / "checkpoint_v1"
+
+
+def v1_config(out: Path) -> dict:
+    """The config that wrote tests/data/checkpoint_v1 (a 6-step MLP run, checkpoints every 3 steps)."""
+    return tiny_config(
+        out,
+        data={"kwargs": {"num_train": 64, "num_val": 16, "image_size": 6}, "batch_size": 16},
+        model={"kwargs": {"in_features": 36, "hidden": [8]}},
+        sched={"name": "cosine", "warmup_steps": 2},
+        train={"epochs": None, "max_steps": 6, "log_every": 2, "eval_every": 3},
+        checkpoint={"every_steps": 3, "keep_last": 2, "best": {"metric": "val_loss", "mode": "min"}},
+    )
+
+
+class Counter:
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_a_checkpoint_holds_exactly_the_registered_names():
+    components = Components()
+    components.register("progress", Progress(step=7))
+    components.register("counter", Counter(3))
+    components.register("scheduler", None)  # nothing to save: not in the schema
+    state = components.capture(metadata={"rng": [], "world_size": 1})
+    assert state["schema"] == ["progress", "counter"]
+    assert state["counter"] == {"value": 3} and state["progress"]["step"] == 7
+
+    fresh, late = Components(), Counter()
+    progress = Progress()
+    fresh.register("progress", progress)
+    fresh.restore(state)
+    assert progress.step == 7  # restored in place: everyone holding the object sees it
+    fresh.register("counter", late)  # registered after resume: receives its saved state
+    assert late.value == 3
+    with pytest.raises(ValueError, match="reserved"):
+        fresh.register("rng", Counter())
+
+
+def test_a_file_without_the_required_parts_is_refused_with_the_fix():
+    with pytest.raises(CheckpointError, match="lacks .*model.*checkpoint.resume=none"):
+        read_checkpoint({"schema": [], "rng": [], "world_size": 1, "config": {}, "config_hash": "", "versions": {}}, path="x.pt")
+
+
+def test_a_format_1_checkpoint_reads_into_the_current_layout():
+    state = read_checkpoint(load_checkpoint(V1_DIR / "step-000000003.pt"), path="v1")
+    assert state["schema"] == ["model", "optimizer", "scheduler", "progress", "early_stopping", "best", "sinks"]  # no scaler: fp32
+    assert state["progress"]["step"] == 3 and "components" not in state
+
+
+def test_a_checkpoint_of_the_previous_release_resumes_to_the_same_bits(tmp_path):
+    cfg = v1_config(tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("step-000000003.pt", "step-000000003.json"):
+        shutil.copy(V1_DIR / name, checkpoints / name)
+    metrics = ddpkit.Trainer(cfg).fit()
+    assert metrics["step"] == 6
+    assert_bitwise_equal(load_weights(tmp_path / "run" / "model.pt"), load_weights(V1_DIR / "model-step-6.pt"))
+    newest = load_checkpoint(checkpoints / "step-000000006.pt")
+    # The schema is the registered names (fp32: no scaler), each saved under its own key.
+    assert {"progress", "early_stopping", "best", "model", "optimizer", "scheduler", "sinks"} <= set(newest["schema"])
+    assert "scaler" not in newest["schema"] and all(name in newest for name in newest["schema"])
+    assert torch.is_tensor(newest["model"]["net.1.weight"]) and "components" not in newest
