@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.parallel import parallel_problems
 from ddpkit.config.schema import HANG_TIMEOUT
+from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_MODES, COMPILE_TORCH_OPTIONS
 
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig
@@ -68,8 +69,7 @@ def _watchdog_problems(d: DistConfig) -> list[str]:
     return problems
 
 
-_COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options", "recompile_limit", "validation")
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMPILE_KEYS = (*COMPILE_TORCH_OPTIONS, *COMPILE_DDPKIT_OPTIONS)
 
 
 def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
@@ -77,9 +77,9 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
     if not isinstance(value, dict):
         return []
     problems = [f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}" for key in value if key not in _COMPILE_KEYS]
-    if value.get("mode") not in (None, *_COMPILE_MODES):
-        problems.append(f"train.compile.mode: expected one of {', '.join(_COMPILE_MODES)}, got {value['mode']!r}")
-    limit = value.get("recompile_limit", 8)
+    if value.get("mode") not in (None, *COMPILE_MODES):
+        problems.append(f"train.compile.mode: expected one of {', '.join(COMPILE_MODES)}, got {value['mode']!r}")
+    limit = value.get("recompile_limit", COMPILE_DDPKIT_OPTIONS["recompile_limit"])
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         problems.append(f"train.compile.recompile_limit: expected an integer >= 1, got {limit!r}")
     return problems

@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 from ddpkit.config.fields import option
 
-__all__ = ["OptimConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig"]
+__all__ = ["OptimConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
+
+# The one table of `train.compile` keys: the config checks and ddpkit.training.compile both read it.
+#: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
+COMPILE_TORCH_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
+#: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults.
+COMPILE_DDPKIT_OPTIONS = {"recompile_limit": 8, "validation": True}
+#: The values ``torch.compile`` accepts for ``mode``.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)

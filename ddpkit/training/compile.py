@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ddpkit.config.schema import DDPConfig, ParallelConfig, TrainConfig
+from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_TORCH_OPTIONS
 from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
@@ -56,10 +57,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
-TORCH_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
-#: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults.
-DDPKIT_OPTIONS = {"recompile_limit": 8, "validation": True}
+#: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are (the config's own table).
+TORCH_OPTIONS = COMPILE_TORCH_OPTIONS
+#: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults (the config's own table).
+DDPKIT_OPTIONS = COMPILE_DDPKIT_OPTIONS
 
 _TURN_OFF = "set train.compile=false to train without compiling"
 
