@@ -39,6 +39,8 @@ from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
 from ddpkit.distributed.sharding import shard_model, shard_optimizer
 from ddpkit.faults.goodput import GoodputLedger
+from ddpkit.faults.recovery import CrashSave
+from ddpkit.faults.snapshot import MemorySnapshots
 from ddpkit.faults.watchdog import Watchdog
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.reporting import reporter
@@ -259,6 +261,8 @@ class Trainer:
         self._step.health = self.health = TrainingHealth(cfg, runtime=self.runtime, model=model, loader=self.train_loader, progress=self.progress,
                                                          reporter=self.reporter, state=self.state)  # NaNs, spikes, stragglers, replicas
         self._goodput.listen_to(self.reporter)  # first step, checkpoint and validation spans
+        CrashSave.arm(cfg, self.runtime, self.state, self.reporter, ledger=self._goodput)  # a dead peer costs no step
+        MemorySnapshots.arm(cfg, self.runtime, self.state, self.reporter, ledger=self._goodput)  # checkpoint.memory_every_steps
 
     # --- the loop -----------------------------------------------------------------------------------
 

@@ -114,7 +114,8 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_equal(tmp_path):
     def launch(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
         cfg_path = out / "exp.yaml"
         out.mkdir()
-        cfg_path.write_text(yaml.safe_dump(cnn_config(out, train={"epochs": 2}, checkpoint={"every_steps": 3})))
+        # crash_save off: this test is about the newest periodic checkpoint (tests/test_goodput.py has the crash save)
+        cfg_path.write_text(yaml.safe_dump(cnn_config(out, train={"epochs": 2}, checkpoint={"every_steps": 3, "crash_save": False})))
         return run_cli("run", str(cfg_path), "--nproc-per-node", "2", "--max-restarts", "2", "--script", "tests/checkpoint_crash.py", env=env, timeout=180)
 
     killed = launch(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "7"})

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -99,18 +100,20 @@ def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
 class GoodputLedger:
     """One attempt's ledger on one rank (only rank 0's writes, except :meth:`fault`)."""
 
-    def __init__(self, output_dir: str | os.PathLike | None, *, step: Callable[[], int]):
-        self.output_dir, self._step = output_dir, step
+    def __init__(self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = "."):
+        self.output_dir, self._step, self._dir = output_dir, step, run_dir
         self._span: list[str] = []
         self._began: dict[str, float] = {}
         self._first_done = False
         self._next_progress = 0.0
         self.last_step, self.last_step_time = 0, time.time()
+        self._on_failure: list[Callable[[BaseException], None]] = []
+        self._on_exit: list[Callable[[str], None]] = []
 
     @classmethod
     def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> GoodputLedger:
         """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere."""
-        return cls(config.output_dir if runtime.env.rank == 0 else None, step=step)
+        return cls(config.output_dir if runtime.env.rank == 0 else None, step=step, run_dir=config.output_dir)
 
     def _write(self, event: str, **fields: Any) -> None:
         if self.output_dir is not None:
@@ -120,8 +123,22 @@ class GoodputLedger:
         self._write("start", t=process_start_time(), imported=_IMPORTED, ready=time.time(), pid=os.getpid())
         return self
 
+    def on_failure(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook(error)`` when the attempt fails (not when a signal stopped it after saving)."""
+        self._on_failure.append(hook)
+
+    def on_exit(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(status)`` when the attempt ends, whichever way (FINISHED, STOPPED or FAILED)."""
+        self._on_exit.append(hook)
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         status = "FINISHED" if exc is None else ("STOPPED" if getattr(exc, "exit_code", None) == 75 else "FAILED")
+        failed = status == "FAILED" and isinstance(exc, Exception)
+        for hook, arg in [*((h, exc) for h in self._on_failure if failed), *((h, status) for h in self._on_exit)]:
+            try:
+                hook(arg)
+            except Exception as problem:  # the original failure is what the user must see
+                print(f"ddpkit: {getattr(hook, '__qualname__', hook)} failed: {type(problem).__name__}: {problem}", file=sys.stderr, flush=True)
         self._write("end", step=self.last_step, last_step_t=self.last_step_time, status=status)
 
     def restore(self, resume: Callable[[], Any]) -> Any:
@@ -133,9 +150,12 @@ class GoodputLedger:
         self._write("restore", began=began, step=self.last_step, source=source)
         return resumed
 
-    def checkpoint(self, *, began: float, step: int, kind: str) -> None:
-        """A save blocked training from ``began`` until now."""
-        self._write("checkpoint", began=began, step=step, kind=kind)
+    def checkpoint(self, *, began: float, step: int, kind: str, always: bool = False) -> None:
+        """A save blocked training from ``began`` until now (``always``: written from any rank, e.g. a crash save)."""
+        if always and self.output_dir is None:
+            append_event(self._dir, "checkpoint", began=began, step=step, kind=kind)
+        else:
+            self._write("checkpoint", began=began, step=step, kind=kind)
 
     def listen_to(self, reporter: Any) -> None:
         """Follow the reporter's spans: step ends, checkpoint and evaluation spans."""
@@ -149,13 +169,12 @@ class GoodputLedger:
                 self._began[name] = time.time()
             return
         ended = self._span.pop() if self._span else None
-        now = time.time()
         if ended == "optimizer":
-            self._step_done(now)
+            self._step_done(time.time())
         elif ended == "checkpoint":
-            self.checkpoint(began=self._began.pop("checkpoint", now), step=self._step(), kind="disk")
+            self.checkpoint(began=self._began.pop("checkpoint", time.time()), step=self._step(), kind="disk")
         elif ended == "evaluation":
-            self._write("validation", began=self._began.pop("evaluation", now), step=self._step())
+            self._write("validation", began=self._began.pop("evaluation", time.time()), step=self._step())
 
     def _step_done(self, now: float) -> None:
         # The optimizer span ends just before the loop counts the step: this is step + 1.

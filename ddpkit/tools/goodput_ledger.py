@@ -97,9 +97,12 @@ class Report:
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/goodput.jsonl`` (or the file itself); a line cut short by a crash is skipped."""
     path = Path(run_dir)
-    path = path / LEDGER_FILE if path.is_dir() else path
+    path = path if path.suffix == ".jsonl" else path / LEDGER_FILE
     if not path.is_file():
-        raise DdpkitError(f"{path} does not exist: goodput is recorded by runs of ddpkit's Trainer (this run predates it, or never started)")
+        raise DdpkitError(
+            f"{path} does not exist: pass a run's output directory (run.output_dir); goodput is recorded by runs of "
+            "ddpkit's Trainer, so a run that predates it, or never started, has none"
+        )
     records = []
     for line in path.read_text().splitlines():
         try:

@@ -1,0 +1,183 @@
+"""A crashed worker costs zero steps: a surviving rank saves the last completed step on its way out.
+
+    crash_save = CrashSave.arm(config, runtime, state, reporter, ledger=ledger)   # once, after resume
+    # ... if fit() fails (a peer died, torchrun's SIGTERM): the ledger's exit calls crash_save.save(error)
+
+Under DDP every rank holds the complete model and optimizer state. When one worker dies (SIGKILL,
+a segfault, an OOM kill) the survivors' next collective fails, or torchrun stops them with
+SIGTERM; the lowest-ranked survivor on the host then writes the last *completed* optimizer step
+through the crash-safe writer (:func:`ddpkit.checkpoint.files.save_checkpoint`: temporary file,
+fsync, rename, manifest last), and the restarted group resumes from it. A second failure during
+that save leaves the previous checkpoint as the newest valid one.
+
+What is recorded at each step boundary, and why it is enough. Parameters and optimizer state
+change only inside the ``optimizer`` span. At the start of the first ``data`` span after it, the
+previous step is complete (its logging, validation and checkpoint included): this module then
+copies the progress counters (three ints) and the torch RNG state (5 KB, under a microsecond),
+nothing else. A failure inside data, forward or backward leaves the parameters at that boundary,
+so the boundary is saved; a failure between the start of ``optimizer`` and the next ``data``
+(a half-applied update, or a step whose validation did not finish) is not saved, and the restart
+uses the newest periodic checkpoint as before. Python's and NumPy's generators are compared with
+their state at the start of the attempt instead of copied each step (tens of microseconds): if the
+loop drew from them the save is skipped, since the boundary's value is unknown.
+
+Choosing the rank without collectives (the dead rank breaks them): every rank writes its pid to
+``/dev/shm/ddpkit-pids-<run>/<session>-<attempt>-rank<r>.pid`` (removed when the attempt ends,
+or by the next attempt after a kill); a failing rank saves if no lower rank on its host is alive.
+The dead ranks' RNG streams are not readable from another process: the saved file gives every
+rank the saving rank's boundary torch stream, which matters only when ranks draw per-rank random
+numbers (dropout with per-rank masks, DataLoader worker seeds) after the boundary step. Streams
+(``data_position`` components) advance mid-step and are not saved this way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit._version import __version__
+from ddpkit.checkpoint import files as ckpt
+from ddpkit.config.serialize import config_hash, config_to_dict
+from ddpkit.reporting.log import log
+from ddpkit.training.rng import capture_rng
+
+__all__ = ["CrashSave", "lowest_live_rank"]
+
+SHM = Path("/dev/shm")
+
+
+def _pid_files(config: Any) -> tuple[Path, str]:
+    """The run's pid directory (one per output directory) and this attempt's file-name prefix."""
+    key = hashlib.sha1(str(Path(config.output_dir).resolve()).encode()).hexdigest()[:12]
+    session = os.environ.get("DDPKIT_GOODPUT_SESSION") or os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    base = SHM if SHM.is_dir() else Path(config.output_dir)
+    return base / f"ddpkit-pids-{key}", f"{session}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead
+    except (OSError, IndexError):
+        return False
+
+
+def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | None:
+    """The lowest rank of this attempt whose recorded pid is alive on this host (None if none recorded)."""
+    for rank in range(world_size):
+        try:
+            pid = int((directory / f"{prefix}rank{rank}.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            return rank
+    return None
+
+
+class CrashSave:
+    """Step-boundary bookkeeping on every rank, and the save the lowest survivor makes on failure."""
+
+    def __init__(self, config: Any, runtime: Any, state: Any, *, ledger: Any = None):
+        self.config, self.runtime, self.state, self.ledger = config, runtime, state, ledger
+        self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
+        self.boundary: tuple[dict[str, int], torch.Tensor] | None = None
+        self._clean = True  # parameters equal the boundary's (False from optimizer start to the next data start)
+        self._others = (random.getstate(), _numpy_state())
+        self._dir, self._prefix = _pid_files(config)
+        self._pid_file: Path | None = self._dir / f"{self._prefix}rank{self.rank}.pid"
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            for old in self._dir.glob("*.pid"):  # earlier attempts' files: their processes are gone
+                if not old.name.startswith(self._prefix):
+                    old.unlink(missing_ok=True)
+            self._pid_file.write_text(str(os.getpid()))
+        except OSError:
+            self._pid_file = None
+
+    def close(self, status: str) -> None:
+        """The attempt ended (any way): remove this rank's pid file, and the directory once empty."""
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
+            try:
+                self._dir.rmdir()
+            except OSError:
+                pass  # another rank's file is still there
+
+    @classmethod
+    def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> CrashSave | None:
+        """Listen to the loop's spans and be called by ``ledger`` on failure; None when it cannot help."""
+        if runtime.env.world_size == 1 or not config.checkpoint.crash_save or "data_position" in state.components.names:
+            return None
+        crash = cls(config, runtime, state, ledger=ledger)
+        reporter.add_phase_listener(crash.on_phase)
+        ledger.on_failure(crash.save)
+        ledger.on_exit(crash.close)  # after the save: the pid files decide who saves
+        return crash
+
+    def on_phase(self, name: str | None) -> None:
+        """Two comparisons per span; at the first data span after an update, copy the boundary."""
+        if name == "optimizer":
+            self._clean = False
+        elif name == "data" and (not self._clean or self.boundary is None):
+            self.boundary = (self.state.progress.state_dict(), torch.get_rng_state())
+            self._clean = True
+
+    def save(self, error: BaseException) -> None:
+        """On a failed fit(): save the boundary if it is whole and this is the lowest live rank."""
+        why = self._refusal()
+        if why is not None:
+            log.warning("crash save skipped on rank %d: %s", self.rank, why)
+            return
+        began, (progress, torch_rng) = time.time(), self.boundary
+        latest = ckpt.find_latest_checkpoint(self.config.checkpoint_dir)
+        if latest is not None and latest.step >= progress["step"]:
+            return  # that step is on disk already
+        state = self._capture(progress, torch_rng)
+        ck = self.config.checkpoint
+        meta = {"epoch": progress["epoch"], "config_hash": state["config_hash"], "versions": state["versions"], "crash_save": True}
+        ckpt.save_checkpoint(state, self.config.checkpoint_dir, step=progress["step"], keep_last=ck.keep_last, meta=meta)
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        log.warning("rank %d saved step %d after %s: %s", self.rank, progress["step"], type(error).__name__, cause)
+        if self.ledger is not None:
+            self.ledger.checkpoint(began=began, step=progress["step"], kind="crash", always=True)
+
+    def _refusal(self) -> str | None:
+        if self.boundary is None:
+            return "no step completed in this attempt"
+        if not self._clean:
+            return "the failure came during an optimizer update or the work after it"
+        if (random.getstate(), _numpy_state()) != self._others:
+            return "the loop drew from Python's or NumPy's generator, whose boundary value is unknown"
+        if self._pid_file is None:
+            return None if self.rank == 0 else "no pid files to find the lowest live rank: rank 0 saves"
+        if lowest_live_rank(self._dir, self._prefix, self.world_size) != self.rank:
+            return "a lower rank is alive and saves"
+        return None
+
+    def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:
+        rng = {**capture_rng(), "torch": torch_rng}
+        metadata = {
+            "rng": [rng] * self.world_size,  # the dead ranks' streams are not readable: see the module docstring
+            "world_size": self.world_size,
+            "config": config_to_dict(self.config),
+            "config_hash": config_hash(self.config),
+            "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
+        }
+        state = self.state.components.capture(metadata=metadata)
+        state["progress"] = dict(progress)  # the live counters already count the interrupted step's batch
+        return state
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    name, keys, pos, has_gauss, cached = numpy.random.get_state()
+    return name, keys.tobytes(), pos, has_gauss, cached

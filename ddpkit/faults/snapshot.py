@@ -1,0 +1,127 @@
+"""In-memory snapshots: a copy of the run's state in ``/dev/shm`` every K steps, so losing every
+worker of a host at once (a SIGKILL to all, a node-level OOM kill) costs at most K steps.
+
+    checkpoint:
+      memory_every_steps: 10        # ddpkit run exp.yaml --max-restarts 3
+
+    snapshots = MemorySnapshots.arm(config, runtime, state, reporter, ledger=ledger)   # once, after resume
+    newest_snapshot(config)         # what a restart compares with the newest disk checkpoint
+
+Every ``memory_every_steps`` optimizer steps, at the first ``data`` span after the step (the step
+is then complete on every rank, its validation and disk checkpoint included), every rank joins
+:meth:`RunState.capture` (one small all-gather of the RNG states), rank 0 copies the state to new
+CPU tensors and a background thread writes it with the same crash-safe writer as disk
+checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
+``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
+host (or a reboot), which is what disk checkpoints are for.
+
+A snapshot never misleads a resume: the directory is named by the run (the output directory's
+path and inode, so a deleted and recreated directory is another run), a snapshot is used only
+when it is valid (manifest, size, checksum) and newer than the newest valid disk checkpoint,
+RunState then checks its config like any checkpoint's, and a snapshot at or below the newest disk
+checkpoint is stale and removed. A finished run removes its snapshots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpkit.checkpoint import files as ckpt
+from ddpkit.reporting.log import log
+
+__all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
+
+SHM = Path("/dev/shm")
+KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
+
+
+def snapshot_dir(config: Any) -> Path:
+    """``/dev/shm/ddpkit-<run>``: named by the output directory's path and inode."""
+    out = Path(config.output_dir).resolve()
+    try:
+        inode = out.stat().st_ino
+    except OSError:
+        inode = 0
+    key = hashlib.sha1(f"{out}:{inode}".encode()).hexdigest()[:16]
+    return SHM / f"ddpkit-{key}"
+
+
+def newest_snapshot(config: Any) -> ckpt.CheckpointInfo | None:
+    """The newest valid memory snapshot newer than every valid disk checkpoint, else None (stale ones removed)."""
+    directory = snapshot_dir(config)
+    if not directory.is_dir():
+        return None
+    disk = ckpt.find_latest_checkpoint(config.checkpoint_dir)
+    remove_stale(directory, disk.step if disk else -1)
+    snapshot = ckpt.find_latest_checkpoint(directory)
+    return snapshot if snapshot is not None and (disk is None or snapshot.step > disk.step) else None
+
+
+def prefer_newer(disk: ckpt.CheckpointInfo | None, config: Any) -> ckpt.CheckpointInfo | None:
+    """What ``checkpoint.resume: auto`` resumes from: ``disk`` (the newest valid disk checkpoint) or a newer snapshot."""
+    if config.checkpoint.resume != "auto" or not config.checkpoint.memory_every_steps:
+        return disk
+    return newest_snapshot(config) or disk
+
+
+def remove_stale(directory: Path, disk_step: int) -> None:
+    """Delete snapshots the disk has caught up with (manifest first, like ``files.prune``)."""
+    for info in ckpt.list_checkpoints(directory):
+        if info.step <= disk_step:
+            ckpt.manifest_path(info.path).unlink(missing_ok=True)
+            info.path.unlink(missing_ok=True)
+
+
+class MemorySnapshots:
+    """Takes a snapshot every ``checkpoint.memory_every_steps`` steps (see the module docstring)."""
+
+    def __init__(self, config: Any, runtime: Any, state: Any, *, every: int, ledger: Any = None):
+        self.config, self.state, self.every, self.ledger = config, state, every, ledger
+        self.is_main = runtime.env.rank == 0
+        self.directory = snapshot_dir(config)
+        self._writer = ckpt.AsyncCheckpointWriter()
+        self._pending = False  # an optimizer step ended; the next data span is its boundary
+        self._last = state.progress.step
+
+    @classmethod
+    def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> MemorySnapshots | None:
+        """Follow the loop's spans when ``checkpoint.memory_every_steps`` is set and ``/dev/shm`` exists."""
+        every, env = config.checkpoint.memory_every_steps, runtime.env
+        if not every or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
+            return None
+        snapshots = cls(config, runtime, state, every=every, ledger=ledger)
+        reporter.add_phase_listener(snapshots.on_phase)
+        ledger.on_exit(snapshots.close)
+        return snapshots
+
+    def on_phase(self, name: str | None) -> None:
+        if name == "optimizer":
+            self._pending = True
+        elif name == "data" and self._pending:
+            self._pending = False
+            step = self.state.progress.step
+            if step - self._last >= self.every:
+                self._take(step)
+
+    def _take(self, step: int) -> None:
+        began = time.time()
+        state = self.state.capture()  # every rank: the all-gather of RNG states
+        self._last = step
+        if self.is_main:
+            meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
+            self._writer.submit(ckpt.to_cpu(state), self.directory, step=step, keep_last=KEEP, meta=meta)
+            if self.ledger is not None:
+                self.ledger.checkpoint(began=began, step=step, kind="memory")
+
+    def close(self, status: str) -> None:
+        """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
+        try:
+            self._writer.wait()
+        except Exception as exc:  # a full /dev/shm must not fail a run that trained fine
+            log.warning("memory snapshot not written: %s", exc)
+        if status == "FINISHED" and self.is_main:
+            shutil.rmtree(self.directory, ignore_errors=True)

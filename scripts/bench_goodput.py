@@ -1,0 +1,172 @@
+"""Goodput under faults, before and after crash saves and memory snapshots; recovery time split.
+
+    .venv/bin/python scripts/bench_goodput.py chaos --rounds 2 --faults 5     # alternating variants
+    .venv/bin/python scripts/bench_goodput.py cost                            # per-step cost, snapshot cost
+
+``chaos`` runs a 2-rank digits MLP under ``ddpkit run --max-restarts`` with ``--faults`` faults
+injected from outside at random moments (SIGKILL of one worker, SIGTERM of one worker, SIGKILL
+of every worker, in turn), once per variant per round, alternating: ``before`` (crash_save off, no
+memory snapshots: what ddpkit did until now) and ``after`` (the defaults). It prints, per
+variant, the median goodput (``ddpkit goodput``), the steps re-trained per fault kind (from the
+per-rank step logs of tests/scripts/goodput_trainer.py) and the recovery time split: failure
+detection (kill -> the last worker gone), torchrun's restart (-> the new process starts),
+interpreter + imports, process group, data and model build, checkpoint load, first step.
+
+``cost`` times, in one process, what the step path pays per optimizer step (the span listeners of
+the ledger and the crash save's boundary copy) against the MLP's own step, and one memory
+snapshot (capture and copy to new CPU tensors) against it, which sets ``memory_every_steps``.
+The load average is printed before and after: on a shared machine the absolute times are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = "tests/scripts/goodput_trainer.py"
+VARIANTS = {"before": {"crash_save": False, "memory_every_steps": None}, "after": {}}
+KINDS = ["kill-one", "term-one", "kill-all"]
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split(" ")[0:3].__str__()
+
+
+def config(out: Path, variant: str) -> Path:
+    cfg = {
+        "run": {"name": "chaos", "output_dir": str(out / "run"), "seed": 0},
+        "data": {"name": "digits", "batch_size": 32, "kwargs": {"num_train": 4096, "num_val": 256, "image_size": 12}},
+        "model": {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [64]}},
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 3, "log_every": 20},
+        "checkpoint": {"every_epochs": 1, **VARIANTS[variant]},
+        "log": {"progress_bar": False},
+    }
+    path = out / "exp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's children that run the training script (torchrun runs in the launcher's process)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == launcher and SCRIPT.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
+
+
+def ledger(out: Path) -> list[dict]:
+    path = out / "run" / "goodput.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def inject(proc: subprocess.Popen, out: Path, faults: int, rng: random.Random) -> list[dict]:
+    """Wait for each attempt's first step, then hit it; return what was done and when."""
+    done = []
+    for i in range(faults):
+        while proc.poll() is None and sum(r["event"] == "first_step" and r["attempt"] == i for r in ledger(out)) == 0:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.2, 1.5))
+        pids = workers(proc.pid)
+        if proc.poll() is not None or len(pids) < 2:
+            break
+        kind = KINDS[i % len(KINDS)]
+        targets = pids if kind == "kill-all" else [rng.choice(pids)]
+        t = time.time()
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM if kind == "term-one" else signal.SIGKILL)
+        while any(Path(f"/proc/{pid}").exists() and (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z") for pid in pids):
+            time.sleep(0.02)
+        done.append({"kind": kind, "t": t, "gone": time.time(), "attempt": i})
+    return done
+
+
+def analyse_run(out: Path, faults: list[dict]) -> dict:
+    from ddpkit.tools.goodput_ledger import analyse
+
+    records = ledger(out)
+    report = analyse(records)
+    trained = [line.split() for rank in (0, 1) for line in (out / "run" / f"trained-rank{rank}.log").read_text().splitlines()]
+    rows = []
+    for fault in faults:
+        a = fault["attempt"]
+        by = {r["event"]: r for r in records if r["attempt"] == a + 1 and r["event"] in ("start", "restore", "first_step")}
+        if len(by) < 3:
+            continue
+        last = max(int(s) for at, s, _ in trained if int(at) == a)
+        rows.append({"kind": fault["kind"], "lost_steps": last - by["restore"]["step"], "detect": fault["gone"] - fault["t"],
+                     "restart": by["start"]["t"] - fault["gone"], "imports": by["start"]["imported"] - by["start"]["t"],
+                     "group": by["start"]["ready"] - by["start"]["imported"], "build": by["restore"]["began"] - by["start"]["ready"],
+                     "load": by["restore"]["t"] - by["restore"]["began"], "first_step": by["first_step"]["t"] - by["restore"]["t"]})
+    return {"goodput": report.goodput, "wall": report.wall_s, "badput": report.badput, "faults": rows}
+
+
+def chaos(args: argparse.Namespace) -> None:
+    rng, results = random.Random(args.seed), {v: [] for v in VARIANTS}
+    print(f"load average before: {loadavg()}", flush=True)
+    for round_ in range(args.rounds):
+        for variant in (VARIANTS if round_ % 2 == 0 else reversed(list(VARIANTS))):
+            out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant}-"))
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "ddpkit", "run", str(config(out, variant)), "--nproc-per-node", "2",
+                   "--max-restarts", str(args.faults + 1), "--script", SCRIPT]
+            began = time.time()
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"))
+            faults = inject(proc, out, args.faults, rng)
+            code = proc.wait()
+            result = {**analyse_run(out, faults), "measured_wall": time.time() - began, "rc": code, "dir": str(out)}
+            results[variant].append(result)
+            print(json.dumps({"round": round_, "variant": variant, **result}), flush=True)
+    print(f"load average after: {loadavg()}")
+    summarize(results)
+
+
+def summarize(results: dict) -> None:
+    for variant, runs in results.items():
+        print(f"\n{variant}: median goodput {statistics.median(r['goodput'] for r in runs):.2f} over {len(runs)} run(s); "
+              f"ledger wall / measured wall {statistics.median(r['wall'] / r['measured_wall'] for r in runs):.3f}")
+        for kind in KINDS:
+            rows = [f for r in runs for f in r["faults"] if f["kind"] == kind]
+            if rows:
+                parts = {k: statistics.median(f[k] for f in rows) for k in rows[0] if k != "kind"}
+                print(f"  {kind:9s} n={len(rows)} " + " ".join(f"{k}={v:.2f}" if k != "lost_steps" else f"{k}={v:g}" for k, v in parts.items()))
+
+
+def cost(args: argparse.Namespace) -> None:
+    from bench_goodput_cost import measure  # noqa: PLC0415 - kept apart to keep this file short
+
+    print(f"load average before: {loadavg()}")
+    measure(rounds=args.rounds)
+    print(f"load average after: {loadavg()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["chaos", "cost"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--faults", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    chaos(args) if args.mode == "chaos" else cost(args)
+
+
+if __name__ == "__main__":
+    main()
