@@ -1,9 +1,14 @@
-"""Rank-aware logging, the rank-0 progress bar, and metric sinks (JSON lines, TensorBoard).
+"""Rank-aware logging, the metrics file's keys and writer (JSON lines, TensorBoard), the debug step log.
+
+    setup_logging(rank=0, log_dir="runs/x/logs")      # [rank0] 12:00:01 INFO ... on stderr (+ logs/rank0.log)
+    console_through(display)                          # while a live bar shows: log lines go above it
+    MetricSinks("runs/x", enabled=True).write({"step": 40, "train_loss": 0.31})   # metrics.jsonl
 
 * Python ``logging`` under the ``ddpkit`` logger, each line tagged with the rank. Rank 0 logs at
   INFO, the others at WARNING (``log.all_ranks: true`` shows every rank), optionally also to
   ``<output_dir>/logs/rank<N>.log``.
-* A tqdm bar on rank 0 only; other ranks stay quiet.
+* The progress display itself (rank 0's bar, or progress lines in a batch log) is
+  :mod:`ddpkit.reporting.console`; it routes the console log lines through itself with :func:`console_through`.
 * ``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation, written
   by rank 0 and flushed as it goes, so a crashed run keeps its history.
 * TensorBoard event files with ``torch.utils.tensorboard`` when ``log.tensorboard: true``.
@@ -21,7 +26,7 @@ from typing import Any
 
 from ddpkit.errors import DdpkitError
 
-__all__ = ["setup_logging", "console_through", "ProgressBar", "MetricSinks", "StepLog", "METRICS_FILE"]
+__all__ = ["setup_logging", "console_through", "MetricSinks", "StepLog", "METRICS_FILE"]
 
 log = logging.getLogger("ddpkit")
 
@@ -58,20 +63,20 @@ def setup_logging(rank: int, *, all_ranks: bool = False, log_dir: str | Path | N
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """Writes to stderr, through tqdm while a bar is showing so log lines do not break it."""
+    """Writes to stderr, through the console's display while a live bar shows, so log lines do not break it."""
 
-    bar: Any = None
+    display: Any = None
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
     def emit(self, record: logging.LogRecord) -> None:
-        bar = _ConsoleHandler.bar
-        if bar is None:
+        display = _ConsoleHandler.display
+        if display is None:
             super().emit(record)
             return
         try:
-            bar.write(self.format(record), file=sys.stderr)
+            display.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never raise into the training loop
             self.handleError(record)
 
@@ -79,39 +84,7 @@ class _ConsoleHandler(logging.StreamHandler):
 def console_through(writer: Any) -> None:
     """Send console log lines through ``writer.write(line, file=...)`` (a live progress bar that
     must not be broken, see :mod:`ddpkit.reporting.console`), or straight to stderr again with None."""
-    _ConsoleHandler.bar = writer
-
-
-class ProgressBar:
-    """A tqdm bar over optimizer steps on the main rank; a no-op everywhere else."""
-
-    def __init__(self, *, total: int, initial: int = 0, enabled: bool = True):
-        self._bar = None
-        if enabled:
-            from tqdm.auto import tqdm  # lazy: keeps `import ddpkit` fast
-
-            # Redrawn at most every second on a terminal; every 30 s in a log file.
-            interval = 1.0 if sys.stderr.isatty() else 30.0
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=interval, file=sys.stderr)
-            _ConsoleHandler.bar = self._bar
-
-    def update(self, steps: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(steps)
-
-    def show(self, values: dict[str, Any]) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix({k: _short(v) for k, v in values.items()}, refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-            _ConsoleHandler.bar = None
-
-
-def _short(value: Any) -> Any:
-    return f"{value:.4g}" if isinstance(value, float) else value
+    _ConsoleHandler.display = writer
 
 
 class MetricSinks:

@@ -3,13 +3,15 @@
     reporter = Reporter(config, runtime=runtime, total_steps=1000, progress=progress, resumed=False)
     with reporter.span("forward"):           # a timeline span (and the phase others may watch)
         loss = model(x)
-    reporter.step_done(progress)              # progress bar, debug step log
-    reporter.training(progress, loss=..., lr=...)   # every log_every steps: sinks, bar, log line
+    reporter.add_loss(loss, owner=Trainer)    # every micro-batch: kept on the device, no sync
+    reporter.step_done(progress)              # the console's progress display, debug step log
+    record = reporter.training(progress, lr=0.05)    # every log_every steps: loss over ranks, sinks, console
     with reporter.outside_training("evaluation"):   # left out of samples/s
-        ...
+        metrics = evaluate(model)
+    reporter.validation(progress, metrics)    # {"val_accuracy": 0.97, ...}: sinks and a log line
     reporter.close()
 
-It owns the rank-0 progress bar, the metric sinks (``metrics.jsonl``, TensorBoard), the debug
+It owns rank 0's console (the progress display of :mod:`ddpkit.reporting.console`), the metric sinks (``metrics.jsonl``, TensorBoard), the debug
 step log, the timeline and the samples/s window; the Trainer holds none of them. Records carry
 the keys defined beside their writer in :mod:`ddpkit.reporting.log` (``ddpkit plot`` reads the same names).
 Phase listeners (``add_phase_listener``) see every span's name as it starts and ends, at the
@@ -55,7 +57,7 @@ def start_logging(config: Config, *, rank: int) -> None:
 
 
 class Reporter:
-    """Progress bar, metric sinks, step log, timeline and throughput of one run, on one rank."""
+    """Console progress display, metric sinks, step log, timeline and throughput of one run, on one rank."""
 
     def __init__(self, config: Config, *, runtime: Runtime, total_steps: int, progress: Any, resumed: bool):
         cfg, rank = config, runtime.env.rank
@@ -69,7 +71,7 @@ class Reporter:
         self.sinks = build_sinks(cfg, append=resumed) if self.is_main else SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
         known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
-        self.bar = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step, enabled=self._show_bar, every=cfg.log.progress_every)
+        self.console = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step, enabled=self._show_bar, every=cfg.log.progress_every)
         self._window_start, self._window_step = time.perf_counter(), progress.step
         self._outside = 0  # depth of outside_training spans
         self._phase_listeners: list[Callable[[str | None], None]] = []
@@ -145,8 +147,8 @@ class Reporter:
         return self._loss.pending
 
     def step_done(self, progress: Any) -> None:
-        """After every optimizer step: advance the bar, note the step in the debug log."""
-        self.bar.update()
+        """After every optimizer step: advance the progress display, note the step in the debug log."""
+        self.console.update()
         self.step_log.write("step %d done (epoch %d, batch %d)", progress.step, progress.epoch, progress.batch_in_epoch)
 
     def training(self, progress: Any, *, lr: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
@@ -169,7 +171,7 @@ class Reporter:
         norm = record.get(logs.GRAD_NORM, math.nan)
         self._window_start, self._window_step = now, step
         self.sinks.write(record)
-        self.bar.show({"loss": loss, "grad_norm": norm, "samples/s": round(record[logs.SAMPLES_PER_S]), "lr": lr})
+        self.console.show({"loss": loss, "grad_norm": norm, "samples/s": round(record[logs.SAMPLES_PER_S]), "lr": lr})
         if not self._show_bar:
             log.info("step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f samples/s", step, progress.epoch, loss, norm, lr, record[logs.SAMPLES_PER_S])
         return record
@@ -185,7 +187,7 @@ class Reporter:
 
     def close(self, status: str = "FINISHED") -> None:
         """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED."""
-        self.bar.close()
+        self.console.close()
         self.sinks.finish(status, [self.output_dir / "model.pt"] if status == "FINISHED" else [])
         self.step_log.close()
 
