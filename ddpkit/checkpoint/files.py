@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ __all__ = [
 log = logging.getLogger("ddpkit")
 
 FORMAT_VERSION = 1
-_STEP_FILE = re.compile(r"^step-(\d{9})\.pt$")
+_STEP_FILE = re.compile(r"^step-(\d{9})\.(?:pt|dcp)$")  # .dcp: a sharded checkpoint directory (checkpoint/sharded.py)
 _HASH_CHUNK = 1 << 22
 
 
@@ -129,7 +130,7 @@ def _write_atomically(path: Path, write: Callable[[Any], Any]) -> tuple[str, int
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return writer.sha.hexdigest(), writer.size
 
 
@@ -143,7 +144,7 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     _write_atomically(Path(path), lambda f: f.write(data))
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make a rename durable: fsync the directory entry (a no-op where unsupported)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -167,7 +168,7 @@ def prune(directory: Path, keep_last: int) -> None:
     """Remove all but the newest ``keep_last`` valid ``step-*`` checkpoints (manifest first)."""
     for info in list_checkpoints(directory)[:-keep_last]:
         manifest_path(info.path).unlink(missing_ok=True)  # from here on the data file counts as invalid
-        info.path.unlink(missing_ok=True)
+        shutil.rmtree(info.path, ignore_errors=True) if info.path.is_dir() else info.path.unlink(missing_ok=True)
 
 
 def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) -> CheckpointInfo:
@@ -177,6 +178,8 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
         CheckpointError: saying what is wrong (missing, no manifest, truncated, corrupt).
     """
     path = Path(path)
+    if path.suffix == ".dcp":
+        return _validate_dcp(path)
     if path.is_dir():
         latest = find_latest_checkpoint(path)
         if latest is None:
@@ -197,6 +200,20 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
         raise CheckpointError(f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}")
     if verify_hash and _sha256(path) != manifest["sha256"]:
         raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
+    return CheckpointInfo(path, manifest)
+
+
+def _validate_dcp(path: Path) -> CheckpointInfo:
+    """A sharded checkpoint directory counts when its manifest exists and lists every file at its size."""
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"sharded checkpoint {path} has no readable manifest {manifest_path(path).name}: the save did not finish") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "dcp" or manifest.get("file") != path.name:
+        raise CheckpointError(f"sharded checkpoint {path}: its manifest {manifest_path(path).name} describes another file")
+    for name, size in manifest.get("files", {}).items():
+        if not (path / name).is_file() or (path / name).stat().st_size != size:
+            raise CheckpointError(f"sharded checkpoint {path} is incomplete or altered: {name} is missing or not {size} bytes")
     return CheckpointInfo(path, manifest)
 
 

@@ -1,0 +1,186 @@
+"""Sharded checkpoints (``parallel.mode`` zero1 / fsdp2): a DCP directory per step, committed by rename.
+
+    parts = ShardedParts(model, optimizer)                   # model + optimizer in a layout-free form
+    save_sharded(parts.state_dict(), rest, ckpt_dir, step=1200, rank=rank, world_size=2)   # every rank
+    rest = load_sharded(path, parts)                         # every rank, any mode, any world size
+
+On disk, beside the single-file checkpoints of :mod:`ddpkit.checkpoint.files`::
+
+    step-000001200.dcp/      torch.distributed.checkpoint: .metadata + one __<rank>_0.distcp per rank,
+                             and state.pt (rank 0: everything that is not a model/optimizer tensor)
+    step-000001200.json      the manifest, written last: step, files and their sizes, "format": "dcp"
+
+Every rank writes its own shard (DCP's ``save``; no gather to rank 0) into a hidden
+``.step-000001200.dcp.partial`` directory. Only when DCP has finished (its ``.metadata`` is the
+coordinator's last write) does rank 0 rename the directory into place and write the manifest, so a
+save cut by SIGKILL at any point leaves no manifest and discovery keeps the previous checkpoint.
+
+Layout independence: :class:`ShardedParts` saves through ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict``/``set_state_dict``): parameters and optimizer state keyed by parameter name
+(FQN), DTensor shards under FSDP2, whole tensors under DDP. ZeRO-1's optimizer is not supported
+there, so its local optimizer is read the same way and each rank contributes the FQNs it owns; the
+param groups come from the ZeRO wrapper, identical on every rank. DCP reshards on load, so a
+checkpoint from any mode and world size loads into any other.
+
+Safety: DCP would unpickle non-tensor values (``torch.load(weights_only=False)``), so only tensors
+go into DCP; everything else (hyperparameters, counters, RNG states) goes into ``state.pt``, read
+with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+from ddpkit.checkpoint.files import fsync_dir, load_checkpoint, prune, save_atomically, write_atomically
+from ddpkit.errors import CheckpointError
+
+__all__ = ["ShardedParts", "save_sharded", "load_sharded", "is_sharded_checkpoint", "split_tensors", "merge"]
+
+log = logging.getLogger("ddpkit")
+
+FORMAT = "dcp"
+SUFFIX = ".dcp"
+REST_FILE = "state.pt"
+
+
+def split_tensors(tree: Any) -> tuple[Any, Any]:
+    """``(tensors, rest)``: the same nesting of dicts, tensor leaves in the first, all other leaves in the second."""
+    if isinstance(tree, torch.Tensor):
+        return tree, None
+    if not isinstance(tree, dict):
+        return None, tree
+    tensors, rest = {}, {}
+    for key, value in tree.items():
+        t, r = split_tensors(value)
+        if t is not None and not (isinstance(t, dict) and not t):
+            tensors[key] = t
+        if r is not None and not (isinstance(r, dict) and not r and isinstance(value, dict) and value):
+            rest[key] = r
+    return tensors, rest
+
+
+def merge(tensors: Any, rest: Any) -> Any:
+    """The inverse of :func:`split_tensors`."""
+    if not isinstance(tensors, dict) or not isinstance(rest, dict):
+        return tensors if tensors is not None else rest
+    merged = dict(rest)
+    for key, value in tensors.items():
+        merged[key] = merge(value, rest.get(key))
+    return merged
+
+
+class ShardedParts:
+    """The model and optimizer as one layout-independent state: parameter names, not positions or ranks.
+
+    ``state_dict()`` is collective-free but must run on every rank (each holds its own shards);
+    ``load_state_dict()`` accepts what any mode on any world size saved.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self._zero = hasattr(optimizer, "consolidate_state_dict")  # ZeroRedundancyOptimizer
+        self._names = {p: name for name, p in model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._zero:
+            return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        local = get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
+        groups = [{**_hyper(g), "params": [self._names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
+        return {"model": get_model_state_dict(self.model), "optimizer": {"state": local["state"], "param_groups": groups}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state["model"])
+        if not self._zero:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            return
+        saved_groups = state["optimizer"]["param_groups"]
+        for zero_group, saved in zip(self.optimizer.param_groups, saved_groups):
+            zero_group.update(_hyper(saved))  # ZeRO copies these to its local optimizer at each step
+        local = get_optimizer_state_dict(self.model, self.optimizer.optim)
+        groups = [{**_hyper(saved), "params": g["params"]} for g, saved in zip(local["param_groups"], saved_groups)]
+        owned = {name for g in groups for name in g["params"]}
+        states = {name: value for name, value in state["optimizer"]["state"].items() if name in owned}
+        set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def save_sharded(
+    tensors: dict[str, Any], rest: dict[str, Any], directory: str | os.PathLike, *, step: int, rank: int,
+    name: str | None = None, keep_last: int | None = None, meta: dict[str, Any] | None = None,
+) -> Path:
+    """Every rank writes its shard of ``tensors``; rank 0 adds ``rest``, commits by rename, writes the manifest last.
+
+    A collective (call on every rank). Returns the final directory (complete once this returns on rank 0).
+    """
+    directory = Path(directory)
+    final = directory / f"{name or f'step-{step:09d}'}{SUFFIX}"
+    partial = directory / f".{final.name}.partial"
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".*.partial"):  # a save killed earlier
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()  # nobody writes into a directory rank 0 is still clearing
+    dcp.save(tensors, checkpoint_id=partial)
+    if rank == 0:
+        save_atomically(rest, partial / REST_FILE)
+        commit_sharded(partial, final, step=step, meta=meta)
+        if keep_last is not None:
+            prune(directory, keep_last)
+    return final
+
+
+def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any] | None = None) -> None:
+    """Rank 0, after DCP finished: rename the directory into place, then write the manifest (last)."""
+    manifest_file = final.with_suffix(".json")
+    manifest_file.unlink(missing_ok=True)  # a checkpoint under this name stops counting before it is replaced
+    if final.exists():
+        shutil.rmtree(final)
+    files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
+    os.replace(partial, final)
+    fsync_dir(final.parent)
+    manifest = {"format": FORMAT, "file": final.name, "files": files, "bytes": sum(files.values()), "step": step, "created": time.time(), **(meta or {})}
+    write_atomically(manifest_file, json.dumps(manifest, indent=1).encode())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).suffix == SUFFIX and Path(path).is_dir()
+
+
+def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]:
+    """Load ``path`` (any mode, any world size) into ``parts``; return the rest of the state (every rank)."""
+    path = Path(path)
+    rest = load_checkpoint(path / REST_FILE)
+    tensors, _ = split_tensors(parts.state_dict())  # this layout's tensors: DCP fills them in place
+    try:
+        dcp.load(tensors, checkpoint_id=path)
+    except Exception as exc:  # DCP raises CheckpointException with each rank's error
+        raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {_first_line(exc)}") from None
+    parts.load_state_dict({"model": merge(tensors["model"], rest.get("model", {})),
+                           "optimizer": merge(tensors.get("optimizer", {}), rest.get("optimizer", {}))})
+    return rest
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:400] if text else type(exc).__name__
