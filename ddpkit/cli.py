@@ -78,7 +78,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _add_config_args(config)
 
     export = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict")
-    export.add_argument("checkpoint", help="a checkpoint file (step-*.pt) or a checkpoint directory (newest valid)")
+    export.add_argument("checkpoint", help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) or a checkpoint directory (newest valid)")
     export.add_argument("output", help="where to write the state_dict (.pt)")
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune, scaling (see `ddpkit bench -h`)")
@@ -128,9 +128,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from ddpkit.checkpoint.files import load_checkpoint, save_atomically, validate_checkpoint
+    from ddpkit.checkpoint.sharded import export_model, is_sharded_checkpoint
     from ddpkit.distributed.ddp import strip_wrapper_prefixes
 
     info = validate_checkpoint(args.checkpoint)
+    if is_sharded_checkpoint(info.path):  # a DCP directory (parallel.mode zero1 / fsdp2): every rank's shards joined
+        model = export_model(info.path)
+        save_atomically(model, args.output)
+        print(f"wrote {args.output}: {len(model)} tensors from the DCP directory {info.path} (step {info.step})")
+        return EXIT_OK
     state = load_checkpoint(info.path)
     if "model" not in state:
         raise DdpkitError(f"{info.path} has no 'model' entry; is it a ddpkit checkpoint?")

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from helpers import run_cli
 from torch.nn import functional as F
 
 from ddpkit.checkpoint import files
@@ -101,10 +102,16 @@ def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_pa
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
-def test_a_save_without_manifest_is_skipped_and_pruned_ones_go(tmp_path):
-    """The crash windows on disk: DCP files written but no rename, renamed but no manifest."""
-    run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)
+def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
+    """``ddpkit export`` of a DCP directory; the crash windows on disk: DCP written but not renamed, renamed but no manifest."""
+    saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     good = files.find_latest_checkpoint(tmp_path)
+    result = run_cli("export", str(tmp_path), str(tmp_path / "model.pt"), timeout=60)
+    assert result.returncode == 0 and "DCP directory" in result.stdout and good.path.name in result.stdout, result.stderr
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert exported.keys() == {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert all(torch.equal(exported[k], saved[f"model.{k}"]) for k in exported)
+    assert TinyLM(vocab=16, dim=12, depth=2, heads=2, max_len=8).load_state_dict(exported)  # loads into the bare network
     cut = tmp_path / "step-000000009.dcp"  # renamed, manifest never written
     cut.mkdir()
     (cut / ".metadata").write_bytes(b"x")

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from ddpkit.checkpoint.files import fsync_dir, load_checkpoint, prune, save_atomically, write_atomically
 from ddpkit.errors import CheckpointError
 
-__all__ = ["ShardedParts", "save_sharded", "load_sharded", "is_sharded_checkpoint", "split_tensors", "merge"]
+__all__ = ["ShardedParts", "save_sharded", "load_sharded", "is_sharded_checkpoint", "export_model", "split_tensors", "merge"]
 
 log = logging.getLogger("ddpkit")
 
@@ -179,6 +179,27 @@ def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]
     parts.load_state_dict({"model": merge(tensors["model"], rest.get("model", {})),
                            "optimizer": merge(tensors.get("optimizer", {}), rest.get("optimizer", {}))})
     return rest
+
+
+def export_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint as a plain state_dict, read in one process (``ddpkit export``).
+
+    DCP's metadata says each parameter's full size and dtype; the shards of every rank are read
+    into one tensor each. No process group needed.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    for flat, item in metadata.state_dict_metadata.items():
+        where = (metadata.planner_data or {}).get(flat, tuple(flat.split(".", 1)))
+        if where[0] == "model" and isinstance(item, TensorStorageMetadata):
+            model[".".join(map(str, where[1:]))] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not model:
+        raise CheckpointError(f"{path} holds no model tensors; is it a ddpkit sharded checkpoint?")
+    dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+    return model
 
 
 def _first_line(exc: BaseException) -> str:
