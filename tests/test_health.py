@@ -17,6 +17,7 @@ import torch
 import yaml
 from helpers import REPO, run_cli, tiny_config
 
+from ddpkit.checkpoint.files import list_checkpoints
 from ddpkit.data.elastic import GlobalBatchSampler
 from ddpkit.data.loaders import ResumableDistributedSampler
 from ddpkit.errors import HealthError
@@ -85,6 +86,8 @@ def _fit(tmp: Path, fault: dict[str, str], sections: dict) -> dict:
     sys.path.insert(0, str(SCRIPT.parent))
     from health_trainer import HealthTrainer
 
+    for name in [n for n in os.environ if n.startswith("HEALTH_")]:
+        del os.environ[name]  # one spawn may run several fits
     os.environ.update(fault)
     trainer = HealthTrainer(tiny_config(tmp, **sections))
     try:
@@ -93,6 +96,10 @@ def _fit(tmp: Path, fault: dict[str, str], sections: dict) -> dict:
         result = {"metrics": None, "error": str(exc)}
     result["weights"] = {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
     return result
+
+
+def _fit_each(runs: list[tuple[Path, dict[str, str], dict]]) -> list[dict]:
+    return [_fit(*run) for run in runs]
 
 
 def _log(tmp: Path) -> str:
@@ -147,6 +154,7 @@ def test_nan_gradients_with_accumulation_at_three_ranks(tmp_path):
     assert all(torch.isfinite(v).all() for v in results[0]["weights"].values())
 
 
+@pytest.mark.slow  # two runs in one spawn: about 20 s on the loaded 2-core machine
 def test_stop_and_max_skips_end_the_run_on_every_rank_before_a_bad_update(tmp_path):
     fault = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "2,3,4,5", "HEALTH_NAN_HOW": "add"}
     stop = {**LOGGED, "health": {"nonfinite": "stop"}, "checkpoint": {"every_steps": 1}}
@@ -158,16 +166,30 @@ def test_stop_and_max_skips_end_the_run_on_every_rank_before_a_bad_update(tmp_pa
     assert all("step 4:" in r["error"] and "3 skipped steps in a row (health.max_skips=3)" in r["error"] for r in results)
 
 
-def test_a_loss_spike_is_skipped_at_the_same_step_on_every_rank(tmp_path):
+def test_a_loss_spike_is_skipped_or_rolled_back_at_the_same_step_on_every_rank(tmp_path):
     fault = {"HEALTH_SPIKE_STEPS": "20"}
-    sections = {**LOGGED, "train": {"epochs": 3, "log_every": 4}, "health": {"spike": {"warmup": 10, "window": 16, "action": "skip"}}}
+    skip = {**LOGGED, "train": {"epochs": 3, "log_every": 4}, "health": {"spike": {"warmup": 10, "window": 16, "action": "skip"}}}
+    rollback = {**skip, "health": {"spike": {"warmup": 10, "window": 16, "action": "rollback"}}, "checkpoint": {"every_steps": 6}}
+    runs = [(tmp_path / "skip", fault, skip), (tmp_path / "rollback", fault, rollback)]
+    skipped = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)[0][0]  # rank 0's first fit
+    assert "step 20: spike: loss" in _log(tmp_path / "skip")
+    last = _records(tmp_path / "skip")[-1]
+    assert last["spikes"] >= 1 and last["skipped_steps"] == last["spikes"] and skipped["metrics"]["step"] == 24
+    assert last["train_loss"] < 10  # steps 21-24 after a dropped update: back to normal (applied, it would be in the thousands)
+    log = _log(tmp_path / "rollback")
+    assert "step 20: spike: loss" in log and "rolled back to the newest valid checkpoint" in log
+    assert _records(tmp_path / "rollback")[-1]["rollbacks"] == 1
+
+
+def test_non_finite_weights_are_never_written_and_no_good_checkpoint_is_pruned(tmp_path):
+    fault = {"HEALTH_PERTURB_RANK": "1", "HEALTH_PERTURB_STEP": "3", "HEALTH_PERTURB_NAN": "1"}
+    sections = {**LOGGED, "checkpoint": {"every_steps": 1, "keep_last": 2}}
     results = run_on_ranks(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
-    assert results[0]["metrics"] == results[1]["metrics"]
-    assert "step 20: spike: loss" in _log(tmp_path)
-    last = _records(tmp_path)[-1]
-    assert last["spikes"] >= 1 and last["skipped_steps"] == last["spikes"]
+    assert all("not writing the checkpoint of step 3" in r["error"] for r in results)  # rank 1's NaN stops both
+    assert sorted(c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")) == [1, 2] and _all_finite_on_disk(tmp_path)
 
 
+@pytest.mark.slow  # two runs in one spawn: about 20 s on the loaded 2-core machine
 def test_a_slowed_rank_is_named_and_a_balanced_run_is_silent(tmp_path):
     straggler = {**LOGGED, "train": {"epochs": 3, "log_every": 8}, "health": {"straggler": {"every": 6, "windows": 2}}}
     run_on_ranks(_fit, world_size=2, args=(tmp_path / "slow", {"HEALTH_SLOW_RANK": "1", "HEALTH_SLOW_MS": "15"}, straggler), timeout=120)

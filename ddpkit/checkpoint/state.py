@@ -47,6 +47,7 @@ from ddpkit.faults.preemption import Preempted, StopOnSignal
 from ddpkit.faults.snapshot import prefer_newer
 from ddpkit.reporting.log import log
 from ddpkit.training.metrics import BestTracker
+from ddpkit.training.replicas import require_finite
 from ddpkit.training.rng import capture_rng, restore_rng, seed_everything
 
 __all__ = ["Progress", "RunState", "seed_for_setup"]
@@ -197,6 +198,7 @@ class RunState:
         step = self.progress.step
         if self.saved_already(name):
             return
+        require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # every rank agrees; nothing pruned
         state = self.capture()
         if self.runtime.env.rank == 0:
             ck = self.config.checkpoint
@@ -230,8 +232,26 @@ class RunState:
 
     def save_model(self, path: Any) -> None:
         """The bare model's weights as a plain state_dict (``model.pt``): what inference loads."""
+        require_finite(self.components["model"], what=str(path), collective=False)  # rank 0 alone writes it
         ckpt.save_atomically(self.components["model"].state_dict(), path)
         log.info("saved %s", path)
+
+    def rollback(self, names: tuple[str, ...] = ("model", "optimizer", "scheduler", "scaler")) -> bool:
+        """Load ``names`` from the newest valid checkpoint (every rank; progress, data and RNG go on); False if none.
+
+        ``health.spike.action=rollback``: the weights and optimizer go back, the run continues past the batches
+        that spiked instead of meeting them again.
+        """
+        info = ckpt.find_latest_checkpoint(self.config.checkpoint_dir) if self.runtime.env.rank == 0 else None
+        path = broadcast_object(str(info.path) if info is not None and info.path.suffix == ".pt" else None)
+        if path is None:
+            return False
+        state = read_checkpoint(ckpt.load_checkpoint(path), path=path)
+        for name in names:
+            if name in self.components.names and state.get(name) is not None:
+                self.components[name].load_state_dict(state[name])
+        log.info("rolled back %s to %s", ", ".join(n for n in names if n in self.components.names), path)
+        return True
 
     def wait(self) -> None:
         """Block until a background save, if any, is on disk."""

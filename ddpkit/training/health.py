@@ -65,6 +65,7 @@ class TrainingHealth:
             reporter.add_phase_listener(self.straggler.phase)
         if state is not None:
             state.register("health", self)  # the counters and spike windows continue after a resume
+            self.restore = getattr(state, "rollback", None)
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
@@ -118,16 +119,18 @@ class TrainingHealth:
                 self.spikes[name].add(v)
             return False
         self.counts["spikes"] += 1
-        what, action = f"step {step}: spike: {', '.join(spiked)}, over {self.cfg.spike.sigma:g} sigma", self.cfg.spike.action
+        what, action = f"spike: {', '.join(spiked)}, over {self.cfg.spike.sigma:g} sigma", self.cfg.spike.action
         if action == "warn":
-            self._say("%s (health.spike.action=warn)", what)
+            self._say("step %d: %s (health.spike.action=warn)", step, what)
             return False
         if action == "rollback" and self.restore is not None and self.restore():
             self.counts["rollbacks"] += 1
-            return self._skip(step, what + "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches")
-        return self._skip(step, what)
+            what += "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches"
+        self._skip(step, what)
+        return True
 
     def _skip(self, step: int, why: str) -> bool:
+        """Count and log a skipped update (False: do not apply it), or raise after ``max_skips`` in a row."""
         self.counts["skipped_steps"] += 1
         self._in_a_row += 1
         if self._in_a_row >= self.cfg.max_skips:

@@ -2,6 +2,7 @@
 
     check = ReplicaCheck(model, rank=rank, world_size=2, device=device, on_divergence="broadcast")
     check(step=100)    # a collective: the same call on every rank; logs, re-broadcasts or raises HealthError
+    require_finite(model, what="the checkpoint of step 100")   # RunState, before it writes anything
 
 A missed broadcast, a bit flip or rank-dependent user code makes a replica drift while DDP goes on
 averaging gradients computed on different weights. Each rank takes an exact fingerprint of its
@@ -21,7 +22,7 @@ from ddpkit.errors import HealthError
 from ddpkit.reporting.log import log
 from ddpkit.training.health_checks import fingerprint
 
-__all__ = ["ReplicaCheck"]
+__all__ = ["ReplicaCheck", "require_finite"]
 
 
 class ReplicaCheck:
@@ -58,3 +59,24 @@ class ReplicaCheck:
         if self.rank == 0:
             log.warning("%s; copied rank 0's parameters to every rank (health.on_divergence=broadcast)", what)
         return differing
+
+
+def require_finite(model: torch.nn.Module, *, what: str, collective: bool = True) -> None:
+    """Raise :class:`~ddpkit.errors.HealthError` instead of writing ``what`` when ``model`` has a non-finite parameter.
+
+    ``collective``: every rank checks its own parameters and one all_reduce makes the verdict
+    every rank's (so all raise together, none waits at a barrier); False for rank 0's ``model.pt``.
+    """
+    tensors = [p.detach() for p in model.parameters()]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # fsdp2: this rank's shard
+    bad = torch.zeros(1, device=tensors[0].device if tensors else "cpu")
+    if tensors:
+        bad += sum(int(not torch.isfinite(t).all()) for t in tensors if t.numel())
+    if collective:
+        bad = all_reduce_sum(bad)
+    if bad.item():
+        raise HealthError(
+            f"not writing {what}: the model's parameters hold NaN or Inf, so the checkpoints already on disk are "
+            "kept as they are (none is pruned for this one). Resume from the newest with checkpoint.resume=auto, "
+            "lower the learning rate, or keep health.nonfinite=skip so that a bad step never reaches the weights."
+        )

@@ -10,7 +10,7 @@ Environment variables (read when the Trainer is built), steps 1-based optimizer 
 * ``HEALTH_SPIKE_STEPS``: every rank's loss is multiplied by 1000 at those steps.
 * ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step.
 * ``HEALTH_PERTURB_RANK``, ``HEALTH_PERTURB_STEP``: after that step, that rank adds 1e-3 to one
-  weight outside the optimizer.
+  weight outside the optimizer (``HEALTH_PERTURB_NAN=1``: sets it to NaN instead).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class HealthTrainer(ddpkit.Trainer):
         self.spike_steps = _steps("HEALTH_SPIKE_STEPS")
         self.slow_rank, self.slow_s = int(env.get("HEALTH_SLOW_RANK", "-1")), float(env.get("HEALTH_SLOW_MS", "0")) / 1000
         self.perturb_rank, self.perturb_step = int(env.get("HEALTH_PERTURB_RANK", "-1")), int(env.get("HEALTH_PERTURB_STEP", "0"))
+        self.perturb_nan = env.get("HEALTH_PERTURB_NAN") == "1"
         self._poisoned_step = -1
 
     def training_step(self, batch: Any) -> torch.Tensor:
@@ -53,7 +54,8 @@ class HealthTrainer(ddpkit.Trainer):
     def on_step_end(self, step: int) -> None:
         if self.rank == self.perturb_rank and step == self.perturb_step:
             with torch.no_grad():
-                next(self.unwrapped_model.parameters()).view(-1)[0] += 1e-3
+                weight = next(self.unwrapped_model.parameters()).view(-1)
+                weight[0] = float("nan") if self.perturb_nan else weight[0] + 1e-3
 
 
 if __name__ == "__main__":
