@@ -57,7 +57,10 @@ class HookedTrainer(ddpkit.Trainer):
         self.rows: list[dict[str, float]] = []
         if self.is_main:
             params = sum(p.numel() for p in self.model.parameters())
-            log.info("%s with %d parameters on %d rank(s); stopping at val_accuracy >= %.2f", type(self.unwrapped_model).__name__, params, self.world_size, self.target_accuracy)
+            log.info(
+                "%s with %d parameters on %d rank(s); stopping at val_accuracy >= %.2f",
+                type(self.unwrapped_model).__name__, params, self.world_size, self.target_accuracy,
+            )
             log.info("%5s %10s %9s %8s %8s %8s %11s", "epoch", "train_loss", "val_loss", "val_acc", "seconds", "steps/s", "slowest_ms")
 
     def on_epoch_start(self, epoch: int) -> None:

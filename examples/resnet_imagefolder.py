@@ -55,7 +55,9 @@ class ImageFolderTrainer(ddpkit.Trainer):
             barrier()  # the other ranks read the tree only once rank 0 has finished writing it
         train, val = imagefolder(**kwargs)
         self.classes = train.classes
-        log.info("%d classes (%s), %d training images, %d validation images", len(self.classes), ", ".join(self.classes[:5]), len(train), len(val) if val else 0)
+        log.info(
+            "%d classes (%s), %d training images, %d validation images", len(self.classes), ", ".join(self.classes[:5]), len(train), len(val) if val else 0
+        )
         return train, val
 
     def build_model(self) -> nn.Module:

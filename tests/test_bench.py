@@ -188,7 +188,9 @@ def test_throughput_table_efficiency_and_plot(tmp_path):
 def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    done = run_cli("bench", "autotune", "--config", str(config), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240)
+    done = run_cli(
+        "bench", "autotune", "--config", str(config), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
+    )
     assert done.returncode == 0, done.stderr
     rows = parse_table(done.stdout)
     # Candidates: the given cap and the config's (25) x gradient_as_bucket_view false/true.

@@ -87,7 +87,10 @@ override_keys = st.lists(st.sampled_from(KNOWN_KEYS), min_size=1, max_size=4).ma
 override_values = st.one_of(
     st.text(max_size=30),
     values.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()),
-    st.sampled_from(["3e-4", "1E5", "-2.5e-3", "5e+2", "[1e-3, 2e5]", "[", "{a: 1", "&a [*a]", "!!python/object/apply:os.system ['true']", "9" * 5000, "2024-02-30", "- a\n- b"]),
+    st.sampled_from([
+        "3e-4", "1E5", "-2.5e-3", "5e+2", "[1e-3, 2e5]", "[", "{a: 1", "&a [*a]", "!!python/object/apply:os.system ['true']", "9" * 5000, "2024-02-30",
+        "- a\n- b",
+    ]),
 )
 overrides = st.lists(
     st.one_of(st.builds(lambda k, v: f"{k}={v}", override_keys, override_values), st.text(max_size=40)),

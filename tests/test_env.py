@@ -123,7 +123,9 @@ def test_torchrun_variables_win_over_slurm():
         read_dist_env({**SRUN, "RANK": "0"})
 
 
-@pytest.mark.parametrize(("changes", "message"), [({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"), ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1")])
+@pytest.mark.parametrize(
+    ("changes", "message"), [({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"), ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1")]
+)
 def test_invalid_slurm_values_are_refused(changes, message):
     with pytest.raises(LaunchError, match=message):
         read_dist_env({**SRUN, **changes})

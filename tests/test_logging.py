@@ -136,7 +136,9 @@ def test_best_checkpoint_holds_the_best_evaluation(logged_run):
 
 
 def test_best_checkpoint_is_kept_alongside_step_checkpoints(tmp_path):
-    cfg = tiny_config(tmp_path, train={"epochs": 1, "log_every": 4, "eval_every": 4}, checkpoint={"every_steps": 2, "keep_last": 1, "best": {"metric": "val_loss"}})
+    cfg = tiny_config(
+        tmp_path, train={"epochs": 1, "log_every": 4, "eval_every": 4}, checkpoint={"every_steps": 2, "keep_last": 1, "best": {"metric": "val_loss"}}
+    )
     ddpkit.Trainer(cfg).fit()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))
     assert names == ["best.pt", "step-000000016.pt"]  # keep_last prunes step files, never best.pt

@@ -68,7 +68,10 @@ class Regression(ddpkit.Trainer):
 
 
 def test_subclass_needs_no_model_or_data_config(tmp_path):
-    trainer = Regression({"run": {"output_dir": str(tmp_path)}, "data": {"batch_size": 8}, "train": {"epochs": 20}, "log": {"progress_bar": False}, "checkpoint": {"every_epochs": None}})
+    trainer = Regression({
+        "run": {"output_dir": str(tmp_path)}, "data": {"batch_size": 8}, "train": {"epochs": 20}, "log": {"progress_bar": False},
+        "checkpoint": {"every_epochs": None},
+    })
     metrics = trainer.fit()
     assert metrics["train_loss"] < 0.05
     assert trainer.device == torch.device("cpu")

@@ -199,7 +199,8 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
 
 
 def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    for name in names:
         monkeypatch.delenv(name, raising=False)
     assert flight_recorder_env(torch.device("cpu"), tmp_path) == {}
     env = flight_recorder_env(torch.device("cuda", 0), tmp_path / "logs")
@@ -274,7 +275,8 @@ def jobs():
 
 
 def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8) -> Job:
-    job = _start(tmp, {"HANG_WHERE": where, "HANG_RANK": str(rank)}, [str(_config(tmp)), "--nproc-per-node", "2", f"dist.hang_timeout={hang_timeout}", *overrides])
+    argv = [str(_config(tmp)), "--nproc-per-node", "2", f"dist.hang_timeout={hang_timeout}", *overrides]
+    job = _start(tmp, {"HANG_WHERE": where, "HANG_RANK": str(rank)}, argv)
     jobs.append(job)
     _wait(job, STARTUP_ALLOWANCE + 4 * hang_timeout + 60)
     assert job.exited is not None, f"{where}: still running:\n{job.output[-4000:]}"

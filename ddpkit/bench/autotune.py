@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per candidate and round (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
     parser.add_argument("--nproc", default="2", help="ranks to tune for (default 2; DDP needs at least 2)")
-    parser.add_argument("--bucket-caps", default=DEFAULT_BUCKET_CAPS, help=f"ddp.bucket_cap_mb values to try (default {DEFAULT_BUCKET_CAPS}; your config's value is added)")
+    parser.add_argument(
+        "--bucket-caps", default=DEFAULT_BUCKET_CAPS, help=f"ddp.bucket_cap_mb values to try (default {DEFAULT_BUCKET_CAPS}; your config's value is added)"
+    )
     parser.add_argument("--bucket-view", choices=["both", "true", "false"], default="both", help="ddp.gradient_as_bucket_view values to try (default both)")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds; medians are reported (default 2)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
@@ -121,7 +123,8 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
             trainer.fit()
             ms[i].append(steady_ms_per_step(trainer.step_times, warmup=params["warmup"]))
             if runtime.env.rank == 0:
-                progress(f"[autotune]   round {round_index + 1}/{rounds} bucket_cap_mb={cap:g} gradient_as_bucket_view={str(view).lower()}: {ms[i][-1]:.2f} ms/step")
+                setting = f"bucket_cap_mb={cap:g} gradient_as_bucket_view={str(view).lower()}"
+                progress(f"[autotune]   round {round_index + 1}/{rounds} {setting}: {ms[i][-1]:.2f} ms/step")
     return {"ms": ms}
 
 

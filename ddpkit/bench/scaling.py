@@ -83,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds of profile and validation runs; medians reported (default 1)")
     parser.add_argument("--iters", type=int, default=20, help="timed profile iterations (default 20); validation runs train this many steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
-    parser.add_argument("--allreduce-json", default=None, metavar="FILE", help="fit the local link to this `ddpkit bench allreduce --json` output instead of measuring")
+    parser.add_argument(
+        "--allreduce-json", default=None, metavar="FILE", help="fit the local link to this `ddpkit bench allreduce --json` output instead of measuring"
+    )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="plot predicted efficiency vs world size, one line per link (needs ddpkit[plot])")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="also write profile, links and predictions as JSON")
 
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     profile = sorted(profiles[1], key=lambda p: p.single_step_s)[len(profiles[1]) // 2]  # the median round's one-rank profile
     _print_profile(args.config, profile, cfg.ddp.bucket_cap_mb, rounds=args.rounds)
     rows = prediction_rows(profile, links, world_sizes, algorithm=args.algorithm, caps=caps)
-    print(format_table(["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "slowest-rank wait ms", "best bucket_cap_mb", "its efficiency"],
+    columns = ["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "slowest-rank wait ms", "best bucket_cap_mb", "its efficiency"]
+    print(format_table(columns,
                        [[r["link"], str(r["ranks"]), fmt(r["ms"]), fmt(r["samples_per_s"]), f"{r['efficiency']:.3f}", fmt(r["exposed_ms"]),
                          fmt(r["straggler_ms"]), f"{r['best_cap']:g}", f"{r['best_efficiency']:.3f}"] for r in rows]))
     checks = validation_rows(profiles, measured, links[0], algorithm=args.algorithm) if validate else []
@@ -253,7 +256,8 @@ def _print_profile(config: str, profile: Profile, cap: float | None, *, rounds: 
     print(f"  one rank, bare model: {profile.single_step_s * 1e3:.3f} ms/step; DDP-wrapped phases: data {profile.data_s * 1e3:.3f} ms, "
           f"forward {profile.forward_s * 1e3:.3f} ms, backward {profile.backward_s * 1e3:.3f} ms, optimizer {profile.optimizer_s * 1e3:.3f} ms")
     launches = ", ".join(f"{format_bytes(b.nbytes)}@{b.ready_s * 1e3:.2f}ms" for b in profile.buckets)
-    print(f"  {len(profile.buckets)} bucket(s), {format_bytes(profile.grad_bytes)} of gradients, in firing order (size@launch after backward began): {launches}")
+    print(f"  {len(profile.buckets)} bucket(s), {format_bytes(profile.grad_bytes)} of gradients, "
+          f"in firing order (size@launch after backward began): {launches}")
     if profile.comm_factor != 1:
         print(f"  comm hook: {profile.comm_factor:g} bytes on the wire per gradient byte")
     print()

@@ -299,7 +299,9 @@ def parse_bandwidth(text: str, *, option: str = "--link") -> float:
     """Bytes/s in ``100Gbit`` or ``100Gb`` (bits), ``25GbE`` (Ethernet, bits), ``12.5GB/s`` or ``12.5GBps`` (bytes); decimal prefixes."""
     match = _BANDWIDTH.match(text.strip())
     if match is None or float(match.group(1)) <= 0:
-        raise BenchUsageError(f"{option}: cannot read {text!r} as a positive bandwidth; write e.g. 100Gbit, 25GbE or 12.5GB/s (decimal units; b = bits, B = bytes)")
+        raise BenchUsageError(
+            f"{option}: cannot read {text!r} as a positive bandwidth; write e.g. 100Gbit, 25GbE or 12.5GB/s (decimal units; b = bits, B = bytes)"
+        )
     number, prefix, unit = float(match.group(1)), match.group(2).lower(), match.group(3)
     in_bytes = unit == "B"  # GB/s; everything else (bit, b, bE as in GbE) counts bits
     return number * _SCALE[prefix] / (1 if in_bytes else 8)

@@ -25,7 +25,10 @@ from typing import Any
 
 from ddpkit.errors import ConfigError
 
-__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "parse_yaml", "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause", "short_repr", "show", "key_text"]
+__all__ = [
+    "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "parse_yaml", "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause",
+    "short_repr", "show", "key_text",
+]
 
 # A config is a few kilobytes; these limits turn a pathological file into a clear error
 # instead of minutes of parsing or an exponential "billion laughs" alias expansion.

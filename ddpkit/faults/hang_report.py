@@ -89,7 +89,8 @@ def summary_line(verdict: Verdict, beats: dict[int, dict[str, Any] | None], sile
     """One line naming the suspects first: stuck ranks, else ranks with no heartbeat."""
     parts = []
     if verdict.stuck:
-        parts.append("stuck: " + ", ".join(f"rank {r} (step {(beats.get(r) or {}).get('step', '?')}, {(beats.get(r) or {}).get('phase', '?')})" for r in verdict.stuck))
+        where = {r: beats.get(r) or {} for r in verdict.stuck}
+        parts.append("stuck: " + ", ".join(f"rank {r} (step {where[r].get('step', '?')}, {where[r].get('phase', '?')})" for r in verdict.stuck))
     if verdict.silent:
         parts.append("no heartbeat: " + ", ".join(f"rank {r} (since {_clock(silent[r])})" for r in verdict.silent))
     if not verdict.stuck and verdict.silent:

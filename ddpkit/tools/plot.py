@@ -200,7 +200,10 @@ def _draw_loss(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
         _line(ax, run.series.get(f"{VAL_PREFIX}loss"), color=color, linestyle="--", marker="o")
     ax.set_title("Loss")
     ax.set_ylabel("loss")
-    styles = [Line2D([], [], color="0.3", linestyle="-", label="training"), Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=4, label="validation")]
+    styles = [
+        Line2D([], [], color="0.3", linestyle="-", label="training"),
+        Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=4, label="validation"),
+    ]
     ax.legend(handles=styles, loc="upper right", fontsize="small")
 
 
@@ -248,7 +251,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Plot loss, validation metrics, learning rate and throughput of one or more runs against the step.",
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's output_dir (holding metrics.jsonl), or a metrics .jsonl file")
-    parser.add_argument("-o", "--output", default=None, help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several")
+    parser.add_argument(
+        "-o", "--output", default=None, help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several"
+    )
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--dpi", type=int, default=120, help="resolution of raster output (default 120)")
     return parser

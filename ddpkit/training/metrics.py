@@ -19,7 +19,9 @@ from ddpkit.errors import ConfigError
 __all__ = ["RunningMean", "ExactMeans", "BestTracker", "evaluate"]
 
 
-def evaluate(model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device, autocast: Callable[[], Any]) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device, autocast: Callable[[], Any]
+) -> dict[str, float]:
     """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
 
     The model's train/eval mode is restored afterwards. Every rank calls it (the means are reduced).
@@ -92,7 +94,8 @@ class ExactMeans:
         """Reduce across ranks and return ``{name: mean}``. Every rank must call this."""
         # A rank whose shard was empty has seen no metric names: agree on the union first.
         names = sorted(set().union(*all_gather_object(sorted(self._sums))))
-        stacked = torch.stack([self._sums.get(n, torch.zeros(2, dtype=torch.float64, device=self.device)) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
+        empty = torch.zeros(2, dtype=torch.float64, device=self.device)
+        stacked = torch.stack([self._sums.get(n, empty) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
         totals = all_reduce_sum(stacked).tolist()
         return {name: (total / count if count else float("nan")) for name, (total, count) in zip(names, totals)}
 
