@@ -26,6 +26,7 @@ from ddpkit.config.loader import load_config
 from ddpkit.faults import snapshot
 from ddpkit.tools.goodput import main as goodput_main
 from ddpkit.tools.goodput_ledger import analyse
+from ddpkit.tools.plot import main as plot_main
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = "tests/scripts/goodput_trainer.py"
@@ -65,6 +66,10 @@ def test_the_categories_add_up_to_the_wall_time_and_lost_work_is_what_the_restar
     assert goodput_main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "goodput 0." in out and "s1#0" in out and "s1#1" in out
+    pytest.importorskip("matplotlib")
+    assert plot_main(["--goodput", str(tmp_path), "-o", str(tmp_path / "breakdown.png")]) == 0
+    assert (tmp_path / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
     assert goodput_main([str(tmp_path / "nowhere")]) == 1
     assert "goodput.jsonl does not exist" in capsys.readouterr().err
 

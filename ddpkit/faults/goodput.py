@@ -10,7 +10,7 @@
 
 ``<output_dir>/goodput.jsonl`` holds one JSON object per line, ``{"event", "t", "session",
 "attempt", "rank", ...}`` with ``t`` in seconds since the epoch. Events: ``launch`` / ``exit``
-(``ddpkit run`` itself, :func:`launch_session`), ``start`` (the worker's process start, read
+(``ddpkit run`` itself, :func:`launch_session`; ``gone``: when its process ended, written by a watcher), ``start`` (the worker's process start, read
 from ``/proc``, with ``imported`` and ``ready``: torch imported, process group up), ``restore``
 (``began``, the restored ``step``, its ``source``), ``first_step``, ``progress`` (the step
 reached, about once a second, so a fault's lost work is known to within a second),
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -81,11 +82,40 @@ def append_event(output_dir: str | os.PathLike, event: str, **fields: Any) -> No
         pass
 
 
+# Run by a detached `python -S`: waits for the launcher to end, then records when (its own
+# interpreter teardown, seconds on a busy machine, happens after anything it could write itself).
+_WATCH = """
+import json, os, sys, time
+pid, path, session = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def gone():
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+while not gone():
+    time.sleep(0.02)
+fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, (json.dumps({"event": "gone", "t": time.time(), "session": session, "attempt": 0, "rank": 0}) + "\\n").encode())
+"""
+
+
+def _watch_exit(output_dir: str | os.PathLike) -> None:
+    if not Path("/proc/self/stat").exists():
+        return
+    argv = [sys.executable, "-S", "-c", _WATCH, str(os.getpid()), str(Path(output_dir) / LEDGER_FILE), os.environ[SESSION_ENV]]
+    try:
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        pass  # the exit line written below is then the session's end
+
+
 @contextlib.contextmanager
 def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
     """``ddpkit run``'s share: its own start and exit, and a session id its workers inherit."""
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex[:12])
     append_event(output_dir, "launch", t=process_start_time())
+    _watch_exit(output_dir)
     code: Any = "error"
     try:
         yield

@@ -126,7 +126,7 @@ def _sessions(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
 def _attempts(session: str, records: list[dict[str, Any]]) -> list[Attempt]:
     by_number: dict[int, Attempt] = {}
     for record in records:
-        if record["event"] not in ("launch", "exit"):
+        if record["event"] not in ("launch", "exit", "gone"):
             number = int(record.get("attempt", 0))
             by_number.setdefault(number, Attempt(session, number)).records.append(record)
     return [by_number[n] for n in sorted(by_number)]
@@ -205,7 +205,7 @@ def analyse(records: list[dict[str, Any]]) -> Report:
             if gap:
                 a.seconds["recovery"] = a.seconds.get("recovery", 0.0) + gap
             index += 1
-        exit_t = next((float(r["t"]) for r in rs if r["event"] == "exit"), None)
+        exit_t = max((float(r["t"]) for r in rs if r["event"] in ("exit", "gone")), default=None)
         if atts and exit_t is not None and exit_t > cursor:
             atts[-1].seconds["shutdown"] = atts[-1].seconds.get("shutdown", 0.0) + exit_t - cursor
             cursor = exit_t

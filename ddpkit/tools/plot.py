@@ -2,6 +2,7 @@
 
     ddpkit plot runs/quickstart                              # writes runs/quickstart/metrics.png
     ddpkit plot runs/lr0.05 runs/lr0.1 -o lr_sweep.png       # several runs overlaid, one colour each
+    ddpkit plot --goodput runs/quickstart                    # where the wall time went, per attempt
 
 One figure, one panel per quantity, all against the optimizer step:
 
@@ -33,6 +34,7 @@ from typing import Any
 
 from ddpkit.errors import DdpkitError, exit_code_of
 from ddpkit.reporting.log import EPOCH, LR, METRICS_FILE, SAMPLES_PER_S, STEP, TIME, TRAIN_LOSS, VAL_PREFIX
+from ddpkit.tools.goodput_plot import plot_goodput
 
 __all__ = ["main", "RunMetrics", "load_metrics", "plot_runs"]
 
@@ -256,6 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--dpi", type=int, default=120, help="resolution of raster output (default 120)")
+    parser.add_argument("--goodput", action="store_true", help="draw where the wall time went (goodput.jsonl) instead; default output RUN_DIR/goodput.png")
     return parser
 
 
@@ -270,6 +273,10 @@ def main(argv: Sequence[str]) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     names = _unique_names([Path(p) for p in args.runs])
+    if args.goodput:  # one stacked bar per run and per attempt (ddpkit.tools.goodput_plot)
+        single = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
+        print(f"wrote {plot_goodput(args.runs, names, args.output or (Path(args.runs[0]) / 'goodput.png' if single else 'goodput.png'), title=args.title)}")
+        return 0
     runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
     for run in runs:
         if run.skipped_lines:
