@@ -337,8 +337,8 @@ class Trainer:
             self._save_checkpoint()  # so a longer run can resume from here
         self.state.wait()
         self.reporter.write_timeline()
-        if self.is_main and not stopped:
-            self.state.save_model(self.output_dir / "model.pt")
+        if not stopped:
+            self.state.save_model(self.output_dir / "model.pt")  # rank 0 writes; fsdp2 gathers the shards first
         self._barrier("end of training")
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 

@@ -88,10 +88,13 @@ class Components:
     def names(self) -> list[str]:
         return list(self._parts)
 
-    def capture(self, *, metadata: dict[str, Any]) -> dict[str, Any]:
-        """Every component's state under its name, plus ``metadata`` (see :data:`METADATA_KEYS`)."""
-        state = {name: part.state_dict() for name, part in self._parts.items()}
-        return {**state, **metadata, "schema": list(self._parts)}
+    def capture(self, *, metadata: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Every component's state under its name, plus ``metadata`` (see :data:`METADATA_KEYS`).
+
+        ``exclude``: components saved another way (sharded model and optimizer: ddpkit.checkpoint.sharded_run).
+        """
+        state = {name: part.state_dict() for name, part in self._parts.items() if name not in exclude}
+        return {**state, **metadata, "schema": list(state)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Load each registered component that ``state`` holds; keep the rest for late registrations.

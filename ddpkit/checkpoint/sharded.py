@@ -40,12 +40,21 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ddpkit.checkpoint.files import fsync_dir, load_checkpoint, prune, save_atomically, write_atomically
 from ddpkit.errors import CheckpointError
 
-__all__ = ["ShardedParts", "save_sharded", "load_sharded", "is_sharded_checkpoint", "export_model", "split_tensors", "merge"]
+__all__ = [
+    "ShardedParts", "save_sharded", "save_sharded_async", "finish_async",
+    "load_sharded", "is_sharded_checkpoint", "export_model", "split_tensors", "merge",
+]
 
 log = logging.getLogger("ddpkit")
 
@@ -114,6 +123,19 @@ class ShardedParts:
         set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
 
 
+    def load_full(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=whole)
+        if self._zero:
+            self.optimizer.load_state_dict(optimizer_state)  # ZeRO takes the position-keyed whole state and keeps its part
+            return
+        names = [name for name, _ in self.model.named_parameters()]  # the optimizer was built over parameters(), in order
+        state = {names[i]: value for i, value in optimizer_state["state"].items()}
+        groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole)
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -126,7 +148,32 @@ def save_sharded(
 
     A collective (call on every rank). Returns the final directory (complete once this returns on rank 0).
     """
-    directory = Path(directory)
+    final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
+    dcp.save(tensors, checkpoint_id=partial)
+    _finish(partial, final, rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
+    return final
+
+
+def save_sharded_async(
+    tensors: dict[str, Any], rest: dict[str, Any], directory: str | os.PathLike, *, step: int, rank: int, group: Any,
+    name: str | None = None, keep_last: int | None = None, meta: dict[str, Any] | None = None,
+) -> tuple[Any, Path, Path, dict[str, Any]]:
+    """:func:`save_sharded` with DCP's ``async_save`` on ``group``: returns once the tensors are staged to CPU.
+
+    Pass the result to :func:`finish_async` (every rank) to wait for it and commit it.
+    """
+    final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
+    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=group)
+    return future, partial, final, dict(rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
+
+
+def finish_async(pending: tuple[Any, Path, Path, dict[str, Any]]) -> None:
+    future, partial, final, kwargs = pending
+    future.result()  # on rank 0 this returns after every rank's shard and the metadata are written
+    _finish(partial, final, **kwargs)
+
+
+def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tuple[Path, Path]:
     final = directory / f"{name or f'step-{step:09d}'}{SUFFIX}"
     partial = directory / f".{final.name}.partial"
     if rank == 0:
@@ -134,13 +181,16 @@ def save_sharded(
         for stale in directory.glob(".*.partial"):  # a save killed earlier
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()  # nobody writes into a directory rank 0 is still clearing
-    dcp.save(tensors, checkpoint_id=partial)
-    if rank == 0:
-        save_atomically(rest, partial / REST_FILE)
-        commit_sharded(partial, final, step=step, meta=meta)
-        if keep_last is not None:
-            prune(directory, keep_last)
-    return final
+    return final, partial
+
+
+def _finish(partial: Path, final: Path, *, rest: dict[str, Any], step: int, rank: int, keep_last: int | None, meta: dict[str, Any] | None) -> None:
+    if rank != 0:
+        return
+    save_atomically(rest, partial / REST_FILE)
+    commit_sharded(partial, final, step=step, meta=meta)
+    if keep_last is not None:
+        prune(final.parent, keep_last)
 
 
 def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any] | None = None) -> None:

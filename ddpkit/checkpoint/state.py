@@ -38,6 +38,7 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
+from ddpkit.checkpoint.sharded_run import ShardedRun, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
@@ -76,6 +77,7 @@ class RunState:
         )
         self.components.register("early_stopping", self.early_stopping)
         self.components.register("best", self.best)
+        self._sharded = ShardedRun.for_config(config, self.components, rank=runtime.env.rank)  # zero1 / fsdp2: DCP directories
         env = runtime.env
         self.signals = StopOnSignal(ck.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size)
         self.stopped = False  # set at the optimizer step every rank agreed to stop at
@@ -99,7 +101,7 @@ class RunState:
             return False
         path, state = chosen
         self._check_compatible(state, path)
-        self.components.restore(state)
+        restore_components(path, state, self.components, mode=self.config.parallel.mode)  # any format into any layout
         self._last_saved_step = self.progress.step
         # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
         rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
@@ -120,7 +122,7 @@ class RunState:
             raise CheckpointError(problem)
         if choice is None:
             return None
-        return choice, read_checkpoint(ckpt.load_checkpoint(choice), path=choice)
+        return choice, read_checkpoint(read_any(choice), path=choice)  # a file, or a sharded checkpoint's state.pt
 
     def _check_compatible(self, state: dict[str, Any], path: str) -> None:
         world_size, elastic = self.runtime.env.world_size, self.config.data.global_batch_size is not None
@@ -155,8 +157,8 @@ class RunState:
 
     # --- save ---------------------------------------------------------------------------------
 
-    def capture(self) -> dict[str, Any]:
-        """Everything needed to continue exactly (a collective: gathers every rank's RNG states)."""
+    def capture(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Everything needed to continue exactly (a collective: gathers every rank's RNG states), less ``exclude``."""
         rng_states = all_gather_object(capture_rng())
         metadata = {
             "rng": rng_states,  # one per rank, in rank order
@@ -165,7 +167,7 @@ class RunState:
             "config_hash": config_hash(self.config),
             "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
         }
-        return self.components.capture(metadata=metadata)
+        return self.components.capture(metadata=metadata, exclude=exclude)
 
     def due(self, *, after: str) -> bool:
         """Whether the periodic schedule asks for a checkpoint now (``after`` is "step" or "epoch")."""
@@ -199,8 +201,9 @@ class RunState:
         if self.saved_already(name):
             return
         require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # every rank agrees; nothing pruned
-        state = self.capture()
-        if self.runtime.env.rank == 0:
+        if self._sharded is not None:  # zero1 / fsdp2: every rank writes its own shards
+            self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=self.config.checkpoint.keep_last)
+        elif (state := self.capture()) and self.runtime.env.rank == 0:  # capture is a collective: every rank runs it
             ck = self.config.checkpoint
             meta = {"epoch": self.progress.epoch, "config_hash": state["config_hash"], "versions": state["versions"]}
             kwargs = dict(step=step, name=name, keep_last=ck.keep_last, meta=meta)
@@ -231,9 +234,12 @@ class RunState:
         self.signals.close()
 
     def save_model(self, path: Any) -> None:
-        """The bare model's weights as a plain state_dict (``model.pt``): what inference loads."""
+        """The bare model's weights as a plain state_dict (``model.pt``): what inference loads. Call on every rank."""
+        weights = full_model_state(self.components["model"])  # fsdp2: the shards gathered (a collective)
+        if self.runtime.env.rank != 0:
+            return
         require_finite(self.components["model"], what=str(path), collective=False)  # rank 0 alone writes it
-        ckpt.save_atomically(self.components["model"].state_dict(), path)
+        ckpt.save_atomically(weights, path)
         log.info("saved %s", path)
 
     def rollback(self, names: tuple[str, ...] = ("model", "optimizer", "scheduler", "scaler")) -> bool:
@@ -257,3 +263,5 @@ class RunState:
         """Block until a background save, if any, is on disk."""
         if self._writer is not None:
             self._writer.wait()
+        if self._sharded is not None:
+            self._sharded.wait()

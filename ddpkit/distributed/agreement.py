@@ -35,6 +35,7 @@ HARMLESS_PREFIXES = (
     "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
     "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
     "health.",  # what to do about a bad step; the steps that are not bad compute the same
+    "parallel.",  # where the shards live; sharded checkpoints load into any mode (ddpkit.checkpoint.sharded)
 )
 
 

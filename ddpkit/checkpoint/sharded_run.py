@@ -1,0 +1,125 @@
+"""How RunState saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in any mode.
+
+    sharded = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
+    sharded.save(capture, directory, step=..., name=..., keep_last=..., meta=...)   # every rank
+    state = ShardedRun.read(path)                                   # the small state: what components.restore takes
+    ShardedRun.restore(path_or_state, components)                   # model + optimizer, every rank, any layout
+
+The model and optimizer tensors go through DCP (:mod:`ddpkit.checkpoint.sharded`); every other
+registered component goes, as in a single-file checkpoint, into the ``state.pt`` that rank 0 writes
+inside the DCP directory, with the same metadata (RNG streams, config, versions). So the components
+protocol is unchanged: ``components.restore`` receives the same dict in both formats, minus the
+model and optimizer, which :meth:`ShardedRun.restore` loads itself.
+
+A single-file checkpoint (``ddp`` mode) resumes into zero1 / fsdp2 too: its whole weights are
+scattered into the shards (``set_model_state_dict(full_state_dict=True)``) and its optimizer state,
+keyed by parameter position, is re-keyed by parameter name first.
+
+``checkpoint.async: true`` uses DCP's ``async_save`` on a Gloo group of its own (collectives of
+the background save must not interleave with the training loop's); the commit (rename, manifest)
+happens when the next save starts or the run ends, so an unfinished one never counts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ddpkit.checkpoint import files as ckpt
+from ddpkit.checkpoint import sharded
+from ddpkit.checkpoint.components import Components
+from ddpkit.config.schema import Config
+from ddpkit.reporting.log import log
+
+__all__ = ["ShardedRun", "SHARDED_MODES", "full_model_state", "read_any", "restore_components"]
+
+SHARDED_MODES = ("zero1", "fsdp2")
+#: The components DCP holds; everything else is small and goes into state.pt.
+TENSOR_PARTS = ("model", "optimizer")
+
+
+class ShardedRun:
+    """The sharded save path of one run (zero1 / fsdp2)."""
+
+    def __init__(self, components: Components, *, rank: int, async_save: bool):
+        self.components, self.rank, self.async_save = components, rank, async_save
+        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None  # an async save not yet committed
+        self._group = None
+
+    @classmethod
+    def for_config(cls, config: Config, components: Components, *, rank: int) -> ShardedRun | None:
+        if config.parallel.mode not in SHARDED_MODES:
+            return None
+        return cls(components, rank=rank, async_save=config.checkpoint.async_save)
+
+    def save(self, capture: Any, directory: str, *, step: int, name: str | None, keep_last: int) -> None:
+        """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is RunState's (a collective)."""
+        self.wait()
+        parts = sharded.ShardedParts(self.components["model"], self.components["optimizer"])
+        tensors, rest = sharded.split_tensors(parts.state_dict())
+        small = capture(exclude=TENSOR_PARTS)
+        small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})  # the non-tensor leaves (param groups)
+        small["schema"] = [*small["schema"], *TENSOR_PARTS]
+        meta = {"epoch": small["progress"]["epoch"], "config_hash": small["config_hash"], "versions": small["versions"]}
+        kwargs = dict(step=step, rank=self.rank, name=name, keep_last=keep_last, meta=meta)
+        if not self.async_save:
+            sharded.save_sharded(tensors, small, directory, **kwargs)
+            return
+        self._pending = sharded.save_sharded_async(tensors, small, directory, group=self._save_group(), **kwargs)
+
+    def _save_group(self) -> Any:
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every rank creates it at the same (first) save
+        return self._group
+
+    def wait(self) -> None:
+        """Finish an async save: wait for every rank's shards, then commit it (rank 0)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            sharded.finish_async(pending)
+
+    @staticmethod
+    def read(path: str) -> dict[str, Any]:
+        """The small state of a sharded checkpoint (state.pt), loaded safely."""
+        return ckpt.load_checkpoint(Path(path) / sharded.REST_FILE)
+
+    @staticmethod
+    def restore(path: str, state: dict[str, Any], components: Components) -> None:
+        """Load the model and optimizer of ``path`` (DCP directory or single file) into this run's layout; every rank."""
+        model, optimizer = components["model"], components["optimizer"]
+        parts = sharded.ShardedParts(model, optimizer)
+        if sharded.is_sharded_checkpoint(path):
+            sharded.load_sharded(path, parts)
+        else:
+            parts.load_full(state["model"], state["optimizer"])
+        log.info("loaded the model and optimizer of %s into this run's layout", path)
+
+
+def read_any(path: str) -> dict[str, Any]:
+    """What ``read_checkpoint`` takes: a single file's dict, or a sharded checkpoint's small state."""
+    return ShardedRun.read(path) if sharded.is_sharded_checkpoint(path) else ckpt.load_checkpoint(path)
+
+
+def restore_components(path: str, state: dict[str, Any], components: Components, *, mode: str) -> None:
+    """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded."""
+    saved = (state.get("config") or {}).get("parallel", {}).get("mode", "ddp")
+    if saved != mode:
+        log.info("resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode)
+    if mode not in SHARDED_MODES and not sharded.is_sharded_checkpoint(path):
+        components.restore(state)  # ddp from a single file: as always
+        return
+    components.restore({**state, "schema": [name for name in state["schema"] if name not in TENSOR_PARTS]})
+    ShardedRun.restore(path, state, components)
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model as plain CPU tensors on rank 0 (a collective under FSDP2; empty on other ranks)."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
