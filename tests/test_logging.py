@@ -25,7 +25,9 @@ from ddpkit.testing import run_on_ranks
 
 # tensorboard is the optional `ddpkit[tensorboard]` extra.
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-TRAIN_KEYS = {"step", "epoch", "train_loss", "lr", "samples_per_s", "time"}
+TRAIN_KEYS = {"step", "epoch", "train_loss", "lr", "samples_per_s", "time"} | {  # and ddpkit.training.health's
+    "grad_norm", "skipped_steps", "nonfinite_steps", "scaler_skips", "spikes", "rollbacks", "divergences", "straggler_rank", "straggler_slowdown",
+}
 EVAL_KEYS = {"step", "epoch", "val_loss", "val_accuracy", "time"}
 
 
