@@ -19,6 +19,7 @@ world size.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,9 +87,9 @@ class GlobalBatchSampler(DistributedSampler):
         n = len(self.dataset)  # type: ignore[arg-type]
         order = epoch_order(n, seed=self.seed, epoch=self.epoch, kind=self.order, shuffle=self.shuffle)
         steps_per_chunk = max(1, CHUNK // (self.grad_accum_steps * self.micro_batch))
-        for step in range(self.start_step, self.steps_per_epoch, steps_per_chunk):
-            positions = self._positions(step, min(step + steps_per_chunk, self.steps_per_epoch))
-            yield from tagged(order.at(positions).tolist(), self.epoch, self.tag_epoch)
+        chunks = (order.at(self._positions(step, min(step + steps_per_chunk, self.steps_per_epoch))).tolist()
+                  for step in range(self.start_step, self.steps_per_epoch, steps_per_chunk))
+        return tagged(itertools.chain.from_iterable(chunks), self.epoch, self.tag_epoch)
 
     def _positions(self, first_step: int, stop_step: int) -> np.ndarray:
         """This rank's positions in steps ``[first_step, stop_step)``: step, micro-batch, then sample order."""

@@ -16,6 +16,7 @@ else; shards differ by at most one sample and every sample is counted exactly on
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from collections.abc import Iterable, Iterator
@@ -36,7 +37,7 @@ CHUNK = 8192
 
 def tagged(indices: Iterable[int], epoch: int, tag_epoch: bool) -> Iterator[Any]:
     """``indices``, as ``(epoch, index)`` pairs when ``tag_epoch`` (see ``ResumableDistributedSampler.tag_epoch``)."""
-    return ((epoch, index) for index in indices) if tag_epoch else iter(indices)
+    return zip(itertools.repeat(epoch), indices) if tag_epoch else iter(indices)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -59,15 +60,16 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start_index = start_index
 
     def __iter__(self) -> Iterator[Any]:
-        return tagged(self._indices(), self.epoch, self.tag_epoch)
+        # chain.from_iterable walks each chunk's list in C: no Python frame per index
+        return tagged(itertools.chain.from_iterable(self._chunks()), self.epoch, self.tag_epoch)
 
-    def _indices(self) -> Iterator[int]:
+    def _chunks(self) -> Iterator[list[int]]:
         n, world = len(self.dataset), self.num_replicas  # type: ignore[arg-type]
         order = epoch_order(n, seed=self.seed, epoch=self.epoch, kind=self.order, shuffle=self.shuffle)
         first = self.rank + self.start_index * world
         for low in range(first, self.total_size, CHUNK * world):
             positions = np.arange(low, min(low + CHUNK * world, self.total_size), world)
-            yield from order.at(positions % n).tolist()  # % n: the padding wraps around, as in DistributedSampler
+            yield order.at(positions % n).tolist()  # % n: the padding wraps around, as in DistributedSampler
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index

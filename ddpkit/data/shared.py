@@ -24,7 +24,10 @@ writer first removes segments whose writer is dead (a SIGKILLed job). ``DDPKIT_S
 from __future__ import annotations
 
 import atexit
+import ctypes
+import gc
 import mmap
+import multiprocessing.util as mp_util
 import os
 import pickle
 import tempfile
@@ -74,7 +77,10 @@ class SharedDataset(Dataset):
         if env.local_rank == 0:
             remove_stale_segments(folder)
             self.path = _write(data() if callable(data) else data, folder / f"{key}.{os.getpid()}")
-            atexit.register(_remove, self.path, os.getpid())
+            if callable(data):
+                _release_freed_memory()  # the records it built are garbage now: give their pages back
+            atexit.register(_remove, self.path, os.getpid())  # a torchrun worker exits through atexit
+            mp_util.Finalize(None, _remove, args=(self.path, os.getpid()), exitpriority=0)  # a multiprocessing child through these
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # local rank 0's segment is complete before anyone looks for it
         if env.local_rank != 0:
@@ -189,6 +195,15 @@ def remove_stale_segments(folder: Path) -> list[Path]:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def _release_freed_memory() -> None:
+    """Collect garbage and hand glibc's freed heap pages back to the OS (malloc keeps them otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the pages are reused by later allocations instead
+        pass
 
 
 def _alive(pid: int) -> bool:
