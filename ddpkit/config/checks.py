@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.config.parallel import parallel_problems
 from ddpkit.config.schema import HANG_TIMEOUT
 from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_MODES, COMPILE_TORCH_OPTIONS
 
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig
 
-__all__ = ["cross_field_problems", "hang_timeout_seconds"]
+__all__ = ["cross_field_problems", "hang_timeout_seconds", "parallel_problems"]
 
 
 def hang_timeout_seconds(d: DistConfig) -> float | None:
@@ -82,4 +81,30 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
     limit = value.get("recompile_limit", COMPILE_DDPKIT_OPTIONS["recompile_limit"])
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         problems.append(f"train.compile.recompile_limit: expected an integer >= 1, got {limit!r}")
+    return problems
+
+
+def parallel_problems(cfg: Config) -> list[str]:
+    """Combinations a sharded mode cannot run, as ``"path: message"`` strings naming the fix."""
+    mode = cfg.parallel.mode
+    if mode != "fsdp2":
+        return []
+    problems = []
+    if cfg.ddp.comm_hook != "none":
+        problems.append(
+            f"ddp.comm_hook: {cfg.ddp.comm_hook!r} is a DDP communication hook and FSDP2 reduce-scatters gradients "
+            "itself; set ddp.comm_hook=none or parallel.mode=ddp (or zero1)"
+        )
+    if cfg.train.compile is not False:
+        problems.append(
+            "train.compile: not supported with parallel.mode=fsdp2 in ddpkit yet; set train.compile=false "
+            "or use parallel.mode=ddp / zero1"
+        )
+    if cfg.ddp.sync_batchnorm:
+        problems.append("ddp.sync_batchnorm: SyncBatchNorm is applied by the DDP wrapper; set it false with parallel.mode=fsdp2")
+    if cfg.train.precision == "fp16":
+        problems.append(
+            "train.precision: fp16 needs a GradScaler, which ddpkit does not run on FSDP2's sharded gradients; "
+            "use train.precision=bf16 (FSDP2's MixedPrecisionPolicy) or parallel.mode=ddp"
+        )
     return problems

@@ -7,21 +7,19 @@
 ``ddp`` (the default) keeps a full copy of everything on every rank; ``zero1`` shards the optimizer
 state (torch's ``ZeroRedundancyOptimizer``); ``fsdp2`` shards parameters, gradients and optimizer
 state (torch's ``fully_shard``). docs/modes.md says which to choose. The wrapping itself lives in
-:mod:`ddpkit.distributed.sharding`; this module only declares the options and the combinations
-that cannot work, so a bad config stops before any process group exists.
+:mod:`ddpkit.distributed.sharding`; this module only declares the options. The combinations that
+cannot work are refused by :mod:`ddpkit.config.checks` (``parallel_problems``), so a bad config stops
+before any process group exists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ddpkit.config.fields import option
 
-if TYPE_CHECKING:
-    from ddpkit.config.schema import Config
-
-__all__ = ["FSDPConfig", "ParallelConfig", "parallel_problems"]
+__all__ = ["FSDPConfig", "ParallelConfig"]
 
 
 @dataclass(frozen=True)
@@ -51,29 +49,3 @@ class ParallelConfig:
         "`fsdp2` write sharded checkpoints (a DCP directory) that resume in any mode on any number of ranks.",
     )
     fsdp: FSDPConfig = option(factory=FSDPConfig, doc="FSDP2 options (`parallel.mode: fsdp2`).")
-
-
-def parallel_problems(cfg: Config) -> list[str]:
-    """Combinations a sharded mode cannot run, as ``"path: message"`` strings naming the fix."""
-    mode = cfg.parallel.mode
-    if mode != "fsdp2":
-        return []
-    problems = []
-    if cfg.ddp.comm_hook != "none":
-        problems.append(
-            f"ddp.comm_hook: {cfg.ddp.comm_hook!r} is a DDP communication hook and FSDP2 reduce-scatters gradients "
-            "itself; set ddp.comm_hook=none or parallel.mode=ddp (or zero1)"
-        )
-    if cfg.train.compile is not False:
-        problems.append(
-            "train.compile: not supported with parallel.mode=fsdp2 in ddpkit yet; set train.compile=false "
-            "or use parallel.mode=ddp / zero1"
-        )
-    if cfg.ddp.sync_batchnorm:
-        problems.append("ddp.sync_batchnorm: SyncBatchNorm is applied by the DDP wrapper; set it false with parallel.mode=fsdp2")
-    if cfg.train.precision == "fp16":
-        problems.append(
-            "train.precision: fp16 needs a GradScaler, which ddpkit does not run on FSDP2's sharded gradients; "
-            "use train.precision=bf16 (FSDP2's MixedPrecisionPolicy) or parallel.mode=ddp"
-        )
-    return problems
