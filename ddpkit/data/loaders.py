@@ -61,6 +61,22 @@ def build_train_loader(
             dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed,
             prefetch_factor=prefetch_factor, accum=grad_accum_steps, window_steps=window_steps, uneven=uneven,
         )
+    sampler = _train_sampler(
+        dataset, env=env, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
+        global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, order=order,
+    )
+    sampler.tag_epoch = bool(num_workers)
+    return DataLoader(
+        SampleSeeded(dataset, seed) if num_workers else dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(), **_worker_options(num_workers, persistent_workers, prefetch_factor),
+    )
+
+
+def _train_sampler(
+    dataset: Dataset, *, env: DistEnv, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+    global_batch_size: int | None, grad_accum_steps: int, order: str,
+) -> ResumableDistributedSampler | GlobalBatchSampler:
+    """This rank's training order: world-size independent with ``global_batch_size``, else torch's sharding, resumable."""
     length = _length(dataset, "training")
     if drop_last and length < env.world_size * batch_size:
         raise DataError(
@@ -69,18 +85,12 @@ def build_train_loader(
             "Use a smaller data.batch_size, fewer processes, or data.drop_last=false."
         )
     if global_batch_size is not None:
-        sampler: ResumableDistributedSampler | GlobalBatchSampler = GlobalBatchSampler(
+        return GlobalBatchSampler(
             dataset, global_batch_size=global_batch_size, rank=env.rank, world_size=env.world_size,
             grad_accum_steps=grad_accum_steps, shuffle=shuffle, seed=seed, order=order,
         )
-    else:
-        sampler = ResumableDistributedSampler(
-            dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last, order=order,
-        )
-    sampler.tag_epoch = bool(num_workers)
-    return DataLoader(
-        SampleSeeded(dataset, seed) if num_workers else dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(), **_worker_options(num_workers, persistent_workers, prefetch_factor),
+    return ResumableDistributedSampler(
+        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last, order=order,
     )
 
 
