@@ -46,7 +46,22 @@ def run_on_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` Gloo ranks; return the results in rank order."""
+    """Call ``fn(*args)`` on ``world_size`` Gloo ranks; return the results in rank order.
+
+    Args:
+        fn: a module-level function (the ranks are fresh processes that import it by name); it runs
+            with a default Gloo process group already created, which a Trainer reuses.
+        world_size: how many ranks (processes).
+        args: ``fn``'s arguments, pickled to every rank.
+        timeout: seconds before still-running ranks are killed and reported.
+        env: extra environment variables for every rank.
+
+    Returns:
+        ``fn``'s return value on each rank (picklable), index = rank.
+
+    Raises:
+        RankFailure: a rank raised (each failing rank's traceback is in the message) or timed out.
+    """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "ddpkit"])
     with tempfile.TemporaryDirectory(prefix="ddpkit-ranks-") as tmp:

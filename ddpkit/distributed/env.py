@@ -53,6 +53,13 @@ class DistEnv:
 def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Build a :class:`DistEnv` from ``environ`` (default ``os.environ``).
 
+    Args:
+        environ: the variables to read: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) or,
+            inside ``srun`` without them, SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``, ...).
+
+    Returns:
+        The immutable reading; a world of one (rank 0 of 1) when no launcher variable is set.
+
     Raises:
         LaunchError: some but not all torchrun variables are set, or a value is not a valid number.
     """
