@@ -39,8 +39,7 @@ from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
 from ddpkit.distributed.sharding import shard_model, shard_optimizer
 from ddpkit.faults.goodput import GoodputLedger
-from ddpkit.faults.recovery import CrashSave
-from ddpkit.faults.snapshot import MemorySnapshots
+from ddpkit.faults.recovery import arm_recovery
 from ddpkit.faults.watchdog import Watchdog
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.reporting import reporter
@@ -207,7 +206,8 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
         cfg = self.config
-        group = process_group(self.env, backend=cfg.dist.backend, device=cfg.dist.device, timeout=cfg.dist.timeout, debug=cfg.dist.debug, trace_dir=self.output_dir / "logs")
+        d = cfg.dist
+        group = process_group(self.env, backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, trace_dir=self.output_dir / "logs")
         with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog, \
                 GoodputLedger.for_run(cfg, runtime, step=lambda: self.progress.step) as self._goodput:  # hang diagnosis; goodput.jsonl
             self.runtime = runtime
@@ -260,9 +260,7 @@ class Trainer:
         self._watchdog.listen_to(self.reporter)  # every span is a phase the watchdog sees
         self._step.health = self.health = TrainingHealth(cfg, runtime=self.runtime, model=model, loader=self.train_loader, progress=self.progress,
                                                          reporter=self.reporter, state=self.state)  # NaNs, spikes, stragglers, replicas
-        self._goodput.listen_to(self.reporter)  # first step, checkpoint and validation spans
-        CrashSave.arm(cfg, self.runtime, self.state, self.reporter, ledger=self._goodput)  # a dead peer costs no step
-        MemorySnapshots.arm(cfg, self.runtime, self.state, self.reporter, ledger=self._goodput)  # checkpoint.memory_every_steps
+        arm_recovery(cfg, self.runtime, self.state, self.reporter, ledger=self._goodput)  # ledger spans, crash save, memory snapshots
 
     # --- the loop -----------------------------------------------------------------------------------
 

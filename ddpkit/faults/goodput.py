@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import EXIT_PREEMPTED
+
 __all__ = ["LEDGER_FILE", "SESSION_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
 
 LEDGER_FILE = "goodput.jsonl"
@@ -162,7 +164,7 @@ class GoodputLedger:
         self._on_exit.append(hook)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        status = "FINISHED" if exc is None else ("STOPPED" if getattr(exc, "exit_code", None) == 75 else "FAILED")
+        status = "FINISHED" if exc is None else ("STOPPED" if getattr(exc, "exit_code", None) == EXIT_PREEMPTED else "FAILED")
         failed = status == "FAILED" and isinstance(exc, Exception)
         for hook, arg in [*((h, exc) for h in self._on_failure if failed), *((h, status) for h in self._on_exit)]:
             try:

@@ -44,10 +44,11 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.config.serialize import config_hash, config_to_dict
+from ddpkit.faults.snapshot import MemorySnapshots
 from ddpkit.reporting.log import log
 from ddpkit.training.rng import capture_rng
 
-__all__ = ["CrashSave", "lowest_live_rank"]
+__all__ = ["CrashSave", "lowest_live_rank", "arm_recovery"]
 
 SHM = Path("/dev/shm")
 
@@ -78,6 +79,14 @@ def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | Non
         if _alive(pid):
             return rank
     return None
+
+
+def arm_recovery(config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> None:
+    """Everything the loop does for goodput, in one call after resume: the ledger follows the spans,
+    the crash save records step boundaries, memory snapshots are taken every ``memory_every_steps``."""
+    ledger.listen_to(reporter)
+    CrashSave.arm(config, runtime, state, reporter, ledger=ledger)
+    MemorySnapshots.arm(config, runtime, state, reporter, ledger=ledger)
 
 
 class CrashSave:
