@@ -32,13 +32,14 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import EXIT_CONFIG, EXIT_OK, DdpkitError, exit_code_of
-from ddpkit.launch.launcher import default_nproc, launch, preflight, torchrun_argv
+from ddpkit.launch.launcher import default_nproc, exit_at_once, launch, preflight, torchrun_argv
 
 __all__ = ["main", "torchrun_args"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``ddpkit`` console script."""
+    from_command_line = argv is None  # a process of its own: `ddpkit run` may then skip the interpreter's teardown
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = _parser()
     if not argv or argv[0] in ("-h", "--help"):
@@ -52,7 +53,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Intermixed: options may come before, between or after the key=value overrides.
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
-    sys.exit(exit_code_of(lambda: _COMMANDS[args.command](args), command=f"ddpkit {args.command}"))
+    code = exit_code_of(lambda: _COMMANDS[args.command](args), command=f"ddpkit {args.command}")
+    if from_command_line and args.command == "run":
+        exit_at_once(code)  # torch's teardown in the launcher took seconds after the workers had ended
+    sys.exit(code)
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
