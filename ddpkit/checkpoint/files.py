@@ -89,6 +89,7 @@ def save_checkpoint(
         keep_last: after the write, remove all but this many ``step-*`` checkpoints.
         meta: extra manifest fields (config hash, versions, epoch).
     """
+    _refuse_shards(state)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
@@ -104,6 +105,15 @@ def save_checkpoint(
     if keep_last is not None:
         prune(directory, keep_last)
     return CheckpointInfo(path, manifest)
+
+
+def _refuse_shards(state: Any) -> None:
+    """One rank's DTensor shards are not a checkpoint (e.g. a lone survivor's crash save under FSDP2)."""
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for value in values:
+        if hasattr(value, "full_tensor"):
+            raise CheckpointError("a single-file checkpoint cannot hold FSDP2's DTensor shards; sharded runs save DCP directories")
+        _refuse_shards(value)
 
 
 class _HashingWriter:

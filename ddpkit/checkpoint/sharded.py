@@ -136,6 +136,13 @@ class ShardedParts:
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole)
 
 
+def by_position(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name as ``torch.optim`` keys it: by position in ``model.parameters()``."""
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    groups = [{**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]]
+    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint import sharded
@@ -34,7 +34,7 @@ from ddpkit.checkpoint.components import Components
 from ddpkit.config.schema import Config
 from ddpkit.reporting.log import log
 
-__all__ = ["ShardedRun", "SHARDED_MODES", "full_model_state", "read_any", "restore_components"]
+__all__ = ["ShardedRun", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state", "read_any", "restore_components"]
 
 SHARDED_MODES = ("zero1", "fsdp2")
 #: The components DCP holds; everything else is small and goes into state.pt.
@@ -115,6 +115,23 @@ def restore_components(path: str, state: dict[str, Any], components: Components,
         return
     components.restore({**state, "schema": [name for name in state["schema"] if name not in TENSOR_PARTS]})
     ShardedRun.restore(path, state, components)
+
+
+def full_capture(state: dict[str, Any], components: Components, *, rank: int) -> dict[str, Any]:
+    """``state`` (captured without model and optimizer) completed with their whole state on rank 0, as ddp saves them.
+
+    For a single-file copy of a sharded run (the /dev/shm memory snapshots): a collective (FSDP2
+    gathers the shards, ZeRO-1 consolidates its partitions); the other ranks get ``state`` as is.
+    """
+    model, optimizer = components["model"], components["optimizer"]
+    weights = full_model_state(model)
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1
+        optimizer.consolidate_state_dict(to=0)
+        whole = optimizer.state_dict() if rank == 0 else {}
+    else:
+        by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = sharded.by_position(by_name, model) if rank == 0 else {}
+    return {**state, "model": weights, "optimizer": whole, "schema": [*state["schema"], *TENSOR_PARTS]}
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

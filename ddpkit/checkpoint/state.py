@@ -38,7 +38,7 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
-from ddpkit.checkpoint.sharded_run import ShardedRun, full_model_state, read_any, restore_components
+from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedRun, full_capture, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
@@ -167,7 +167,10 @@ class RunState:
             "config_hash": config_hash(self.config),
             "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
         }
-        return self.components.capture(metadata=metadata, exclude=exclude)
+        if self._sharded is None or exclude:
+            return self.components.capture(metadata=metadata, exclude=exclude)
+        # A whole single-file state of a sharded run (memory snapshots): gathered on rank 0, a collective.
+        return full_capture(self.components.capture(metadata=metadata, exclude=TENSOR_PARTS), self.components, rank=self.runtime.env.rank)
 
     def due(self, *, after: str) -> bool:
         """Whether the periodic schedule asks for a checkpoint now (``after`` is "step" or "epoch")."""
