@@ -14,6 +14,7 @@ tests/test_cluster_docs.py renders this component and runs it with the local_cwd
 """
 
 import shlex
+from typing import Dict, List, Optional  # noqa: UP035 - TorchX's component linter reads these spellings
 
 import torchx.specs as specs
 
@@ -29,8 +30,8 @@ def train(
     memMB: int = 16384,
     rdzv_port: int = 29500,
     max_retries: int = 0,
-    env: dict[str, str] | None = None,
-    mounts: list[str] | None = None,
+    env: Optional[Dict[str, str]] = None,  # noqa: UP006, UP045 - see the import
+    mounts: Optional[List[str]] = None,  # noqa: UP006, UP045
 ) -> specs.AppDef:
     """ddpkit training on ``nnodes`` x ``nproc_per_node`` processes.
 
