@@ -111,7 +111,7 @@ def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
     """
     train, length = config.train, epochs_of(loader).length
     if length is not None:
-        length = agree_on_count(length, epoch=0, uneven=config.data.uneven)
+        length = agree_on_count(length, epoch=None, uneven=config.data.uneven)
     if length is None:
         total = stream_total_steps(max_steps=train.max_steps, epochs=train.epochs, steps_per_epoch=None, sched_name=config.sched.name)
         return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH

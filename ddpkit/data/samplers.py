@@ -51,8 +51,8 @@ class ResumableDistributedSampler(DistributedSampler):
     #: dataset, so the epoch a sample is seeded with has to travel with its index.
     tag_epoch = False
 
-    def __init__(self, dataset: Dataset, *, order: str = "auto", **kwargs: Any):
-        super().__init__(dataset, **kwargs)
+    def __init__(self, dataset: Dataset, *args: Any, order: str = "auto", **kwargs: Any):
+        super().__init__(dataset, *args, **kwargs)  # DistributedSampler's own arguments, unchanged
         self.order = order
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:

@@ -47,17 +47,20 @@ def _describe(counts: list[Any]) -> str:
     return ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
 
 
-def _uneven_error(counts: list[Any], *, epoch: int, shortest: int) -> DataError:
+def _uneven_error(counts: list[Any], *, epoch: int | None, shortest: int) -> DataError:
+    when = "per epoch" if epoch is None else f"in epoch {epoch}"
     return DataError(
-        f"data.uneven: error, and the ranks would run different numbers of training batches in epoch {epoch} "
+        f"data.uneven: error, and the ranks would run different numbers of training batches {when} "
         f"({_describe(counts)}). DDP needs the same number on every rank: a rank with more would wait forever in "
         f"all-reduce. Give every rank the same number of samples (e.g. a sampler with drop_last=True), or set "
         f"data.uneven=truncate to stop every rank after {shortest} batches."
     )
 
 
-def agree_on_count(count: int, *, epoch: int, uneven: str = "error") -> int:
+def agree_on_count(count: int, *, epoch: int | None, uneven: str = "error") -> int:
     """``count`` if every rank has the same; else a DataError (``error``) or the smallest (``truncate``).
+
+    ``epoch``: for the messages; None when agreeing on the run's length before training.
 
     One all-gather of one integer per rank. Every rank raises the same error, so none is left waiting.
     """
@@ -66,9 +69,10 @@ def agree_on_count(count: int, *, epoch: int, uneven: str = "error") -> int:
     if shortest != max(counts):
         if uneven != "truncate":
             raise _uneven_error(counts, epoch=epoch, shortest=shortest)
-        log.warning("data.uneven=truncate: epoch %d has uneven batch counts (%s); every rank runs %d", epoch, _describe(counts), shortest)
+        log.warning("data.uneven=truncate: uneven batch counts %s (%s); every rank runs %d", "per epoch" if epoch is None else f"in epoch {epoch}",
+                    _describe(counts), shortest)
     if shortest == 0:
-        raise DataError(f"the training loader yields no batches on some rank in epoch {epoch} ({_describe(counts)}); check the dataset and data.batch_size")
+        raise DataError(f"the training loader yields no batches on some rank ({_describe(counts)}); check the dataset and data.batch_size")
     return shortest
 
 
