@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_goodput.py chaos --rounds 2 --faults 5     # alternating variants
     .venv/bin/python scripts/bench_goodput.py cost                            # per-step cost, snapshot cost
 
-``chaos`` runs a 2-rank digits MLP under ``ddpkit run --max-restarts`` with ``--faults`` faults
+``chaos`` runs the 2-rank digits CNN (quickstart's model, 2 epochs) under ``ddpkit run --max-restarts`` with ``--faults`` faults
 injected from outside at random moments (SIGKILL of one worker, SIGTERM of one worker, SIGKILL
 of every worker, in turn), once per variant per round, alternating: ``before`` (crash_save off, no
 memory snapshots: what ddpkit did until now) and ``after`` (the defaults). It prints, per
@@ -47,10 +47,10 @@ def loadavg() -> str:
 def config(out: Path, variant: str) -> Path:
     cfg = {
         "run": {"name": "chaos", "output_dir": str(out / "run"), "seed": 0},
-        "data": {"name": "digits", "batch_size": 32, "kwargs": {"num_train": 4096, "num_val": 256, "image_size": 12}},
-        "model": {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [64]}},
+        "data": {"name": "digits", "batch_size": 64, "kwargs": {"num_train": 24000, "num_val": 512}},
+        "model": {"name": "mnist_cnn"},
         "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "train": {"epochs": 3, "log_every": 20},
+        "train": {"epochs": 2, "log_every": 25},
         "checkpoint": {"every_epochs": 1, **VARIANTS[variant]},
         "log": {"progress_bar": False},
     }
@@ -77,13 +77,13 @@ def ledger(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def inject(proc: subprocess.Popen, out: Path, faults: int, rng: random.Random) -> list[dict]:
+def inject(proc: subprocess.Popen, out: Path, faults: int, rng: random.Random, args_delay: float) -> list[dict]:
     """Wait for each attempt's first step, then hit it; return what was done and when."""
     done = []
     for i in range(faults):
         while proc.poll() is None and sum(r["event"] == "first_step" and r["attempt"] == i for r in ledger(out)) == 0:
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(1.0, args_delay))
         pids = workers(proc.pid)
         if proc.poll() is not None or len(pids) < 2:
             break
@@ -129,9 +129,10 @@ def chaos(args: argparse.Namespace) -> None:
                    "--max-restarts", str(args.faults + 1), "--script", SCRIPT]
             began = time.time()
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"))
-            faults = inject(proc, out, args.faults, rng)
+            faults = inject(proc, out, args.faults, rng, args.max_delay)
             code = proc.wait()
-            result = {**analyse_run(out, faults), "measured_wall": time.time() - began, "rc": code, "dir": str(out)}
+            measured = time.time() - began  # before the analysis, whose first call imports torch
+            result = {**analyse_run(out, faults), "measured_wall": measured, "rc": code, "dir": str(out)}
             results[variant].append(result)
             print(json.dumps({"round": round_, "variant": variant, **result}), flush=True)
     print(f"load average after: {loadavg()}")
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--faults", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-delay", type=float, default=6.0, help="a fault comes 1 s to this many seconds after an attempt's first step")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     chaos(args) if args.mode == "chaos" else cost(args)

@@ -231,11 +231,12 @@ class CheckpointConfig:
         "When a worker dies (SIGKILL, segfault, OOM kill), the lowest surviving rank saves the last completed step "
         "before it exits, so a restart under `--max-restarts` re-runs no step (see docs/goodput.md). Needs 2+ ranks.",
     )
-    memory_every_steps: int | None = option(
-        50,
+    memory_every_steps: int | Literal["auto"] | None = option(
+        "auto",
         "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training thread; "
         "a restart after every worker of the host died resumes from it when it is newer than the newest disk checkpoint. "
-        "`null`: off. The default keeps the per-step cost near 1% for a small model (docs/goodput.md).",
+        "`auto`: every 50 steps, fewer when one snapshot would block more than 1% of the training between two (measured "
+        "as the run goes; docs/goodput.md). `null`: off.",
         ge=1,
     )
 

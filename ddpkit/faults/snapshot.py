@@ -2,7 +2,7 @@
 worker of a host at once (a SIGKILL to all, a node-level OOM kill) costs at most K steps.
 
     checkpoint:
-      memory_every_steps: 10        # ddpkit run exp.yaml --max-restarts 3
+      memory_every_steps: 10        # or auto (the default); ddpkit run exp.yaml --max-restarts 3
 
     snapshots = MemorySnapshots.arm(config, runtime, state, reporter, ledger=ledger)   # once, after resume
     newest_snapshot(config)         # what a restart compares with the newest disk checkpoint
@@ -15,6 +15,10 @@ checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
 ``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
 host (or a reboot), which is what disk checkpoints are for.
 
+``memory_every_steps: auto`` (the default) starts at 50 steps and adapts to the measured cost:
+when one snapshot blocks training for more than 1% of the time trained since the previous one,
+the interval grows until it does not (logged when it changes). A number is used as given.
+
 A snapshot never misleads a resume: the directory is named by the run (the output directory's
 path and inode, so a deleted and recreated directory is another run), a snapshot is used only
 when it is valid (manifest, size, checksum) and newer than the newest valid disk checkpoint,
@@ -25,18 +29,22 @@ checkpoint is stale and removed. A finished run removes its snapshots.
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
+from ddpkit.distributed.process_group import broadcast_object
 from ddpkit.reporting.log import log
 
 __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
 
 SHM = Path("/dev/shm")
 KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
+BUDGET = 0.01  # `auto`: a snapshot may block at most this fraction of the training time between two
+AUTO_START = 50  # `auto`: the first interval; at most 25 steps lost on average when snapshots are cheap
 
 
 def snapshot_dir(config: Any) -> Path:
@@ -81,19 +89,20 @@ class MemorySnapshots:
 
     def __init__(self, config: Any, runtime: Any, state: Any, *, every: int, ledger: Any = None):
         self.config, self.state, self.every, self.ledger = config, state, every, ledger
-        self.is_main = runtime.env.rank == 0
+        self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
         self._writer = ckpt.AsyncCheckpointWriter()
         self._pending = False  # an optimizer step ended; the next data span is its boundary
-        self._last = state.progress.step
+        self._last, self._last_time = state.progress.step, time.perf_counter()
 
     @classmethod
     def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> MemorySnapshots | None:
         """Follow the loop's spans when ``checkpoint.memory_every_steps`` is set and ``/dev/shm`` exists."""
         every, env = config.checkpoint.memory_every_steps, runtime.env
-        if not every or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
+        if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
             return None
-        snapshots = cls(config, runtime, state, every=every, ledger=ledger)
+        snapshots = cls(config, runtime, state, every=AUTO_START if every == "auto" else every, ledger=ledger)
+        snapshots.adaptive = every == "auto"
         reporter.add_phase_listener(snapshots.on_phase)
         ledger.on_exit(snapshots.close)
         return snapshots
@@ -108,14 +117,29 @@ class MemorySnapshots:
                 self._take(step)
 
     def _take(self, step: int) -> None:
-        began = time.time()
+        began, started = time.time(), time.perf_counter()
         state = self.state.capture()  # every rank: the all-gather of RNG states
-        self._last = step
         if self.is_main:
             meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
             self._writer.submit(ckpt.to_cpu(state), self.directory, step=step, keep_last=KEEP, meta=meta)
             if self.ledger is not None:
                 self.ledger.checkpoint(began=began, step=step, kind="memory")
+        if self.adaptive:
+            self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
+        self._last, self._last_time = step, time.perf_counter()
+
+    def _adapt(self, step: int, *, blocked: float, trained: float) -> None:
+        """Keep a snapshot's blocking time within BUDGET of the training between two: stretch the interval if not.
+
+        Rank 0's measurement decides and is broadcast, so every rank takes the next snapshot (a
+        collective) at the same step."""
+        per_step = trained / max(1, step - self._last)
+        needed = math.ceil(blocked / (BUDGET * per_step)) if per_step > 0 else self.every
+        proposal = broadcast_object(max(self.every, needed))
+        if proposal > self.every:
+            log.info("memory snapshots: one blocks %.1f ms, %.1f steps of %.2f ms; every %d steps instead of %d keeps them within %.0f%%",
+                     blocked * 1e3, blocked / per_step, per_step * 1e3, proposal, self.every, BUDGET * 100)
+            self.every = proposal
 
     def close(self, status: str) -> None:
         """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
