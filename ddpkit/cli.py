@@ -9,6 +9,7 @@
     ddpkit bench {throughput,allreduce,autotune,scaling} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
+    ddpkit estimate CONFIG --nproc N [--mode M]   # bytes per rank of ddp / zero1 / fsdp2, before a run
     ddpkit goodput RUN_DIR [--json]          # where the run's wall time went: productive, badput by category
 
 ``run`` validates the config, then starts the workers through torch's own launcher
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_OK if argv else EXIT_CONFIG)
     if argv[0] not in commands:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
-    if argv[0] in ("bench", "plot", "runs", "goodput"):  # these parse their own options
+    if argv[0] in ("bench", "plot", "runs", "goodput", "estimate"):  # these parse their own options
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
         # Intermixed: options may come before, between or after the key=value overrides.
@@ -88,8 +89,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     bench = sub.add_parser("bench", help="benchmarks: throughput, allreduce, autotune, scaling (see `ddpkit bench -h`)")
     plot = sub.add_parser("plot", help="plot metrics of one or more run directories (see `ddpkit plot -h`)")
     runs = sub.add_parser("runs", help="table of the runs under a directory: status, steps, val metrics, best, wall time")
+    estimate = sub.add_parser("estimate", help="bytes per rank of each parallel.mode (ddp, zero1, fsdp2) before a run (see `ddpkit estimate -h`)")
     goodput = sub.add_parser("goodput", help="where a run's wall time went: productive training and badput by category")
-    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs, "goodput": goodput}
+    commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs, "goodput": goodput,
+                "estimate": estimate}
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
@@ -167,6 +170,12 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return runs_main(args.rest)
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from ddpkit.tools.estimate import main as estimate_main
+
+    return estimate_main(args.rest)
+
+
 def _cmd_goodput(args: argparse.Namespace) -> int:
     from ddpkit.tools.goodput import main as goodput_main
 
@@ -175,7 +184,7 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs,
-    "goodput": _cmd_goodput,
+    "goodput": _cmd_goodput, "estimate": _cmd_estimate,
 }
 
 

@@ -1,0 +1,164 @@
+"""``ddpkit estimate CONFIG --nproc N [--mode M]``: bytes per rank of each parallel.mode, before a run.
+
+    $ ddpkit estimate configs/lm.yaml --nproc 2 model.kwargs.depth=12
+    model tiny_lm: 2,425,088 parameters (9.25 MiB as float32); optimizer adam: 2 state tensors per parameter; 2 ranks
+    mode   parameters  gradients  optimizer  activations  total per rank
+    ddp      9.25 MiB   9.25 MiB  18.50 MiB      3.1 MiB        40.1 MiB
+    zero1    9.25 MiB   9.25 MiB   9.25 MiB      3.1 MiB        30.9 MiB
+    fsdp2    4.63 MiB   4.63 MiB   9.25 MiB      3.1 MiB        21.6 MiB
+    recommendation: ddp: 40.1 MiB per rank fits in 61.2 GiB (the fastest mode: one all-reduce per step)
+
+The model is built on the meta device (no memory, no weights); the per-rank numbers follow
+torch's own partition rules (:func:`ddpkit.distributed.memory.mode_bytes`) and match what the
+run logs at startup. Activations are the outputs of every module for one per-rank batch, from a
+forward pass on the meta device with one sample of the configured dataset (an upper bound on
+what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DDP's gradient
+buckets (one more gradient copy unless ``ddp.gradient_as_bucket_view``), FSDP2's all-gathered
+block during its forward and backward (the largest block's full parameters), allocator slack.
+The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's memory, or
+the host's available memory divided by ``--nproc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddpkit import registry
+from ddpkit.config.loader import load_config
+from ddpkit.distributed.memory import RankBytes, mode_bytes, optimizer_slots
+from ddpkit.errors import exit_code_of
+from ddpkit.training.optim import build_optimizer
+
+__all__ = ["main", "estimate", "Estimate"]
+
+MODES = ("ddp", "zero1", "fsdp2")
+
+
+class Estimate:
+    """Per-rank bytes of each mode for one config and world size (the largest rank's numbers)."""
+
+    def __init__(self, cfg: Any, nproc: int, modes: Sequence[str] = MODES):
+        with torch.device("meta"):
+            model = registry.build_model(cfg.model)
+            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.count = sum(p.numel() for p in params)
+        self.element_size = params[0].element_size() if params else 4
+        self.slots = optimizer_slots(optimizer)
+        shapes = [tuple(p.shape) for p in params]
+        slots = self.slots if self.slots is not None else 2  # an unknown optimizer: Adam's two, said in the output
+        self.per_mode: dict[str, RankBytes] = {
+            mode: max(mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size), key=lambda b: b.total)
+            for mode in modes
+        }
+        self.activations = _activation_bytes(model, cfg, nproc)
+        self.nproc, self.model_name, self.optim_name = nproc, cfg.model.name, cfg.optim.name
+
+    def total(self, mode: str) -> int:
+        return self.per_mode[mode].total + (self.activations or 0)
+
+
+def _per_rank_batch(cfg: Any, nproc: int) -> int:
+    if cfg.data.global_batch_size is not None:
+        return max(1, cfg.data.global_batch_size // (nproc * cfg.train.grad_accum_steps))
+    return cfg.data.batch_size
+
+
+def _activation_bytes(model: torch.nn.Module, cfg: Any, nproc: int) -> int | None:
+    """Bytes of every module's output for one per-rank batch, from a forward on the meta device."""
+    try:
+        train_set, _ = registry.build_datasets(cfg.data)
+        sample = train_set[0][0] if isinstance(train_set[0], (tuple, list)) else train_set[0]
+        batch = torch.empty((_per_rank_batch(cfg, nproc), *sample.shape), dtype=sample.dtype, device="meta")
+    except Exception:  # a dataset that needs files or a network: activations stay unknown
+        return None
+    total = [0]
+
+    def count(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            total[0] += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(count) for m in model.modules() if m is not model]
+    try:
+        with torch.no_grad():
+            model(batch)
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total[0]
+
+
+def _memory_per_rank(nproc: int) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // nproc
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def recommendation(est: Estimate, budget: int) -> str:
+    """One line: the first mode, cheapest in communication first, whose total fits in ``budget``."""
+    reasons = {"ddp": "the fastest mode: one all-reduce per step", "zero1": "DDP's communication plus one broadcast of the "
+               "updated parameters; 1/N of the optimizer state", "fsdp2": "1/N of parameters, gradients and optimizer state; "
+               "all-gathers per block in forward and backward, a reduce-scatter of the gradients"}
+    for mode in est.per_mode:
+        if est.total(mode) <= budget:
+            return f"{mode}: {_fmt(est.total(mode))} per rank fits in {_fmt(budget)} ({reasons[mode]})"
+    best = min(est.per_mode, key=est.total)
+    return f"none fits in {_fmt(budget)} per rank; {best} needs {_fmt(est.total(best))}: use more ranks, a smaller batch or bf16"
+
+
+def report(est: Estimate, budget: int) -> str:
+    slots = f"{est.slots} state tensors per parameter" if est.slots is not None else "unknown state size (Adam's 2 assumed)"
+    lines = [
+        f"model {est.model_name}: {est.count:,} parameters ({_fmt(est.count * est.element_size)} as {est.element_size}-byte values); "
+        f"optimizer {est.optim_name}: {slots}; {est.nproc} rank(s)",
+        f"{'mode':<6} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>12} {'total per rank':>15}",
+    ]
+    for mode, b in est.per_mode.items():
+        lines.append(f"{mode:<6} {_fmt(b.parameters):>11} {_fmt(b.gradients):>11} {_fmt(b.optimizer):>11} "
+                     f"{_fmt(est.activations):>12} {_fmt(est.total(mode)):>15}")
+    lines.append(f"recommendation: {recommendation(est, budget)}")
+    return "\n".join(lines)
+
+
+def estimate(config: Any, overrides: Sequence[str] = (), *, nproc: int, modes: Sequence[str] = MODES) -> Estimate:
+    """The estimate for a config file or dict with ``key=value`` overrides."""
+    return Estimate(load_config(config, list(overrides)), nproc, modes)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``ddpkit estimate CONFIG [key=value ...] --nproc N [--mode M] [--memory-per-rank GiB]``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="ddpkit estimate", description="Per-rank bytes of each parallel.mode, from the model on the meta device.")
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks (processes) to estimate for")
+    parser.add_argument("--mode", choices=MODES, action="append", help="only this mode (repeatable; default: all three)")
+    parser.add_argument("--memory-per-rank", type=float, default=None, help="GiB available to each rank (default: detected)")
+    try:
+        args = parser.parse_intermixed_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+    def show() -> int:
+        est = estimate(args.config, args.overrides, nproc=args.nproc, modes=args.mode or MODES)
+        budget = int(args.memory_per_rank * 2**30) if args.memory_per_rank else _memory_per_rank(args.nproc)
+        print(report(est, budget))
+        return 0
+
+    return exit_code_of(show, command="ddpkit estimate")
