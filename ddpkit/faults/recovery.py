@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,16 @@ class CrashSave:
         if why is not None:
             log.warning("crash save skipped on rank %d: %s", self.rank, why)
             return
+        # torchrun's SIGTERM to the survivors comes at any moment, and the preemption handler is gone
+        # by now (fit's cleanup ran): without this the default action ends the process mid-save.
+        held = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._save(error)
+        finally:
+            for sig, previous in held.items():
+                signal.signal(sig, previous)
+
+    def _save(self, error: BaseException) -> None:
         began, (progress, torch_rng) = time.time(), self.boundary
         latest = ckpt.find_latest_checkpoint(self.config.checkpoint_dir)
         if latest is not None and latest.step >= progress["step"]:
