@@ -10,7 +10,8 @@ A plain Python list is copied page by page into every rank and every DataLoader 
 an object writes its reference count: pytorch#13246), so 8 ranks x 4 workers can hold ~40 copies.
 Here local rank 0 serialises the data once into one file in ``/dev/shm`` (records: pickled,
 one after the other, with an int64 offset table; arrays and tensors: their raw bytes), and
-every process maps it read-only: the pages exist once per host. A callable is called on local
+every process maps it read-only: the pages exist once per host. The other ranks learn the
+file's path from their host's local rank 0 through one all-gather, after it is written. A callable is called on local
 rank 0 only, so the other ranks never build the data at all.
 
 Crash and restart: the file is named by the job's run id and master port, the restart attempt
@@ -30,6 +31,7 @@ import mmap
 import multiprocessing.util as mp_util
 import os
 import pickle
+import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from ddpkit.distributed.env import DistEnv, read_dist_env
+from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.errors import DataError
 
 __all__ = ["SharedDataset", "shared_dir", "remove_stale_segments"]
@@ -68,22 +71,20 @@ class SharedDataset(Dataset):
         env: where this process sits (default: read from the environment).
         directory: where the segment lives (default: :func:`shared_dir`).
 
-    Every rank must construct it (a collective when a process group exists: a barrier).
+    Every rank must construct it (a collective when a process group exists: one all-gather).
     """
 
     def __init__(self, data: Any, *, name: str = "data", env: DistEnv | None = None, directory: str | os.PathLike | None = None):
         env = env or read_dist_env()
         folder, key = Path(directory) if directory else shared_dir(), _segment_key(env, name)
+        self.path: Path | None = None
         if env.local_rank == 0:
-            remove_stale_segments(folder)
-            self.path = _write(data() if callable(data) else data, folder / f"{key}.{os.getpid()}")
-            if callable(data):
-                _release_freed_memory()  # the records it built are garbage now: give their pages back
-            atexit.register(_remove, self.path, os.getpid())  # a torchrun worker exits through atexit
-            mp_util.Finalize(None, _remove, args=(self.path, os.getpid()), exitpriority=0)  # a multiprocessing child through these
+            self.path = _write_once(data, folder, key)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # local rank 0's segment is complete before anyone looks for it
-        if env.local_rank != 0:
+            # After the writes: every rank learns its host's segment from its local rank 0 (never another job's)
+            host, written = socket.gethostname(), all_gather_object((socket.gethostname(), self.path))
+            self.path = next(path for on, path in written if on == host and path is not None)
+        elif self.path is None:  # no process group: local rank 0's file appears, complete, by rename
             self.path = _find(folder, key)
         self._open()
 
@@ -112,6 +113,17 @@ class SharedDataset(Dataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
         self._open()
+
+
+def _write_once(data: Any, folder: Path, key: str) -> Path:
+    """Local rank 0: remove dead writers' segments, write this one, and remove it when this process exits."""
+    remove_stale_segments(folder)
+    path = _write(data() if callable(data) else data, folder / f"{key}.{os.getpid()}")
+    if callable(data):
+        _release_freed_memory()  # the records it built are garbage now: give their pages back
+    atexit.register(_remove, path, os.getpid())  # a torchrun worker exits through atexit
+    mp_util.Finalize(None, _remove, args=(path, os.getpid()), exitpriority=0)  # a multiprocessing child through these
+    return path
 
 
 def _segment_key(env: DistEnv, name: str) -> str:
