@@ -6,4 +6,6 @@
   name (``state_dict`` / ``load_state_dict``); a checkpoint's schema is the list of those names.
 - ``state``: the run's state, one owner: when to save, which checkpoint a run resumes from, and
   whether it may.
+- ``sharded`` / ``sharded_run``: ``parallel.mode`` zero1 / fsdp2: a DCP directory per checkpoint,
+  every rank writing its shard, committed by rename; any checkpoint resumes into any mode and world size.
 """

@@ -7,6 +7,8 @@
 - ``env``: :class:`DistEnv`, the immutable reading of the environment.
 - ``process_group``: backend and device choice, init and teardown, small collective helpers.
 - ``ddp``: DistributedDataParallel with the config's options, and unwrapping for saving.
+- ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
+- ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.
 - ``agreement``: every rank agrees at startup (config, model, data, versions), and a checkpoint
   agrees with the run that resumes it.
 """
