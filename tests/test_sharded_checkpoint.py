@@ -102,6 +102,7 @@ def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_pa
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
+@pytest.mark.slow  # 20-50 s on the shared machine: a 2-rank spawn and a CLI process
 def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     """``ddpkit export`` of a DCP directory; the crash windows on disk: DCP written but not renamed, renamed but no manifest."""
     saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
@@ -124,3 +125,23 @@ def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     assert manifest["files"]["__1_0.distcp"] > len(b"truncated")
 
 
+
+
+def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as_zero1(tmp_path):
+    """The fast in-process case: a world of one through the Trainer, both directions of the format."""
+    from helpers import tiny_config
+
+    from ddpkit import Trainer
+    from ddpkit.checkpoint.sharded import export_model
+
+    def cfg(mode, steps):
+        return tiny_config(tmp_path, parallel={"mode": mode}, train={"epochs": None, "max_steps": steps, "log_every": 100},
+                           optim={"name": "adam", "lr": 0.003, "momentum": 0.0}, checkpoint={"every_steps": 3})
+
+    Trainer(cfg("fsdp2", 6)).fit()
+    info = files.find_latest_checkpoint(tmp_path / "run/checkpoints")
+    assert info.path.name == "step-000000006.dcp" and [c.step for c in files.list_checkpoints(info.path.parent)] == [3, 6]
+    exported, final = export_model(info.path), torch.load(tmp_path / "run/model.pt", weights_only=True)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert Trainer(cfg("zero1", 9)).fit()["step"] == 9  # resumed at 6 in another mode, saved a DCP directory of step 9
+    assert files.find_latest_checkpoint(tmp_path / "run/checkpoints").path.name == "step-000000009.dcp"
