@@ -186,3 +186,46 @@ def test_ddpkit_run_restarts_a_killed_fsdp2_rank_and_ends_equal(tmp_path):
     clean = launch(tmp_path / "clean", {})
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert _max_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "clean")) <= 1e-6
+
+
+def _samples(directory: Path) -> dict[int, set[int]]:
+    """Step -> the samples every rank trained on in it (a later record of a step wins)."""
+    import json
+
+    per_rank: dict[Path, dict[int, list[int]]] = {}
+    for file in sorted(directory.glob("rank*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            per_rank.setdefault(file, {})[record["step"]] = record["indices"]
+    steps = set().union(*(records.keys() for records in per_rank.values()))
+    return {step: set().union(*(set(r.get(step, [])) for r in per_rank.values())) for step in steps}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "nproc"), [("ddp", 1), ("zero1", 2)])
+def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_same_samples(tmp_path, mode, nproc):
+    """SIGTERM after step 5 of a 2-rank fsdp2 run (exit 75, a DCP checkpoint), then ``ddpkit run`` in ``mode`` on ``nproc`` ranks."""
+    script = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
+    paths = {}
+    for name in ("whole", "cut"):
+        cfg = _cfg(tmp_path / name, "fsdp2", data={"global_batch_size": 24, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
+                   train={"epochs": 2, "log_every": 2}, checkpoint={"every_epochs": None})
+        del cfg["data"]["batch_size"]
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+        (tmp_path / f"{name}-samples").mkdir()
+
+    def launch(name: str, ranks: int, *overrides: str, env: dict[str, str]):
+        return run_cli("run", str(paths[name]), *overrides, "--nproc-per-node", str(ranks), "--script", script, env=env, timeout=300)
+
+    assert launch("whole", 2, env={"SAMPLES_DIR": str(tmp_path / "whole-samples")}).returncode == 0
+    env = {"SAMPLES_DIR": str(tmp_path / "cut-samples"), "PREEMPT_STEP": "5", "PREEMPT_STAMP": str(tmp_path / "stamp")}
+    assert launch("cut", 2, env=env).returncode == 75
+    saved = files.find_latest_checkpoint(tmp_path / "cut/run/checkpoints")  # the step every rank agreed on, soon after 5
+    assert saved.path.suffix == ".dcp" and 5 <= saved.step < 20
+    resumed = launch("cut", nproc, f"parallel.mode={mode}", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming a parallel.mode=fsdp2 checkpoint (2 rank(s)) as parallel.mode={mode}" in resumed.stderr
+    reference, cut = _samples(tmp_path / "whole-samples"), _samples(tmp_path / "cut-samples")
+    assert sorted(reference) == sorted(cut) and all(cut[s] == reference[s] and len(reference[s]) == 24 for s in reference)
+    assert _max_diff(_weights(tmp_path / "cut"), _weights(tmp_path / "whole")) <= 1e-5
