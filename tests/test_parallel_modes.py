@@ -172,17 +172,22 @@ def test_fsdp2_on_two_ranks_resumes_as_ddp_on_one_zero1_on_two_fsdp2_on_three(tm
 
 
 @pytest.mark.slow
-def test_ddpkit_run_restarts_a_killed_fsdp2_rank_and_ends_equal(tmp_path):
+@pytest.mark.parametrize(("mode", "checkpoint", "resumed_from"), [
+    ("fsdp2", {"every_steps": 3}, "step-000000006.dcp"),  # the newest DCP checkpoint (a lone survivor cannot save shards)
+    ("zero1", {"every_steps": 100, "every_epochs": None, "memory_every_steps": 3}, "/dev/shm/"),  # the whole-state memory snapshot
+])
+def test_ddpkit_run_restarts_a_killed_sharded_rank_and_ends_equal(tmp_path, mode, checkpoint, resumed_from):
     def launch(out: Path, env: dict[str, str]):
         out.mkdir()
-        cfg = _cfg(out, "fsdp2", train={"epochs": 2}, checkpoint={"every_steps": 3})
+        cfg = _cfg(out, mode, train={"epochs": 2}, checkpoint=checkpoint)
         (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
         return run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "2", "--script", "tests/checkpoint_crash.py",
                        env=env, timeout=300, cwd=REPO)
 
     killed = launch(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "7"})
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "resuming from" in killed.stderr and "step-000000006.dcp" in killed.stderr
+    resumed = [line for line in killed.stderr.splitlines() if "resuming from" in line]
+    assert resumed and resumed_from in resumed[0] and "(step 6)" in resumed[0], resumed
     clean = launch(tmp_path / "clean", {})
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert _max_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "clean")) <= 1e-6

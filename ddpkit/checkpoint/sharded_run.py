@@ -32,9 +32,10 @@ from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint import sharded
 from ddpkit.checkpoint.components import Components
 from ddpkit.config.schema import Config
+from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
 
-__all__ = ["ShardedRun", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state", "read_any", "restore_components"]
+__all__ = ["ShardedRun", "ShardedOptimizer", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state", "read_any", "restore_components"]
 
 SHARDED_MODES = ("zero1", "fsdp2")
 #: The components DCP holds; everything else is small and goes into state.pt.
@@ -58,7 +59,7 @@ class ShardedRun:
     def save(self, capture: Any, directory: str, *, step: int, name: str | None, keep_last: int) -> None:
         """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is RunState's (a collective)."""
         self.wait()
-        parts = sharded.ShardedParts(self.components["model"], self.components["optimizer"])
+        parts = sharded.ShardedParts(*_parts(self.components))
         tensors, rest = sharded.split_tensors(parts.state_dict())
         small = capture(exclude=TENSOR_PARTS)
         small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})  # the non-tensor leaves (param groups)
@@ -91,13 +92,34 @@ class ShardedRun:
     @staticmethod
     def restore(path: str, state: dict[str, Any], components: Components) -> None:
         """Load the model and optimizer of ``path`` (DCP directory or single file) into this run's layout; every rank."""
-        model, optimizer = components["model"], components["optimizer"]
-        parts = sharded.ShardedParts(model, optimizer)
+        parts = sharded.ShardedParts(*_parts(components))
         if sharded.is_sharded_checkpoint(path):
             sharded.load_sharded(path, parts)
         else:
             parts.load_full(state["model"], state["optimizer"])
         log.info("loaded the model and optimizer of %s into this run's layout", path)
+
+
+class ShardedOptimizer:
+    """The optimizer as a zero1 / fsdp2 run registers it: saved by every rank through DCP, never by one alone.
+
+    A single rank holds only its part of the state (and ZeRO keeps a stale consolidated copy after a
+    memory snapshot), so a one-rank capture (the crash save of a lone survivor) is refused here.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        raise CheckpointError("a zero1/fsdp2 optimizer's state is split over the ranks; it is saved by every rank (DCP), not by one")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise CheckpointError("a zero1/fsdp2 optimizer's state is loaded by every rank through ddpkit.checkpoint.sharded_run")
+
+
+def _parts(components: Components) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    optimizer = components["optimizer"]
+    return components["model"], optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
 
 
 def read_any(path: str) -> dict[str, Any]:
@@ -123,7 +145,7 @@ def full_capture(state: dict[str, Any], components: Components, *, rank: int) ->
     For a single-file copy of a sharded run (the /dev/shm memory snapshots): a collective (FSDP2
     gathers the shards, ZeRO-1 consolidates its partitions); the other ranks get ``state`` as is.
     """
-    model, optimizer = components["model"], components["optimizer"]
+    model, optimizer = _parts(components)
     weights = full_model_state(model)
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1
         optimizer.consolidate_state_dict(to=0)

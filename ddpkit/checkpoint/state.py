@@ -38,7 +38,7 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
-from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedRun, full_capture, full_model_state, read_any, restore_components
+from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
@@ -153,6 +153,8 @@ class RunState:
         the reporter's tracker sinks, which need to know whether the run resumed) receives the
         state the resumed checkpoint holds for ``name``, if any.
         """
+        if self._sharded is not None and name == "optimizer" and component is not None:
+            component = ShardedOptimizer(component)  # zero1 / fsdp2: never captured by one rank alone
         self.components.register(name, component)
 
     # --- save ---------------------------------------------------------------------------------
