@@ -234,8 +234,8 @@ def test_too_small_or_uneven_training_data_stops_every_rank_with_a_data_error(tm
         "so with data.drop_last=true no rank gets a full batch. "
         "Use a smaller data.batch_size, fewer processes, or data.drop_last=false."
     ) in too_small
-    assert "ranks would run different numbers of training batches in epoch 0: rank 0: 4, rank 1: 5." in uneven
-    assert "Give every rank the same number of samples" in uneven
+    assert "the ranks would run different numbers of training batches per epoch (rank 0: 4, rank 1: 5)" in uneven
+    assert "set data.uneven=truncate to stop every rank after 4 batches" in uneven
     for run in ("small", "uneven"):
         assert not (tmp_path / run / "run" / "model.pt").exists()
 
