@@ -45,6 +45,7 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.config.serialize import config_hash, config_to_dict
+from ddpkit.faults.boundary_rng import BoundarySlots, read_boundary
 from ddpkit.faults.snapshot import MemorySnapshots
 from ddpkit.reporting.log import log
 from ddpkit.training.rng import capture_rng
@@ -101,19 +102,34 @@ class CrashSave:
         self._others = (random.getstate(), _numpy_state())
         self._dir, self._prefix = _pid_files(config)
         self._pid_file: Path | None = self._dir / f"{self._prefix}rank{self.rank}.pid"
+        self._slots: BoundarySlots | None = None
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
-            for old in self._dir.glob("*.pid"):  # earlier attempts' files: their processes are gone
+            for old in [*self._dir.glob("*.pid"), *self._dir.glob("*.rng")]:  # earlier attempts' files: their processes are gone
                 if not old.name.startswith(self._prefix):
                     old.unlink(missing_ok=True)
             self._pid_file.write_text(str(os.getpid()))
+            self._slots = BoundarySlots.create(self._rng_file(self.rank), torch.get_rng_state().numel())
         except OSError:
             self._pid_file = None
 
+    def _rng_file(self, rank: int) -> Path:
+        return self._dir / f"{self._prefix}rank{rank}.rng"
+
     def close(self, status: str) -> None:
-        """The attempt ended (any way): remove this rank's pid file, and the directory once empty."""
+        """The attempt ended (any way): remove this rank's pid file, and the directory once empty.
+
+        The RNG slot files are read by the saver after the others fail: a failed rank leaves its
+        own while a lower rank (the saver) lives; the saver removes all of them after its save."""
+        if self._slots is not None:
+            self._slots.close()
         if self._pid_file is not None:
-            self._pid_file.unlink(missing_ok=True)
+            self._pid_file.unlink(missing_ok=True)  # first: a higher rank that still sees it knows the glob below is to come
+            lowest = lowest_live_rank(self._dir, self._prefix, self.world_size) if status == "FAILED" else None
+            saver = lowest is None or lowest > self.rank  # no lower rank alive: none will read this rank's file later
+            for path in self._dir.glob(f"{self._prefix}rank*.rng") if saver else ():
+                if status == "FAILED" or path == self._rng_file(self.rank):
+                    path.unlink(missing_ok=True)
             try:
                 self._dir.rmdir()
             except OSError:
@@ -135,8 +151,10 @@ class CrashSave:
         if name == "optimizer":
             self._clean = False
         elif name == "data" and (not self._clean or self.boundary is None):
-            progress = self.state.progress  # three ints and 5 KB: measured 5 us a step with the two comparisons
-            self.boundary = ((progress.step, progress.epoch, progress.batch_in_epoch), torch.get_rng_state())
+            progress, rng = self.state.progress, torch.get_rng_state()  # three ints and 5 KB: measured 5 us a step with the two comparisons
+            self.boundary = ((progress.step, progress.epoch, progress.batch_in_epoch), rng)
+            if self._slots is not None:
+                self._slots.write(progress.step, rng)  # for the saver, should this rank die: a memmove, no syscall
             self._clean = True
 
     def save(self, error: BaseException) -> None:
@@ -182,10 +200,26 @@ class CrashSave:
             return "a lower rank is alive and saves"
         return None
 
+    def _rank_streams(self, step: int, torch_rng: torch.Tensor) -> list[dict[str, Any]]:
+        """Each rank's RNG states at boundary ``step``, in rank order, as RunState.capture writes them.
+
+        The torch stream is each rank's own (its slot file); Python's and NumPy's are this rank's,
+        unchanged since the attempt began (checked in ``_refusal``). A rank whose slot is missing
+        (another host, torn by its death) gets this rank's torch stream, as before the slot files."""
+        mine, streams, missing = capture_rng(), [], []
+        for rank in range(self.world_size):
+            theirs = torch_rng if rank == self.rank else read_boundary(self._rng_file(rank), step)
+            if theirs is None:
+                theirs = torch_rng
+                missing.append(rank)
+            streams.append({**mine, "torch": theirs})
+        if missing:
+            log.warning("crash save: no torch RNG state of step %d for rank(s) %s; they continue rank %d's stream", step, missing, self.rank)
+        return streams
+
     def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:
-        rng = {**capture_rng(), "torch": torch_rng}
         metadata = {
-            "rng": [rng] * self.world_size,  # the dead ranks' streams are not readable: see the module docstring
+            "rng": self._rank_streams(progress["step"], torch_rng),  # one per rank, in rank order
             "world_size": self.world_size,
             "config": config_to_dict(self.config),
             "config_hash": config_hash(self.config),
