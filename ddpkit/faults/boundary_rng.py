@@ -1,15 +1,18 @@
 """Each rank's torch RNG state at its last step boundaries, in a small shared-memory file another process can read.
 
     slots = BoundarySlots.create(path, torch.get_rng_state().numel())   # once per attempt, on every rank
-    slots.write(step, torch.get_rng_state())                            # at each step boundary: a few microseconds
-    state = read_boundary(path, step)                                   # the crash saver, for a dead rank: tensor or None
+    slots.write(step, torch.get_rng_state(), final=False)               # as step ``step``'s update ends: provisional
+    slots.write(step, torch.get_rng_state())                            # at the step boundary (next batch): final
+    found = read_boundary(path, step)                                   # the crash saver, for a dead rank: (tensor, final) or None
 
 The crash save (:mod:`ddpkit.faults.recovery`) runs on a surviving rank, but exact resume needs every
 rank's own torch stream (per-rank dropout masks). So every rank publishes its boundary state here:
 one file per rank (``/dev/shm/ddpkit-pids-<run>/<session>-<attempt>-rank<r>.rng``), sized and mapped
 once, with two slots written alternately by step parity. A dead rank's last boundary ``k`` and the one
-before stay readable even if it died while writing ``k + 1``. Each slot is
-``[step: int64, length: int64, payload bytes, marker: int64]``; the writer first sets the marker to
+before stay readable even if it died while writing ``k + 1``. A rank killed after step ``k``'s update
+but before its next batch (in logging, validation, a hook) never reached boundary ``k``, so the
+state as the update ends is written too, marked provisional; the saver decides whether it may use it.
+Each slot is ``[step: int64, length: int64, final: int64, payload bytes, marker: int64]``; the writer first sets the marker to
 -1, then writes step, length and payload, and the marker (= step) last, so a slot whose writer was
 killed half-way has marker -1 (or a marker that differs from its step) and is refused. The step path
 pays two ctypes stores, one ``memmove`` of 5 KB and one store: no pickling, no system call.
@@ -27,7 +30,7 @@ import torch
 
 __all__ = ["BoundarySlots", "read_boundary", "slot_offset", "HEADER", "TRAILER"]
 
-HEADER = struct.Struct("<qq")  # step, length
+HEADER = struct.Struct("<qqq")  # step, length, final (1: the boundary's state; 0: as the update ended)
 TRAILER = struct.Struct("<q")  # marker: the step, written last; -1 while the slot is being written
 
 
@@ -52,13 +55,12 @@ class BoundarySlots:
         # Per slot: the addresses of the header words, the payload and the marker, computed once.
         self._slots = [self._addresses(base + slot_offset(s, capacity)) for s in (0, 1)]
         for slot in self._slots:
-            slot[3].value = -1  # the file starts as zeros, which would read as a valid step 0
+            slot[-1].value = -1  # the file starts as zeros, which would read as a valid step 0
 
-    def _addresses(self, start: int) -> tuple[ctypes.c_int64, ctypes.c_int64, int, ctypes.c_int64]:
-        step = ctypes.c_int64.from_address(start)
-        length = ctypes.c_int64.from_address(start + 8)
+    def _addresses(self, start: int) -> tuple[ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, int, ctypes.c_int64]:
+        step, length, final = (ctypes.c_int64.from_address(start + 8 * i) for i in range(3))
         marker = ctypes.c_int64.from_address(start + HEADER.size + self.capacity)
-        return step, length, start + HEADER.size, marker
+        return step, length, final, start + HEADER.size, marker
 
     @classmethod
     def create(cls, path: Path, capacity: int) -> BoundarySlots | None:
@@ -68,14 +70,14 @@ class BoundarySlots:
         except (OSError, ValueError):
             return None
 
-    def write(self, step: int, state: torch.Tensor) -> None:
+    def write(self, step: int, state: torch.Tensor, *, final: bool = True) -> None:
         """Publish ``state`` (a contiguous uint8 CPU tensor, as torch.get_rng_state() returns) as step ``step``'s."""
         n = state.numel()
-        step_at, length_at, payload_at, marker_at = self._slots[step & 1]
+        step_at, length_at, final_at, payload_at, marker_at = self._slots[step & 1]
         marker_at.value = -1  # first: from here on a reader refuses this slot until the marker is back
         if n > self.capacity:
             return
-        step_at.value, length_at.value = step, n
+        step_at.value, length_at.value, final_at.value = step, n, final
         ctypes.memmove(payload_at, state.data_ptr(), n)
         marker_at.value = step  # last
 
@@ -88,8 +90,8 @@ class BoundarySlots:
             pass  # a ctypes view still alive somewhere: the mapping goes with the process
 
 
-def read_boundary(path: Path, step: int) -> torch.Tensor | None:
-    """The torch RNG state a rank published for ``step``, or None: no file, no such slot, or a torn one."""
+def read_boundary(path: Path, step: int) -> tuple[torch.Tensor, bool] | None:
+    """The torch RNG state a rank published for ``step`` and whether it is final; None: no file, no such slot, or a torn one."""
     try:
         data = path.read_bytes()  # one read: a copy the writer can no longer change
     except OSError:
@@ -98,8 +100,8 @@ def read_boundary(path: Path, step: int) -> torch.Tensor | None:
     if capacity <= 0 or len(data) != slot_offset(2, capacity):
         return None
     start = slot_offset(step & 1, capacity)
-    got, length = HEADER.unpack_from(data, start)
+    got, length, final = HEADER.unpack_from(data, start)
     (marker,) = TRAILER.unpack_from(data, start + HEADER.size + capacity)
     if got != step or marker != step or not 0 < length <= capacity:
         return None
-    return torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8), bool(final)

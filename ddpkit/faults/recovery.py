@@ -99,6 +99,8 @@ class CrashSave:
         self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
         self.boundary: tuple[tuple[int, int, int], torch.Tensor] | None = None
         self._clean = True  # parameters equal the boundary's (False from optimizer start to the next data start)
+        self._updating = False  # inside the optimizer span: its end publishes the provisional RNG state
+        self._updated_rng: torch.Tensor | None = None  # this rank's torch RNG state as the last update ended
         self._others = (random.getstate(), _numpy_state())
         self._dir, self._prefix = _pid_files(config)
         self._pid_file: Path | None = self._dir / f"{self._prefix}rank{self.rank}.pid"
@@ -149,7 +151,11 @@ class CrashSave:
     def on_phase(self, name: str | None) -> None:
         """Two comparisons per span; at the first data span after an update, copy the boundary."""
         if name == "optimizer":
-            self._clean = False
+            self._clean, self._updating = False, True
+        elif name is None and self._updating:  # the update ended: a rank killed before its next batch leaves this
+            self._updating, self._updated_rng = False, torch.get_rng_state()
+            if self._slots is not None:
+                self._slots.write(self.state.progress.step + 1, self._updated_rng, final=False)  # the loop counts the step next
         elif name == "data" and (not self._clean or self.boundary is None):
             progress, rng = self.state.progress, torch.get_rng_state()  # three ints and 5 KB: measured 5 us a step with the two comparisons
             self.boundary = ((progress.step, progress.epoch, progress.batch_in_epoch), rng)
@@ -204,11 +210,15 @@ class CrashSave:
         """Each rank's RNG states at boundary ``step``, in rank order, as RunState.capture writes them.
 
         The torch stream is each rank's own (its slot file); Python's and NumPy's are this rank's,
-        unchanged since the attempt began (checked in ``_refusal``). A rank whose slot is missing
-        (another host, torn by its death) gets this rank's torch stream, as before the slot files."""
+        unchanged since the attempt began (checked in ``_refusal``). A rank that died between step
+        ``step``'s update and its next batch left only the state as the update ended: it is used
+        when this rank drew nothing in that window either (the ranks run the same code). A rank
+        whose slot is missing (another host, torn by its death) gets this rank's torch stream."""
         mine, streams, missing = capture_rng(), [], []
+        quiet = self._updated_rng is not None and torch.equal(self._updated_rng, torch_rng)
         for rank in range(self.world_size):
-            theirs = torch_rng if rank == self.rank else read_boundary(self._rng_file(rank), step)
+            found = (torch_rng, True) if rank == self.rank else read_boundary(self._rng_file(rank), step)
+            theirs = found[0] if found is not None and (found[1] or quiet) else None
             if theirs is None:
                 theirs = torch_rng
                 missing.append(rank)
