@@ -133,8 +133,8 @@ def test_a_killed_worker_costs_no_step_and_a_lost_host_resumes_from_memory_with_
     _, clean = _run(tmp_path / "clean", {})
     wall, proc = _run(tmp_path / "one", {"KILL_RANKS": "1", "KILL_AT_STEP": "7"})
     assert "rank 0 saved step 7 after" in proc.stderr and "(step 7)" in proc.stderr
+    _check_join_up(tmp_path / "one", tmp_path / "clean", resumed_at=7)  # zero steps re-executed, dropout masks included
     assert "no torch RNG state of step" not in proc.stderr  # the dead rank 1's own stream was read back
-    _check_join_up(tmp_path / "one", tmp_path / "clean", resumed_at=7)  # zero steps re-executed
     report = json.loads(run_cli("goodput", str(tmp_path / "one/run"), "--json").stdout)
     assert report["productive_s"] + sum(report["badput"].values()) == pytest.approx(report["wall_s"], rel=1e-6)
     assert report["wall_s"] == pytest.approx(wall, rel=0.02)  # the ledger covers the launcher too

@@ -13,21 +13,25 @@ that save leaves the previous checkpoint as the newest valid one.
 What is recorded at each step boundary, and why it is enough. Parameters and optimizer state
 change only inside the ``optimizer`` span. At the start of the first ``data`` span after it, the
 previous step is complete (its logging, validation and checkpoint included): this module then
-copies the progress counters (three ints) and the torch RNG state (5 KB, under a microsecond),
-nothing else. A failure inside data, forward or backward leaves the parameters at that boundary,
-so the boundary is saved; a failure between the start of ``optimizer`` and the next ``data``
-(a half-applied update, or a step whose validation did not finish) is not saved, and the restart
-uses the newest periodic checkpoint as before. Python's and NumPy's generators are compared with
+copies the progress counters (three ints) and the torch RNG state (5 KB, about 2 us), nothing else,
+and publishes that RNG state to the rank's slot file (:mod:`ddpkit.faults.boundary_rng`). A failure
+inside data, forward or backward leaves the parameters at that boundary, so the boundary is saved;
+a failure between the start of ``optimizer`` and the next ``data`` (a half-applied update, or a
+step whose validation did not finish) is not saved, and the restart uses the newest periodic
+checkpoint as before. Python's and NumPy's generators are compared with
 their state at the start of the attempt instead of copied each step (tens of microseconds): if the
 loop drew from them the save is skipped, since the boundary's value is unknown.
 
 Choosing the rank without collectives (the dead rank breaks them): every rank writes its pid to
 ``/dev/shm/ddpkit-pids-<run>/<session>-<attempt>-rank<r>.pid`` (removed when the attempt ends,
 or by the next attempt after a kill); a failing rank saves if no lower rank on its host is alive.
-The dead ranks' RNG streams are not readable from another process: the saved file gives every
-rank the saving rank's boundary torch stream, which matters only when ranks draw per-rank random
-numbers (dropout with per-rank masks, DataLoader worker seeds) after the boundary step. Streams
-(``data_position`` components) advance mid-step and are not saved this way.
+Every rank's own torch stream goes into the file, so per-rank dropout resumes bitwise: each rank
+writes its boundary state to ``<session>-<attempt>-rank<r>.rng`` in the same directory (two
+memory-mapped slots, by step parity; state as the update ends too, for a rank killed before its
+next batch), and the saver reads every rank's slot for its boundary step. A rank with no valid
+slot there (another host; torn by the kill) gets the saver's stream, logged. Python's and NumPy's
+states are the saver's (unchanged since the attempt began). Streams (``data_position``
+components) advance mid-step and are not saved this way.
 """
 
 from __future__ import annotations
