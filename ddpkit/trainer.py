@@ -111,7 +111,7 @@ class Trainer:
 
     @property
     def model(self) -> nn.Module:
-        """The DDP-wrapped model while training; the bare model during validation."""
+        """The DDP-wrapped model while training; the bare model during validation and after ``fit()``."""
         if self._train_model is None:
             raise RuntimeError("Trainer.model exists once fit() has built it")
         return self._models.eval if self._in_validation else self._train_model
@@ -223,7 +223,8 @@ class Trainer:
                 if self.reporter is not None:
                     self.reporter.close(status)
                 if self._models is not None:
-                    self._models.close()  # torch.compile's callbacks and settings are process-wide
+                    self._models.close()  # torch.compile's callbacks and settings are process-wide; DDP goes
+                    self._train_model = self._models.train  # the bare model: the group is destroyed next
                 if self.state is not None:
                     self.state.close()  # the signal handlers it installed give way to the previous ones
         self.state.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)

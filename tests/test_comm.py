@@ -42,15 +42,15 @@ def _count_bucket_reductions() -> list[int]:
         return register(self, state, counted)
 
     DDP.register_comm_hook = counting_register
-    wrap = ddpkit.training.compile.wrap_model  # where the Trainer's model building wraps in DDP
+    wrap = ddpkit.training.compile.wrap_for_mode  # where the Trainer's model building wraps in DDP
 
-    def wrap_and_count(model, runtime, options):
-        wrapped = wrap(model, runtime, options)
+    def wrap_and_count(model, runtime, options, parallel):
+        wrapped = wrap(model, runtime, options, parallel)
         if options.comm_hook == "none" and isinstance(wrapped, DDP):
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
         return wrapped
 
-    ddpkit.training.compile.wrap_model = wrap_and_count
+    ddpkit.training.compile.wrap_for_mode = wrap_and_count
     return calls
 
 
@@ -68,16 +68,23 @@ class _PerStep(ddpkit.Trainer):
         self._seen = len(self.calls)
 
 
+class _NotesHook(ddpkit.Trainer):
+    """Notes the comm hook registered on the DDP wrapper (fit() lets go of the wrapper when it ends)."""
+
+    def on_fit_start(self) -> None:
+        self.registered = self._train_model._comm_hooks[0][0].__name__
+
+
 def _train_with_each_hook(tmp: Path) -> dict:
     calls = _count_bucket_reductions()
     out = {}
     for hook in ("none", "fp16", "bf16", "powersgd"):
         before = len(calls)
-        trainer = ddpkit.Trainer(tiny_config(tmp / hook, ddp={"comm_hook": hook, "powersgd_start_iter": 2}))
+        trainer = _NotesHook(tiny_config(tmp / hook, ddp={"comm_hook": hook, "powersgd_start_iter": 2}))
         trainer.fit()
         out[hook] = {
             "calls": len(calls) - before,
-            "registered": trainer._train_model._comm_hooks[0][0].__name__,
+            "registered": trainer.registered,
             "weights": {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()},
         }
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,31 @@ def test_main_parses_config_and_overrides_and_exits_2_on_config_errors(tmp_path,
         ddpkit.Trainer.main([str(path), "optim.lrr=1"])
     assert exit_info.value.code == 2
     assert "did you mean 'optim.lr'?" in capsys.readouterr().err
+
+
+def _group_threads() -> list[str]:
+    """This process's Gloo threads (the backend's worker and transport threads, which torch names)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            pass  # the thread ended meanwhile
+    return sorted(name for name in names if name.startswith(("pt_gloo", "gloo_")))
+
+
+def test_fit_and_main_destroy_the_process_group_with_its_threads(tmp_path):
+    # A group outliving fit() keeps its threads into interpreter shutdown, where one that takes the
+    # GIL to free a tensor is ended by pthread_exit: std::terminate, SIGABRT after a finished run.
+    before = _group_threads()
+    trainer = ddpkit.Trainer(tiny_config(tmp_path / "fit", train={"epochs": 1}))
+    trainer.fit()
+    assert _group_threads() == before  # DDP held the group (and torch.distributed.nn's defaults could)
+    assert trainer.model is trainer.unwrapped_model  # fit() let go of the wrapper; the weights stay
+    path = tmp_path / "zero1.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path / "zero1", train={"epochs": 1}, parallel={"mode": "zero1"})))
+    ddpkit.Trainer.main([str(path)])
+    assert _group_threads() == before  # the entry point frees the finished Trainer: its ZeRO optimizer held the group
 
 
 def test_a_fresh_run_starts_metrics_afresh_and_a_resumed_run_appends(tmp_path):

@@ -12,6 +12,7 @@ when no group exists at all (it then acts on this process only).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,11 +110,34 @@ def process_group(
         yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
     finally:
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy()
+
+
+def _destroy() -> None:
+    """Destroy the default group so that its backend goes now, its threads joined, not at interpreter exit.
+
+    The group's C++ backend lives as long as anything references it. Left to interpreter
+    shutdown, a Gloo worker thread that finishes a collective then drops the last reference to a
+    tensor Python created and needs the GIL for it, which a finalizing interpreter answers with
+    ``pthread_exit``: through C++'s noexcept frames that is ``std::terminate`` ("terminate called
+    without an active exception", SIGABRT), and a finished run exits -6. So: collect the
+    wrappers the caller let go of (DDP's hooks make cycles), then destroy the group, which frees
+    it while every thread can still take the GIL (torch releases the GIL to destruct it).
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _prepare_process(device: torch.device, *, debug: bool, trace_dir: str | os.PathLike | None) -> None:
-    """What must be set before the group is created: the CUDA device, debug mode, NCCL's flight recorder."""
+    """What must be set before the group is created: the CUDA device, debug mode, NCCL's flight recorder.
+
+    Also imports ``torch.distributed.nn`` while no group exists: its functions take
+    ``group=group.WORLD`` as a default argument, evaluated on first import, and DDP imports the
+    module later, once our group exists; ten default arguments would then keep the group alive
+    past ``destroy_process_group``, into interpreter shutdown (see :func:`_destroy`).
+    """
+    import torch.distributed.nn  # noqa: F401  (its defaults then hold None, not our group)
+
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if debug:

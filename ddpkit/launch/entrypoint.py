@@ -20,6 +20,7 @@ timeout.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -56,6 +57,10 @@ def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> 
     code = run_entrypoint(lambda: cls(config, overrides=overrides).fit())
     if code:
         sys.exit(code)
+    # The finished Trainer is garbage in reference cycles; what it held may still hold the process
+    # group (a ZeRO optimizer does). Free it now, while the group's threads can take the GIL, not
+    # during interpreter shutdown (see ddpkit.distributed.process_group._destroy).
+    gc.collect()
 
 
 def run_entrypoint(fn: Callable[[], Any]) -> int:

@@ -101,10 +101,13 @@ class Models:
         return full_parameters(self.bare)
 
     def close(self) -> None:
-        """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
+        """After training: stop watching compiles (callbacks off, Dynamo settings restored) and let go
+        of the training wrapper, which holds the process group destroyed next (``train`` is then
+        the bare model); safe to call twice."""
         if self.watch is not None:
             self.watch.close()
             self.watch = None
+        self.train = self.bare
 
 
 def build_models(
