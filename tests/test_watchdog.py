@@ -18,6 +18,7 @@ tested without processes.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -140,6 +141,29 @@ def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.join()
+
+
+def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
+    """No watchdog thread may still be in a store call when the group, then the interpreter, goes:
+    a daemon thread that takes the GIL back during interpreter shutdown aborts the process."""
+    import ddpkit.faults.watchdog as watchdog
+
+    before, store = set(threading.enumerate()), dist.HashStore()
+    done = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()
+    beats = dist.PrefixStore(f"ddpkit/watchdog/{watchdog._generation}", store)
+    deadline = time.monotonic() + 60
+    while not beats.check(["hb/1"]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # its thread is publishing
+    done.stop()
+    assert set(threading.enumerate()) <= before  # both threads ended: the publisher and its store client
+    assert json.loads(beats.get("hb/1"))["phase"] == "done"  # stop() said so itself
+    with pytest.raises(StoreDown, match="closed"):
+        done.client("check", ["hb/1"])
+    failed = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()
+    failed.stop(RuntimeError("injected"))
+    assert failed.published_failure and failed.client("check", ["alarm"])  # open for announce_failure...
+    watchdog.announce_failure(wait=0.1)
+    assert set(threading.enumerate()) <= before  # ...which closes it
 
 
 @pytest.mark.multiprocess

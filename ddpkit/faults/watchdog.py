@@ -53,6 +53,7 @@ __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_fail
 FAILED_PEER_EXIT_CODE = EXIT_FAILURE  #: exit code of a rank stopped because another rank failed (1)
 INTERVAL = 0.5  # seconds between heartbeats (and checks of the alarm key)
 STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
+JOIN_WAIT = 2 * STORE_DEADLINE + INTERVAL  # stop(): the thread's last round of store calls, each within the deadline
 FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first
 _generation = 0  # watchdogs started in this process: a fresh key prefix for each fit() of a group
 _current: Watchdog | None = None  # the running watchdog, for announce_failure()
@@ -144,11 +145,18 @@ class Watchdog:
         return self
 
     def stop(self, error: BaseException | None = None) -> None:
-        """Stop watching. With ``error``, first tell the other ranks that this rank failed and why."""
+        """Stop watching: end the thread, then say why (``error``: this rank failed) or that this rank is done.
+
+        Called before the process group is destroyed, so no thread of the watchdog is inside a store
+        call when the group and then the interpreter go (see :class:`StoreClient`). After a failure
+        the client stays open for :func:`announce_failure`, which closes it.
+        """
         if self._stopped.is_set():
             return
         self.phases.append("done")
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread() and not self.handling_hang:
+            self._thread.join(JOIN_WAIT)  # (a thread reporting a hang ends the process itself)
         try:
             if error is not None and not self.handling_hang:
                 message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
@@ -161,6 +169,8 @@ class Watchdog:
                 self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
             pass  # the store is gone: the job is ending anyway
+        if error is None:
+            self.client.close()
 
     # --- the watchdog thread ----------------------------------------------------------------------
 
@@ -298,6 +308,13 @@ def announce_failure(*, wait: float = 2.0) -> None:
     wd = _current
     if wd is None or not wd._stopped.is_set():
         return
+    try:
+        _announce(wd, wait)
+    finally:
+        wd.client.close()
+
+
+def _announce(wd: Watchdog, wait: float) -> None:
     if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
         time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
         return

@@ -27,7 +27,12 @@ class StoreDown(RuntimeError):
 
 
 class StoreClient:
-    """Store calls on a daemon thread, each with a deadline (a TCPStore call to a frozen server blocks forever)."""
+    """Store calls on a daemon thread, each with a deadline (a TCPStore call to a frozen server blocks forever).
+
+    :meth:`close` ends the thread before the process group goes: a daemon thread still inside a
+    store call when the interpreter shuts down is ended (``pthread_exit``) as it takes the GIL back,
+    and the C++ frames it unwinds through turn that into ``std::terminate`` (SIGABRT).
+    """
 
     def __init__(self, store: Any, deadline: float):
         self.store, self.deadline = store, deadline
@@ -35,13 +40,17 @@ class StoreClient:
         self._wake = threading.Condition()
         self._idle = threading.Event()
         self._idle.set()
-        threading.Thread(target=self._serve, name="ddpkit-watchdog-store", daemon=True).start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="ddpkit-watchdog-store", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         while True:
             with self._wake:
-                while not self._requests:
+                while not self._requests and not self._closed:
                     self._wake.wait()
+                if not self._requests:
+                    return  # closed, nothing left to send
                 fn, args, box, done = self._requests.pop(0)
             try:
                 box.append((True, fn(*args)))
@@ -51,6 +60,8 @@ class StoreClient:
             done.set()
 
     def __call__(self, method: str, *args: Any) -> Any:
+        if self._closed:
+            raise StoreDown("the watchdog's store client is closed")
         if not self._idle.is_set():
             raise StoreDown("an earlier store call is still waiting for an answer")
         box: list[Any] = []
@@ -69,6 +80,13 @@ class StoreClient:
     def get_if_set(self, key: str) -> str | None:
         """The value of ``key``, or None when it does not exist (never blocks on a missing key)."""
         return self("get", key).decode() if self("check", [key]) else None
+
+    def close(self) -> None:
+        """End the thread once the call in flight, if any, has returned (waits at most the deadline)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(self.deadline)
 
 
 def own_client(store: Any) -> Any:
