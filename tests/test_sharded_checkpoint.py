@@ -127,8 +127,9 @@ def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
 
 
 
-def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as_zero1(tmp_path):
-    """The fast in-process case: a world of one through the Trainer, both directions of the format."""
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as_zero1(tmp_path, async_save):
+    """The fast in-process case: a world of one through the Trainer, both directions of the format (DCP's async_save too)."""
     from helpers import tiny_config
 
     from ddpkit import Trainer
@@ -136,7 +137,7 @@ def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as
 
     def cfg(mode, steps):
         return tiny_config(tmp_path, parallel={"mode": mode}, train={"epochs": None, "max_steps": steps, "log_every": 100},
-                           optim={"name": "adam", "lr": 0.003, "momentum": 0.0}, checkpoint={"every_steps": 3})
+                           optim={"name": "adam", "lr": 0.003, "momentum": 0.0}, checkpoint={"every_steps": 3, "async": async_save})
 
     Trainer(cfg("fsdp2", 6)).fit()
     info = files.find_latest_checkpoint(tmp_path / "run/checkpoints")
