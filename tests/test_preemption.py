@@ -232,6 +232,29 @@ def test_without_a_global_batch_a_world_size_change_is_refused_with_the_way_out(
     assert "world size: 2 -> 1" in refused.stderr and "data.global_batch_size" in refused.stderr
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket on this machine listens on TCP ``port`` (read from /proc, no connection made)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return True
+    return False
+
+
+def _wait_for_listener(port: int, proc: subprocess.Popen, *, limit: float = 120) -> None:
+    """Wait until ``proc`` (the only process started on ``port``) listens there."""
+    deadline = time.monotonic() + limit
+    while not _listening(port):
+        assert proc.poll() is None, f"exited with {proc.returncode} before listening on {port}:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"nothing listens on port {port} after {limit:g}s"
+        time.sleep(0.05)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # torchrun's rendezvous waits out a lost node's heartbeats before it restarts
@@ -247,7 +270,7 @@ def test_torchrun_elastic_mode_continues_on_the_node_that_is_left(tmp_path):
     node = [sys.executable, "-m", "ddpkit", "run", str(path), "--nnodes", "1:2", "--nproc-per-node", "1",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "2"]
     survivor = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    time.sleep(2)  # the survivor hosts the rendezvous store: it must come first
+    _wait_for_listener(port, survivor)  # the survivor hosts the rendezvous store: it must come first
     doomed = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and not list((out / "checkpoints").glob("step-*.json")):
