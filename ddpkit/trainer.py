@@ -223,10 +223,10 @@ class Trainer:
                 if self.reporter is not None:
                     self.reporter.close(status)
                 if self._models is not None:
-                    self._models.close()  # torch.compile's callbacks and settings are process-wide; DDP goes
-                    self._train_model = self._models.train  # the bare model: the group is destroyed next
+                    self._models.close()  # torch.compile's callbacks and settings are process-wide
                 if self.state is not None:
                     self.state.close()  # the signal handlers it installed give way to the previous ones
+            self._train_model = self._models.release()  # DDP holds the group: it goes first (after a success only)
         self.state.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)
         self.on_fit_end(metrics)
         return metrics

@@ -108,13 +108,16 @@ def process_group(
     store = _init(env, backend, timeout) if created else _existing_group_store(env)
     try:
         yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
-    finally:
+    except BaseException:
         if created and dist.is_initialized():
-            _destroy()
+            dist.destroy_process_group()  # the process exits next (see ddpkit.launch.entrypoint)
+        raise
+    if created and dist.is_initialized():
+        _destroy()
 
 
 def _destroy() -> None:
-    """Destroy the default group so that its backend goes now, its threads joined, not at interpreter exit.
+    """Destroy the default group after a success so that its backend goes now, threads joined.
 
     The group's C++ backend lives as long as anything references it. Left to interpreter
     shutdown, a Gloo worker thread that finishes a collective then drops the last reference to a
@@ -122,7 +125,9 @@ def _destroy() -> None:
     ``pthread_exit``: through C++'s noexcept frames that is ``std::terminate`` ("terminate called
     without an active exception", SIGABRT), and a finished run exits -6. So: collect the
     wrappers the caller let go of (DDP's hooks make cycles), then destroy the group, which frees
-    it while every thread can still take the GIL (torch releases the GIL to destruct it).
+    it while every thread can still take the GIL (torch releases the GIL to destruct it). Not
+    after a failure: freeing the backend joins its threads, and one may wait in a collective
+    for a rank that will never join it.
     """
     gc.collect()
     dist.destroy_process_group()

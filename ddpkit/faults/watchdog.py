@@ -145,18 +145,19 @@ class Watchdog:
         return self
 
     def stop(self, error: BaseException | None = None) -> None:
-        """Stop watching: end the thread, then say why (``error``: this rank failed) or that this rank is done.
+        """Stop watching. With ``error``, first tell the other ranks that this rank failed and why.
 
-        Called before the process group is destroyed, so no thread of the watchdog is inside a store
-        call when the group and then the interpreter go (see :class:`StoreClient`). After a failure
-        the client stays open for :func:`announce_failure`, which closes it.
+        Without one, the threads end first and the client closes after saying "done": called
+        before the process group is destroyed, so no thread of the watchdog is in a store call when
+        the group and then the interpreter go (see :class:`StoreClient`). After a failure the
+        process exits at once; the client stays open for :func:`announce_failure`, which closes it.
         """
         if self._stopped.is_set():
             return
         self.phases.append("done")
         self._stopped.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread() and not self.handling_hang:
-            self._thread.join(JOIN_WAIT)  # (a thread reporting a hang ends the process itself)
+        if error is None and not self.handling_hang and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
         try:
             if error is not None and not self.handling_hang:
                 message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]

@@ -101,13 +101,16 @@ class Models:
         return full_parameters(self.bare)
 
     def close(self) -> None:
-        """After training: stop watching compiles (callbacks off, Dynamo settings restored) and let go
-        of the training wrapper, which holds the process group destroyed next (``train`` is then
-        the bare model); safe to call twice."""
+        """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
         if self.watch is not None:
             self.watch.close()
             self.watch = None
+
+    def release(self) -> nn.Module:
+        """After training: let go of the training wrapper (DDP holds the process group, destroyed
+        next); ``train`` becomes the bare model, which is returned."""
         self.train = self.bare
+        return self.bare
 
 
 def build_models(
