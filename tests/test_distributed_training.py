@@ -124,6 +124,20 @@ def test_ddpkit_run_end_to_end_with_two_processes(tmp_path):
     assert (run / "model.pt").exists() and (run / "config.yaml").exists()
 
 
+def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_path):
+    """Issue 28: a finished run aborted at exit when a thread took the GIL during interpreter shutdown."""
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
+    script = str(REPO / "tests" / "scripts" / "exit_threads_trainer.py")
+    done = run_cli("run", str(config), "--nproc-per-node", "2", "--script", script, env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert threads["python"] == [], threads  # the watchdog's threads were joined
+        # The Gloo group was freed, its threads joined; rank 0 may still serve the store (C++ only).
+        assert set(threads["os"]) <= {"pt_tcpstore_uv"}, threads
+
+
 def test_examples_run_under_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
