@@ -13,9 +13,7 @@
 
 Launched by torchrun (or ``ddpkit run``) every process runs the same code; started with plain
 ``python`` it is a world of one on the same code path. The Trainer composes small modules, each
-with one job: :mod:`ddpkit.checkpoint.state` owns the run's state (checkpoints, resume, when to save),
-:mod:`ddpkit.reporting.reporter` everything the loop reports, :mod:`ddpkit.training.optim` the mechanics of an
-optimizer step, :mod:`ddpkit.data.loaders` the loaders (:mod:`ddpkit.data.epochs` their epochs), :mod:`ddpkit.distributed.ddp` the wrapper.
+with one job, and calls each in one line: see the map of folders in :mod:`ddpkit`.
 """
 
 from __future__ import annotations
@@ -33,8 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import registry
 from ddpkit.checkpoint.state import Progress, RunState, seed_for_setup
 from ddpkit.config.loader import Config, load_config
-from ddpkit.data.epochs import agree_on_batch_count, data_position, exact_batches, run_length, start_epoch
+from ddpkit.data.epochs import data_position, epoch_batches, run_length
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
+from ddpkit.distributed.agreement import check_same_run_on_every_rank
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime, barrier, process_group
 from ddpkit.distributed.sharding import shard_model, shard_optimizer
@@ -82,7 +81,7 @@ class Trainer:
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
         self.runtime: Runtime | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # these four are built by fit()
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
@@ -91,8 +90,7 @@ class Trainer:
         self.reporter: reporter.Reporter | None = None  # built by fit(), once resume is decided
         self._train_model: nn.Module | None = None
         self._models: Models | None = None  # train (DDP, compiled), eval, bare views of the model
-        self._in_validation = False
-        self._stop_requested = False
+        self._in_validation = self._stop_requested = False
         self._last_eval_step = -1
 
     # --- where this process runs -----------------------------------------------------------
@@ -100,7 +98,6 @@ class Trainer:
     rank = property(lambda self: self.env.rank, doc="This process's global rank (0 .. world_size - 1).")
     local_rank = property(lambda self: self.env.local_rank, doc="This process's rank on its node: its GPU index.")
     world_size = property(lambda self: self.env.world_size, doc="How many processes train together.")
-
     is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0: the rank that writes files and shows progress.")
 
     @property
@@ -116,10 +113,7 @@ class Trainer:
             raise RuntimeError("Trainer.model exists once fit() has built it")
         return self._models.eval if self._in_validation else self._train_model
 
-    @property
-    def unwrapped_model(self) -> nn.Module:
-        """The model without its DDP wrapper: what gets saved."""
-        return unwrap_model(self.model)
+    unwrapped_model = property(lambda self: unwrap_model(self.model), doc="The model without its DDP wrapper: what gets saved.")
 
     def request_stop(self) -> None:
         """Stop after the current optimizer step. Call it on every rank (e.g. from reduced metrics)."""
@@ -141,10 +135,7 @@ class Trainer:
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
         """A per-step LR schedule from config ``sched``; None when the rate is constant."""
-        cfg = self.config.sched
-        if cfg.name == "constant" and cfg.warmup_steps == 0:
-            return None  # nothing to do each step: skip the scheduler's per-step cost
-        return build_scheduler(optimizer, cfg, total_steps=total_steps)
+        return build_scheduler(optimizer, self.config.sched, total_steps=total_steps)
 
     def build_train_loader(self, dataset: Dataset) -> DataLoader:
         """The training loader: ``DistributedSampler`` sharding, per-rank batch size from config."""
@@ -160,58 +151,37 @@ class Trainer:
         return F.cross_entropy(self.model(x), y)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
-        """Metrics of one validation batch: 1-D tensors (one value per sample) or 0-d batch means.
-
-        ddpkit averages them over the whole validation set exactly, whatever the world size, and
-        reports them prefixed with ``val_``.
-        """
+        """Metrics of one validation batch: 1-D tensors (one value per sample) or 0-d batch means; ddpkit
+        averages them over the whole validation set exactly, whatever the world size, as ``val_<name>``."""
         x, y = batch
         logits = self.model(x)
         return {"loss": F.cross_entropy(logits, y, reduction="none"), "accuracy": (logits.argmax(dim=1) == y).float()}
 
     # --- hooks: no-ops to override -----------------------------------------------------------
 
-    def on_fit_start(self) -> None:
-        """After setup (and resume), before the first step."""
-
-    def on_epoch_start(self, epoch: int) -> None:
-        """Before the first batch of ``epoch``."""
-
-    def on_step_end(self, step: int) -> None:
-        """After optimizer step ``step`` (1-based). Runs every step: keep it cheap, no host syncs."""
-
-    def on_log(self, metrics: dict[str, float]) -> None:
-        """Every ``log_every`` steps, on every rank, with rank-reduced training metrics."""
-
-    def on_validation_end(self, metrics: dict[str, float]) -> None:
-        """After each validation, on every rank, with the exact global validation metrics."""
-
-    def on_epoch_end(self, epoch: int) -> None:
-        """After the last batch of ``epoch``."""
-
-    def on_fit_end(self, metrics: dict[str, float]) -> None:
-        """After training, with the final metrics ``fit()`` returns."""
+    def on_fit_start(self) -> None: """After setup (and resume), before the first step."""
+    def on_epoch_start(self, epoch: int) -> None: """Before the first batch of ``epoch``."""
+    def on_step_end(self, step: int) -> None: """After optimizer step ``step`` (1-based). Runs every step: keep it cheap, no host syncs."""
+    def on_log(self, metrics: dict[str, float]) -> None: """Every ``log_every`` steps, on every rank, with rank-reduced training metrics."""
+    def on_validation_end(self, metrics: dict[str, float]) -> None: """After each validation, on every rank, with the exact global validation metrics."""
+    def on_epoch_end(self, epoch: int) -> None: """After the last batch of ``epoch``."""
+    def on_fit_end(self, metrics: dict[str, float]) -> None: """After training, with the final metrics ``fit()`` returns."""
 
     # --- entry points ---------------------------------------------------------------------------
 
     @classmethod
     def main(cls, argv: Sequence[str] | None = None) -> None:
-        """Command-line entry: ``script.py [CONFIG] [key=value ...]``; exits non-zero on failure.
-
-        Equivalent to ``cls(CONFIG, overrides=[...]).fit()``, with errors turned into clear
-        messages and the failing rank's traceback recorded for torchrun's summary.
-        """
+        """``script.py [CONFIG] [key=value ...]``: ``cls(CONFIG, overrides=[...]).fit()``, with errors turned
+        into clear messages, exit codes (:mod:`ddpkit.errors`) and the failing rank's traceback for torchrun."""
         run_trainer(cls, *parse_worker_argv(argv, usage=cls.__doc__ or ""))
 
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
-        cfg = self.config
-        d = cfg.dist
+        cfg, d = self.config, self.config.dist
         group = process_group(self.env, backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, trace_dir=self.output_dir / "logs")
         with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog, \
                 GoodputLedger.for_run(cfg, runtime, step=lambda: self.progress.step) as self._goodput:  # hang diagnosis; goodput.jsonl
-            self.runtime = runtime
-            status = "FAILED"
+            self.runtime, status = runtime, "FAILED"
             try:
                 self._setup()
                 self.on_fit_start()
@@ -240,6 +210,7 @@ class Trainer:
         seed_for_setup(cfg)  # the same initial weights and data on every rank
         train_set, val_set = self.build_datasets()
         model = shard_model(self.build_model(), self.runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: before the optimizer
+        check_same_run_on_every_rank(cfg, model, train_set, val_set)  # first: any later failure would say less
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
         self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
@@ -247,10 +218,8 @@ class Trainer:
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         self._step = OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device)
         self.state = RunState(cfg, runtime=self.runtime, progress=self.progress)
-        parts = dict(model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler, **data_position(self.train_loader))
-        for name, part in parts.items():
-            self.state.register(name, part)  # a checkpoint holds exactly the parts registered by name
-        self.state.check_same_run_on_every_rank(train_set, val_set)  # before DDP, which would fail less clearly
+        # A checkpoint holds exactly the parts registered by name (None: nothing to save).
+        self.state.register_all(model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler, **data_position(self.train_loader))
         self._models = build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
                                     exclude=lambda name: self.reporter.outside_training(name))
         self._train_model = self._models.train  # DDP-wrapped, then compiled (train.compile)
@@ -266,20 +235,17 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------------------
 
     def _finished(self) -> bool:
-        epochs = self.config.train.epochs
-        stop = self._stop_requested or self.state.stopped
-        return stop or self.progress.step >= self.total_steps or (epochs is not None and self.progress.epoch >= epochs)
+        epochs, progress = self.config.train.epochs, self.progress
+        return self._stop_requested or self.state.stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
 
     def _train_epoch(self) -> None:
         progress, accum, report = self.progress, self.config.train.grad_accum_steps, self.reporter
-        start_epoch(self.train_loader, progress.epoch, start_batch=progress.batch_in_epoch)
-        batches_per_epoch = agree_on_batch_count(self.train_loader, epoch=progress.epoch, consumed=progress.batch_in_epoch, uneven=self.config.data.uneven)
+        batches, batches_per_epoch = epoch_batches(
+            self.train_loader, epoch=progress.epoch, consumed=progress.batch_in_epoch, rank=self.rank, uneven=self.config.data.uneven
+        )
         if progress.batch_in_epoch == 0:
             self.on_epoch_start(progress.epoch)
         self._train_model.train()
-        batches = exact_batches(
-            self.train_loader, count=batches_per_epoch, rank=self.rank, epoch=progress.epoch, consumed=progress.batch_in_epoch, uneven=self.config.data.uneven,
-        )
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
             with report.span("data"):
                 batch = next(batches, None)
@@ -354,9 +320,9 @@ class Trainer:
             return {}
         self._in_validation = True
         try:
-            bare = unwrap_model(self._train_model)
+            step = self._watchdog.ticking(self.validation_step)  # a long validation is progress, not a hang
             with self._models.for_evaluation():  # fsdp2: parameters gathered once, no collective per batch
-                return evaluate(bare, self.val_loader, self._watchdog.ticking(self.validation_step), device=self.device, autocast=self._step.autocast)
+                return evaluate(unwrap_model(self._train_model), self.val_loader, step, device=self.device, autocast=self._step.autocast)
         finally:
             self._in_validation = False
 

@@ -41,7 +41,7 @@ from ddpkit.checkpoint.components import Components, Progress, Stateful, read_ch
 from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
-from ddpkit.distributed.agreement import check_same_run_on_every_rank, config_differences
+from ddpkit.distributed.agreement import config_differences
 from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
 from ddpkit.errors import CheckpointError
 from ddpkit.faults.preemption import Preempted, StopOnSignal
@@ -142,10 +142,6 @@ class RunState:
                 + "\nStart fresh with checkpoint.resume=none (or a new run.output_dir), or resume anyway with checkpoint.allow_config_change=true."
             )
 
-    def check_same_run_on_every_rank(self, train_set: Any, val_set: Any) -> None:
-        """Stop every rank with the differences if ranks built different configs, models or datasets."""
-        check_same_run_on_every_rank(self.config, self.components["model"], train_set, val_set)
-
     def register(self, name: str, component: Stateful | None) -> None:
         """Save ``component`` in every checkpoint from now on under ``name`` (None: nothing to save).
 
@@ -156,6 +152,11 @@ class RunState:
         if self._sharded is not None and name == "optimizer" and component is not None:
             component = ShardedOptimizer(component)  # zero1 / fsdp2: never captured by one rank alone
         self.components.register(name, component)
+
+    def register_all(self, **components: Stateful | None) -> None:
+        """:meth:`register` each ``name=component`` in turn (None: nothing to save, e.g. no scheduler)."""
+        for name, component in components.items():
+            self.register(name, component)
 
     # --- save ---------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total
 from ddpkit.data.uneven import agree_on_count, agreed_batches
 from ddpkit.errors import DataError
 
-__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "run_length", "data_position"]
+__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches", "run_length", "data_position"]
 
 
 class SamplerEpochs:
@@ -102,6 +102,17 @@ def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int, uneve
 def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int, uneven: str = "error") -> Iterator[Any]:
     """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised."""
     return epochs_of(loader).batches(count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven)
+
+
+def epoch_batches(loader: DataLoader, *, epoch: int, consumed: int, rank: int, uneven: str = "error") -> tuple[Iterator[Any], int]:
+    """Start ``epoch`` after the ``consumed`` batches a resume skips: (this rank's batches, the agreed count).
+
+    The three steps every epoch takes, in order: :func:`start_epoch`, :func:`agree_on_batch_count`
+    (every rank runs the same number of batches), :func:`exact_batches`.
+    """
+    start_epoch(loader, epoch, start_batch=consumed)
+    count = agree_on_batch_count(loader, epoch=epoch, consumed=consumed, uneven=uneven)
+    return exact_batches(loader, count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven), count
 
 
 def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:

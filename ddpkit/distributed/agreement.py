@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ddpkit._version import __version__
+from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, flatten
 from ddpkit.distributed.ddp import parameter_shapes
 from ddpkit.distributed.process_group import all_gather_object
@@ -92,14 +93,16 @@ def config_differences(
 ) -> list[str]:
     """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``.
 
-    ``elastic`` (``data.global_batch_size`` is set): the world size may change.
+    ``elastic`` (``data.global_batch_size`` is set): the world size may change. A field the saved
+    config lacks was added to ddpkit after the checkpoint was written; it counts as its default,
+    which a new field keeps at the earlier behaviour, so checkpoints of earlier releases resume.
     """
-    old, new = flatten(saved), flatten(current)
+    old, new, defaults = flatten(saved), flatten(current), flatten(config_to_dict(Config()))
     differences = []
     for path in sorted(old.keys() | new.keys()):
         if path.startswith(HARMLESS_PREFIXES):
             continue
-        before, after = old.get(path, "<unset>"), new.get(path, "<unset>")
+        before, after = old.get(path, defaults.get(path, "<unset>")), new.get(path, "<unset>")
         if before != after:
             differences.append(f"{path}: {before!r} -> {after!r}")
     if saved_world_size != world_size and not elastic:

@@ -73,8 +73,13 @@ def lr_factor(step: int, cfg: SchedConfig, *, base_lr: float, total_steps: int) 
     return 1.0
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """A ``LambdaLR`` implementing ``cfg`` over ``total_steps`` optimizer steps."""
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A ``LambdaLR`` implementing ``cfg`` over ``total_steps`` optimizer steps; None for a constant rate.
+
+    None rather than a scheduler that multiplies by 1.0: it saves the scheduler's per-step cost.
+    """
+    if cfg.name == "constant" and cfg.warmup_steps == 0:
+        return None
     base_lr = optimizer.param_groups[0]["lr"]
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, base_lr=base_lr, total_steps=total_steps)
