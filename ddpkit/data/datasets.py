@@ -18,6 +18,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from ddpkit.data.cache import cached_tensors
 from ddpkit.errors import DataError
 from ddpkit.registry import register_dataset
 
@@ -79,9 +80,18 @@ def digits(num_train: int = 12000, num_val: int = 2000, image_size: int = 28, no
 
     ``seed`` fixes the data itself (independent of ``run.seed``, which fixes the training run).
     """
-    train = TensorDataset(*make_digits(num_train, seed=seed, image_size=image_size, noise=noise))
-    val = TensorDataset(*make_digits(num_val, seed=seed + 1, image_size=image_size, noise=noise)) if num_val else None
+    train = TensorDataset(*_cached_digits(num_train, seed=seed, image_size=image_size, noise=noise))
+    val = TensorDataset(*_cached_digits(num_val, seed=seed + 1, image_size=image_size, noise=noise)) if num_val else None
     return train, val
+
+
+def _cached_digits(n: int, *, seed: int, image_size: int, noise: float) -> tuple[torch.Tensor, ...]:
+    """:func:`make_digits` through the disk cache (:mod:`ddpkit.data.cache`): a restart reads, not renders.
+
+    The key's ``v1`` names the rendering above: change it whenever ``make_digits`` changes.
+    """
+    key = f"digits-v1-n{n}-s{image_size}-noise{noise!r}-seed{seed}"
+    return cached_tensors(key, lambda: make_digits(n, seed=seed, image_size=image_size, noise=noise))
 
 
 def synthetic(size: int = 1024, shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, val_size: int = 0, seed: int = 0) -> tuple[Dataset, Dataset | None]:
