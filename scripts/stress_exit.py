@@ -18,7 +18,9 @@ C++ abort (``terminate called``, ``Aborted``, ``SIGABRT``, ``Fatal Python error`
 output is kept (``--keep``: every run's) and their paths printed. ``--faulthandler`` sets
 ``PYTHONFAULTHANDLER=1`` in the workers, so an abort prints every Python thread's stack;
 ``--core`` lets them dump core (``gdb .venv/bin/python DIR/core -batch -ex 'thread apply all bt'``).
-Exits 1 if any run failed.
+``--cpus 0`` pins the runs and the load to one core; ``--launcher torchrun`` starts the same run
+with plain torchrun and ``examples/train.py`` (the store then lives in torchrun's agent, not in
+rank 0). Exits 1 if any run failed.
 """
 
 from __future__ import annotations
