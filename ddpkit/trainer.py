@@ -35,7 +35,7 @@ from ddpkit.data.epochs import data_position, epoch_batches, run_length
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.distributed.agreement import check_same_run_on_every_rank
 from ddpkit.distributed.env import DistEnv, read_dist_env
-from ddpkit.distributed.process_group import Runtime, barrier, process_group
+from ddpkit.distributed.process_group import Runtime, barrier, group_options, process_group
 from ddpkit.distributed.sharding import shard_model, shard_optimizer
 from ddpkit.faults.goodput import GoodputLedger
 from ddpkit.faults.recovery import arm_recovery
@@ -177,8 +177,8 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
-        cfg, d = self.config, self.config.dist
-        group = process_group(self.env, backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, trace_dir=self.output_dir / "logs")
+        cfg = self.config
+        group = process_group(self.env, **group_options(cfg), trace_dir=self.output_dir / "logs")
         with group as runtime, Watchdog.for_run(cfg, runtime, step=lambda: self.progress.step) as self._watchdog, \
                 GoodputLedger.for_run(cfg, runtime, step=lambda: self.progress.step) as self._goodput:  # hang diagnosis; goodput.jsonl
             self.runtime, status = runtime, "FAILED"

@@ -38,15 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ddpkit.checkpoint.files import fsync_dir, load_checkpoint, prune, save_atomically, write_atomically
 from ddpkit.errors import CheckpointError
@@ -55,6 +47,21 @@ __all__ = [
     "ShardedParts", "save_sharded", "save_sharded_async", "finish_async",
     "load_sharded", "is_sharded_checkpoint", "export_model", "split_tensors", "merge",
 ]
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use: it pulls in DTensor and sympy
+    (about a second), which a DDP run, and ``import ddpkit``, should not pay for."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def state_dict_api() -> Any:
+    """``torch.distributed.checkpoint.state_dict`` (get/set model and optimizer state by name), on first use."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
 
 log = logging.getLogger("ddpkit")
 
@@ -102,38 +109,41 @@ class ShardedParts:
         self._names = {p: name for name, p in model.named_parameters()}
 
     def state_dict(self) -> dict[str, Any]:
+        api = state_dict_api()
         if not self._zero:
-            return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        local = get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
+            return {"model": api.get_model_state_dict(self.model), "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer)}
+        local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
         groups = [{**_hyper(g), "params": [self._names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
-        return {"model": get_model_state_dict(self.model), "optimizer": {"state": local["state"], "param_groups": groups}}
+        return {"model": api.get_model_state_dict(self.model), "optimizer": {"state": local["state"], "param_groups": groups}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state["model"])
+        api = state_dict_api()
+        api.set_model_state_dict(self.model, state["model"])
         if not self._zero:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            api.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             return
         saved_groups = state["optimizer"]["param_groups"]
         for zero_group, saved in zip(self.optimizer.param_groups, saved_groups):
             zero_group.update(_hyper(saved))  # ZeRO copies these to its local optimizer at each step
-        local = get_optimizer_state_dict(self.model, self.optimizer.optim)
+        local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)
         groups = [{**_hyper(saved), "params": g["params"]} for g, saved in zip(local["param_groups"], saved_groups)]
         owned = {name for g in groups for name in g["params"]}
         states = {name: value for name, value in state["optimizer"]["state"].items() if name in owned}
-        set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
+        api.set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
 
 
     def load_full(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
-        whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_state, options=whole)
+        api = state_dict_api()
+        whole = api.StateDictOptions(full_state_dict=True)
+        api.set_model_state_dict(self.model, model_state, options=whole)
         if self._zero:
             self.optimizer.load_state_dict(optimizer_state)  # ZeRO takes the position-keyed whole state and keeps its part
             return
         names = [name for name, _ in self.model.named_parameters()]  # the optimizer was built over parameters(), in order
         state = {names[i]: value for i, value in optimizer_state["state"].items()}
         groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole)
+        api.set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole)
 
 
 def by_position(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -156,7 +166,7 @@ def save_sharded(
     A collective (call on every rank). Returns the final directory (complete once this returns on rank 0).
     """
     final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
-    dcp.save(tensors, checkpoint_id=partial)
+    _dcp().save(tensors, checkpoint_id=partial)
     _finish(partial, final, rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
     return final
 
@@ -170,7 +180,7 @@ def save_sharded_async(
     Pass the result to :func:`finish_async` (every rank) to wait for it and commit it.
     """
     final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
-    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=group)
+    future = _dcp().async_save(tensors, checkpoint_id=partial, process_group=group)
     return future, partial, final, dict(rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
 
 
@@ -230,7 +240,7 @@ def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]
     rest = load_checkpoint(path / REST_FILE)
     tensors, _ = split_tensors(parts.state_dict())  # this layout's tensors: DCP fills them in place
     try:
-        dcp.load(tensors, checkpoint_id=path)
+        _dcp().load(tensors, checkpoint_id=path)
     except Exception as exc:  # DCP raises CheckpointException with each rank's error
         raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {_first_line(exc)}") from None
     parts.load_state_dict({"model": merge(tensors["model"], rest.get("model", {})),
@@ -247,7 +257,7 @@ def export_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _dcp().FileSystemReader(path).read_metadata()
     model: dict[str, torch.Tensor] = {}
     for flat, item in metadata.state_dict_metadata.items():
         where = (metadata.planner_data or {}).get(flat, tuple(flat.split(".", 1)))
@@ -255,7 +265,7 @@ def export_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             model[".".join(map(str, where[1:]))] = torch.empty(item.size, dtype=item.properties.dtype)
     if not model:
         raise CheckpointError(f"{path} holds no model tensors; is it a ddpkit sharded checkpoint?")
-    dcp.load({"model": model}, checkpoint_id=path, no_dist=True)
+    _dcp().load({"model": model}, checkpoint_id=path, no_dist=True)
     return model
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint import sharded
@@ -151,7 +150,8 @@ def full_capture(state: dict[str, Any], components: Components, *, rank: int) ->
         optimizer.consolidate_state_dict(to=0)
         whole = optimizer.state_dict() if rank == 0 else {}
     else:
-        by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        api = sharded.state_dict_api()
+        by_name = api.get_optimizer_state_dict(model, optimizer, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
         whole = sharded.by_position(by_name, model) if rank == 0 else {}
     return {**state, "model": weights, "optimizer": whole, "schema": [*state["schema"], *TENSOR_PARTS]}
 
@@ -160,5 +160,6 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model as plain CPU tensors on rank 0 (a collective under FSDP2; empty on other ranks)."""
     if not any(hasattr(p, "full_tensor") for p in model.parameters()):
         return model.state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    api = sharded.state_dict_api()
+    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
 

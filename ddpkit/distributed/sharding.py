@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ddpkit.config.schema import DDPConfig, ParallelConfig
 from ddpkit.distributed import ddp
@@ -43,7 +43,9 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
     """``fully_shard`` each block, then the root, on a device mesh over every rank (``fsdp2``); else ``model``."""
     if parallel.mode != "fsdp2":
         return model
+    # Imported here: FSDP2 pulls in DTensor and sympy (about a second) that ddp and zero1 never use.
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = model.to(runtime.device)
     mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
@@ -95,7 +97,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig, 
     With ``model``, every rank's parameter, gradient and optimizer-state bytes are then logged
     (:func:`ddpkit.distributed.memory.log_rank_bytes`, a collective): the layout is final here.
     """
-    if parallel.mode == "zero1" and not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if parallel.mode == "zero1" and type(optimizer).__name__ != "ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # here: ddp runs never load it
+
         groups = [dict(group) for group in optimizer.param_groups]
         zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer), **_hyper(optimizer, groups[0]))
         for group in groups[1:]:
@@ -114,7 +118,7 @@ def _hyper(optimizer: torch.optim.Optimizer, group: dict) -> dict:
 
 def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parallel: ParallelConfig) -> nn.Module:
     """What training calls: the FSDP2 model as it is, or DDP around ``model`` (``ddp``, ``zero1``)."""
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         return model
     if parallel.mode == "fsdp2":
         raise RuntimeError("parallel.mode=fsdp2 but the model was not sharded: call shard_model before building the optimizer")
@@ -137,8 +141,12 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True for a model that went through ``fully_shard``."""
-    return isinstance(model, FSDPModule)
+    """True for a model that went through ``fully_shard`` (on the step path: a dict lookup, no import).
+
+    FSDP2 is imported only when a model is sharded, so while it is not loaded no model can be one.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
@@ -147,13 +155,13 @@ def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContex
     FSDP2 decides in the backward, so the flag is set for the micro-step and set back to True on
     exit: a forgotten ``False`` would silently skip the next reduce-scatter.
     """
-    if isinstance(model, FSDPModule) and not sync:
+    if not sync and is_sharded(model):
         return _without_gradient_sync(model)
     return ddp.sync_gradients(model, sync=sync)
 
 
 @contextlib.contextmanager
-def _without_gradient_sync(model: FSDPModule) -> Iterator[None]:
+def _without_gradient_sync(model: Any) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -168,10 +176,10 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
     Without this each forward all-gathers, and a rank with fewer validation batches than the
     others would wait forever in a collective. Costs the full parameters on every rank meanwhile.
     """
-    if not isinstance(model, FSDPModule):
+    if not is_sharded(model):
         yield
         return
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if is_sharded(m)]
     for unit in units:
         unit.unshard()  # the same order on every rank: each is one all-gather
     model.set_reshard_after_forward(False)
