@@ -29,6 +29,9 @@ def clean_environment(monkeypatch):
     for name in _LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # Hermetic: no test reads or fills the user's dataset cache (tests/test_data_cache.py sets its own),
+    # and the fault tests' timings stay those of a first start, rendering included.
+    monkeypatch.setenv("DDPKIT_CACHE_DIR", "off")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -128,7 +128,7 @@ def test_piped_output_of_a_real_run_has_plain_lines_and_no_carriage_returns(tmp_
     progress = [line for line in out.splitlines() if "progress: " in line]
     assert progress, out[-3000:]
     assert all(re.match(r"\[rank0\] \S+ INFO progress: step \d+/72 \(\d+%\)", line) for line in progress), progress
-    assert re.search(r"progress: step 72/72 \(100%\) loss \S+ samples/s \d+ lr \S+ done in", progress[-1]), progress[-1]
+    assert re.search(r"progress: step 72/72 \(100%\) loss \S+ grad_norm \S+ samples/s \d+ lr \S+ done in", progress[-1]), progress[-1]
     assert len(progress) == len(set(progress)) and progress[-1].count("72/72") == 1  # one final line, not two bars
     validations = [line for line in out.splitlines() if "validation:" in line]
     assert len(validations) == 3 and all(line.startswith("[rank0] ") for line in validations), validations

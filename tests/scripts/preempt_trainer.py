@@ -74,6 +74,10 @@ class PreemptTrainer(ddpkit.Trainer):
         self._seen = []
         if WHERE == "step" and step == SIGNAL_STEP:
             self._maybe_signal()
+        if STAMP and os.path.exists(STAMP):
+            # Once signalled, steps take at least 20 ms: the ranks agree on a stop step through the
+            # store's poll thread, and a fast machine would otherwise finish the run first.
+            time.sleep(0.02)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         if WHERE == "validation" and self.progress.step >= SIGNAL_STEP:
