@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -77,3 +78,15 @@ def processes_mentioning(marker: str) -> dict[int, str]:
         if marker in cmdline:
             found[int(entry.name)] = cmdline
     return found
+
+
+def samples_by_step(directory: Path) -> dict[int, set[int]]:
+    """Step -> the samples all ranks trained on in that step, from the ``rank*.jsonl`` records the test
+    trainers write (the last record of a step wins: a restarted attempt replays the steps after its checkpoint)."""
+    per_rank: dict[Path, dict[int, list[int]]] = {}
+    for file in sorted(Path(directory).glob("rank*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            per_rank.setdefault(file, {})[record["step"]] = record["indices"]
+    steps = set().union(*(records.keys() for records in per_rank.values()))
+    return {step: set().union(*(set(records.get(step, [])) for records in per_rank.values())) for step in steps}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, run_cli, tiny_config
+from helpers import REPO, run_cli, samples_by_step, tiny_config
 
 from ddpkit.checkpoint import files
 from ddpkit.config.loader import load_config
@@ -193,22 +193,9 @@ def test_ddpkit_run_restarts_a_killed_sharded_rank_and_ends_equal(tmp_path, mode
     assert _max_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "clean")) <= 1e-6
 
 
-def _samples(directory: Path) -> dict[int, set[int]]:
-    """Step -> the samples every rank trained on in it (a later record of a step wins)."""
-    import json
-
-    per_rank: dict[Path, dict[int, list[int]]] = {}
-    for file in sorted(directory.glob("rank*.jsonl")):
-        for line in file.read_text().splitlines():
-            record = json.loads(line)
-            per_rank.setdefault(file, {})[record["step"]] = record["indices"]
-    steps = set().union(*(records.keys() for records in per_rank.values()))
-    return {step: set().union(*(set(r.get(step, [])) for r in per_rank.values())) for step in steps}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "nproc"), [("ddp", 1), ("zero1", 2)])
-def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_same_samples(tmp_path, mode, nproc):
+def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_samesamples_by_step(tmp_path, mode, nproc):
     """SIGTERM after step 5 of a 2-rank fsdp2 run (exit 75, a DCP checkpoint), then ``ddpkit run`` in ``mode`` on ``nproc`` ranks."""
     script = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
     paths = {}
@@ -231,6 +218,6 @@ def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_same_samples(tmp_p
     resumed = launch("cut", nproc, f"parallel.mode={mode}", env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming a parallel.mode=fsdp2 checkpoint (2 rank(s)) as parallel.mode={mode}" in resumed.stderr
-    reference, cut = _samples(tmp_path / "whole-samples"), _samples(tmp_path / "cut-samples")
+    reference, cut = samples_by_step(tmp_path / "whole-samples"), samples_by_step(tmp_path / "cut-samples")
     assert sorted(reference) == sorted(cut) and all(cut[s] == reference[s] and len(reference[s]) == 24 for s in reference)
     assert _max_diff(_weights(tmp_path / "cut"), _weights(tmp_path / "whole")) <= 1e-5

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, free_port, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, free_port, load_weights, run_cli, samples_by_step, tiny_config
 from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, load_config
@@ -189,18 +189,6 @@ def saved_step(config: Path) -> int:
     return info.step if info else -1
 
 
-def _samples(directory: Path) -> dict[int, set[int]]:
-    """Step -> the samples all ranks trained on in that step (the last record of a step wins: a
-    restarted attempt replays the steps after its checkpoint)."""
-    per_rank: dict[Path, dict[int, list[int]]] = {}
-    for file in sorted(directory.glob("rank*.jsonl")):
-        for line in file.read_text().splitlines():
-            record = json.loads(line)
-            per_rank.setdefault(file, {})[record["step"]] = record["indices"]
-    steps = set().union(*(records.keys() for records in per_rank.values()))
-    return {step: set().union(*(set(records.get(step, [])) for records in per_rank.values())) for step in steps}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after, accum", [(2, 1, 1), pytest.param(3, 2, 2, marks=_TIMING_DEPENDENT)],
@@ -223,7 +211,7 @@ def test_a_run_preempted_on_n_ranks_resumes_on_m_with_the_same_samples_per_step(
     resumed = _run(paths["cut"], nproc=after, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming on {after} rank(s) a run checkpointed on {before}" in resumed.stderr
-    reference, elastic = _samples(tmp_path / "whole-samples"), _samples(tmp_path / "cut-samples")
+    reference, elastic = samples_by_step(tmp_path / "whole-samples"), samples_by_step(tmp_path / "cut-samples")
     assert sorted(reference) == sorted(elastic) and len(reference) == 6 * (256 // 24)
     assert all(elastic[step] == reference[step] and len(reference[step]) == 24 for step in reference)
     a, b = load_weights(tmp_path / "whole" / "run" / "model.pt"), load_weights(tmp_path / "cut" / "run" / "model.pt")
