@@ -22,6 +22,9 @@ Stopping on a signal (:mod:`ddpkit.faults.preemption`) is a save decision too: a
 rank agrees on, :meth:`RunState.due` asks for a checkpoint whatever the periodic schedule says,
 the loop stops, and :meth:`RunState.raise_if_stopped` ends the run with exit code 75.
 
+``checkpoint.every_steps: auto`` spaces periodic saves by Young/Daly from the measured save and
+step times (:mod:`ddpkit.checkpoint.interval`): each save is timed, and re-estimates the interval.
+
 Compatibility: fields that change the math (model, data order and batches, optimizer, schedule,
 precision, seed, world size) must match, or the resumed run would silently differ from the run
 it continues. Fields that only change bookkeeping (logging, how long to train, where to write,
@@ -31,6 +34,7 @@ checkpoint cadence, timeouts) may differ. The world size may differ when
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
+from ddpkit.checkpoint.interval import AutoInterval
 from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
@@ -70,6 +75,7 @@ class RunState:
         self.components = Components()
         self.components.register("progress", progress)
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
+        self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
         best, early = ck.best, config.train.early_stopping
         self.best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
         self.early_stopping = BestTracker(
@@ -179,9 +185,13 @@ class RunState:
         """Whether the periodic schedule asks for a checkpoint now (``after`` is "step" or "epoch")."""
         ck, progress = self.config.checkpoint, self.progress
         if after == "step":
+            if self._auto is not None:
+                self._auto.tick()  # one clock read: the step times `auto` converts seconds with
             if self.signals.requested and not self.stopped and self.signals.agreed(progress.step):
                 self.stopped = True  # the loop sees it in Trainer._finished(); this step is saved now
                 return True
+            if self._auto is not None:
+                return self._auto.due(progress.step - max(0, self._last_saved_step))
             return bool(ck.every_steps) and progress.step % ck.every_steps == 0
         # After an epoch, progress.epoch already counts it.
         return bool(ck.every_epochs) and progress.epoch % ck.every_epochs == 0
@@ -206,6 +216,7 @@ class RunState:
         step = self.progress.step
         if self.saved_already(name):
             return
+        started = time.perf_counter()
         require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # every rank agrees; nothing pruned
         if self._sharded is not None:  # zero1 / fsdp2: every rank writes its own shards
             self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=self.config.checkpoint.keep_last)
@@ -221,6 +232,8 @@ class RunState:
             barrier("checkpoint")
         if name is None:
             self._last_saved_step = step
+        if self._auto is not None:  # every rank: one broadcast of rank 0's measurements
+            self._auto.saved(blocked=time.perf_counter() - started, since=max(0, self._last_saved_step))
 
     @property
     def enabled(self) -> bool:

@@ -199,7 +199,20 @@ class CheckpointConfig:
     """Crash-safe rank-0 checkpoints and resume."""
 
     dir: str | None = option(None, "Checkpoint directory. Defaults to `<output_dir>/checkpoints`.")
-    every_steps: int | None = option(None, "Save every this many optimizer steps.", ge=1)
+    every_steps: int | Literal["auto"] | None = option(
+        None,
+        "Save every this many optimizer steps. `auto`: every sqrt(2 * `mtbf_hours` * T_save) seconds of training "
+        "(Young/Daly), T_save being a save's measured blocking time, in steps of the median measured step time; the "
+        "first save, after 100 steps, measures it, each save re-estimates, and the log shows the interval and its "
+        "inputs (docs/goodput.md).",
+        ge=1,
+    )
+    mtbf_hours: float = option(
+        24.0,
+        "`every_steps: auto` only: the mean time between failures of the whole job you expect, in hours (a job "
+        "on N nodes fails about N times as often as one node).",
+        gt=0,
+    )
     every_epochs: int | None = option(1, "Save at the end of every this many epochs. `null`: never at epoch ends.", ge=1)
     keep_last: int = option(2, "Checkpoints kept; older ones are removed once a newer one is complete.", ge=1)
     best: BestConfig | None = option(None, "Also keep the best checkpoint by a validation metric (`{metric, mode}`).")
