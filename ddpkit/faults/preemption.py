@@ -78,6 +78,7 @@ class StopOnSignal:
         self.stop_step: int | None = None
         self._store = _prefixed(store, "ddpkit/stop")
         self._pid, self._proposed, self._published = os.getpid(), False, False
+        self._request_text: str | None = None  # "rank 1 received SIGTERM", read with the proposals
         self._previous: dict[signal.Signals, Any] = {}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,7 +121,10 @@ class StopOnSignal:
         if self.stop_step is None:
             if self._store.add(_PROPOSALS, 0) < self.world_size:
                 return False
-            proposals = self._store.multi_get([f"proposal/{r}" for r in range(self.world_size)])
+            # Every rank proposed, so every rank saw the request: it is in the store. Read it now,
+            # while all ranks are alive, for describe(); rank 0 (and the store) may be gone later.
+            request, *proposals = self._store.multi_get([_REQUEST] + [f"proposal/{r}" for r in range(self.world_size)])
+            self._request_text = request.decode()
             self.stop_step = max(int(value) for value in proposals) + 1
         return step >= self.stop_step
 
@@ -128,10 +132,7 @@ class StopOnSignal:
         """``"SIGTERM on rank 1"``: what asked for the stop, for messages."""
         if self.received is not None:
             return f"{self.received} (received by rank {self.rank})"
-        try:
-            return self._store.get(_REQUEST).decode()
-        except Exception:
-            return "a signal on another rank"
+        return self._request_text or "a signal on another rank"
 
     def close(self) -> None:
         """Stop the polling thread and put the previous handlers back."""

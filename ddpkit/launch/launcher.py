@@ -110,12 +110,23 @@ def launch(torchrun_argv: list[str]) -> int:
         )
         return EXIT_PREEMPTED
     except ChildFailedError as exc:
-        if all(failure.exitcode == EXIT_PREEMPTED for failure in exc.failures.values()):
+        if _stopped_after_saving(exc):
             print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
     return EXIT_OK
+
+
+def _stopped_after_saving(exc: ChildFailedError) -> bool:
+    """Whether the workers stopped on a signal with the step saved: some exited 75, the rest were ended by the agent.
+
+    A worker exits 75 only after the barrier that follows the save, so the save was complete on
+    every rank by then; the agent, seeing the first one leave, stops the others (SIGTERM, then
+    SIGKILL) while they are leaving too. A rank that failed any other way makes it a failure.
+    """
+    codes = [failure.exitcode for failure in exc.failures.values()]
+    return EXIT_PREEMPTED in codes and all(code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGKILL) for code in codes)
 
 
 def _root_cause_code(exc: ChildFailedError) -> int:
