@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,7 +266,8 @@ def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_ra
     epochs = _samples_per_epoch(tmp_path / "clean/run")
     assert sorted(epochs) == [0, 1, 2]
     for used in epochs.values():
-        assert len(used) == len(set(used))  # no sample twice within an epoch, over ranks and workers
+        # no sample twice within an epoch, over ranks and workers (a restart would replay some)
+        assert len(used) == len(set(used)), clean.stderr[-3000:]
         assert len(used) >= 0.9 * 8000  # 7936: only partial batches were dropped
     assert epochs[0] != epochs[1]  # set_epoch reshuffled the stream
     assert "dropped 64 samples" in clean.stderr and "unknown (a stream) steps per epoch, 372 steps in total" in clean.stderr
@@ -274,10 +276,13 @@ def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_ra
     assert final["val_accuracy"] >= 0.95 and final["val_index"] == 249.5  # each of 500 validation samples once
 
     # Rank 1 is SIGKILLed after step 157 (epoch 1, inside a read-ahead window); torchrun restarts
-    # both ranks, which resume from step 150 (batch 26 of epoch 1: window start 24, then skip 2).
+    # both ranks. They resume from the newest checkpoint: the periodic one of step 150 (batch 26 of
+    # epoch 1: window start 24, then skip 2), or a memory snapshot the survivor wrote on its way out
+    # (its interval is tuned to the measured cost, e.g. every 76 steps: step 152).
     killed = _stream_run(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "157"})
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "step-000000150.pt (step 150)" in killed.stderr
+    resumed = re.search(r"resuming from \S+step-0*(\d+)\.pt \(step (\d+)\)", killed.stderr)
+    assert resumed is not None and 150 <= int(resumed.group(2)) <= 157, killed.stderr[-3000:]
     assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))
 
 
