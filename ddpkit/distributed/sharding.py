@@ -132,7 +132,12 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
     (one all-reduce) before clipping, as torchtitan does, or each rank would clip by its own shard.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
+    if grads and all(type(g) is torch.Tensor and g.device == grads[0].device and g.dtype == grads[0].dtype for g in grads):
+        # What get_total_norm computes for one device and dtype, without its per-call grouping
+        # (about 25 us a step on a small model): the same kernels, so the same bits.
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    else:
+        total = torch.nn.utils.get_total_norm(grads)
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     if max_norm is not None:

@@ -191,7 +191,7 @@ class GoodputLedger:
 
     def listen_to(self, reporter: Any) -> None:
         """Follow the reporter's spans: step ends, checkpoint and evaluation spans."""
-        reporter.add_phase_listener(self.on_phase)
+        reporter.add_phase_listener(self.on_phase, names=("optimizer", "checkpoint", "evaluation"))
 
     def on_phase(self, name: str | None) -> None:
         """Phase listener: ``name`` starts, or (None) the innermost span ends. Cheap on the step path."""

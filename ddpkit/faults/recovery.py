@@ -147,7 +147,7 @@ class CrashSave:
         if runtime.env.world_size == 1 or not config.checkpoint.crash_save or "data_position" in state.components.names:
             return None
         crash = cls(config, runtime, state, ledger=ledger)
-        reporter.add_phase_listener(crash.on_phase)
+        reporter.add_phase_listener(crash.on_phase, names=("optimizer", "data"))
         ledger.on_failure(crash.save)
         ledger.on_exit(crash.close)  # after the save: the pid files decide who saves
         return crash

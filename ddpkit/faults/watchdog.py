@@ -200,12 +200,13 @@ class Watchdog:
         except IndexError:
             phase = "loop"
         local = (self._step(), phase, self.ticks, self.phase_ticks)
-        if local != self._last_local:
+        if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it each beat)
             self._last_local, self._since, self._seen_stacks = local, time.time(), set()
-        signature = stack_signature()
-        if signature not in self._seen_stacks and len(self._seen_stacks) < 10_000:
-            self._novel += len(self._seen_stacks) > 0  # the first signature after a change is the baseline
-            self._seen_stacks.add(signature)
+        else:
+            signature = stack_signature()
+            if signature not in self._seen_stacks and len(self._seen_stacks) < 10_000:
+                self._novel += len(self._seen_stacks) > 0  # the first signature after a change is the baseline
+                self._seen_stacks.add(signature)
         self._seq += 1
         first_batch = phase == "data" and self.data_batches <= 1
         return {

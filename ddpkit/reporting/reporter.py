@@ -14,8 +14,10 @@
 It owns rank 0's console (the progress display of :mod:`ddpkit.reporting.console`), the metric sinks (``metrics.jsonl``, TensorBoard), the debug
 step log, the timeline and the samples/s window; the Trainer holds none of them. Records carry
 the keys defined beside their writer in :mod:`ddpkit.reporting.log` (``ddpkit plot`` reads the same names).
-Phase listeners (``add_phase_listener``) see every span's name as it starts and ends, at the
-cost of a method call: a watchdog can tell what each rank is doing without a collective.
+Phase listeners (``add_phase_listener``) see a span's name as it starts and None as it ends, at
+the cost of a method call: a watchdog can tell what each rank is doing without a collective. A
+listener that names the spans it needs (``names=``) is not called for the others: the step path
+calls only who asked.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +76,16 @@ class Reporter:
         self.console = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step, enabled=self._show_bar, every=cfg.log.progress_every)
         self._window_start, self._window_step = time.perf_counter(), progress.step
         self._outside = 0  # depth of outside_training spans
-        self._phase_listeners: list[Callable[[str | None], None]] = []
+        self._phase_listeners: list[tuple[Callable[[str | None], None], frozenset[str] | None]] = []
         self._phase_spans: dict[str, _PhaseSpan] = {}  # one reusable span per phase name
         self._loss = RunningMean(runtime.device)
 
     # --- phases and time ---------------------------------------------------------------------
 
-    def add_phase_listener(self, listener: Callable[[str | None], None]) -> None:
-        """Call ``listener(name)`` when a span starts and ``listener(None)`` when it ends."""
-        self._phase_listeners.append(listener)
+    def add_phase_listener(self, listener: Callable[[str | None], None], *, names: Iterable[str] | None = None) -> None:
+        """Call ``listener(name)`` when a span starts and ``listener(None)`` when it ends; with
+        ``names``, only for spans of those names (the listener then sees no others, nested or not)."""
+        self._phase_listeners.append((listener, None if names is None else frozenset(names)))
         self._phase_spans.clear()
 
     def span(self, name: str) -> contextlib.AbstractContextManager[Any]:
@@ -91,15 +94,13 @@ class Reporter:
         Called several times per step: with no listener it is the timeline's own span (free when
         the timeline is off), so reporting adds nothing to the step path.
         """
-        if not self._phase_listeners:
-            return self.timeline.span(name)
-        if self.timeline.enabled:
-            return _WatchedSpan(self.timeline.span(name), name, self._phase_listeners)
         span = self._phase_spans.get(name)
-        if span is None:  # the step path reuses it: no object per span, one call per listener
-            listeners = self._phase_listeners
-            span = self._phase_spans[name] = _PhaseSpan(name, listeners[0] if len(listeners) == 1 else _fan_out(listeners))
-        return span
+        if span is None:  # the step path reuses it: no object per span, one call per listener that asked
+            listeners = tuple(listener for listener, names in self._phase_listeners if names is None or name in names)
+            span = self._phase_spans[name] = _PhaseSpan(name, listeners)
+        if self.timeline.enabled:
+            return _WatchedSpan(self.timeline.span(name), span)
+        return span if span.listeners else self.timeline.span(name)
 
     @contextlib.contextmanager
     def outside_training(self, name: str) -> Iterator[None]:
@@ -195,20 +196,18 @@ class Reporter:
 class _WatchedSpan:
     """A timeline span that also tells the phase listeners when it starts and ends."""
 
-    __slots__ = ("inner", "name", "listeners")
+    __slots__ = ("inner", "phase")
 
-    def __init__(self, inner: contextlib.AbstractContextManager[Any], name: str, listeners: list[Callable[[str | None], None]]):
-        self.inner, self.name, self.listeners = inner, name, listeners
+    def __init__(self, inner: contextlib.AbstractContextManager[Any], phase: _PhaseSpan):
+        self.inner, self.phase = inner, phase
 
     def __enter__(self) -> None:
-        for listener in self.listeners:
-            listener(self.name)
+        self.phase.__enter__()
         self.inner.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         self.inner.__exit__(*exc)
-        for listener in self.listeners:
-            listener(None)
+        self.phase.__exit__()
 
 
 def _describe(value: Any) -> str:
@@ -218,23 +217,17 @@ def _describe(value: Any) -> str:
 
 
 class _PhaseSpan:
-    """Tells one listener that phase ``name`` starts and ends (reused: phases of one name never nest)."""
+    """Tells the listeners of phase ``name`` that it starts and ends (reused: phases of one name never nest)."""
 
-    __slots__ = ("name", "listener")
+    __slots__ = ("name", "listeners")
 
-    def __init__(self, name: str, listener: Callable[[str | None], None]):
-        self.name, self.listener = name, listener
+    def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...]):
+        self.name, self.listeners = name, listeners
 
     def __enter__(self) -> None:
-        self.listener(self.name)
+        for listener in self.listeners:
+            listener(self.name)
 
     def __exit__(self, *exc: object) -> None:
-        self.listener(None)
-
-
-def _fan_out(listeners: list[Callable[[str | None], None]]) -> Callable[[str | None], None]:
-    def tell_all(name: str | None) -> None:
-        for listener in listeners:
-            listener(name)
-
-    return tell_all
+        for listener in self.listeners:
+            listener(None)

@@ -39,7 +39,7 @@ from ddpkit.errors import HealthError
 from ddpkit.reporting.log import GRAD_NORM, log
 from ddpkit.training.health_checks import SpikeDetector, sample_indices
 from ddpkit.training.replicas import ReplicaCheck
-from ddpkit.training.straggler import StragglerWatch
+from ddpkit.training.straggler import OWN_WORK, StragglerWatch
 
 __all__ = ["TrainingHealth"]
 
@@ -62,7 +62,7 @@ class TrainingHealth:
         self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
         if self.straggler is not None:
-            reporter.add_phase_listener(self.straggler.phase)
+            reporter.add_phase_listener(self.straggler.phase, names=OWN_WORK)
         if state is not None:
             state.register("health", self)  # the counters and spike windows continue after a resume
             self.restore = getattr(state, "rollback", None)

@@ -1,7 +1,7 @@
 """Names a rank that is consistently slower than the others at its own work.
 
     watch = StragglerWatch(config.health.straggler, parameters=model.parameters(), rank=0, world_size=2, device=device)
-    reporter.add_phase_listener(watch.phase)     # sees the data / forward / backward spans start and end
+    reporter.add_phase_listener(watch.phase, names=OWN_WORK)   # the data, forward, backward spans start and end
     ...
     message = watch.step_done()                  # every step; every `every` steps one small all_reduce
 
@@ -13,7 +13,7 @@ and takes their median, so a burst of noise (a descheduled process on a busy mac
 less than half the window does not count. A rank whose median exceeds the other ranks' median by
 ``margin`` in ``windows`` consecutive windows is named, on rank 0, as
 
-    straggler: rank 1 is 38% slower than the median rank over the last 20 steps (data 2.0 ms, compute 31.0 ms)
+    straggler: rank 1 is 38% slower than the median rank over the last 50 steps (data 2.0 ms, compute 31.0 ms)
 
 On CUDA the times are the host's (kernel launches are asynchronous): a rank whose GPU is slow shows
 up through its data wait only. The CPU and the host side of a GPU job are measured exactly.
@@ -31,9 +31,9 @@ from ddpkit.config.health_section import StragglerConfig
 from ddpkit.distributed.process_group import all_reduce_sum
 from ddpkit.training.health_checks import slower_ranks
 
-__all__ = ["StragglerWatch"]
+__all__ = ["StragglerWatch", "OWN_WORK"]
 
-_OWN_WORK = ("data", "forward", "backward")
+OWN_WORK = ("data", "forward", "backward")  # the spans whose time is this rank's own work
 
 
 class StragglerWatch:
@@ -56,7 +56,7 @@ class StragglerWatch:
         """A phase listener: ``name`` when a span starts, None when it ends (see Reporter.add_phase_listener)."""
         now = time.perf_counter()
         if name is not None:
-            self._phase, self._started = (name, now) if name in _OWN_WORK else (None, now)
+            self._phase, self._started = (name, now) if name in OWN_WORK else (None, now)
             return
         if self._phase == "data":
             self._data += now - self._started
