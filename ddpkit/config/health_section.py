@@ -39,7 +39,7 @@ class SpikeConfig:
 class StragglerConfig:
     """Slow-rank detection from each rank's own work per step (data, forward, backward until its last gradient)."""
 
-    every: int = option(20, "Optimizer steps per comparison window (one small all_gather per window).", ge=2)
+    every: int = option(50, "Optimizer steps per comparison window (one small all_reduce per window).", ge=2)
     margin: float = option(
         0.25, "A rank is slow when its median own-work time per step exceeds the other ranks' median by this fraction.", gt=0
     )
@@ -61,7 +61,7 @@ class HealthConfig:
     )
     straggler: StragglerConfig | None = option(factory=StragglerConfig, doc="Straggler detection; `null`: off.")
     check_replicas_every: int | None = option(
-        100, "Optimizer steps between comparisons of an exact fingerprint of every rank's parameters; `null`: off.", ge=1
+        500, "Optimizer steps between comparisons of an exact fingerprint of every rank's parameters; `null`: off.", ge=1
     )
     on_divergence: Literal["stop", "broadcast"] = option(
         "broadcast", "When a rank's parameters differ from rank 0's: `broadcast` rank 0's weights to every rank, or `stop` the run."

@@ -209,7 +209,7 @@ class CheckpointConfig:
     )
     mtbf_hours: float = option(
         24.0,
-        "`every_steps: auto` only: the mean time between failures of the whole job you expect, in hours (a job "
+        "`every_steps: auto` and `memory_every_steps: auto`: the mean time between failures of the whole job you expect, in hours (a job "
         "on N nodes fails about N times as often as one node).",
         gt=0,
     )
@@ -248,8 +248,8 @@ class CheckpointConfig:
         "auto",
         "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training thread; "
         "a restart after every worker of the host died resumes from it when it is newer than the newest disk checkpoint. "
-        "`auto`: every 50 steps, fewer when one snapshot would block more than 1% of the training between two (measured "
-        "as the run goes; docs/goodput.md). `null`: off.",
+        "`auto`: the first after 50 steps, then spaced by Young/Daly from the measured blocking time and "
+        "`checkpoint.mtbf_hours`, blocking at most 1% of the training (docs/goodput.md). `null`: off.",
         ge=1,
     )
 

@@ -15,9 +15,14 @@ checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
 ``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
 host (or a reboot), which is what disk checkpoints are for.
 
-``memory_every_steps: auto`` (the default) starts at 50 steps and adapts to the measured cost:
-when one snapshot blocks training for more than 1% of the time trained since the previous one,
-the interval grows until it does not (logged when it changes). A number is used as given.
+``memory_every_steps: auto`` (the default) takes the first snapshot after 50 steps and then
+spaces them by the measured cost, as ``checkpoint.every_steps: auto`` spaces disk checkpoints
+(:mod:`ddpkit.checkpoint.interval`): every ``sqrt(2 * checkpoint.mtbf_hours * T_block)`` seconds
+of training (Young/Daly; ``T_block``: how long one snapshot blocks training), and never so often
+that snapshots block more than 1% of it. A snapshot blocking 8 ms with the default MTBF of 24 h
+comes every 37 s (0.02% of the time). A job that fails often says so with a small
+``checkpoint.mtbf_hours`` and gets snapshots that often. Each choice is logged with its inputs,
+and changes by more than 20% are taken. A number is used as given.
 
 A snapshot never misleads a resume: the directory is named by the run (the output directory's
 path and inode, so a deleted and recreated directory is another run), a snapshot is used only
@@ -29,13 +34,13 @@ checkpoint is stale and removed. A finished run removes its snapshots.
 from __future__ import annotations
 
 import hashlib
-import math
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
+from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
 from ddpkit.distributed.process_group import broadcast_object
 from ddpkit.reporting.log import log
 
@@ -43,7 +48,7 @@ __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer",
 
 SHM = Path("/dev/shm")
 KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
-BUDGET = 0.01  # `auto`: a snapshot may block at most this fraction of the training time between two
+BUDGET = 0.01  # `auto`: a snapshot may block at most this fraction of the training time between two (whatever the MTBF)
 AUTO_START = 50  # `auto`: the first interval; at most 25 steps lost on average when snapshots are cheap
 
 
@@ -103,7 +108,7 @@ class MemorySnapshots:
             return None
         snapshots = cls(config, runtime, state, every=AUTO_START if every == "auto" else every, ledger=ledger)
         snapshots.adaptive = every == "auto"
-        reporter.add_phase_listener(snapshots.on_phase)
+        reporter.add_phase_listener(snapshots.on_phase, names=("optimizer", "data"))
         ledger.on_exit(snapshots.close)
         return snapshots
 
@@ -129,17 +134,20 @@ class MemorySnapshots:
         self._last, self._last_time = step, time.perf_counter()
 
     def _adapt(self, step: int, *, blocked: float, trained: float) -> None:
-        """Keep a snapshot's blocking time within BUDGET of the training between two: stretch the interval if not.
+        """Space snapshots by Young/Daly from the blocking time just measured, within BUDGET of the training.
 
         Rank 0's measurement decides and is broadcast, so every rank takes the next snapshot (a
         collective) at the same step."""
         per_step = trained / max(1, step - self._last)
-        needed = math.ceil(blocked / (BUDGET * per_step)) if per_step > 0 else self.every
-        proposal = broadcast_object(max(self.every, needed))
-        if proposal > self.every:
-            log.info("memory snapshots: one blocks %.1f ms, %.1f steps of %.2f ms; every %d steps instead of %d keeps them within %.0f%%",
-                     blocked * 1e3, blocked / per_step, per_step * 1e3, proposal, self.every, BUDGET * 100)
-            self.every = proposal
+        if per_step <= 0:
+            return
+        period = young_daly_seconds(self.config.checkpoint.mtbf_hours, blocked)
+        every, period, blocked, per_step = broadcast_object((interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step))
+        if abs(every - self.every) > CHANGE * self.every:
+            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms, a step takes %.2f ms, checkpoint.mtbf_hours=%g: "
+                     "Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
+                     every, step, blocked * 1e3, per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
+            self.every = every
 
     def close(self, status: str) -> None:
         """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
