@@ -19,7 +19,7 @@ import torch
 from helpers import tiny_config
 
 import ddpkit
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.reporting.log import MetricSinks, setup_logging
 from ddpkit.testing import run_on_ranks
 
@@ -163,6 +163,29 @@ def test_early_stopping_stops_every_rank_at_the_same_step(tmp_path):
     steps = [r["step"] for r in read_records(tmp_path / "run")]
     assert max(steps) == 6
     assert (tmp_path / "run" / "model.pt").exists()
+
+
+def test_early_stopping_target_stops_at_the_first_evaluation_that_reaches_it(tmp_path):
+    train = {"epochs": 2, "log_every": 2, "eval_every": 2}
+    ddpkit.Trainer(tiny_config(tmp_path / "free", train=train)).fit()
+    curve = [(r["step"], r["val_accuracy"]) for r in read_records(tmp_path / "free" / "run") if "val_accuracy" in r]
+    # The target: the first evaluation after the first that beats every earlier one.
+    index = next(i for i in range(1, len(curve)) if curve[i][1] > max(a for _, a in curve[:i]))
+    step, target = curve[index]
+
+    early = {"metric": "val_accuracy", "mode": "max", "target": target, "patience": 100}
+    result = fit_capturing_stderr(tiny_config(tmp_path / "target", train={**train, "early_stopping": early}))
+
+    assert result["step"] == step  # at the evaluation that reached it, not before (earlier ones were below)
+    stopped = [(r["step"], r["val_accuracy"]) for r in read_records(tmp_path / "target" / "run") if "val_accuracy" in r]
+    assert stopped == curve[: index + 1]
+    assert f"early stopping: val_accuracy {target:.4f} reached train.early_stopping.target={target:g} at step {step}" in result["stderr"]
+    assert (tmp_path / "target" / "run" / "model.pt").exists()
+
+
+def test_early_stopping_target_needs_a_metric(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.early_stopping\.target: 0\.9 needs train\.early_stopping\.metric"):
+        ddpkit.load_config(tiny_config(tmp_path, train={"early_stopping": {"target": 0.9}}))
 
 
 def test_log_levels_per_rank_without_a_process_group(tmp_path):

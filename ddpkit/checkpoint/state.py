@@ -79,7 +79,7 @@ class RunState:
         best, early = ck.best, config.train.early_stopping
         self.best = BestTracker(best.metric if best else None, best.mode if best else "min", key="checkpoint.best.metric")
         self.early_stopping = BestTracker(
-            early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, key="train.early_stopping.metric"
+            early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, target=early.target, key="train.early_stopping.metric"
         )
         self.components.register("early_stopping", self.early_stopping)
         self.components.register("best", self.best)
@@ -197,13 +197,21 @@ class RunState:
         return bool(ck.every_epochs) and progress.epoch % ck.every_epochs == 0
 
     def after_evaluation(self, metrics: dict[str, float], *, save_best: Any) -> bool:
-        """Call ``save_best()`` if ``checkpoint.best.metric`` improved; True when early stopping says stop."""
+        """Call ``save_best()`` if ``checkpoint.best.metric`` improved; True when early stopping says stop.
+
+        It stops at a reached ``train.early_stopping.target`` or when patience runs out; the metrics are
+        rank-reduced, so every rank decides the same at the same step.
+        """
         if self.best.update(metrics):
             save_best()
-        self.early_stopping.update(metrics)
-        if not self.early_stopping.exhausted:
+        tracker, early = self.early_stopping, self.config.train.early_stopping
+        tracker.update(metrics)
+        if tracker.reached:
+            log.info("early stopping: %s %.4f reached train.early_stopping.target=%g at step %d",
+                     early.metric, tracker.last, early.target, self.progress.step)
+            return True
+        if not tracker.exhausted:
             return False
-        early = self.config.train.early_stopping
         log.info("early stopping: %s has not improved for %d evaluations", early.metric, early.patience)
         return True
 

@@ -44,6 +44,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
         problems.append(
             f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
         )
+    early = cfg.train.early_stopping
+    if early.target is not None and early.metric is None:
+        problems.append(
+            f"train.early_stopping.target: {early.target:g} needs train.early_stopping.metric, the validation metric "
+            "to compare (e.g. val_accuracy with train.early_stopping.mode=max); set it, or set the target to null"
+        )
     problems += _watchdog_problems(cfg.dist)
     problems += _compile_problems(cfg.train.compile)
     problems += parallel_problems(cfg)

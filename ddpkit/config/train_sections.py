@@ -48,12 +48,17 @@ class SchedConfig:
 
 @dataclass(frozen=True)
 class EarlyStoppingConfig:
-    """Stop training when a validation metric stops improving."""
+    """Stop training when a validation metric stops improving, or as soon as it reaches a target."""
 
     metric: str | None = option(None, "Validation metric to watch, e.g. `val_loss`. `null` disables early stopping.")
     mode: Literal["min", "max"] = option("min", "Whether smaller (`min`) or larger (`max`) is better.")
     patience: int = option(3, "Evaluations without improvement before stopping.", ge=1)
     min_delta: float = option(0.0, "Smallest change that counts as an improvement.", ge=0)
+    target: float | None = option(
+        None,
+        "Stop at the first evaluation whose `metric` reaches this value (`>=` for mode `max`, `<=` for `min`), "
+        "e.g. `0.95` with `metric: val_accuracy, mode: max`; the patience rule still applies. `null`: no target.",
+    )
 
 
 @dataclass(frozen=True)

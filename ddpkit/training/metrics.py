@@ -101,16 +101,20 @@ class ExactMeans:
 
 
 class BestTracker:
-    """Follows one validation metric: was this evaluation a new best, and has patience run out?
+    """Follows one validation metric: was this evaluation a new best, has patience run out, is the target reached?
 
     Used for early stopping (``train.early_stopping``) and for keeping the best checkpoint
     (``checkpoint.best``). Its decisions come from rank-reduced metrics, so every rank agrees.
     With ``metric=None`` it is switched off: nothing improves, patience never runs out.
     """
 
-    def __init__(self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0, key: str = "metric"):
-        self.metric, self.mode, self.patience, self.min_delta, self.key = metric, mode, patience, min_delta, key
+    def __init__(
+        self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0,
+        target: float | None = None, key: str = "metric",
+    ):
+        self.metric, self.mode, self.patience, self.min_delta, self.target, self.key = metric, mode, patience, min_delta, target, key
         self.best: float | None = None
+        self.last: float | None = None  # the latest evaluation's value, for the target rule
         self.bad_evals = 0
 
     def update(self, metrics: Mapping[str, float]) -> bool:
@@ -119,7 +123,7 @@ class BestTracker:
             return False
         if self.metric not in metrics:
             raise ConfigError(f"{self.key}: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}")
-        value = metrics[self.metric]
+        value = self.last = metrics[self.metric]
         sign = 1 if self.mode == "min" else -1
         improved = self.best is None or sign * (self.best - value) > self.min_delta
         if improved:
@@ -132,6 +136,13 @@ class BestTracker:
     def exhausted(self) -> bool:
         """True once ``patience`` evaluations in a row brought no improvement."""
         return self.patience is not None and self.metric is not None and self.bad_evals >= self.patience
+
+    @property
+    def reached(self) -> bool:
+        """True when the latest evaluation met ``target``: ``>=`` it for mode ``max``, ``<=`` for ``min`` (NaN never does)."""
+        if self.target is None or self.last is None:
+            return False
+        return self.last >= self.target if self.mode == "max" else self.last <= self.target
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals}

@@ -1,0 +1,116 @@
+"""The hand-written side of ``bench_time_to_accuracy.py``: plain DDP to 95% on the digits data, torch only.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/tta_hand.py DATA.pt OUT_DIR
+
+``DATA.pt`` holds ``[train_images, train_labels, val_images, val_labels]``, the tensors of ddpkit's
+``digits`` dataset with its defaults (the bench writes it). The job: the classic MNIST CNN (the same
+layers as ddpkit's ``mnist_cnn``), batch 64 per rank, SGD lr 0.05 momentum 0.9, an exact
+evaluation every 25 steps (each rank a strided share of the validation set, correct and total
+all-reduced), stop at the first evaluation with accuracy >= 0.95; rank 0 then writes
+``OUT_DIR/model.pt`` and prints one JSON line of wall-clock timestamps (``time.time()``).
+
+Seeds as the ddpkit Trainer sets them, so both train bitwise alike: ``manual_seed(seed)`` before the
+data and the model, ``manual_seed(seed + rank)`` once everything is built; each loader has its own
+generator (a loader without one draws a seed from the global RNG, which moves the dropout masks).
+Imports nothing from ddpkit.
+"""
+
+from __future__ import annotations
+
+import time
+
+IMPORTS_STARTED = time.time()
+
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset  # noqa: E402
+
+SEED, BATCH, LR, MOMENTUM, EVAL_EVERY, TARGET, MAX_STEPS = 0, 64, 0.05, 0.9, 25, 0.95, 2000
+
+
+class MnistCNN(nn.Module):
+    """ddpkit.training.models.MnistCNN, layer for layer (the same parameter names and RNG draws)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d()
+        side = ((image_size - 4) // 2 - 4) // 2
+        self.fc1 = nn.Linear(20 * side * side, 50)
+        self.fc2 = nn.Linear(50, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.dropout(x, training=self.training)
+        return self.fc2(x)
+
+
+def accuracy(model: nn.Module, val: DataLoader) -> float:
+    """Exact accuracy over the whole validation set: every rank's correct and total, summed (float64)."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in val:
+            counts += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def train(ddp: nn.Module, model: nn.Module, train_set: TensorDataset, val: DataLoader, marks: dict) -> int:
+    """Train until the target is reached (or MAX_STEPS); return the step count."""
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    sampler = DistributedSampler(train_set, seed=SEED, drop_last=True)
+    loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
+    torch.manual_seed(SEED + dist.get_rank())
+    marks["built"] = time.time()
+    ddp.train()
+    step, epoch = 0, 0
+    while step < MAX_STEPS:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            F.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            marks.setdefault("first_step", time.time())
+            if step % EVAL_EVERY == 0 and accuracy(model, val) >= TARGET:
+                marks["target"] = time.time()
+                return step
+        epoch += 1
+    return step
+
+
+def main(data_path: str, out_dir: str) -> None:
+    marks = {"imports_started": IMPORTS_STARTED, "imported": time.time()}
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    marks["ready"] = time.time()
+    torch.manual_seed(SEED)
+    train_x, train_y, val_x, val_y = torch.load(data_path, weights_only=True)
+    train_set, val_set = TensorDataset(train_x, train_y), TensorDataset(val_x, val_y)
+    model = MnistCNN()
+    ddp = DDP(model)
+    val = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH, generator=torch.Generator())
+    step = train(ddp, model, train_set, val, marks)
+    if rank == 0:
+        torch.save(model.state_dict(), Path(out_dir) / "model.pt")
+        marks["saved"] = time.time()
+    dist.barrier()  # the others wait for the file, as a script that reads it next would
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({**marks, "step": step}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
