@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import json
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,7 @@ from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_m
 from ddpkit.bench.worker import serve
 from ddpkit.data.datasets import synthetic
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.registry import MODELS
 
 SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
@@ -99,7 +103,8 @@ def loader_for(train_set: Any, rank: int, world_size: int) -> DataLoader:
     return DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
 
 
-def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tuple[StepClock, dict]:
+def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int, *, checks: bool = False) -> tuple[StepClock, dict]:
+    """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's per-step work)."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
     ddp = DDP(model) if world_size > 1 else model  # as the Trainer: no DDP for a world of one
@@ -109,9 +114,14 @@ def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int) -> t
     ddp.train()
     clock = StepClock()
     clock.tick()
+    params = list(model.parameters())
     for x, y in loader:
         loss = F.cross_entropy(ddp(x), y)
+        if checks:
+            loss = loss * (loss.detach() * 0 + 1)
         loss.backward()
+        if checks and not math.isfinite(gradient_norm(params)):
+            raise FloatingPointError("non-finite gradient norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.tick()
@@ -119,16 +129,20 @@ def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int) -> t
 
 
 def ddpkit_trainer(
-    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False, log_every: int = 50
+    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False, log_every: int = 50,
+    without: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[StepClock, dict]:
-    trainer = TimedTrainer({
+    config = {
         "run": {"name": "overhead", "output_dir": str(workdir / "ddpkit"), "seed": SEED},
         "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
         "model": {"name": w["model"], "kwargs": w["kwargs"]},
         "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
         "train": {"epochs": 1, "max_steps": steps, "timeline": timeline, "log_every": log_every},
         "checkpoint": {"every_epochs": None, "resume": "none"},
-    })
+    }
+    for section, values in (without or {}).items():  # an ablation: some default switched off
+        config[section] = {**config.get(section, {}), **values}
+    trainer = TimedTrainer(config)
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, but off the screen
         trainer.fit()
     return trainer.clock, trainer.unwrapped_model.state_dict()
@@ -204,12 +218,29 @@ def accelerate(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tup
     return wrapped_loop(w, steps, rank, world_size, setup=accelerator.prepare, backward=accelerator.backward)
 
 
+#: What each ablation switches off (config sections), and ``bare``: all of them and the periodic loss reduction.
+ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "health": {"health": {"straggler": None, "check_replicas_every": None}},
+    "watchdog": {"dist": {"hang_timeout": None}},
+    "signals": {"checkpoint": {"save_on_signals": []}},
+    "recovery": {"checkpoint": {"crash_save": False, "memory_every_steps": None}},
+    "progress": {"log": {"progress_bar": False}},
+}
+ABLATIONS["bare"] = {section: {k: v for off in ABLATIONS.values() for k, v in off.get(section, {}).items()}
+                     for section in ("health", "dist", "checkpoint", "log")}
+ABLATIONS["bare"]["train"] = {"log_every": 10**9}
+
 VARIANTS = {
     "hand-written": hand_written,
+    "hand-written+checks": functools.partial(hand_written, checks=True),  # not run by default
     "ddpkit": ddpkit_trainer,
     "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
     # Not run by default: the Trainer with no loss reduction inside the run (log_every past the end).
     "ddpkit-nolog": lambda *a, **kw: ddpkit_trainer(*a, **{**kw, "log_every": 10**9}),
+    # Ablations, not run by default: the Trainer with one group of defaults switched off, to say
+    # what each costs per step (the difference to `ddpkit` in the same round).
+    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off) for name, off in ABLATIONS.items()},
+    "ddpkit+bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": True}}),
     "fabric": fabric,
     "lightning": lightning,
     "accelerate": accelerate,
@@ -264,25 +295,28 @@ def report(workload: str, result: dict[str, Any]) -> str:
     return title + "\n" + format_table(headers, rows)
 
 
-def run_single(variant: str, steps: int, log_every: int) -> None:
-    """One variant of ``step-cost`` in this process (a world of one), nothing else: for instruction counts."""
+def run_single(variant: str, steps: int, log_every: int, workload: str = "step-cost") -> None:
+    """One variant of one workload in this process, nothing else: for instruction counts (``step-cost``, a
+    world of one) or a sampling profiler (``torchrun --nproc-per-node 2 ... --single ddpkit 5000 50 mlp``)."""
     import tempfile
 
     from ddpkit.distributed.env import read_dist_env
     from ddpkit.distributed.process_group import process_group
 
     extra = {"log_every": log_every} if variant.startswith("ddpkit") else {}
-    with tempfile.TemporaryDirectory() as tmp, process_group(read_dist_env()):
+    env = read_dist_env()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")  # every rank's Trainer must see the same output_dir
+    with tempfile.TemporaryDirectory(prefix=f"bench-single-{run_id}-rank{env.rank}-") as tmp, process_group(env):
         if variant.startswith("ddpkit"):
-            extra["workdir"] = Path(tmp)
-        VARIANTS[variant](WORKLOADS["step-cost"], steps, 0, 1, **extra)
+            extra["workdir"] = Path(tempfile.gettempdir()) / f"bench-single-{run_id}" if env.world_size > 1 else Path(tmp)
+        VARIANTS[variant](WORKLOADS[workload], steps, env.rank, env.world_size, **extra)
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         return serve(argv[1], {"overhead": overhead_worker})
-    if argv[:1] == ["--single"]:  # --single VARIANT STEPS [LOG_EVERY]
-        run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50)
+    if argv[:1] == ["--single"]:  # --single VARIANT STEPS [LOG_EVERY [WORKLOAD]]
+        run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50, *argv[4:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
