@@ -248,7 +248,7 @@ class CheckpointConfig:
         "auto",
         "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training thread; "
         "a restart after every worker of the host died resumes from it when it is newer than the newest disk checkpoint. "
-        "`auto`: the first after 50 steps, then spaced by Young/Daly from the measured blocking time and "
+        "`auto`: spaced by Young/Daly from the (first estimated, then measured) blocking time and "
         "`checkpoint.mtbf_hours`, blocking at most 1% of the training (docs/goodput.md). `null`: off.",
         ge=1,
     )

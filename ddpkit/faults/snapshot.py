@@ -15,14 +15,15 @@ checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
 ``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
 host (or a reboot), which is what disk checkpoints are for.
 
-``memory_every_steps: auto`` (the default) takes the first snapshot after 50 steps and then
-spaces them by the measured cost, as ``checkpoint.every_steps: auto`` spaces disk checkpoints
-(:mod:`ddpkit.checkpoint.interval`): every ``sqrt(2 * checkpoint.mtbf_hours * T_block)`` seconds
-of training (Young/Daly; ``T_block``: how long one snapshot blocks training), and never so often
-that snapshots block more than 1% of it. A snapshot blocking 8 ms with the default MTBF of 24 h
-comes every 37 s (0.02% of the time). A job that fails often says so with a small
-``checkpoint.mtbf_hours`` and gets snapshots that often. Each choice is logged with its inputs,
-and changes by more than 20% are taken. A number is used as given.
+``memory_every_steps: auto`` (the default) spaces snapshots as ``checkpoint.every_steps: auto``
+spaces disk checkpoints (:mod:`ddpkit.checkpoint.interval`): every
+``sqrt(2 * checkpoint.mtbf_hours * T_block)`` seconds of training (Young/Daly; ``T_block``: how
+long one snapshot blocks training), and never so often that snapshots block more than 1% of it.
+A snapshot blocking 8 ms with the default MTBF of 24 h comes every 37 s (0.02% of the time). A job
+that fails often says so with a small ``checkpoint.mtbf_hours`` and gets snapshots that often.
+The first interval is planned at step 20 from an estimate (:data:`PLAN_STEP`, :func:`estimated_block`),
+every later one from the last snapshot's measured blocking time; each choice is logged with its
+inputs, and changes by more than 20% are taken. A number is used as given.
 
 A snapshot never misleads a resume: the directory is named by the run (the output directory's
 path and inode, so a deleted and recreated directory is another run), a snapshot is used only
@@ -49,7 +50,15 @@ __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer",
 SHM = Path("/dev/shm")
 KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
 BUDGET = 0.01  # `auto`: a snapshot may block at most this fraction of the training time between two (whatever the MTBF)
-AUTO_START = 50  # `auto`: the first interval; at most 25 steps lost on average when snapshots are cheap
+PLAN_STEP = 20  # `auto`: the step at which the first interval is planned (the step time is known by then)
+
+
+def estimated_block(state_bytes: int) -> float:
+    """Seconds a snapshot of ``state_bytes`` is expected to block, before one has been measured.
+
+    The capture's all-gather and ``state_dict`` calls (a few ms) plus copying the state at 1 GB/s:
+    pessimistic for a CPU's memcpy, so the first interval errs on the short side."""
+    return 0.005 + state_bytes / 1e9
 
 
 def snapshot_dir(config: Any) -> Path:
@@ -99,6 +108,7 @@ class MemorySnapshots:
         self._writer = ckpt.AsyncCheckpointWriter()
         self._pending = False  # an optimizer step ended; the next data span is its boundary
         self._last, self._last_time = state.progress.step, time.perf_counter()
+        self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
 
     @classmethod
     def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> MemorySnapshots | None:
@@ -106,8 +116,8 @@ class MemorySnapshots:
         every, env = config.checkpoint.memory_every_steps, runtime.env
         if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
             return None
-        snapshots = cls(config, runtime, state, every=AUTO_START if every == "auto" else every, ledger=ledger)
-        snapshots.adaptive = every == "auto"
+        snapshots = cls(config, runtime, state, every=PLAN_STEP if every == "auto" else every, ledger=ledger)
+        snapshots.adaptive = snapshots.unplanned = every == "auto"
         reporter.add_phase_listener(snapshots.on_phase, names=("optimizer", "data"))
         ledger.on_exit(snapshots.close)
         return snapshots
@@ -119,7 +129,7 @@ class MemorySnapshots:
             self._pending = False
             step = self.state.progress.step
             if step - self._last >= self.every:
-                self._take(step)
+                self._plan(step) if self.unplanned else self._take(step)
 
     def _take(self, step: int) -> None:
         began, started = time.time(), time.perf_counter()
@@ -133,20 +143,25 @@ class MemorySnapshots:
             self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
         self._last, self._last_time = step, time.perf_counter()
 
-    def _adapt(self, step: int, *, blocked: float, trained: float) -> None:
+    def _plan(self, step: int) -> None:
+        """`auto`'s first interval, counted from the run's start, from an estimated blocking time (one broadcast)."""
+        self.unplanned = False
+        model = self.state.components["model"]
+        state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and up to 2 optimizer states
+        self._adapt(step, blocked=estimated_block(state_bytes), trained=time.perf_counter() - self._last_time, estimated=True)
+
+    def _adapt(self, step: int, *, blocked: float, trained: float, estimated: bool = False) -> None:
         """Space snapshots by Young/Daly from the blocking time just measured, within BUDGET of the training.
 
         Rank 0's measurement decides and is broadcast, so every rank takes the next snapshot (a
         collective) at the same step."""
-        per_step = trained / max(1, step - self._last)
-        if per_step <= 0:
-            return
+        per_step = max(trained / max(1, step - self._last), 1e-9)  # no early return: every rank must join the broadcast
         period = young_daly_seconds(self.config.checkpoint.mtbf_hours, blocked)
         every, period, blocked, per_step = broadcast_object((interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step))
-        if abs(every - self.every) > CHANGE * self.every:
-            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms, a step takes %.2f ms, checkpoint.mtbf_hours=%g: "
-                     "Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
-                     every, step, blocked * 1e3, per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
+        if estimated or abs(every - self.every) > CHANGE * self.every:
+            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, checkpoint.mtbf_hours=%g: "
+                     "Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)", every, self._last if estimated else step,
+                     blocked * 1e3, " (estimated)" if estimated else "", per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
             self.every = every
 
     def close(self, status: str) -> None:
