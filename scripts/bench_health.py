@@ -12,8 +12,8 @@ rotates each round):
   ``straggler`` / ``check_replicas_every`` are null): the loop as it was before the checks;
 * ``nonfinite``: the always-on part: the loss guard (``loss * (loss * 0 + 1)``), the gradient norm
   (computed once) and its host read each step, grad_norm in the records;
-* ``+straggler``: plus the straggler watch (phase listener, gradient hooks, one all_reduce every 20 steps);
-* ``+replicas``: plus the replica fingerprint every 100 steps (one all_reduce);
+* ``+straggler``: plus the straggler watch (phase listener, gradient hooks, one all_reduce every 50 steps);
+* ``+replicas``: plus the replica fingerprint every 500 steps (one all_reduce);
 * ``defaults``: nonfinite + straggler + replicas, as a run gets them by default;
 * ``spike``: the defaults plus ``spike`` (warn): one all_reduce of the loss every step.
 
@@ -46,7 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "off": NONE,
     "nonfinite": NONE,
     "+straggler": {"check_replicas_every": None},
-    "+replicas": {"straggler": None, "check_replicas_every": 100},
+    "+replicas": {"straggler": None},  # the default interval (500)
     "defaults": {},
     "spike": {"spike": {"action": "warn"}},
 }

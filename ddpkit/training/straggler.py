@@ -6,7 +6,8 @@
     message = watch.step_done()                  # every step; every `every` steps one small all_reduce
 
 Own work per step is this rank's data wait, forward, and backward *until its last gradient is
-ready* (a post-accumulate-grad hook on every parameter notes the time). Backward wall time alone
+ready* (a post-accumulate-grad hook notes the time: on every parameter during the first step,
+which finds the parameter whose gradient comes last, then on that one only). Backward wall time alone
 cannot tell: DDP waits for the all-reduce at the end of backward, which makes every rank's backward
 as long as the slowest rank's. Each rank keeps its per-step times over a window of ``every`` steps
 and takes their median, so a burst of noise (a descheduled process on a busy machine) that covers
@@ -47,10 +48,22 @@ class StragglerWatch:
         self._steps: list[tuple[float, float]] = []  # (data, compute) per step of the window
         self._slow_windows = [0] * world_size
         self.named: tuple[int, float] | None = None  # the rank named at the last comparison and how much slower
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in parameters if p.requires_grad]
+        self._parameters = [p for p in parameters if p.requires_grad]
+        self._last_ready: torch.Tensor | None = None  # the first step's last gradient: the one hook kept after it
+        self._hooks = [p.register_post_accumulate_grad_hook(self._first_step_gradient) for p in self._parameters]
+
+    def _first_step_gradient(self, param: torch.Tensor) -> None:
+        self._grad_ready, self._last_ready = time.perf_counter(), param
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         self._grad_ready = time.perf_counter()
+
+    def _keep_one_hook(self) -> None:
+        """After the first step: hook only the parameter whose gradient came last (a Python call per step, not per parameter)."""
+        self.close()
+        if self._last_ready is not None:
+            self._hooks = [self._last_ready.register_post_accumulate_grad_hook(self._gradient_ready)]
+        self._parameters, self._last_ready = [], None
 
     def phase(self, name: str | None) -> None:
         """A phase listener: ``name`` when a span starts, None when it ends (see Reporter.add_phase_listener)."""
@@ -72,6 +85,8 @@ class StragglerWatch:
         """Close this step's times; at the end of a window compare ranks (a collective) and return a message, if any."""
         self._steps.append((self._data, self._compute))
         self._data = self._compute = 0.0
+        if self._parameters:
+            self._keep_one_hook()
         if len(self._steps) < self.cfg.every:
             return None
         return self._compare()
