@@ -240,7 +240,7 @@ VARIANTS = {
     # Ablations, not run by default: the Trainer with one group of defaults switched off, to say
     # what each costs per step (the difference to `ddpkit` in the same round).
     **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off) for name, off in ABLATIONS.items()},
-    "ddpkit+bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": True}}),
+    "ddpkit+bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": True}}),  # not run by default
     "fabric": fabric,
     "lightning": lightning,
     "accelerate": accelerate,
