@@ -47,13 +47,13 @@ def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split(" ")[0:3].__str__()
 
 
-def config(out: Path, variant: str) -> Path:
+def config(out: Path, variant: str, epochs: int = 2) -> Path:
     cfg = {
         "run": {"name": "chaos", "output_dir": str(out / "run"), "seed": 0},
         "data": {"name": "digits", "batch_size": 64, "kwargs": {"num_train": 24000, "num_val": 512}},
         "model": {"name": "mnist_cnn"},
         "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "train": {"epochs": 2, "log_every": 25},
+        "train": {"epochs": epochs, "log_every": 25},
         "checkpoint": {"every_epochs": 1, **VARIANTS[variant]},
         "log": {"progress_bar": False},
     }
@@ -128,7 +128,7 @@ def chaos(args: argparse.Namespace) -> None:
         for variant in (VARIANTS if round_ % 2 == 0 else reversed(list(VARIANTS))):
             out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant}-"))
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, "-m", "ddpkit", "run", str(config(out, variant)), "--nproc-per-node", "2",
+            cmd = [sys.executable, "-m", "ddpkit", "run", str(config(out, variant, args.epochs)), "--nproc-per-node", "2",
                    "--max-restarts", str(args.faults + 1), "--script", SCRIPT]
             began = time.time()
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"))
@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--faults", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs of the chaos run (2: about 3 s of training on a quiet machine)")
     parser.add_argument("--max-delay", type=float, default=6.0, help="a fault comes 1 s to this many seconds after an attempt's first step")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
