@@ -167,3 +167,29 @@ def test_a_trainer_on_a_billion_samples_takes_steps_and_resumes_mid_epoch_at_the
     # steps 1-3, then (resumed from the step-2 checkpoint) steps 3-6 again: the same samples as uninterrupted
     assert cut_lines == full_lines[:3] + full_lines[2:] and len(full_lines) == 6
     assert len({i for line in full_lines for i in line.split()[1:]}) == 48
+
+
+def test_a_checkpoint_records_the_order_its_run_drew_and_a_resume_that_would_draw_another_is_refused():
+    from torch.utils.data import DataLoader
+
+    from ddpkit.checkpoint.components import Components
+    from ddpkit.checkpoint.state import _legacy_order_difference
+    from ddpkit.data.epochs import data_position
+    from ddpkit.errors import CheckpointError
+
+    def order_of(n: int, kind: str = "auto") -> Components:
+        sampler = ResumableDistributedSampler(Sized(n), num_replicas=2, rank=0, seed=0, order=kind)
+        components = Components()
+        for name, part in data_position(DataLoader(Sized(n), sampler=sampler, batch_size=4)).items():
+            components.register(name, part)
+        return components
+
+    small, large = order_of(1000), order_of(AUTO_THRESHOLD)
+    assert small["data_order"].state_dict() == {"order": "randperm"} and large["data_order"].state_dict() == {"order": "index_free"}
+    with pytest.raises(CheckpointError, match=r"drew its samples in 'randperm' order, this one would use 'index_free'.*data\.order=randperm"):
+        large["data_order"].load_state_dict(small["data_order"].state_dict())  # the set grew past 2^20 under data.order=auto
+    # A checkpoint from before data.order existed drew by randperm: refused only where auto now means another order.
+    legacy = {"data": {"name": "synthetic"}}
+    assert _legacy_order_difference(legacy, small) == [] and _legacy_order_difference(legacy, order_of(AUTO_THRESHOLD, "randperm")) == []
+    assert "predates it and used 'randperm'; this run would use 'index_free'" in _legacy_order_difference(legacy, large)[0]
+    assert _legacy_order_difference({"data": {"order": "auto"}}, large) == []  # a newer checkpoint: its data_order part decides

@@ -141,6 +141,7 @@ class RunState:
                 "resuming on %d rank(s) a run checkpointed on %d: same samples per step (data.global_batch_size=%d); "
                 "each rank continues rank 0's random streams", world_size, saved_world_size, self.config.data.global_batch_size,
             )
+        differences += _legacy_order_difference(state["config"], self.components)
         if differences and not self.config.checkpoint.allow_config_change:
             raise CheckpointError(
                 f"cannot resume from {path}: it was written by a run whose config differs in fields that change the math:\n"
@@ -292,3 +293,11 @@ class RunState:
             self._writer.wait()
         if self._sharded is not None:
             self._sharded.wait()
+
+
+def _legacy_order_difference(saved: dict[str, Any], components: Components) -> list[str]:
+    """A checkpoint from before ``data.order`` existed drew its samples by ``randperm``; ``auto`` may now mean another order."""
+    current = getattr(components["data_order"], "resolved", None) if "data_order" in components.names else None
+    if "order" in saved.get("data", {}) or current in (None, "randperm", "sequential"):
+        return []
+    return [f"data.order: the checkpoint predates it and used 'randperm'; this run would use {current!r} (set data.order=randperm)"]

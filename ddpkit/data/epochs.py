@@ -19,13 +19,14 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpkit.data.elastic import GlobalBatchSampler
+from ddpkit.data.order import order_kind
 from ddpkit.data.samplers import ResumableDistributedSampler, SampleSeeded
 from ddpkit.data.stream_epochs import StreamEpochs
 from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total_steps
 from ddpkit.data.uneven import agree_on_count, agreed_batches
-from ddpkit.errors import DataError
+from ddpkit.errors import CheckpointError, DataError
 
-__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches", "run_length", "data_position"]
+__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches", "run_length", "SampleOrder", "data_position"]
 
 
 class SamplerEpochs:
@@ -131,7 +132,33 @@ def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
 
 
 def data_position(loader: DataLoader) -> dict[str, Any]:
-    """Checkpoint components for where the loader is: a stream's window state; nothing for a sampler
-    (the Trainer's ``Progress.batch_in_epoch`` is all a map-style loader needs)."""
+    """Checkpoint components for where the loader is: a stream's window state; for ddpkit's samplers
+    the order they draw (the Trainer's ``Progress.batch_in_epoch`` is all the position a map-style loader needs)."""
     stream = stream_epochs_of(loader)
-    return {"data_position": stream} if stream is not None else {}
+    if stream is not None:
+        return {"data_position": stream}
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, (ResumableDistributedSampler, GlobalBatchSampler)):
+        return {"data_order": SampleOrder(order_kind(sampler.order, len(sampler.dataset)) if sampler.shuffle else "sequential")}
+    return {}
+
+
+class SampleOrder:
+    """The epoch order a map-style run draws (``data.order`` resolved for its size), checked on resume.
+
+    ``data.order: auto`` means ``randperm`` below 2^20 samples and ``index_free`` from there on, so
+    the same config can mean two orders; a checkpoint records which one its run used, and resuming
+    with the other is refused (the samples of the rest of the epoch would differ)."""
+
+    def __init__(self, resolved: str):
+        self.resolved = resolved
+
+    def state_dict(self) -> dict[str, str]:
+        return {"order": self.resolved}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state["order"] != self.resolved:
+            raise CheckpointError(
+                f"the checkpoint's run drew its samples in {state['order']!r} order, this one would use {self.resolved!r} "
+                f"(data.order=auto picks by the dataset's size): set data.order={state['order']} to resume it exactly"
+            )
