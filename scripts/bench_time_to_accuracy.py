@@ -42,7 +42,7 @@ saved              ``model.pt`` written                          ``end``: final 
 exit               the launcher exited                           the same
 =================  ============================================  ===============================================
 
-The step at which ddpkit stopped is the ``end`` event's; the log's ``early stopping: ... reached``
+The step at which ddpkit stopped is the ``end`` event's; the log's ``early stopping: ... >= target``
 line is checked too. ``--json PATH`` writes every mark of every run.
 """
 
@@ -82,7 +82,7 @@ train:
   eval_every: 25
   early_stopping: {{metric: val_accuracy, mode: max, target: 0.95}}
 """
-REACHED = re.compile(r"early stopping: val_accuracy (\S+) reached train\.early_stopping\.target=\S+ at step (\d+)")
+REACHED = re.compile(r"early stopping: val_accuracy (\S+) >= train\.early_stopping\.target=\S+ \(mode max\) at step (\d+)")
 
 
 def environment() -> dict[str, str]:
@@ -200,7 +200,7 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
     lines.append(format_table(["variant", *PARTS], [*part_rows, ["ddpkit - hand", *diff]]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]
     if any(a != b for a, b in logged):
-        lines.append(f"note: ddpkit's 'early stopping ... reached' log line (step) vs its ledger's end step: {logged}")
+        lines.append(f"note: ddpkit's 'early stopping ... >= target' log line (step) vs its ledger's end step: {logged}")
     return "\n".join(lines)
 
 

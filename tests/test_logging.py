@@ -179,7 +179,7 @@ def test_early_stopping_target_stops_at_the_first_evaluation_that_reaches_it(tmp
     assert result["step"] == step  # at the evaluation that reached it, not before (earlier ones were below)
     stopped = [(r["step"], r["val_accuracy"]) for r in read_records(tmp_path / "target" / "run") if "val_accuracy" in r]
     assert stopped == curve[: index + 1]
-    assert f"early stopping: val_accuracy {target:.4f} reached train.early_stopping.target={target:g} at step {step}" in result["stderr"]
+    assert f"early stopping: val_accuracy {target:.4f} >= train.early_stopping.target={target:g} (mode max) at step {step}" in result["stderr"]
     assert (tmp_path / "target" / "run" / "model.pt").exists()
 
 

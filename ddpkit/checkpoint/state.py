@@ -208,8 +208,8 @@ class RunState:
         tracker, early = self.early_stopping, self.config.train.early_stopping
         tracker.update(metrics)
         if tracker.reached:
-            log.info("early stopping: %s %.4f reached train.early_stopping.target=%g at step %d",
-                     early.metric, tracker.last, early.target, self.progress.step)
+            log.info("early stopping: %s %.4f %s train.early_stopping.target=%g (mode %s) at step %d",
+                     early.metric, tracker.last, "<=" if early.mode == "min" else ">=", early.target, early.mode, self.progress.step)
             return True
         if not tracker.exhausted:
             return False
