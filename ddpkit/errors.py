@@ -13,8 +13,10 @@ The process exit codes are defined here, once (every command, worker and launche
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 __all__ = [
     "EXIT_OK",
@@ -25,6 +27,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "report_error",
     "exit_code_of",
+    "exit_now",
     "DdpkitError",
     "ConfigError",
     "LaunchError",
@@ -107,3 +110,14 @@ def exit_code_of(run: Callable[[], int], *, command: str) -> int:
         return report_error(exc, command=command)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout and stderr, then end the process with ``code`` without the interpreter's teardown
+    (which can wait on threads that never end, or take seconds tearing down torch)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

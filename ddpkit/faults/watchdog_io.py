@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import exit_now
+
 __all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "terminate"]
 
 
@@ -145,9 +147,4 @@ def terminate(code: int, *, stop_children: Callable[[Any], None] = lambda child:
     """
     for child in multiprocessing.active_children():
         stop_children(child)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)

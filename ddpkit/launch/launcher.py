@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, LaunchError
+from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, LaunchError, exit_now
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -187,9 +187,4 @@ def exit_at_once(code: int) -> None:
 
     atexit._run_exitfuncs()
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
