@@ -80,13 +80,14 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankBytes:
     return RankBytes(parameters, gradients, state)
 
 
-def format_bytes(n: int | None) -> str:
+def format_bytes(n: int | None, *, exact: bool = True, unknown: str = "unknown until the first step") -> str:
+    """``7.11 MiB (7,456,000 B)``; ``exact=False``: ``7.11 MiB``; ``unknown`` for None."""
     if n is None:
-        return "unknown until the first step"
+        return unknown
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:.2f} {unit} ({n:,} B)"
-    return f"{n:,} B"
+            return f"{n / size:.2f} {unit} ({n:,} B)" if exact else f"{n / size:.2f} {unit}"
+    return f"{n:,} B" if exact else f"{n} B"
 
 
 def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str) -> list[RankBytes]:

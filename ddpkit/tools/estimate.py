@@ -30,7 +30,7 @@ import torch
 
 from ddpkit import registry
 from ddpkit.config.loader import load_config
-from ddpkit.distributed.memory import RankBytes, mode_bytes, optimizer_slots
+from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
 from ddpkit.training.optim import build_optimizer
 
@@ -103,12 +103,7 @@ def _memory_per_rank(nproc: int) -> int:
 
 
 def _fmt(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    return format_bytes(n, exact=False, unknown="n/a")
 
 
 def recommendation(est: Estimate, budget: int) -> str:
