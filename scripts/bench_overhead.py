@@ -72,6 +72,7 @@ from ddpkit.data.datasets import synthetic
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.registry import MODELS
+from ddpkit.training.allocator import keep_freed_host_memory
 
 SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
 
@@ -233,6 +234,7 @@ ABLATIONS["bare"]["train"] = {"log_every": 10**9}
 VARIANTS = {
     "hand-written": hand_written,
     "hand-written+checks": functools.partial(hand_written, checks=True),  # not run by default
+    "hand-written+host-memory": lambda *a, **kw: (keep_freed_host_memory(), hand_written(*a, **kw))[1],  # --single only: mallopt is per process
     "ddpkit": ddpkit_trainer,
     "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
     # Not run by default: the Trainer with no loss reduction inside the run (log_every past the end).
