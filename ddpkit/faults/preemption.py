@@ -115,14 +115,18 @@ class StopOnSignal:
             self.stop_step = step
             return True
         if not self._proposed:
+            if self.received is not None and not self._published:  # before the poll thread does: read below, never waited for
+                self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
+                self._published = True
             self._store.set(f"proposal/{self.rank}", str(step))
             self._store.add(_PROPOSALS, 1)
             self._proposed = True
         if self.stop_step is None:
             if self._store.add(_PROPOSALS, 0) < self.world_size:
                 return False
-            # Every rank proposed, so every rank saw the request: it is in the store. Read it now,
-            # while all ranks are alive, for describe(); rank 0 (and the store) may be gone later.
+            # Every rank proposed, so the request is in the store (a rank that received the signal
+            # published it before proposing; the others proposed after seeing it), and this read
+            # never waits. Read now, while all ranks are alive: rank 0 (and the store) may be gone later.
             request, *proposals = self._store.multi_get([_REQUEST] + [f"proposal/{r}" for r in range(self.world_size)])
             self._request_text = request.decode()
             self.stop_step = max(int(value) for value in proposals) + 1
