@@ -58,6 +58,8 @@ class DdpkitError(Exception):
     exit_code = EXIT_FAILURE
     #: How the one-line report names it: ``ddpkit run: error: ...`` (``stopped`` for a preemption).
     label = "error"
+    #: Set once :func:`report_error` has printed it, so a later report only returns the exit code.
+    reported = False
 
 
 class ConfigError(DdpkitError, ValueError):
@@ -92,8 +94,10 @@ def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = Non
     The one place a user error becomes what a user sees: every command and every worker uses it.
     ``rank`` is named when the process is one rank of several.
     """
-    where = f" (rank {rank})" if rank is not None else ""
-    print(f"{command}: {exc.label}{where}: {exc}", file=sys.stderr, flush=True)
+    if not exc.reported:
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"{command}: {exc.label}{where}: {exc}", file=sys.stderr, flush=True)
+        exc.reported = True
     return exc.exit_code
 
 

@@ -48,7 +48,7 @@ from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import config_differences
 from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
-from ddpkit.errors import CheckpointError
+from ddpkit.errors import CheckpointError, report_error
 from ddpkit.faults.preemption import Preempted, StopOnSignal
 from ddpkit.faults.snapshot import prefer_newer
 from ddpkit.reporting.log import log
@@ -87,6 +87,7 @@ class RunState:
         env = runtime.env
         self.signals = StopOnSignal(ck.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size)
         self.stopped = False  # set at the optimizer step every rank agreed to stop at
+        self._preempted: Preempted | None = None  # the stop, once announced by wait() on every rank
 
     @property
     def outcome(self) -> str:
@@ -252,10 +253,13 @@ class RunState:
     def raise_if_stopped(self) -> None:
         """After the run's last save and flush: end a signal-stopped run with :class:`Preempted` (exit code 75)."""
         if self.stopped:
-            raise Preempted(
-                f"{self.signals.describe()}: step {self.progress.step} is saved in {self.config.checkpoint_dir}; "
-                "run the same command again to resume from it"
-            )
+            raise self._preempted or self._stop_error()
+
+    def _stop_error(self) -> Preempted:
+        return Preempted(
+            f"{self.signals.describe()}: step {self.progress.step} is saved in {self.config.checkpoint_dir}; "
+            "run the same command again to resume from it"
+        )
 
     def close(self) -> None:
         """Stop listening for signals (the previous handlers come back)."""
@@ -288,11 +292,19 @@ class RunState:
         return True
 
     def wait(self) -> None:
-        """Block until a background save, if any, is on disk."""
+        """Block until a background save, if any, is on disk; then, if a signal stopped the run, say so.
+
+        Every rank prints its stop line here, before the run's last barrier: once one rank exits
+        (code 75), torchrun's agent ends the others, so a line printed on the way out may be cut off.
+        """
         if self._writer is not None:
             self._writer.wait()
         if self._sharded is not None:
             self._sharded.wait()
+        if self.stopped and self._preempted is None:
+            self._preempted = self._stop_error()
+            env = self.runtime.env
+            report_error(self._preempted, command="ddpkit", rank=env.rank if env.world_size > 1 else None)
 
 
 def _legacy_order_difference(saved: dict[str, Any], components: Components) -> list[str]:
