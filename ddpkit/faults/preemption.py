@@ -102,12 +102,16 @@ class StopOnSignal:
         try:
             while not self._closed.wait(interval):
                 if self.received is not None and not self._published:
-                    self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
-                    self._published = True
+                    self._publish()
                 elif not self.requested and self._store.check([_REQUEST]):
                     self.requested = True
         except Exception:  # the group is going away (a peer failed, or the run ended): nothing to stop
             return
+
+    def _publish(self) -> None:
+        """Put this rank's signal in the store, where the other ranks' poll threads find it."""
+        self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
+        self._published = True
 
     def agreed(self, step: int) -> bool:
         """Call at every optimizer-step boundary once :attr:`requested` is set: True at the agreed stop step."""
@@ -116,8 +120,7 @@ class StopOnSignal:
             return True
         if not self._proposed:
             if self.received is not None and not self._published:  # before the poll thread does: read below, never waited for
-                self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
-                self._published = True
+                self._publish()
             self._store.set(f"proposal/{self.rank}", str(step))
             self._store.add(_PROPOSALS, 1)
             self._proposed = True
