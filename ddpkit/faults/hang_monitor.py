@@ -107,6 +107,9 @@ class Monitor:
                 if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))) is not None:
                     stacks[rank] = text
             time.sleep(0.2)
+        if len(stacks) < len(expected):  # a rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
+            self._try_read_all()
+            silent = {r: t for r, t in self.silent().items() if r not in stacks}
         verdict = classify(self.beats, silent)
         stalled = alarm["stalled"]
         text = format_report(verdict, self.beats, silent, stacks, stalled_for=stalled, limit=alarm["limit"])
@@ -115,7 +118,7 @@ class Monitor:
         print(f"{text}\nddpkit: {summary}; report: {path}", file=sys.stderr, flush=True)
         hang_start = time.time() - stalled
         stuck = verdict.stuck or verdict.silent
-        write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time())
+        write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time(), code=HANG_EXIT_CODE)
         done = {"summary": summary, "stuck": stuck, "since": hang_start}
         wd._try(lambda: wd.client("set", "done", json.dumps(done)))
         for rank in verdict.silent:  # frozen ranks on this node would hold the job until the agent's SIGKILL

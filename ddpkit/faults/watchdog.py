@@ -30,6 +30,7 @@ reach the store for ``dist.hang_timeout`` writes a report of its own and exits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -46,7 +47,7 @@ from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.errors import EXIT_FAILURE
 from ddpkit.faults.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
 from ddpkit.faults.hang_report import SLOW_PHASES, stack_signature, thread_stacks
-from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, terminate, write_error_file, write_text
+from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, process_gone, terminate, write_error_file, write_text
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
@@ -141,6 +142,8 @@ class Watchdog:
     def start(self) -> Watchdog:
         global _current
         _current = self
+        with contextlib.suppress(StoreDown):  # a first heartbeat now: a rank frozen before the thread's first is still named, by pid
+            self._publish()
         self._thread.start()
         return self
 
@@ -234,7 +237,7 @@ class Watchdog:
         info = json.loads(done) if done else {"summary": f"hang declared by rank {alarm['by']}", "stuck": [], "since": time.time()}
         print(f"ddpkit: rank {self.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr, flush=True)
         stuck = self.rank in info["stuck"]
-        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time())
+        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time(), code=HANG_EXIT_CODE)
         self._try(lambda: self.client("add", "exited", 1))
         terminate(HANG_EXIT_CODE)
 
@@ -246,7 +249,7 @@ class Watchdog:
             return  # this rank is ending by itself (its own error, or torchrun stopped it)
         message = f"rank {alarm['rank']} (host {alarm['host']}) failed: {alarm['message']}"
         print(f"ddpkit: rank {self.rank}: stopping because {message}", file=sys.stderr, flush=True)
-        write_error_file(f"stopped because {message}", when=time.time() + 1)
+        write_error_file(f"stopped because {message}", when=time.time() + 1, code=FAILED_PEER_EXIT_CODE)
         terminate(FAILED_PEER_EXIT_CODE)
 
     def _count_failure_seen(self) -> None:
@@ -268,7 +271,7 @@ class Watchdog:
         text = f"{summary}\n\n=== rank {self.rank}: Python stacks of all threads ===\n{thread_stacks()}\n"
         path = write_text(path, text)
         print(f"ddpkit: rank {self.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
-        write_error_file(summary, when=time.time())
+        write_error_file(summary, when=time.time(), code=HANG_EXIT_CODE)
         terminate(HANG_EXIT_CODE)
 
     def _try(self, call: Callable[[], Any]) -> Any:
@@ -316,6 +319,13 @@ def announce_failure(*, wait: float = 2.0) -> None:
         wd.client.close()
 
 
+def _local_peers(wd: Watchdog) -> list[int]:
+    """The pids of the other ranks on this host, from their heartbeats."""
+    keys = [f"hb/{r}" for r in range(wd.world_size) if r != wd.rank and wd._try(lambda r=r: wd.client("check", [f"hb/{r}"]))]
+    beats = (wd._try(lambda: wd.client("multi_get", keys)) or []) if keys else []  # multi_get would wait for a missing key
+    return [beat["pid"] for beat in map(json.loads, beats) if beat.get("host") == wd._host]
+
+
 def _announce(wd: Watchdog, wait: float) -> None:
     if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
         time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
@@ -327,9 +337,10 @@ def _announce(wd: Watchdog, wait: float) -> None:
         while wd.rank == 0 and time.monotonic() < deadline and wd._try(lambda: wd.client.get_if_set("failed_done")) is None:
             time.sleep(0.05)
         return
+    peers = _local_peers(wd)  # a node-mate that is gone (SIGKILLed, say) will never read it: do not wait for it
     while time.monotonic() < deadline:
         seen = wd._try(lambda: wd.client("add", "failed_seen", 0))
-        if seen is None or seen >= wd.world_size - 1:
+        if seen is None or seen + sum(map(process_gone, peers)) >= wd.world_size - 1:
             break
         time.sleep(0.1)
     wd._try(lambda: wd.client("set", "failed_done", "1"))
