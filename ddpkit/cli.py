@@ -1,6 +1,7 @@
 """The ``ddpkit`` command line (also ``python -m ddpkit``).
 
     ddpkit run CONFIG [key=value ...] [--nproc-per-node N] [--max-restarts K]   # launch a training run
+    ddpkit run CONFIG --start-method subprocess      # new interpreters per worker (default on the CPU: forked, torch imported)
     ddpkit run CONFIG --nnodes 2 --node-rank 0 --master-addr HOST [--master-port P]
     ddpkit run CONFIG --nnodes 2 --rdzv-endpoint HOST:PORT [--rdzv-id ID]       # elastic rendezvous
     ddpkit train CONFIG [key=value ...]      # one worker; what `run` starts (torchrun -m ddpkit train ...)
@@ -32,7 +33,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import EXIT_CONFIG, EXIT_OK, DdpkitError, exit_code_of
+from ddpkit.errors import EXIT_CONFIG, EXIT_OK, DdpkitError, LaunchError, exit_code_of
 from ddpkit.launch.launcher import default_nproc, exit_at_once, launch, preflight, torchrun_argv
 
 __all__ = ["main", "torchrun_args"]
@@ -75,6 +76,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     run.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="rendezvous id shared by all nodes of one job")
     run.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the worker group this many times after a failure")
     run.add_argument("--script", default=None, help="run this training script instead of the YAML-driven Trainer")
+    run.add_argument("--start-method", "--start_method", choices=("auto", "fork", "subprocess"), default="auto", help=START_METHOD_HELP)
 
     train = sub.add_parser("train", help="run one training worker (what `ddpkit run` launches)")
     _add_config_args(train)
@@ -96,6 +98,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
+
+
+START_METHOD_HELP = (
+    "how workers start: forked from the launcher with torch imported (about 2 s faster per start and restart; CPU workers "
+    "only, CUDA cannot be used in a forked process) or as new interpreters (default auto: fork on the CPU)"
+)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -126,11 +134,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.faults.goodput import launch_session
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
-    preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
+    device = preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
+    if args.start_method == "fork" and device != "cpu":
+        raise LaunchError(f"--start-method fork: the workers would use {device or 'the devices torchrun counts'}, and CUDA cannot be "
+                          "used in a forked process; use --start-method subprocess (or auto), or dist.device=cpu")
     # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
     grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
     with launch_session(cfg.output_dir):  # goodput.jsonl: the launcher's start and exit count in the wall time
-        return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals))
+        return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals),
+                      fork=args.start_method != "subprocess" and device == "cpu")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

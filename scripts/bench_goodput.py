@@ -6,8 +6,11 @@
 ``chaos`` runs the 2-rank digits CNN (quickstart's model, 2 epochs) under ``ddpkit run --max-restarts`` with ``--faults`` faults
 injected from outside at random moments (SIGKILL of one worker, SIGTERM of one worker, SIGKILL
 of every worker, in turn), once per variant per round, alternating: ``before`` (crash_save off, no
-memory snapshots: what ddpkit did until now) and ``after`` (the defaults, with ``checkpoint.mtbf_hours``
-set to the injected fault rate). It prints, per
+memory snapshots, workers started as new interpreters: what ddpkit did until this round), ``after``
+(the defaults, with ``checkpoint.mtbf_hours`` set to the injected fault rate: workers forked from the
+launcher with torch imported) and ``after, new interpreters`` (the same with ``--start-method
+subprocess``, to separate the two changes). The workers are the launcher's children whose command
+line names the script (a forked worker has the launcher's command line). It prints, per
 variant, the median goodput (``ddpkit goodput``), the steps re-trained per fault kind (from the
 per-rank step logs of tests/scripts/goodput_trainer.py) and the recovery time split: failure
 detection (kill -> the last worker gone), torchrun's restart (-> the new process starts),
@@ -40,6 +43,10 @@ SCRIPT = "tests/scripts/goodput_trainer.py"
 # `after`: the defaults, told the failure rate this bench injects (a fault every few seconds), as a
 # user whose job fails that often would, so that memory snapshots are spaced for it (Young/Daly).
 VARIANTS = {"before": {"crash_save": False, "memory_every_steps": None}, "after": {"mtbf_hours": 0.002}}
+VARIANTS["after, new interpreters"] = VARIANTS["after"]
+# How `ddpkit run` starts the workers: forked with torch imported (the default on the CPU), or, for
+# `before` (ddpkit until this round) and the comparison row, as new interpreters.
+START = {"before": "subprocess", "after, new interpreters": "subprocess", "after": "fork"}
 KINDS = ["kill-one", "term-one", "kill-all"]
 
 
@@ -126,10 +133,10 @@ def chaos(args: argparse.Namespace) -> None:
     print(f"load average before: {loadavg()}", flush=True)
     for round_ in range(args.rounds):
         for variant in (VARIANTS if round_ % 2 == 0 else reversed(list(VARIANTS))):
-            out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant}-"))
+            out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant.replace(', ', '-').replace(' ', '-')}-"))
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             cmd = [sys.executable, "-m", "ddpkit", "run", str(config(out, variant, args.epochs)), "--nproc-per-node", "2",
-                   "--max-restarts", str(args.faults + 1), "--script", SCRIPT]
+                   "--max-restarts", str(args.faults + 1), "--script", SCRIPT, "--start-method", START[variant]]
             began = time.time()
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.txt", "w"))
             faults = inject(proc, out, args.faults, rng, args.max_delay)

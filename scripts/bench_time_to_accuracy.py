@@ -3,7 +3,7 @@
     python scripts/bench_time_to_accuracy.py                    # 5 alternated rounds (~1.5 min on 2 cores)
     python scripts/bench_time_to_accuracy.py --rounds 1 --json tta.json
 
-Issue 25's budget: ddpkit within 1.05x of the hand-written script. Two variants, each launched as
+Issue 25's budget: ddpkit within 1.05x of the hand-written script. Three variants, each launched as
 a fresh process tree, timed with ``time.time()`` from just before the launch to the launcher's exit,
 in alternating order (a round's first variant alternates), after one untimed warm-up of each:
 
@@ -11,7 +11,10 @@ in alternating order (a round's first variant alternates), after one untimed war
   scripts/tta_hand.py DATA OUT`` (torch only; see its docstring);
 * ``ddpkit``: ``python -m ddpkit run CONFIG --nproc-per-node 2``, with the same job as a config
   (``CONFIG`` below) and every other default on: progress bar, watchdog, signals, health checks,
-  checkpoint every epoch and at the end, crash save, memory snapshots.
+  checkpoint every epoch and at the end, crash save, memory snapshots; its workers forked from the
+  launcher with torch imported (the default on the CPU);
+* ``ddpkit, new interpreters``: the same with ``--start-method subprocess``, workers started as
+  torchrun starts them (``python -u -m ddpkit train CONFIG``).
 
 The job: the MNIST CNN (``model.name=mnist_cnn``) on ddpkit's ``digits`` dataset with its defaults,
 2 Gloo ranks, one thread each (``OMP_NUM_THREADS=1``), batch 64 per rank, SGD lr 0.05 momentum 0.9,
@@ -67,7 +70,8 @@ from ddpkit.data.datasets import digits, make_digits
 from ddpkit.tools.goodput_ledger import read_ledger
 
 HAND = Path(__file__).resolve().with_name("tta_hand.py")
-VARIANTS = ("hand-written", "ddpkit")
+VARIANTS = ("hand-written", "ddpkit", "ddpkit, new interpreters")
+START = {"ddpkit": "fork", "ddpkit, new interpreters": "subprocess"}  # `ddpkit run --start-method`
 MARKS = ("launch", "imported", "ready", "built", "first_step", "target", "saved", "exit")
 PARTS = [f"{a}->{b}" for a, b in zip(MARKS, MARKS[1:])]
 TIMEOUT = 900  # seconds a run may take before the bench gives up on it
@@ -125,13 +129,13 @@ def run_hand(data: Path, out: Path) -> dict[str, Any]:
     return {**marks, "launch": launched, "exit": exited}  # marks: imports_started, imported, ..., saved, step
 
 
-def run_ddpkit(out: Path) -> dict[str, Any]:
-    """One ``ddpkit run``: its marks from the goodput ledger, its step count from the ledger and the log."""
+def run_ddpkit(out: Path, start: str = "fork") -> dict[str, Any]:
+    """One ``ddpkit run --start-method START``: its marks from the goodput ledger, its step count from the ledger and the log."""
     out.mkdir(parents=True)
     config = out.with_suffix(".yaml")
     config.write_text(CONFIG.format(output_dir=out))
     log = out.parent / f"{out.name}.stderr.txt"
-    launched, exited, _ = launch([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"], log)
+    launched, exited, _ = launch([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--start-method", start], log)
     events: dict[str, list[dict[str, Any]]] = {}
     for record in read_ledger(out):
         if record.get("rank", 0) == 0:
@@ -148,7 +152,7 @@ def run_ddpkit(out: Path) -> dict[str, Any]:
 
 def one_run(variant: str, data: Path, out: Path) -> dict[str, Any]:
     """Run ``variant`` once into ``out``; add its wall seconds and parts."""
-    run = run_hand(data, out) if variant == "hand-written" else run_ddpkit(out)
+    run = run_hand(data, out) if variant == "hand-written" else run_ddpkit(out, START[variant])
     run["wall_s"] = run["exit"] - run["launch"]
     run["parts_s"] = {p: run[b] - run[a] for p, a, b in zip(PARTS, MARKS, MARKS[1:])}
     run["model"] = str(out / "model.pt")
@@ -165,15 +169,16 @@ def measure(rounds: int, workdir: Path) -> dict[str, list[dict[str, Any]]]:
     """One untimed warm-up of each variant, then ``rounds`` alternated rounds."""
     data = prepare_data(workdir)
     for variant in VARIANTS:
-        run = one_run(variant, data, workdir / f"warmup-{variant}")
+        run = one_run(variant, data, workdir / f"warmup-{variant.replace(', ', '-').replace(' ', '-')}")
         progress(f"[tta] warm-up {variant}: {run['wall_s']:.1f} s, {run['step']} steps")
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            run = one_run(variant, data, workdir / f"r{r}-{variant}")
+            run = one_run(variant, data, workdir / f"r{r}-{variant.replace(', ', '-').replace(' ', '-')}")
             runs[variant].append(run)
             progress(f"[tta] round {r + 1}/{rounds} {variant}: {run['wall_s']:.1f} s, {run['step']} steps")
-        runs["ddpkit"][-1]["bitwise_equal_to_hand"] = same_weights(runs["ddpkit"][-1]["model"], runs["hand-written"][-1]["model"])
+        for variant in START:
+            runs[variant][-1]["bitwise_equal_to_hand"] = same_weights(runs[variant][-1]["model"], runs["hand-written"][-1]["model"])
     return runs
 
 
@@ -185,19 +190,19 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         ratio = Stats.of([r["wall_s"] / h for r, h in zip(variant_runs, hand)])
         steps = ", ".join(str(r["step"]) for r in variant_runs)
         rows.append([variant, f"{wall.median:.2f}", wall.spread(2), f"{ratio.median:.3f}", ratio.spread(3), steps])
-    equal = sum(r["bitwise_equal_to_hand"] for r in runs["ddpkit"])
+    equal = min(sum(r["bitwise_equal_to_hand"] for r in runs[v]) for v in START)
     budget = Stats.of([d["wall_s"] / h["wall_s"] for d, h in zip(runs["ddpkit"], runs["hand-written"])]).median
     lines = [
         f"time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, {len(hand)} rounds:",
         format_table(["variant", "median s", "min..max", "x hand (paired)", "min..max", "steps to target"], rows),
         f"budget: ddpkit within 1.05x of hand-written: {'met' if budget <= 1.05 else 'NOT met'} (median {budget:.3f}x); "
-        f"final weights bitwise equal to the same round's hand-written run: {equal}/{len(hand)} rounds",
+        f"final weights of both ddpkit variants bitwise equal to the same round's hand-written run: {equal}/{len(hand)} rounds",
         "",
         "parts, median seconds (launch -> imports done -> group ready -> data+model built -> first step -> target reached -> saved -> exit):",
     ]
     part_rows = [[v, *(f"{Stats.of([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()]
-    diff = [f"{float(d) - float(h):+.2f}" for d, h in zip(part_rows[1][1:], part_rows[0][1:])]
-    lines.append(format_table(["variant", *PARTS], [*part_rows, ["ddpkit - hand", *diff]]))
+    diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))] for row in part_rows[1:]]
+    lines.append(format_table(["variant", *PARTS], [*part_rows, *diffs]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]
     if any(a != b for a, b in logged):
         lines.append(f"note: ddpkit's 'early stopping ... >= target' log line (step) vs its ledger's end step: {logged}")

@@ -152,7 +152,8 @@ class GoodputLedger:
             append_event(self.output_dir, event, **fields)
 
     def __enter__(self) -> GoodputLedger:
-        self._write("start", t=process_start_time(), imported=_IMPORTED, ready=time.time(), pid=os.getpid())
+        began = process_start_time()  # a worker forked from `ddpkit run` starts with torch imported: no import cost of its own
+        self._write("start", t=began, imported=max(_IMPORTED, began), ready=time.time(), pid=os.getpid())
         return self
 
     def on_failure(self, hook: Callable[[BaseException], None]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ddpkit.errors import exit_now
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "terminate"]
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "terminate"]
 
 
 class StoreDown(RuntimeError):
@@ -108,12 +108,18 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_error_file(message: str, *, when: float) -> None:
-    """torchrun's error file: its summary names the failure with the earliest timestamp first."""
+def write_error_file(message: str, *, when: float, code: int) -> None:
+    """torchrun's error file: its summary names the failure with the earliest timestamp first.
+
+    ``code`` (the exit code this rank is about to leave with) and the pid are recorded too: with
+    forked workers torch's launcher observes only the first rank it sees exit, and
+    :func:`ddpkit.launch.launcher.launch` reads the other ranks' failures from these files.
+    """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    payload = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(when))}}}
+    info = {"py_callstack": message, "timestamp": str(int(when)), "exitcode": code, "pid": os.getpid()}
+    payload = {"message": {"message": message, "extraInfo": info}}
     try:
         with open(path, "w") as f:
             json.dump(payload, f)
@@ -137,6 +143,17 @@ def kill_frozen_sibling(pid: int) -> bool:
         return True
     except (OSError, ValueError, IndexError):
         return False
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (exited, or a zombie its parent has not reaped yet); False where /proc cannot tell."""
+    if not os.path.exists("/proc/self/stat"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def terminate(code: int, *, stop_children: Callable[[Any], None] = lambda child: child.kill()) -> None:

@@ -21,7 +21,6 @@ timeout.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, report_error
 from ddpkit.faults.preemption import Preempted
-from ddpkit.faults.watchdog_io import terminate
+from ddpkit.faults.watchdog_io import terminate, write_error_file
 
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
@@ -107,7 +106,7 @@ def _on_failure(exc: Exception, *, peers: bool) -> int:
     if not isinstance(exc, DdpkitError):
         raise exc  # record() writes the traceback to torchrun's error file
     code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
-    _write_error_file(exc)
+    _write_error_file(exc, code)
     return code
 
 
@@ -135,15 +134,6 @@ def _exit_now(code: int) -> None:
     terminate(code, stop_children=lambda child: child.terminate())
 
 
-def _write_error_file(exc: DdpkitError) -> None:
+def _write_error_file(exc: DdpkitError, code: int) -> None:
     """Tell torchrun's summary what failed, in its error-file format, without a traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    text = f"{type(exc).__name__}: {exc}"
-    payload = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(payload, f)
-    except OSError:
-        pass  # the message is already on stderr
+    write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)

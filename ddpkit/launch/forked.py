@@ -1,0 +1,110 @@
+"""Workers forked from a launcher that has already imported torch: a restart costs milliseconds, not seconds.
+
+    preload()                                   # in the launcher, once: torch, torch._dynamo, ddpkit's trainer
+    entrypoint, args = forked_program(["-m", "ddpkit", "train", "exp.yaml"])
+    elastic_launch(config_with_start_method_fork, entrypoint)(*args)    # see ddpkit.launch.launcher
+
+A worker that torchrun starts as a new interpreter spends about 2 s before it can train, on every
+attempt: 1.1 s importing torch and 0.9 s importing ``torch._dynamo``, which torch's optimizers
+import on their first call (docs/goodput.md, "Recovery time, split"). Under ``--max-restarts``
+that is paid again after every fault, by every worker, and it was most of the badput of a run
+hit by faults. torch's launcher can instead start a *function* in a process forked from itself
+(``start_method="fork"``); forked from a launcher that imported those modules once, a worker
+starts with them loaded. The program is still the one ``python -u PROGRAM`` would run: the
+forked process runs it with :mod:`runpy` as ``__main__``, with the same ``sys.argv`` and
+``sys.path[0]``.
+
+What a fresh interpreter would not have inherited is undone first: the launcher's signal
+handlers (torchrun's agent turns SIGTERM into an exception in its own process), its exit
+handlers, its thread name. The launcher forks before it starts any computation, so no OpenMP or
+CUDA state is copied; ``ddpkit run --start-method subprocess`` goes back to new interpreters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["preload", "forked_program", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
+
+#: What the launcher imports before forking: torch's compiler front end (its optimizers import it on
+#: their first step) and everything ``ddpkit train`` and a Trainer script import.
+PRELOADED = ("torch._dynamo", "ddpkit.trainer", "ddpkit.cli")
+
+
+def preload() -> float:
+    """Import :data:`PRELOADED` in this (the launcher's) process; return the seconds it took."""
+    import importlib
+
+    began = time.perf_counter()
+    for name in PRELOADED:
+        importlib.import_module(name)
+    return time.perf_counter() - began
+
+
+def quiet_polling_tracebacks() -> None:
+    """Keep torch's "failed (exitcode: N) local_rank: R" line for a forked worker, without the traceback of
+    torch's own polling loop it logs with it (new interpreters get the line alone); the worker's own error is in the summary."""
+    import logging
+
+    def drop_traceback(record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("failed (exitcode"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drop_traceback)
+
+
+def forked_program(program: Sequence[str]) -> tuple[object, tuple[list[str]]]:
+    """The entry point and arguments that run ``python -u PROGRAM`` in a forked worker."""
+    return run_program, (list(program),)
+
+
+def run_program(program: list[str]) -> None:
+    """Run ``program`` (``["-m", MODULE, ARG...]`` or ``[SCRIPT, ARG...]``) as ``__main__``, as a new interpreter would.
+
+    ``sys.exit(0)`` or a return ends the worker successfully (torch's ``record`` wrapper takes a zero
+    exit as a return); a non-zero ``sys.exit`` becomes the process's exit code.
+    """
+    _forget_the_launcher()
+    is_module = program[0] == "-m"
+    target, args = (program[1], program[2:]) if is_module else (program[0], program[1:])
+    sys.argv = [target, *args]
+    try:
+        if is_module:
+            sys.path.insert(0, os.getcwd())  # what `python -m` puts first
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # what `python SCRIPT` puts first
+            runpy.run_path(target, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # the program's own exit handlers: a forked process leaves with os._exit
+
+
+def _forget_the_launcher() -> None:
+    """Undo what this process inherited from the launcher that a fresh interpreter would not have."""
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    atexit._clear()  # the launcher's exit handlers are the launcher's
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:  # torch read them when the launcher imported it, not now
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for stream in (sys.stdout, sys.stderr):  # `python -u`: a rank's lines appear as they are written
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+    try:  # `ps`, `pgrep` and `top` show the interpreter's name, not the launcher thread's "pt_elastic"
+        with open("/proc/self/comm", "w") as f:
+            f.write(os.path.basename(sys.executable)[:15])
+    except OSError:
+        pass
