@@ -7,8 +7,10 @@ One process, one thread, the benchmark MLP (784-128-128-10, batch 64, SGD with m
 plain step (forward, cross-entropy, backward, ``optimizer.step``, ``zero_grad``) and the same step
 with one piece of ddpkit's per-step work added, each piece exactly as the Trainer runs it:
 
-* ``nan guard``: :meth:`TrainingHealth.watch_loss`'s ``loss * (loss.detach() * 0 + 1)``, which
-  makes a non-finite loss's gradients non-finite on every rank after the all-reduce;
+* ``nan guard``: ``loss * (loss.detach() * 0 + 1)``, which makes a non-finite loss's gradients
+  non-finite on every rank after the all-reduce (:meth:`TrainingHealth.watch_loss` off the CPU);
+* ``nan check (host read)``: what ``watch_loss`` does with a CPU loss instead: reads it and
+  multiplies by NaN only when it is not finite;
 * ``grad norm``: :func:`ddpkit.distributed.sharding.gradient_norm` and its one host read;
 * ``straggler hooks``: a post-accumulate-grad hook per parameter noting when the last gradient is
   ready (:class:`ddpkit.training.straggler.StragglerWatch`);
@@ -26,6 +28,7 @@ It measures the code, not the machine's mood: record the load average next to th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -103,11 +106,13 @@ def variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any]:
     hooks: list[Any] = []
     step_no = [0]
 
-    def plain(x, y, opt, *, guard=False, norm=False):
+    def plain(x, y, opt, *, guard=False, read=False, norm=False):
         loss = F.cross_entropy(model(x), y)
         if guard:
             detached = loss.detach()
             loss = loss * (detached * 0 + 1)
+        if read and not math.isfinite(loss.detach().item()):
+            loss = loss * math.nan
         loss.backward()
         if norm:
             float(gradient_norm(params))
@@ -142,6 +147,7 @@ def variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any]:
     return {
         "plain": (None, None, plain),
         "nan guard": (None, None, lambda x, y, o: plain(x, y, o, guard=True)),
+        "nan check (host read)": (None, None, lambda x, y, o: plain(x, y, o, read=True)),
         "grad norm": (None, None, lambda x, y, o: plain(x, y, o, norm=True)),
         "straggler hooks": (add_hooks, remove_hooks, plain),
         "rng boundary": (None, None, rng),

@@ -11,8 +11,9 @@ Configured by the ``health`` section (:mod:`ddpkit.config.health_section`); docs
 costs as measured. What happens in an optimizer step:
 
 * ``watch_loss(loss)`` (each micro-batch, before backward) multiplies the loss by ``loss * 0 + 1``:
-  exactly 1 when the loss is finite, NaN when it is not, so a rank's non-finite loss makes its
-  gradients NaN and DDP's all-reduce makes every rank's gradients NaN. The ranks agree that the
+  exactly 1 when the loss is finite, NaN when it is not (on the CPU it reads the loss and
+  multiplies by NaN only then), so a rank's non-finite loss makes its gradients NaN and DDP's
+  all-reduce makes every rank's gradients NaN. The ranks agree that the
   step is bad without a collective of their own.
 * ``allow_step(norm)`` (after the gradient norm, computed once: the clip's when clipping) reads the
   norm on the host. Non-finite: every rank sees it; one ``all_gather_object`` (only then) collects
@@ -70,9 +71,17 @@ class TrainingHealth:
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to backpropagate: the same value, with NaN gradients if it is not finite (no host sync)."""
+        """The loss to backpropagate: the same value, with NaN gradients if it is not finite.
+
+        On an accelerator the guard is ``loss * (loss * 0 + 1)``, with no host sync. A scalar loss
+        on the CPU is read instead (about 1 us, where the guard's three operations and its node in
+        the backward cost about 10) and multiplied by NaN only when it is not finite: the same
+        gradients, bit for bit, either way.
+        """
         detached = loss.detach()
         self._losses.append(detached)
+        if detached.is_cpu and detached.numel() == 1:
+            return loss if math.isfinite(detached.item()) else loss * math.nan
         return loss * (detached * 0 + 1)
 
     def allow_step(self, norm: torch.Tensor, *, scaled: bool = False) -> bool:
