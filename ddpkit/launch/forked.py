@@ -16,8 +16,14 @@ forked process runs it with :mod:`runpy` as ``__main__``, with the same ``sys.ar
 
 What a fresh interpreter would not have inherited is undone first: the launcher's signal
 handlers (torchrun's agent turns SIGTERM into an exception in its own process), its exit
-handlers, its thread name. The launcher forks before it starts any computation, so no OpenMP or
-CUDA state is copied; ``ddpkit run --start-method subprocess`` goes back to new interpreters.
+handlers, its thread count and its thread name. The launcher forks before it starts any
+computation, and only for CPU workers (CUDA cannot be used in a forked process);
+``ddpkit run --start-method subprocess`` goes back to new interpreters.
+
+Two differences in torch's launcher remain, both handled by the caller: it reports only the first
+worker it sees exit (:func:`ddpkit.launch.launcher.launch` reads the others' error files), and
+after a failure it gives the other workers 30 s after its SIGTERM (not ``--shutdown-timeout``)
+before SIGKILL; ddpkit's own exits do not wait that long (a frozen rank is killed by the watchdog).
 """
 
 from __future__ import annotations
