@@ -10,7 +10,7 @@ memory snapshots, workers started as new interpreters: what ddpkit did until thi
 (the defaults, with ``checkpoint.mtbf_hours`` set to the injected fault rate: workers forked from the
 launcher with torch imported) and ``after, new interpreters`` (the same with ``--start-method
 subprocess``, to separate the two changes). The workers are the launcher's children whose command
-line names the script (a forked worker has the launcher's command line). It prints, per
+line names the script (a forked worker shows the command line torchrun would have started). It prints, per
 variant, the median goodput (``ddpkit goodput``), the steps re-trained per fault kind (from the
 per-rank step logs of tests/scripts/goodput_trainer.py) and the recovery time split: failure
 detection (kill -> the last worker gone), torchrun's restart (-> the new process starts),

@@ -78,6 +78,7 @@ def run_program(program: list[str]) -> None:
     exit as a return); a non-zero ``sys.exit`` becomes the process's exit code.
     """
     _forget_the_launcher()
+    _show_in_ps([sys.executable, "-u", *program])
     is_module = program[0] == "-m"
     target, args = (program[1], program[2:]) if is_module else (program[0], program[1:])
     sys.argv = [target, *args]
@@ -90,6 +91,26 @@ def run_program(program: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # the program's own exit handlers: a forked process leaves with os._exit
+
+
+def _show_in_ps(argv: list[str]) -> None:
+    """Make ``/proc/self/cmdline`` (what ``ps``, ``pgrep -f`` and process monitors read) the command
+    line torchrun would have started, instead of the launcher's this process inherited.
+
+    The kernel reads the command line from the process's own memory, between the ``arg_start`` and
+    ``arg_end`` addresses of ``/proc/self/stat``; it is rewritten in place (cut to that length),
+    as ``setproctitle`` does. Where ``/proc/self/mem`` cannot be written, the launcher's stays.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted after the name
+        text = b"\0".join(os.fsencode(arg) for arg in argv)[: end - start - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(text.ljust(end - start, b"\0"))
+    except (OSError, ValueError, IndexError):
+        pass
 
 
 def _forget_the_launcher() -> None:

@@ -24,6 +24,7 @@ facts = {
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     "comm": Path("/proc/self/comm").read_text().strip(),
+    "cmdline": [a.decode() for a in Path("/proc/self/cmdline").read_bytes().split(b"\0") if a],
     "preloaded": PRELOADED,
 }
 atexit.register(lambda: (out / f"exit{rank}").write_text("ran"))
