@@ -188,7 +188,7 @@ class Trainer:
                 while not self._finished():
                     self._train_epoch()
                 metrics = self._finish()
-                status = self.state.outcome
+                status, self._goodput.stopped = self.state.outcome, self.state.stopped  # a signal stop ends the attempt STOPPED
             finally:
                 if self.reporter is not None:
                     self.reporter.close(status)

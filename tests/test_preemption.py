@@ -140,6 +140,8 @@ def test_sigterm_to_the_launcher_saves_the_agreed_step_and_the_relaunch_is_bitwi
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     assert f"resuming from {saved.path}" in relaunch.stderr
     assert_bitwise_equal(load_weights(_out(whole) / "model.pt"), load_weights(out / "model.pt"))
+    ends = [json.loads(line) for line in (out / "goodput.jsonl").read_text().splitlines() if '"event": "end"' in line]
+    assert [e["status"] for e in ends] == ["STOPPED", "FINISHED"], ends  # the ledger says the first attempt was preempted
 
 
 @pytest.mark.multiprocess

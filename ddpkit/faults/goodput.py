@@ -141,6 +141,7 @@ class GoodputLedger:
         self.last_step, self.last_step_time = 0, time.time()
         self._on_failure: list[Callable[[BaseException], None]] = []
         self._on_exit: list[Callable[[str], None]] = []
+        self.stopped = False  #: set by the Trainer when a signal stopped the run after saving: the attempt ends STOPPED
 
     @classmethod
     def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> GoodputLedger:
@@ -165,7 +166,8 @@ class GoodputLedger:
         self._on_exit.append(hook)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        status = "FINISHED" if exc is None else ("STOPPED" if getattr(exc, "exit_code", None) == EXIT_PREEMPTED else "FAILED")
+        stopped = exc is None and self.stopped or getattr(exc, "exit_code", None) == EXIT_PREEMPTED
+        status = "STOPPED" if stopped else ("FINISHED" if exc is None else "FAILED")
         failed = status == "FAILED" and isinstance(exc, Exception)
         for hook, arg in [*((h, exc) for h in self._on_failure if failed), *((h, status) for h in self._on_exit)]:
             try:

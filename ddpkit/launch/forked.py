@@ -1,4 +1,4 @@
-"""Workers forked from a launcher that has already imported torch: a restart costs milliseconds, not seconds.
+"""Workers forked from a launcher that has already imported torch: a worker starts in a fraction of a second, not 2 s.
 
     preload()                                   # in the launcher, once: torch, torch._dynamo, ddpkit's trainer
     entrypoint, args = forked_program(["-m", "ddpkit", "train", "exp.yaml"])
@@ -16,7 +16,7 @@ forked process runs it with :mod:`runpy` as ``__main__``, with the same ``sys.ar
 
 What a fresh interpreter would not have inherited is undone first: the launcher's signal
 handlers (torchrun's agent turns SIGTERM into an exception in its own process), its exit
-handlers, its thread count and its thread name. The launcher forks before it starts any
+handlers, its thread count, its thread name and its command line (``ps`` shows torchrun's). The launcher forks before it starts any
 computation, and only for CPU workers (CUDA cannot be used in a forked process);
 ``ddpkit run --start-method subprocess`` goes back to new interpreters.
 
