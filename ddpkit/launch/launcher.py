@@ -5,7 +5,8 @@
     code = launch(argv)
 
 ``launch`` is ``torchrun`` called in-process (``torch.distributed.run``): ddpkit never starts or
-supervises workers itself. It adds the defaults ddpkit relies on (one OpenMP thread per worker,
+supervises workers itself. With ``fork=True`` torch's launcher forks the workers from this process
+instead of starting new interpreters (``start_method="fork"``, :mod:`ddpkit.launch.forked`). It adds the defaults ddpkit relies on (one OpenMP thread per worker,
 a fresh rendezvous store per restart) and a failure summary whose "Root Cause" is the rank that
 failed first. Used by ``ddpkit run`` and ``ddpkit bench``; the worker side is
 :mod:`ddpkit.launch.entrypoint`.
@@ -91,10 +92,12 @@ def torchrun_argv(
 def launch(torchrun_argv: list[str], *, fork: bool = False) -> int:
     """Run torch's launcher with ``torchrun_argv``; return its exit code (``ddpkit.errors.EXIT_*``).
 
-    ``fork``: start each worker as a process forked from this one, with torch and ddpkit imported
-    here once (:mod:`ddpkit.launch.forked`), instead of a new interpreter: about 2 s less per worker
-    start, on every restart. 0 when every worker succeeded; 75 when they stopped on a signal after saving; else the root cause's
+    0 when every worker succeeded; 75 when they stopped on a signal after saving; else the root cause's
     code (2 or 3, see :func:`_root_cause_code`) or 1, with torchrun's failure summary printed.
+
+    ``fork``: torch's launcher starts each worker as a process forked from this one, with torch and
+    ddpkit imported here once (:mod:`ddpkit.launch.forked`), instead of a new interpreter: about 2 s
+    less per worker start, on every restart. CPU workers only (the caller decides).
     """
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
