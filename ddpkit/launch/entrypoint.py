@@ -106,7 +106,7 @@ def _on_failure(exc: Exception, *, peers: bool) -> int:
     if not isinstance(exc, DdpkitError):
         raise exc  # record() writes the traceback to torchrun's error file
     code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
-    _write_error_file(exc, code)
+    write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)  # torchrun's summary: what failed, no traceback
     return code
 
 
@@ -132,8 +132,3 @@ def _exit_now(code: int) -> None:
     """
     logging.shutdown()
     terminate(code, stop_children=lambda child: child.terminate())
-
-
-def _write_error_file(exc: DdpkitError, code: int) -> None:
-    """Tell torchrun's summary what failed, in its error-file format, without a traceback."""
-    write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)

@@ -1,8 +1,7 @@
 """Workers forked from a launcher that has already imported torch: a worker starts in a fraction of a second, not 2 s.
 
     preload()                                   # in the launcher, once: torch, torch._dynamo, ddpkit's trainer
-    entrypoint, args = forked_program(["-m", "ddpkit", "train", "exp.yaml"])
-    elastic_launch(config_with_start_method_fork, entrypoint)(*args)    # see ddpkit.launch.launcher
+    elastic_launch(config_with_start_method_fork, run_program)(["-m", "ddpkit", "train", "exp.yaml"])   # ddpkit.launch.launcher
 
 A worker that torchrun starts as a new interpreter spends about 2 s before it can train, on every
 attempt: 1.1 s importing torch and 0.9 s importing ``torch._dynamo``, which torch's optimizers
@@ -33,24 +32,20 @@ import os
 import runpy
 import signal
 import sys
-import time
-from collections.abc import Sequence
 
-__all__ = ["preload", "forked_program", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
+__all__ = ["preload", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
 
 #: What the launcher imports before forking: torch's compiler front end (its optimizers import it on
 #: their first step) and everything ``ddpkit train`` and a Trainer script import.
 PRELOADED = ("torch._dynamo", "ddpkit.trainer", "ddpkit.cli")
 
 
-def preload() -> float:
-    """Import :data:`PRELOADED` in this (the launcher's) process; return the seconds it took."""
+def preload() -> None:
+    """Import :data:`PRELOADED` in this (the launcher's) process."""
     import importlib
 
-    began = time.perf_counter()
     for name in PRELOADED:
         importlib.import_module(name)
-    return time.perf_counter() - began
 
 
 def quiet_polling_tracebacks() -> None:
@@ -64,11 +59,6 @@ def quiet_polling_tracebacks() -> None:
         return True
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drop_traceback)
-
-
-def forked_program(program: Sequence[str]) -> tuple[object, tuple[list[str]]]:
-    """The entry point and arguments that run ``python -u PROGRAM`` in a forked worker."""
-    return run_program, (list(program),)
 
 
 def run_program(program: list[str]) -> None:

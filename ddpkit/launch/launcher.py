@@ -137,7 +137,7 @@ def _run(args: Any, *, fork: bool) -> None:
     if not fork:
         run(args)
         return
-    from ddpkit.launch.forked import forked_program, preload, quiet_polling_tracebacks
+    from ddpkit.launch.forked import preload, quiet_polling_tracebacks, run_program
 
     if args.standalone:  # what torchrun's run() does for --standalone: c10d rendezvous on a free local port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -147,8 +147,8 @@ def _run(args: Any, *, fork: bool) -> None:
     config.start_method = "fork"
     preload()
     quiet_polling_tracebacks()
-    entrypoint, entry_args = forked_program([*(["-m"] if args.module else []), args.training_script, *args.training_script_args])
-    elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]  # what `python -u` would run
+    elastic_launch(config=config, entrypoint=run_program)(program)
 
 
 def _stopped_after_saving(exc: ChildFailedError) -> bool:
