@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import EXIT_PREEMPTED
+from ddpkit.faults.watchdog_io import proc_stat
 
 __all__ = ["LEDGER_FILE", "SESSION_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
 
@@ -53,13 +54,12 @@ def process_start_time(pid: int | str = "self") -> float:
     kernel's record is the only honest start of an attempt.
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        ticks = int(proc_stat(pid)[19])  # type: ignore[index]  # None (no /proc): TypeError, below
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         # The age from uptime (10 ms resolution), not /proc/stat's btime (whole seconds).
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, TypeError):
         return time.time()
 
 

@@ -51,6 +51,7 @@ from ddpkit.checkpoint import files as ckpt
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.faults.boundary_rng import BoundarySlots, read_boundary
 from ddpkit.faults.snapshot import MemorySnapshots
+from ddpkit.faults.watchdog_io import proc_stat
 from ddpkit.reporting.log import log
 from ddpkit.training.rng import capture_rng
 
@@ -68,11 +69,8 @@ def _pid_files(config: Any) -> tuple[Path, str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")  # a zombie is dead
 
 
 def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | None:

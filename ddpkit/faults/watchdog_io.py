@@ -21,7 +21,7 @@ from typing import Any
 
 from ddpkit.errors import exit_now
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "terminate"]
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "proc_stat", "terminate"]
 
 
 class StoreDown(RuntimeError):
@@ -127,6 +127,16 @@ def write_error_file(message: str, *, when: float, code: int) -> None:
         pass
 
 
+def proc_stat(pid: int | str = "self") -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first, then the parent's pid, ...),
+    or None where the process or ``/proc`` is not there. The name, in parentheses, may hold spaces."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def kill_frozen_sibling(pid: int) -> bool:
     """SIGKILL ``pid`` if it is a rank of this node's job: a child of our parent (torchrun's agent).
 
@@ -135,9 +145,8 @@ def kill_frozen_sibling(pid: int) -> bool:
     against a reused pid.
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        if parent != os.getppid() or pid == os.getpid():
+        fields = proc_stat(pid)
+        if fields is None or int(fields[1]) != os.getppid() or pid == os.getpid():
             return False
         os.kill(pid, signal.SIGKILL)
         return True
@@ -149,11 +158,8 @@ def process_gone(pid: int) -> bool:
     """Whether process ``pid`` has ended (exited, or a zombie its parent has not reaped yet); False where /proc cannot tell."""
     if not os.path.exists("/proc/self/stat"):
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
 
 
 def terminate(code: int, *, stop_children: Callable[[Any], None] = lambda child: child.kill()) -> None:

@@ -15,9 +15,9 @@ forked process runs it with :mod:`runpy` as ``__main__``, with the same ``sys.ar
 
 What a fresh interpreter would not have inherited is undone first: the launcher's signal
 handlers (torchrun's agent turns SIGTERM into an exception in its own process), its exit
-handlers, its thread count, its thread name and its command line (``ps`` shows torchrun's). The launcher forks before it starts any
-computation, and only for CPU workers (CUDA cannot be used in a forked process);
-``ddpkit run --start-method subprocess`` goes back to new interpreters.
+handlers, its thread count, its thread name and its command line (``ps`` shows torchrun's). The
+launcher forks before it starts any computation, and only for CPU workers (CUDA cannot be used in
+a forked process); ``ddpkit run --start-method subprocess`` goes back to new interpreters.
 
 Two differences in torch's launcher remain, both handled by the caller: it reports only the first
 worker it sees exit (:func:`ddpkit.launch.launcher.launch` reads the others' error files), and
@@ -32,6 +32,8 @@ import os
 import runpy
 import signal
 import sys
+
+from ddpkit.faults.watchdog_io import proc_stat
 
 __all__ = ["preload", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
 
@@ -92,14 +94,13 @@ def _show_in_ps(argv: list[str]) -> None:
     as ``setproctitle`` does. Where ``/proc/self/mem`` cannot be written, the launcher's stays.
     """
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5), counted after the name
+        fields = proc_stat("self")
+        start, end = int(fields[45]), int(fields[46])  # type: ignore[index]  # fields 48 and 49 of proc(5), counted after the name
         text = b"\0".join(os.fsencode(arg) for arg in argv)[: end - start - 1]
         with open("/proc/self/mem", "r+b", buffering=0) as mem:
             mem.seek(start)
             mem.write(text.ljust(end - start, b"\0"))
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, TypeError):
         pass
 
 

@@ -8,8 +8,8 @@
 supervises workers itself. With ``fork=True`` torch's launcher forks the workers from this process
 instead of starting new interpreters (``start_method="fork"``, :mod:`ddpkit.launch.forked`).
 It adds the defaults ddpkit relies on (one OpenMP thread per worker, a fresh rendezvous store per
-restart) and a failure summary whose "Root Cause" is the rank that failed first. Used by ``ddpkit run`` and ``ddpkit bench``; the worker side is
-:mod:`ddpkit.launch.entrypoint`.
+restart) and a failure summary whose "Root Cause" is the rank that failed first. Used by
+``ddpkit run`` and ``ddpkit bench``; the worker side is :mod:`ddpkit.launch.entrypoint`.
 """
 
 from __future__ import annotations
