@@ -5,7 +5,7 @@
     python scripts/bench_overhead.py --json benchmarks/overhead.json
     valgrind --tool=cachegrind --cache-sim=no python scripts/bench_overhead.py --single ddpkit 450   # instructions
 
-Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost``: one process)
+Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost`` and ``mlp-1``: one process)
 started through torch's launcher. Inside that job every variant trains the same model on the same data with the same
 seed, optimizer (SGD, lr 0.01, momentum 0.9), per-rank batch (64) and number of steps, in
 alternating rounds (the order rotates each round, so every variant runs in every position):
@@ -78,10 +78,12 @@ SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
 
 #: model name, model kwargs, input shape, timed steps, warm-up steps, ranks. ``step-cost`` is a
 #: near-empty step (a 16 -> 10 linear layer, one process, no DDP): what is left is each loop's
-#: own fixed cost per step, in microseconds.
+#: own fixed cost per step, in microseconds. ``mlp-1`` is the MLP in one process: the loop's cost on a
+#: real model without a peer's scheduling noise (paired ranges of a few us where 2 ranks give 50).
 WORKLOADS: dict[str, dict[str, Any]] = {
     "step-cost": {"model": "torch.nn:Linear", "kwargs": {"in_features": 16, "out_features": 10}, "shape": [16], "steps": 1000, "warmup": 100, "nproc": 1},
     "mlp": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30, "nproc": 2},
+    "mlp-1": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30, "nproc": 1},
     "mnist_cnn": {"model": "mnist_cnn", "kwargs": {}, "shape": [1, 28, 28], "steps": 100, "warmup": 10, "nproc": 2},
     "resnet18": {"model": "resnet18", "kwargs": {"num_classes": 10}, "shape": [3, 32, 32], "steps": 12, "warmup": 3, "nproc": 2},
 }
@@ -321,7 +323,7 @@ def main(argv: list[str]) -> int:
         run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50, *argv[4:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--workloads", default="step-cost,mlp,mnist_cnn,resnet18", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")

@@ -154,6 +154,50 @@ def test_nan_gradients_with_accumulation_at_three_ranks(tmp_path):
     assert all(torch.isfinite(v).all() for v in results[0]["weights"].values())
 
 
+def _bucket_norms(view: bool) -> tuple[bool, float, float]:
+    """On one rank: whether gradient_norm found DDP's flat buckets, its norm, and torch's own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpkit.distributed.sharding import _bucket_buffers, gradient_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=view, bucket_cap_mb=0.001)  # several buckets
+    for _ in range(2):  # DDP rebuilds its buckets after the first step
+        model.zero_grad(set_to_none=True)
+        ddp(torch.randn(8, 20) * (torch.distributed.get_rank() + 1)).square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    return _bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(grads))
+
+
+def test_gradient_norm_reads_ddp_buckets_when_gradients_are_views_of_them():
+    for view in (True, False):
+        results = run_on_ranks(_bucket_norms, world_size=2, args=(view,), timeout=120)
+        assert [found for found, _, _ in results] == [view, view]
+        assert results[0][1] == results[1][1]  # the same buckets, the same bits: every rank decides alike
+        assert results[0][1] == pytest.approx(results[0][2], rel=1e-6)
+
+
+def test_nan_gradients_from_a_finite_loss_are_caught_in_the_gradient_norm(tmp_path):
+    # Only the gradients tell: the norm, read from DDP's flat buckets (ddp.gradient_as_bucket_view, the
+    # default) after the all-reduce, is NaN on every rank; the per-parameter path says the same.
+    fault = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "2", "HEALTH_NAN_HOW": "grad"}
+    runs = [(tmp_path / view, fault, {**LOGGED, "train": {"epochs": 1, "log_every": 2}, "ddp": {"gradient_as_bucket_view": view == "view"}})
+            for view in ("view", "copy")]
+    results = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)
+    for i, (tmp, _, _) in enumerate(runs):
+        assert [r[i]["error"] for r in results] == [None, None]
+        assert "step 2: non-finite gradients after the all-reduce (the loss was finite on every rank)" in _log(tmp)
+        records = _records(tmp)
+        assert records[-1]["skipped_steps"] == 1 and records[-1]["nonfinite_steps"] == 1
+        assert all(torch.isfinite(v).all() for v in results[0][i]["weights"].values())
+    # Either way the same logged norms, to float32 rounding, and the same final weights.
+    norms = [[r["grad_norm"] for r in _records(tmp)] for tmp, _, _ in runs]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    for name, value in results[0][0]["weights"].items():
+        assert torch.equal(value, results[0][1]["weights"][name]), name
+
+
 @pytest.mark.slow  # two runs in one spawn: about 20 s on the loaded 2-core machine
 def test_stop_and_max_skips_end_the_run_on_every_rank_before_a_bad_update(tmp_path):
     fault = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "2,3,4,5", "HEALTH_NAN_HOW": "add"}

@@ -116,7 +116,12 @@ def _worker_options(num_workers: int, persistent: bool, prefetch_factor: int | N
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked)."""
+    """``batch`` with every tensor moved to ``device`` (tuples, lists and dicts are walked).
+
+    On the CPU the batch is returned as it is, without a walk (a DataLoader's batches are CPU tensors).
+    """
+    if device.type == "cpu":
+        return batch
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):

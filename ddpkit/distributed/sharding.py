@@ -132,6 +132,13 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
     (one all-reduce) before clipping, as torchtitan does, or each rank would clip by its own shard.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
+    if max_norm is None and (buckets := _bucket_buffers(grads)) is not None:
+        # The same values read as DDP's flat buckets (``ddp.gradient_as_bucket_view``): one dot product
+        # per bucket, on memory the all-reduce just wrote (52 -> 18 us in the MLP's loop). Not for
+        # clipping, whose norm must have torch's own bits: another summation order differs in the last
+        # bits. Finite exactly when every gradient is (and, as torch's norm, inf past 1.8e19).
+        squares = torch.dot(buckets[0], buckets[0]) if len(buckets) == 1 else torch.stack([torch.dot(b, b) for b in buckets]).sum()
+        return squares.sqrt()
     if grads and grads[0].is_cpu and all(type(g) is torch.Tensor and g.is_cpu and g.dtype == grads[0].dtype for g in grads):
         # On the CPU get_total_norm groups the tensors and takes one vector_norm per tensor in
         # Python (60 us a step on the test MLP); _foreach_norm runs the same kernels in one call
@@ -144,6 +151,21 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The flat buffers that ``grads`` are views of, when they tile them exactly (DDP's buckets under
+    ``gradient_as_bucket_view``: each gradient a slice of one bucket, every bucket element a gradient); else None."""
+    buffers: dict[int, torch.Tensor] = {}
+    for grad in grads:
+        base = grad._base
+        if base is None or type(grad) is not torch.Tensor:
+            return None
+        buffers[id(base)] = base
+    flat = list(buffers.values())
+    if not flat or sum(b.numel() for b in flat) != sum(g.numel() for g in grads) or not all(b.dim() == 1 for b in flat):
+        return None
+    return flat
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -57,7 +57,7 @@ class TrainingHealth:
         #: Restores the newest valid checkpoint's weights and optimizer; True if it did (set by the Trainer for ``rollback``).
         self.restore: Callable[[], bool] | None = None
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
-        self._norms: list[torch.Tensor] = []  # healthy steps' norms since the last record
+        self._norms: list[float] = []  # healthy steps' norms since the last record
         self._in_a_row = 0
         spike = h.spike
         self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
@@ -94,7 +94,7 @@ class TrainingHealth:
             return self._nonfinite(step, losses, scaled=scaled)
         if self.spikes and self._spiked(step, losses, value):
             return False
-        self._norms.append(norm.detach())
+        self._norms.append(value)
         self._in_a_row = 0
         return True
 
@@ -168,7 +168,7 @@ class TrainingHealth:
     def log_fields(self) -> dict[str, float]:
         """The health metrics of a training record: mean ``grad_norm`` since the last record and the counters."""
         norms, self._norms = self._norms, []
-        fields: dict[str, float] = {GRAD_NORM: torch.stack(norms).double().mean().item()} if norms else {}
+        fields: dict[str, float] = {GRAD_NORM: math.fsum(norms) / len(norms)} if norms else {}
         fields.update(self.counts)
         if self.straggler is not None:
             named = self.straggler.named

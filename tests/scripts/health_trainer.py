@@ -6,7 +6,8 @@ Environment variables (read when the Trainer is built), steps 1-based optimizer 
 
 * ``HEALTH_NAN_RANK``, ``HEALTH_NAN_STEPS`` (comma-separated): that rank's loss is NaN at those
   steps, on the first micro-batch of the step. ``HEALTH_NAN_HOW``: ``add`` (loss + NaN: the
-  gradients stay finite, only the loss tells) or ``mul`` (loss * NaN: NaN gradients too).
+  gradients stay finite, only the loss tells), ``mul`` (loss * NaN: NaN gradients too) or ``grad``
+  (a finite loss whose backward makes one weight's gradient NaN: only the gradients tell).
 * ``HEALTH_SPIKE_STEPS``: every rank's loss is multiplied by 1000 at those steps.
 * ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step.
 * ``HEALTH_PERTURB_RANK``, ``HEALTH_PERTURB_STEP``: after that step, that rank adds 1e-3 to one
@@ -46,7 +47,10 @@ class HealthTrainer(ddpkit.Trainer):
             time.sleep(self.slow_s)
         if self.rank == self.nan_rank and step in self.nan_steps and self._poisoned_step != step:
             self._poisoned_step = step  # the step's first micro-batch only
-            loss = loss + float("nan") if self.nan_how == "add" else loss * float("nan")
+            if self.nan_how == "grad":  # sqrt(0) = 0 in the forward; its derivative inf, times 0, is NaN
+                loss = loss + torch.sqrt(next(self.model.parameters()).sum() * 0)
+            else:
+                loss = loss + float("nan") if self.nan_how == "add" else loss * float("nan")
         if step in self.spike_steps:
             loss = loss * 1000
         return loss
