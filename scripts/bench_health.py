@@ -10,8 +10,9 @@ rotates each round):
 
 * ``off``: no per-step health work at all (the Trainer detaches health from its OptimizerStep, and
   ``straggler`` / ``check_replicas_every`` are null): the loop as it was before the checks;
-* ``nonfinite``: the always-on part: the loss guard (``loss * (loss * 0 + 1)``), the gradient norm
-  (computed once) and its host read each step, grad_norm in the records;
+* ``nonfinite``: the always-on part: the loss check (on the CPU a read of the loss; elsewhere the
+  guard ``loss * (loss * 0 + 1)``), the gradient norm (computed once, from DDP's flat buckets) and
+  its host read each step, grad_norm in the records;
 * ``+straggler``: plus the straggler watch (phase listener, gradient hooks, one all_reduce every 50 steps);
 * ``+replicas``: plus the replica fingerprint every 500 steps (one all_reduce);
 * ``defaults``: nonfinite + straggler + replicas, as a run gets them by default;
