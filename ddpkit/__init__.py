@@ -28,7 +28,6 @@ Where things live, one folder per stage of a run (imports point down this list, 
     registry.py              models, datasets and optimizers by name
 """
 
-from ddpkit import testing  # `import ddpkit; ddpkit.testing.run_on_ranks` works (stdlib imports only: cheap)
 from ddpkit._version import __version__
 from ddpkit.config.loader import dump_config, load_config
 from ddpkit.config.schema import Config
@@ -68,3 +67,12 @@ __all__ = [
     "Preempted",
     "PREEMPTED_EXIT_CODE",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``ddpkit.testing`` on first use (PEP 562): multiprocessing and tempfile cost 15 ms that a run never needs."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("ddpkit.testing")
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

@@ -41,7 +41,6 @@ from typing import Any
 
 # Sink and the helpers trackers share live in sink_base (trackers import them from there, not from here).
 from ddpkit.reporting.sink_base import STATUSES, Sink, as_text, flatten_config
-from ddpkit.reporting.trackers import tracker_sinks
 
 __all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
 
@@ -116,6 +115,8 @@ def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> Sin
     ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
     sinks: list[Sink] = [MetricsFileSink(config.output_dir, tensorboard=config.log.tensorboard, append=append), StatusSink(config.output_dir)]
     if config.log.mlflow or config.log.wandb:  # mlflow and wandb themselves are imported only inside the tracker sinks
+        from ddpkit.reporting.trackers import tracker_sinks  # here: runs without trackers never load the adapters
+
         sinks += tracker_sinks(mlflow=config.log.mlflow, wandb=config.log.wandb, output_dir=config.output_dir,
                                run_name=config.run.name, timeout=config.log.tracker_timeout)
     return SinkGroup([*sinks, *extra])
