@@ -13,7 +13,8 @@ torch's own partition rules (:func:`ddpkit.distributed.memory.mode_bytes`) and m
 run logs at startup. Activations are the outputs of every module for one per-rank batch, from a
 forward pass on the meta device with one sample of the configured dataset (an upper bound on
 what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DDP's gradient
-buckets (one more gradient copy unless ``ddp.gradient_as_bucket_view``), FSDP2's all-gathered
+buckets when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on by default, the
+gradients are the buckets), FSDP2's all-gathered
 block during its forward and backward (the largest block's full parameters), allocator slack.
 The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's memory, or
 the host's available memory divided by ``--nproc``).
