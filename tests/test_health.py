@@ -170,6 +170,20 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
     return _bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(grads))
 
 
+def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly():
+    from ddpkit.distributed.sharding import _bucket_buffers
+
+    def views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [flat[start:start + n].view(n) for start, n in zip(starts, sizes)]
+
+    flat = torch.arange(10, dtype=torch.float32)
+    assert [b.data_ptr() for b in _bucket_buffers(views(flat, [4, 6]))] == [flat.data_ptr()]
+    assert _bucket_buffers(views(flat, [4, 5])) is None  # one element of the buffer is no gradient's
+    assert _bucket_buffers([*views(flat, [4, 6]), torch.ones(3)]) is None  # one gradient is no view
+    assert _bucket_buffers(views(flat.half(), [4, 6])) is None  # fp16: squares would overflow early
+
+
 def test_gradient_norm_reads_ddp_buckets_when_gradients_are_views_of_them():
     for view in (True, False):
         results = run_on_ranks(_bucket_norms, world_size=2, args=(view,), timeout=120)

@@ -158,14 +158,15 @@ def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     ``gradient_as_bucket_view``: each gradient a slice of one bucket, every bucket element a gradient); else None."""
     buffers: dict[int, torch.Tensor] = {}
     for grad in grads:
-        base = grad._base
-        if base is None or type(grad) is not torch.Tensor:
+        base = grad._base if type(grad) is torch.Tensor else None  # not a DTensor shard or another subclass
+        if base is None:
             return None
         buffers[id(base)] = base
     flat = list(buffers.values())
-    if not flat or sum(b.numel() for b in flat) != sum(g.numel() for g in grads) or not all(b.dim() == 1 for b in flat):
+    if not flat or sum(b.numel() for b in flat) != sum(g.numel() for g in grads):
         return None
-    return flat
+    # 1-D float32/float64 only: a sum of squares in fp16 would overflow at a norm of 256 (torch's norm does not).
+    return flat if all(b.dim() == 1 and b.dtype in (torch.float32, torch.float64) for b in flat) else None
 
 
 def is_sharded(model: nn.Module) -> bool:
