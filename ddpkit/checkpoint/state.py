@@ -54,13 +54,16 @@ from ddpkit.faults.snapshot import prefer_newer
 from ddpkit.reporting.log import log
 from ddpkit.training.metrics import BestTracker
 from ddpkit.training.replicas import require_finite
-from ddpkit.training.rng import capture_rng, restore_rng, seed_everything
+from ddpkit.training.rng import capture_rng, restore_rng, seed_everything, use_deterministic_kernels
 
 __all__ = ["Progress", "RunState", "seed_for_setup"]
 
 
 def seed_for_setup(config: Config) -> None:
-    """Seed every rank alike, so the initial weights and data are identical before DDP checks them."""
+    """Seed every rank alike, so the initial weights and data are identical before DDP checks them
+    (and, with ``train.deterministic``, make the kernels deterministic before the first one runs)."""
+    if config.train.deterministic and torch.cuda.is_available():  # the CPU's kernels are deterministic already
+        use_deterministic_kernels()
     seed_everything(config.run.seed)
 
 
@@ -266,8 +269,10 @@ class RunState:
         self.signals.close()
 
     def save_model(self, path: Any) -> None:
-        """The bare model's weights as a plain state_dict (``model.pt``): what inference loads. Call on every rank."""
+        """The bare model's weights as a plain state_dict of CPU tensors (``model.pt``): what inference loads,
+        on any machine. Call on every rank."""
         weights = full_model_state(self.components["model"])  # fsdp2: the shards gathered (a collective)
+        weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}  # loads on any machine
         if self.runtime.env.rank != 0:
             return
         require_finite(self.components["model"], what=str(path), collective=False)  # rank 0 alone writes it

@@ -235,7 +235,8 @@ class CheckpointConfig:
     stop_timeout: float = option(
         30.0,
         "Seconds `ddpkit run` lets the workers take, after a signal, to reach the agreed step, save and exit "
-        "before torchrun's agent kills them (its --shutdown-timeout). Raise it when one save takes longer; a "
+        "before torchrun's agent kills them (its --shutdown-timeout; torch 2.11 and older wait a fixed 30 s). "
+        "Raise it when one save takes longer; a "
         "save cut short leaves the previous complete checkpoint as the one to resume from.",
         gt=0,
     )

@@ -89,6 +89,13 @@ class TrainConfig:
         "Convert the model and 4-D inputs to channels_last (NHWC) memory format: faster convolutions on "
         "recent GPUs and often on CPU; no effect on models without convolutions.",
     )
+    deterministic: bool = option(
+        False,
+        "Deterministic CUDA kernels (`torch.use_deterministic_algorithms`, cuDNN without autotuning): a GPU "
+        "run, resumed or not, then gives the same bits every time; slower for some layers, and an operation "
+        "with no deterministic kernel raises. Without it GPU runs differ in the last bits (convolutions' "
+        "backward); CPU runs are deterministic either way.",
+    )
     keep_host_memory: bool = option(
         True,
         "Keep host memory freed during training in the process for reuse (glibc `mallopt`; blocks up to "

@@ -35,6 +35,7 @@ HARMLESS_PREFIXES = (
     "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
     "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
     "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
+    "train.deterministic",  # which kernels compute it: the same math, in a fixed order
     "ddp.gradient_as_bucket_view",  # where the gradients live, not their values (the same buckets are all-reduced)
     "health.",  # what to do about a bad step; the steps that are not bad compute the same
     "parallel.",  # where the shards live; sharded checkpoints load into any mode (ddpkit.checkpoint.sharded)

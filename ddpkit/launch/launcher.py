@@ -69,12 +69,11 @@ def torchrun_argv(
     forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
     too, besides torchrun's own SIGTERM, SIGINT, SIGHUP and SIGQUIT (e.g. SLURM's SIGUSR1).
     """
-    argv = [
-        f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
-        f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}",
-    ]
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
+    if _torchrun_has("--shutdown-timeout"):  # not in torch 2.11 and older, whose agent waits a fixed 30 s
+        argv.append(f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}")
     extra = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
-    if extra and _torchrun_forwards_signals():
+    if extra and _torchrun_has("--signals-to-handle"):  # newer than torch 2.6
         argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *extra])}")
     if rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
@@ -200,11 +199,11 @@ def _root_cause_code(exc: ChildFailedError) -> int:
     return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_HANG) else EXIT_FAILURE
 
 
-def _torchrun_forwards_signals() -> bool:
-    """Whether this torch's launcher has --signals-to-handle (newer than torch 2.6)."""
+def _torchrun_has(option: str) -> bool:
+    """Whether this torch's launcher takes ``option`` (its flags grew across the torch releases ddpkit supports)."""
     from torch.distributed.run import get_args_parser
 
-    return "--signals-to-handle" in get_args_parser()._option_string_actions
+    return option in get_args_parser()._option_string_actions
 
 
 #: What torchrun's agent handles (and forwards to the workers) by default.
