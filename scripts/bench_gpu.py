@@ -68,13 +68,15 @@ def hand_written(steps: int, warmup: int, batch: int, workers: int, workdir: Pat
 class _SyncedTrainer(TimedTrainer):
     """Synchronizes the GPU after the warm-up and the last step only, as the hand-written loop does."""
 
-    warmup, steps, elapsed = 0, 0, 0.0
+    warmup, steps, started, elapsed = 0, 0, 0.0, 0.0
 
     def on_step_end(self, step: int) -> None:
-        if step in (self.warmup, self.steps):
+        if step == self.warmup:
             torch.cuda.synchronize()
-            now = time.perf_counter()
-            self.elapsed = now - self.elapsed if step == self.steps else now
+            self.started = time.perf_counter()
+        elif step == self.steps:
+            torch.cuda.synchronize()
+            self.elapsed = time.perf_counter() - self.started
         super().on_step_end(step)
 
 

@@ -62,7 +62,7 @@ __all__ = ["Progress", "RunState", "seed_for_setup"]
 def seed_for_setup(config: Config) -> None:
     """Seed every rank alike, so the initial weights and data are identical before DDP checks them
     (and, with ``train.deterministic``, make the kernels deterministic before the first one runs)."""
-    if config.train.deterministic and torch.cuda.is_available():  # the CPU's kernels are deterministic already
+    if config.train.deterministic:
         use_deterministic_kernels()
     seed_everything(config.run.seed)
 

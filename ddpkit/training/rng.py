@@ -31,9 +31,11 @@ def use_deterministic_kernels() -> None:
     Without it a GPU run is not bitwise reproducible, resumed or not: cuDNN's convolution backward
     and some cuBLAS paths accumulate with atomics in a varying order (seen on an H100: a resumed fp32
     CNN run ended 6e-8 away from the straight one). torch raises on an operation that has no
-    deterministic kernel, naming it. cuBLAS needs its workspace setting before its first call; the
-    CPU's kernels are deterministic already.
+    deterministic kernel, naming it. cuBLAS needs its workspace setting before its first call. Without
+    CUDA nothing is changed: the CPU's kernels are deterministic already.
     """
+    if not torch.cuda.is_available():
+        return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
