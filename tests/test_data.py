@@ -113,3 +113,47 @@ def test_worker_augmentation_depends_only_on_seed_epoch_and_index():
     assert len(reference) == 12 and all(torch.equal(a, b) for a, b in zip(reference, same))  # independent of the worker count
     resumed = epoch_batches(2, start_batch=5)
     assert all(torch.equal(a, b) for a, b in zip(reference[5:], resumed))  # and of a mid-epoch resume
+
+
+def _batches(loader) -> list:
+    start_epoch(loader, 1)
+    return list(loader)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_tensor_datasets_are_read_a_batch_at_a_time_with_the_same_batches_bit_for_bit(drop_last):
+    from torch.utils.data import DataLoader
+
+    from ddpkit.data.batched import TensorBatches
+
+    g = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(70, 1, 5, 5, generator=g), torch.randint(0, 10, (70,), generator=g), torch.rand(70, generator=g).half())
+    env = DistEnv(rank=1, world_size=2)
+    loader = build_train_loader(dataset, env=env, batch_size=8, seed=3, drop_last=drop_last)
+    assert isinstance(loader.dataset, TensorBatches) and loader.dataset.tensors is dataset.tensors
+    # The reference: torch's own per-sample path over the same sampler (same order, same batch size).
+    reference = DataLoader(dataset, batch_size=8, sampler=loader.sampler, drop_last=drop_last)
+    got, want = _batches(loader), _batches(reference)
+    assert len(got) == len(want) == (4 if drop_last else 5)  # 35 samples on this rank
+    for mine, theirs in zip(got, want):
+        assert type(mine) is type(theirs) is list and len(mine) == 3
+        for a, b in zip(mine, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    val = build_val_loader(dataset, env=env, batch_size=16)
+    assert [torch.equal(a[0], b[0]) for a, b in zip(val, DataLoader(dataset, batch_size=16, sampler=val.sampler))] == [True, True, True]
+
+
+def test_batch_reads_leave_other_datasets_and_worker_loaders_alone():
+    from ddpkit.data.batched import batch_reads
+
+    class Augmented(TensorDataset):
+        def __getitem__(self, index):  # a per-sample transform must see every sample
+            x, y = super().__getitem__(index)
+            return x + 1, y
+
+    plain = TensorDataset(torch.arange(8))
+    assert batch_reads(plain, num_workers=2) == (plain, None)
+    augmented = Augmented(torch.arange(8), torch.arange(8))
+    assert batch_reads(augmented) == (augmented, None)
+    assert batch_reads(list(range(8))) == (list(range(8)), None)
+    assert batch_reads(TensorDataset(torch.arange(8)))[1] is not None
