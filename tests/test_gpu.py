@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers import assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]
 
@@ -86,3 +86,20 @@ def test_gradient_norm_reads_bucket_views_on_cuda():
     assert gradient_norm(params).item() == pytest.approx(torch.nn.utils.get_total_norm([p.grad for p in params]).item(), rel=1e-5)
     flat[500] = float("nan")
     assert not torch.isfinite(gradient_norm(params))
+
+
+@pytest.mark.parametrize("action, code", [("skip", 0), ("stop", 1)])
+@pytest.mark.parametrize("how", ["mul", "grad"])
+def test_nan_on_cuda_is_skipped_or_stops_without_a_host_sync_guard(tmp_path, action, code, how):
+    # On CUDA the loss guard is loss * (loss * 0 + 1) (no host read) and the gradient norm is read
+    # once before the update: a NaN loss (`mul`) and a NaN made only by backward (`grad`) are both caught.
+    cfg = _cnn(tmp_path, train={"epochs": 1}, checkpoint={"every_steps": 2}, health={"nonfinite": action})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "3", "HEALTH_NAN_HOW": how}
+    done = run_cli("run", str(path), "--nproc-per-node", "1", "--script", str(REPO / "tests" / "scripts" / "health_trainer.py"), env=env, timeout=300)
+    assert done.returncode == code, done.stderr[-4000:]
+    assert "step 3: non-finite" in done.stderr
+    files = [tmp_path / "run" / "model.pt", *(tmp_path / "run" / "checkpoints").glob("*.pt")]
+    weights = [load_weights(f) for f in files if f.exists()]
+    assert weights and all(torch.isfinite(t).all() for w in weights for t in w.get("model", w).values() if torch.is_tensor(t))
