@@ -3,6 +3,7 @@
     python scripts/bench_overhead.py                        # step-cost, mlp, mnist_cnn, resnet18; 7 rounds
     python scripts/bench_overhead.py --workloads mlp --rounds 3
     python scripts/bench_overhead.py --json benchmarks/overhead.json
+    python scripts/bench_overhead.py --workloads mlp --fresh      # each variant of each round in new processes
     valgrind --tool=cachegrind --cache-sim=no python scripts/bench_overhead.py --single ddpkit 450   # instructions
 
 Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost`` and ``mlp-1``: one process)
@@ -30,6 +31,11 @@ Columns, per variant:
   (``time.thread_time``, blind to time spent descheduled), paired median: the loop's own cost;
 * ``bitwise = hand``: final weights equal to the hand-written loop's exactly, in how many rounds.
 
+With ``--fresh`` every variant of every round is a 2-rank job of its own (new processes, the
+order still rotating): no variant inherits the heap and caches an earlier one left, which in one
+long-lived process moves a step by tens to hundreds of microseconds. Slower (a few seconds of
+start-up per job); the final weights are compared by their SHA-256 across the jobs.
+
 Timing cannot resolve a few microseconds per step on a shared machine; instruction counts can.
 ``--single VARIANT STEPS [LOG_EVERY]`` runs one variant of ``step-cost`` in this process and
 nothing else, for ``valgrind --tool=cachegrind``: run it for two step counts, and the difference
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import io
 import json
@@ -261,22 +268,56 @@ def overhead_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) 
     steps = params.get("steps") or w["steps"]
     warmup = min(w["warmup"], steps // 3)
     rank, world_size = runtime.env.rank, runtime.env.world_size
-    runs: dict[str, dict[str, list]] = {v: {"wall": [], "step_median": [], "cpu": [], "bitwise": []} for v in variants}
-    for r in range(rounds):
+    runs: dict[str, dict[str, list]] = {v: {"wall": [], "step_median": [], "cpu": [], "weights": []} for v in variants}
+    first_round = params.get("first_round", 0)  # --fresh: one round of one variant per job, numbered by the driver
+    for r in range(first_round, first_round + rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
-        finals = {}
         for name in order:
             extra = {"workdir": workdir / f"r{r}"} if name.startswith("ddpkit") else {}
-            clock, finals[name] = VARIANTS[name](w, warmup + steps, rank, world_size, **extra)
+            clock, final = VARIANTS[name](w, warmup + steps, rank, world_size, **extra)
             run = runs[name]
             run["wall"].append(steady_ms_per_step(clock.wall, warmup=warmup))
             run["step_median"].append(median_step_ms(clock.wall, warmup=warmup))
             run["cpu"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
+            run["weights"].append(weights_digest(final))
             if rank == 0:
-                progress(f"[overhead] {params['workload']} round {r + 1}/{rounds} {name}: {run['wall'][-1]:.3f} ms/step, {run['cpu'][-1]:.3f} CPU ms/step")
-        for name in variants:
-            runs[name]["bitwise"].append(all(torch.equal(finals[name][k], v) for k, v in finals["hand-written"].items()))
+                progress(f"[overhead] {params['workload']} round {r + 1} {name}: {run['wall'][-1]:.3f} ms/step, {run['cpu'][-1]:.3f} CPU ms/step")
     return {"runs": runs, "steps": steps, "warmup": warmup}
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """The final weights' bytes, hashed: equal digests are bitwise-equal weights, across processes too."""
+    sha = hashlib.sha256()
+    for name, value in sorted(state.items()):
+        sha.update(name.encode())
+        sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def run_fresh(workload: str, variants: list[str], rounds: int, steps: int | None) -> dict[str, Any]:
+    """Every variant of every round in a job of its own (new processes, the order rotating each round).
+
+    In one long-lived process each variant inherits the heap and caches the previous ones left, which
+    moves a step by tens to hundreds of microseconds; fresh processes measure each loop as users run it."""
+    entry = [str(Path(__file__).resolve()), "--worker"]
+    merged: dict[str, Any] = {}
+    for r in range(rounds):
+        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+            params = {"workload": workload, "variants": [name], "rounds": 1, "steps": steps, "first_round": r}
+            result = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+            merged.setdefault("runs", {}).setdefault(name, {k: [] for k in result["runs"][name]})
+            for key, values in result["runs"][name].items():
+                merged["runs"][name][key] += values
+            merged.update(steps=result["steps"], warmup=result["warmup"])
+    merged["runs"] = {name: merged["runs"][name] for name in variants}  # hand-written first, as in one job
+    return merged
+
+
+def mark_bitwise(result: dict[str, Any]) -> None:
+    """Per round, whether each variant's final weights equal the hand-written loop's exactly."""
+    hand = result["runs"]["hand-written"]["weights"]
+    for run in result["runs"].values():
+        run["bitwise"] = [mine == theirs for mine, theirs in zip(run["weights"], hand)]
 
 
 # --- the driver ------------------------------------------------------------------------------------
@@ -330,6 +371,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")
     parser.add_argument("--variants", default=None, help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}")
+    parser.add_argument("--fresh", action="store_true", help="each variant of each round in new processes (slower, no shared heap)")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
     variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"]) + list(FRAMEWORKS)
@@ -348,8 +390,12 @@ def main(argv: list[str]) -> int:
             parser.error(f"--workloads: unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
         params = {"workload": workload, "variants": variants, "rounds": args.rounds, "steps": args.steps}
         progress(f"[overhead] {workload}: {', '.join(variants)} x {args.rounds} rounds ...")
-        entry = [str(Path(__file__).resolve()), "--worker"]
-        results[workload] = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+        if args.fresh:
+            results[workload] = run_fresh(workload, variants, args.rounds, args.steps)
+        else:
+            entry = [str(Path(__file__).resolve()), "--worker"]
+            results[workload] = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+        mark_bitwise(results[workload])
         print(report(workload, results[workload]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
