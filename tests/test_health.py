@@ -163,11 +163,16 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=view, bucket_cap_mb=0.001)  # several buckets
-    for _ in range(2):  # DDP rebuilds its buckets after the first step
+    seen = []
+    for _ in range(3):  # DDP rebuilds its buckets after the first step
         model.zero_grad(set_to_none=True)
         ddp(torch.randn(8, 20) * (torch.distributed.get_rank() + 1)).square().sum().backward()
-    grads = [p.grad for p in model.parameters()]
-    return _bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(grads))
+        seen.append([p.grad for p in model.parameters()])
+        gradient_norm(list(model.parameters()))
+    grads = seen[-1]
+    # With bucket views DDP hands out the very same view objects every step: what lets gradient_norm remember the tiling.
+    same = all(a is b for a, b in zip(seen[1], seen[2]))
+    return _bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(grads)), same
 
 
 def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly():
@@ -182,12 +187,18 @@ def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly():
     assert _bucket_buffers(views(flat, [4, 5])) is None  # one element of the buffer is no gradient's
     assert _bucket_buffers([*views(flat, [4, 6]), torch.ones(3)]) is None  # one gradient is no view
     assert _bucket_buffers(views(flat.half(), [4, 6])) is None  # fp16: squares would overflow early
+    # Remembered for the same gradient objects, checked again for any other set.
+    grads = views(flat, [4, 6])
+    assert _bucket_buffers(grads) is _bucket_buffers(list(grads))
+    assert _bucket_buffers([grads[0], torch.ones(6)]) is None
+    assert _bucket_buffers(views(flat, [4, 5])) is None and _bucket_buffers(grads) is not None
 
 
 def test_gradient_norm_reads_ddp_buckets_when_gradients_are_views_of_them():
     for view in (True, False):
         results = run_on_ranks(_bucket_norms, world_size=2, args=(view,), timeout=120)
-        assert [found for found, _, _ in results] == [view, view]
+        assert [found for found, _, _, _ in results] == [view, view]
+        assert [same for _, _, _, same in results] == [view, view]  # without views, new gradient tensors every step
         assert results[0][1] == results[1][1]  # the same buckets, the same bits: every rank decides alike
         assert results[0][1] == pytest.approx(results[0][2], rel=1e-6)
 

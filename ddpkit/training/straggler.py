@@ -1,15 +1,17 @@
 """Names a rank that is consistently slower than the others at its own work.
 
     watch = StragglerWatch(config.health.straggler, parameters=model.parameters(), rank=0, world_size=2, device=device)
-    reporter.add_phase_listener(watch.phase, names=OWN_WORK)   # the data, forward, backward spans start and end
+    reporter.add_phase_listener(watch.phase, names=OWN_WORK)   # the data span starts and ends
     ...
     message = watch.step_done()                  # every step; every `every` steps one small all_reduce
 
-Own work per step is this rank's data wait, forward, and backward *until its last gradient is
-ready* (a post-accumulate-grad hook notes the time: on every parameter during the first step,
-which finds the parameter whose gradient comes last, then on that one only). Backward wall time alone
-cannot tell: DDP waits for the all-reduce at the end of backward, which makes every rank's backward
-as long as the slowest rank's. Each rank keeps its per-step times over a window of ``every`` steps
+Own work per step is this rank's data wait (the data span) and its compute: from the batch in hand
+to its *last gradient ready*, i.e. forward and backward without the wait for the other ranks (a
+post-accumulate-grad hook notes the time: on every parameter during the first step, which finds
+the parameter whose gradient comes last, then on that one only). Backward wall time alone cannot
+tell: DDP waits for the all-reduce at the end of backward, which makes every rank's backward as long
+as the slowest rank's. Two clock reads per micro-batch and one per gradient hook: the forward and
+backward spans need no listener. Each rank keeps its per-step times over a window of ``every`` steps
 and takes their median, so a burst of noise (a descheduled process on a busy machine) that covers
 less than half the window does not count. A rank whose median exceeds the other ranks' median by
 ``margin`` in ``windows`` consecutive windows is named, on rank 0, as
@@ -34,7 +36,7 @@ from ddpkit.training.health_checks import slower_ranks
 
 __all__ = ["StragglerWatch", "OWN_WORK"]
 
-OWN_WORK = ("data", "forward", "backward")  # the spans whose time is this rank's own work
+OWN_WORK = ("data",)  # the spans this watch listens to: the data wait; compute runs from its end to the last gradient
 
 
 class StragglerWatch:
@@ -42,8 +44,7 @@ class StragglerWatch:
 
     def __init__(self, cfg: StragglerConfig, *, parameters: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
-        self._phase: str | None = None
-        self._started = self._grad_ready = 0.0
+        self._started = self._data_end = self._grad_ready = 0.0
         self._data = self._compute = 0.0  # this step so far, seconds
         self._steps: list[tuple[float, float]] = []  # (data, compute) per step of the window
         self._slow_windows = [0] * world_size
@@ -56,7 +57,8 @@ class StragglerWatch:
         self._grad_ready, self._last_ready = time.perf_counter(), param
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
-        self._grad_ready = time.perf_counter()
+        """The micro-batch's last gradient is ready: its forward and backward compute ends here."""
+        self._compute += time.perf_counter() - self._data_end
 
     def _keep_one_hook(self) -> None:
         """After the first step: hook only the parameter whose gradient came last (a Python call per step, not per parameter)."""
@@ -66,27 +68,21 @@ class StragglerWatch:
         self._parameters, self._last_ready = [], None
 
     def phase(self, name: str | None) -> None:
-        """A phase listener: ``name`` when a span starts, None when it ends (see Reporter.add_phase_listener)."""
+        """A listener of the data span (see Reporter.add_phase_listener): ``"data"`` as it starts, None as it ends."""
         now = time.perf_counter()
         if name is not None:
-            self._phase, self._started = (name, now) if name in OWN_WORK else (None, now)
-            return
-        if self._phase == "data":
+            self._started = now
+        else:
             self._data += now - self._started
-        elif self._phase == "forward":
-            self._compute += now - self._started
-        elif self._phase == "backward":
-            # Up to the last gradient: after it, the rank only waits for the others' all-reduce.
-            end = self._grad_ready if self._grad_ready > self._started else now
-            self._compute += end - self._started
-        self._phase = None
+            self._data_end = now
 
     def step_done(self) -> str | None:
         """Close this step's times; at the end of a window compare ranks (a collective) and return a message, if any."""
+        if self._parameters:  # the first step: every gradient was hooked; its last micro-batch's compute counts
+            self._compute += max(0.0, self._grad_ready - self._data_end)
+            self._keep_one_hook()
         self._steps.append((self._data, self._compute))
         self._data = self._compute = 0.0
-        if self._parameters:
-            self._keep_one_hook()
         if len(self._steps) < self.cfg.every:
             return None
         return self._compare()
