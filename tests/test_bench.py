@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import run_cli, tiny_config
+from helpers import REPO, run_cli, tiny_config
 
 from ddpkit.bench import main as bench_main
 from ddpkit.bench.allreduce import bus_factor
@@ -202,3 +202,19 @@ def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
     override = re.search(r"^override: (ddp\.bucket_cap_mb=(\S+) ddp\.gradient_as_bucket_view=(true|false))$", done.stdout, re.M)
     assert override and (override.group(2), override.group(3)) == (best["bucket_cap_mb"], best["gradient_as_bucket_view"])
     assert "optim.lr=0.05" in done.stdout  # the user's overrides were applied to every run
+
+
+def test_overhead_benchmark_compares_final_weights_across_processes_by_digest():
+    # bench_overhead --fresh runs every variant in processes of its own: weights are compared by SHA-256.
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_overhead
+
+    weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}
+    same = {"b": torch.zeros(3), "w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    nudged = {**weights, "w": weights["w"].clone()}
+    nudged["w"][1, 2] = torch.nextafter(nudged["w"][1, 2], torch.tensor(100.0))  # one ulp
+    digest = bench_overhead.weights_digest
+    assert digest(weights) == digest(same) != digest(nudged)
+    result = {"runs": {"hand-written": {"weights": ["a", "b"]}, "ddpkit": {"weights": ["a", "c"]}}}
+    bench_overhead.mark_bitwise(result)
+    assert result["runs"]["ddpkit"]["bitwise"] == [True, False] and result["runs"]["hand-written"]["bitwise"] == [True, True]
