@@ -157,3 +157,6 @@ def test_batch_reads_leave_other_datasets_and_worker_loaders_alone():
     assert batch_reads(augmented) == (augmented, None)
     assert batch_reads(list(range(8))) == (list(range(8)), None)
     assert batch_reads(TensorDataset(torch.arange(8)))[1] is not None
+    batches, _ = batch_reads(TensorDataset(torch.arange(8) * 10))
+    assert batches.__getitems__([torch.tensor(1), 3])[0].tolist() == [10, 30]  # indices that are not plain ints
+    assert batches.__getitems__([])[0].shape == (0,)

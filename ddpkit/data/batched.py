@@ -7,7 +7,7 @@ A ``TensorDataset`` batch built the default way costs, per sample, a ``__getitem
 tuple of views, then ``default_collate`` stacks them: about 1.7 us a sample, 110 us of a 64-sample
 batch on the development VM (a third of the MLP's own CPU per step). torch's DataLoader asks a
 dataset for a whole batch at once when it has ``__getitems__``; :class:`TensorBatches` answers
-with one index per tensor (``tensor[indices]``): the same values in the same layout and dtype,
+with one gather per tensor (``index_select`` along the samples): the same values in the same layout and dtype,
 bit for bit, as the list ``default_collate`` returns (tested), for the price of a gather.
 
 Only for an exact ``TensorDataset`` (or a subclass that keeps its ``__getitem__``: one that
@@ -18,6 +18,7 @@ workers' per-sample seeding does not apply). ``loader.dataset`` is then the wrap
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,8 +41,18 @@ class TensorBatches(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
-        index = torch.as_tensor(indices)
-        return [tensor[index] for tensor in self.tensors]  # a list, as default_collate returns for tuple samples
+        index = _index_tensor(indices)
+        # index_select copies whole rows (5.5 us for 64 MNIST images, where tensor[index] takes 16);
+        # a list, as default_collate returns for tuple samples.
+        return [torch.index_select(tensor, 0, index) for tensor in self.tensors]
+
+
+def _index_tensor(indices: Sequence[int]) -> torch.Tensor:
+    """``indices`` as an int64 tensor: through an ``array`` where they are ints (1.4 us for 64, torch.as_tensor 7.5)."""
+    try:
+        return torch.frombuffer(array.array("q", indices), dtype=torch.int64)
+    except (TypeError, OverflowError, ValueError):  # not plain ints (e.g. tensors), or an empty batch
+        return torch.as_tensor(indices, dtype=torch.int64)
 
 
 def _collated(batch: list[torch.Tensor]) -> list[torch.Tensor]:
