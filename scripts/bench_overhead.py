@@ -75,6 +75,7 @@ from ddpkit.bench.launching import run_workers
 from ddpkit.bench.report import Stats, format_table, progress
 from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step
 from ddpkit.bench.worker import serve
+from ddpkit.data.batched import batch_reads
 from ddpkit.data.datasets import synthetic
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import gradient_norm
@@ -107,18 +108,23 @@ def build(w: dict[str, Any], steps: int) -> tuple[Any, torch.nn.Module]:
     return train_set, MODELS.build(w["model"], key="model.name", kwargs=w["kwargs"])
 
 
-def loader_for(train_set: Any, rank: int, world_size: int) -> DataLoader:
+def loader_for(train_set: Any, rank: int, world_size: int, *, batched: bool = False) -> DataLoader:
+    """torch's DistributedSampler and DataLoader; ``batched``: with ddpkit's whole-batch reads (ddpkit.data.batched)."""
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True)
     sampler.set_epoch(0)
-    return DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
+    data, collate = batch_reads(train_set) if batched else (train_set, None)
+    return DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator(), collate_fn=collate)
 
 
-def hand_written(w: dict[str, Any], steps: int, rank: int, world_size: int, *, checks: bool = False) -> tuple[StepClock, dict]:
-    """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's per-step work)."""
+def hand_written(
+    w: dict[str, Any], steps: int, rank: int, world_size: int, *, checks: bool = False, batched: bool = False,
+) -> tuple[StepClock, dict]:
+    """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's per-step work);
+    ``batched``: the data read a batch at a time, as the Trainer reads a TensorDataset (what is left is the loop's own cost)."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
     ddp = DDP(model) if world_size > 1 else model  # as the Trainer: no DDP for a world of one
-    loader = loader_for(train_set, rank, world_size)
+    loader = loader_for(train_set, rank, world_size, batched=batched)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
     torch.manual_seed(SEED + rank)
     ddp.train()
@@ -243,6 +249,7 @@ ABLATIONS["bare"]["train"] = {"log_every": 10**9}
 VARIANTS = {
     "hand-written": hand_written,
     "hand-written+checks": functools.partial(hand_written, checks=True),  # not run by default
+    "hand-written+batched-reads": functools.partial(hand_written, batched=True),  # not run by default
     "hand-written+host-memory": lambda *a, **kw: (keep_freed_host_memory(), hand_written(*a, **kw))[1],  # --single only: mallopt is per process
     "ddpkit": ddpkit_trainer,
     "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
