@@ -4,8 +4,9 @@
     loader = DataLoader(dataset, batch_size=64, sampler=sampler, collate_fn=collate)
 
 A ``TensorDataset`` batch built the default way costs, per sample, a ``__getitem__`` call that makes a
-tuple of views, then ``default_collate`` stacks them: about 1.7 us a sample, 110 us of a 64-sample
-batch on the development VM (a third of the MLP's own CPU per step). torch's DataLoader asks a
+tuple of views, then ``default_collate`` checks and stacks them: 172 us for a DataLoader's ``next()``
+of 64 MNIST-sized samples on the development VM, against 31.5 us read this way (the same sampler,
+median of 800 batches, best of 5). torch's DataLoader asks a
 dataset for a whole batch at once when it has ``__getitems__``; :class:`TensorBatches` answers
 with one gather per tensor (``index_select`` along the samples): the same values in the same layout and dtype,
 bit for bit, as the list ``default_collate`` returns (tested), for the price of a gather.

@@ -162,8 +162,8 @@ def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The flat buffers that ``grads`` are views of, when they tile them exactly (DDP's buckets under
     ``gradient_as_bucket_view``: each gradient a slice of one bucket, every bucket element a gradient); else None.
 
-    Checked once for a set of gradients, then remembered: the step path compares their ids (1 us
-    instead of 8 for the MLP's six gradients)."""
+    Checked once for a set of gradients, then remembered: the step path compares their ids (0.34 us
+    instead of 2.05 for the MLP's six gradients, `timeit`)."""
     global _last_tiling
     ids = tuple(map(id, grads))
     if _last_tiling is not None and _last_tiling[0] == ids:
