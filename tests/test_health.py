@@ -175,7 +175,8 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
     return _bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(grads)), same
 
 
-def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly():
+def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkeypatch):
+    from ddpkit.distributed import sharding
     from ddpkit.distributed.sharding import _bucket_buffers
 
     def views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -188,10 +189,21 @@ def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly():
     assert _bucket_buffers([*views(flat, [4, 6]), torch.ones(3)]) is None  # one gradient is no view
     assert _bucket_buffers(views(flat.half(), [4, 6])) is None  # fp16: squares would overflow early
     # Remembered for the same gradient objects, checked again for any other set.
+    derived = []
+    real = sharding._tiled_buffers
+    monkeypatch.setattr(sharding, "_tiled_buffers", lambda grads: derived.append(len(grads)) or real(grads))
     grads = views(flat, [4, 6])
-    assert _bucket_buffers(grads) is _bucket_buffers(list(grads))
-    assert _bucket_buffers([grads[0], torch.ones(6)]) is None
-    assert _bucket_buffers(views(flat, [4, 5])) is None and _bucket_buffers(grads) is not None
+    assert _bucket_buffers(grads)[0] is _bucket_buffers(list(grads))[0] is flat and derived == [2]
+    assert _bucket_buffers([grads[0], torch.ones(6)]) is None and derived == [2, 2]
+    assert _bucket_buffers(views(flat, [4, 5])) is None and _bucket_buffers(grads) is not None and derived == [2, 2, 2, 2]
+    # Remembered weakly: once the run's gradients and buckets are gone, nothing here keeps them.
+    import gc
+    import weakref
+
+    bucket = weakref.ref(flat)
+    del flat, grads
+    gc.collect()
+    assert bucket() is None
 
 
 def test_gradient_norm_reads_ddp_buckets_when_gradients_are_views_of_them():

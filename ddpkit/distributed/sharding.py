@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,23 +154,24 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
     return total
 
 
-#: The last tiling found: (the gradients' ids, the gradients themselves, their buckets). DDP hands out the same
-#: bucket views as gradients every step; holding them keeps their ids unique, so equal ids are the same views.
-_last_tiling: tuple[tuple[int, ...], tuple[torch.Tensor, ...], list[torch.Tensor]] | None = None
+#: The last tiling found: weak references to the gradients and to their buckets. DDP hands out the same
+#: bucket views as gradients every step; weak, so a finished run's buckets are not kept alive by this.
+_last_tiling: tuple[tuple[weakref.ref, ...], list[weakref.ref]] | None = None
 
 
 def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The flat buffers that ``grads`` are views of, when they tile them exactly (DDP's buckets under
     ``gradient_as_bucket_view``: each gradient a slice of one bucket, every bucket element a gradient); else None.
 
-    Checked once for a set of gradients, then remembered: the step path compares their ids (0.34 us
-    instead of 2.05 for the MLP's six gradients, `timeit`)."""
+    Checked once for a set of gradient objects, then remembered: the step path checks that it holds
+    the very same objects (0.71 us instead of 2.13 for the MLP's six gradients, `timeit`)."""
     global _last_tiling
-    ids = tuple(map(id, grads))
-    if _last_tiling is not None and _last_tiling[0] == ids:
-        return _last_tiling[2]
+    if _last_tiling is not None and len(_last_tiling[0]) == len(grads) and all(ref() is g for ref, g in zip(_last_tiling[0], grads)):
+        flat = [ref() for ref in _last_tiling[1]]  # alive: the gradients are views of them
+        if all(b is not None for b in flat):
+            return flat
     flat = _tiled_buffers(grads)
-    _last_tiling = (ids, tuple(grads), flat) if flat is not None else None  # views of buckets: they hold no extra memory
+    _last_tiling = (tuple(map(weakref.ref, grads)), [weakref.ref(b) for b in flat]) if flat is not None else None
     return flat
 
 
