@@ -24,8 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
 
 def worker(tree: str, variant: str, steps: int, workload: str) -> None:
     """One rank of one job: run the variant from ``tree``'s bench_overhead; rank 0 prints its numbers."""
