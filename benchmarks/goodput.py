@@ -109,7 +109,7 @@ def inject(proc: subprocess.Popen, out: Path, faults: int, rng: random.Random, a
 
 
 def analyse_run(out: Path, faults: list[dict]) -> dict:
-    from ddpkit.tools.goodput_ledger import analyse
+    from ddpkit.goodput.reading import analyse
 
     records = ledger(out)
     report = analyse(records)

@@ -34,7 +34,7 @@ The parts (medians; each is the time between two consecutive marks, wall clock):
 mark               hand-written (rank 0's JSON line)             ddpkit (``<output_dir>/goodput.jsonl``)
 =================  ============================================  ===============================================
 launch             the bench, just before starting the launcher  the same
-imports done       after ``import torch`` and the rest           ``start.imported``: ``ddpkit.faults.goodput``
+imports done       after ``import torch`` and the rest           ``start.imported``: ``ddpkit.goodput.ledger``
                                                                  imported (torch and most of ddpkit loaded)
 group ready        after ``init_process_group``                  ``start.ready``: the process group is up
 data+model built   data, model, DDP, optimizer, loader, seeds    ``restore.began``: all built, before resume
@@ -67,7 +67,7 @@ import torch
 
 from ddpkit.bench.report import Stats, format_table, progress
 from ddpkit.data.datasets import digits, make_digits
-from ddpkit.tools.goodput_ledger import read_ledger
+from ddpkit.goodput.reading import read_ledger
 
 HAND = Path(__file__).resolve().with_name("tta_hand.py")
 VARIANTS = ("hand-written", "ddpkit", "ddpkit, new interpreters")
