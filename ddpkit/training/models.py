@@ -4,6 +4,7 @@
     model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
     model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
     model: {name: tiny_lm, kwargs: {dim: 128, depth: 4}}      # a small transformer LM (data: {name: tokens})
+    model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt)
 """
 
 from __future__ import annotations
@@ -101,3 +102,6 @@ class TinyLM(nn.Module):
 
 
 register_model("tiny_lm", TinyLM)
+
+# The language model registers itself as ``gpt``.
+import ddpkit.training.gpt  # noqa: E402,F401

@@ -1,0 +1,152 @@
+"""A GPT-2 style language model, registered as ``gpt``.
+
+    model: {name: gpt, kwargs: {vocab_size: 257, dim: 256, depth: 4, heads: 4, max_len: 256}}   # small, byte-level
+    model: {name: gpt, kwargs: {preset: gpt2}}                     # the 124M shape (vocab 50304, 768 x 12 blocks, 12 heads)
+    model: {name: gpt, kwargs: {preset: gpt2, max_len: 512}}       # explicit kwargs override the preset
+
+``forward(x[B, T] int64) -> logits[B, T, vocab_size]``, the next token's logits at every position.
+The shape is nanoGPT's: learned position embeddings, pre-LayerNorm blocks of causal attention
+(``scaled_dot_product_attention(..., is_causal=True)``, flash attention on GPUs) and a 4x GELU
+MLP, a final LayerNorm, and an output layer tied to the token embedding. Initialisation is
+GPT-2's: normal(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 * depth), zero biases.
+
+The blocks are ``GPT.blocks``, an ``nn.ModuleList`` of :class:`GPTBlock`: FSDP2's default rule
+(:func:`ddpkit.distributed.sharding.fsdp_blocks`) shards each block as one unit, the root keeps
+the embeddings and the final LayerNorm (``parallel.fsdp.blocks: [GPTBlock]`` says the same).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ddpkit.errors import ConfigError
+from ddpkit.registry import register_model
+
+__all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "PRESETS", "gpt"]
+
+#: Named shapes; explicit kwargs override them. gpt2's vocabulary is 50257 padded to a multiple of 64.
+PRESETS = {
+    "gpt2": {"vocab_size": 50304, "dim": 768, "depth": 12, "heads": 12, "max_len": 1024},
+}
+#: The shape without a preset: a small byte-level model (ddpkit's byte tokens and stdlib corpus have 257 ids).
+DEFAULTS = {"vocab_size": 257, "dim": 256, "depth": 4, "heads": 4, "max_len": 256}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused q/k/v projection, torch's SDPA kernel, an output projection."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)  # a residual projection: GPT-2 scales its initial weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class GPTBlock(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (a 4x GELU MLP)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    """GPT-2: token + position embeddings, ``depth`` :class:`GPTBlock`, a final LayerNorm, a tied output layer.
+
+        model = GPT(vocab_size=257, dim=256, depth=4, heads=4, max_len=256)
+        logits = model(x)                                        # x: [B, T] int64, T <= max_len -> [B, T, 257]
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        model.flops_per_token(seq_len=256)                       # training FLOPs per token, for MFU
+    """
+
+    def __init__(self, vocab_size: int = 257, dim: int = 256, depth: int = 4, heads: int = 4, max_len: int = 256, dropout: float = 0.0):
+        super().__init__()
+        _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
+        self.vocab_size, self.dim, self.depth, self.heads, self.max_len = vocab_size, dim, depth, heads, max_len
+        self.embed, self.pos = nn.Embedding(vocab_size, dim), nn.Embedding(max_len, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied: one [vocab, dim] matrix reads tokens in and scores them out
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to the stream)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for projection in (block.attn.proj, block.proj):
+                nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        if length > self.max_len:
+            raise ConfigError(f"model.kwargs.max_len: the input has {length} tokens per sequence but the model's max_len is {self.max_len}; "
+                              f"lower data.kwargs.seq_len to {self.max_len} or raise model.kwargs.max_len to {length}")
+        h = self.drop(self.embed(x) + self.pos(torch.arange(length, device=x.device)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+    def num_params(self, *, non_embedding: bool = True) -> int:
+        """Parameters (the tied output layer counted once); ``non_embedding`` leaves out the position embeddings (nanoGPT's count)."""
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.pos.weight.numel() if non_embedding else total
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token: ``6 * N + 12 * depth * dim * seq_len``.
+
+        The PaLM paper's formula (appendix B), as nanoGPT's ``estimate_mfu`` uses it: ``6 * N`` for the
+        matrix multiplies, with ``N = num_params(non_embedding=True)`` (the token embedding stays in:
+        tied, it is the output layer's matrix), plus ``12 * depth * heads * head_dim * T`` for the
+        attention scores and their weighted sum (``heads * head_dim = dim``). ``seq_len`` is the
+        training context ``T`` (default ``max_len``). MFU = tokens/s * this / the device's peak FLOP/s.
+        """
+        length = self.max_len if seq_len is None else seq_len
+        return 6 * self.num_params(non_embedding=True) + 12 * self.depth * self.dim * length
+
+
+def _check_shape(**shape: float) -> None:
+    for key in ("vocab_size", "dim", "depth", "heads", "max_len"):
+        if not isinstance(shape[key], int) or shape[key] < 1:
+            raise ConfigError(f"model.kwargs.{key}: expected a positive integer, got {shape[key]!r}")
+    if shape["dim"] % shape["heads"]:
+        divisors = [h for h in range(1, min(shape["dim"], 64) + 1) if shape["dim"] % h == 0]
+        raise ConfigError(f"model.kwargs.heads: dim {shape['dim']} is not divisible by heads {shape['heads']}; "
+                          f"choose heads that divide dim (e.g. {', '.join(map(str, divisors[-4:]))}) or change model.kwargs.dim")
+    if not 0.0 <= shape["dropout"] < 1.0:
+        raise ConfigError(f"model.kwargs.dropout: expected a probability in [0, 1), got {shape['dropout']!r}")
+
+
+def gpt(preset: str | None = None, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
+        heads: int | None = None, max_len: int | None = None, dropout: float = 0.0) -> GPT:
+    """The ``gpt`` builder: the ``preset``'s shape (or :data:`DEFAULTS`), with the explicit kwargs on top."""
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"model.kwargs.preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, or give the shape's kwargs")
+    given = {"vocab_size": vocab_size, "dim": dim, "depth": depth, "heads": heads, "max_len": max_len}
+    shape = {**(PRESETS[preset] if preset else DEFAULTS), **{k: v for k, v in given.items() if v is not None}}
+    return GPT(**shape, dropout=dropout)
+
+
+register_model("gpt", gpt)
