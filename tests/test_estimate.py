@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import run_cli
@@ -14,15 +15,18 @@ from ddpkit.tools.estimate import estimate
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = {
-    "model": {"name": "tiny_lm", "kwargs": {"vocab": 64, "dim": 36, "depth": 3, "heads": 3, "max_len": 16}},
-    "data": {"name": "tokens", "batch_size": 4, "kwargs": {"size": 64, "val_size": 0, "seq_len": 16, "vocab": 64}},
-    "optim": {"name": "adamw", "lr": 0.001},
-    "train": {"epochs": 1},
-}
+def _config(tmp_path) -> dict:
+    """A small GPT on a token file of 1,025 ids below 64 (64 windows of 16)."""
+    (np.arange(1025) % 64).astype(np.uint16).tofile(tmp_path / "train.bin")
+    return {
+        "model": {"name": "gpt", "kwargs": {"vocab_size": 64, "dim": 36, "depth": 3, "heads": 3, "max_len": 16}},
+        "data": {"name": "tokens", "batch_size": 4, "kwargs": {"path": str(tmp_path / "train.bin"), "seq_len": 16}},
+        "optim": {"name": "adamw", "lr": 0.001},
+        "train": {"epochs": 1},
+    }
 
 
-def _measured(_: None) -> dict:
+def _measured(config: dict) -> dict:
     """Each mode as the Trainer builds it, two AdamW steps, then a backward: the tensors this rank holds."""
     from ddpkit.config.loader import load_config
     from ddpkit.distributed.env import read_dist_env
@@ -35,14 +39,14 @@ def _measured(_: None) -> dict:
     runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
     out = {}
     for mode in ("ddp", "zero1", "fsdp2"):
-        cfg = load_config({**CONFIG, "parallel": {"mode": mode}})
+        cfg = load_config({**config, "parallel": {"mode": mode}})
         model = shard_model(build_model(cfg.model), runtime, cfg.parallel)
         optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel)
         wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)
         x = torch.randint(0, 64, (4, 16))
         for _ in range(3):
             optimizer.zero_grad()
-            F.cross_entropy(wrapped(x), x[:, 0]).backward()
+            F.cross_entropy(wrapped(x).flatten(0, 1), torch.roll(x, -1, 1).flatten()).backward()
             if _ < 2:
                 optimizer.step()
         out[mode] = rank_bytes(model, optimizer)  # real gradients and optimizer state exist now
@@ -53,8 +57,9 @@ def _measured(_: None) -> dict:
 def test_estimate_is_within_ten_percent_of_the_bytes_each_rank_holds(tmp_path):
     from ddpkit.testing import run_on_ranks
 
-    measured = run_on_ranks(_measured, 2, args=(None,), timeout=200)
-    predicted = estimate(CONFIG, nproc=2)
+    config = _config(tmp_path)
+    measured = run_on_ranks(_measured, 2, args=(config,), timeout=200)
+    predicted = estimate(config, nproc=2)
     for mode, bytes_ in predicted.per_mode.items():
         for part in ("parameters", "gradients", "optimizer"):
             real = max(getattr(rank[mode], part) for rank in measured)
@@ -67,7 +72,7 @@ def test_estimate_is_within_ten_percent_of_the_bytes_each_rank_holds(tmp_path):
 def test_the_command_prints_every_mode_and_a_recommendation(tmp_path):
     import yaml
 
-    (tmp_path / "lm.yaml").write_text(yaml.safe_dump(CONFIG))
+    (tmp_path / "lm.yaml").write_text(yaml.safe_dump(_config(tmp_path)))
     result = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc", "3", "--memory-per-rank", "0.00015", timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

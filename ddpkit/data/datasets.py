@@ -3,6 +3,7 @@
     data: {name: digits}                                   # embedded, generated, no download
     data: {name: mnist, kwargs: {root: ~/data}}            # from local files
     data: {name: imagefolder, kwargs: {root: ~/pets}}      # root/train/<class>/*.jpg, root/val/...
+    data: {name: tokens, kwargs: {path: train.bin, seq_len: 1024}}   # token files (ddpkit.data.tokens)
 
 Nothing is ever downloaded at run time: the file-backed datasets read a local ``root`` and say
 exactly where the files must be when they are missing.
@@ -104,21 +105,6 @@ def synthetic(size: int = 1024, shape: Sequence[int] = (3, 32, 32), num_classes:
     return make(size), (make(val_size) if val_size else None)
 
 
-def tokens(size: int = 2048, val_size: int = 256, seq_len: int = 32, vocab: int = 256, seed: int = 0) -> tuple[Dataset, Dataset | None]:
-    """Synthetic token sequences for the small transformer LM (``model: {name: tiny_lm}``), no download.
-
-    Each sample is ``seq_len`` uniform tokens; the target is the sequence's first token, which a
-    transformer learns to recall by attending back to position 0 (an MLP over one position cannot).
-    """
-    g = torch.Generator().manual_seed(seed)
-
-    def make(count: int) -> TensorDataset:
-        x = torch.randint(0, vocab, (count, seq_len), generator=g)
-        return TensorDataset(x, x[:, 0].clone())
-
-    return make(size), (make(val_size) if val_size else None)
-
-
 def fake(size: int = 1000, val_size: int = 200, image_size: Sequence[int] = (3, 32, 32), num_classes: int = 10) -> tuple[Dataset, Dataset]:
     """``torchvision.datasets.FakeData``: random PIL images through the usual ToTensor transform."""
     from torchvision import datasets, transforms
@@ -198,7 +184,6 @@ def imagefolder(root: str | None = None, val_root: str | None = None, image_size
 for _name, _builder in [
     ("digits", digits),
     ("synthetic", synthetic),
-    ("tokens", tokens),
     ("fake", fake),
     ("mnist", mnist),
     ("fashion_mnist", fashion_mnist),
@@ -210,3 +195,6 @@ for _name, _builder in [
 
 # The streaming sources (webdataset, hf_datasets) register themselves; their libraries load only when used.
 import ddpkit.data.stream_sources  # noqa: E402,F401
+
+# Token files for language models (``tokens``) register themselves too.
+import ddpkit.data.tokens  # noqa: E402,F401

@@ -1,12 +1,16 @@
 """``ddpkit estimate CONFIG --nproc N [--mode M]``: bytes per rank of each parallel.mode, before a run.
 
-    $ ddpkit estimate configs/lm.yaml --nproc 2 model.kwargs.depth=12
-    model tiny_lm: 2,425,088 parameters (9.25 MiB as float32); optimizer adam: 2 state tensors per parameter; 2 ranks
-    mode   parameters  gradients  optimizer  activations  total per rank
-    ddp      9.25 MiB   9.25 MiB  18.50 MiB      3.1 MiB        40.1 MiB
-    zero1    9.25 MiB   9.25 MiB   9.25 MiB      3.1 MiB        30.9 MiB
-    fsdp2    4.63 MiB   4.63 MiB   9.25 MiB      3.1 MiB        21.6 MiB
-    recommendation: ddp: 40.1 MiB per rank fits in 61.2 GiB (the fastest mode: one all-reduce per step)
+    $ cat lm.yaml
+    model: {name: gpt, kwargs: {vocab_size: 257, dim: 256, depth: 4, heads: 4, max_len: 256}}
+    data: {name: tokens, batch_size: 16, kwargs: {corpus: stdlib, seq_len: 256}}
+    optim: {name: adam, lr: 0.001}
+    $ ddpkit estimate lm.yaml --nproc 2 model.kwargs.depth=12
+    model gpt: 9,608,960 parameters (36.66 MiB as 4-byte values); optimizer adam: 2 state tensors per parameter; 2 rank(s)
+    mode    parameters   gradients   optimizer  activations  total per rank
+    ddp      36.66 MiB   36.66 MiB   73.31 MiB   736.27 MiB      882.89 MiB
+    zero1    36.66 MiB   36.66 MiB   36.66 MiB   736.27 MiB      846.23 MiB
+    fsdp2    18.33 MiB   18.33 MiB   36.66 MiB   736.27 MiB      809.58 MiB
+    recommendation: ddp: 882.89 MiB per rank fits in 6.01 GiB (the fastest mode: one all-reduce per step)
 
 The model is built on the meta device (no memory, no weights); the per-rank numbers follow
 torch's own partition rules (:func:`ddpkit.distributed.memory.mode_bytes`) and match what the

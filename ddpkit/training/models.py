@@ -3,8 +3,7 @@
     model: {name: mnist_cnn}                                  # the classic MNIST CNN
     model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
     model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
-    model: {name: tiny_lm, kwargs: {dim: 128, depth: 4}}      # a small transformer LM (data: {name: tokens})
-    model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt)
+    model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt; data: {name: tokens})
 """
 
 from __future__ import annotations
@@ -81,11 +80,12 @@ class TransformerBlock(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """A small GPT-style language model: token and position embeddings, ``depth`` blocks, a linear head.
+    """A small transformer that reads a sequence and scores one next token: a test model, not registered.
 
-    ``forward(tokens[B, T])`` returns the logits of the next token after the last position, ``[B, vocab]``,
-    so the Trainer's default classification steps train it (``data: {name: tokens}``). The blocks are an
-    ``nn.ModuleList`` of :class:`TransformerBlock`: FSDP2's default rule shards each as one unit.
+    ``forward(tokens[B, T])`` returns the logits after the last position, ``[B, vocab]`` (a classifier
+    over sequences). The sharding and checkpoint tests use it; for language modelling use ``gpt``
+    (:mod:`ddpkit.training.gpt`), which scores every position. The blocks are an ``nn.ModuleList`` of
+    :class:`TransformerBlock`: FSDP2's default rule shards each as one unit.
     """
 
     def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = 4, max_len: int = 128):
@@ -100,8 +100,6 @@ class TinyLM(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x[:, -1]))
 
-
-register_model("tiny_lm", TinyLM)
 
 # The language model registers itself as ``gpt``.
 import ddpkit.training.gpt  # noqa: E402,F401

@@ -1,0 +1,258 @@
+"""Token files for language models: a flat file of token ids, read one window at a time.
+
+    data: {name: tokens, kwargs: {path: data/train.bin, val_path: data/val.bin, seq_len: 1024, dtype: uint16}}
+    data: {name: tokens, kwargs: {corpus: stdlib, seq_len: 128}}     # bytes of Python's own sources, on every machine
+
+    ddpkit tokenize corpus/ -o data/train.bin                          # makes such a file (ddpkit.tools.tokenize)
+
+A file is raw token ids (``.bin``, ``dtype`` uint16 / uint32 / int32, default uint16) or a 1-D
+``.npy`` array (its header gives the dtype). Sample ``i`` is ``(x, y)``: the tokens
+``[i*seq_len, (i+1)*seq_len)`` and the same window shifted by one, both int64; ``len`` is the
+number of such non-overlapping windows, ``(n_tokens - 1) // seq_len``. The sampler
+(:mod:`ddpkit.data.samplers`) shuffles, shards and resumes over those indices.
+
+Each window is one ``os.pread`` of ``seq_len + 1`` tokens: the file is never read whole and never
+memory-mapped, so resident and virtual memory are bounded by the batches in flight and start-up
+costs the same for a 20 GB file as for a small one. The file is opened lazily in each process
+(a forked DataLoader worker reopens it), so the dataset pickles.
+
+Token ids are checked against the model's vocabulary once it is known (``vocab_size`` here, or
+``require_vocab(model.vocab_size)``, which the Trainer calls): an id out of range is a
+:class:`~ddpkit.errors.DataError` naming the file and the offset, not an IndexError in the
+embedding or a CUDA device-side assert.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddpkit.data.cache import cache_dir
+from ddpkit.errors import DataError
+from ddpkit.registry import register_dataset
+
+__all__ = ["TokenFile", "tokens", "write_token_file", "stdlib_corpus", "DTYPES", "BYTE_EOT", "BYTE_VOCAB"]
+
+#: The ``dtype`` values of a raw ``.bin`` file.
+DTYPES = ("uint16", "uint32", "int32")
+#: Byte-level tokens: ids 0-255 are the bytes, 256 separates documents.
+BYTE_EOT = 256
+BYTE_VOCAB = 257
+#: Which files of the standard library become the stdlib corpus (see :func:`stdlib_corpus`).
+_CORPUS_VERSION = "v1"
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
+
+
+class TokenFile(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens of one file, as ``(x, y)`` int64 tensors.
+
+        ds = TokenFile("data/train.bin", seq_len=1024)            # raw uint16 ids
+        ds.require_vocab(50304)                                    # ids >= 50304 now raise DataError
+        x, y = ds[0]                                               # x = tokens[0:1024], y = tokens[1:1025]
+    """
+
+    def __init__(self, path: str | os.PathLike, *, seq_len: int, dtype: str | None = None, vocab_size: int | None = None):
+        self.path = str(Path(path).expanduser())
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise DataError(f"data.kwargs.seq_len: expected a positive integer, got {seq_len!r}")
+        self.seq_len = seq_len
+        self.dtype, self.offset, self.n_tokens = _layout(self.path, dtype)
+        if self.n_tokens < seq_len + 1:
+            raise DataError(f"{self.path}: {self.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} (one window and its shifted target); "
+                            f"lower data.kwargs.seq_len or use a longer file")
+        self.vocab_size: int | None = None
+        if vocab_size is not None:
+            self.require_vocab(vocab_size)
+        self._fd: int | None = None
+        self._pid: int | None = None
+
+    def require_vocab(self, vocab_size: int) -> None:
+        """From now on every window read raises DataError if it holds an id outside ``[0, vocab_size)``.
+
+        Call it before DataLoader workers start (they copy the dataset), on the validation set too.
+        """
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise DataError(f"{self.path}: vocab_size must be a positive integer, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return (self.n_tokens - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = len(self)
+        if not -length <= index < length:
+            raise IndexError(f"window {index} out of range for {self.path} ({length:,} windows of {self.seq_len})")
+        start = (index % length) * self.seq_len
+        window = self._read(start, self.seq_len + 1)
+        if self.vocab_size is not None:
+            self._check_ids(window, start)
+        both = torch.from_numpy(window.astype(np.int64))
+        return both[:-1], both[1:]
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        nbytes = count * self.dtype.itemsize
+        data = os.pread(self._file(), nbytes, self.offset + start * self.dtype.itemsize)
+        if len(data) != nbytes:
+            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; the file shrank since the run started")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def _check_ids(self, window: np.ndarray, start: int) -> None:
+        if window.max() >= self.vocab_size or (window.dtype.kind == "i" and window.min() < 0):
+            at = int(np.argmax((window >= self.vocab_size) | (window < 0)))
+            raise DataError(f"{self.path}: token id {int(window[at])} at token offset {start + at:,} is outside the model's vocabulary "
+                            f"[0, {self.vocab_size}); the file was made with another tokenizer, or raise model.kwargs.vocab_size")
+
+    def _file(self) -> int:
+        if self._pid != os.getpid():  # first read in this process (e.g. a forked DataLoader worker): its own descriptor
+            try:
+                self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+            except FileNotFoundError:
+                raise DataError(f"{self.path}: the token file disappeared after the run started") from None
+        assert self._fd is not None
+        return self._fd
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fd": None, "_pid": None}
+
+    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:  # bound early: at exit the os module may be gone
+        if getattr(self, "_fd", None) is not None and self._pid == _getpid():
+            _close(self._fd)
+
+    def __repr__(self) -> str:
+        return f"TokenFile({self.path!r}, seq_len={self.seq_len}, dtype={self.dtype.name}, n_tokens={self.n_tokens:,})"
+
+
+def _layout(path: str, dtype: str | None) -> tuple[np.dtype, int, int]:
+    """``(dtype, byte offset of token 0, number of tokens)`` from the file's size (and .npy header)."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise DataError(f"no such token file {path}; make one with `ddpkit tokenize INPUT... -o {path}`, "
+                        f"or use data.kwargs.corpus=stdlib for a small built-in corpus") from None
+    if path.endswith(".npy"):
+        return _npy_layout(path, dtype, size)
+    if dtype is None:
+        dtype = "uint16"
+    if dtype not in DTYPES:
+        raise DataError(f"data.kwargs.dtype: {dtype!r} is not a token dtype; choose one of {', '.join(DTYPES)}")
+    itemsize = np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise DataError(f"{path}: {size:,} bytes is not a whole number of {dtype} tokens ({itemsize} bytes each); "
+                        f"wrong data.kwargs.dtype, or a truncated file?")
+    return np.dtype(dtype), 0, size // itemsize
+
+
+def _npy_layout(path: str, dtype: str | None, size: int) -> tuple[np.dtype, int, int]:
+    """The layout of a ``.npy`` file from its header alone (the array is never loaded)."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, found = read_header(f)
+        except ValueError as exc:
+            raise DataError(f"{path}: not a readable .npy file ({exc}); write it with numpy.save, or use a raw .bin") from None
+        offset = f.tell()
+    if len(shape) != 1 or fortran_order:
+        raise DataError(f"{path}: a .npy token file must be a 1-D C-order array, this one has shape {shape}"
+                        f"{' in Fortran order' if fortran_order else ''}; save tokens.ravel() instead")
+    if found.kind not in "iu":
+        raise DataError(f"{path}: a .npy token file must hold integers, this one holds {found}; save token ids as uint16 or uint32")
+    if dtype is not None and np.dtype(dtype) != found:
+        raise DataError(f"{path}: data.kwargs.dtype is {dtype} but the .npy header says {found}; drop data.kwargs.dtype for .npy files")
+    if offset + shape[0] * found.itemsize > size:
+        raise DataError(f"{path}: the header promises {shape[0]:,} {found} tokens but the file has {size - offset:,} data bytes; a truncated file?")
+    return found, offset, shape[0]
+
+
+def tokens(path: str | None = None, val_path: str | None = None, seq_len: int = 1024, dtype: str | None = None,
+           vocab_size: int | None = None, corpus: str | None = None) -> tuple[TokenFile, TokenFile | None]:
+    """The ``tokens`` dataset builder: ``(train, val)`` windows of ``path`` and ``val_path`` (None without one).
+
+    ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached).
+    """
+    if corpus is not None:
+        if corpus != "stdlib":
+            raise DataError(f"data.kwargs.corpus: unknown corpus {corpus!r}; the built-in one is 'stdlib' (or give data.kwargs.path)")
+        if path is not None or val_path is not None:
+            raise DataError("data.kwargs.corpus: give either corpus or path/val_path, not both")
+        path, val_path = map(str, stdlib_corpus())
+    if path is None:
+        raise DataError("data.kwargs.path: not set; give a token file (make one with `ddpkit tokenize INPUT... -o FILE.bin`) or data.kwargs.corpus=stdlib")
+    train = TokenFile(path, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size)
+    val = TokenFile(val_path, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size) if val_path is not None else None
+    return train, val
+
+
+register_dataset("tokens", tokens)
+
+
+def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.PathLike, *, dtype: str, eot: int) -> int:
+    """Write ``documents`` to ``path`` as raw ``dtype`` ids with ``eot`` between them; return the number of tokens.
+
+        write_token_file([[np.array([1, 2])], [np.array([3])]], "out.bin", dtype="uint16", eot=256)   # 1 2 256 3
+
+    A document is an iterable of chunks (arrays of ids), written as they come: nothing holds the
+    corpus. The file appears whole or not at all (a temporary file in the same folder, renamed).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    count, limit, separator = 0, np.iinfo(dtype).max, np.array([eot], dtype=dtype).tobytes()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for i, document in enumerate(documents):
+                if i:
+                    out.write(separator)
+                    count += 1
+                for chunk in document:
+                    ids = np.asarray(chunk)
+                    if ids.size and (int(ids.max()) > limit or int(ids.min()) < 0):
+                        bad = int(ids.max()) if int(ids.max()) > limit else int(ids.min())
+                        raise DataError(f"{target}: token id {bad} does not fit {dtype} (0 to {limit}); write a wider dtype (uint32)")
+                    out.write(ids.astype(dtype, copy=False).tobytes())
+                    count += ids.size
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return count
+
+
+def stdlib_corpus(directory: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """``(train.bin, val.bin)``: byte-level uint16 tokens (vocab 257, end-of-text 256) of the standard library's ``.py`` files.
+
+        train, val = stdlib_corpus()          # ~/.cache/ddpkit/stdlib-py3.11-bytes-v1/{train,val}.bin, built once
+
+    The sources are ``sysconfig.get_paths()["stdlib"]``'s ``.py`` files in sorted order, without
+    tests, idlelib and installed packages; every 20th file is held out for validation. Identical on
+    machines with the same Python version and distribution. Cached under ``directory`` (default
+    :func:`ddpkit.data.cache.cache_dir`, ``$DDPKIT_CACHE_DIR``, or the temp dir when caching is off).
+    """
+    base = Path(directory) if directory is not None else (cache_dir() or Path(tempfile.gettempdir()) / "ddpkit")
+    folder = base / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-bytes-{_CORPUS_VERSION}"
+    train, val = folder / "train.bin", folder / "val.bin"
+    if not (train.is_file() and val.is_file()):
+        files = _stdlib_sources()
+        write_token_file(_byte_documents(f for i, f in enumerate(files) if i % 20 != 19), train, dtype="uint16", eot=BYTE_EOT)
+        write_token_file(_byte_documents(f for i, f in enumerate(files) if i % 20 == 19), val, dtype="uint16", eot=BYTE_EOT)
+    return train, val
+
+
+def _stdlib_sources() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = [p for p in root.rglob("*.py") if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1])
+             and not p.name.startswith("_sysconfigdata")]  # the platform's build settings: differ per machine
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _byte_documents(files: Iterable[Path]) -> Iterator[list[np.ndarray]]:
+    for file in files:
+        yield [np.frombuffer(file.read_bytes(), dtype=np.uint8)]
