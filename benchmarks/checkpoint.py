@@ -1,7 +1,7 @@
 """How long a checkpoint save stalls the training loop: synchronous vs ``checkpoint.async: true``.
 
-    python scripts/bench_checkpoint.py                         # wide MLP, ~80 MB checkpoints, 5 rounds
-    python scripts/bench_checkpoint.py --hidden 1024,1024 --rounds 3 --every 5 --steps 20
+    python -m benchmarks.checkpoint                         # wide MLP, ~80 MB checkpoints, 5 rounds
+    python -m benchmarks.checkpoint --hidden 1024,1024 --rounds 3 --every 5 --steps 20
 
 One job of 2 Gloo ranks (one thread each) started through torch's launcher runs the Trainer
 three ways in alternating rounds (the order rotates each round), same model, data and seed:
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.bench.launching import run_workers
+from benchmarks.workloads import load_printed, rotated, run_module_workers
 from ddpkit.bench.report import Stats, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, steady_ms_per_step
 from ddpkit.bench.worker import serve
@@ -74,7 +74,7 @@ def checkpoint_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path
     names, rounds = list(VARIANTS), params["rounds"]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             runs[name].append(run_variant(name, params, runtime, workdir / f"r{r}-{name}"))
             if runtime.env.rank == 0:
                 last = runs[name][-1]
@@ -120,8 +120,9 @@ def main(argv: list[str]) -> int:
     if saves < 1:
         parser.error(f"--steps {args.steps} with --every {args.every} leaves no save inside the timed window")
     params = {"hidden": [int(h) for h in args.hidden.split(",")], "every": args.every, "steps": args.steps, "rounds": args.rounds, "saves": saves}
-    result = run_workers("checkpoint", params, nproc=2, threads=1, entry=[str(Path(__file__).resolve()), "--worker"])
-    print(report(result, params))
+    with load_printed():
+        result = run_module_workers(__spec__.name, "checkpoint", params, nproc=2)
+        print(report(result, params), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"params": params, **result}, indent=1))
     return 0

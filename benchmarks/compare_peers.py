@@ -1,15 +1,15 @@
 """ddpkit against a hand-written DDP loop, Lightning Fabric, Accelerate and the Lightning Trainer.
 
-    python benchmarks/compare_peers.py                       # MLP and MNIST CNN, 2 Gloo ranks, 5 rounds, new processes per run
-    python benchmarks/compare_peers.py --workloads mlp --rounds 7 --steps 1000
-    python benchmarks/compare_peers.py --in-process          # all systems in one job (faster, shares one heap)
+    python -m benchmarks.compare_peers                       # MLP and MNIST CNN, 2 Gloo ranks, 5 rounds, new processes per run
+    python -m benchmarks.compare_peers --workloads mlp --rounds 7 --steps 1000
+    python -m benchmarks.compare_peers --in-process          # all systems in one job (faster, shares one heap)
 
 The same workload in every system (model, synthetic data, seed, SGD with momentum, per-rank batch 64,
 2 Gloo ranks with one thread each), each with its own defaults, in alternating rounds whose order
 rotates; the table gives ms/step (median, range), the ratio to the hand-written loop paired within
 each round (median, range), the extra CPU microseconds per step of the training thread, and whether
 the final weights equal the hand-written loop's bit for bit. By default every system of every round
-runs in new processes, as users run them (``--fresh`` of ``scripts/bench_overhead.py``, which does the
+runs in new processes, as users run them (``--fresh`` of ``benchmarks.overhead``, which does the
 work). The peers are optional: one that is not installed is skipped with a note, e.g.::
 
     pip install lightning accelerate        # or, beside the project: pip install --target DIR ...; PYTHONPATH=DIR
@@ -20,12 +20,10 @@ The machine should be quiet (nothing else running: the load average is printed b
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_overhead  # noqa: E402  the workloads, the variants and the table
+from benchmarks import overhead  # the workloads, the variants and the table
+from benchmarks.workloads import load_printed
 
 SYSTEMS = ["ddpkit", "fabric", "accelerate", "lightning"]  # the hand-written loop is always run
 
@@ -37,13 +35,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", default=None, help="timed steps per run (default: the workload's)")
     parser.add_argument("--in-process", action="store_true", help="every system in one job instead of new processes per run")
     args = parser.parse_args(argv)
-    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     forwarded = ["--workloads", args.workloads, "--rounds", args.rounds, "--variants", ",".join(SYSTEMS)]
     forwarded += ["--steps", args.steps] if args.steps else []
     forwarded += [] if args.in_process else ["--fresh"]
-    code = bench_overhead.main(forwarded)
-    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
-    return code
+    with load_printed():
+        return overhead.main(forwarded)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """torch.compile side by side: hand-written eager / compiled DDP loops against ddpkit eager / `train.compile: true`.
 
-    python scripts/bench_compile.py                                   # mnist_cnn and resnet18, 3 rounds
-    python scripts/bench_compile.py --workloads resnet18 --rounds 2 --variants hand-eager,ddpkit-compiled
-    python scripts/bench_compile.py --accuracy 0.95 --rounds 2        # time to 95% on the digits data
-    python scripts/bench_compile.py --variants hand-eager,ddpkit-eager,ddpkit-cl,ddpkit-compiled-cl   # channels_last
-    python scripts/bench_compile.py --page-faults --rounds 5          # glibc's defaults vs train.keep_host_memory
+    python -m benchmarks.compile                                   # mnist_cnn and resnet18, 3 rounds
+    python -m benchmarks.compile --workloads resnet18 --rounds 2 --variants hand-eager,ddpkit-compiled
+    python -m benchmarks.compile --accuracy 0.95 --rounds 2        # time to 95% on the digits data
+    python -m benchmarks.compile --variants hand-eager,ddpkit-eager,ddpkit-cl,ddpkit-compiled-cl   # channels_last
+    python -m benchmarks.compile --page-faults --rounds 5          # glibc's defaults vs train.keep_host_memory
 
 Each workload runs as one job of 2 Gloo ranks (one thread each) started through torch's
-launcher; inside it every variant trains the same model on the same data (``bench_overhead.py``'s
-workloads: per-rank batch 64, SGD lr 0.01 momentum 0.9, same seed) in alternating rounds:
+launcher; inside it every variant trains the same model on the same data (``benchmarks.workloads``:
+per-rank batch 64, SGD lr 0.01 momentum 0.9, same seed) in alternating rounds:
 
-* ``hand-eager``: the plain DDP loop of ``bench_overhead.py``, the reference;
+* ``hand-eager``: the plain DDP loop (``benchmarks.workloads.train_by_hand``), the reference;
 * ``hand-compiled``: the same loop on ``torch.compile(DDP(model))`` (the order torch's DDP notes give);
 * ``ddpkit-eager``, ``ddpkit-compiled``: ``ddpkit.Trainer`` with its defaults, ``train.compile: false`` / ``true``;
 * ``ddpkit-cl``, ``ddpkit-compiled-cl``: the same with ``train.channels_last: true``.
@@ -32,7 +32,7 @@ rank, SGD lr 0.05 momentum 0.9).
 ``--page-faults`` runs the MNIST CNN's training step (batch 64, one process, one thread) in fresh
 processes, alternating glibc malloc's defaults with ``ddpkit.training.allocator.keep_freed_host_memory()``
 (what ``train.keep_host_memory`` does), and reports minor page faults, kernel time and CPU time
-per step: the cause of the CNN's run-to-run 0.98x..1.16x paired ratios in ``bench_overhead.py``.
+per step: the cause of the CNN's run-to-run 0.98x..1.16x paired ratios in ``benchmarks.overhead``.
 """
 
 from __future__ import annotations
@@ -49,20 +49,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import BATCH, LR, MOMENTUM, SEED, WORKLOADS, build, loader_for  # noqa: E402
-
-from ddpkit.bench.launching import run_workers  # noqa: E402
-from ddpkit.bench.report import Stats, format_table, progress  # noqa: E402
-from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step  # noqa: E402
-from ddpkit.bench.worker import serve  # noqa: E402
-from ddpkit.data.datasets import digits  # noqa: E402
-from ddpkit.distributed.process_group import Runtime  # noqa: E402
-from ddpkit.registry import MODELS  # noqa: E402
+from benchmarks.workloads import (
+    BATCH,
+    MOMENTUM,
+    SEED,
+    WORKLOADS,
+    accuracy,
+    build,
+    load_printed,
+    loader_for,
+    paired,
+    rotated,
+    run_module_workers,
+    strided_loader,
+    table,
+    train_by_hand,
+    trainer_config,
+)
+from ddpkit.bench.report import Stats, progress
+from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step
+from ddpkit.bench.worker import serve
+from ddpkit.data.datasets import digits
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.registry import MODELS
 
 STEPS = {"mnist_cnn": (60, 10), "resnet18": (10, 3)}  # timed steps, warm-up steps (the first includes compiling)
 EVAL_EVERY, ACC_LR, ACC_MAX_STEPS = 25, 0.05, 2000
@@ -74,31 +84,14 @@ EVAL_EVERY, ACC_LR, ACC_MAX_STEPS = 25, 0.05, 2000
 def hand(w: dict[str, Any], steps: int, rank: int, world_size: int, *, compiled: bool) -> StepClock:
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
-    net = DDP(model)
-    net = torch.compile(net) if compiled else net
-    loader = loader_for(train_set, rank, world_size)
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-    torch.manual_seed(SEED + rank)
-    net.train()
     clock = StepClock()
-    clock.tick()
-    for x, y in loader:
-        F.cross_entropy(net(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.tick()
+    loader = loader_for(train_set, rank, world_size)
+    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, compiled=compiled, on_step=lambda step: clock.tick())
     return clock
 
 
 def ddpkit_run(w: dict[str, Any], steps: int, world_size: int, workdir: Path, **train: Any) -> StepClock:
-    trainer = TimedTrainer({
-        "run": {"name": "compile", "output_dir": str(workdir), "seed": SEED},
-        "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
-        "model": {"name": w["model"], "kwargs": w["kwargs"]},
-        "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        "train": {"epochs": 1, "max_steps": steps, **train},
-        "checkpoint": {"every_epochs": None, "resume": "none"},
-    })
+    trainer = TimedTrainer(trainer_config(w, steps, world_size, workdir, name="compile", train=train))
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, but off the screen
         trainer.fit()
     return trainer.clock
@@ -120,7 +113,7 @@ def steps_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> 
     rank, world_size, variants = runtime.env.rank, runtime.env.world_size, params["variants"]
     runs: dict[str, dict[str, list[float]]] = {v: {"ms": [], "cpu_ms": [], "compile_s": []} for v in variants}
     for r in range(params["rounds"]):
-        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for name in rotated(variants, r):
             torch._dynamo.reset()  # every compiled variant compiles, as a fresh process would (disk caches stay)
             clock = VARIANTS[name](w, warmup + steps, rank, world_size, workdir / f"r{r}-{name}")
             ms = steady_ms_per_step(clock.wall, warmup=warmup)
@@ -141,18 +134,18 @@ def report_steps(workload: str, result: dict[str, Any]) -> str:
         cells = [name, f"{ms.median:.1f}", ms.spread(1)]
         for ref in ("hand-eager", "hand-compiled"):
             if ref in runs:
-                ratio = Stats.of([v / h for v, h in zip(run["ms"], runs[ref]["ms"])])
+                ratio = paired(run["ms"], runs[ref]["ms"])
                 cells += [f"{ratio.median:.3f}", ratio.spread(3)]
             else:
                 cells += ["-", "-"]
-        cpu = Stats.of([v / h for v, h in zip(run["cpu_ms"], runs[next(iter(runs))]["cpu_ms"])])
+        cpu = paired(run["cpu_ms"], runs[next(iter(runs))]["cpu_ms"])
         cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3), f"{statistics.median(run['compile_s']):.1f}"]
         rows.append(cells)
     title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']} "
              f"warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
     headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max",
                "CPU ms/step", f"CPU x {next(iter(runs))}", "min..max", "compile s"]
-    return title + "\n" + format_table(headers, rows)
+    return table(title, headers, rows)
 
 
 # --- time to accuracy on the digits data ------------------------------------------------------------
@@ -187,37 +180,15 @@ def hand_to_accuracy(target: float, rank: int, world_size: int, *, compiled: boo
     torch.manual_seed(SEED)
     train_set, val_set = digits()
     model = MODELS.build("mnist_cnn", key="model.name", kwargs={})
-    net = torch.compile(DDP(model)) if compiled else DDP(model)
     evaluator = torch.compile(model) if compiled else model  # the bare module: no collective per batch
-    optimizer = torch.optim.SGD(net.parameters(), lr=ACC_LR, momentum=MOMENTUM)
-    # Its own generator: a loader without one draws a seed from the global RNG at every pass, and
-    # the dropout masks (and the run) would then differ from ddpkit's.
-    val = DataLoader(torch.utils.data.Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH, generator=torch.Generator())
-    torch.manual_seed(SEED + rank)
-    step, epoch = 0, 0
-    while step < ACC_MAX_STEPS:
-        loader = loader_for(train_set, rank, world_size)
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            net.train()
-            F.cross_entropy(net(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % EVAL_EVERY == 0 and _accuracy(evaluator, val) >= target:
-                return time.perf_counter() - started, step
-        epoch += 1
-    return time.perf_counter() - started, step
+    val = strided_loader(val_set, rank, world_size)
 
+    def reached(step: int) -> bool:
+        return step > 0 and step % EVAL_EVERY == 0 and accuracy(evaluator, val) >= target
 
-def _accuracy(model: torch.nn.Module, val: DataLoader) -> float:
-    model.eval()
-    correct = torch.zeros(2)
-    with torch.no_grad():
-        for x, y in val:
-            correct += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
-    torch.distributed.all_reduce(correct)
-    return (correct[0] / correct[1]).item()
+    loader = loader_for(train_set, rank, world_size)
+    steps = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=ACC_MAX_STEPS, lr=ACC_LR, compiled=compiled, on_step=reached)
+    return time.perf_counter() - started, steps
 
 
 ACCURACY_VARIANTS = {
@@ -234,7 +205,7 @@ def accuracy_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) 
     rank, world_size, variants = runtime.env.rank, runtime.env.world_size, params["variants"]
     runs: dict[str, dict[str, list[float]]] = {v: {"s": [], "steps": []} for v in variants}
     for r in range(params["rounds"]):
-        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for name in rotated(variants, r):
             torch._dynamo.reset()
             seconds, steps = ACCURACY_VARIANTS[name](params["target"], rank, world_size, workdir / f"r{r}-{name}")
             runs[name]["s"].append(seconds)
@@ -248,10 +219,10 @@ def report_accuracy(target: float, result: dict[str, Any]) -> str:
     runs, rows = result["runs"], []
     for name, run in runs.items():
         s = Stats.of(run["s"])
-        ratio = Stats.of([v / h for v, h in zip(run["s"], runs["hand-eager"]["s"])])
+        ratio = paired(run["s"], runs["hand-eager"]["s"])
         rows.append([name, f"{s.median:.1f}", s.spread(1), f"{ratio.median:.3f}", ratio.spread(3), ", ".join(str(n) for n in run["steps"])])
     title = f"time to {target:.0%} validation accuracy, MNIST CNN on digits, 2 ranks x 1 thread, batch {BATCH}/rank"
-    return title + "\n" + format_table(["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
+    return table(title, ["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
 
 
 # --- page faults per step: malloc's defaults vs kept host memory ------------------------------------------
@@ -290,9 +261,9 @@ def page_faults(rounds: int) -> str:
             out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             rows[name].append([float(v) for v in out.stdout.split()])
             progress(f"[page faults] round {r + 1} {name}: {out.stdout.strip()}")
-    table = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name, runs in rows.items()]
+    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name, runs in rows.items()]
     title = f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each (fresh processes, alternating)"
-    return title + "\n" + format_table(["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], table)
+    return table(title, ["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], rows_out)
 
 
 # --- the driver --------------------------------------------------------------------------------------------
@@ -309,25 +280,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--page-faults", action="store_true", help="measure page faults per step instead (see above)")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
-    if args.page_faults:
-        print(page_faults(args.rounds), flush=True)
-        return 0
     variants = args.variants.split(",")
     unknown = [v for v in variants + args.workloads.split(",") if v not in VARIANTS and v not in STEPS]
     if unknown:
         parser.error(f"unknown variant or workload {unknown[0]!r}")
-    entry, results = [str(Path(__file__).resolve()), "--worker"], {}
-    if args.accuracy is not None:
-        params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds, "target": args.accuracy, "timeout": 1800}
-        results["accuracy"] = run_workers("compile_accuracy", params, nproc=2, threads=1, entry=entry)
-        print(report_accuracy(args.accuracy, results["accuracy"]), flush=True)
-    else:
-        for workload in args.workloads.split(","):
-            params = {"workload": workload, "variants": variants, "rounds": args.rounds, "timeout": 1800}
-            progress(f"[compile] {workload}: {', '.join(variants)} x {args.rounds} rounds ...")
-            results[workload] = run_workers("compile_steps", params, nproc=2, threads=1, entry=entry)
-            print(report_steps(workload, results[workload]), flush=True)
-    if args.json:
+    results: dict[str, Any] = {}
+    with load_printed():
+        if args.page_faults:
+            print(page_faults(args.rounds), flush=True)
+        elif args.accuracy is not None:
+            params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds, "target": args.accuracy, "timeout": 1800}
+            results["accuracy"] = run_module_workers(__spec__.name, "compile_accuracy", params, nproc=2)
+            print(report_accuracy(args.accuracy, results["accuracy"]), flush=True)
+        else:
+            for workload in args.workloads.split(","):
+                params = {"workload": workload, "variants": variants, "rounds": args.rounds, "timeout": 1800}
+                progress(f"[compile] {workload}: {', '.join(variants)} x {args.rounds} rounds ...")
+                results[workload] = run_module_workers(__spec__.name, "compile_steps", params, nproc=2)
+                print(report_steps(workload, results[workload]), flush=True)
+    if args.json and results:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 

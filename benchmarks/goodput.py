@@ -1,9 +1,11 @@
 """Goodput under faults, before and after crash saves and memory snapshots; recovery time split.
 
-    .venv/bin/python scripts/bench_goodput.py chaos --rounds 2 --faults 5     # alternating variants
-    .venv/bin/python scripts/bench_goodput.py cost                            # per-step cost, snapshot cost
+    .venv/bin/python -m benchmarks.goodput --rounds 2 --faults 5     # alternating variants
 
-``chaos`` runs the 2-rank digits CNN (quickstart's model, 2 epochs) under ``ddpkit run --max-restarts`` with ``--faults`` faults
+What goodput's bookkeeping costs a step (the listeners, a memory snapshot) is measured by
+``python -m benchmarks.feature_cost --feature goodput``.
+
+This runs the 2-rank digits CNN (quickstart's model, 2 epochs) under ``ddpkit run --max-restarts`` with ``--faults`` faults
 injected from outside at random moments (SIGKILL of one worker, SIGTERM of one worker, SIGKILL
 of every worker, in turn), once per variant per round, alternating: ``before`` (crash_save off, no
 memory snapshots, workers started as new interpreters: what ddpkit did until this round), ``after``
@@ -16,9 +18,6 @@ per-rank step logs of tests/scripts/goodput_trainer.py) and the recovery time sp
 detection (kill -> the last worker gone), torchrun's restart (-> the new process starts),
 interpreter + imports, process group, data and model build, checkpoint load, first step.
 
-``cost`` times, in one process, what the step path pays per optimizer step (the span listeners of
-the ledger and the crash save's boundary copy) against the MLP's own step, and one memory
-snapshot (capture and copy to new CPU tensors) against it, which sets ``memory_every_steps``.
 The load average is printed before and after: on a shared machine the absolute times are noise.
 """
 
@@ -38,7 +37,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.workloads import REPO, load_average
+
 SCRIPT = "tests/scripts/goodput_trainer.py"
 # `after`: the defaults, told the failure rate this bench injects (a fault every few seconds), as a
 # user whose job fails that often would, so that memory snapshots are spaced for it (Young/Daly).
@@ -48,10 +48,6 @@ VARIANTS["after, new interpreters"] = VARIANTS["after"]
 # `before` (ddpkit until this round) and the comparison row, as new interpreters.
 START = {"before": "subprocess", "after, new interpreters": "subprocess", "after": "fork"}
 KINDS = ["kill-one", "term-one", "kill-all"]
-
-
-def loadavg() -> str:
-    return Path("/proc/loadavg").read_text().split(" ")[0:3].__str__()
 
 
 def config(out: Path, variant: str, epochs: int = 2) -> Path:
@@ -130,7 +126,7 @@ def analyse_run(out: Path, faults: list[dict]) -> dict:
 
 def chaos(args: argparse.Namespace) -> None:
     rng, results = random.Random(args.seed), {v: [] for v in VARIANTS}
-    print(f"load average before: {loadavg()}", flush=True)
+    print(f"load average before: {load_average()}", flush=True)
     for round_ in range(args.rounds):
         for variant in (VARIANTS if round_ % 2 == 0 else reversed(list(VARIANTS))):
             out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant.replace(', ', '-').replace(' ', '-')}-"))
@@ -145,7 +141,7 @@ def chaos(args: argparse.Namespace) -> None:
             result = {**analyse_run(out, faults), "measured_wall": measured, "rc": code, "dir": str(out)}
             results[variant].append(result)
             print(json.dumps({"round": round_, "variant": variant, **result}), flush=True)
-    print(f"load average after: {loadavg()}")
+    print(f"load average after: {load_average()}", flush=True)
     summarize(results)
 
 
@@ -160,25 +156,15 @@ def summarize(results: dict) -> None:
                 print(f"  {kind:9s} n={len(rows)} " + " ".join(f"{k}={v:.2f}" if k != "lost_steps" else f"{k}={v:g}" for k, v in parts.items()))
 
 
-def cost(args: argparse.Namespace) -> None:
-    from bench_goodput_cost import measure  # noqa: PLC0415 - kept apart to keep this file short
-
-    print(f"load average before: {loadavg()}")
-    measure(rounds=args.rounds)
-    print(f"load average after: {loadavg()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["chaos", "cost"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--faults", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2, help="epochs of the chaos run (2: about 3 s of training on a quiet machine)")
     parser.add_argument("--max-delay", type=float, default=6.0, help="a fault comes 1 s to this many seconds after an attempt's first step")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    chaos(args) if args.mode == "chaos" else cost(args)
+    chaos(args)
 
 
 if __name__ == "__main__":

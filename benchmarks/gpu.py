@@ -1,13 +1,14 @@
 """A hand-written loop against ddpkit on one GPU: resnet50, bf16 autocast, channels_last, side by side.
 
-    python scripts/bench_gpu.py                         # 3 alternating rounds of 60 steps (20 warm-up)
-    python scripts/bench_gpu.py --rounds 5 --batch-size 128 --workers 8
+    python -m benchmarks.gpu                         # 3 alternating rounds of 60 steps (20 warm-up)
+    python -m benchmarks.gpu --rounds 5 --batch-size 128 --workers 8
 
 One process and one CUDA GPU, so no DDP on either side (a world of one: the Trainer wraps nothing
 either). Both train torchvision's resnet50 (1000 classes) from the same seed on the same
 in-memory random images (``ddpkit.data.datasets.synthetic``, 16 batches, cycled), with SGD and
 momentum, bf16 autocast and a channels_last model and batch, reading through a DataLoader with
-pinned memory and ``--workers`` worker processes. ddpkit is the real ``Trainer`` with its defaults
+pinned memory and ``--workers`` worker processes. The hand-written side is
+``benchmarks.workloads.train_by_hand`` with ``device="cuda"``. ddpkit is the real ``Trainer`` with its defaults
 (progress display, health checks, watchdog, recovery state), configured to match.
 
 Timing: the GPU is synchronized after the warm-up steps and after the last step (and nowhere
@@ -20,16 +21,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
+from benchmarks.workloads import load_printed, loader_for, paired, rotated, table, train_by_hand
+from ddpkit.bench.report import Stats
 from ddpkit.bench.timed import TimedTrainer
 from ddpkit.data.datasets import synthetic
 from ddpkit.registry import MODELS
@@ -41,28 +41,18 @@ def hand_written(steps: int, warmup: int, batch: int, workers: int, workdir: Pat
     """Seconds for the steps after ``warmup``: the loop a user would write."""
     torch.manual_seed(SEED)
     train_set, _ = synthetic(size=BATCHES * batch, shape=(3, 224, 224), num_classes=1000)
-    model = MODELS.build("resnet50", key="model.name", kwargs={"num_classes": 1000}).to("cuda", memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    loader = DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True, pin_memory=True, num_workers=workers,
-                        persistent_workers=True, generator=torch.Generator().manual_seed(SEED))
-    model.train()
-    step, started = 0, 0.0
-    while step < steps:
-        for x, y in loader:
-            x = x.to("cuda", non_blocking=True).contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y.to("cuda", non_blocking=True))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step == warmup:
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-            if step == steps:
-                break
-    torch.cuda.synchronize()
-    return time.perf_counter() - started
+    model = MODELS.build("resnet50", key="model.name", kwargs={"num_classes": 1000})
+    loader = loader_for(train_set, 0, 1, batch_size=batch, num_workers=workers, pin_memory=True)
+    started = [0.0, 0.0]
+
+    def synced(step: int) -> None:  # the GPU synchronized after the warm-up and the last step only
+        if step in (warmup, steps):
+            torch.cuda.synchronize()
+            started[step == steps] = time.perf_counter()
+
+    train_by_hand(model, loader, rank=0, world_size=1, max_steps=steps, lr=LR, momentum=MOMENTUM, device="cuda", channels_last=True, bf16=True,
+                  on_step=synced)
+    return started[1] - started[0]
 
 
 class _SyncedTrainer(TimedTrainer):
@@ -114,20 +104,19 @@ def main(argv: list[str]) -> int:
         return 2
     timed = args.steps - args.warmup
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+    with load_printed(), tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         for r in range(args.rounds):
-            order = list(VARIANTS)[r % 2:] + list(VARIANTS)[:r % 2]
-            for name in order:
+            for name in rotated(list(VARIANTS), r):
                 s = VARIANTS[name](args.steps, args.warmup, args.batch_size, args.workers, Path(tmp) / f"r{r}")
                 seconds[name].append(s)
                 print(f"[gpu] round {r + 1}/{args.rounds} {name}: {timed * args.batch_size / s:.0f} images/s", flush=True)
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: resnet50, bf16, channels_last, batch {args.batch_size}, {args.workers} workers, "
-          f"{timed} timed steps after {args.warmup}, {args.rounds} rounds")
-    hand = seconds["hand-written"]
-    for name, runs in seconds.items():
-        ratios = [s / h for s, h in zip(runs, hand)]
-        print(f"{name:>13}: {timed * args.batch_size / statistics.median(runs):8.0f} images/s (median), "
-              f"time x hand {statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
+        rows = []
+        for name, runs in seconds.items():
+            ratio = paired(runs, seconds["hand-written"])
+            rows.append([name, f"{timed * args.batch_size / Stats.of(runs).median:.0f}", f"{ratio.median:.3f}", ratio.spread(3)])
+        print(table(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: resnet50, bf16, channels_last, batch {args.batch_size}, "
+                    f"{args.workers} workers, {timed} timed steps after {args.warmup}, {args.rounds} rounds",
+                    ["variant", "images/s (median)", "time x hand (paired)", "min..max"], rows), flush=True)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Step time and per-rank bytes of parallel.mode ddp / zero1 / fsdp2 on 2 Gloo ranks, in paired rounds.
 
-    .venv/bin/python scripts/bench_modes.py                      # 5 rounds, MLP and tiny_lm
-    .venv/bin/python scripts/bench_modes.py --rounds 9 --steps 20
+    .venv/bin/python -m benchmarks.modes                      # 5 rounds, MLP and the GPT
+    .venv/bin/python -m benchmarks.modes --rounds 9 --steps 20
 
 Each round runs every (model, mode) pair in the same two processes, the mode order rotating from
 round to round, so load on a shared machine hits all modes alike. A pair builds the model as the
@@ -16,21 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ddpkit.testing import run_on_ranks  # noqa: E402
+from benchmarks.workloads import load_average
+from ddpkit.testing import run_on_ranks
 
 MODELS = {
     "mlp": ({"name": "mlp", "kwargs": {"in_features": 784, "hidden": [1024, 1024]}},
             lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))),
-    "tiny_lm": ({"name": "tiny_lm", "kwargs": {"vocab": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
+    "gpt": ({"name": "gpt", "kwargs": {"vocab_size": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
                 lambda g: (lambda x: (x, x[:, 0]))(torch.randint(0, 512, (16, 64), generator=g))),
 }
 MODES = ("ddp", "zero1", "fsdp2")
@@ -83,11 +80,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    load_before = load_average()
     per_rank = run_on_ranks(_rounds, 2, args=(args.rounds, args.steps), timeout=3600)
-    load_after = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"2 Gloo ranks on CPU, {args.rounds} rounds x {args.steps} timed Adam steps; load average before {' '.join(load_before)}, "
-          f"after {' '.join(load_after)}")
+    load_after = load_average()
+    print(f"2 Gloo ranks on CPU, {args.rounds} rounds x {args.steps} timed Adam steps; load average before {load_before}, after {load_after}")
     print(f"{'model':<8} {'mode':<6} {'median step':>12} {'vs ddp':>7} {'params/rank':>12} {'grads/rank':>11} {'optim/rank':>11}")
     for model_name in MODELS:
         rows = {m: [x for x in per_rank[0] if x["model"] == model_name and x["mode"] == m] for m in MODES}

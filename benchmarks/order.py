@@ -1,6 +1,6 @@
 """Epoch orders side by side: memory and time to the first batch at 10^6 / 10^8 / 10^9 samples, and batches/s.
 
-    python scripts/bench_order.py [--sizes 1e6 1e8 1e9] [--rounds 5] [--skip-old-above 1e8]
+    python -m benchmarks.order [--sizes 1e6 1e8 1e9] [--rounds 5] [--skip-old-above 1e8]
 
 Three samplers of rank 0 of 2, batches of 64 (``torch.utils.data.BatchSampler``):
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from benchmarks.workloads import child_env, load_average
 from ddpkit.data.samplers import ResumableDistributedSampler
 
 KINDS = ("old", "randperm", "index_free")
@@ -77,14 +78,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-old-above", type=float, default=1e8, help="old/randperm above this need > 8 GB (10^9: ~44 GB)")
     args = parser.parse_args()
-    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
+    print(f"load average before: {load_average()}", flush=True)
     print(f"{'N':>6} {'sampler':>11} {'first batch s':>14} {'peak RSS +MB':>13}")
     for n in map(int, args.sizes):
         for kind in KINDS:
             if kind != "index_free" and n > args.skip_old_above:
                 print(f"{n:>6.0e} {kind:>11} {'(not run: 8 GB tensor' + (' + ~36 GB list)' if kind == 'old' else ')'):>28}")
                 continue
-            out = subprocess.run([sys.executable, __file__, "--first-batch", kind, str(n)], capture_output=True, text=True, check=True).stdout.split()
+            argv = [sys.executable, "-m", __spec__.name, "--first-batch", kind, str(n)]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env()).stdout.split()
             print(f"{n:>6.0e} {kind:>11} {float(out[0]):>14.3f} {float(out[1]):>13.1f}")
     rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):  # alternating rounds: the load on a shared machine hits every sampler alike
@@ -94,7 +96,7 @@ def main() -> None:
     for kind in KINDS:
         median = statistics.median(rates[kind])
         print(f"batches/s at N=1e6, {kind:>10}: median {median:>9.0f} over {args.rounds} rounds, x{median / old:.2f} of old")
-    print("loadavg after:", Path("/proc/loadavg").read_text().strip())
+    print(f"load average after: {load_average()}", flush=True)
 
 
 if __name__ == "__main__":

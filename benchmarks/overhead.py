@@ -1,18 +1,20 @@
 """Per-step overhead of the ddpkit Trainer against a plain hand-written DDP loop.
 
-    python scripts/bench_overhead.py                        # step-cost, mlp, mnist_cnn, resnet18; 7 rounds
-    python scripts/bench_overhead.py --workloads mlp --rounds 3
-    python scripts/bench_overhead.py --json benchmarks/overhead.json
-    python scripts/bench_overhead.py --workloads mlp --fresh      # each variant of each round in new processes
-    valgrind --tool=cachegrind --cache-sim=no python scripts/bench_overhead.py --single ddpkit 450   # instructions
+    python -m benchmarks.overhead                        # step-cost, mlp, mnist_cnn, resnet18; 7 rounds
+    python -m benchmarks.overhead --workloads mlp --rounds 3
+    python -m benchmarks.overhead --json benchmarks/overhead.json
+    python -m benchmarks.overhead --workloads mlp --fresh      # each variant of each round in new processes
+    valgrind --tool=cachegrind --cache-sim=no python -m benchmarks.overhead --single ddpkit 450   # instructions
+
+(From the repository root, as every benchmark: see ``benchmarks/__init__.py``.)
 
 Each workload runs as one job of 2 Gloo ranks (one thread each; ``step-cost`` and ``mlp-1``: one process)
 started through torch's launcher. Inside that job every variant trains the same model on the same data with the same
 seed, optimizer (SGD, lr 0.01, momentum 0.9), per-rank batch (64) and number of steps, in
 alternating rounds (the order rotates each round, so every variant runs in every position):
 
-* ``hand-written``: the plain loop below (``DistributedSampler``, ``DDP``, forward, backward, step),
-  the reference;
+* ``hand-written``: the plain loop (``benchmarks.workloads.train_by_hand``: ``DistributedSampler``,
+  ``DDP``, forward, backward, step), the reference;
 * ``ddpkit``: the config-driven ``ddpkit.Trainer`` with its defaults (progress bar on, loss
   reduced every 50 steps);
 * ``ddpkit+timeline``: the same with ``train.timeline: true`` (the cost of recording spans);
@@ -43,11 +45,7 @@ of the instruction totals divided by the difference of the steps is the loop's i
 step, with start-up cancelled out.
 
 The hand-written loop mirrors the Trainer's setup order, which is what makes the weights
-bitwise equal: ``torch.manual_seed(seed)`` before building the data and the model, a
-``DistributedSampler(seed=seed, drop_last=True)``, a ``DataLoader`` with its own
-``torch.Generator`` (so iterating it never draws from the global RNG), and
-``torch.manual_seed(seed + rank)`` after setup, before the first step (dropout masks differ per
-rank, as they must).
+bitwise equal (``benchmarks.workloads`` says how).
 """
 
 from __future__ import annotations
@@ -55,12 +53,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import importlib.util
 import io
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -68,52 +64,33 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.bench.launching import run_workers
-from ddpkit.bench.report import Stats, format_table, progress
+from benchmarks.workloads import (
+    BATCH,
+    LR,
+    MOMENTUM,
+    SEED,
+    WORKLOADS,
+    build,
+    loader_for,
+    paired,
+    rotated,
+    run_module_workers,
+    table,
+    train_by_hand,
+    trainer_config,
+    weights_digest,
+)
+from ddpkit.bench.report import Stats, progress
 from ddpkit.bench.timed import StepClock, TimedTrainer, median_step_ms, steady_ms_per_step
 from ddpkit.bench.worker import serve
-from ddpkit.data.batched import batch_reads
-from ddpkit.data.datasets import synthetic
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sharding import gradient_norm
-from ddpkit.registry import MODELS
 from ddpkit.training.allocator import keep_freed_host_memory
 
-SEED, BATCH, LR, MOMENTUM = 0, 64, 0.01, 0.9
-
-#: model name, model kwargs, input shape, timed steps, warm-up steps, ranks. ``step-cost`` is a
-#: near-empty step (a 16 -> 10 linear layer, one process, no DDP): what is left is each loop's
-#: own fixed cost per step, in microseconds. ``mlp-1`` is the MLP in one process: the loop's cost on a
-#: real model without a peer's scheduling noise (paired ranges of a few us where 2 ranks give 50).
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "step-cost": {"model": "torch.nn:Linear", "kwargs": {"in_features": 16, "out_features": 10}, "shape": [16], "steps": 1000, "warmup": 100, "nproc": 1},
-    "mlp": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30, "nproc": 2},
-    "mlp-1": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30, "nproc": 1},
-    "mnist_cnn": {"model": "mnist_cnn", "kwargs": {}, "shape": [1, 28, 28], "steps": 100, "warmup": 10, "nproc": 2},
-    "resnet18": {"model": "resnet18", "kwargs": {"num_classes": 10}, "shape": [3, 32, 32], "steps": 12, "warmup": 3, "nproc": 2},
-}
 FRAMEWORKS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "accelerate"}
 
 
 # --- the variants: each returns (its StepClock, final state_dict of the bare model) -------------
-
-
-def build(w: dict[str, Any], steps: int) -> tuple[Any, torch.nn.Module]:
-    """The training set (exactly ``steps`` batches per rank) and the model, in the Trainer's order."""
-    world_size = torch.distributed.get_world_size()
-    train_set, _ = synthetic(size=steps * BATCH * world_size, shape=w["shape"], num_classes=10)
-    return train_set, MODELS.build(w["model"], key="model.name", kwargs=w["kwargs"])
-
-
-def loader_for(train_set: Any, rank: int, world_size: int, *, batched: bool = False) -> DataLoader:
-    """torch's DistributedSampler and DataLoader; ``batched``: with ddpkit's whole-batch reads (ddpkit.data.batched)."""
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=SEED, drop_last=True)
-    sampler.set_epoch(0)
-    data, collate = batch_reads(train_set) if batched else (train_set, None)
-    return DataLoader(data, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator(), collate_fn=collate)
 
 
 def hand_written(
@@ -123,24 +100,9 @@ def hand_written(
     ``batched``: the data read a batch at a time, as the Trainer reads a TensorDataset (what is left is the loop's own cost)."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
-    ddp = DDP(model) if world_size > 1 else model  # as the Trainer: no DDP for a world of one
-    loader = loader_for(train_set, rank, world_size, batched=batched)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-    torch.manual_seed(SEED + rank)
-    ddp.train()
     clock = StepClock()
-    clock.tick()
-    params = list(model.parameters())
-    for x, y in loader:
-        loss = F.cross_entropy(ddp(x), y)
-        if checks and not math.isfinite(loss.detach().item()):  # TrainingHealth.watch_loss on the CPU
-            loss = loss * math.nan
-        loss.backward()
-        if checks and not math.isfinite(gradient_norm(params)):
-            raise FloatingPointError("non-finite gradient norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.tick()
+    loader = loader_for(train_set, rank, world_size, batched=batched)
+    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, checks=checks, on_step=lambda step: clock.tick())
     return clock, model.state_dict()
 
 
@@ -148,14 +110,7 @@ def ddpkit_trainer(
     w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False, log_every: int = 50,
     without: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[StepClock, dict]:
-    config = {
-        "run": {"name": "overhead", "output_dir": str(workdir / "ddpkit"), "seed": SEED},
-        "data": {"name": "synthetic", "batch_size": BATCH, "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
-        "model": {"name": w["model"], "kwargs": w["kwargs"]},
-        "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        "train": {"epochs": 1, "max_steps": steps, "timeline": timeline, "log_every": log_every},
-        "checkpoint": {"every_epochs": None, "resume": "none"},
-    }
+    config = trainer_config(w, steps, world_size, workdir / "ddpkit", name="overhead", train={"timeline": timeline, "log_every": log_every})
     for section, values in (without or {}).items():  # an ablation: some default switched off
         config[section] = {**config.get(section, {}), **values}
     trainer = TimedTrainer(config)
@@ -278,8 +233,7 @@ def overhead_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) 
     runs: dict[str, dict[str, list]] = {v: {"wall": [], "step_median": [], "cpu": [], "weights": []} for v in variants}
     first_round = params.get("first_round", 0)  # --fresh: one round of one variant per job, numbered by the driver
     for r in range(first_round, first_round + rounds):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
-        for name in order:
+        for name in rotated(variants, r):
             extra = {"workdir": workdir / f"r{r}"} if name.startswith("ddpkit") else {}
             clock, final = VARIANTS[name](w, warmup + steps, rank, world_size, **extra)
             run = runs[name]
@@ -292,26 +246,16 @@ def overhead_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) 
     return {"runs": runs, "steps": steps, "warmup": warmup}
 
 
-def weights_digest(state: dict[str, torch.Tensor]) -> str:
-    """The final weights' bytes, hashed: equal digests are bitwise-equal weights, across processes too."""
-    sha = hashlib.sha256()
-    for name, value in sorted(state.items()):
-        sha.update(name.encode())
-        sha.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()
-
-
 def run_fresh(workload: str, variants: list[str], rounds: int, steps: int | None) -> dict[str, Any]:
     """Every variant of every round in a job of its own (new processes, the order rotating each round).
 
     In one long-lived process each variant inherits the heap and caches the previous ones left, which
     moves a step by tens to hundreds of microseconds; fresh processes measure each loop as users run it."""
-    entry = [str(Path(__file__).resolve()), "--worker"]
     merged: dict[str, Any] = {}
     for r in range(rounds):
-        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for name in rotated(variants, r):
             params = {"workload": workload, "variants": [name], "rounds": 1, "steps": steps, "first_round": r}
-            result = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+            result = run_module_workers(__spec__.name, "overhead", params, nproc=WORKLOADS[workload]["nproc"])
             merged.setdefault("runs", {}).setdefault(name, {k: [] for k in result["runs"][name]})
             for key, values in result["runs"][name].items():
                 merged["runs"][name][key] += values
@@ -335,9 +279,9 @@ def report(workload: str, result: dict[str, Any]) -> str:
     rows = []
     for name, run in runs.items():
         wall, same = Stats.of(run["wall"]), run["bitwise"]
-        ratio = Stats.of([v / h for v, h in zip(run["wall"], hand["wall"])])  # paired: the same round
+        ratio = paired(run["wall"], hand["wall"])
         of_mins = min(run["step_median"]) / min(hand["step_median"])
-        extra_us = Stats.of([(v - h) * 1000 for v, h in zip(run["cpu"], hand["cpu"])]).median
+        extra_us = paired(run["cpu"], hand["cpu"], scale=1000, difference=True).median
         rows.append([
             name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3), f"{of_mins:.3f}",
             f"{extra_us:+.1f}", f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})",
@@ -346,7 +290,7 @@ def report(workload: str, result: dict[str, Any]) -> str:
     title = (f"{workload}: {w['nproc']} rank(s) x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
              f"{result['warmup']} warm-up, {len(hand['wall'])} rounds")
     headers = ["variant", "ms/step", "min..max", "x hand", "x hand min..max", "x hand (best rounds)", "CPU us/step vs hand", "bitwise = hand"]
-    return title + "\n" + format_table(headers, rows)
+    return table(title, headers, rows)
 
 
 def run_single(variant: str, steps: int, log_every: int, workload: str = "step-cost") -> None:
@@ -400,8 +344,7 @@ def main(argv: list[str]) -> int:
         if args.fresh:
             results[workload] = run_fresh(workload, variants, args.rounds, args.steps)
         else:
-            entry = [str(Path(__file__).resolve()), "--worker"]
-            results[workload] = run_workers("overhead", params, nproc=WORKLOADS[workload]["nproc"], threads=1, entry=entry)
+            results[workload] = run_module_workers(__spec__.name, "overhead", params, nproc=WORKLOADS[workload]["nproc"])
         mark_bitwise(results[workload])
         print(report(workload, results[workload]), flush=True)
     if args.json:

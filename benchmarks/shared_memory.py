@@ -1,6 +1,6 @@
 """PSS of an in-memory dataset over 2 ranks x 2 DataLoader workers: a plain Python list vs SharedDataset.
 
-    python scripts/bench_shared_memory.py [--records 100000] [--epochs 4]
+    python -m benchmarks.shared_memory [--records 100000] [--epochs 4]
 
 Each of 2 Gloo ranks (real processes, ddpkit.testing.run_on_ranks) builds the dataset, then reads it
 through ddpkit's training loader with 2 forked workers for ``--epochs`` shuffled epochs (every
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.workloads import load_average
 from ddpkit.testing import run_on_ranks
 
 
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
-    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
+    print(f"load average before: {load_average()}", flush=True)
     rows = {}
     for kind in ("plain", "shared"):
         base = run_on_ranks(_measure, world_size=2, args=(kind, 100, args.epochs), timeout=600)[0]
@@ -77,7 +78,7 @@ def main() -> None:
     print(f"{'dataset':<10} {'processes':>9} {'data MB':>8} {'PSS MB (minus baseline)':>24} {'x data':>7}")
     for kind, (pss, data, procs) in rows.items():
         print(f"{kind:<10} {procs:>9} {data:>8.1f} {pss:>24.1f} {pss / data:>7.2f}")
-    print("loadavg after:", Path("/proc/loadavg").read_text().strip())
+    print(f"load average after: {load_average()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What ddpkit costs before training starts: import time and time to the first step.
 
-    python scripts/bench_startup.py                    # both parts, 5 alternated rounds (~3 min on 2 cores)
-    python scripts/bench_startup.py --rounds 3 --skip-first-step
+    python -m benchmarks.startup                    # both parts, 5 alternated rounds (~3 min on 2 cores)
+    python -m benchmarks.startup --rounds 3 --skip-first-step
 
 1. **Import time.** ``python -X importtime -c "import torch"`` and ``... "import ddpkit"`` in
    alternation. Reported: the cumulative import time of ``ddpkit`` minus that of ``torch`` inside
@@ -15,8 +15,9 @@
    --script``. Measured: seconds from starting the launcher to the end of rank 0's first
    optimizer step. The issue's budget: ddpkit within 1 s of the hand-written script.
 
-This file is also the worker: launched with ``BENCH_STARTUP_VARIANT`` set it trains, and the
-hand-written variant imports nothing from ddpkit.
+This module is also the worker: launched with ``BENCH_STARTUP_VARIANT`` set it trains, and the
+hand-written variant imports nothing from ddpkit (``benchmarks.workloads.train_by_hand`` loads torch
+only). Workers find the ``benchmarks`` package through ``PYTHONPATH`` (``benchmarks.workloads.child_env``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.workloads import child_env, load_printed, loader_for, paired, summary, table, train_by_hand  # torch only: see its docstring
 
 SEED, BATCH, STEPS = 0, 64, 3
 
@@ -60,27 +63,17 @@ def first_step_done() -> None:
 def hand_written() -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED)
     train_set, model = make_data(world_size), make_model()
-    ddp = DDP(model)
-    sampler = DistributedSampler(train_set, seed=SEED, drop_last=True)
-    loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    torch.manual_seed(SEED + rank)
-    for step, (x, y) in enumerate(loader, start=1):
-        F.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def first_step(step: int) -> None:
         if step == 1 and rank == 0:
             first_step_done()
-        if step == STEPS:
-            break
+
+    train_by_hand(model, loader_for(train_set, rank, world_size), rank=rank, world_size=world_size, max_steps=STEPS, on_step=first_step)
     dist.destroy_process_group()
 
 
@@ -153,8 +146,8 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
     config.write_text(CONFIG.replace("run: {name: startup, seed: 0}", f"run: {{name: startup, seed: {SEED}, output_dir: {workdir / 'run'}}}"))
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     commands = {
-        "hand-written (torchrun)": ("hand", [*torchrun, str(script)]),
-        "ddpkit Trainer (torchrun)": ("ddpkit", [*torchrun, str(script), str(config)]),
+        "hand-written (torchrun)": ("hand", [*torchrun, "-m", __spec__.name]),
+        "ddpkit Trainer (torchrun)": ("ddpkit", [*torchrun, "-m", __spec__.name, str(config)]),
         "ddpkit Trainer (ddpkit run --script)": ("ddpkit", [python, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(script)]),
     }
     seconds: dict[str, list[float]] = {name: [] for name in commands}
@@ -164,7 +157,7 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
             variant, argv = commands[name]
             marker = workdir / "first-step.txt"
             marker.unlink(missing_ok=True)
-            env = {**os.environ, "BENCH_STARTUP_VARIANT": variant, "BENCH_STARTUP_OUT": str(marker), "OMP_NUM_THREADS": "1"}
+            env = child_env(BENCH_STARTUP_VARIANT=variant, BENCH_STARTUP_OUT=str(marker), OMP_NUM_THREADS="1")
             start = time.time()
             done = subprocess.run(argv, env=env, capture_output=True, text=True)
             if done.returncode != 0 or not marker.exists():
@@ -174,42 +167,43 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
     return seconds
 
 
+def import_report(python: str, rounds: int) -> str:
+    t = import_times(python, rounds)
+    added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in ("added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms"))
+    extra = sorted(((summary(v).median, k) for k, v in t["extra_modules"].items()), reverse=True)
+    return table(f"import time, {rounds} alternated rounds (python -X importtime):", ["measure", "median ms", "min..max"], [
+        ["import torch (alone)", f"{torch_ms.median:.1f}", torch_ms.spread(1)],
+        ["import ddpkit (total)", f"{ddpkit_ms.median:.1f}", ddpkit_ms.spread(1)],
+        ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
+        ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
+    ]) + (f"\nbudget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
+          f"{len(extra)} modules not imported by torch, largest self times: " + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8]))
+
+
+def first_step_report(python: str, rounds: int) -> str:
+    with tempfile.TemporaryDirectory(prefix="ddpkit-startup-") as tmp:
+        seconds = time_to_first_step(python, Path(__file__).resolve(), rounds, Path(tmp))
+    hand, rows = seconds["hand-written (torchrun)"], []
+    for name, values in seconds.items():
+        s, diff = summary(values), paired(values, hand, difference=True)
+        rows.append([name, f"{s.median:.2f}", s.spread(2), f"{diff.median:+.2f}", diff.spread(2)])
+    title = f"\ntime to first step (launcher start -> end of rank 0's first step), 2 ranks, {rounds} alternated rounds:"
+    return table(title, ["script", "median s", "min..max", "vs hand (paired) s", "vs hand min..max"], rows)
+
+
 def main(argv: list[str]) -> int:
     import argparse
-
-    from ddpkit.bench.report import Stats, format_table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
     parser.add_argument("--skip-imports", action="store_true", help="skip the import-time part")
     parser.add_argument("--skip-first-step", action="store_true", help="skip the time-to-first-step part")
     args = parser.parse_args(argv)
-    python = sys.executable
-    if not args.skip_imports:
-        t = import_times(python, args.rounds)
-        added, torch_ms, ddpkit_ms = Stats.of(t["added_ms"]), Stats.of(t["torch_ms"]), Stats.of(t["ddpkit_ms"])
-        cpu_added = Stats.of(t["cpu_added_ms"])
-        print(f"import time, {args.rounds} alternated rounds (python -X importtime):")
-        print(format_table(["measure", "median ms", "min..max"], [
-            ["import torch (alone)", f"{torch_ms.median:.1f}", torch_ms.spread(1)],
-            ["import ddpkit (total)", f"{ddpkit_ms.median:.1f}", ddpkit_ms.spread(1)],
-            ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
-            ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
-        ]))
-        extra = sorted(((Stats.of(v).median, k) for k, v in t["extra_modules"].items()), reverse=True)
-        print(f"budget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
-              f"{len(extra)} modules not imported by torch, largest self times: "
-              + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8]))
-    if not args.skip_first_step:
-        with tempfile.TemporaryDirectory(prefix="ddpkit-startup-") as tmp:
-            seconds = time_to_first_step(python, Path(__file__).resolve(), args.rounds, Path(tmp))
-        hand = seconds["hand-written (torchrun)"]
-        rows = []
-        for name, values in seconds.items():
-            s, diff = Stats.of(values), Stats.of([v - h for v, h in zip(values, hand)])
-            rows.append([name, f"{s.median:.2f}", s.spread(2), f"{diff.median:+.2f}", diff.spread(2)])
-        print(f"\ntime to first step (launcher start -> end of rank 0's first step), 2 ranks, {args.rounds} alternated rounds:")
-        print(format_table(["script", "median s", "min..max", "vs hand (paired) s", "vs hand min..max"], rows))
+    with load_printed():
+        if not args.skip_imports:
+            print(import_report(sys.executable, args.rounds), flush=True)
+        if not args.skip_first_step:
+            print(first_step_report(sys.executable, args.rounds), flush=True)
     return 0
 
 

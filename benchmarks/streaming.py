@@ -1,7 +1,7 @@
 """Samples/s of a sharded stream against the same data map-style, and the cost of the agreed stop.
 
-    python scripts/bench_streaming.py                          # 1 and 2 ranks x 0 and 2 workers, 5 rounds
-    python scripts/bench_streaming.py --rounds 9 --num-train 24000 --json /tmp/bench_streaming.json
+    python -m benchmarks.streaming                          # 1 and 2 ranks x 0 and 2 workers, 5 rounds
+    python -m benchmarks.streaming --rounds 9 --num-train 24000 --json /tmp/bench_streaming.json
 
 ``throughput``: each rank count runs as one job of Gloo ranks (one thread each, a ``FileStore``,
 ``ddpkit.testing.run_on_ranks``). Inside it, every round reads one whole epoch of the embedded
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, TensorDataset
 
+from benchmarks.workloads import load_printed
 from ddpkit.data.datasets import make_digits
 from ddpkit.data.epochs import start_epoch
 from ddpkit.data.loaders import build_train_loader
@@ -129,6 +130,11 @@ def main() -> None:
     parser.add_argument("--parts", default="throughput,agreement", help="which measurements, comma-separated")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args()
+    with load_printed():
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {"throughput": {}, "agreement": {}}
     if "throughput" in args.parts:
         print(f"samples/s, one epoch of {args.num_train} digits, per-rank batch 64; median (min..max) of {args.rounds} rounds")

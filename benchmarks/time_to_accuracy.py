@@ -1,14 +1,14 @@
 """Time to 95% validation accuracy on the digits data, whole process: launch to exit, save included.
 
-    python scripts/bench_time_to_accuracy.py                    # 5 alternated rounds (~1.5 min on 2 cores)
-    python scripts/bench_time_to_accuracy.py --rounds 1 --json tta.json
+    python -m benchmarks.time_to_accuracy                    # 5 alternated rounds (~1.5 min on 2 cores)
+    python -m benchmarks.time_to_accuracy --rounds 1 --json tta.json
 
 Issue 25's budget: ddpkit within 1.05x of the hand-written script. Three variants, each launched as
 a fresh process tree, timed with ``time.time()`` from just before the launch to the launcher's exit,
 in alternating order (a round's first variant alternates), after one untimed warm-up of each:
 
 * ``hand-written``: ``python -m torch.distributed.run --standalone --nproc-per-node 2
-  scripts/tta_hand.py DATA OUT`` (torch only; see its docstring);
+  -m benchmarks.tta_hand DATA OUT`` (torch only; see its docstring);
 * ``ddpkit``: ``python -m ddpkit run CONFIG --nproc-per-node 2``, with the same job as a config
   (``CONFIG`` below) and every other default on: progress bar, watchdog, signals, health checks,
   checkpoint every epoch and at the end, crash save, memory snapshots; its workers forked from the
@@ -65,11 +65,12 @@ from typing import Any
 
 import torch
 
-from ddpkit.bench.report import Stats, format_table, progress
+from benchmarks.workloads import child_env, paired, summary
+from ddpkit.bench.report import format_table, progress
 from ddpkit.data.datasets import digits, make_digits
 from ddpkit.goodput.reading import read_ledger
 
-HAND = Path(__file__).resolve().with_name("tta_hand.py")
+HAND = "benchmarks.tta_hand"
 VARIANTS = ("hand-written", "ddpkit", "ddpkit, new interpreters")
 START = {"ddpkit": "fork", "ddpkit, new interpreters": "subprocess"}  # `ddpkit run --start-method`
 MARKS = ("launch", "imported", "ready", "built", "first_step", "target", "saved", "exit")
@@ -90,8 +91,8 @@ REACHED = re.compile(r"early stopping: val_accuracy (\S+) >= train\.early_stoppi
 
 
 def environment() -> dict[str, str]:
-    """One thread per rank, unbuffered output, ddpkit's default cache directory."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """One thread per rank, unbuffered output, ddpkit's default cache directory, ``benchmarks`` importable."""
+    env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DDPKIT_CACHE_DIR", None)
     return env
 
@@ -122,7 +123,7 @@ def launch(argv: list[str], log: Path) -> tuple[float, float, str]:
 def run_hand(data: Path, out: Path) -> dict[str, Any]:
     """One hand-written run: its marks and step count."""
     out.mkdir(parents=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(HAND), str(data), str(out)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", HAND, str(data), str(out)]
     launched, exited, stdout = launch(argv, out / "stderr.txt")
     line = [s for s in stdout.splitlines() if s.startswith("{")][-1]
     marks = json.loads(line)
@@ -186,12 +187,12 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
     """The wall-time table (with the paired ratio) and the table of parts."""
     hand, rows = [r["wall_s"] for r in runs["hand-written"]], []
     for variant, variant_runs in runs.items():
-        wall = Stats.of([r["wall_s"] for r in variant_runs])
-        ratio = Stats.of([r["wall_s"] / h for r, h in zip(variant_runs, hand)])
+        wall = summary([r["wall_s"] for r in variant_runs])
+        ratio = paired([r["wall_s"] for r in variant_runs], hand)
         steps = ", ".join(str(r["step"]) for r in variant_runs)
         rows.append([variant, f"{wall.median:.2f}", wall.spread(2), f"{ratio.median:.3f}", ratio.spread(3), steps])
     equal = min(sum(r["bitwise_equal_to_hand"] for r in runs[v]) for v in START)
-    budget = Stats.of([d["wall_s"] / h["wall_s"] for d, h in zip(runs["ddpkit"], runs["hand-written"])]).median
+    budget = paired([d["wall_s"] for d in runs["ddpkit"]], hand).median
     lines = [
         f"time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, {len(hand)} rounds:",
         format_table(["variant", "median s", "min..max", "x hand (paired)", "min..max", "steps to target"], rows),
@@ -200,7 +201,7 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         "",
         "parts, median seconds (launch -> imports done -> group ready -> data+model built -> first step -> target reached -> saved -> exit):",
     ]
-    part_rows = [[v, *(f"{Stats.of([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()]
+    part_rows = [[v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()]
     diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))] for row in part_rows[1:]]
     lines.append(format_table(["variant", *PARTS], [*part_rows, *diffs]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]

@@ -1,6 +1,6 @@
-"""The hand-written side of ``bench_time_to_accuracy.py``: plain DDP to 95% on the digits data, torch only.
+"""The hand-written side of ``benchmarks.time_to_accuracy``: plain DDP to 95% on the digits data, torch only.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/tta_hand.py DATA.pt OUT_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.tta_hand DATA.pt OUT_DIR
 
 ``DATA.pt`` holds ``[train_images, train_labels, val_images, val_labels]``, the tensors of ddpkit's
 ``digits`` dataset with its defaults (the bench writes it). The job: the classic MNIST CNN (the same
@@ -9,10 +9,9 @@ evaluation every 25 steps (each rank a strided share of the validation set, corr
 all-reduced), stop at the first evaluation with accuracy >= 0.95; rank 0 then writes
 ``OUT_DIR/model.pt`` and prints one JSON line of wall-clock timestamps (``time.time()``).
 
-Seeds as the ddpkit Trainer sets them, so both train bitwise alike: ``manual_seed(seed)`` before the
-data and the model, ``manual_seed(seed + rank)`` once everything is built; each loader has its own
-generator (a loader without one draws a seed from the global RNG, which moves the dropout masks).
-Imports nothing from ddpkit.
+The loop is ``benchmarks.workloads.train_by_hand`` and the evaluation ``benchmarks.workloads.accuracy``:
+seeded as the ddpkit Trainer seeds, so both train bitwise alike. Imports nothing from ddpkit
+(``benchmarks.workloads`` loads torch only).
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+from benchmarks.workloads import accuracy, loader_for, strided_loader, train_by_hand  # noqa: E402
 
 SEED, BATCH, LR, MOMENTUM, EVAL_EVERY, TARGET, MAX_STEPS = 0, 64, 0.05, 0.9, 25, 0.95, 2000
 
@@ -55,42 +55,6 @@ class MnistCNN(nn.Module):
         return self.fc2(x)
 
 
-def accuracy(model: nn.Module, val: DataLoader) -> float:
-    """Exact accuracy over the whole validation set: every rank's correct and total, summed (float64)."""
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for x, y in val:
-            counts += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-    dist.all_reduce(counts)
-    model.train()
-    return (counts[0] / counts[1]).item()
-
-
-def train(ddp: nn.Module, model: nn.Module, train_set: TensorDataset, val: DataLoader, marks: dict) -> int:
-    """Train until the target is reached (or MAX_STEPS); return the step count."""
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-    sampler = DistributedSampler(train_set, seed=SEED, drop_last=True)
-    loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True, generator=torch.Generator())
-    torch.manual_seed(SEED + dist.get_rank())
-    marks["built"] = time.time()
-    ddp.train()
-    step, epoch = 0, 0
-    while step < MAX_STEPS:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            F.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            marks.setdefault("first_step", time.time())
-            if step % EVAL_EVERY == 0 and accuracy(model, val) >= TARGET:
-                marks["target"] = time.time()
-                return step
-        epoch += 1
-    return step
-
-
 def main(data_path: str, out_dir: str) -> None:
     marks = {"imports_started": IMPORTS_STARTED, "imported": time.time()}
     dist.init_process_group("gloo")
@@ -100,9 +64,19 @@ def main(data_path: str, out_dir: str) -> None:
     train_x, train_y, val_x, val_y = torch.load(data_path, weights_only=True)
     train_set, val_set = TensorDataset(train_x, train_y), TensorDataset(val_x, val_y)
     model = MnistCNN()
-    ddp = DDP(model)
-    val = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=BATCH, generator=torch.Generator())
-    step = train(ddp, model, train_set, val, marks)
+    val = strided_loader(val_set, rank, world_size, batch_size=BATCH)
+
+    def mark(step: int) -> bool:  # 0: all built; 1: the first step done; then stop at the first evaluation on target
+        if step <= 1:
+            marks["built" if step == 0 else "first_step"] = time.time()
+            return False
+        if step % EVAL_EVERY or accuracy(model, val) < TARGET:
+            return False
+        marks["target"] = time.time()
+        return True
+
+    loader = loader_for(train_set, rank, world_size, batch_size=BATCH)
+    step = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=MAX_STEPS, lr=LR, momentum=MOMENTUM, seed=SEED, on_step=mark)
     if rank == 0:
         torch.save(model.state_dict(), Path(out_dir) / "model.pt")
         marks["saved"] = time.time()
