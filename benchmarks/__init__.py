@@ -19,7 +19,7 @@
 hand-written DDP loop, the weight digest, the accuracy helper, medians, paired ratios, tables and the
 load average). ``benchmarks.tta_hand`` is launched by ``benchmarks.time_to_accuracy`` under torchrun.
 Workers that a benchmark starts in new processes import ``benchmarks`` through ``PYTHONPATH``
-(``benchmarks.workloads.child_env``), so nothing edits ``sys.path``. Measured numbers, with dates and
+(``benchmarks.workloads.child_env``), never by editing the import path in code. Measured numbers, with dates and
 machines: ``benchmarks/RESULTS.md``. The user command ``ddpkit bench`` lives in ``ddpkit/bench/``.
 
 Each runs the things it compares side by side in one process tree, alternating them over rounds,

@@ -204,10 +204,10 @@ def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
     assert "optim.lr=0.05" in done.stdout  # the user's overrides were applied to every run
 
 
-def test_overhead_benchmark_compares_final_weights_across_processes_by_digest():
-    # bench_overhead --fresh runs every variant in processes of its own: weights are compared by SHA-256.
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_overhead
+def test_overhead_benchmark_compares_final_weights_across_processes_by_digest(monkeypatch):
+    # benchmarks.overhead --fresh runs every variant in processes of its own: weights are compared by SHA-256.
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import overhead as bench_overhead
 
     weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}
     same = {"b": torch.zeros(3), "w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
