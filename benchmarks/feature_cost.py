@@ -87,6 +87,7 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.goodput.ledger import GoodputLedger
 from ddpkit.registry import MODELS
+from ddpkit.reporting.events import Events
 from ddpkit.reporting.reporter import Reporter, _PhaseSpan
 from ddpkit.watchdog.heartbeat import Watchdog
 
@@ -171,11 +172,12 @@ def watchdog(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config({"run": {"output_dir": tmp}, "log": {"progress_bar": False}})
         runtime = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo")
-        plain = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), resumed=False)
-        watched = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), resumed=False)
+        listening = Events()
+        plain = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=Events())
+        watched = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=listening)
         # A limit no round reaches: the absent rank 1 must not end the benchmark as a "hang".
         dog = Watchdog(dist.HashStore(), rank=0, world_size=2, hang_timeout=1e6, slow_timeout=1e6, log_dir=Path(tmp), step=lambda: 0)
-        dog.listen_to(watched)
+        listening.add(dog)
         times: dict[str, list[float]] = {"off": [], "on": []}
         with dog:
             for r in range(args.rounds):
@@ -259,7 +261,7 @@ def goodput(args: argparse.Namespace) -> str:
     rows = []
     for name, us in runs.items():
         s = Stats.of(us)
-        ratio = f"{paired(us, bare).median:.4f}" if name.startswith("step") else "-"
+        ratio = f"{paired(us, bare).median:.4f}" if name.endswith("step") or name.startswith("step") else "-"
         steps = f"{s.median / statistics.median(bare):.2f}" if name == "snapshot" else "-"
         rows.append([name, f"{s.median:.2f}", s.spread(2), ratio, steps])
     title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds x {args.steps} steps (listener rows: 8 spans a step, "

@@ -28,7 +28,7 @@ MODELS = {
     "mlp": ({"name": "mlp", "kwargs": {"in_features": 784, "hidden": [1024, 1024]}},
             lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))),
     "gpt": ({"name": "gpt", "kwargs": {"vocab_size": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
-                lambda g: (lambda x: (x, x[:, 0]))(torch.randint(0, 512, (16, 64), generator=g))),
+                lambda g: (lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 512, (16, 65), generator=g))),  # next-token targets
 }
 MODES = ("ddp", "zero1", "fsdp2")
 
@@ -56,7 +56,7 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
         if i == 3:
             dist.barrier()
             began = time.perf_counter()
-        F.cross_entropy(wrapped(x), y).backward()
+        F.cross_entropy(wrapped(x).flatten(0, -2), y.flatten()).backward()  # the GPT's [B, T, V] logits as B*T rows
         optimizer.step()
         held = rank_bytes(model, optimizer) if i == 3 + steps - 1 else None  # gradients still allocated here
         optimizer.zero_grad(set_to_none=True)
