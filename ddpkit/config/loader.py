@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddpkit.config.checks import cross_field_problems
-from ddpkit.config.overrides import apply_override, parse_override
+from ddpkit.config.overrides import apply_overrides, parse_override
 from ddpkit.config.schema import Config, yaml_key
 from ddpkit.config.serialize import as_written, config_hash, config_to_dict, dump_config, flatten
 from ddpkit.config.yaml_text import MAX_FILE_BYTES, NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
@@ -62,8 +62,7 @@ def load_config(
     check_size(raw, problems)
     if not problems:
         raw = plain_copy(raw)  # our own copy; aliased parts become independent, so an override changes one place
-        for text in overrides:
-            apply_override(raw, text, problems)
+        apply_overrides(raw, overrides, problems)  # a key given twice is refused, naming both
         check_size(raw, problems)  # override values are YAML too
     if not problems:
         cfg = _build(Config, raw, "", problems)

@@ -13,6 +13,10 @@ an unquoted scalar is read as :class:`NumberText`, a ``str`` that remembers it w
 number; the schema (:mod:`ddpkit.config.loader`) turns it into a float for a float field, an int
 for an int field when it is whole (``1e5``), and keeps it as the text for a string field
 (``run.name=1e3``). A quoted ``"3e-4"`` stays an ordinary string.
+The other rule is the YAML spec's own: keys in a mapping are unique. PyYAML keeps the last of two
+equal keys and drops the first silently (two ``train:`` sections lose the first one's settings);
+:func:`parse_yaml` raises :class:`DuplicateKeyError` naming the key's path and both line numbers.
+Keys brought in by a ``<<: *anchor`` merge may be overridden, as YAML intends.
 Also the small helpers that describe a raw value in a message (:func:`short_repr`, :func:`show`).
 """
 
@@ -26,7 +30,8 @@ from typing import Any
 from ddpkit.errors import ConfigError
 
 __all__ = [
-    "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "parse_yaml", "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause",
+    "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "DuplicateKeyError", "parse_yaml",
+    "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause",
     "short_repr", "show", "key_text",
 ]
 
@@ -51,6 +56,18 @@ class NumberText(str):
     """
 
 
+class DuplicateKeyError(ValueError):
+    """A mapping that names the same key twice: ``duplicates`` holds (dotted path, first line, second line), 1-based."""
+
+    def __init__(self, duplicates: list[tuple[str, int, int]]) -> None:
+        self.duplicates = duplicates
+        super().__init__("; ".join(f"{path} (lines {first} and {second})" for path, first, second in duplicates))
+
+    def describe(self) -> str:
+        """``"`train` is given twice (lines 1 and 9)"``, one clause per repeated key."""
+        return "; ".join(f"`{path}` is given twice (lines {first} and {second})" for path, first, second in self.duplicates)
+
+
 _loader_class = None
 
 
@@ -72,10 +89,56 @@ def _config_loader() -> type:
 
 
 def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load(text)`` with ``3e-4`` read as :class:`NumberText` (raises ``yaml.YAMLError`` etc.)."""
+    """``yaml.safe_load(text)`` with ``3e-4`` read as :class:`NumberText` and repeated keys refused.
+
+    Raises ``yaml.YAMLError`` for malformed text, :class:`DuplicateKeyError` for a key given twice.
+    """
+    loader = _config_loader()(text)
+    try:
+        node = loader.get_single_node()  # the node graph, before any value exists (what yaml.load does)
+        if node is None:
+            return None
+        duplicates = _duplicate_keys(node)
+        if duplicates:
+            raise DuplicateKeyError(duplicates)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _duplicate_keys(root: Any) -> list[tuple[str, int, int]]:
+    """(dotted path, first line, second line) for every scalar key given twice in one mapping of ``root``.
+
+    Walks the composed node graph once per node (an alias is visited once, so an alias bomb costs
+    nothing here; :func:`check_size` refuses it later). Merge keys (``<<``) are skipped: overriding a
+    merged key is what a merge is for.
+    """
     import yaml
 
-    return yaml.load(text, Loader=_config_loader())  # noqa: S506 - a SafeLoader subclass, no Python tags
+    found: list[tuple[str, int, int]] = []
+    seen_nodes: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key_path = f"{path}.{key_node.value}" if path else key_node.value
+                line = key_node.start_mark.line + 1
+                identity = (key_node.tag, key_node.value)
+                if identity in first_line:
+                    found.append((key_path, first_line[identity], line))
+                else:
+                    first_line[identity] = line
+                stack.append((value_node, key_path))
+    return sorted(found, key=lambda item: item[2])
 
 
 def dump_yaml(data: Any) -> str:
@@ -101,14 +164,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path`` with :func:`parse_yaml`, turning every failure into a ConfigError."""
     import yaml  # imported here, not at the top: keeps `import ddpkit` fast
 
-    data = _read_config_bytes(path)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); "
-            "save it as UTF-8 YAML"
-        ) from None
+    text = _read_config_text(path)
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:
@@ -119,6 +175,11 @@ def read_yaml(path: Path) -> dict[str, Any]:
                 f"ddpkit reads plain YAML only, so remove the tag ({detail})"
             ) from None
         raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    except DuplicateKeyError as exc:
+        raise ConfigError(
+            f"config file {path}: {exc.describe()}; YAML keeps only the last one and would silently drop "
+            "the first, so merge them into one"
+        ) from None
     except RecursionError:
         raise ConfigError(f"config file {path} is nested too deeply to be a config") from None
     except (ValueError, OverflowError) as exc:
@@ -135,6 +196,18 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"but its top level is a {type(raw).__name__}"
         )
     return raw
+
+
+def _read_config_text(path: Path) -> str:
+    """The file's text, or a ConfigError saying why it cannot be had (not a file, too large, not UTF-8)."""
+    data = _read_config_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); "
+            "save it as UTF-8 YAML"
+        ) from None
 
 
 def _read_config_bytes(path: Path) -> bytes:
