@@ -11,35 +11,41 @@
 
 See README.md for the config reference and the command line (``ddpkit run / config / bench``).
 
-Where things live, one folder per stage of a run (imports point down this list, never up):
+Where things live: one row per layer, and every import points down this list, never up or
+sideways (``tests/test_architecture.py`` holds every import statement, deferred ones included,
+against this order, collapsed to packages):
 
-    cli.py, bench/, tools/   the ``ddpkit`` command line, benchmarks, and the commands that read finished runs (runs, plot)
-    trainer.py               ``Trainer``: setup as straight code, the loop, overridable steps, no-op hooks
+    __main__.py              ``python -m ddpkit``
+    cli.py                   the ``ddpkit`` command line: parses argv, calls one of the rows below
+    tools/, bench/           commands that read finished runs or plan one (runs, plot, goodput, estimate); ``ddpkit bench``
+    trainer.py               ``Trainer``: build, register, attach; the loop on one screen; overridable steps
+    testing.py               ``ddpkit.testing.run_on_ranks``: run a function on N Gloo ranks, for your own tests
     launch/                  ``ddpkit run``'s launcher side (preflight, torchrun's argv, signals) and the worker entry point
-    checkpoint/              crash-safe checkpoint files, and the run's state: parts registered by name, resume
-    data/                    samplers and loaders sharded over ranks, exact evaluation, datasets, streams
-    training/                the optimizer step: optimizers, schedules, precision, compile, metrics, models, RNG
-    faults/                  the hang watchdog and its report, preemption (stop on a signal after saving)
-    reporting/               the reporter, logging, the console display, timeline, metric sinks and trackers
+    goodput/                 the goodput ledger: written by every rank (``goodput.jsonl``), read by ``ddpkit goodput``
+    watchdog/                the hang watchdog: heartbeats through the job's store, the alarm, the hang report
+    checkpoint/              the run's state (one owner, parts registered by name), crash-safe files, resume, sharded
+                             checkpoints, the crash save, the in-memory tier, the agreed stop on a signal (preemption)
+    training/                the optimizer step: optimizers, schedules, precision, compile, health, metrics, models, RNG
+    reporting/               the reporter and the loop's one ordered list of listeners, logging, console, timeline, sinks
+    data/                    samplers and loaders sharded over ranks, exact evaluation, datasets, token files, streams
+    registry.py              models, datasets and optimizers by name
     distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement
     config/                  the typed schema, safe YAML, ``key=value`` overrides, cross-field checks, hashing
-    errors.py                the user-facing exceptions and every exit code (0, 1, 2, 3, 75, 130)
-    testing.py               ``ddpkit.testing.run_on_ranks``: run a function on N Gloo ranks, for your own tests
-    registry.py              models, datasets and optimizers by name
+    atomic.py, errors.py, _version.py   atomic file writes; the user-facing exceptions and every exit code; the version
 """
 
 from ddpkit._version import __version__
+from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.config.loader import dump_config, load_config
 from ddpkit.config.schema import Config
 
 # Plumbing, public since the first release (the Trainer's ``env`` and ``runtime``); it lives in ddpkit.distributed.
 from ddpkit.distributed import DistEnv, Runtime, read_dist_env
 from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, HealthError, LaunchError
-from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.registry import register_dataset, register_model, register_optimizer
 from ddpkit.reporting.sink_base import Sink
 from ddpkit.trainer import Progress, Trainer
-from ddpkit.training.compile import CompileError
+from ddpkit.training.model_views import CompileError
 
 __all__ = [
     "__version__",

@@ -12,6 +12,7 @@
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
     ddpkit estimate CONFIG --nproc N [--mode M]   # bytes per rank of ddp / zero1 / fsdp2, before a run
     ddpkit goodput RUN_DIR [--json]          # where the run's wall time went: productive, badput by category
+    ddpkit tokenize INPUT... -o FILE.bin [--tokenizer tokenizer.json]   # text files to a token file (data.name=tokens)
 
 ``run`` validates the config, then starts the workers through torch's own launcher
 (``torch.distributed.run``, i.e. torchrun): a free port is chosen by default, ``--max-restarts``
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_OK if argv else EXIT_CONFIG)
     if argv[0] not in commands:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands)}")
-    if argv[0] in ("bench", "plot", "runs", "goodput", "estimate"):  # these parse their own options
+    if argv[0] in ("bench", "plot", "runs", "goodput", "estimate", "tokenize"):  # these parse their own options
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
         # Intermixed: options may come before, between or after the key=value overrides.
@@ -93,8 +94,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     runs = sub.add_parser("runs", help="table of the runs under a directory: status, steps, val metrics, best, wall time")
     estimate = sub.add_parser("estimate", help="bytes per rank of each parallel.mode (ddp, zero1, fsdp2) before a run (see `ddpkit estimate -h`)")
     goodput = sub.add_parser("goodput", help="where a run's wall time went: productive training and badput by category")
+    tokenize = sub.add_parser("tokenize", help="text files to a token file for data.name=tokens (see `ddpkit tokenize -h`)")
     commands = {"run": run, "train": train, "config": config, "export": export, "bench": bench, "plot": plot, "runs": runs, "goodput": goodput,
-                "estimate": estimate}
+                "estimate": estimate, "tokenize": tokenize}
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
@@ -131,7 +133,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import load_config
-    from ddpkit.faults.goodput import launch_session
+    from ddpkit.goodput.ledger import launch_session
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
     device = preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
@@ -194,9 +196,15 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
     return goodput_main(args.rest)
 
 
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from ddpkit.tools.tokenize import main as tokenize_main
+
+    return tokenize_main(args.rest)
+
+
 _COMMANDS = {
     "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs,
-    "goodput": _cmd_goodput, "estimate": _cmd_estimate,
+    "goodput": _cmd_goodput, "estimate": _cmd_estimate, "tokenize": _cmd_tokenize,
 }
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 PACKAGE = Path(__file__).resolve().parents[1] / "ddpkit"
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 40
-MAX_TOP_MODULES = 8
+MAX_TOP_MODULES = 9
 # Who may import the command line and the Trainer: the public surface, the entry point, and the benchmarks
 # (they time a Trainer subclass, the loop users run, so they sit beside the cli, above the Trainer).
 MAY_IMPORT = {
@@ -108,6 +108,52 @@ def test_no_import_cycle_deferred_imports_included():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def _map_rows() -> list[set[str]]:
+    """The layers written in ``ddpkit/__init__.py``'s docstring, top first: each row a set of names
+    (``trainer``, ``checkpoint``, ...), read from the block under "Where things live"."""
+    doc = (PACKAGE / "__init__.py").read_text().split('"""')[1]
+    block = doc.split("Where things live", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in block.splitlines():
+        names = line.strip().split("  ", 1)[0]
+        if line.startswith("    ") and not line.startswith("     ") and names:
+            rows.append({name.strip().removesuffix("/").removesuffix(".py") for name in names.split(",")})
+    return rows
+
+
+def _package_of(module: str) -> str:
+    """``ddpkit.checkpoint.state`` -> ``checkpoint``; ``ddpkit.trainer`` -> ``trainer``; ``ddpkit`` -> ``ddpkit``."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_the_package_graph_follows_the_map_in_ddpkit_init():
+    rows = _map_rows()
+    layer = {name: i for i, row in enumerate(rows) for name in row}
+    top_level = {_package_of(m) for m in SOURCES} - {"ddpkit"}
+    assert top_level == set(layer), f"the map in ddpkit/__init__.py lists {sorted(set(layer))}; the package has {sorted(top_level)}"
+    upward = set()
+    for module, targets in _graph().items():
+        source = _package_of(module)
+        if source == "ddpkit":
+            continue  # the public surface re-exports from every layer
+        for target in targets:
+            dest = _package_of(target)
+            if dest != source and layer[dest] <= layer[source]:
+                upward.add(f"{source} -> {dest} ({module} imports {target})")
+    assert not upward, "imports that point up or sideways in the map of ddpkit/__init__.py:\n" + "\n".join(sorted(upward))
+
+
+def test_the_map_checker_reads_rows_and_refuses_an_upward_import(monkeypatch):
+    rows = _map_rows()
+    assert rows[0] == {"__main__"} and {"atomic", "errors", "_version"} in rows
+    assert [i for i, row in enumerate(rows) if "trainer" in row] < [i for i, row in enumerate(rows) if "checkpoint" in row]
+    graph = _graph()
+    graph["ddpkit.config.loader"] = graph["ddpkit.config.loader"] | {"ddpkit.trainer"}
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
+    with pytest.raises(AssertionError, match="config -> trainer"):
+        test_the_package_graph_follows_the_map_in_ddpkit_init()
+
+
 def test_layers_point_one_way():
     graph = _graph()
     for module, targets in graph.items():
@@ -167,8 +213,8 @@ def test_every_error_class_and_the_sink_base_are_public():
 
 def test_exit_codes_are_defined_once_and_the_cli_lists_them():
     from ddpkit import cli, errors
-    from ddpkit.faults.hang_monitor import HANG_EXIT_CODE
-    from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from ddpkit.watchdog.monitor import HANG_EXIT_CODE
 
     codes = (errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_HANG, errors.EXIT_PREEMPTED, errors.EXIT_INTERRUPTED)
     assert codes == (0, 1, 2, 3, 75, 130)

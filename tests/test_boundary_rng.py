@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.faults.boundary_rng import HEADER, BoundarySlots, read_boundary, slot_offset
+from ddpkit.checkpoint.boundary_rng import HEADER, BoundarySlots, read_boundary, slot_offset
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
-import ddpkit.training.compile
+import ddpkit.training.model_views
 from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -42,7 +42,7 @@ def _count_bucket_reductions() -> list[int]:
         return register(self, state, counted)
 
     DDP.register_comm_hook = counting_register
-    wrap = ddpkit.training.compile.wrap_for_mode  # where the Trainer's model building wraps in DDP
+    wrap = ddpkit.training.model_views.wrap_for_mode  # where the Trainer's model building wraps in DDP
 
     def wrap_and_count(model, runtime, options, parallel):
         wrapped = wrap(model, runtime, options, parallel)
@@ -50,7 +50,7 @@ def _count_bucket_reductions() -> list[int]:
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
         return wrapped
 
-    ddpkit.training.compile.wrap_for_mode = wrap_and_count
+    ddpkit.training.model_views.wrap_for_mode = wrap_and_count
     return calls
 
 
@@ -72,7 +72,7 @@ class _NotesHook(ddpkit.Trainer):
     """Notes the comm hook registered on the DDP wrapper (fit() lets go of the wrapper when it ends)."""
 
     def on_fit_start(self) -> None:
-        self.registered = self._train_model._comm_hooks[0][0].__name__
+        self.registered = self._models.train._comm_hooks[0][0].__name__
 
 
 def _train_with_each_hook(tmp: Path) -> dict:

@@ -1,4 +1,4 @@
-"""torch.compile from the config (ddpkit.training.compile), wrapper-free state dicts, and the data path's worker options.
+"""torch.compile from the config (ddpkit.training.model_views), wrapper-free state dicts, and the data path's worker options.
 
 Fast tests use Dynamo's ``eager`` / ``aot_eager`` backends (no C++ compiler involved); the
 end-to-end runs on 2 Gloo ranks use the default Inductor backend, as users do, and are slow.
@@ -19,7 +19,7 @@ from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.distributed.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.training.compile import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
+from ddpkit.training.model_views import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 
 
 @pytest.fixture(autouse=True)

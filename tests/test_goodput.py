@@ -21,11 +21,11 @@ import torch
 import yaml
 from helpers import assert_bitwise_equal, load_weights, run_cli, tiny_config
 
+from ddpkit.checkpoint import memory_tier as snapshot
 from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
 from ddpkit.config.loader import load_config
-from ddpkit.faults import snapshot
+from ddpkit.goodput.reading import analyse
 from ddpkit.tools.goodput import main as goodput_main
-from ddpkit.tools.goodput_ledger import analyse
 from ddpkit.tools.plot import main as plot_main
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.training.metrics import BestTracker, ExactMeans, RunningMean
+from ddpkit.reporting.running_mean import RunningMean
+from ddpkit.training.metrics import BestTracker, ExactMeans
 
 
 def test_running_mean_reads_and_resets():

@@ -25,8 +25,8 @@ from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, load_config
 from ddpkit.checkpoint.files import find_latest_checkpoint
+from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, signal_numbers
 from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
-from ddpkit.faults.preemption import PREEMPTED_EXIT_CODE, signal_numbers
 
 SCRIPT = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
 

@@ -42,10 +42,10 @@ def test_a_new_attempt_never_meets_a_stale_segment_and_dead_writers_segments_are
     dead = _dead_pid()
     crashed = stale.with_name(stale.name.rsplit(".", 1)[0] + f".{dead}")  # as a SIGKILLed writer leaves it
     stale.rename(crashed)
-    (tmp_path / f"ddpkit-shared-x.{dead}.partial").write_bytes(b"half")
+    (tmp_path / f".ddpkit-shared-x.{dead}.{dead}.tmp").write_bytes(b"half")  # a killed write
     restarted = SharedDataset([4, 5], name="train", env=DistEnv(master_port=1234, restart_count=1), directory=tmp_path)
     assert list(restarted) == [4, 5] and "-a1-" in restarted.path.name
-    assert not crashed.exists() and not (tmp_path / f"ddpkit-shared-x.{dead}.partial").exists()
+    assert not crashed.exists() and not (tmp_path / f".ddpkit-shared-x.{dead}.{dead}.tmp").exists()
     assert remove_stale_segments(tmp_path) == []  # live writers' segments stay
 
 

@@ -11,8 +11,10 @@ import torch
 from helpers import tiny_config
 
 import ddpkit
-from ddpkit.reporting.timeline import SPAN_NAMES, Timeline
+from ddpkit.reporting.timeline import Timeline
 from ddpkit.testing import run_on_ranks
+
+SPAN_NAMES = ("data", "forward", "backward", "optimizer", "checkpoint", "evaluation")  # the spans the Trainer records
 
 # tiny_config: 256 samples, batch 16 per rank, 2 ranks -> 8 batches per epoch, 2 epochs.
 BATCHES, EPOCHS = 8, 2

@@ -38,8 +38,8 @@ from helpers import REPO, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed.process_group import flight_recorder_env
-from ddpkit.faults.hang_report import classify, summary_line, thread_stacks
-from ddpkit.faults.watchdog_io import StoreClient, StoreDown, kill_frozen_sibling
+from ddpkit.watchdog.report import classify, summary_line, thread_stacks
+from ddpkit.watchdog.store_io import StoreClient, StoreDown, kill_frozen_sibling
 
 HANG_SCRIPT = REPO / "tests" / "scripts" / "hang_trainer.py"
 PG_TIMEOUT = 300.0  # dist.timeout: far longer than any hang_timeout here
@@ -146,7 +146,7 @@ def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
 def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
     """No watchdog thread may still be in a store call when the group, then the interpreter, goes:
     a daemon thread that takes the GIL back during interpreter shutdown aborts the process."""
-    import ddpkit.faults.watchdog as watchdog
+    import ddpkit.watchdog.heartbeat as watchdog
 
     before, store = set(threading.enumerate()), dist.HashStore()
     done = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()
@@ -175,7 +175,7 @@ def test_only_a_frozen_sibling_is_killed_never_another_process():
         os.kill(frozen.pid, signal.SIGSTOP)
         # A rank of the same job: a child of the same parent (here this test, there torchrun's agent).
         killer = subprocess.run(
-            [sys.executable, "-c", f"from ddpkit.faults.watchdog_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
+            [sys.executable, "-c", f"from ddpkit.watchdog.store_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
             capture_output=True, text=True, timeout=60, cwd=REPO,
         )
         assert killer.stdout.split() == ["True", "False"], killer.stderr  # not its own parent: not a sibling
@@ -208,7 +208,7 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
     from ddpkit.distributed.env import DistEnv
     from ddpkit.distributed.process_group import Runtime
-    from ddpkit.faults.watchdog import Watchdog
+    from ddpkit.watchdog.heartbeat import Watchdog
 
     single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled

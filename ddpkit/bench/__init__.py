@@ -14,6 +14,11 @@
 * ``scaling`` (:mod:`ddpkit.bench.scaling`): the step time and scaling efficiency predicted at 8..1024
   ranks from a one-rank profile of your config and a link model (bandwidth, latency).
 
+Their parts: ``launching`` (a worker on N processes through torch's launcher) and ``worker`` (what
+it runs); ``timed`` (a Trainer that timestamps every step); ``scaling_profile`` / ``scaling_model``
+(one-rank measurements, and the cost model that predicts from them); ``report`` / ``units`` (tables,
+medians, parsing sizes); ``plotting`` / ``scaling_plot`` (the optional matplotlib figures).
+
 Every measurement runs in worker processes started through torch's launcher
 (``torch.distributed.run``); tables go to stdout, progress to stderr. Exit codes (ddpkit.errors):
 0 success, 1 a failed benchmark, 2 a usage error.

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpkit.atomic import write_atomically
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.distributed.process_group import process_group
 from ddpkit.launch.entrypoint import run_entrypoint
@@ -39,9 +40,7 @@ def serve(spec_path: str | os.PathLike, workers: Mapping[str, Callable[..., dict
         with process_group(env, timeout=spec["params"].get("timeout", 300)) as runtime:
             result = workers[spec["kind"]](spec["params"], runtime=runtime, workdir=Path(spec["workdir"]))
         if env.rank == 0:
-            tmp = Path(spec["result"] + ".tmp")
-            tmp.write_text(json.dumps(result))
-            os.replace(tmp, spec["result"])
+            write_atomically(spec["result"], json.dumps(result))
 
     return run_entrypoint(job)
 

@@ -3,7 +3,7 @@
     components = Components()
     components.register("model", model)            # anything with state_dict() / load_state_dict()
     components.register("optimizer", optimizer)
-    state = components.capture(rng=[...], metadata={...})   # a plain dict, what torch.save writes
+    state = components.capture(metadata={...})    # a plain dict (metadata: RNG streams, config, ...),, what torch.save writes
     components.restore(read_checkpoint(raw, path=path))
 
 One protocol, borrowed from torchtitan's ``Stateful``: every part of a run that must survive a
@@ -26,12 +26,14 @@ from typing import Any, Protocol
 
 from ddpkit.errors import CheckpointError
 
-__all__ = ["Stateful", "Progress", "Components", "read_checkpoint", "METADATA_KEYS", "REQUIRED_COMPONENTS"]
+__all__ = ["Stateful", "Ledger", "Progress", "Components", "read_checkpoint", "METADATA_KEYS", "REQUIRED_COMPONENTS"]
 
-#: Keys a checkpoint holds besides its components: every rank's RNG streams, and what wrote it.
-METADATA_KEYS = ("schema", "rng", "world_size", "config", "config_hash", "versions")
-#: Components without which a checkpoint cannot continue a run.
-REQUIRED_COMPONENTS = ("model", "optimizer", "progress")
+#: Keys a checkpoint holds besides its components: the list of components, and what wrote it.
+METADATA_KEYS = ("schema", "world_size", "config", "config_hash", "versions")
+#: Components without which a checkpoint cannot continue a run (``rng``: every rank's RNG streams).
+REQUIRED_COMPONENTS = ("model", "optimizer", "progress", "rng")
+#: Components that releases before 0.4 stored beside the schema instead of in it.
+_OUTSIDE_THE_SCHEMA = ("rng",)
 _FORMAT_1_TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "progress")
 
 
@@ -41,6 +43,12 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class Ledger(Protocol):
+    """Where a save that blocked training is recorded (:class:`ddpkit.goodput.ledger.GoodputLedger`)."""
+
+    def checkpoint(self, *, began: float, step: int, kind: str, always: bool = False) -> None: ...
 
 
 @dataclass
@@ -102,10 +110,17 @@ class Components:
         A component the checkpoint lacks keeps its freshly built state (e.g. a run that now has a
         schedule resumes a checkpoint written without one).
         """
-        self._restored = {name: state[name] for name in state["schema"]}
-        for name, part in self._parts.items():
-            if self._restored.get(name) is not None:
-                part.load_state_dict(self._restored[name])
+        names = [*state["schema"], *(n for n in _OUTSIDE_THE_SCHEMA if n in state and n not in state["schema"])]
+        self._restored = {name: state[name] for name in names}
+        self.load(self._restored, self.names)
+
+    def load(self, state: dict[str, Any], names: list[str] | tuple[str, ...]) -> list[str]:
+        """Load ``names`` that are registered and that ``state`` holds (e.g. a rollback's model and
+        optimizer); return the names loaded. Every other component keeps its state."""
+        loaded = [name for name in names if name in self._parts and state.get(name) is not None]
+        for name in loaded:
+            self._parts[name].load_state_dict(state[name])
+        return loaded
 
 
 def read_checkpoint(raw: dict[str, Any], *, path: str) -> dict[str, Any]:
@@ -124,7 +139,7 @@ def read_checkpoint(raw: dict[str, Any], *, path: str) -> dict[str, Any]:
 def _from_format_1(raw: dict[str, Any]) -> dict[str, Any]:
     extras = raw.get("components") or {}
     top = {name: raw[name] for name in _FORMAT_1_TOP_LEVEL if raw.get(name) is not None}
-    converted = {key: raw[key] for key in METADATA_KEYS if key in raw}
+    converted = {key: raw[key] for key in (*METADATA_KEYS, *_OUTSIDE_THE_SCHEMA) if key in raw}
     converted.update(top)
     converted.update(extras)
     converted["schema"] = [*top, *extras]

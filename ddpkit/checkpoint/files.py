@@ -30,13 +30,13 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "AsyncCheckpointWriter",
     "to_cpu",
     "save_atomically",
-    "write_atomically",
 ]
 
 log = logging.getLogger("ddpkit")
@@ -96,12 +95,12 @@ def save_checkpoint(
     path = directory / (f"{name}.pt" if name else f"step-{step:09d}.pt")
     # Invalidate any previous checkpoint under this name before its data file is replaced.
     manifest_path(path).unlink(missing_ok=True)
-    digest, size = _write_atomically(path, lambda f: torch.save(state, f))
+    digest, size = write_atomically(path, lambda f: torch.save(state, f), durable=True)
     manifest = {
         "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
         "created": time.time(), **(meta or {}),
     }
-    write_atomically(manifest_path(path), json.dumps(manifest, indent=1).encode())
+    write_atomically(manifest_path(path), json.dumps(manifest, indent=1), durable=True)
     if keep_last is not None:
         prune(directory, keep_last)
     return CheckpointInfo(path, manifest)
@@ -116,56 +115,9 @@ def _refuse_shards(state: Any) -> None:
         _refuse_shards(value)
 
 
-class _HashingWriter:
-    """A file wrapper that hashes and counts what is written through it (one pass over the data)."""
-
-    def __init__(self, f: Any):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _write_atomically(path: Path, write: Callable[[Any], Any]) -> tuple[str, int]:
-    """Write via ``write(file)`` to a temporary file, fsync, rename over ``path``; return (sha256, size)."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        write(writer)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return writer.sha.hexdigest(), writer.size
-
-
 def save_atomically(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` such that ``path`` is never seen half-written (model.pt, exports)."""
-    _write_atomically(Path(path), lambda f: torch.save(obj, f))
-
-
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
-    _write_atomically(Path(path), lambda f: f.write(data))
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename durable: fsync the directory entry (a no-op where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    write_atomically(path, lambda f: torch.save(obj, f), durable=True)
 
 
 def remove_stale_temporaries(directory: Path) -> None:

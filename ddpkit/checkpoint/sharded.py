@@ -1,7 +1,7 @@
 """Sharded checkpoints (``parallel.mode`` zero1 / fsdp2): a DCP directory per step, committed by rename.
 
     parts = ShardedParts(model, optimizer)                   # model + optimizer in a layout-free form
-    save_sharded(parts.state_dict(), rest, ckpt_dir, step=1200, rank=rank, world_size=2)   # every rank
+    save_sharded(parts.state_dict(), rest, ckpt_dir, step=1200, rank=rank)   # every rank
     rest = load_sharded(path, parts)                         # every rank, any mode, any world size
 
 On disk, beside the single-file checkpoints of :mod:`ddpkit.checkpoint.files`::
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint.files import fsync_dir, load_checkpoint, prune, save_atomically, write_atomically
+from ddpkit.atomic import fsync_dir, write_atomically
+from ddpkit.checkpoint.files import load_checkpoint, prune, save_atomically
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -220,7 +221,7 @@ def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any
     os.replace(partial, final)
     fsync_dir(final.parent)
     manifest = {"format": FORMAT, "file": final.name, "files": files, "bytes": sum(files.values()), "step": step, "created": time.time(), **(meta or {})}
-    write_atomically(manifest_file, json.dumps(manifest, indent=1).encode())
+    write_atomically(manifest_file, json.dumps(manifest, indent=1), durable=True)
 
 
 def _barrier() -> None:

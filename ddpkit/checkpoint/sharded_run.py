@@ -1,7 +1,7 @@
 """How RunState saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in any mode.
 
-    sharded = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
-    sharded.save(capture, directory, step=..., name=..., keep_last=..., meta=...)   # every rank
+    run = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
+    run.save(capture, directory, step=..., name=..., keep_last=...)   # every rank
     state = ShardedRun.read(path)                                   # the small state: what components.restore takes
     ShardedRun.restore(path_or_state, components)                   # model + optimizer, every rank, any layout
 

@@ -1,10 +1,11 @@
 """The run's state, one owner: which checkpoint a run resumes from, whether it may, how the
 state is captured and restored, and when to save.
 
-    state = RunState(config, runtime=runtime)
-    state.register("model", model)                  # every part that must survive a restart, by name
-    state.register("optimizer", optimizer)
+    state = RunState(config, runtime=runtime, progress=progress)
+    state.register_all(model=model, optimizer=optimizer, progress=progress, rng=RngStreams(rank=0, world_size=2),
+                       early_stopping=state.early_stopping, best=state.best, ...)   # every persisted part, by name, once
     resumed = state.resume()                        # once, after everything is built: restore or seed fresh
+    events.add(*state.protections(ledger=ledger))   # the crash save and memory snapshots capture through this owner
     ...
     if state.due(after="step"):                     # the periodic schedule, or an agreed stop on a signal
         state.save(barrier=barrier)                 # rank 0 writes; every rank contributes its RNG state
@@ -18,7 +19,7 @@ Choosing the file: rank 0 alone resolves ``checkpoint.resume`` (so every rank ag
 save lands meanwhile) and broadcasts the path; every rank then reads that file, which must be on
 a filesystem all nodes share.
 
-Stopping on a signal (:mod:`ddpkit.faults.preemption`) is a save decision too: after the step every
+Stopping on a signal (:mod:`ddpkit.checkpoint.preemption`) is a save decision too: after the step every
 rank agrees on, :meth:`RunState.due` asks for a checkpoint whatever the periodic schedule says,
 the loop stops, and :meth:`RunState.raise_if_stopped` ends the run with exit code 75.
 
@@ -41,20 +42,21 @@ import torch
 
 from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
-from ddpkit.checkpoint.components import Components, Progress, Stateful, read_checkpoint
+from ddpkit.checkpoint.components import Components, Ledger, Progress, Stateful, read_checkpoint
+from ddpkit.checkpoint.crash_save import CrashSave
 from ddpkit.checkpoint.interval import AutoInterval
+from ddpkit.checkpoint.memory_tier import MemorySnapshots, prefer_newer
+from ddpkit.checkpoint.preemption import Preempted, StopOnSignal
 from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, full_model_state, read_any, restore_components
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_hash, config_to_dict
 from ddpkit.distributed.agreement import config_differences
-from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
+from ddpkit.distributed.process_group import Runtime, broadcast_object
 from ddpkit.errors import CheckpointError, report_error
-from ddpkit.faults.preemption import Preempted, StopOnSignal
-from ddpkit.faults.snapshot import prefer_newer
 from ddpkit.reporting.log import log
 from ddpkit.training.metrics import BestTracker
 from ddpkit.training.replicas import require_finite
-from ddpkit.training.rng import capture_rng, restore_rng, seed_everything, use_deterministic_kernels
+from ddpkit.training.rng import seed_everything, use_deterministic_kernels
 
 __all__ = ["Progress", "RunState", "seed_for_setup"]
 
@@ -75,8 +77,7 @@ class RunState:
         ck = config.checkpoint
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
         self._last_saved_step = -1
-        self.components = Components()
-        self.components.register("progress", progress)
+        self.components = Components()  # filled by one register_all call (the Trainer's), before resume()
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
         best, early = ck.best, config.train.early_stopping
@@ -84,8 +85,6 @@ class RunState:
         self.early_stopping = BestTracker(
             early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, target=early.target, key="train.early_stopping.metric"
         )
-        self.components.register("early_stopping", self.early_stopping)
-        self.components.register("best", self.best)
         self._sharded = ShardedRun.for_config(config, self.components, rank=runtime.env.rank)  # zero1 / fsdp2: DCP directories
         env = runtime.env
         self.signals = StopOnSignal(ck.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size)
@@ -113,9 +112,6 @@ class RunState:
         self._check_compatible(state, path)
         restore_components(path, state, self.components, mode=self.config.parallel.mode)  # any format into any layout
         self._last_saved_step = self.progress.step
-        # Each rank continues its own streams; a run allowed onto another world size takes rank 0's.
-        rank, world_size = self.runtime.env.rank, self.runtime.env.world_size
-        restore_rng(state["rng"][rank] if len(state["rng"]) == world_size else state["rng"][0])
         log.info("resuming from %s (step %d)", path, self.progress.step)
         return True
 
@@ -169,18 +165,28 @@ class RunState:
         for name, component in components.items():
             self.register(name, component)
 
+    def protections(self, *, ledger: Ledger) -> list[CrashSave | MemorySnapshots | None]:
+        """The listeners that protect this state between checkpoints, for the Trainer's events (after
+        resume): the crash save of the last completed step, and memory snapshots every K steps."""
+        return [CrashSave.arm(self.config, self.runtime, self, ledger=ledger), MemorySnapshots.arm(self.config, self.runtime, self, ledger=ledger)]
+
     # --- save ---------------------------------------------------------------------------------
 
-    def capture(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-        """Everything needed to continue exactly (a collective: gathers every rank's RNG states), less ``exclude``."""
-        rng_states = all_gather_object(capture_rng())
+    def capture(self, exclude: tuple[str, ...] = (), *, rng: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Every registered part's state and the run's metadata, less ``exclude``: what a checkpoint holds.
+
+        A collective (the ``rng`` part gathers every rank's streams), unless ``rng`` gives those
+        streams: the crash save, whose dead peer can join no collective, reads them from files.
+        """
         metadata = {
-            "rng": rng_states,  # one per rank, in rank order
             "world_size": self.runtime.env.world_size,
             "config": config_to_dict(self.config),
             "config_hash": config_hash(self.config),
             "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
         }
+        if rng is not None:
+            state = self.components.capture(metadata=metadata, exclude=(*exclude, "rng"))
+            return {**state, "rng": rng, "schema": [*state["schema"], "rng"]}
         if self._sharded is None or exclude:
             return self.components.capture(metadata=metadata, exclude=exclude)
         # A whole single-file state of a sharded run (memory snapshots): gathered on rank 0, a collective.
@@ -264,8 +270,8 @@ class RunState:
             "run the same command again to resume from it"
         )
 
-    def close(self) -> None:
-        """Stop listening for signals (the previous handlers come back)."""
+    def close(self, status: str | None = None) -> None:
+        """Stop listening for signals (the previous handlers come back); ``status`` is not needed."""
         self.signals.close()
 
     def save_model(self, path: Any) -> None:
@@ -289,11 +295,8 @@ class RunState:
         path = broadcast_object(str(info.path) if info is not None and info.path.suffix == ".pt" else None)
         if path is None:
             return False
-        state = read_checkpoint(ckpt.load_checkpoint(path), path=path)
-        for name in names:
-            if name in self.components.names and state.get(name) is not None:
-                self.components[name].load_state_dict(state[name])
-        log.info("rolled back %s to %s", ", ".join(n for n in names if n in self.components.names), path)
+        loaded = self.components.load(read_checkpoint(ckpt.load_checkpoint(path), path=path), names)
+        log.info("rolled back %s to %s", ", ".join(loaded), path)
         return True
 
     def wait(self) -> None:

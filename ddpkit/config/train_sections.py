@@ -13,7 +13,7 @@ from ddpkit.config.fields import option
 
 __all__ = ["OptimConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
 
-# The one table of `train.compile` keys: the config checks and ddpkit.training.compile both read it.
+# The one table of `train.compile` keys: the config checks and ddpkit.training.model_views both read it.
 #: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
 COMPILE_TORCH_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 #: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults.
@@ -71,6 +71,15 @@ class TrainConfig:
         1, "Micro-batches per optimizer step; the first k-1 run under DDP's `no_sync()`.", ge=1
     )
     clip_grad_norm: float | None = option(None, "Clip the global gradient norm to this value.", gt=0)
+    loss_normalization: Literal["mean", "tokens"] = option(
+        "mean", "`mean`: `training_step` returns a mean loss, averaged over micro-batches and ranks. `tokens`: it returns "
+        "`(loss_sum, n_tokens)` and the update is the sum over every token of the global batch divided by the global token count "
+        "(exact for any split into ranks and micro-batches; one all-reduce per step)."
+    )
+    peak_tflops: float | None = option(
+        None, "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "
+        "`null`: looked up from the GPU's name (H100, H200, A100, ...); unknown devices (CPUs) log no `mfu`.", gt=0
+    )
     precision: Literal["fp32", "bf16", "fp16"] = option(
         "fp32", "Autocast precision: `bf16` on CPU or CUDA; `fp16` (with a GradScaler) on CUDA only."
     )

@@ -8,7 +8,17 @@
 - ``uneven``: ranks compare batch counts so uneven data errors or truncates instead of hanging (``data.uneven``).
 - ``batched``: whole-batch reads from a ``TensorDataset`` (one gather per batch, the same batches).
 - ``shared``: ``SharedDataset``, one read-only copy of in-memory data per host.
-- ``datasets``: the built-in datasets (``digits`` and friends), registered by name.
+- ``datasets``: the built-in datasets (``digits`` and friends), registered by name; ``cache``: generated
+  datasets built once per machine and read back from disk.
+- ``tokens``: token files for language models (``data: {name: tokens}``), one ``os.pread`` per
+  window, ids checked against the model's vocabulary; the built-in ``stdlib`` corpus.
 - ``streaming`` / ``stream_epochs`` / ``stream_sources``: ``IterableDataset`` streams with equal
   step counts on every rank and exact resume; WebDataset and Hugging Face sources.
 """
+
+# What the Trainer composes, importable from the package.
+from ddpkit.data.epochs import data_position, epoch_batches, run_length
+from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
+from ddpkit.data.tokens import require_vocab_of
+
+__all__ = ["data_position", "epoch_batches", "run_length", "move_to_device", "train_loader_for", "val_loader_for", "require_vocab_of"]

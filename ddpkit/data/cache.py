@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ddpkit.atomic import write_atomically
+
 __all__ = ["cache_dir", "cached_tensors"]
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,8 @@ def cached_tensors(key: str, build: Callable[[], tuple[torch.Tensor, ...]]) -> t
 
 def _store(path: Path, tensors: tuple[torch.Tensor, ...]) -> None:
     """Write atomically; a cache that cannot be written (read-only home, full disk) is skipped."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(list(tensors), temporary)
-        os.replace(temporary, path)
+        write_atomically(path, lambda f: torch.save(list(tensors), f))
     except OSError as exc:
         logger.debug("not caching %s: %s", path, exc)
-        temporary.unlink(missing_ok=True)

@@ -43,8 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from ddpkit.atomic import write_atomically
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.distributed.processes import is_alive
 from ddpkit.errors import DataError
 
 __all__ = ["SharedDataset", "shared_dir", "remove_stale_segments"]
@@ -135,22 +137,22 @@ def _segment_key(env: DistEnv, name: str) -> str:
 
 def _write(data: Any, path: Path) -> Path:
     """Serialise ``data`` into ``path`` (under a temporary name, renamed when complete)."""
-    partial = path.with_name(path.name + ".partial")
+
+    def write(f: Any) -> None:
+        f.write(_MAGIC + bytes(8))
+        header = _write_arrays(f, data) if _is_arrays(data) else _write_records(f, data)
+        header_at = f.tell()
+        f.write(pickle.dumps(header))
+        f.seek(8)
+        f.write(header_at.to_bytes(8, "little"))
+
     try:
-        with open(partial, "wb") as f:
-            f.write(_MAGIC + bytes(8))
-            header = _write_arrays(f, data) if _is_arrays(data) else _write_records(f, data)
-            header_at = f.tell()
-            f.write(pickle.dumps(header))
-            f.seek(8)
-            f.write(header_at.to_bytes(8, "little"))
+        write_atomically(path, write)  # shared memory: no fsync, it does not outlive the host
     except OSError as error:
-        partial.unlink(missing_ok=True)
         raise DataError(
             f"SharedDataset: cannot write the shared copy to {path.parent} ({error}). Point DDPKIT_SHARED_DIR "
             "(or directory=) at a local directory with room for the data, e.g. DDPKIT_SHARED_DIR=/tmp."
         ) from None
-    os.replace(partial, path)
     return path
 
 
@@ -191,7 +193,7 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
     """Local rank 0's segment (waited for when there is no process group to wait with)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in folder.glob(f"{key}.*") if not p.name.endswith(".partial")]
+        found = list(folder.glob(f"{key}.*"))  # a segment being written is hidden (.NAME.PID.tmp) until renamed
         if found:
             return max(found, key=lambda p: p.stat().st_mtime)
         time.sleep(0.05)
@@ -199,11 +201,11 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
 
 
 def remove_stale_segments(folder: Path) -> list[Path]:
-    """Remove segments (and partial ones) whose writer process is gone; return what was removed."""
+    """Remove segments (and half-written ones) whose writer process is gone; return what was removed."""
     removed = []
-    for path in folder.glob(_PREFIX + "*"):
-        pid = path.name.removesuffix(".partial").rsplit(".", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+    for path in [*folder.glob(_PREFIX + "*"), *folder.glob(f".{_PREFIX}*.tmp")]:
+        pid = path.name.removesuffix(".tmp").rsplit(".", 1)[-1]
+        if pid.isdigit() and not is_alive(int(pid)):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -216,16 +218,6 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the pages are reused by later allocations instead
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _remove(path: Path, owner: int) -> None:

@@ -256,3 +256,12 @@ def _stdlib_sources() -> list[Path]:
 def _byte_documents(files: Iterable[Path]) -> Iterator[list[np.ndarray]]:
     for file in files:
         yield [np.frombuffer(file.read_bytes(), dtype=np.uint8)]
+
+
+def require_vocab_of(model: object, *datasets: object) -> None:
+    """Hand ``model``'s vocabulary size (``model.vocab_size``, or a Hugging Face ``model.config.vocab_size``)
+    to each dataset that checks token ids (``require_vocab``): an id out of range is then a clear DataError."""
+    vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    for dataset in datasets:
+        if isinstance(vocab_size, int) and callable(getattr(dataset, "require_vocab", None)):
+            dataset.require_vocab(vocab_size)

@@ -26,11 +26,10 @@ import torch.distributed as dist
 from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.errors import DataError
 
-__all__ = ["UNEVEN_MODES", "agree_on_count", "agreed_batches", "uneven_stream_end", "grouped", "group_device"]
+__all__ = ["agree_on_count", "agreed_batches", "uneven_stream_end", "grouped", "group_device"]
 
 log = logging.getLogger("ddpkit")
 
-UNEVEN_MODES = ("error", "truncate")
 
 
 def grouped() -> bool:

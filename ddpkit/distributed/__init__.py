@@ -1,19 +1,25 @@
 """Distributed setup: the launcher's environment, the process group, model wrapping, agreement.
 
-    from ddpkit.distributed import read_dist_env, Runtime
+    from ddpkit.distributed import read_dist_env
+    from ddpkit.distributed.process_group import process_group
     env = read_dist_env()                 # torchrun's / SLURM's variables, read once
-    runtime = Runtime.setup(env, cfg.dist)
+    with process_group(env, backend="auto") as runtime:   # a Runtime: env, device, backend, store
+        ...
 
 - ``env``: :class:`DistEnv`, the immutable reading of the environment.
 - ``process_group``: backend and device choice, init and teardown, small collective helpers.
 - ``ddp``: DistributedDataParallel with the config's options, and unwrapping for saving.
 - ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
 - ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.
+- ``processes``: processes on this host, from ``/proc`` (alive, parent, start time).
 - ``agreement``: every rank agrees at startup (config, model, data, versions), and a checkpoint
   agrees with the run that resumes it.
 """
 
+# What the Trainer composes, importable from the package.
+from ddpkit.distributed.agreement import check_same_run_on_every_rank
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.sharding import shard_model, shard_optimizer
 
-__all__ = ["DistEnv", "read_dist_env", "Runtime"]
+__all__ = ["DistEnv", "read_dist_env", "Runtime", "check_same_run_on_every_rank", "shard_model", "shard_optimizer"]

@@ -26,7 +26,7 @@ from ddpkit.distributed.process_group import Runtime
 # forward-time syncing) and warns on the old name; use whichever this torch has.
 _BUFFER_SYNC_ARG = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else "broadcast_buffers"
 
-__all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "count_parameters", "parameter_shapes"]
+__all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
 
 
 def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig) -> nn.Module:
@@ -103,11 +103,6 @@ def _register_comm_hook(ddp: DDP, options: DDPConfig) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:  # pragma: no cover - the config schema only allows the values above
         raise AssertionError(options.comm_hook)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters of the unwrapped model."""
-    return sum(p.numel() for p in unwrap_model(model).parameters() if p.requires_grad)
 
 
 def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

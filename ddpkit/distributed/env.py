@@ -45,10 +45,6 @@ class DistEnv:
         """True on global rank 0, the rank that writes files."""
         return self.rank == 0
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
 
 def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Build a :class:`DistEnv` from ``environ`` (default ``os.environ``).

@@ -1,5 +1,7 @@
 """Launching: ``ddpkit run`` on the launcher side, and the entry point every worker runs.
 
 - ``launcher``: preflight checks once, torchrun's argv, signal forwarding, exit codes.
+- ``forked``: CPU workers forked from a launcher that imported torch once (``--start-method fork``).
 - ``entrypoint``: the worker side; argv read once, failures turned into clear exit codes.
+- ``worker_scope``: what a worker holds for one ``fit()``: process group, hang watchdog, goodput ledger.
 """

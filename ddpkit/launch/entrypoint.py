@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ddpkit.checkpoint.preemption import Preempted
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, report_error
-from ddpkit.faults.preemption import Preempted
-from ddpkit.faults.watchdog_io import terminate, write_error_file
+from ddpkit.watchdog.store_io import terminate, write_error_file
 
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
@@ -100,7 +100,7 @@ def _on_failure(exc: Exception, *, peers: bool) -> int:
         # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if peers and not isinstance(exc, Preempted):  # a signal-stopped run has saved; nobody failed
-        from ddpkit.faults.watchdog import announce_failure
+        from ddpkit.watchdog.heartbeat import announce_failure
 
         announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
     if not isinstance(exc, DdpkitError):

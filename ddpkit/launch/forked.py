@@ -33,7 +33,7 @@ import runpy
 import signal
 import sys
 
-from ddpkit.faults.watchdog_io import proc_stat
+from ddpkit.distributed.processes import proc_stat
 
 __all__ = ["preload", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
 

@@ -1,8 +1,18 @@
 """Everything a run tells the user: logs, the console, metrics files, timelines, trackers.
 
-- ``reporter``: the one object the loop reports to; ``log``: rank-aware logging.
+- ``events``: the loop's one ordered list of listeners (spans, steps, logs, failure, exit).
+- ``reporter``: the one object the loop reports to; ``log``: rank-aware logging; ``running_mean``:
+  the training loss, reduced across ranks only when logged.
 - ``console``: rank 0's progress display (a live bar on a terminal, lines in a batch log).
 - ``sink_base``: the :class:`Sink` interface (``ddpkit.Sink``); ``sinks``: where metrics go (JSON lines,
   TensorBoard, run status); ``trackers``: MLflow, W&B.
-- ``timeline``: a Chrome-trace timeline, one row per rank.
+- ``throughput``: ``tokens_per_s`` and ``mfu`` for runs that train on tokens.
+- ``timeline``: a Chrome-trace timeline, one row per rank; ``profiler``: ``train.profile``'s torch.profiler traces.
 """
+
+# What the Trainer composes, importable from the package.
+from ddpkit.reporting.events import Events
+from ddpkit.reporting.reporter import Reporter, start_logging
+from ddpkit.reporting.throughput import TokenThroughput
+
+__all__ = ["Events", "Reporter", "TokenThroughput", "start_logging"]

@@ -1,7 +1,8 @@
 """Everything the training loop reports, owned by one object: the loop computes, steps, reports.
 
-    reporter = Reporter(config, runtime=runtime, total_steps=1000, progress=progress, resumed=False)
-    with reporter.span("forward"):           # a timeline span (and the phase others may watch)
+    reporter = Reporter(config, runtime=runtime, total_steps=1000, progress=progress, events=events)
+    reporter.start(steps_per_epoch=100, step=0, resumed=False)   # after resume: opens the sinks
+    with reporter.span("forward"):           # a timeline span, and on_phase for the loop's listeners
         loss = model(x)
     reporter.add_loss(loss, owner=Trainer)    # every micro-batch: kept on the device, no sync
     reporter.step_done(progress)              # the console's progress display, debug step log
@@ -14,10 +15,11 @@
 It owns rank 0's console (the progress display of :mod:`ddpkit.reporting.console`), the metric sinks (``metrics.jsonl``, TensorBoard), the debug
 step log, the timeline and the samples/s window; the Trainer holds none of them. Records carry
 the keys defined beside their writer in :mod:`ddpkit.reporting.log` (``ddpkit plot`` reads the same names).
-Phase listeners (``add_phase_listener``) see a span's name as it starts and None as it ends, at
-the cost of a method call: a watchdog can tell what each rank is doing without a collective. A
-listener that names the spans it needs (``names=``) is not called for the others: the step path
-calls only who asked.
+Every span is an event on the run's one listener list (:class:`ddpkit.reporting.events.Events`):
+a listener's ``on_phase`` hears a span's name as it starts and None as it ends, at the cost of a
+method call, so a watchdog can tell what each rank is doing without a collective. A listener
+that names the spans it needs (its ``phases``) is not called for the others: the step path calls
+only who asked.
 """
 
 from __future__ import annotations
@@ -25,25 +27,26 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.files import write_atomically
+from ddpkit.atomic import write_atomically
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, dump_config
 from ddpkit.data.elastic import per_rank_batch_size
 from ddpkit.data.streaming import UNKNOWN_LENGTH
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.errors import DdpkitError
 from ddpkit.reporting import log as logs
 from ddpkit.reporting.console import ProgressDisplay
+from ddpkit.reporting.events import Events
 from ddpkit.reporting.log import StepLog, log, setup_logging
+from ddpkit.reporting.running_mean import RunningMean
 from ddpkit.reporting.sinks import SinkGroup, build_sinks
+from ddpkit.reporting.throughput import TokenThroughput
 from ddpkit.reporting.timeline import Timeline
-from ddpkit.training.metrics import RunningMean
 
 __all__ = ["Reporter", "start_logging"]
 
@@ -55,13 +58,13 @@ def start_logging(config: Config, *, rank: int) -> None:
     setup_logging(rank, all_ranks=config.log.all_ranks, log_dir=log_dir)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(output_dir / "config.yaml", dump_config(config).encode())
+        write_atomically(output_dir / "config.yaml", dump_config(config), durable=True)
 
 
 class Reporter:
     """Console progress display, metric sinks, step log, timeline and throughput of one run, on one rank."""
 
-    def __init__(self, config: Config, *, runtime: Runtime, total_steps: int, progress: Any, resumed: bool):
+    def __init__(self, config: Config, *, runtime: Runtime, total_steps: int, progress: Any, events: Events, throughput: TokenThroughput | None = None):
         cfg, rank = config, runtime.env.rank
         self.config, self.runtime, self.total_steps, self.is_main = config, runtime, int(total_steps), rank == 0
         self.output_dir = Path(config.output_dir)
@@ -69,24 +72,20 @@ class Reporter:
         self.samples_per_step = self.per_rank_batch * cfg.train.grad_accum_steps * runtime.env.world_size
         self.timeline = Timeline(enabled=cfg.train.timeline, rank=rank, device=runtime.device)
         self.step_log = StepLog(self.output_dir / "logs" / f"steps-rank{rank}.log" if cfg.dist.debug else None)
-        # Rank 0's sinks: metrics.jsonl, status.json, trackers. RunState saves their state (a tracker's run id).
-        self.sinks = build_sinks(cfg, append=resumed) if self.is_main else SinkGroup([])
+        # Rank 0's sinks (metrics.jsonl, status.json, trackers) open in start(), once resume is decided;
+        # RunState saves and restores their state (a tracker's run id) through this group.
+        self.sinks = SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
         known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
         self.console = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step, enabled=self._show_bar, every=cfg.log.progress_every)
         self._window_start, self._window_step = time.perf_counter(), progress.step
         self._outside = 0  # depth of outside_training spans
-        self._phase_listeners: list[tuple[Callable[[str | None], None], frozenset[str] | None]] = []
-        self._phase_spans: dict[str, _PhaseSpan] = {}  # one reusable span per phase name
+        self.events = events
+        self.throughput = throughput or TokenThroughput()  # tokens_per_s and mfu, for runs that train on tokens
+        self._phase_spans: dict[str, _PhaseSpan] = events.span_cache  # one reusable span per phase name; emptied by events.add
         self._loss = RunningMean(runtime.device)
 
     # --- phases and time ---------------------------------------------------------------------
-
-    def add_phase_listener(self, listener: Callable[[str | None], None], *, names: Iterable[str] | None = None) -> None:
-        """Call ``listener(name)`` when a span starts and ``listener(None)`` when it ends; with
-        ``names``, only for spans of those names (the listener then sees no others, nested or not)."""
-        self._phase_listeners.append((listener, None if names is None else frozenset(names)))
-        self._phase_spans.clear()
 
     def span(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Work of kind ``name`` (data, forward, backward, optimizer, ...) on the timeline.
@@ -96,8 +95,7 @@ class Reporter:
         """
         span = self._phase_spans.get(name)
         if span is None:  # the step path reuses it: no object per span, one call per listener that asked
-            listeners = tuple(listener for listener, names in self._phase_listeners if names is None or name in names)
-            span = self._phase_spans[name] = _PhaseSpan(name, listeners)
+            span = self._phase_spans[name] = _PhaseSpan(name, self.events.phase_listeners(name))
         if self.timeline.enabled:
             return _WatchedSpan(self.timeline.span(name), span)
         return span if span.listeners else self.timeline.span(name)
@@ -121,10 +119,12 @@ class Reporter:
 
     # --- what happened -------------------------------------------------------------------------
 
-    def start(self, *, steps_per_epoch: int, step: int) -> None:
-        """The run's opening lines: world, batch arithmetic, length, where it writes."""
+    def start(self, *, steps_per_epoch: int, step: int, resumed: bool) -> None:
+        """Open rank 0's sinks (a resumed run appends to ``metrics.jsonl``), then the run's opening lines."""
         cfg, rt = self.config, self.runtime
-        self.sinks.start(config_to_dict(cfg))  # after RunState handed the sinks their resumed state
+        if self.is_main:
+            self.sinks.extend(build_sinks(cfg, append=resumed))
+        self.sinks.start(config_to_dict(cfg))  # after RunState handed the group the resumed checkpoint's sink states
         world_size = rt.env.world_size
         log.info(
             "world_size=%d backend=%s device=%s launcher=%s | per-rank batch %d x %d ranks x %d accumulation = global batch %d",
@@ -136,11 +136,9 @@ class Reporter:
             f", resuming at step {step}" if step else "", self.output_dir,
         )
 
-    def add_loss(self, loss: Any, *, owner: type) -> None:
-        """Keep a micro-batch's loss for the next record (no host sync); ``owner`` is the class whose training_step made it."""
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise DdpkitError(f"{owner.__name__}.training_step must return a scalar loss tensor, got {_describe(loss)}")
-        self._loss.add(loss)
+    def add_loss(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Keep a micro-batch's loss for the next record (no host sync): a mean, or a sum over ``tokens`` tokens."""
+        self._loss.add(loss, tokens)
 
     @property
     def loss_pending(self) -> bool:
@@ -159,35 +157,45 @@ class Reporter:
         """
         now, step = time.perf_counter(), progress.step
         loss = self._loss.read()
-        samples = (step - self._window_step) * self.samples_per_step
+        samples, seconds = (step - self._window_step) * self.samples_per_step, now - self._window_start
         record = {
             logs.STEP: step,
             logs.EPOCH: progress.epoch,
             logs.TRAIN_LOSS: loss,
             logs.LR: lr,
-            logs.SAMPLES_PER_S: samples / max(now - self._window_start, 1e-9),
+            logs.SAMPLES_PER_S: samples / max(seconds, 1e-9),
+            **self.throughput.fields(samples=samples, seconds=seconds),
             **(extra or {}),
             logs.TIME: time.time(),
         }
         norm = record.get(logs.GRAD_NORM, math.nan)
         self._window_start, self._window_step = now, step
         self.sinks.write(record)
-        self.console.show({"loss": loss, "grad_norm": norm, "samples/s": round(record[logs.SAMPLES_PER_S]), "lr": lr})
+        rate = {"tokens/s": round(record["tokens_per_s"])} if "tokens_per_s" in record else {"samples/s": round(record[logs.SAMPLES_PER_S])}
+        self.console.show({"loss": loss, "grad_norm": norm, **rate, "lr": lr})
         if not self._show_bar:
-            log.info("step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f samples/s", step, progress.epoch, loss, norm, lr, record[logs.SAMPLES_PER_S])
+            (unit, value), = rate.items()
+            log.info("step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f %s%s", step, progress.epoch, loss, norm, lr, value, unit,
+                     f" mfu {record['mfu']:.1%}" if "mfu" in record else "")
         return record
 
-    def validation(self, progress: Any, metrics: dict[str, float]) -> None:
-        """Record exact validation metrics (already prefixed ``val_``)."""
+    def validation(self, progress: Any, metrics: dict[str, float]) -> dict[str, float]:
+        """Record exact validation metrics (already prefixed ``val_``); return them, with ``val_ppl``
+        (the exponential of the token-weighted ``val_loss``) added for runs that train on tokens."""
+        if self.throughput.enabled and "val_loss" in metrics:
+            metrics = {**metrics, "val_ppl": math.exp(min(metrics["val_loss"], 700.0))}  # exp(710) overflows a float
         self.sinks.write({logs.STEP: progress.step, logs.EPOCH: progress.epoch, **metrics, logs.TIME: time.time()})
         log.info("step %d validation: %s", progress.step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
 
     def write_timeline(self) -> None:
         """Merge every rank's spans into ``<output_dir>/timeline.json`` (a collective; when enabled)."""
         self.timeline.write(self.output_dir / "timeline.json")
 
     def close(self, status: str = "FINISHED") -> None:
-        """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED."""
+        """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED
+        (or the goodput ledger's STOPPED: a signal stopped the run after saving, which trackers call KILLED)."""
+        status = "KILLED" if status == "STOPPED" else status
         self.console.close()
         self.sinks.finish(status, [self.output_dir / "model.pt"] if status == "FINISHED" else [])
         self.step_log.close()

@@ -45,6 +45,10 @@ class Sink:
         """Small, picklable state saved in every checkpoint (e.g. a tracker's run id)."""
         return {}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """What ``state_dict`` returned when the resumed checkpoint was written; called just before
+        ``start``, which receives the same dict as ``resumed`` (override either)."""
+
     def finish(self, status: str, artifacts: list[Path]) -> None:
         """The run ended with ``status`` (one of :data:`STATUSES`); ``artifacts`` are files to keep."""
 

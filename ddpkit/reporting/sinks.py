@@ -20,8 +20,8 @@ Write your own in a few lines and add it beside the built-in ones (rank 0 has th
             if self.is_main:
                 self.reporter.sinks.add(PrintSink())
 
-Built in: ``metrics.jsonl`` and TensorBoard (``log.tensorboard``), ``status.json`` (read by
-``ddpkit runs``), and the trackers in :mod:`ddpkit.reporting.trackers` (``log.mlflow``, ``log.wandb``).
+Built in: ``metrics.jsonl``, ``status.json`` (read by ``ddpkit runs``), TensorBoard (``log.tensorboard``),
+and the trackers in :mod:`ddpkit.reporting.trackers` (``log.mlflow``, ``log.wandb``).
 
 A sink that raises is switched off with one warning and training goes on, so a broken tracker
 never costs a run; only a sink with ``required = True`` (``metrics.jsonl``, the record of
@@ -40,9 +40,12 @@ from pathlib import Path
 from typing import Any
 
 # Sink and the helpers trackers share live in sink_base (trackers import them from there, not from here).
+from ddpkit.atomic import write_atomically
+from ddpkit.errors import DdpkitError
 from ddpkit.reporting.sink_base import STATUSES, Sink, as_text, flatten_config
 
-__all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
+__all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "TensorBoardSink",
+           "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
 
 log = logging.getLogger("ddpkit.reporting.sinks")
 
@@ -60,20 +63,34 @@ class SinkGroup:
         assert len(set(names)) == len(names), f"sink names must be unique, got {names}"
 
     def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
-        """The group's ``state_dict()`` from the checkpoint this run resumes: handed to ``start``."""
+        """The group's ``state_dict()`` from the checkpoint this run resumes: each sink's part goes to
+        its ``load_state_dict`` and ``start`` (sinks opened later, in :meth:`start`, receive theirs then)."""
         self._resumed = dict(state)
+
+    def extend(self, group: SinkGroup) -> None:
+        """Add ``group``'s sinks after this group's own (before :meth:`start`)."""
+        for sink in group.sinks:
+            self.add(sink)
 
     def start(self, config: dict[str, Any], *, resumed: Mapping[str, dict[str, Any]] | None = None) -> None:
         """Start every sink; ``resumed`` defaults to what ``load_state_dict`` was given."""
         self._config, resumed = config, (self._resumed if resumed is None else resumed)
         for sink in list(self.sinks):
-            self._call(sink, "start", config, resumed=resumed.get(sink.name))
+            self._start(sink, resumed.get(sink.name))
 
     def add(self, sink: Sink) -> None:
         """Add a sink, e.g. from ``Trainer.on_fit_start``; started at once if the group already is."""
+        assert sink.name not in {s.name for s in self.sinks}, f"a sink named {sink.name!r} is already in the group"
         self.sinks.append(sink)
         if self._config is not None:
-            self._call(sink, "start", self._config, resumed=self._resumed.get(sink.name))
+            self._start(sink, self._resumed.get(sink.name))
+
+    def _start(self, sink: Sink, resumed: dict[str, Any] | None) -> None:
+        """The sink's state from the resumed checkpoint (if any), then ``start``."""
+        if resumed is not None:
+            self._call(sink, "load_state_dict", resumed)
+        if sink in self.sinks:  # a failed optional sink was dropped
+            self._call(sink, "start", self._config, resumed=resumed)
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in list(self.sinks):
@@ -110,10 +127,12 @@ class SinkGroup:
 
 
 def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
-    """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.schema.Config`): ``metrics.jsonl``
-    (+ TensorBoard), ``status.json``, the trackers ``log.mlflow`` / ``log.wandb`` ask for, then
-    ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
-    sinks: list[Sink] = [MetricsFileSink(config.output_dir, tensorboard=config.log.tensorboard, append=append), StatusSink(config.output_dir)]
+    """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.schema.Config`): ``metrics.jsonl``,
+    ``status.json``, TensorBoard and the trackers when ``log.tensorboard`` / ``log.mlflow`` / ``log.wandb``
+    ask for them, then ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
+    sinks: list[Sink] = [MetricsFileSink(config.output_dir, append=append), StatusSink(config.output_dir)]
+    if config.log.tensorboard:
+        sinks.append(TensorBoardSink(Path(config.output_dir) / "tensorboard"))
     if config.log.mlflow or config.log.wandb:  # mlflow and wandb themselves are imported only inside the tracker sinks
         from ddpkit.reporting.trackers import tracker_sinks  # here: runs without trackers never load the adapters
 
@@ -123,7 +142,7 @@ def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> Sin
 
 
 class MetricsFileSink(Sink):
-    """``metrics.jsonl`` (and TensorBoard when asked), the run's record of truth: ``required``.
+    """``metrics.jsonl``, the run's record of truth: ``required``.
 
     A thin adapter over :class:`ddpkit.reporting.log.MetricSinks`, which owns the file format.
     """
@@ -131,16 +150,49 @@ class MetricsFileSink(Sink):
     name = "metrics"
     required = True
 
-    def __init__(self, output_dir: str | os.PathLike, *, tensorboard: bool = False, append: bool = True):
+    def __init__(self, output_dir: str | os.PathLike, *, append: bool = True):
         from ddpkit.reporting.log import MetricSinks
 
-        self._sinks = MetricSinks(output_dir, enabled=True, tensorboard=tensorboard, append=append)
+        self._sinks = MetricSinks(output_dir, enabled=True, append=append)
 
     def write(self, record: dict[str, Any]) -> None:
         self._sinks.write(record)
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
         self._sinks.close()
+
+
+class TensorBoardSink(Sink):
+    """TensorBoard event files (``torch.utils.tensorboard``, ``pip install 'ddpkit[tensorboard]'``): optional.
+
+    A missing package is a clear error when the run starts (the config asked for it); a writer that
+    fails later (a full disk, a broken file) is switched off with one warning, like the trackers.
+    """
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str | os.PathLike):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise DdpkitError("log.tensorboard=true needs the tensorboard package, which is not installed: "
+                              "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)") from None
+        self._open, self.log_dir, self._writer = SummaryWriter, Path(log_dir), None
+
+    def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
+        self._writer = self._open(log_dir=str(self.log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            # Not "time": TensorBoard stamps each event with wall time itself, and a Unix time
+            # stored as a float32 scalar is only accurate to about two minutes.
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, global_step=record["step"])
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class StatusSink(Sink):
@@ -181,9 +233,7 @@ class StatusSink(Sink):
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self._state, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)  # a reader never sees half a file
+        write_atomically(self.path, json.dumps(self._state, indent=1) + "\n")  # a reader never sees half a file
 
 
 def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -22,12 +22,10 @@ from typing import Any
 
 import torch
 
+from ddpkit.atomic import write_atomically
 from ddpkit.distributed.process_group import all_gather_object
 
-__all__ = ["Timeline", "SPAN_NAMES"]
-
-#: The spans the Trainer records, in loop order.
-SPAN_NAMES = ("data", "forward", "backward", "optimizer", "checkpoint", "evaluation")
+__all__ = ["Timeline"]
 
 _OFF = contextlib.nullcontext()
 
@@ -80,7 +78,5 @@ class Timeline:
             )
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
         return path

@@ -1,2 +1,8 @@
-"""Commands that read finished runs: ``ddpkit runs`` (a table of runs) and ``ddpkit plot``; and
-``ddpkit estimate`` (bytes per rank of each ``parallel.mode``, before a run)."""
+"""Commands that read finished runs or plan one.
+
+- ``runs``: ``ddpkit runs``, a table of the runs under a directory.
+- ``plot``: ``ddpkit plot``, loss and metric curves of one or more runs.
+- ``goodput``: ``ddpkit goodput``, where a run's wall time went (reads :mod:`ddpkit.goodput`).
+- ``estimate``: ``ddpkit estimate``, bytes per rank of each ``parallel.mode``, before a run.
+- ``tokenize``: ``ddpkit tokenize``, text files to a token file for ``data: {name: tokens}``.
+"""

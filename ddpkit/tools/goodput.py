@@ -10,7 +10,7 @@
 
     $ ddpkit goodput runs/exp --json      # the same numbers as JSON
 
-The categories (see :mod:`ddpkit.tools.goodput_ledger` and docs/goodput.md) partition the wall
+The categories (see :mod:`ddpkit.goodput.reading` and docs/goodput.md) partition the wall
 time, so productive time plus the badput adds up to it.
 """
 
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import exit_code_of
-from ddpkit.tools.goodput_ledger import CATEGORIES, Report, analyse, read_ledger
+from ddpkit.goodput.reading import CATEGORIES, Report, analyse, read_ledger
 
 __all__ = ["main", "goodput_of", "format_report"]
 

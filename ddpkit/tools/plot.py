@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import DdpkitError, exit_code_of
+from ddpkit.goodput.plot import plot_goodput
 from ddpkit.reporting.log import EPOCH, LR, METRICS_FILE, SAMPLES_PER_S, STEP, TIME, TRAIN_LOSS, VAL_PREFIX
-from ddpkit.tools.goodput_plot import plot_goodput
 
 __all__ = ["main", "RunMetrics", "load_metrics", "plot_runs"]
 
@@ -273,7 +273,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     names = _unique_names([Path(p) for p in args.runs])
-    if args.goodput:  # one stacked bar per run and per attempt (ddpkit.tools.goodput_plot)
+    if args.goodput:  # one stacked bar per run and per attempt (ddpkit.goodput.plot)
         single = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
         print(f"wrote {plot_goodput(args.runs, names, args.output or (Path(args.runs[0]) / 'goodput.png' if single else 'goodput.png'), title=args.title)}")
         return 0

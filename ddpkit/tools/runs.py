@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.distributed.processes import is_alive
 from ddpkit.errors import DdpkitError, exit_code_of
+from ddpkit.goodput.reading import analyse, read_ledger
 from ddpkit.reporting.console import format_duration
 from ddpkit.reporting.log import METRICS_FILE, VAL_PREFIX
 from ddpkit.reporting.sinks import read_status
-from ddpkit.tools.goodput_ledger import analyse, read_ledger
 from ddpkit.tools.plot import load_metrics
 
 __all__ = ["main", "RunSummary", "summarize_run", "find_runs"]
@@ -125,19 +126,9 @@ def _times(run_dir: Path) -> list[float]:
 
 def _status_word(status: dict[str, Any]) -> str:
     word = str(status.get("status", "-"))
-    if word == "RUNNING" and status.get("host") == socket.gethostname() and not _alive(status.get("pid")):
+    if word == "RUNNING" and status.get("host") == socket.gethostname() and not is_alive(status.get("pid")):
         return "CRASHED"
     return word
-
-
-def _alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (TypeError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 def _best(run_dir: Path, series: dict[str, list[tuple[int, float]]]) -> str:

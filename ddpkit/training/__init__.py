@@ -1,7 +1,29 @@
 """What one training step is made of, apart from the loop itself.
 
 - ``optim``: optimizers and learning-rate schedules, registered by name.
-- ``precision``: autocast and the fp16 gradient scaler; ``compile``: ``torch.compile`` from config.
-- ``models``: the built-in models; ``metrics``: metrics reduced across ranks only when read.
-- ``rng``: seeding, and capturing / restoring every generator; ``allocator``: host memory kept.
+- ``precision``: autocast and the fp16 gradient scaler.
+- ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
+  bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
+- ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``).
+- ``metrics``: exact validation means over ranks, the best-metric and early-stopping trackers;
+  ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
+- ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
+  loss); ``token_loss``: ``train.loss_normalization: tokens``, exact for any split of a global batch.
+- ``health`` / ``health_checks`` / ``straggler`` / ``replicas``: training health: non-finite
+  losses and gradients, loss spikes, slow ranks, replicas that drifted apart.
+- ``rng``: seeding, and capturing / restoring every generator.
 """
+
+# What the Trainer composes, importable from the package.
+from ddpkit.training import steps  # noqa: E402  (the built-in steps, as training.steps.*)
+from ddpkit.training.evaluation import Evaluation
+from ddpkit.training.health import TrainingHealth
+from ddpkit.training.metrics import evaluate
+from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
+from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
+from ddpkit.training.rng import RngStreams
+
+__all__ = [
+    "Evaluation", "TrainingHealth", "evaluate", "Models", "build_models", "sync_gradients", "unwrap_model",
+    "OptimizerStep", "build_optimizer", "build_scheduler", "RngStreams", "steps",
+]

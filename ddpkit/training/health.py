@@ -1,10 +1,12 @@
 """Training health: a NaN, a loss spike, a slow rank or a diverged replica is caught, named and
 handled by every rank together, at the same step.
 
-    health = TrainingHealth(config, runtime=runtime, model=model, loader=train_loader, progress=progress, reporter=reporter, state=run_state)
+    health = TrainingHealth(config, runtime=runtime, model=model, loader=train_loader, progress=progress, state=run_state)
     optimizer_step.health = health      # OptimizerStep calls watch_loss() and allow_step(), see below
+    run_state.register_all(health=health, ...)   # the counters and spike windows continue after a resume
+    events.add(health.straggler, health)         # the straggler watch times the data span; on_step_end below
     ...
-    health.after_step(step)             # straggler and replica checks, every N steps
+    health.on_step_end(step)            # straggler and replica checks, every N steps
     reporter.training(progress, lr=lr, extra=health.log_fields())   # grad_norm, skipped_steps, ...
 
 Configured by the ``health`` section (:mod:`ddpkit.config.health_section`); docs/health.md has the
@@ -40,7 +42,7 @@ from ddpkit.errors import HealthError
 from ddpkit.reporting.log import GRAD_NORM, log
 from ddpkit.training.health_checks import SpikeDetector, sample_indices
 from ddpkit.training.replicas import ReplicaCheck
-from ddpkit.training.straggler import OWN_WORK, StragglerWatch
+from ddpkit.training.straggler import StragglerWatch
 
 __all__ = ["TrainingHealth"]
 
@@ -48,8 +50,8 @@ __all__ = ["TrainingHealth"]
 class TrainingHealth:
     """The ``health`` section's checks for one run, on one rank; every decision is the same on every rank."""
 
-    def __init__(self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Any, reporter: Any, state: Any = None):
-        """``reporter``: its phase listeners time the steps; ``state`` (the RunState): saves these counters, and rollback restores from it."""
+    def __init__(self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Any, state: Any = None):
+        """``state`` (the :class:`ddpkit.checkpoint.state.RunState`): ``health.spike.action=rollback`` restores from it."""
         h, env = config.health, runtime.env
         self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
         self.loader, self.progress = loader, progress
@@ -62,11 +64,8 @@ class TrainingHealth:
         spike = h.spike
         self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
-        if self.straggler is not None:
-            reporter.add_phase_listener(self.straggler.phase, names=OWN_WORK)
         if state is not None:
-            state.register("health", self)  # the counters and spike windows continue after a resume
-            self.restore = getattr(state, "rollback", None)
+            self.restore = state.rollback
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
@@ -158,7 +157,7 @@ class TrainingHealth:
 
     # --- after the step, and at log time ------------------------------------------------------
 
-    def after_step(self, step: int) -> None:
+    def on_step_end(self, step: int) -> None:
         """Every step: close the straggler timings (a collective every ``straggler.every`` steps) and check replicas when due."""
         if self.straggler is not None and (message := self.straggler.step_done()):
             self._say("%s", message)

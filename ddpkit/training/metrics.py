@@ -1,7 +1,6 @@
 """Metrics that accumulate on the device and are reduced across ranks only when read.
 
-The training loop adds each step's loss to a device tensor (no ``.item()``, no host sync) and
-reads the rank-averaged value every ``train.log_every`` steps with one allreduce. Validation sums
+(The training loss's running mean is the reporter's: :mod:`ddpkit.reporting.running_mean`.) Validation sums
 per-sample values in float64 and divides by the global sample count, so the result is the exact
 mean over the whole validation set however it was sharded.
 """
@@ -16,7 +15,7 @@ import torch
 from ddpkit.distributed.process_group import all_gather_object, all_reduce_sum
 from ddpkit.errors import ConfigError
 
-__all__ = ["RunningMean", "ExactMeans", "BestTracker", "evaluate"]
+__all__ = ["ExactMeans", "BestTracker", "evaluate"]
 
 
 def evaluate(
@@ -39,33 +38,6 @@ def evaluate(
     finally:
         model.train(was_training)
     return {f"val_{name}": value for name, value in means.compute().items()}
-
-
-class RunningMean:
-    """Mean of a scalar (the training loss) over steps and ranks since the last read."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._values: list[torch.Tensor] = []
-
-    def add(self, value: torch.Tensor) -> None:
-        """Keep a detached reference: no kernel launch, no host sync."""
-        self._values.append(value.detach())
-
-    @property
-    def pending(self) -> bool:
-        """Whether values were added since the last read (the same on every rank)."""
-        return bool(self._values)
-
-    def read(self) -> float:
-        """All-reduce, return the mean over ranks and steps (nan if empty), and start over."""
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self._values:
-            totals[0] = torch.stack(self._values).to(torch.float64).sum()
-            totals[1] = len(self._values)
-        self._values.clear()
-        total, count = all_reduce_sum(totals).tolist()
-        return total / count if count else float("nan")
 
 
 class ExactMeans:

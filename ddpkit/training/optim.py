@@ -27,6 +27,7 @@ from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.errors import ConfigError
 from ddpkit.registry import OPTIMIZERS, register_optimizer
 from ddpkit.training.precision import autocast, check_precision, grad_scaler
+from ddpkit.training.token_loss import TokenCount, split_loss
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor", "OptimizerStep"]
 
@@ -89,13 +90,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total
 class OptimizerStep:
     """Backward passes and optimizer steps as ``train`` configures them (precision, accumulation, clipping)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig, device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig, device: torch.device, world_size: int = 1
+    ):
         check_precision(train.precision, device)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.scaler = grad_scaler(train.precision, device)
         self._precision, self._device = train.precision, device
         self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
         self._parameters = list(model.parameters())
+        self.normalization = train.loss_normalization
+        #: ``loss_normalization: tokens``: this step's token count, and the gradient scaling it decides.
+        self.tokens = TokenCount(self._parameters, world_size=world_size, device=device) if self.normalization == "tokens" else None
         #: The run's :class:`ddpkit.training.health.TrainingHealth` (set by the Trainer): it sees each loss
         #: before backward and the gradient norm before the update, and may skip the update.
         self.health: Any = None
@@ -104,16 +110,25 @@ class OptimizerStep:
         """The context for forward passes (a reusable no-op in fp32)."""
         return autocast(self._precision, self._device)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, averaged over the accumulated micro-batches."""
+    def loss_of(self, result: Any, *, owner: type) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``training_step``'s return as ``(loss, n_tokens)``; a return that does not fit ``loss_normalization`` is refused."""
+        return split_loss(result, normalization=self.normalization, owner=owner)
+
+    def backward(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Backward of one micro-batch's loss: averaged over the accumulated micro-batches, or (``tokens``)
+        a loss sum whose gradients :meth:`step` divides by the global token count."""
         if self.health is not None:
             loss = self.health.watch_loss(loss)
-        if self._accum > 1:
+        if tokens is not None:
+            self.tokens.add(tokens)
+        elif self._accum > 1:
             loss = loss / self._accum
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
         """Clip, step (through the scaler in fp16) unless health says skip, zero the gradients, advance the schedule."""
+        if self.tokens is not None:
+            self.tokens.scale_gradients()  # the step's one all-reduce of token counts, before any clipping
         norm = self._gradient_norm()
         applied = self.health is None or self.health.allow_step(norm, scaled=self.scaler is not None)
         if applied:

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["seed_everything", "use_deterministic_kernels", "capture_rng", "restore_rng"]
+from ddpkit.distributed.process_group import all_gather_object
+
+__all__ = ["seed_everything", "use_deterministic_kernels", "capture_rng", "restore_rng", "RngStreams"]
 
 
 def seed_everything(seed: int) -> None:
@@ -76,3 +78,21 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
+
+
+class RngStreams:
+    """Every rank's generators as one part of the run's state (registered as ``rng``).
+
+    ``state_dict()`` gathers each rank's :func:`capture_rng` in rank order (a collective: every rank
+    calls it, as every rank captures a checkpoint); ``load_state_dict`` restores this rank's own
+    streams, or rank 0's when the run resumes on another world size (``data.global_batch_size``).
+    """
+
+    def __init__(self, *, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return all_gather_object(capture_rng())
+
+    def load_state_dict(self, streams: list[dict[str, Any]]) -> None:
+        restore_rng(streams[self.rank] if len(streams) == self.world_size else streams[0])

@@ -1,7 +1,7 @@
 """Names a rank that is consistently slower than the others at its own work.
 
     watch = StragglerWatch(config.health.straggler, parameters=model.parameters(), rank=0, world_size=2, device=device)
-    reporter.add_phase_listener(watch.phase, names=OWN_WORK)   # the data span starts and ends
+    events.add(watch)            # on_phase: the data span starts and ends (its phases, OWN_WORK)
     ...
     message = watch.step_done()                  # every step; every `every` steps one small all_reduce
 
@@ -67,8 +67,11 @@ class StragglerWatch:
             self._hooks = [self._last_ready.register_post_accumulate_grad_hook(self._gradient_ready)]
         self._parameters, self._last_ready = [], None
 
-    def phase(self, name: str | None) -> None:
-        """A listener of the data span (see Reporter.add_phase_listener): ``"data"`` as it starts, None as it ends."""
+    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
+    phases = OWN_WORK
+
+    def on_phase(self, name: str | None) -> None:
+        """A listener of the data span: ``"data"`` as it starts, None as it ends."""
         now = time.perf_counter()
         if name is not None:
             self._started = now

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ddpkit.config.schema import DDPConfig, ParallelConfig, TrainConfig
-from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_TORCH_OPTIONS
+from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS
 from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
@@ -51,14 +51,12 @@ from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
 __all__ = [
-    "CompileError", "Models", "build_models", "compile_settings", "CompileWatch", "TORCH_OPTIONS", "DDPKIT_OPTIONS",
+    "CompileError", "Models", "build_models", "compile_settings", "CompileWatch", "DDPKIT_OPTIONS",
     "sync_gradients", "unwrap_model",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are (the config's own table).
-TORCH_OPTIONS = COMPILE_TORCH_OPTIONS
 #: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults (the config's own table).
 DDPKIT_OPTIONS = COMPILE_DDPKIT_OPTIONS
 
@@ -100,8 +98,8 @@ class Models:
         """The context validation runs in: FSDP2 gathers the parameters once for it, other modes need nothing."""
         return full_parameters(self.bare)
 
-    def close(self) -> None:
-        """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
+    def close(self, status: str | None = None) -> None:
+        """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice (``status`` unused)."""
         if self.watch is not None:
             self.watch.close()
             self.watch = None

@@ -3,7 +3,7 @@
     with GoodputLedger.for_run(config, runtime, step=lambda: trainer.progress.step) as ledger:
         ...                                   # build, then restore:
         resumed = ledger.restore(state.resume)  # timed; records the step training resumes at
-        ledger.listen_to(reporter)            # first step, checkpoint and validation spans
+        events.add(ledger)                    # on_phase: first step, checkpoint and validation spans
     # on the way out: an "end" line (FINISHED, STOPPED or FAILED) with the last completed step
 
     ddpkit goodput runs/exp                   # the report (ddpkit.tools.goodput)
@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
-from ddpkit.faults.watchdog_io import proc_stat
 
 __all__ = ["LEDGER_FILE", "SESSION_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
 
@@ -139,8 +139,6 @@ class GoodputLedger:
         self._first_done = False
         self._next_progress = 0.0
         self.last_step, self.last_step_time = 0, time.time()
-        self._on_failure: list[Callable[[BaseException], None]] = []
-        self._on_exit: list[Callable[[str], None]] = []
         self.stopped = False  #: set by the Trainer when a signal stopped the run after saving: the attempt ends STOPPED
 
     @classmethod
@@ -157,23 +155,13 @@ class GoodputLedger:
         self._write("start", t=began, imported=max(_IMPORTED, began), ready=time.time(), pid=os.getpid())
         return self
 
-    def on_failure(self, hook: Callable[[BaseException], None]) -> None:
-        """Call ``hook(error)`` when the attempt fails (not when a signal stopped it after saving)."""
-        self._on_failure.append(hook)
-
-    def on_exit(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(status)`` when the attempt ends, whichever way (FINISHED, STOPPED or FAILED)."""
-        self._on_exit.append(hook)
+    def status_of(self, exc: BaseException | None) -> str:
+        """How the attempt ended: FINISHED, STOPPED (a signal stopped it after saving) or FAILED."""
+        stopped = exc is None and self.stopped or getattr(exc, "exit_code", None) == EXIT_PREEMPTED
+        return "STOPPED" if stopped else ("FINISHED" if exc is None else "FAILED")
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        stopped = exc is None and self.stopped or getattr(exc, "exit_code", None) == EXIT_PREEMPTED
-        status = "STOPPED" if stopped else ("FINISHED" if exc is None else "FAILED")
-        failed = status == "FAILED" and isinstance(exc, Exception)
-        for hook, arg in [*((h, exc) for h in self._on_failure if failed), *((h, status) for h in self._on_exit)]:
-            try:
-                hook(arg)
-            except Exception as problem:  # the original failure is what the user must see
-                print(f"ddpkit: {getattr(hook, '__qualname__', hook)} failed: {type(problem).__name__}: {problem}", file=sys.stderr, flush=True)
+        status = self.status_of(exc)
         self._write("end", step=self.last_step, last_step_t=self.last_step_time, status=status)
 
     def restore(self, resume: Callable[[], Any]) -> Any:
@@ -192,9 +180,8 @@ class GoodputLedger:
         else:
             self._write("checkpoint", began=began, step=step, kind=kind)
 
-    def listen_to(self, reporter: Any) -> None:
-        """Follow the reporter's spans: step ends, checkpoint and evaluation spans."""
-        reporter.add_phase_listener(self.on_phase, names=("optimizer", "checkpoint", "evaluation"))
+    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
+    phases = ("optimizer", "checkpoint", "evaluation")
 
     def on_phase(self, name: str | None) -> None:
         """Phase listener: ``name`` starts, or (None) the innermost span ends. Cheap on the step path."""

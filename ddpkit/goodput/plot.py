@@ -2,7 +2,7 @@
 
 One horizontal stacked bar per run (productive time, then each badput category, in seconds), and
 below it one bar per attempt of each run, so a fault's lost work and recovery stand out. Numbers
-come from ``goodput.jsonl`` (:mod:`ddpkit.tools.goodput_ledger`). Needs matplotlib (``ddpkit[plot]``).
+come from ``goodput.jsonl`` (:mod:`ddpkit.goodput.reading`). Needs matplotlib (``ddpkit[plot]``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpkit.errors import DdpkitError
-from ddpkit.tools.goodput_ledger import CATEGORIES, analyse, read_ledger
+from ddpkit.goodput.reading import CATEGORIES, analyse, read_ledger
 
 __all__ = ["plot_goodput"]
 

@@ -5,7 +5,7 @@
     slots.write(step, torch.get_rng_state())                            # at the step boundary (next batch): final
     found = read_boundary(path, step)                                   # the crash saver, for a dead rank: (tensor, final) or None
 
-The crash save (:mod:`ddpkit.faults.recovery`) runs on a surviving rank, but exact resume needs every
+The crash save (:mod:`ddpkit.checkpoint.crash_save`) runs on a surviving rank, but exact resume needs every
 rank's own torch stream (per-rank dropout masks). So every rank publishes its boundary state here:
 one file per rank (``/dev/shm/ddpkit-pids-<run>/<session>-<attempt>-rank<r>.rng``), sized and mapped
 once, with two slots written alternately by step parity. A dead rank's last boundary ``k`` and the one

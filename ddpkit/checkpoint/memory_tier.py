@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
+from ddpkit.checkpoint.components import Ledger
 from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
-from ddpkit.distributed.process_group import broadcast_object
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime, broadcast_object
 from ddpkit.reporting.log import log
 
 __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
@@ -101,7 +103,10 @@ def remove_stale(directory: Path, disk_step: int) -> None:
 class MemorySnapshots:
     """Takes a snapshot every ``checkpoint.memory_every_steps`` steps (see the module docstring)."""
 
-    def __init__(self, config: Any, runtime: Any, state: Any, *, every: int, ledger: Any = None):
+    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
+    phases = ("optimizer", "data")
+
+    def __init__(self, config: Config, runtime: Runtime, state: Any, *, every: int, ledger: Ledger | None = None):
         self.config, self.state, self.every, self.ledger = config, state, every, ledger
         self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
@@ -111,15 +116,14 @@ class MemorySnapshots:
         self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
 
     @classmethod
-    def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> MemorySnapshots | None:
-        """Follow the loop's spans when ``checkpoint.memory_every_steps`` is set and ``/dev/shm`` exists."""
+    def arm(cls, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger) -> MemorySnapshots | None:
+        """The snapshots of this run (a listener for the Trainer's events) when ``checkpoint.memory_every_steps``
+        is set and ``/dev/shm`` exists; else None. ``state`` is the RunState that captures the snapshots."""
         every, env = config.checkpoint.memory_every_steps, runtime.env
         if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
             return None
         snapshots = cls(config, runtime, state, every=PLAN_STEP if every == "auto" else every, ledger=ledger)
         snapshots.adaptive = snapshots.unplanned = every == "auto"
-        reporter.add_phase_listener(snapshots.on_phase, names=("optimizer", "data"))
-        ledger.on_exit(snapshots.close)
         return snapshots
 
     def on_phase(self, name: str | None) -> None:
@@ -164,7 +168,7 @@ class MemorySnapshots:
                      blocked * 1e3, " (estimated)" if estimated else "", per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
             self.every = every
 
-    def close(self, status: str) -> None:
+    def on_exit(self, status: str) -> None:
         """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
         try:
             self._writer.wait()

@@ -4,7 +4,7 @@
     client("set", "hb/0", "...")                  # raises StoreDown after 5 s with no answer
     client.get_if_set("alarm")                    # None when the key does not exist; never blocks on it
 
-Kept apart from :mod:`ddpkit.faults.watchdog` so that module reads as the protocol alone.
+Kept apart from :mod:`ddpkit.watchdog.heartbeat` so that module reads as the protocol alone.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpkit.atomic import write_atomically
+from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import exit_now
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "proc_stat", "terminate"]
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "terminate"]
 
 
 class StoreDown(RuntimeError):
@@ -100,9 +102,10 @@ def own_client(store: Any) -> Any:
 
 
 def write_text(path: Path, text: str) -> Path:
+    """Write a report atomically; a failure is printed (the report itself went to the log already)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_atomically(path, text)
     except OSError as exc:
         print(f"ddpkit: could not write {path} ({exc}); the report is printed above", file=sys.stderr, flush=True)
     return path
@@ -125,16 +128,6 @@ def write_error_file(message: str, *, when: float, code: int) -> None:
             json.dump(payload, f)
     except OSError:
         pass
-
-
-def proc_stat(pid: int | str = "self") -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first, then the parent's pid, ...),
-    or None where the process or ``/proc`` is not there. The name, in parentheses, may hold spaces."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def kill_frozen_sibling(pid: int) -> bool:

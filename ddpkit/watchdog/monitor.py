@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import EXIT_HANG
-from ddpkit.faults.hang_report import classify, format_report, summary_line
-from ddpkit.faults.watchdog_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
+from ddpkit.watchdog.report import classify, format_report, summary_line
+from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
 __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER"]
 

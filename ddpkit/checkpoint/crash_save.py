@@ -1,7 +1,8 @@
 """A crashed worker costs zero steps: a surviving rank saves the last completed step on its way out.
 
-    crash_save = CrashSave.arm(config, runtime, state, reporter, ledger=ledger)   # once, after resume
-    # ... if fit() fails (a peer died, torchrun's SIGTERM): the ledger's exit calls crash_save.save(error)
+    crash_save = CrashSave.arm(config, runtime, state, ledger=ledger)   # once, after resume
+    events.add(crash_save)      # on_phase: step boundaries; on_failure(error): save; on_exit: clean up
+    # ... if fit() fails (a peer died, torchrun's SIGTERM), the Trainer's events call crash_save.on_failure(error)
 
 Under DDP every rank holds the complete model and optimizer state. When one worker dies (SIGKILL,
 a segfault, an OOM kill) the survivors' next collective fails, or torchrun stops them with
@@ -14,7 +15,7 @@ What is recorded at each step boundary, and why it is enough. Parameters and opt
 change only inside the ``optimizer`` span. At the start of the first ``data`` span after it, the
 previous step is complete (its logging, validation and checkpoint included): this module then
 copies the progress counters (three ints) and the torch RNG state (5 KB, about 2 us), nothing else,
-and publishes that RNG state to the rank's slot file (:mod:`ddpkit.faults.boundary_rng`). A failure
+and publishes that RNG state to the rank's slot file (:mod:`ddpkit.checkpoint.boundary_rng`). A failure
 inside data, forward or backward leaves the parameters at that boundary, so the boundary is saved;
 a failure between the start of ``optimizer`` and the next ``data`` (a half-applied update, or a
 step whose validation did not finish) is not saved, and the restart uses the newest periodic
@@ -40,22 +41,23 @@ import hashlib
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddpkit._version import __version__
 from ddpkit.checkpoint import files as ckpt
-from ddpkit.config.serialize import config_hash, config_to_dict
-from ddpkit.faults.boundary_rng import BoundarySlots, read_boundary
-from ddpkit.faults.snapshot import MemorySnapshots
-from ddpkit.faults.watchdog_io import proc_stat
+from ddpkit.checkpoint.boundary_rng import BoundarySlots, read_boundary
+from ddpkit.checkpoint.components import Ledger
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.processes import is_alive
 from ddpkit.reporting.log import log
 from ddpkit.training.rng import capture_rng
 
-__all__ = ["CrashSave", "lowest_live_rank", "arm_recovery"]
+__all__ = ["CrashSave", "lowest_live_rank"]
 
 SHM = Path("/dev/shm")
 
@@ -68,11 +70,6 @@ def _pid_files(config: Any) -> tuple[Path, str]:
     return base / f"ddpkit-pids-{key}", f"{session}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
 
 
-def _alive(pid: int) -> bool:
-    fields = proc_stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie is dead
-
-
 def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | None:
     """The lowest rank of this attempt whose recorded pid is alive on this host (None if none recorded)."""
     for rank in range(world_size):
@@ -80,23 +77,18 @@ def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | Non
             pid = int((directory / f"{prefix}rank{rank}.pid").read_text())
         except (OSError, ValueError):
             continue
-        if _alive(pid):
+        if is_alive(pid):
             return rank
     return None
-
-
-def arm_recovery(config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> None:
-    """Everything the loop does for goodput, in one call after resume: the ledger follows the spans,
-    the crash save records step boundaries, memory snapshots are taken every ``memory_every_steps``."""
-    ledger.listen_to(reporter)
-    CrashSave.arm(config, runtime, state, reporter, ledger=ledger)
-    MemorySnapshots.arm(config, runtime, state, reporter, ledger=ledger)
 
 
 class CrashSave:
     """Step-boundary bookkeeping on every rank, and the save the lowest survivor makes on failure."""
 
-    def __init__(self, config: Any, runtime: Any, state: Any, *, ledger: Any = None):
+    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
+    phases = ("optimizer", "data")
+
+    def __init__(self, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger | None = None):
         self.config, self.runtime, self.state, self.ledger = config, runtime, state, ledger
         self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
         self.boundary: tuple[tuple[int, int, int], torch.Tensor] | None = None
@@ -120,7 +112,7 @@ class CrashSave:
     def _rng_file(self, rank: int) -> Path:
         return self._dir / f"{self._prefix}rank{rank}.rng"
 
-    def close(self, status: str) -> None:
+    def on_exit(self, status: str) -> None:
         """The attempt ended (any way): remove this rank's pid file, and the directory once empty.
 
         The RNG slot files are read by the saver after the others fail: a failed rank leaves its
@@ -140,15 +132,13 @@ class CrashSave:
                 pass  # another rank's file is still there
 
     @classmethod
-    def arm(cls, config: Any, runtime: Any, state: Any, reporter: Any, *, ledger: Any) -> CrashSave | None:
-        """Listen to the loop's spans and be called by ``ledger`` on failure; None when it cannot help."""
+    def arm(cls, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger) -> CrashSave | None:
+        """The crash save of this run (a listener for the Trainer's events), or None when it cannot help.
+
+        ``state`` is the :class:`ddpkit.checkpoint.state.RunState` that owns what a checkpoint holds."""
         if runtime.env.world_size == 1 or not config.checkpoint.crash_save or "data_position" in state.components.names:
             return None
-        crash = cls(config, runtime, state, ledger=ledger)
-        reporter.add_phase_listener(crash.on_phase, names=("optimizer", "data"))
-        ledger.on_failure(crash.save)
-        ledger.on_exit(crash.close)  # after the save: the pid files decide who saves
-        return crash
+        return cls(config, runtime, state, ledger=ledger)
 
     def on_phase(self, name: str | None) -> None:
         """Two comparisons per span; at the first data span after an update, copy the boundary."""
@@ -165,7 +155,7 @@ class CrashSave:
                 self._slots.write(progress.step, rng)  # for the saver, should this rank die: a memmove, no syscall
             self._clean = True
 
-    def save(self, error: BaseException) -> None:
+    def on_failure(self, error: BaseException) -> None:
         """On a failed fit(): save the boundary if it is whole and this is the lowest live rank."""
         why = self._refusal()
         if why is not None:
@@ -173,7 +163,10 @@ class CrashSave:
             return
         # torchrun's SIGTERM to the survivors comes at any moment, and the preemption handler is gone
         # by now (fit's cleanup ran): without this the default action ends the process mid-save.
-        held = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # Python lets only the main thread install handlers; a loop in another thread (Ray Train's
+        # workers) saves without them: the save never depends on a handler.
+        main = threading.current_thread() is threading.main_thread()
+        held = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
         try:
             self._save(error)
         finally:
@@ -230,14 +223,9 @@ class CrashSave:
         return streams
 
     def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:
-        metadata = {
-            "rng": self._rank_streams(progress["step"], torch_rng),  # one per rank, in rank order
-            "world_size": self.world_size,
-            "config": config_to_dict(self.config),
-            "config_hash": config_hash(self.config),
-            "versions": {"ddpkit": __version__, "torch": str(torch.__version__)},
-        }
-        state = self.state.components.capture(metadata=metadata)
+        # Through the state's owner, without its collective (a peer is dead): every rank's RNG
+        # streams come from the slot files instead of an all-gather.
+        state = self.state.capture(rng=self._rank_streams(progress["step"], torch_rng))
         state["progress"] = dict(progress)  # the live counters already count the interrupted step's batch
         return state
 

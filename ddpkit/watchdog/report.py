@@ -4,7 +4,7 @@
     verdict = classify(beats, silent={})          # Verdict(stuck=[1], waiting=[0], silent=[])
     text = format_report(verdict, beats, silent, stacks={0: "...", 1: "..."}, stalled_for=15.2, limit=15)
 
-Pure functions on the heartbeats the watchdog (:mod:`ddpkit.faults.watchdog`) gathered through the store:
+Pure functions on the heartbeats the watchdog (:mod:`ddpkit.watchdog.heartbeat`) gathered through the store:
 no store, no threads, no collectives, so each rule is tested without processes.
 
 Deciding who is stuck. Every rank's heartbeat carries its optimizer step and phase. In one step

@@ -1,7 +1,7 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
     with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:   # stop(error) on the way out
-        watchdog.listen_to(reporter)                        # phases from reporter.span(): data, forward, ...
+        events.add(watchdog)                                # on_phase: every span of reporter.span(): data, forward, ...
         evaluate(model, loader, watchdog.ticking(validation_step))   # each validation batch is progress
 
 The training thread only writes attributes (the phase, a counter). A daemon thread publishes them
@@ -17,7 +17,7 @@ twice a second, under ``ddpkit/watchdog/<n>/``:
   themselves when rank 0 goes silent.
 * ``alarm``: the first alarm wins (``compare_set``). On a hang every live rank posts the stacks of
   all its threads (``stacks/<rank>``); the rank that raised it classifies the ranks
-  (:mod:`ddpkit.faults.hang_report`), writes ``<output_dir>/logs/hang-<YYYYmmdd-HHMMSS>.txt``, prints it
+  (:mod:`ddpkit.watchdog.report`), writes ``<output_dir>/logs/hang-<YYYYmmdd-HHMMSS>.txt``, prints it
   to stderr (the launcher's output) and every rank exits with :data:`HANG_EXIT_CODE` (3).
   ``failed`` alarms come from a rank whose ``fit`` raised (:meth:`Watchdog.stop`): ranks on other
   nodes, which under NCCL could wait for ``dist.timeout``, exit with code 1 naming it within
@@ -45,9 +45,9 @@ import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.errors import EXIT_FAILURE
-from ddpkit.faults.hang_monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
-from ddpkit.faults.hang_report import SLOW_PHASES, stack_signature, thread_stacks
-from ddpkit.faults.watchdog_io import StoreClient, StoreDown, own_client, process_gone, terminate, write_error_file, write_text
+from ddpkit.watchdog.monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
+from ddpkit.watchdog.report import SLOW_PHASES, stack_signature, thread_stacks
+from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, process_gone, terminate, write_error_file, write_text
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
@@ -100,7 +100,7 @@ class Watchdog:
     # --- the training thread's side: attribute writes only -----------------------------------
 
     def on_phase(self, name: str | None) -> None:
-        """Phase listener (see ``Reporter.add_phase_listener``): a span ``name`` starts, or (None) ends."""
+        """A listener of every span (:class:`ddpkit.reporting.events.Events`): ``name`` starts, or (None) ends."""
         if name is None:
             if len(self.phases) > 1:
                 self.phases.pop()
@@ -116,10 +116,6 @@ class Watchdog:
         """Progress inside a phase (one validation batch): a long validation is not a hang."""
         self.ticks += 1
         self.phase_ticks += 1
-
-    def listen_to(self, reporter: Any) -> None:
-        """Follow the phases ``reporter.span(name)`` announces."""
-        reporter.add_phase_listener(self.on_phase)
 
     def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` that also counts as progress each time it is called (e.g. ``validation_step``)."""
@@ -286,9 +282,7 @@ class _Off:
 
     enabled = False
 
-    def on_phase(self, name: str | None) -> None: ...
-    def tick(self) -> None: ...
-    def listen_to(self, reporter: Any) -> None: ...  # no listener: Reporter.span stays free
+    def tick(self) -> None: ...  # no on_phase: as a listener it hears nothing, so Reporter.span stays free
     def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 

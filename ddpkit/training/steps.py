@@ -1,0 +1,48 @@
+"""The Trainer's built-in ``training_step`` and ``validation_step``: cross-entropy for classifiers
+(logits ``[B, C]``) and for language models (logits ``[B, T, V]``, one loss per token).
+
+    loss = training_step(model, (x, y), normalization="mean")           # a scalar: the mean over samples or tokens
+    loss_sum, n_tokens = training_step(model, (x, y), normalization="tokens")
+    metrics = validation_step(model, (x, y))    # {"loss": ..., "accuracy": ...}: one value per sample, or per token
+
+For a language model the targets are token ids ``[B, T]`` (positions to skip hold ``-100``, as in
+torch's and Hugging Face's ``ignore_index``), and validation returns one loss per counted token,
+so the validation loss is the exact token-weighted mean over the whole validation set on any world
+size (:mod:`ddpkit.training.metrics`). Under ``train.loss_normalization: tokens`` a classifier's
+sample counts as one token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["training_step", "validation_step", "IGNORE_INDEX"]
+
+#: Targets with this value carry no loss (padding, prompt tokens): torch's default ``ignore_index``.
+IGNORE_INDEX = -100
+
+
+def training_step(model: torch.nn.Module, batch: Any, *, normalization: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The loss of one micro-batch ``(x, y)``: its mean, or ``(sum, count)`` under ``normalization="tokens"``."""
+    x, y = batch
+    logits = model(x)
+    if logits.dim() == 3:  # [B, T, V]: every position predicts the next token
+        logits, y = logits.flatten(0, 1), y.flatten()
+    if normalization == "tokens":
+        return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum"), (y != IGNORE_INDEX).sum()
+    return F.cross_entropy(logits, y)  # the mean (ignore_index=-100 is torch's default)
+
+
+def validation_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Per-sample (classifier) or per-token (language model) loss and accuracy of one validation batch."""
+    x, y = batch
+    logits = model(x)
+    if logits.dim() == 3:
+        logits, y = logits.flatten(0, 1), y.flatten()
+        counted = y != IGNORE_INDEX
+        losses = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
+        return {"loss": losses[counted], "accuracy": (logits.argmax(dim=1) == y).float()[counted]}
+    return {"loss": F.cross_entropy(logits, y, reduction="none"), "accuracy": (logits.argmax(dim=1) == y).float()}
