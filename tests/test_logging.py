@@ -21,6 +21,7 @@ from helpers import tiny_config
 import ddpkit
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.reporting.log import MetricSinks, setup_logging
+from ddpkit.reporting.sinks import SinkGroup, TensorBoardSink
 from ddpkit.testing import run_on_ranks
 
 # tensorboard is the optional `ddpkit[tensorboard]` extra.
@@ -188,7 +189,8 @@ def test_early_stopping_target_needs_a_metric(tmp_path):
         ddpkit.load_config(tiny_config(tmp_path, train={"early_stopping": {"target": 0.9}}))
 
 
-def test_log_levels_per_rank_without_a_process_group(tmp_path):
+def test_log_levels_per_rank_without_a_process_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # no program logging (and not pytest's capture)
     try:
         assert setup_logging(0).level == logging.INFO
         assert setup_logging(1).level == logging.WARNING
@@ -199,13 +201,52 @@ def test_log_levels_per_rank_without_a_process_group(tmp_path):
             handler.flush()
         assert "[rank3]" in (tmp_path / "rank3.log").read_text()
         console = [h for h in logger.handlers if not isinstance(h, logging.FileHandler)]
-        assert [h.level for h in console] == [logging.WARNING]
+        assert [h.level for h in console] == [logging.WARNING] and not logger.propagate
     finally:
-        setup_logging(0)  # close the file handler
+        _pristine()
+
+
+def _pristine() -> None:
+    """The ``ddpkit`` logger as an import leaves it (handlers closed, propagating), for the tests after these."""
+    logger = logging.getLogger("ddpkit")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.propagate, logger.level = True, logging.NOTSET
+
+
+def test_a_programs_own_logging_gets_every_line_once_in_its_format(tmp_path, monkeypatch, capsys):
+    stream = io.StringIO()
+    program = logging.StreamHandler(stream)
+    program.setFormatter(logging.Formatter("PROGRAM %(name)s %(levelname)s %(message)s"))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [program])  # as logging.basicConfig(...) leaves it
+    try:
+        logger = setup_logging(1, log_dir=tmp_path)  # rank 1: WARNING to the program, INFO to its file
+        logger.info("an info line")
+        logging.getLogger("ddpkit.reporting.sinks").warning("a child's warning")
+        for handler in logger.handlers:
+            handler.flush()
+        assert stream.getvalue().splitlines() == ["PROGRAM ddpkit.reporting.sinks WARNING a child's warning"]
+        assert capsys.readouterr().err == ""  # no ddpkit console line beside the program's
+        file_lines = (tmp_path / "rank1.log").read_text().splitlines()
+        assert [line.split(" ", 3)[3] for line in file_lines] == ["an info line", "a child's warning"]
+        stream.truncate(0), stream.seek(0)
+        setup_logging(0).info("rank zero")
+        assert stream.getvalue() == "PROGRAM ddpkit INFO rank zero\n"
+    finally:
+        _pristine()
+
+
+def test_without_program_logging_the_console_format_is_todays(monkeypatch, capsys):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    setup_logging(0).info("plain")
+    _pristine()
+    err = capsys.readouterr().err
+    assert err.startswith("[rank0] ") and err.endswith(" INFO plain\n")
 
 
 def test_sinks_write_nothing_on_other_ranks(tmp_path):
-    sinks = MetricSinks(tmp_path, enabled=False, tensorboard=True)  # no tensorboard import either
+    sinks = MetricSinks(tmp_path, enabled=False)
     sinks.write({"step": 1, "train_loss": 1.0})
     sinks.close()
     assert list(tmp_path.iterdir()) == []
@@ -222,9 +263,24 @@ def test_missing_tensorboard_is_a_clear_error(tmp_path, monkeypatch):
     # A None entry in sys.modules makes the import raise ImportError, as when the package is absent.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(DdpkitError, match=r"log.tensorboard=true needs the tensorboard package.*pip install 'ddpkit\[tensorboard\]'"):
-        MetricSinks(tmp_path, enabled=True, tensorboard=True)
-    assert not (tmp_path / "metrics.jsonl").exists()  # failed before opening (and leaking) the file
+        TensorBoardSink(tmp_path / "tensorboard")
+    assert not (tmp_path / "tensorboard").exists()
 
     cfg = tiny_config(tmp_path, log={"progress_bar": False, "tensorboard": True})
     with pytest.raises(DdpkitError, match="ddpkit\\[tensorboard\\]"):
         ddpkit.Trainer(cfg).fit()
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="pip install 'ddpkit[tensorboard]'")
+def test_a_failing_tensorboard_writer_is_switched_off_with_a_warning_and_metrics_go_on(tmp_path, caplog):
+    sink = TensorBoardSink(tmp_path / "tensorboard")
+    group = SinkGroup([sink])
+    group.start({})
+    sink._writer.add_scalar = lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device"))
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        group.write({"step": 1, "train_loss": 0.5})
+        group.write({"step": 2, "train_loss": 0.4})
+    assert group.sinks == [] and not sink.required
+    warnings = [r.getMessage() for r in caplog.records if "tensorboard" in r.getMessage()]
+    assert len(warnings) == 1 and "switched off" in warnings[0] and "No space left" in warnings[0]
+

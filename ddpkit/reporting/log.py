@@ -1,4 +1,4 @@
-"""Rank-aware logging, the metrics file's keys and writer (JSON lines, TensorBoard), the debug step log.
+"""Rank-aware logging, the metrics file's keys and writer (JSON lines), the debug step log.
 
     setup_logging(rank=0, log_dir="runs/x/logs")      # [rank0] 12:00:01 INFO ... on stderr (+ logs/rank0.log)
     console_through(display)                          # while a live bar shows: log lines go above it
@@ -6,12 +6,13 @@
 
 * Python ``logging`` under the ``ddpkit`` logger, each line tagged with the rank. Rank 0 logs at
   INFO, the others at WARNING (``log.all_ranks: true`` shows every rank), optionally also to
-  ``<output_dir>/logs/rank<N>.log``.
+  ``<output_dir>/logs/rank<N>.log``. When the program has configured logging (the root logger has a
+  handler), the lines go to its handlers in its format instead of ddpkit's console, once each.
 * The progress display itself (rank 0's bar, or progress lines in a batch log) is
   :mod:`ddpkit.reporting.console`; it routes the console log lines through itself with :func:`console_through`.
 * ``metrics.jsonl`` in the run directory: one JSON object per logged step or evaluation, written
   by rank 0 and flushed as it goes, so a crashed run keeps its history.
-* TensorBoard event files with ``torch.utils.tensorboard`` when ``log.tensorboard: true``.
+* TensorBoard (``log.tensorboard: true``) is an optional sink of its own, in :mod:`ddpkit.reporting.sinks`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from ddpkit.errors import DdpkitError
 
 __all__ = ["setup_logging", "console_through", "MetricSinks", "StepLog", "METRICS_FILE"]
 
@@ -41,25 +40,45 @@ VAL_PREFIX = "val_"
 
 
 def setup_logging(rank: int, *, all_ranks: bool = False, log_dir: str | Path | None = None) -> logging.Logger:
-    """Configure the ``ddpkit`` logger for this rank (idempotent: replaces earlier handlers)."""
+    """Configure the ``ddpkit`` logger for this rank (idempotent: replaces earlier handlers).
+
+    When the program has configured logging itself (the root logger has a handler: ``logging.basicConfig``,
+    a JSON log shipper), ddpkit's records go to the root logger's handlers, in the program's format, and
+    ddpkit prints no console line of its own: each line appears once. Otherwise ddpkit prints
+    ``[rank0] 12:00:01 INFO ...`` on stderr, as always. The per-rank file (``log_dir``) is written either way.
+    """
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
-    log.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
+    level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
+    log.setLevel(logging.INFO if log_dir is not None else level)  # the rank file keeps every rank's INFO lines
+    # Forwarded by a handler rather than by `propagate`, so the root sees this rank's `level` only, not the
+    # file's INFO; propagate stays off, so nothing is delivered twice.
     log.propagate = False
     formatter = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    console = _ConsoleHandler()
-    console.setFormatter(formatter)
-    log.addHandler(console)
+    # pytest's capture handlers sit on the root logger during every test, and pytest attaches them to
+    # non-propagating loggers too (caplog sees ddpkit's records): they are not the program's logging.
+    if any(not type(h).__module__.startswith("_pytest") for h in logging.getLogger().handlers):
+        log.addHandler(_ToRoot(level))
+    else:
+        console = _ConsoleHandler()
+        console.setFormatter(formatter)
+        console.setLevel(level)
+        log.addHandler(console)
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(Path(log_dir) / f"rank{rank}.log")
         file_handler.setFormatter(formatter)
         file_handler.setLevel(logging.INFO)
         log.addHandler(file_handler)
-        log.setLevel(logging.INFO)
-        console.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     return log
+
+
+class _ToRoot(logging.Handler):
+    """Hands records of this rank's level to the root logger's handlers (the program's logging), as propagation would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger().handle(record)
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -88,20 +107,15 @@ def console_through(writer: Any) -> None:
 
 
 class MetricSinks:
-    """Where rank 0 records metrics: ``metrics.jsonl`` always, TensorBoard optionally."""
+    """``metrics.jsonl``, where rank 0 records metrics (TensorBoard is its own optional sink: :mod:`ddpkit.reporting.sinks`)."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool = False, append: bool = True):
+    def __init__(self, output_dir: str | Path, *, enabled: bool, append: bool = True):
         """``append=False`` starts ``metrics.jsonl`` afresh (a new run); a resumed run appends."""
         self._jsonl = None
-        self._tb = None
         if not enabled:
             return
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        # The writer first: a missing tensorboard package then raises before metrics.jsonl is
-        # opened, instead of leaking its file handle.
-        if tensorboard:
-            self._tb = _tensorboard_writer(output_dir / "tensorboard")
         self._jsonl = open(output_dir / METRICS_FILE, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -110,31 +124,11 @@ class MetricSinks:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             self._jsonl.write(json.dumps(clean) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                # Not "time": TensorBoard stamps each event with wall time itself, and a Unix time
-                # stored as a float32 scalar is only accurate to about two minutes.
-                if key not in (STEP, TIME) and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=record[STEP])
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def _tensorboard_writer(log_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise DdpkitError(
-            "log.tensorboard=true needs the tensorboard package, which is not installed: "
-            "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)"
-        ) from None
-    return SummaryWriter(log_dir=str(log_dir))
 
 
 class StepLog:
