@@ -2,6 +2,8 @@
 
 - ``files``: write (temp file, fsync, rename, manifest last), validate, find the newest good one,
   load safely (``weights_only=True``).
+- ``disk_space``: room for a save: a warning before one that will not fit, one line naming the checkpoint,
+  the space needed and free and the newest complete checkpoint when a write fails.
 - ``components``: the one state protocol: every part that must survive a restart is registered by
   name (``state_dict`` / ``load_state_dict``); a checkpoint's schema is the list of those names.
 - ``state``: the run's state, one owner: when to save, which checkpoint a run resumes from, and

@@ -38,7 +38,8 @@ _warned: set[str] = set()
 def state_bytes(state: Any) -> int:
     """The bytes of every tensor in ``state`` (nested dicts, lists, tuples): what a save writes, give or take its framing."""
     if isinstance(state, torch.Tensor):
-        return state.untyped_storage().nbytes() if state.device.type != "meta" else 0
+        local = state.to_local() if hasattr(state, "to_local") else state  # a DTensor: this rank's shard
+        return local.untyped_storage().nbytes() if local.device.type != "meta" else 0
     if isinstance(state, dict):
         return sum(state_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
@@ -70,7 +71,10 @@ def room_check(directory: Path, *, needed: int, what: str) -> None:
 def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int, newest: Path | None) -> CheckpointError:
     """The one-line error for a failed checkpoint write (raise it ``from None``)."""
     free = free_bytes(directory)
-    no_space = getattr(exc, "errno", None) in _NO_SPACE or (free is not None and free < needed)
+    no_space = (
+        getattr(exc, "errno", None) in _NO_SPACE or (free is not None and free < needed)
+        or any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded"))  # DCP wraps each rank's error
+    )
     reason = "no space left on device" if no_space else _first_line(exc)
     room = f"it needs about {human_bytes(needed)}, {human_bytes(free) if free is not None else 'unknown space'} free"
     kept = (
@@ -86,11 +90,13 @@ def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int
 
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n:.1f} TiB"
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,7 +11,13 @@ directory is fsynced; the manifest follows the same way. A checkpoint counts onl
 manifest exists and the data file matches the manifest's size and checksum, so a crash at any
 point leaves either the previous checkpoints or the new one, never a corrupt "latest".
 Temporary files of a killed write are removed by the next save; old checkpoints beyond
-``keep_last`` are removed only after the new one is complete.
+``keep_last`` are removed only after the new one is complete. A write that fails (a full disk)
+removes what it wrote, keeps every earlier checkpoint, and raises one :class:`CheckpointError` line
+naming the checkpoint, the directory, the space needed and free, and the newest complete
+checkpoint (:mod:`ddpkit.checkpoint.disk_space`); a save that will not fit is warned about first.
+
+Discovery skips, with a warning naming it, any ``step-*`` file that is not a complete checkpoint
+(no manifest, truncated, corrupt, foreign, unreadable); the newest valid one is used.
 
 Loading always uses ``torch.load(..., weights_only=True)``: a file carrying a pickle payload
 that would run code is refused and the code does not run.
@@ -37,6 +43,7 @@ from typing import Any
 import torch
 
 from ddpkit.atomic import write_atomically
+from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -93,14 +100,21 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
     path = directory / (f"{name}.pt" if name else f"step-{step:09d}.pt")
+    needed = state_bytes(state)  # the tensors' bytes: no directory scan on the save path
+    room_check(directory, needed=needed, what=f"checkpoint {path.name}")
     # Invalidate any previous checkpoint under this name before its data file is replaced.
     manifest_path(path).unlink(missing_ok=True)
-    digest, size = write_atomically(path, lambda f: torch.save(state, f), durable=True)
-    manifest = {
-        "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
-        "created": time.time(), **(meta or {}),
-    }
-    write_atomically(manifest_path(path), json.dumps(manifest, indent=1), durable=True)
+    try:
+        digest, size = write_atomically(path, lambda f: torch.save(state, f), durable=True)
+        manifest = {
+            "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
+            "created": time.time(), **(meta or {}),
+        }
+        write_atomically(manifest_path(path), json.dumps(manifest, indent=1), durable=True)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        path.unlink(missing_ok=True)  # a data file without its manifest is no checkpoint: give its space back
+        newest = list_checkpoints(directory)
+        raise write_failure(f"checkpoint {path.name}", directory, exc, needed=needed, newest=newest[-1].path if newest else None) from None
     if keep_last is not None:
         prune(directory, keep_last)
     return CheckpointInfo(path, manifest)
@@ -155,13 +169,16 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
         raise CheckpointError(f"checkpoint {path} has no manifest {manifest_path(path).name}: the write did not finish") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is unreadable: {exc}") from None
-    if not isinstance(manifest, dict) or not {"bytes", "sha256", "step"} <= manifest.keys():
+    if not isinstance(manifest, dict) or not {"bytes", "sha256", "step"} <= manifest.keys() or type(manifest["step"]) is not int:
         raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is not a ddpkit manifest")
-    size = path.stat().st_size
-    if size != manifest["bytes"]:
-        raise CheckpointError(f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}")
-    if verify_hash and _sha256(path) != manifest["sha256"]:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
+    try:
+        size = path.stat().st_size if path.is_file() else None
+        if size != manifest["bytes"]:
+            raise CheckpointError(f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}")
+        if verify_hash and _sha256(path) != manifest["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
+    except OSError as exc:  # unreadable (permissions, a lost mount): not a checkpoint this run can use
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
     return CheckpointInfo(path, manifest)
 
 
@@ -171,7 +188,7 @@ def _validate_dcp(path: Path) -> CheckpointInfo:
         manifest = json.loads(manifest_path(path).read_text())
     except (OSError, ValueError):
         raise CheckpointError(f"sharded checkpoint {path} has no readable manifest {manifest_path(path).name}: the save did not finish") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != "dcp" or manifest.get("file") != path.name:
+    if not isinstance(manifest, dict) or manifest.get("format") != "dcp" or manifest.get("file") != path.name or type(manifest.get("step")) is not int:
         raise CheckpointError(f"sharded checkpoint {path}: its manifest {manifest_path(path).name} describes another file")
     for name, size in manifest.get("files", {}).items():
         if not (path / name).is_file() or (path / name).stat().st_size != size:

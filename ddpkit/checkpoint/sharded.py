@@ -14,6 +14,8 @@ Every rank writes its own shard (DCP's ``save``; no gather to rank 0) into a hid
 ``.step-000001200.dcp.partial`` directory. Only when DCP has finished (its ``.metadata`` is the
 coordinator's last write) does rank 0 rename the directory into place and write the manifest, so a
 save cut by SIGKILL at any point leaves no manifest and discovery keeps the previous checkpoint.
+A save that fails (a full disk on any rank: DCP reports it on every rank) removes the ``.partial``
+directory and raises the one-line error of :mod:`ddpkit.checkpoint.disk_space`.
 
 Layout independence: :class:`ShardedParts` saves through ``torch.distributed.checkpoint.state_dict``
 (``get_state_dict``/``set_state_dict``): parameters and optimizer state keyed by parameter name
@@ -41,7 +43,8 @@ import torch
 from torch import nn
 
 from ddpkit.atomic import fsync_dir, write_atomically
-from ddpkit.checkpoint.files import load_checkpoint, prune, save_atomically
+from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
+from ddpkit.checkpoint.files import list_checkpoints, load_checkpoint, prune, save_atomically
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -167,8 +170,12 @@ def save_sharded(
     A collective (call on every rank). Returns the final directory (complete once this returns on rank 0).
     """
     final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
-    _dcp().save(tensors, checkpoint_id=partial)
-    _finish(partial, final, rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
+    needed = _needed(tensors, rest, final)
+    try:
+        _dcp().save(tensors, checkpoint_id=partial)
+        _finish(partial, final, rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
+    except Exception as exc:  # DCP's CheckpointException carries every rank's error
+        raise _failed(exc, partial, final, rank=rank, needed=needed) from None
     return final
 
 
@@ -181,14 +188,37 @@ def save_sharded_async(
     Pass the result to :func:`finish_async` (every rank) to wait for it and commit it.
     """
     final, partial = _prepare(Path(directory), step=step, name=name, rank=rank)
+    needed = _needed(tensors, rest, final)
     future = _dcp().async_save(tensors, checkpoint_id=partial, process_group=group)
-    return future, partial, final, dict(rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
+    return future, partial, final, dict(rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta, needed=needed)
 
 
 def finish_async(pending: tuple[Any, Path, Path, dict[str, Any]]) -> None:
     future, partial, final, kwargs = pending
-    future.result()  # on rank 0 this returns after every rank's shard and the metadata are written
-    _finish(partial, final, **kwargs)
+    needed = kwargs.pop("needed", 0)
+    try:
+        future.result()  # on rank 0 this returns after every rank's shard and the metadata are written
+        _finish(partial, final, **kwargs)
+    except Exception as exc:
+        raise _failed(exc, partial, final, rank=kwargs["rank"], needed=needed) from None
+
+
+def _needed(tensors: dict[str, Any], rest: dict[str, Any], final: Path) -> int:
+    """About what the whole save writes (this rank's shards times the ranks, plus ``state.pt``); warns when it will not fit."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    needed = state_bytes(tensors) * world + state_bytes(rest)
+    room_check(final.parent, needed=needed, what=f"checkpoint {final.name}")
+    return needed
+
+
+def _failed(exc: BaseException, partial: Path, final: Path, *, rank: int, needed: int) -> CheckpointError:
+    """Remove the half-written ``.partial`` directory (rank 0; the others wrote into it) and describe the failure."""
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    newest = list_checkpoints(final.parent)
+    return write_failure(f"checkpoint {final.name}", final.parent, exc, needed=needed, newest=newest[-1].path if newest else None)
 
 
 def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tuple[Path, Path]:
