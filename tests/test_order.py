@@ -185,7 +185,8 @@ def test_a_checkpoint_records_the_order_its_run_drew_and_a_resume_that_would_dra
         return components
 
     small, large = order_of(1000), order_of(AUTO_THRESHOLD)
-    assert small["data_order"].state_dict() == {"order": "randperm"} and large["data_order"].state_dict() == {"order": "index_free"}
+    assert small["data_order"].state_dict() == {"order": "randperm", "length": 1000}
+    assert large["data_order"].state_dict() == {"order": "index_free", "length": AUTO_THRESHOLD}
     with pytest.raises(CheckpointError, match=r"drew its samples in 'randperm' order, this one would use 'index_free'.*data\.order=randperm"):
         large["data_order"].load_state_dict(small["data_order"].state_dict())  # the set grew past 2^20 under data.order=auto
     # A checkpoint from before data.order existed drew by randperm: refused only where auto now means another order.

@@ -183,6 +183,12 @@ class DataConfig:
         "When ranks would run different numbers of batches (a custom sampler, uneven stream shards): `error` "
         "stops every rank with each rank's count; `truncate` ends the epoch on every rank at the shortest.",
     )
+    allow_length_change: bool = option(
+        False,
+        "Resuming onto a training set whose length differs from the checkpoint's is refused (both lengths "
+        "are named); `true` accepts it and re-plans the epoch: the run continues at the same batch of the "
+        "new length's order, so within that epoch some samples may repeat or be skipped.",
+    )
     kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the dataset builder.")
 
 

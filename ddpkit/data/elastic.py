@@ -59,6 +59,7 @@ class GlobalBatchSampler(DistributedSampler):
     """
 
     tag_epoch = False  # see ddpkit.data.samplers.ResumableDistributedSampler
+    allow_length_change = False  # likewise
 
     def __init__(
         self, dataset: Dataset, *, global_batch_size: int, rank: int, world_size: int, grad_accum_steps: int = 1,
@@ -81,7 +82,8 @@ class GlobalBatchSampler(DistributedSampler):
         per_step = self.micro_batch * self.grad_accum_steps
         if start_index % per_step:
             raise DataError(f"cannot resume at sample {start_index} of this rank's epoch: not an optimizer-step boundary ({per_step} samples a step)")
-        self.start_step = start_index // per_step
+        # min: a resume onto a shorter dataset (data.allow_length_change) may start past the new end: the epoch is over
+        self.start_step = min(start_index // per_step, self.steps_per_epoch)
 
     def __iter__(self) -> Iterator[Any]:
         n = len(self.dataset)  # type: ignore[arg-type]

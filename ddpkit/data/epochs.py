@@ -12,6 +12,7 @@ place that tells them apart.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -139,7 +140,9 @@ def data_position(loader: DataLoader) -> dict[str, Any]:
         return {"data_position": stream}
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, (ResumableDistributedSampler, GlobalBatchSampler)):
-        return {"data_order": SampleOrder(order_kind(sampler.order, len(sampler.dataset)) if sampler.shuffle else "sequential")}
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        resolved = order_kind(sampler.order, n) if sampler.shuffle else "sequential"
+        return {"data_order": SampleOrder(resolved, length=n, allow_length_change=sampler.allow_length_change)}
     return {}
 
 
@@ -148,17 +151,35 @@ class SampleOrder:
 
     ``data.order: auto`` means ``randperm`` below 2^20 samples and ``index_free`` from there on, so
     the same config can mean two orders; a checkpoint records which one its run used, and resuming
-    with the other is refused (the samples of the rest of the epoch would differ)."""
+    with the other is refused (the samples of the rest of the epoch would differ).
 
-    def __init__(self, resolved: str):
-        self.resolved = resolved
+    It also records the training set's length: a dataset that grew or shrank since the checkpoint
+    would draw another order from the same position (samples seen twice, others never), so a resume
+    onto another length is refused with both lengths, unless ``data.allow_length_change: true``
+    (then the epoch is re-planned: the resumed run continues at the same batch of the new length's
+    order, and a warning says so). Checkpoints from before the length was recorded are not checked."""
 
-    def state_dict(self) -> dict[str, str]:
-        return {"order": self.resolved}
+    def __init__(self, resolved: str, *, length: int | None = None, allow_length_change: bool = False):
+        self.resolved, self.length, self.allow_length_change = resolved, length, allow_length_change
 
-    def load_state_dict(self, state: dict[str, str]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"order": self.resolved} if self.length is None else {"order": self.resolved, "length": self.length}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["order"] != self.resolved:
             raise CheckpointError(
                 f"the checkpoint's run drew its samples in {state['order']!r} order, this one would use {self.resolved!r} "
                 f"(data.order=auto picks by the dataset's size): set data.order={state['order']} to resume it exactly"
+            )
+        saved_length = state.get("length")
+        if saved_length is not None and self.length is not None and saved_length != self.length:
+            if not self.allow_length_change:
+                raise CheckpointError(
+                    f"the training set has {self.length} samples, but the checkpoint's run trained on {saved_length}: "
+                    "resuming would continue another epoch order from the same position (samples repeated or skipped). "
+                    "Restore the dataset, start a new run (another run.name), or set data.allow_length_change=true to re-plan the epoch"
+                )
+            logging.getLogger("ddpkit").warning(
+                "ddpkit: the training set has %d samples, the checkpoint's run had %d; data.allow_length_change=true, "
+                "so the epoch is re-planned for the new length from the same batch", self.length, saved_length,
             )

@@ -45,12 +45,14 @@ def build_train_loader(
     dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, shuffle: bool = True,
     drop_last: bool = True, seed: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
     prefetch_factor: int | None = None, global_batch_size: int | None = None, grad_accum_steps: int = 1,
-    order: str = "auto", window_steps: int = 8, uneven: str = "error",
+    order: str = "auto", window_steps: int = 8, uneven: str = "error", allow_length_change: bool = False,
 ) -> DataLoader:
     """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
 
     With ``global_batch_size`` the order is the same at any world size (see :mod:`ddpkit.data.elastic`)
     and ``batch_size`` must be this rank's share of it. ``order``: ``data.order`` (:mod:`ddpkit.data.order`).
+    ``allow_length_change``: ``data.allow_length_change`` (a resume may re-plan the epoch for a dataset
+    whose length changed; :class:`~ddpkit.data.epochs.SampleOrder`).
 
     With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no
     restart cost per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``.
@@ -71,6 +73,7 @@ def build_train_loader(
         global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, order=order,
     )
     sampler.tag_epoch = bool(num_workers)
+    sampler.allow_length_change = allow_length_change
     data, collate = batch_reads(dataset, num_workers=num_workers)  # a TensorDataset: one gather per batch
     return DataLoader(
         SampleSeeded(dataset, seed) if num_workers else data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
@@ -167,7 +170,7 @@ def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: tor
         num_workers=cfg.num_workers, shuffle=cfg.shuffle, drop_last=cfg.drop_last, seed=config.run.seed,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor, global_batch_size=cfg.global_batch_size, grad_accum_steps=accum,
-        order=cfg.order, window_steps=cfg.stream_window, uneven=cfg.uneven,
+        order=cfg.order, window_steps=cfg.stream_window, uneven=cfg.uneven, allow_length_change=cfg.allow_length_change,
     )
 
 

@@ -50,6 +50,9 @@ class ResumableDistributedSampler(DistributedSampler):
     #: Yield ``(epoch, index)`` pairs: persistent worker processes keep their own copy of the
     #: dataset, so the epoch a sample is seeded with has to travel with its index.
     tag_epoch = False
+    #: ``data.allow_length_change``: a resume onto a dataset of another length re-plans the epoch
+    #: instead of refusing (checked by :class:`ddpkit.data.epochs.SampleOrder`).
+    allow_length_change = False
 
     def __init__(self, dataset: Dataset, *args: Any, order: str = "auto", **kwargs: Any):
         super().__init__(dataset, *args, **kwargs)  # DistributedSampler's own arguments, unchanged
@@ -57,7 +60,8 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:
         super().set_epoch(epoch)
-        self.start_index = start_index
+        # min: a resume onto a shorter dataset (data.allow_length_change) may start past the new end: the epoch is over
+        self.start_index = min(start_index, self.num_samples)
 
     def __iter__(self) -> Iterator[Any]:
         # chain.from_iterable walks each chunk's list in C: no Python frame per index

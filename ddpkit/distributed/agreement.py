@@ -34,6 +34,7 @@ HARMLESS_PREFIXES = (
     "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
     "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
     "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
+    "data.allow_length_change",  # a permission for this resume (checked by the data order), not part of the math
     "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
     "train.deterministic",  # which kernels compute it: the same math, in a fixed order
     "ddp.gradient_as_bucket_view",  # where the gradients live, not their values (the same buckets are all-reduced)
