@@ -8,7 +8,10 @@ traceback; internal invariants use ``assert`` and are bugs, not user errors.
     sys.exit(exit_code_of(lambda: command(args), command="ddpkit plot"))   # 0, or the error's code
 
 The process exit codes are defined here, once (every command, worker and launcher uses them):
-``EXIT_OK`` 0, ``EXIT_FAILURE`` 1, ``EXIT_CONFIG`` 2, ``EXIT_HANG`` 3, ``EXIT_PREEMPTED`` 75, ``EXIT_INTERRUPTED`` 130.
+``EXIT_OK`` 0, ``EXIT_FAILURE`` 1, ``EXIT_CONFIG`` 2, ``EXIT_HANG`` 3, ``EXIT_UNHEALTHY`` 4,
+``EXIT_PREEMPTED`` 75 (``run.requeue_exit_code``), ``EXIT_INTERRUPTED`` 130. :data:`EXIT_CODES` is the
+contract a scheduler reads them by (README, ``ddpkit run --help``, docs/multinode.md): retry 1 and 3,
+fail for good on 2 and 4, requeue on 75.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_CONFIG",
     "EXIT_HANG",
+    "EXIT_UNHEALTHY",
     "EXIT_PREEMPTED",
     "EXIT_INTERRUPTED",
+    "EXIT_CODES",
+    "NO_RETRY",
+    "exit_code_table",
+    "check_requeue_exit_code",
     "report_error",
     "exit_code_of",
     "exit_now",
@@ -44,11 +52,47 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 #: The hang watchdog stopped the job after ``dist.hang_timeout`` without progress (see logs/hang-*.txt).
 EXIT_HANG = 3
+#: Training went unhealthy and ``health`` says stop (non-finite steps, too many skips, diverged replicas):
+#: a resume from the newest checkpoint would most likely repeat it, so a scheduler should not retry.
+EXIT_UNHEALTHY = 4
 #: Stopped by a signal after saving the step every rank agreed on: run the same command again to resume.
-#: 75 is sysexits.h's EX_TEMPFAIL ("try again later"), the code schedulers read as "requeue me".
+#: 75 is sysexits.h's EX_TEMPFAIL ("try again later"), the code schedulers read as "requeue me". The
+#: default of ``run.requeue_exit_code``, which a cluster whose retry rules want another code sets.
 EXIT_PREEMPTED = 75
 #: Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
+
+#: The exit-code contract, one row per code: (code, what happened, what a scheduler should do).
+EXIT_CODES: tuple[tuple[int, str, str], ...] = (
+    (EXIT_OK, "success", "done"),
+    (EXIT_FAILURE, "failed: a crash, a lost peer, I/O", "retry (resumes)"),
+    (EXIT_CONFIG, "refused: invalid config, usage or launch", "fail: fix it"),
+    (EXIT_HANG, "the hang watchdog stopped the job", "retry (resumes)"),
+    (EXIT_UNHEALTHY, "unhealthy: NaN/Inf steps, diverged replicas", "fail: would repeat"),
+    (EXIT_PREEMPTED, "stopped by a signal after saving", "requeue (resumes)"),
+    (EXIT_INTERRUPTED, "interrupted with Ctrl-C", "stop"),
+)
+#: The codes a retry will not fix: a scheduler should fail the job on these.
+NO_RETRY = frozenset({EXIT_CONFIG, EXIT_UNHEALTHY, EXIT_INTERRUPTED})
+
+
+def exit_code_table(*, requeue: int = EXIT_PREEMPTED, indent: str = "    ") -> str:
+    """:data:`EXIT_CODES` as aligned text (``ddpkit run --help``), with ``requeue`` in the requeue row."""
+    rows = [(requeue if code == EXIT_PREEMPTED else code, what, action) for code, what, action in EXIT_CODES]
+    width = max(len(what) for _, what, _ in rows)
+    return "\n".join(f"{indent}{code:<5}{what:<{width}}  {action}" for code, what, action in rows)
+
+
+def check_requeue_exit_code(code: int) -> int:
+    """``run.requeue_exit_code``, checked: 1 to 255 and none of the table's other codes; else a ConfigError."""
+    taken = {c for c, _, _ in EXIT_CODES if c != EXIT_PREEMPTED}
+    if not 1 <= code <= 255 or code in taken:
+        raise ConfigError(
+            f"run.requeue_exit_code: {code} cannot mean 'saved, please requeue': an exit code is 1 to 255 and "
+            f"{sorted(taken)} mean something else (ddpkit run --help); use 75 (the default) or, for Kubeflow's "
+            "restartPolicy: ExitCode, a code of 128 or more such as 138"
+        )
+    return code
 
 
 class DdpkitError(Exception):
@@ -86,6 +130,8 @@ class ConsistencyError(DdpkitError):
 
 class HealthError(DdpkitError):
     """Training went unhealthy and ``health`` says stop: non-finite steps, too many skips, diverged replicas."""
+
+    exit_code = EXIT_UNHEALTHY
 
 
 def report_error(exc: DdpkitError, *, command: str, rank: int | str | None = None) -> int:

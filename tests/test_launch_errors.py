@@ -151,7 +151,7 @@ GPU_SHORTAGE = (
 
 def test_more_local_processes_than_gpus_is_refused_by_ddpkit_run(capsys, config, one_visible_gpu):
     code, output = run_main(capsys, "run", str(config), "--nproc-per-node", "2")
-    assert code == 1
+    assert code == 2  # a refused launch: a retry will not fix it (ddpkit.errors.EXIT_CODES)
     assert_one_clear_message(output, f"ddpkit run: error: {GPU_SHORTAGE}")
 
 

@@ -28,6 +28,12 @@ How the ranks agree on the stop step, with no collective per step:
 
 A forked child (a DataLoader worker) inherits the handler and ignores the signal, so the loader
 keeps serving the few batches left until the stop step; its parent ends it.
+
+Python lets only the main thread install signal handlers. A loop in another thread (Ray Train runs
+the training function in a worker thread) installs none and is stopped by its engine instead (Ray
+kills the worker group and restarts it); it still polls the store, so a signal another rank
+received stops it at the agreed step too. Nothing that protects completed work depends on a
+handler: the crash save (:mod:`ddpkit.checkpoint.crash_save`) and memory snapshots work without.
 """
 
 from __future__ import annotations
@@ -51,10 +57,18 @@ _PROPOSALS = "proposals"
 
 
 class Preempted(DdpkitError):
-    """The run stopped on a signal after saving its state; the same command resumes it."""
+    """The run stopped on a signal after saving its state; the same command resumes it.
+
+    Its exit code is ``run.requeue_exit_code`` (75 by default) where the worker entry point knows
+    the config (:func:`ddpkit.launch.entrypoint.run_trainer`), else ``exit_code`` or 75."""
 
     exit_code = PREEMPTED_EXIT_CODE
     label = "stopped"
+
+    def __init__(self, *args: object, exit_code: int | None = None):
+        super().__init__(*args)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 def signal_numbers(names: Sequence[str]) -> list[signal.Signals]:
@@ -82,10 +96,12 @@ class StopOnSignal:
         self._previous: dict[signal.Signals, Any] = {}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        numbers = signal_numbers(names)
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set handlers
-            for number in signal_numbers(names):
+            for number in numbers:
                 self._previous[number] = signal.signal(number, self._on_signal)
-        if self._previous and self._store is not None and world_size > 1:
+        # Without handlers (a loop in a worker thread) this rank still follows another rank's request.
+        if numbers and self._store is not None and world_size > 1:
             self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll", daemon=True)
             self._thread.start()
 

@@ -71,6 +71,14 @@ class RunConfig:
         "bitwise-equal weights.",
         ge=0,
     )
+    requeue_exit_code: int = option(
+        75,
+        "Exit code of a run stopped by a signal after saving (checkpoint.save_on_signals), from every worker "
+        "and from `ddpkit run`: the code your scheduler should requeue on. 75 is sysexits' EX_TEMPFAIL; "
+        "Kubeflow's PyTorchJob `restartPolicy: ExitCode` retries only codes >= 128, so set 138 there "
+        "(docs/multinode.md). 1 to 255, and not 1, 2, 3, 4 or 130, which mean something else (`ddpkit run --help`).",
+        ge=1,
+    )
 
 
 

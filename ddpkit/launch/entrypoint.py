@@ -11,7 +11,8 @@ and its traceback to the error file torchrun reads, so the failing rank's traceb
 the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
 bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
 recorded in the error file without a traceback, and becomes the exit code (2 for config errors,
-75 for a signal-stopped run, else 1; all defined in :mod:`ddpkit.errors`).
+4 for an unhealthy run, ``run.requeue_exit_code`` (75) for a signal-stopped run, else 1; all defined
+in :mod:`ddpkit.errors`).
 
 In a job of several ranks, a rank that failed exits at once (see :func:`_exit_now`), so the
 ranks waiting for it in a collective are told within moments instead of after the process-group
@@ -32,7 +33,7 @@ from typing import Any
 
 from ddpkit.checkpoint.preemption import Preempted
 from ddpkit.distributed.env import read_dist_env
-from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, report_error
+from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, check_requeue_exit_code, report_error
 from ddpkit.watchdog.store_io import terminate, write_error_file
 
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
@@ -52,8 +53,21 @@ def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "") -> 
 
 
 def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> None:
-    """Run ``cls(config, overrides=overrides).fit()`` as a worker; exit non-zero on failure."""
-    code = run_entrypoint(lambda: cls(config, overrides=overrides).fit())
+    """Run ``cls(config, overrides=overrides).fit()`` as a worker; exit non-zero on failure.
+
+    A run stopped by a signal after saving exits with ``run.requeue_exit_code`` (75 by default): the
+    code the cluster's retry rules read as "requeue me" (:data:`ddpkit.errors.EXIT_CODES`)."""
+
+    def fit() -> None:
+        trainer = cls(config, overrides=overrides)
+        requeue = check_requeue_exit_code(trainer.config.run.requeue_exit_code)  # refused now, not at the preemption
+        try:
+            trainer.fit()
+        except Preempted as exc:
+            exc.exit_code = requeue
+            raise
+
+    code = run_entrypoint(fit)
     if code:
         sys.exit(code)
     # The finished Trainer is garbage in reference cycles; what it held may still hold the process

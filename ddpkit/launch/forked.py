@@ -1,7 +1,7 @@
 """Workers forked from a launcher that has already imported torch: a worker starts in a fraction of a second, not 2 s.
 
     preload()                                   # in the launcher, once: torch, torch._dynamo, ddpkit's trainer
-    elastic_launch(config_with_start_method_fork, run_program)(["-m", "ddpkit", "train", "exp.yaml"])   # ddpkit.launch.launcher
+    torchrun_adapter.run(args, fork=True, entrypoint=run_program)   # elastic_launch with start_method="fork" (ddpkit.launch.launcher)
 
 A worker that torchrun starts as a new interpreter spends about 2 s before it can train, on every
 attempt: 1.1 s importing torch and 0.9 s importing ``torch._dynamo``, which torch's optimizers
@@ -34,6 +34,7 @@ import signal
 import sys
 
 from ddpkit.distributed.processes import proc_stat
+from ddpkit.launch.torchrun_adapter import POLLING_LOGGER
 
 __all__ = ["preload", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
 
@@ -60,7 +61,7 @@ def quiet_polling_tracebacks() -> None:
             record.exc_info, record.exc_text = None, None
         return True
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(drop_traceback)
+    logging.getLogger(POLLING_LOGGER).addFilter(drop_traceback)
 
 
 def run_program(program: list[str]) -> None:

@@ -1,15 +1,16 @@
 """The launcher side of a launch: check preconditions once, build torchrun's argv, start the workers.
 
     preflight(nproc="2", backend="auto", device="auto", precision="fp32")   # refuse what every worker would
-    argv = torchrun_argv(nproc="2", program=["-m", "ddpkit", "train", "exp.yaml"])
-    code = launch(argv)
+    argv = torchrun_argv(nproc="2", program=["-m", "ddpkit", "train", "exp.yaml"], extra=["--local-ranks-filter", "0"])
+    code = launch(argv, requeue_exit_code=75)
 
 ``launch`` is ``torchrun`` called in-process (``torch.distributed.run``): ddpkit never starts or
 supervises workers itself. With ``fork=True`` torch's launcher forks the workers from this process
 instead of starting new interpreters (``start_method="fork"``, :mod:`ddpkit.launch.forked`).
 It adds the defaults ddpkit relies on (one OpenMP thread per worker, a fresh rendezvous store per
 restart) and a failure summary whose "Root Cause" is the rank that failed first. Used by
-``ddpkit run`` and ``ddpkit bench``; the worker side is :mod:`ddpkit.launch.entrypoint`.
+``ddpkit run`` and ``ddpkit bench``; the worker side is :mod:`ddpkit.launch.entrypoint`. What this
+needs from torch's launcher beyond its command line is in :mod:`ddpkit.launch.torchrun_adapter`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ import os
 import signal
 import socket
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, LaunchError, exit_now
-
-if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, EXIT_UNHEALTHY, ConfigError, LaunchError, exit_now
+from ddpkit.launch import torchrun_adapter
 
 __all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_free", "exit_at_once"]
 
@@ -45,7 +43,10 @@ def preflight(*, nproc: str, backend: str = "auto", device: str = "auto", precis
         return None
     n = int(nproc)
     last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
-    torch_device = resolve_device(last, device)
+    try:
+        torch_device = resolve_device(last, device)
+    except LaunchError as exc:  # more processes than GPUs: a refused launch, which a retry will not fix (exit 2)
+        raise ConfigError(str(exc)) from None
     resolve_backend(backend, torch_device)
     check_precision(precision, torch_device, option=precision_option)
     return torch_device.type
@@ -61,20 +62,24 @@ def default_nproc() -> int:
 def torchrun_argv(
     *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
     node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (),
+    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (), extra: Sequence[str] = (),
 ) -> list[str]:
     """torchrun's argument list: a free port on one node by default, static or c10d rendezvous otherwise.
 
     ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after it
     forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
     too, besides torchrun's own SIGTERM, SIGINT, SIGHUP and SIGQUIT (e.g. SLURM's SIGUSR1).
+    ``extra``: torchrun options given as they are (``ddpkit run CONFIG -- OPTIONS``), checked by
+    torchrun's own parser (a ConfigError with its message otherwise) and placed after ddpkit's own,
+    so that one given twice is the user's.
     """
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
-    if _torchrun_has("--shutdown-timeout"):  # not in torch 2.11 and older, whose agent waits a fixed 30 s
+    extra = torchrun_adapter.check_passthrough(extra) if extra else []
+    if torchrun_adapter.has_option("--shutdown-timeout"):  # not in torch 2.11 and older, whose agent waits a fixed 30 s
         argv.append(f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}")
-    extra = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
-    if extra and _torchrun_has("--signals-to-handle"):  # newer than torch 2.6
-        argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *extra])}")
+    signals = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
+    if signals and torchrun_adapter.has_option("--signals-to-handle"):  # newer than torch 2.6
+        argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *signals])}")
     if rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     elif nnodes in ("1", "1:1") and master_addr is None and master_port is None:
@@ -85,24 +90,22 @@ def torchrun_argv(
         if node_rank == 0:
             check_port_free(addr, port)
         argv += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={node_rank}"]
-    return [*argv, *program]
+    return [*argv, *extra, *program]
 
 
-def launch(torchrun_argv: list[str], *, fork: bool = False) -> int:
+def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: int = EXIT_PREEMPTED) -> int:
     """Run torch's launcher with ``torchrun_argv``; return its exit code (``ddpkit.errors.EXIT_*``).
 
-    0 when every worker succeeded; 75 when they stopped on a signal after saving; else the root cause's
-    code (2 or 3, see :func:`_root_cause_code`) or 1, with torchrun's failure summary printed.
+    0 when every worker succeeded; ``requeue_exit_code`` (``run.requeue_exit_code``, 75 by default)
+    when they stopped on a signal after saving; else the root cause's code (2, 3 or 4, see
+    :func:`_root_cause_code`) or 1, with torchrun's failure summary printed.
 
     ``fork``: torch's launcher starts each worker as a process forked from this one, with torch and
     ddpkit imported here once (:mod:`ddpkit.launch.forked`), instead of a new interpreter: about 2 s
     less per worker start, on every restart. CPU workers only (the caller decides).
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
-
-    args = parse_args(torchrun_argv)
+    SignalException, ChildFailedError = torchrun_adapter.launcher_exceptions()  # noqa: N806
+    args = torchrun_adapter.parse(torchrun_argv)
     # torchrun would set this too (with a banner) for several processes per node: one thread
     # per process keeps N processes from oversubscribing the cores.
     if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
@@ -117,12 +120,12 @@ def launch(torchrun_argv: list[str], *, fork: bool = False) -> int:
             f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
             f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.", file=sys.stderr,
         )
-        return EXIT_PREEMPTED
+        return requeue_exit_code
     except ChildFailedError as exc:
         _add_unobserved_failures(exc)
-        if _stopped_after_saving(exc):
+        if _stopped_after_saving(exc, requeue_exit_code):
             print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
-            return EXIT_PREEMPTED
+            return requeue_exit_code
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
     return EXIT_OK
@@ -130,38 +133,27 @@ def launch(torchrun_argv: list[str], *, fork: bool = False) -> int:
 
 def _run(args: Any, *, fork: bool) -> None:
     """``torch.distributed.run.run(args)``, with the workers forked from this process when ``fork``."""
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, run
-
     if not fork:
-        run(args)
+        torchrun_adapter.run(args, fork=False)
         return
     from ddpkit.launch.forked import preload, quiet_polling_tracebacks, run_program
 
-    if args.standalone:  # what torchrun's run() does for --standalone: c10d rendezvous on a free local port
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-    config, _, _ = config_from_args(args)
-    config.start_method = "fork"
-    preload()
-    quiet_polling_tracebacks()
-    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]  # what `python -u` would run
-    elastic_launch(config=config, entrypoint=run_program)(program)
+    torchrun_adapter.run(args, fork=True, entrypoint=run_program, before_fork=lambda: (preload(), quiet_polling_tracebacks()))
 
 
-def _stopped_after_saving(exc: ChildFailedError) -> bool:
-    """Whether the workers stopped on a signal with the step saved: some exited 75, the rest were ended by the agent.
+def _stopped_after_saving(exc: Any, requeue_exit_code: int = EXIT_PREEMPTED) -> bool:
+    """Whether the workers stopped on a signal with the step saved: some exited ``requeue_exit_code``
+    (``run.requeue_exit_code``, 75 by default), the rest were ended by the agent.
 
-    A worker exits 75 only after the barrier that follows the save, so the save was complete on
+    A worker exits with it only after the barrier that follows the save, so the save was complete on
     every rank by then; the agent, seeing the first one leave, stops the others (SIGTERM, then
     SIGKILL) while they are leaving too. A rank that failed any other way makes it a failure.
     """
-    codes = [failure.exitcode for failure in exc.failures.values()]
-    return EXIT_PREEMPTED in codes and all(code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGKILL) for code in codes)
+    codes = [failure.exitcode for failure in torchrun_adapter.failures(exc).values()]
+    return requeue_exit_code in codes and all(code in (requeue_exit_code, -signal.SIGTERM, -signal.SIGKILL) for code in codes)
 
 
-def _add_unobserved_failures(exc: ChildFailedError) -> None:
+def _add_unobserved_failures(exc: Any) -> None:
     """Add the failures torch's launcher did not observe, from the ranks' error files.
 
     With forked workers (``fork=True``) torch's multiprocess context reports only the first worker
@@ -170,18 +162,17 @@ def _add_unobserved_failures(exc: ChildFailedError) -> None:
     exit code and pid in the ones it writes (1 for a traceback torch recorded). With new
     interpreters torch reports every failure and this adds nothing.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    for rank, failure in list(exc.failures.items()):
+    recorded = torchrun_adapter.failures(exc)
+    for rank, failure in list(recorded.items()):
         path = Path(failure.error_file)
         if path.parent.name != str(failure.local_rank) or not path.parent.parent.is_dir():
             continue
-        known = {f.local_rank for f in exc.failures.values()}
+        known = {f.local_rank for f in recorded.values()}
         for other in sorted(path.parent.parent.iterdir(), key=lambda p: p.name):
             local, file = other.name, other / path.name
             if local.isdigit() and int(local) not in known and file.is_file():
                 info = _extra_info(file)
-                exc.failures[rank - failure.local_rank + int(local)] = ProcessFailure(
+                recorded[rank - failure.local_rank + int(local)] = torchrun_adapter.process_failure(
                     local_rank=int(local), pid=int(info.get("pid", 0)), exitcode=int(info.get("exitcode", EXIT_FAILURE)), error_file=str(file)
                 )
 
@@ -193,17 +184,11 @@ def _extra_info(error_file: Path) -> dict[str, Any]:
         return {}
 
 
-def _root_cause_code(exc: ChildFailedError) -> int:
-    """The first failed rank's exit code when it tells a script what to do (2: fix the config, 3: a hang), else 1."""
+def _root_cause_code(exc: Any) -> int:
+    """The first failed rank's exit code when it tells a scheduler what to do (2: fix the config, 3: a hang,
+    4: unhealthy; ``ddpkit.errors.EXIT_CODES``), else 1."""
     _, first = exc.get_first_failure()
-    return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_HANG) else EXIT_FAILURE
-
-
-def _torchrun_has(option: str) -> bool:
-    """Whether this torch's launcher takes ``option`` (its flags grew across the torch releases ddpkit supports)."""
-    from torch.distributed.run import get_args_parser
-
-    return option in get_args_parser()._option_string_actions
+    return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_HANG, EXIT_UNHEALTHY) else EXIT_FAILURE
 
 
 #: What torchrun's agent handles (and forwards to the workers) by default.
@@ -213,7 +198,7 @@ _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
 
 
-def _summary(exc: ChildFailedError) -> str:
+def _summary(exc: Any) -> str:
     """torchrun's failure summary, with the rank that failed first as its "Root Cause".
 
     torchrun picks the failure with the earliest error-file timestamp, in whole seconds. The
@@ -223,7 +208,7 @@ def _summary(exc: ChildFailedError) -> str:
     SIGTERM from the agent stopping the group, are moved back a second so the tie goes to the
     real one (if all failures are of that kind, their order is unchanged).
     """
-    for failure in exc.failures.values():
+    for failure in torchrun_adapter.failures(exc).values():
         if failure.exitcode == -signal.SIGTERM or any(text in str(failure.message) for text in _PEER_LOST):
             failure.timestamp += 1
     return exc.format_msg()

@@ -1,0 +1,132 @@
+"""Everything ddpkit's launcher needs from torch's launcher (torchrun) that is not a documented API, in one place.
+
+    args = parse(["--nproc-per-node=2", "--standalone", "-m", "ddpkit", "train", "exp.yaml"])   # torchrun's own parser
+    check_passthrough(["--local-ranks-filter", "0"])     # what follows ``ddpkit run ... --``: a typo is a ConfigError
+    run(args, fork=False)                                # torch.distributed.run.run(args), or forked workers
+    failures(exc)                                        # a ChildFailedError's records, by global rank
+
+``torchrun`` is ``torch.distributed.run``; ddpkit calls it in-process (:mod:`ddpkit.launch.launcher`).
+Its command line is public and stable, but ddpkit also uses pieces of it that are not: the argument
+parser's table of option strings (to ask which flags this torch has), ``config_from_args`` (to start
+forked workers through ``elastic_launch``), the failure records of ``ChildFailedError`` and the name
+of the logger torch's worker polling writes to. Each of those is read here and nowhere else, so a
+torch release that moves one breaks this module's tests (``tests/test_torchrun_passthrough.py``), not
+the launcher's logic. ``pyproject.toml`` requires the torch these were checked against (see there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from ddpkit.errors import ConfigError
+
+__all__ = [
+    "parse",
+    "has_option",
+    "check_passthrough",
+    "run",
+    "failures",
+    "process_failure",
+    "launcher_exceptions",
+    "POLLING_LOGGER",
+]
+
+#: The logger torch's multiprocessing context writes "failed (exitcode: N)" lines to (with a traceback).
+POLLING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def launcher_exceptions() -> tuple[type[BaseException], type[BaseException]]:
+    """(``SignalException``, ``ChildFailedError``): what ``run`` raises when the agent got a signal, or workers failed."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return SignalException, ChildFailedError
+
+
+def _parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "torchrun"
+    return parser
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """torchrun's parsed arguments for ``argv`` (``torch.distributed.run.parse_args``: its parser, its checks)."""
+    from torch.distributed.run import parse_args
+
+    return parse_args(list(argv))
+
+
+def has_option(option: str) -> bool:
+    """Whether this torch's launcher takes ``option`` (its flags grew across the torch releases ddpkit supports)."""
+    return option in _parser()._option_string_actions  # private: the parser's table of option strings
+
+
+class _Refused(Exception):
+    pass
+
+
+def check_passthrough(options: Sequence[str]) -> list[str]:
+    """``options`` (what follows ``--`` on ``ddpkit run``), unchanged, once torchrun's own parser accepts them.
+
+    Raises a ConfigError (exit code 2) with torchrun's message for an option torchrun does not know or a
+    value it refuses, before anything starts; a program or a positional argument there is refused too
+    (ddpkit names the program: the config's trainer, or ``--script``).
+    """
+    options = list(options)
+    parser = _parser()
+
+    def refuse(message: str) -> None:
+        raise _Refused(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse would print the usage and exit
+    try:
+        parsed = parser.parse_args([*options, "PROGRAM"])
+    except _Refused as exc:
+        raise ConfigError(f"after `--` (torchrun's options): torchrun: error: {exc}; see `torchrun --help`") from None
+    if parsed.training_script != "PROGRAM" or parsed.training_script_args:
+        raise ConfigError(
+            f"after `--` (torchrun's options): {parsed.training_script!r} is not a torchrun option; only options go "
+            "after `--` (e.g. -- --local-ranks-filter 0); the program is the config's Trainer or --script"
+        )
+    return options
+
+
+def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_fork: Any = None) -> None:
+    """``torch.distributed.run.run(args)``; with ``fork``, the workers are ``entrypoint(program)`` in processes forked from this one.
+
+    ``before_fork`` runs in this process just before (what the forked workers should inherit).
+    """
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+    from torch.distributed.run import run as torchrun
+
+    if not fork:
+        torchrun(args)
+        return
+    if args.standalone:  # what torchrun's run() does for --standalone: c10d rendezvous on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)  # not public API: torchrun's own translation of its options
+    config.start_method = "fork"
+    if before_fork is not None:
+        before_fork()
+    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]  # what `python -u` would run
+    elastic_launch(config=config, entrypoint=entrypoint)(program)
+
+
+def failures(exc: Any) -> dict[int, Any]:
+    """The per-rank failure records of a ``ChildFailedError`` (global rank -> ``ProcessFailure``), which callers may add to."""
+    return exc.failures
+
+
+def process_failure(*, local_rank: int, pid: int, exitcode: int, error_file: str) -> Any:
+    """A failure record like the ones torch's launcher makes, for a failure it did not observe."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=error_file)
