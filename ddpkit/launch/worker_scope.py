@@ -1,4 +1,4 @@
-"""What a worker holds for one ``fit()``: its process group, its hang watchdog and its goodput ledger.
+"""What a worker holds for one ``fit()``: its process group, the run directory's lock, its hang watchdog and its goodput ledger.
 
     with worker_scope(config, env, events, step=lambda: progress.step) as worker:
         worker.runtime        # the process group is up: device, backend, store (ddpkit.distributed)
@@ -9,8 +9,10 @@
     # then, innermost first, the ledger writes the attempt's end, the watchdog stops, and the group
     # is destroyed (or left alone when the process did not create it)
 
-The three open and close in this order on every rank, whatever fails in between, so the Trainer
-opens them in one line and its ``fit()`` reads as the loop.
+They open and close in this order on every rank, whatever fails in between, so the Trainer
+opens them in one line and its ``fit()`` reads as the loop. The lock (:mod:`ddpkit.checkpoint.run_lock`)
+comes right after the group, before anything is written into ``output_dir`` or resumed from it: rank 0
+takes it and every rank learns whether it did, so a second run on a live run's directory is refused there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpkit.checkpoint.run_lock import RunLock
 from ddpkit.config.schema import Config
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime, barrier, group_options, process_group
@@ -59,7 +62,12 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, step: Callable
     """Open the process group, the watchdog and the ledger for ``config`` (``step``: the last completed step);
     on the way out tell ``events`` how the attempt ended, while all three are still open."""
     group = process_group(env, **group_options(config), trace_dir=Path(config.output_dir) / "logs")
-    with group as runtime, Watchdog.for_run(config, runtime, step=step) as watchdog, GoodputLedger.for_run(config, runtime, step=step) as ledger:
+    with (
+        group as runtime,
+        RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
+        Watchdog.for_run(config, runtime, step=step) as watchdog,
+        GoodputLedger.for_run(config, runtime, step=step) as ledger,
+    ):
         worker = Worker(config, runtime, watchdog, ledger)
         try:
             yield worker

@@ -1,0 +1,184 @@
+"""One writer per run directory: global rank 0 holds ``<output_dir>/.ddpkit.lock`` while a run trains.
+
+    with RunLock.for_run(config, runtime):      # every rank; rank 0 takes the lock, then all agree
+        ...                                       # only now does anything write into output_dir
+    holder = read_holder(Path("runs/quickstart"))   # who holds it, or None
+
+A second run started on a directory a live run is writing into (the same ``run.name`` twice, a job
+requeued while its old allocation still runs) is refused within seconds, before it writes or
+resumes anything, with one line naming the holder and what to do; exit code 2
+(:data:`~ddpkit.errors.EXIT_CONFIG`: not worth retrying). Without the lock the second run would
+"resume" from the first one's checkpoint in progress and both would write the same files.
+
+The lock file is created with ``O_CREAT | O_EXCL`` (atomic on local filesystems and on NFSv3+), and
+holds the holder's host, pid, the process's start time (``/proc``) and a random token. Whether its
+holder is still alive:
+
+* on the same host: the pid is alive and started at the recorded time (a reused pid is not the holder);
+* on another host (a shared filesystem): the file's modification time, which the holder refreshes
+  every :data:`REFRESH_S` seconds from a daemon thread, is younger than :data:`STALE_AFTER_S`
+  (three refreshes; assumes the hosts' clocks agree to within a few seconds).
+
+A lock whose holder is dead (every process SIGKILLed, a node lost) is stale: the next run logs one
+line naming it and takes it over, so the same command resumes. The lock is removed when the run
+ends, however it ends short of SIGKILL, and only if it is still this run's (its token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpkit.distributed.process_group import broadcast_object
+from ddpkit.distributed.processes import is_alive, proc_stat
+from ddpkit.errors import EXIT_CONFIG, DdpkitError
+
+__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "read_holder"]
+
+log = logging.getLogger("ddpkit")
+
+LOCK_NAME = ".ddpkit.lock"
+#: Seconds between refreshes of the lock file's modification time (what other hosts judge liveness by).
+REFRESH_S = 5.0
+#: A lock from another host whose file has not been refreshed for this long belongs to a dead run.
+STALE_AFTER_S = 3 * REFRESH_S
+
+
+class RunDirectoryLocked(DdpkitError):
+    """Another live run holds this run directory; exit code 2 (fix the command, do not retry it)."""
+
+    exit_code = EXIT_CONFIG
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What a lock file says about the run that holds it, and how old its last refresh is."""
+
+    host: str
+    pid: int
+    start_ticks: str | None  # the pid's start time in /proc (clock ticks since boot): defeats pid reuse
+    since: float  # when it took the lock (Unix time)
+    token: str
+    age_s: float  # seconds since the file was last refreshed
+
+    def alive(self) -> bool:
+        if self.host == socket.gethostname():
+            return is_alive(self.pid) and (self.start_ticks is None or _start_ticks(self.pid) == self.start_ticks)
+        return self.age_s < STALE_AFTER_S
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on {self.host}, since {since}" if self.host else f"a run starting there, lock file unreadable since {since}"
+
+
+def read_holder(directory: Path) -> LockHolder | None:
+    """The holder named in ``directory``'s lock file, or None without one (an unreadable file: a holder of unknown pid)."""
+    path, age = directory / LOCK_NAME, 0.0
+    try:
+        age = time.time() - path.stat().st_mtime
+        fields = json.loads(path.read_text())
+        return LockHolder(str(fields["host"]), int(fields["pid"]), fields.get("start_ticks"), float(fields["since"]), str(fields["token"]), age)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):  # being written right now, or by a run killed while writing it
+        return LockHolder("", 0, None, time.time() - age, "", age)
+
+
+class RunLock:
+    """The run directory's lock for one ``fit()`` (see the module docstring); a context manager on every rank."""
+
+    def __init__(self, directory: Path | None):
+        self.directory, self.token = directory, secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_run(cls, config: Any, runtime: Any) -> RunLock:
+        """Rank 0 of the job locks ``config.output_dir``; the other ranks learn the outcome (a broadcast)."""
+        return cls(Path(config.output_dir) if runtime.env.rank == 0 else None)
+
+    def __enter__(self) -> RunLock:
+        refusal = None
+        if self.directory is not None:
+            try:
+                self.acquire()
+            except RunDirectoryLocked as exc:
+                refusal = str(exc)
+        refusal = broadcast_object(refusal)  # no rank writes before rank 0 holds the lock
+        if refusal is not None:
+            error = RunDirectoryLocked(refusal)
+            error.reported = self.directory is None  # rank 0 prints the one line; the others exit quietly
+            raise error
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Create the lock file (taking over a stale one), or raise :class:`RunDirectoryLocked` naming the holder."""
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a takeover may race with another run's: try again, then refuse
+            if self._create():
+                self._start_refreshing()
+                return
+            holder = read_holder(self.directory)
+            if holder is None:
+                continue  # released meanwhile
+            if holder.alive():
+                raise RunDirectoryLocked(
+                    f"run directory {self.directory} is in use by another run ({holder.describe()}): "
+                    "give this run another run.name (or run.output_dir), or stop that run first"
+                )
+            log.warning("ddpkit: taking over the stale lock of %s (%s is no longer running)", self.directory, holder.describe())
+            (self.directory / LOCK_NAME).unlink(missing_ok=True)
+        raise RunDirectoryLocked(f"run directory {self.directory}: could not take its lock {LOCK_NAME}; is another run starting there?")
+
+    def _create(self) -> bool:
+        assert self.directory is not None
+        try:
+            fd = os.open(self.directory / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        fields = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()),
+                  "since": time.time(), "token": self.token}
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(fields))
+        return True
+
+    def _start_refreshing(self) -> None:
+        self._thread = threading.Thread(target=self._refresh, name="ddpkit-run-lock", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        assert self.directory is not None
+        while not self._stop.wait(REFRESH_S):
+            try:
+                os.utime(self.directory / LOCK_NAME)
+            except OSError:  # removed by hand, or the filesystem is gone: the run goes on
+                pass
+
+    def release(self) -> None:
+        """Stop refreshing and remove the lock file if it is still this run's."""
+        self._stop.set()
+        if self._thread is None or self.directory is None:
+            return
+        self._thread.join(timeout=1)
+        self._thread = None
+        holder = read_holder(self.directory)
+        if holder is not None and holder.token == self.token:
+            (self.directory / LOCK_NAME).unlink(missing_ok=True)
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (the process's start time), or None without ``/proc``."""
+    fields = proc_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
