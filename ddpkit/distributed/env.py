@@ -8,7 +8,15 @@ Three ways a process can be started, checked in this order:
   does a ``WORLD_SIZE`` other than nodes (``GROUP_WORLD_SIZE``) x ``LOCAL_WORLD_SIZE``.
 * ``srun`` (SLURM, one task per GPU) sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``;
   the master address is the first host of ``SLURM_STEP_NODELIST`` unless ``MASTER_ADDR`` is set.
-* Nothing set: a world of one (``python train.py``), which runs the very same code path.
+* Nothing set, but this process already has a default process group (the user called
+  ``torch.distributed.init_process_group`` with an explicit rank and world size before building the
+  Trainer): that group's rank and world size (``launcher="existing"``). The group is adopted as it is
+  and never destroyed by ddpkit (:func:`ddpkit.distributed.process_group.process_group`).
+* Nothing set and no group: a world of one (``python train.py``), which runs the very same code path.
+
+Ray Train's ``TorchTrainer`` sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and creates the group before the training
+function runs, so a Trainer there reads as ``launcher="torchrun"`` and adopts Ray's group (docs/ray.md).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    #: ``"torchrun"``, ``"slurm"`` or ``"none"`` (a single process started by hand).
+    #: ``"torchrun"`` (also Ray Train), ``"slurm"``, ``"existing"`` (a group the user created, no launcher
+    #: variables) or ``"none"`` (a single process started by hand).
     launcher: str = "none"
     #: How many times torchrun has restarted the worker group (``TORCHELASTIC_RESTART_COUNT``).
     restart_count: int = 0
@@ -52,9 +61,11 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     Args:
         environ: the variables to read: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) or,
             inside ``srun`` without them, SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``, ...).
+            By default ``os.environ``, and then a process group that already exists counts too.
 
     Returns:
-        The immutable reading; a world of one (rank 0 of 1) when no launcher variable is set.
+        The immutable reading; with no launcher variable set, the existing default group's place
+        (only when ``environ`` is not given), else a world of one (rank 0 of 1).
 
     Raises:
         LaunchError: some but not all torchrun variables are set, or a value is not a valid number.
@@ -76,7 +87,22 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         )
     if present:
         return _from_torchrun(environ)
+    if environ is os.environ:
+        return _from_existing_group() or DistEnv()
     return DistEnv()
+
+
+def _from_existing_group() -> DistEnv | None:
+    """This process's place in a default group the user created without launcher variables, if any."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Without LOCAL_RANK, the GPU the user chose for this process (torch.cuda.set_device) is its local rank.
+    local_rank = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=max(local_rank + 1, 1), launcher="existing")
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:

@@ -103,8 +103,11 @@ def process_group(
     With ``trace_dir`` on CUDA, NCCL's flight recorder is on and dumps there on a timeout (see
     :func:`flight_recorder_env`).
 
-    A group that already exists (created by the caller, e.g. :mod:`ddpkit.testing`) is reused
-    and left alone on exit.
+    A group that already exists is adopted and left alone on exit, never destroyed: one created by
+    :mod:`ddpkit.testing`, by Ray Train's ``TorchTrainer`` (which destroys it itself), or by the user's
+    own ``init_process_group`` before building the Trainer. Its rank and world size must be the
+    environment's (:func:`ddpkit.distributed.env.read_dist_env` reads them from the group when no
+    launcher variable is set).
     """
     torch_device = resolve_device(env, device)
     backend = resolve_backend(backend, torch_device)
