@@ -19,7 +19,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from ddpkit.config.schema import Config, yaml_key
+# The walk of the dataclasses is shared with `ddpkit config --schema`: one reading of the schema.
+from ddpkit.config.json_schema import dataclass_in, default_value, fields_of, optional, strip_none
+from ddpkit.config.schema import Config
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "docs" / "config.md"
@@ -56,26 +58,24 @@ written (`run.name=1e3` is the name `1e3`), and a quoted `"3e-4"` is always a st
 def render() -> str:
     """The whole of docs/config.md as text."""
     parts = [HEADER]
-    hints = typing.get_type_hints(Config)
-    parts.append("## Sections\n\n" + "\n".join(f"- [`{yaml_key(f)}`](#{yaml_key(f)}): {f.metadata['doc']}" for f in dataclasses.fields(Config)) + "\n")
-    for f in dataclasses.fields(Config):
-        parts.extend(_section(yaml_key(f), hints[f.name]))
+    sections = fields_of(Config)
+    parts.append("## Sections\n\n" + "\n".join(f"- [`{key}`](#{key}): {f.metadata['doc']}" for key, f, _hint in sections) + "\n")
+    for key, _f, hint in sections:
+        parts.extend(_section(key, hint))
     return "\n".join(parts)
 
 
 def _section(path: str, cls: type, level: int = 2) -> list[str]:
     """A heading, the dataclass docstring and a table of its fields; nested sections follow."""
-    hints = typing.get_type_hints(cls)
     rows = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
     nested = []
-    for f in dataclasses.fields(cls):
-        key = f"{path}.{yaml_key(f)}"
-        tp = hints[f.name]
-        inner = _dataclass_in(tp)
+    for name, f, tp in fields_of(cls):
+        key = f"{path}.{name}"
+        inner = dataclass_in(tp)
         if inner is not None:
             nested.append((key, inner))
             default = "`null`" if f.default is None else "see below"
-            rows.append(_row(key, "section" + (" or null" if _optional(tp) else ""), default, "", f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)})."))
+            rows.append(_row(key, "section" + (" or null" if optional(tp) else ""), default, "", f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)})."))
             continue
         rows.append(_row(key, _type_name(tp), _default(f), _allowed(tp, f), f.metadata["doc"]))
     doc = " ".join((cls.__doc__ or "").split())
@@ -94,28 +94,12 @@ def _anchor(key: str) -> str:
     return key.replace(".", "").lower()  # GitHub drops the dots of a heading in its anchor
 
 
-def _optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-
-
-def _strip_none(tp: Any) -> Any:
-    if _optional(tp):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]  # noqa: UP007 - built from a tuple
-    return tp
-
-
-def _dataclass_in(tp: Any) -> type | None:
-    inner = _strip_none(tp)
-    return inner if dataclasses.is_dataclass(inner) else None
-
-
 def _type_name(tp: Any) -> str:
-    inner = _strip_none(tp)
+    inner = strip_none(tp)
     origin = typing.get_origin(inner)
     if origin in (typing.Union, types.UnionType):  # e.g. bool | dict (train.compile)
         names = [" or ".join(f"`{v}`" for v in typing.get_args(a)) if typing.get_origin(a) is Literal else _type_name(a) for a in typing.get_args(inner)]
-        return " or ".join(names) + (" or null" if _optional(tp) else "")
+        return " or ".join(names) + (" or null" if optional(tp) else "")
     if origin is Literal:
         name = "string"
     elif origin is list:
@@ -124,12 +108,11 @@ def _type_name(tp: Any) -> str:
         name = "mapping"
     else:
         name = {bool: "bool", int: "int", float: "float", str: "string"}[inner]
-    return name + (" or null" if _optional(tp) else "")
+    return name + (" or null" if optional(tp) else "")
 
 
 def _default(f: dataclasses.Field) -> str:
-    value = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-    return f"`{_yaml_scalar(value)}`"
+    return f"`{_yaml_scalar(default_value(f))}`"
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -147,7 +130,7 @@ def _yaml_scalar(value: Any) -> str:
 
 
 def _allowed(tp: Any, f: dataclasses.Field) -> str:
-    inner = _strip_none(tp)
+    inner = strip_none(tp)
     if typing.get_origin(inner) is list:  # the allowed items
         inner = typing.get_args(inner)[0]
     if typing.get_origin(inner) is Literal:

@@ -98,8 +98,8 @@ def test_table_and_number_formatting():
     "argv, message",
     [
         (["throughput", "--model", "resnet81"], "did you mean 'resnet18'"),
-        (["throughput", "--model", "mlp", "--nproc", "0,1"], "--nproc: 0 is out of range"),
-        (["throughput", "--model", "mlp", "--nproc", "two"], "--nproc: 'two' is not a comma-separated list"),
+        (["throughput", "--model", "mlp", "--nproc-per-node", "0,1"], "--nproc-per-node: 0 is out of range"),
+        (["throughput", "--model", "mlp", "--nproc-per-node", "two"], "--nproc-per-node: 'two' is not a comma-separated list"),
         (["throughput", "--model", "mlp", "--steps", "0"], "--steps: 0 must be at least 1"),
         (["throughput", "--model", "mlp", "--input-shape", "3,x"], "--input-shape"),
         pytest.param(
@@ -108,7 +108,7 @@ def test_table_and_number_formatting():
         ),
         (["allreduce", "--sizes", "1QB..2MB"], "cannot read '1QB' as a size"),
         (["allreduce", "--sizes", "6B"], "not a whole number of float32 elements"),
-        (["autotune", "--config", "missing.yaml"], "missing.yaml"),
+        (["autotune", "missing.yaml"], "missing.yaml"),
         (["nosuch"], "unknown benchmark 'nosuch'"),
     ],
 )
@@ -121,9 +121,9 @@ def test_bad_input_is_a_usage_error(argv, message, capsys):
 def test_autotune_needs_two_ranks_and_a_valid_config(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    assert bench_main(["autotune", "--config", str(config), "--nproc", "1"]) == 2
-    assert "--nproc: 1 is out of range" in capsys.readouterr().err
-    assert bench_main(["autotune", "--config", str(config), "optim.lr=-1"]) == 2
+    assert bench_main(["autotune", str(config), "--nproc-per-node", "1"]) == 2
+    assert "--nproc-per-node: 1 is out of range" in capsys.readouterr().err
+    assert bench_main(["autotune", str(config), "optim.lr=-1"]) == 2
     assert "optim.lr" in capsys.readouterr().err
 
 
@@ -146,7 +146,7 @@ def test_cli_usage_error_exit_code_and_no_traceback():
 @pytest.mark.multiprocess
 def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
     out = tmp_path / "ar.json"
-    done = run_cli("bench", "allreduce", "--nproc", "3", "--sizes", "4KB..32KB", "--iters", "3", "--warmup", "1", "--json", str(out), timeout=180)
+    done = run_cli("bench", "allreduce", "--nproc-per-node", "3", "--sizes", "4KB..32KB", "--iters", "3", "--warmup", "1", "-o", str(out), timeout=180)
     assert done.returncode == 0, done.stderr
     assert "gloo on cpu, 3 process(es)" in done.stdout and "[allreduce]" in done.stderr  # progress on stderr
     rows = parse_table(done.stdout)
@@ -166,8 +166,8 @@ def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
 def test_throughput_table_efficiency_and_plot(tmp_path):
     plot, out = tmp_path / "scaling.png", tmp_path / "tp.json"
     done = run_cli(
-        "bench", "throughput", "--model", "mlp", "--batch-size", "8", "--nproc", "1,2", "--steps", "4", "--warmup", "1",
-        "--plot", str(plot), "--json", str(out), timeout=240,
+        "bench", "throughput", "--model", "mlp", "--batch-size", "8", "--nproc-per-node", "1,2", "--steps", "4", "--warmup", "1",
+        "--plot", str(plot), "-o", str(out), timeout=240,
     )
     assert done.returncode == 0, done.stderr
     assert "[throughput] round 1/1: mlp on 2 process(es)" in done.stderr
@@ -189,7 +189,7 @@ def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
     done = run_cli(
-        "bench", "autotune", "--config", str(config), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
+        "bench", "autotune", str(config), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
     )
     assert done.returncode == 0, done.stderr
     rows = parse_table(done.stdout)

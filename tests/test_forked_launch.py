@@ -1,4 +1,4 @@
-"""``ddpkit run --start-method fork`` (the default on the CPU): workers forked from the launcher,
+"""``ddpkit run --worker-start fork`` (the default on the CPU): workers forked from the launcher,
 with torch imported there once, must behave like the new interpreters torchrun would start.
 
 Real launches of ``tests/scripts/worker_facts.py`` both ways; the script reports its process from
@@ -24,7 +24,7 @@ def _facts(tmp_path: Path, method: str) -> dict[str, dict]:
     out.mkdir()
     config = out / "exp.yaml"
     config.write_text(yaml.safe_dump(tiny_config(out)))
-    proc = run_cli("run", str(config), "--nproc-per-node", "2", "--script", str(SCRIPT), "--start-method", method,
+    proc = run_cli("run", str(config), "--nproc-per-node", "2", "--script", str(SCRIPT), "--worker-start", method,
                    env={"FACTS_DIR": str(out)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("exit*")) == ["exit0", "exit1"], "the script's atexit handlers did not run"
@@ -51,7 +51,7 @@ def test_a_forked_worker_looks_like_a_new_interpreter_but_starts_with_torch_impo
 def test_fork_is_refused_where_the_workers_count_their_own_devices(tmp_path):
     config = tmp_path / "exp.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    proc = run_cli("run", str(config), "--nproc-per-node", "gpu", "--start-method", "fork")
-    assert proc.returncode == 1
-    assert "--start-method fork" in proc.stderr and "CUDA cannot be used in a forked process" in proc.stderr
+    proc = run_cli("run", str(config), "--nproc-per-node", "gpu", "--worker-start", "fork")
+    assert proc.returncode == 2  # refused before anything started (a ConfigError)
+    assert "--worker-start fork" in proc.stderr and "CUDA cannot be used in a forked process" in proc.stderr
     assert "Traceback" not in proc.stderr

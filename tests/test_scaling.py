@@ -229,9 +229,9 @@ def _allreduce_json(tmp_path) -> str:
 def test_scaling_end_to_end(tmp_path):
     config = _write(tmp_path, tiny_config(tmp_path, ddp={"bucket_cap_mb": 0.01}))
     out, plot = tmp_path / "scaling.json", tmp_path / "scaling.png"
-    proc = run_cli("bench", "scaling", "--config", config, "--predict", "4,64", "--link", "10Gbit", "--latency", "5us",
+    proc = run_cli("bench", "scaling", config, "--predict", "4,64", "--link", "10Gbit", "--latency", "5us",
                    "--validate", "2", "--iters", "4", "--warmup", "1", "--allreduce-json", _allreduce_json(tmp_path),
-                   "--json", str(out), "--plot", str(plot), "train.log_every=2", timeout=600)
+                   "-o", str(out), "--plot", str(plot), "train.log_every=2", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = parse_table(proc.stdout)
     assert [(r["link"], r["ranks"]) for r in rows] == [("this machine", "4"), ("this machine", "64"), ("10Gbit/5us", "4"), ("10Gbit/5us", "64")]
@@ -266,7 +266,7 @@ def test_scaling_end_to_end(tmp_path):
 ])
 def test_bad_input_is_a_usage_error_before_any_process_starts(tmp_path, capsys, args, message):
     config = _write(tmp_path, tiny_config(tmp_path))
-    assert bench_main(["scaling", "--config", config, "--link", "10Gbit", *args]) == 2
+    assert bench_main(["scaling", config, "--link", "10Gbit", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -274,11 +274,11 @@ def test_bad_input_is_a_usage_error_before_any_process_starts(tmp_path, capsys, 
 def test_validating_several_ranks_on_a_gpu_is_refused_until_profiles_get_a_gpu_each(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = _write(tmp_path, tiny_config(tmp_path))
-    assert bench_main(["scaling", "--config", config, "--link", "10Gbit", "--validate", "1,2"]) == 2
+    assert bench_main(["scaling", config, "--link", "10Gbit", "--validate", "1,2"]) == 2
     assert "--validate: on GPUs only 1 rank can be checked" in capsys.readouterr().err
 
 
 def test_missing_config_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         bench_main(["scaling", "--predict", "8"])
-    assert info.value.code == 2 and "--config" in capsys.readouterr().err
+    assert info.value.code == 2 and "CONFIG" in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """``ddpkit bench allreduce``: allreduce time, algorithm bandwidth and bus bandwidth per message size.
 
-    ddpkit bench allreduce --nproc 2 --sizes 1KB..256MB
-    ddpkit bench allreduce --nproc 2 --sizes 4KB,1MB,64MB --iters 50
+    ddpkit bench allreduce --nproc-per-node 2 --sizes 1KB..256MB
+    ddpkit bench allreduce --nproc-per-node 2 --sizes 4KB,1MB,64MB --iters 50
 
 The nccl-tests ``all_reduce_perf`` measurement, through ``torch.distributed`` (NCCL on GPUs, Gloo
-on the CPU): for each size, a float32 tensor is summed in place across ``--nproc`` ranks,
+on the CPU): for each size, a float32 tensor is summed in place across ``--nproc-per-node`` ranks,
 ``--warmup`` times untimed and then ``--iters`` times timed; the time reported is the slowest
 rank's mean per call. With ``S`` bytes, time ``t`` and ``n`` ranks (nccl-tests' definitions):
 
@@ -20,14 +20,14 @@ Sizes are 1024-based: ``1KB`` is 1024 bytes; a range ``A..B`` doubles from A to 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.launching import run_workers
-from ddpkit.bench.report import fmt, format_table, progress
+from ddpkit.bench.report import emit_results, fmt, format_table, progress
 from ddpkit.bench.units import BenchUsageError, format_bytes, parse_nproc, parse_sizes
+from ddpkit.config.cli_args import add_output_arguments
 from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "bus_factor"]
@@ -38,13 +38,13 @@ _ELEMENT_BYTES = 4  # float32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", default="2", help="ranks (default 2); a list such as 2,4 runs each in turn")
+    parser.add_argument("--nproc-per-node", default="2", help="ranks on this node (default 2); a list such as 2,4 runs each in turn")
     parser.add_argument("--sizes", default=None, help=f"MIN..MAX (doubling) or a comma list (default {DEFAULT_SIZES_CPU} on CPU, {DEFAULT_SIZES_GPU} on GPU)")
     parser.add_argument("--step-factor", type=int, default=2, help="multiply the size by this in a MIN..MAX range (default 2)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size, at most (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
     parser.add_argument("--time-per-size", type=float, default=0.5, help="seconds of timed calls per size before --iters is cut (default 0.5)")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
+    add_output_arguments(parser)
 
 
 def bus_factor(world_size: int) -> float:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the options, run the measurement on each world size, print one table per size sweep."""
     import torch
 
-    counts = parse_nproc(args.nproc)
+    counts = parse_nproc(args.nproc_per_node)
     sizes = parse_sizes(args.sizes or (DEFAULT_SIZES_GPU if torch.cuda.is_available() else DEFAULT_SIZES_CPU), factor=args.step_factor)
     if args.iters < 1 or args.warmup < 0 or args.time_per_size <= 0:
         raise BenchUsageError("--iters must be at least 1, --warmup at least 0 and --time-per-size positive")
@@ -79,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
         wrong = [r for r in result["rows"] if not r["correct"]]
         if wrong:
             print(f"error: allreduce returned wrong sums for {len(wrong)} size(s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    emit_results(args, results)
     return 1 if any(not r["correct"] for res in results for r in res["rows"]) else 0
 
 

@@ -1,12 +1,12 @@
 """``ddpkit bench autotune``: find the fastest DDP bucket settings for your own config.
 
-    ddpkit bench autotune --config configs/quickstart.yaml [--steps 20] [--nproc 2] [key=value ...]
-    ddpkit bench autotune --config my.yaml --bucket-caps 1,4,16,64 --bucket-view both --rounds 3
+    ddpkit bench autotune configs/quickstart.yaml [key=value ...] [--steps 20] [--nproc-per-node 2]
+    ddpkit bench autotune my.yaml --bucket-caps 1,4,16,64 --bucket-view both --rounds 3
 
 Like Horovod's autotune for its fusion buffer: the Trainer runs your config (with your
 ``key=value`` overrides) for ``--warmup`` + ``--steps`` optimizer steps once per candidate
 ``ddp.bucket_cap_mb`` x ``ddp.gradient_as_bucket_view``, all candidates in one job of
-``--nproc`` ranks started through torch's launcher. The candidates are measured in alternation
+``--nproc-per-node`` ranks started through torch's launcher. The candidates are measured in alternation
 for ``--rounds`` rounds (the order reversed every other round), so slow drifts of a shared
 machine hit them all alike. The table reports each candidate's median ms/step; the fastest
 is printed with the ``key=value`` override that selects it.
@@ -18,14 +18,14 @@ these runs, and each run writes to a temporary directory.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.launching import run_workers
-from ddpkit.bench.report import Stats, fmt, format_table, progress
+from ddpkit.bench.report import Stats, emit_results, fmt, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, benchmark_overrides, steady_ms_per_step
 from ddpkit.bench.units import BenchUsageError, parse_floats, parse_nproc
+from ddpkit.config.cli_args import add_config_arguments, add_output_arguments
 from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "candidates"]
@@ -34,17 +34,16 @@ DEFAULT_BUCKET_CAPS = "1,5,10,25,50,100"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="your YAML config")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `ddpkit run`")
+    add_config_arguments(parser, config_help="your YAML config")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per candidate and round (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    parser.add_argument("--nproc", default="2", help="ranks to tune for (default 2; DDP needs at least 2)")
+    parser.add_argument("--nproc-per-node", default="2", help="ranks to tune for (default 2; DDP needs at least 2)")
     parser.add_argument(
         "--bucket-caps", default=DEFAULT_BUCKET_CAPS, help=f"ddp.bucket_cap_mb values to try (default {DEFAULT_BUCKET_CAPS}; your config's value is added)"
     )
     parser.add_argument("--bucket-view", choices=["both", "true", "false"], default="both", help="ddp.gradient_as_bucket_view values to try (default both)")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds; medians are reported (default 2)")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
+    add_output_arguments(parser)
 
 
 def candidates(caps: list[float], views: list[bool]) -> list[tuple[float, bool]]:
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
-    (nproc,) = _one(parse_nproc(args.nproc, minimum=2), "--nproc")
+    (nproc,) = _one(parse_nproc(args.nproc_per_node, minimum=2), "--nproc-per-node")
     for option, value in (("--steps", args.steps), ("--rounds", args.rounds)):
         if value < 1:
             raise BenchUsageError(f"{option}: {value} must be at least 1")
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, pairs: list[tuple[float, bool]], ms: list[list[float]], *, current: tuple[float, bool], nproc: int) -> None:
-    """The table of candidates, the fastest one, and the override that selects it (and ``--json``)."""
+    """The table of candidates, the fastest one, and the override that selects it (and ``--json`` / ``-o``)."""
     stats = [Stats.of(values) for values in ms]
     best = min(range(len(pairs)), key=lambda i: stats[i].median)
     rows = []
@@ -98,8 +97,7 @@ def _report(args: argparse.Namespace, pairs: list[tuple[float, bool]], ms: list[
         gain = f" (your config's setting takes {stats[mine].median / stats[best].median:.3f}x as long per step)"
     print(f"fastest: bucket_cap_mb={cap:g}, gradient_as_bucket_view={str(view).lower()}: {stats[best].median:.2f} ms/step{gain}")
     print(f"override: {override}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"pairs": pairs, "ms": ms, "best": pairs[best], "override": override}, indent=1))
+    emit_results(args, {"pairs": pairs, "ms": ms, "best": pairs[best], "override": override})
 
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     s = Stats.of([12.1, 11.8, 12.6])       # s.median, s.min, s.max, s.n
     print(format_table(["size", "time (us)"], [["1KB", "35.2"], ["2KB", "36.0"]]))
+    emit_results(args, {"rows": rows})     # --json: on stdout; -o FILE.json: to the file
 
 Benchmarks on a shared machine report the median of several alternated rounds, with min and max
 so the reader sees the noise; ratios between things measured side by side are what hold.
@@ -9,13 +10,21 @@ so the reader sees the noise; ratios between things measured side by side are wh
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Stats", "format_table", "progress", "fmt"]
+from ddpkit.atomic import write_atomically
+
+__all__ = ["Stats", "format_table", "progress", "fmt", "emit_results", "JSON_STDOUT"]
+
+#: Where ``--json`` prints: the real stdout, kept by ``ddpkit bench`` while the tables go to stderr.
+JSON_STDOUT = "json_stdout"
 
 
 @dataclass(frozen=True)
@@ -60,3 +69,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def progress(message: str) -> None:
     """One progress line on stderr (the tables go to stdout, so they can be piped on their own)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def emit_results(args: argparse.Namespace, results: Any) -> None:
+    """A benchmark's results as JSON: to ``-o/--output`` when given, and on stdout with ``--json``."""
+    text = json.dumps(results, indent=1)
+    if getattr(args, "output", None):
+        write_atomically(args.output, text + "\n")
+        progress(f"wrote {args.output}")
+    if getattr(args, "json", False):
+        print(text, file=getattr(args, JSON_STDOUT, None) or sys.stdout, flush=True)

@@ -1,8 +1,8 @@
 """``ddpkit bench scaling``: will it scale? Predict step time and efficiency at 8 to 1,024 ranks, from one.
 
-    ddpkit bench scaling --config configs/quickstart.yaml --predict 8,64,512,1024 --link 100Gbit --latency 5us
-    ddpkit bench scaling --config my.yaml --link 10Gbit,100Gbit,400Gbit --latency 5us --plot scaling.png
-    ddpkit bench scaling --config configs/quickstart.yaml --validate 1,2,3 --rounds 3     # check the model here
+    ddpkit bench scaling configs/quickstart.yaml --predict 8,64,512,1024 --link 100Gbit --latency 5us
+    ddpkit bench scaling my.yaml --link 10Gbit,100Gbit,400Gbit --latency 5us --plot scaling.png
+    ddpkit bench scaling configs/quickstart.yaml --validate 1,2,3 --rounds 3     # check the model here
 
 1. Profile (one rank, started through torch's launcher): the config's step as the Trainer
    builds it, timed per phase (data, forward, backward, optimizer) with DDP's buckets in the
@@ -10,7 +10,7 @@
 2. Links: each ``--link`` bandwidth (bus bandwidth per rank, as ``ddpkit bench allreduce``
    defines busbw) with ``--latency``; and, unless ``--link`` is given without ``--validate``,
    the latency and bandwidth fitted to ``ddpkit bench allreduce`` on this machine at 2 and 3
-   ranks (or to ``--allreduce-json``, that command's ``--json`` output).
+   ranks (or to ``--allreduce-json``, that command's ``-o FILE.json`` output).
 3. Predict (:mod:`ddpkit.bench.scaling_model`): ring / tree allreduce per bucket, overlapped with
    the rest of the backward as DDP overlaps it, plus the wait for the slowest rank read from
    the profiled step-to-step spread; step time, samples/s, scaling efficiency ``step_1 /
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ddpkit.bench.launching import BenchFailed, run_workers
-from ddpkit.bench.report import fmt, format_table, progress
+from ddpkit.bench.report import emit_results, fmt, format_table, progress
 from ddpkit.bench.scaling_model import (
     Bucket,
     Link,
@@ -59,6 +59,7 @@ from ddpkit.bench.units import (
     parse_nproc,
     parse_sizes,
 )
+from ddpkit.config.cli_args import add_config_arguments, add_output_arguments
 from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
@@ -72,8 +73,7 @@ DEFAULT_CAPS = "1,2,5,10,25,50,100,200"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="your YAML config (the model, data, optimizer and ddp section to predict)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for `ddpkit run`")
+    add_config_arguments(parser, config_help="your YAML config (the model, data, optimizer and ddp section to predict)")
     parser.add_argument("--predict", default="8,64,512,1024", help="world sizes to predict (default 8,64,512,1024)")
     parser.add_argument("--link", default=None, help="bus bandwidth per rank, e.g. 100Gbit, 25GbE, 12.5GB/s; a comma list draws one line each")
     parser.add_argument("--latency", default="5us", help="latency per allreduce step for --link, e.g. 5us (default), 0.5ms; one, or one per link")
@@ -84,10 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed profile iterations (default 20); validation runs train this many steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     parser.add_argument(
-        "--allreduce-json", default=None, metavar="FILE", help="fit the local link to this `ddpkit bench allreduce --json` output instead of measuring"
+        "--allreduce-json", default=None, metavar="FILE", help="fit the local link to this `ddpkit bench allreduce -o FILE.json` output instead of measuring"
     )
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="plot predicted efficiency vs world size, one line per link (needs ddpkit[plot])")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="also write profile, links and predictions as JSON")
+    add_output_arguments(parser, what="the profile, links and predictions")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(["ranks", "predicted", "measured", "min..max", "error", "within 15%", "bare step on N at once"],
                            [[str(c["ranks"]), fmt(c["predicted_ms"]), fmt(c["measured_ms"]), c["spread"], f"{c['error']:+.1%}",
                              "yes" if abs(c["error"]) <= 0.15 else "NO", fmt(c["compute_ms"])] for c in checks]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"profile": asdict(profile), "links": [asdict(link) for link in links], "predictions": rows,
-                                               "validation": checks, "measured_ms": {str(n): v for n, v in measured.items()}}, indent=1))
+    emit_results(args, {"profile": asdict(profile), "links": [asdict(link) for link in links], "predictions": rows,
+                        "validation": checks, "measured_ms": {str(n): v for n, v in measured.items()}})
     if args.plot:
         from ddpkit.bench.scaling_plot import plot_efficiency
 
@@ -142,7 +141,8 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[Link], 
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     if args.allreduce_json and not Path(args.allreduce_json).is_file():
-        raise BenchUsageError(f"--allreduce-json: {args.allreduce_json} is not a file; write one with `ddpkit bench allreduce --nproc 2,3 --json FILE`")
+        raise BenchUsageError(f"--allreduce-json: {args.allreduce_json} is not a file; "
+                              "write one with `ddpkit bench allreduce --nproc-per-node 2,3 -o FILE.json`")
     given: list[Link] = []
     if args.link:
         speeds = [part.strip() for part in args.link.split(",") if part.strip()]
@@ -165,7 +165,7 @@ def _allreduce_points(path: str | None) -> list[tuple[int, int, float]]:
             results = json.loads(Path(path).read_text())
             return [(r["bytes"], res["world_size"], r["time_us"] * 1e-6) for res in results for r in res["rows"]]
         except (ValueError, KeyError, TypeError) as exc:
-            raise BenchUsageError(f"--allreduce-json: {path} is not `ddpkit bench allreduce --json` output ({exc})") from None
+            raise BenchUsageError(f"--allreduce-json: {path} is not `ddpkit bench allreduce -o FILE.json` output ({exc})") from None
     points = []
     for n in (2, 3):
         progress(f"[scaling] fitting the local link: allreduce on {n} ranks, {ALLREDUCE_SIZES} ...")

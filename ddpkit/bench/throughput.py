@@ -1,7 +1,7 @@
 """``ddpkit bench throughput``: samples/s per world size and the scaling efficiency, on synthetic data.
 
-    ddpkit bench throughput --model resnet18 --batch-size 32 --nproc 1,2 [--steps 20] [--precision bf16]
-    ddpkit bench throughput --model mnist_cnn --batch-size 64 --nproc 1,2 --plot scaling.png
+    ddpkit bench throughput --model resnet18 --batch-size 32 --nproc-per-node 1,2 [--steps 20] [--precision bf16]
+    ddpkit bench throughput --model mnist_cnn --batch-size 64 --nproc-per-node 1,2 --plot scaling.png
 
 Horovod's synthetic benchmark, for the ddpkit Trainer: every world size N is a separate job
 started through torch's launcher; each rank trains ``--model`` on random in-memory tensors
@@ -19,14 +19,14 @@ measured in alternation R times and medians are reported, for machines shared wi
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from ddpkit.bench.launching import run_workers
-from ddpkit.bench.report import Stats, fmt, format_table, progress
+from ddpkit.bench.report import Stats, emit_results, fmt, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, benchmark_overrides, steady_ms_per_step
 from ddpkit.bench.units import BenchUsageError, parse_nproc
+from ddpkit.config.cli_args import add_output_arguments
 from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["add_arguments", "run", "worker", "efficiency_rows"]
@@ -39,7 +39,7 @@ _IMAGE_SHAPE = (3, 224, 224)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a registered model (mlp, mnist_cnn) or any torchvision model (resnet18, ...)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-    parser.add_argument("--nproc", default="1,2", help="comma-separated world sizes to run (default 1,2)")
+    parser.add_argument("--nproc-per-node", default="1,2", help="comma-separated world sizes to run, one node (default 1,2)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast precision (fp16: CUDA only)")
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="measure every world size this many times, alternating; report medians")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank on the CPU (default 1)")
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="also plot scaling efficiency vs world size (needs matplotlib: ddpkit[plot])")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
+    add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
         [[str(r["nproc"]), str(r["global_batch"]), fmt(r["ms_per_step"]), r["spread"], fmt(r["samples_per_s"]),
           "-" if r["efficiency"] is None else f"{r['efficiency']:.3f}"] for r in rows],
     ))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"params": params, "rounds": {str(n): ms for n, ms in runs.items()}, "rows": rows}, indent=1))
+    emit_results(args, {"params": params, "rounds": {str(n): ms for n, ms in runs.items()}, "rows": rows})
     if args.plot:
         from ddpkit.bench.plotting import plot_scaling
 
@@ -89,7 +88,7 @@ def _check(args: argparse.Namespace) -> list[int]:
     from ddpkit.launch.launcher import preflight
     from ddpkit.registry import MODELS
 
-    counts = parse_nproc(args.nproc)
+    counts = parse_nproc(args.nproc_per_node)
     for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds), ("--threads-per-rank", args.threads_per_rank)):
         if value < 1:
             raise BenchUsageError(f"{option}: {value} must be at least 1")

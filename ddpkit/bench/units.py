@@ -65,7 +65,7 @@ def parse_sizes(text: str, *, factor: int = 2, option: str = "--sizes") -> list[
     return sizes
 
 
-def parse_nproc(text: str, *, option: str = "--nproc", minimum: int = 1, maximum: int = 1024) -> list[int]:
+def parse_nproc(text: str, *, option: str = "--nproc-per-node", minimum: int = 1, maximum: int = 1024) -> list[int]:
     """Comma-separated process counts, each in ``[minimum, maximum]``; sorted, unique."""
     try:
         counts = sorted({int(part) for part in text.split(",") if part.strip()})

@@ -1,10 +1,10 @@
-"""``ddpkit estimate CONFIG --nproc N [--mode M]``: bytes per rank of each parallel.mode, before a run.
+"""``ddpkit estimate CONFIG --nproc-per-node N [--mode M]``: bytes per rank of each parallel.mode, before a run.
 
     $ cat lm.yaml
     model: {name: gpt, kwargs: {vocab_size: 257, dim: 256, depth: 4, heads: 4, max_len: 256}}
     data: {name: tokens, batch_size: 16, kwargs: {corpus: stdlib, seq_len: 256}}
     optim: {name: adam, lr: 0.001}
-    $ ddpkit estimate lm.yaml --nproc 2 model.kwargs.depth=12
+    $ ddpkit estimate lm.yaml --nproc-per-node 2 model.kwargs.depth=12
     model gpt: 9,608,960 parameters (36.66 MiB as 4-byte values); optimizer adam: 2 state tensors per parameter; 2 rank(s)
     mode    parameters   gradients   optimizer  activations  total per rank
     ddp      36.66 MiB   36.66 MiB   73.31 MiB   736.27 MiB      882.89 MiB
@@ -21,7 +21,7 @@ buckets when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on 
 gradients are the buckets), FSDP2's all-gathered
 block during its forward and backward (the largest block's full parameters), allocator slack.
 The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's memory, or
-the host's available memory divided by ``--nproc``).
+the host's available memory divided by ``--nproc-per-node``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ddpkit import registry
+from ddpkit.config.cli_args import OLD_SPELLINGS, add_config_arguments, renamed
 from ddpkit.config.loader import load_config
 from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
@@ -143,21 +144,20 @@ def estimate(config: Any, overrides: Sequence[str] = (), *, nproc: int, modes: S
 
 
 def main(argv: Sequence[str]) -> int:
-    """``ddpkit estimate CONFIG [key=value ...] --nproc N [--mode M] [--memory-per-rank GiB]``; returns the exit code."""
+    """``ddpkit estimate CONFIG [key=value ...] --nproc-per-node N [--mode M] [--memory-per-rank GiB]``; returns the exit code."""
     parser = argparse.ArgumentParser(prog="ddpkit estimate", description="Per-rank bytes of each parallel.mode, from the model on the meta device.")
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    parser.add_argument("--nproc", type=int, required=True, help="number of ranks (processes) to estimate for")
+    add_config_arguments(parser)
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="number of ranks (processes) to estimate for, on one node")
     parser.add_argument("--mode", choices=MODES, action="append", help="only this mode (repeatable; default: all three)")
     parser.add_argument("--memory-per-rank", type=float, default=None, help="GiB available to each rank (default: detected)")
     try:
-        args = parser.parse_intermixed_args(list(argv))
+        args = parser.parse_intermixed_args(renamed(argv, OLD_SPELLINGS, prog="ddpkit estimate"))
     except SystemExit as exc:
         return int(exc.code or 0)
 
     def show() -> int:
-        est = estimate(args.config, args.overrides, nproc=args.nproc, modes=args.mode or MODES)
-        budget = int(args.memory_per_rank * 2**30) if args.memory_per_rank else _memory_per_rank(args.nproc)
+        est = estimate(args.config, args.overrides, nproc=args.nproc_per_node, modes=args.mode or MODES)
+        budget = int(args.memory_per_rank * 2**30) if args.memory_per_rank else _memory_per_rank(args.nproc_per_node)
         print(report(est, budget))
         return 0
 
