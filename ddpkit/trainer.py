@@ -20,7 +20,7 @@ from ddpkit.data import data_position, epoch_batches, move_to_device, require_vo
 from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.worker_scope import Worker, worker_scope
-from ddpkit.reporting import Events, Reporter, TokenThroughput, start_logging
+from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput, start_logging
 
 __all__ = ["Trainer", "Progress"]
 
@@ -198,8 +198,8 @@ class Trainer:
 
     def _attach(self) -> None:
         """The loop's listeners, in the order every event reaches them: the user's hooks (this Trainer) last."""
-        health, worker = self.health, self.worker
-        self.events.add(worker.watchdog, worker.ledger, *self.state.protections(ledger=worker.ledger), health.straggler, health, self)
+        health, worker, profiler = self.health, self.worker, Profiler.for_run(self.config, rank=self.rank, device=self.device)  # train.profile
+        self.events.add(profiler, worker.watchdog, worker.ledger, *self.state.protections(ledger=worker.ledger), health.straggler, health, self)
 
     def _finished(self) -> bool:
         epochs, progress = self.config.train.epochs, self.progress

@@ -40,4 +40,8 @@ class RegressionTrainer(ddpkit.Trainer):
 
 
 if __name__ == "__main__":
-    RegressionTrainer.main(["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64", *__import__("sys").argv[1:]])
+    import sys
+
+    defaults = ["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64"]
+    given = {arg.split("=", 1)[0] for arg in sys.argv[1:]}  # a key given twice is refused: yours replaces the default
+    RegressionTrainer.main([*(d for d in defaults if d.split("=", 1)[0] not in given), *sys.argv[1:]])

@@ -216,8 +216,8 @@ def test_exit_codes_are_defined_once_and_the_cli_lists_them():
     from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
     from ddpkit.watchdog.monitor import HANG_EXIT_CODE
 
-    codes = (errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_HANG, errors.EXIT_PREEMPTED, errors.EXIT_INTERRUPTED)
-    assert codes == (0, 1, 2, 3, 75, 130)
+    codes = (errors.EXIT_OK, errors.EXIT_FAILURE, errors.EXIT_CONFIG, errors.EXIT_HANG, errors.EXIT_UNHEALTHY, errors.EXIT_PREEMPTED, errors.EXIT_INTERRUPTED)
+    assert codes == (0, 1, 2, 3, 4, 75, 130)
     assert (errors.ConfigError.exit_code, HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted.exit_code) == (2, 3, 75, 75)
     for code in codes:
         assert f"\n    {code} " in cli.__doc__, f"cli.py's docstring does not list exit code {code}"

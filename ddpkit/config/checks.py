@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.schema import HANG_TIMEOUT
 from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_MODES, COMPILE_TORCH_OPTIONS
+from ddpkit.errors import ConfigError, check_requeue_exit_code
 
 if TYPE_CHECKING:
     from ddpkit.config.schema import Config, DistConfig
@@ -55,6 +56,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
     problems += parallel_problems(cfg)
     if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
         problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
+    try:
+        check_requeue_exit_code(cfg.run.requeue_exit_code)
+    except ConfigError as exc:
+        problems.append(str(exc))
     return problems
 
 

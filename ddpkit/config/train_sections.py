@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ddpkit.config.fields import option
+from ddpkit.config.profile_section import ProfileConfig
 
 __all__ = ["OptimConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
 
@@ -75,6 +76,12 @@ class TrainConfig:
         "mean", "`mean`: `training_step` returns a mean loss, averaged over micro-batches and ranks. `tokens`: it returns "
         "`(loss_sum, n_tokens)` and the update is the sum over every token of the global batch divided by the global token count "
         "(exact for any split into ranks and micro-batches; one all-reduce per step)."
+    )
+    profile: ProfileConfig | None = option(
+        None,
+        "torch.profiler: `{wait, warmup, active, repeat}` (its schedule, in optimizer steps) writes a trace per rank and recorded "
+        "cycle to `<output_dir>/profile/` (Chrome/TensorBoard format) with ddpkit's phases labelled (`ddpkit.forward`, ...); "
+        "`null`: off, no cost (docs/profiling.md).",
     )
     peak_tflops: float | None = option(
         None, "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "

@@ -12,7 +12,8 @@
 
 # What the Trainer composes, importable from the package.
 from ddpkit.reporting.events import Events
+from ddpkit.reporting.profiler import Profiler
 from ddpkit.reporting.reporter import Reporter, start_logging
 from ddpkit.reporting.throughput import TokenThroughput
 
-__all__ = ["Events", "Reporter", "TokenThroughput", "start_logging"]
+__all__ = ["Events", "Profiler", "Reporter", "TokenThroughput", "start_logging"]

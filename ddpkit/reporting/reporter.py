@@ -4,7 +4,7 @@
     reporter.start(steps_per_epoch=100, step=0, resumed=False)   # after resume: opens the sinks
     with reporter.span("forward"):           # a timeline span, and on_phase for the loop's listeners
         loss = model(x)
-    reporter.add_loss(loss, owner=Trainer)    # every micro-batch: kept on the device, no sync
+    reporter.add_loss(loss)                   # every micro-batch: kept on the device, no sync (or loss_sum, n_tokens)
     reporter.step_done(progress)              # the console's progress display, debug step log
     record = reporter.training(progress, lr=0.05)    # every log_every steps: loss over ranks, sinks, console
     with reporter.outside_training("evaluation"):   # left out of samples/s
