@@ -1,6 +1,7 @@
 """ddpkit's benchmarks: side-by-side measurements, run from the repository root as modules.
 
     python -m benchmarks.overhead            # per-step cost of the Trainer vs a hand-written DDP loop (and Fabric, Lightning, Accelerate)
+    python -m benchmarks.lm                  # a GPT on 2 Gloo ranks: ddpkit vs a hand-written nanoGPT-style DDP loop, tokens/s
     python -m benchmarks.compare_peers       # ddpkit vs the hand-written loop, Fabric, Accelerate, Lightning, new processes per run
     python -m benchmarks.trees hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit   # two checkouts side by side
     python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit; --accuracy, --page-faults
