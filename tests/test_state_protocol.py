@@ -106,3 +106,37 @@ def test_a_checkpoint_of_the_previous_release_resumes_to_the_same_bits(tmp_path)
     assert {"progress", "early_stopping", "best", "model", "optimizer", "scheduler", "sinks"} <= set(newest["schema"])
     assert "scaler" not in newest["schema"] and all(name in newest for name in newest["schema"])
     assert torch.is_tensor(newest["model"]["net.1.weight"]) and "components" not in newest
+
+
+V2_DIR = Path(__file__).parent / "data" / "checkpoint_v2"
+
+
+def test_a_checkpoint_of_the_release_before_the_state_owner_resumes_to_the_same_bits(tmp_path):
+    """Format 2 (commit 4371f48): the RNG streams beside the schema, not in it; restored all the same."""
+    raw = load_checkpoint(V2_DIR / "step-000000003.pt")
+    assert "rng" in raw and "rng" not in raw["schema"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("step-000000003.pt", "step-000000003.json"):
+        shutil.copy(V2_DIR / name, checkpoints / name)
+    assert ddpkit.Trainer(v1_config(tmp_path)).fit()["step"] == 6
+    resumed = load_weights(tmp_path / "run" / "model.pt")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [4, 6]  # resumed at step 3
+    # The same state re-saved in today's format (rng now a component in the schema) resumes to the same bits.
+    state = read_checkpoint(raw, path="v2")
+    meta = {key: value for key, value in json.loads((V2_DIR / "step-000000003.json").read_text()).items() if key in ("epoch", "config_hash", "versions")}
+    save_checkpoint({**state, "schema": [*state["schema"], "rng"]}, tmp_path / "today" / "run" / "checkpoints", step=3, meta=meta)
+    ddpkit.Trainer(v1_config(tmp_path / "today")).fit()
+    assert_bitwise_equal(resumed, load_weights(tmp_path / "today" / "run" / "model.pt"))
+    for key, value in load_weights(V2_DIR / "model-step-6.pt").items():  # the old release's own end (another CPU may round apart)
+        assert torch.allclose(resumed[key], value, rtol=0, atol=1e-6), key
+    newest = load_checkpoint(checkpoints / "step-000000006.pt")
+    assert "rng" in newest["schema"] and len(newest["rng"]) == 1  # today: a registered part, one stream set per rank
+
+
+def test_rng_streams_outside_the_schema_of_an_older_checkpoint_are_restored():
+    components, streams = Components(), Counter()
+    components.register("rng", streams)
+    components.restore({"schema": [], "rng": {"value": 9}})  # format 2: rng beside the schema
+    assert streams.value == 9
