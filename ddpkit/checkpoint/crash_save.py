@@ -62,7 +62,7 @@ __all__ = ["CrashSave", "lowest_live_rank"]
 SHM = Path("/dev/shm")
 
 
-def _pid_files(config: Any) -> tuple[Path, str]:
+def _pid_files(config: Config) -> tuple[Path, str]:
     """The run's pid directory (one per output directory) and this attempt's file-name prefix."""
     key = hashlib.sha1(str(Path(config.output_dir).resolve()).encode()).hexdigest()[:12]
     session = os.environ.get("DDPKIT_GOODPUT_SESSION") or os.environ.get("TORCHELASTIC_RUN_ID", "local")

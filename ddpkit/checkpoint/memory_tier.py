@@ -63,7 +63,7 @@ def estimated_block(state_bytes: int) -> float:
     return 0.005 + state_bytes / 1e9
 
 
-def snapshot_dir(config: Any) -> Path:
+def snapshot_dir(config: Config) -> Path:
     """``/dev/shm/ddpkit-<run>``: named by the output directory's path and inode."""
     out = Path(config.output_dir).resolve()
     try:
@@ -74,7 +74,7 @@ def snapshot_dir(config: Any) -> Path:
     return SHM / f"ddpkit-{key}"
 
 
-def newest_snapshot(config: Any) -> ckpt.CheckpointInfo | None:
+def newest_snapshot(config: Config) -> ckpt.CheckpointInfo | None:
     """The newest valid memory snapshot newer than every valid disk checkpoint, else None (stale ones removed)."""
     directory = snapshot_dir(config)
     if not directory.is_dir():
@@ -85,7 +85,7 @@ def newest_snapshot(config: Any) -> ckpt.CheckpointInfo | None:
     return snapshot if snapshot is not None and (disk is None or snapshot.step > disk.step) else None
 
 
-def prefer_newer(disk: ckpt.CheckpointInfo | None, config: Any) -> ckpt.CheckpointInfo | None:
+def prefer_newer(disk: ckpt.CheckpointInfo | None, config: Config) -> ckpt.CheckpointInfo | None:
     """What ``checkpoint.resume: auto`` resumes from: ``disk`` (the newest valid disk checkpoint) or a newer snapshot."""
     if config.checkpoint.resume != "auto" or not config.checkpoint.memory_every_steps:
         return disk

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
 
@@ -142,7 +144,7 @@ class GoodputLedger:
         self.stopped = False  #: set by the Trainer when a signal stopped the run after saving: the attempt ends STOPPED
 
     @classmethod
-    def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> GoodputLedger:
+    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int]) -> GoodputLedger:
         """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere."""
         return cls(config.output_dir if runtime.env.rank == 0 else None, step=step, run_dir=config.output_dir)
 
