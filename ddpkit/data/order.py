@@ -35,7 +35,7 @@ import torch
 __all__ = ["AUTO_THRESHOLD", "FeistelOrder", "RandpermOrder", "IdentityOrder", "epoch_order", "order_kind"]
 
 #: ``data.order: auto`` keeps ``randperm`` below this many samples (its list is ~36 MB per rank at
-#: 2**20); measured with scripts/bench_order.py, where the index-free order costs the same per
+#: 2**20); measured with python -m benchmarks.order, where the index-free order costs the same per
 #: batch and saves the up-front permutation (benchmarks/RESULTS.md, "Data at scale").
 AUTO_THRESHOLD = 1 << 20
 
