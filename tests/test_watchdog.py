@@ -37,6 +37,7 @@ import yaml
 from helpers import REPO, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
+from ddpkit.distributed.control_auth import verify
 from ddpkit.distributed.process_group import flight_recorder_env
 from ddpkit.watchdog.report import classify, summary_line, thread_stacks
 from ddpkit.watchdog.store_io import StoreClient, StoreDown, kill_frozen_sibling
@@ -156,7 +157,7 @@ def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
         time.sleep(0.05)  # its thread is publishing
     done.stop()
     assert set(threading.enumerate()) <= before  # both threads ended: the publisher and its store client
-    assert json.loads(beats.get("hb/1"))["phase"] == "done"  # stop() said so itself
+    assert json.loads(verify(done.client.key, "hb/1", beats.get("hb/1")))["phase"] == "done"  # stop() said so itself (signed)
     with pytest.raises(StoreDown, match="closed"):
         done.client("check", ["hb/1"])
     failed = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()

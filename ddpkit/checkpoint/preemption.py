@@ -34,6 +34,11 @@ the training function in a worker thread) installs none and is stopped by its en
 kills the worker group and restarts it); it still polls the store, so a signal another rank
 received stops it at the agreed step too. Nothing that protects completed work depends on a
 handler: the crash save (:mod:`ddpkit.checkpoint.crash_save`) and memory snapshots work without.
+
+The request and the proposals carry a tag made with the job's key
+(:mod:`ddpkit.distributed.control_auth`): a request someone else wrote to the store is ignored (and
+logged once); a proposal without a valid tag counts as not made yet, and every rank writes its own
+again at each step boundary until the stop step is agreed.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ddpkit.distributed.control_auth import job_key, read_signed, sign
 from ddpkit.errors import EXIT_PREEMPTED, DdpkitError
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopOnSignal", "signal_numbers"]
@@ -91,7 +97,9 @@ class StopOnSignal:
         self.received: str | None = None  # the signal this process got, if any
         self.stop_step: int | None = None
         self._store = _prefixed(store, "ddpkit/stop")
+        self._key = job_key()  # tags what this rank writes; what it reads must carry a valid one
         self._pid, self._proposed, self._published = os.getpid(), False, False
+        self._proposal = ""  # the step this rank proposed, once it has
         self._request_text: str | None = None  # "rank 1 received SIGTERM", read with the proposals
         self._previous: dict[signal.Signals, Any] = {}
         self._closed = threading.Event()
@@ -119,35 +127,46 @@ class StopOnSignal:
             while not self._closed.wait(interval):
                 if self.received is not None and not self._published:
                     self._publish()
-                elif not self.requested and self._store.check([_REQUEST]):
+                elif not self.requested and self._store.check([_REQUEST]) and self._read(_REQUEST) is not None:
                     self.requested = True
         except Exception:  # the group is going away (a peer failed, or the run ended): nothing to stop
             return
 
     def _publish(self) -> None:
         """Put this rank's signal in the store, where the other ranks' poll threads find it."""
-        self._store.set(_REQUEST, f"rank {self.rank} received {self.received}")
+        self._store.set(_REQUEST, sign(self._key, _REQUEST, f"rank {self.rank} received {self.received}"))
         self._published = True
+
+    def _read(self, name: str, raw: bytes | None = None) -> str | None:
+        """The value of ``name`` (read now unless ``raw`` is given), or None without a valid tag (logged once)."""
+        return read_signed(self._key, name, self._store.get(name) if raw is None else raw)
 
     def agreed(self, step: int) -> bool:
         """Call at every optimizer-step boundary once :attr:`requested` is set: True at the agreed stop step."""
         if self.world_size == 1 or self._store is None:
             self.stop_step = step
             return True
-        if not self._proposed:
+        if self.stop_step is None:
             if self.received is not None and not self._published:  # before the poll thread does: read below, never waited for
                 self._publish()
-            self._store.set(f"proposal/{self.rank}", str(step))
-            self._store.add(_PROPOSALS, 1)
-            self._proposed = True
-        if self.stop_step is None:
-            if self._store.add(_PROPOSALS, 0) < self.world_size:
+            mine = f"proposal/{self.rank}"
+            if not self._proposed:
+                self._proposal = str(step)
+            self._store.set(mine, sign(self._key, mine, self._proposal))  # again each step: someone may have overwritten it
+            if not self._proposed:
+                self._store.add(_PROPOSALS, 1)
+                self._proposed = True
+            names = [_REQUEST] + [f"proposal/{r}" for r in range(self.world_size)]
+            # The count alone could be forged (an `add` carries no tag): check the keys exist, so the read never waits.
+            if self._store.add(_PROPOSALS, 0) < self.world_size or not self._store.check(names):
                 return False
             # Every rank proposed, so the request is in the store (a rank that received the signal
-            # published it before proposing; the others proposed after seeing it), and this read
-            # never waits. Read now, while all ranks are alive: rank 0 (and the store) may be gone later.
-            request, *proposals = self._store.multi_get([_REQUEST] + [f"proposal/{r}" for r in range(self.world_size)])
-            self._request_text = request.decode()
+            # published it before proposing; the others proposed after seeing it). Read now, while
+            # all ranks are alive: rank 0 (and the store) may be gone later.
+            request, *proposals = (self._read(name, raw) for name, raw in zip(names, self._store.multi_get(names)))
+            if any(value is None for value in proposals):
+                return False  # overwritten by someone else: its rank writes it again at its next step boundary
+            self._request_text = request or "a signal on another rank"
             self.stop_step = max(int(value) for value in proposals) + 1
         return step >= self.stop_step
 

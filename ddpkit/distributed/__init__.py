@@ -12,6 +12,8 @@
 - ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
 - ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.
 - ``processes``: processes on this host, from ``/proc`` (alive, parent, start time).
+- ``control_auth``: the job's key (from ``ddpkit run``, or agreed over the group) and the HMAC tags on
+  ddpkit's control messages in the store (stop requests, heartbeats, alarms).
 - ``agreement``: every rank agrees at startup (config, model, data, versions), and a checkpoint
   agrees with the run that resumes it.
 """

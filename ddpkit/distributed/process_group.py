@@ -14,9 +14,11 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import ipaddress
 import os
+import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,8 @@ __all__ = [
     "flight_recorder_env",
     "resolve_device",
     "resolve_backend",
+    "loopback_store",
+    "is_loopback",
     "barrier",
     "all_reduce_sum",
     "all_gather_object",
@@ -219,7 +223,7 @@ def _init(env: DistEnv, backend: str, timeout: float) -> Any:
             store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout)))
             kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(**kwargs)
-    except (RuntimeError, ValueError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+    except (RuntimeError, ValueError, OSError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise _launch_error(env, exc) from None
     return kwargs["store"]
 
@@ -245,10 +249,40 @@ def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
     also asks the c10d rendezvous for a fresh store per round, where restart counts of nodes
     that restarted for different reasons could disagree.)
     """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if env.rank == 0 and not agent_store and is_loopback(env.master_addr):  # ``ddpkit run`` on one node
+        return {"store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout), "rank": 0, "world_size": env.world_size}
     store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+    if agent_store:
         store = dist.PrefixStore(f"ddpkit/attempt_{env.restart_count}", store)
     return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` (a MASTER_ADDR) names this machine's loopback interface (127.0.0.0/8, ::1, localhost)."""
+    with suppress(ValueError):
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    return addr == "localhost"
+
+
+def loopback_store(port: int, *, world_size: int | None = None, timeout: float = 300.0, addr: str = "127.0.0.1") -> dist.TCPStore:
+    """A TCPStore server listening on ``addr`` (loopback) only, on ``port`` (0: a free one): for jobs on one machine.
+
+    torch's TCPStore server listens on every interface, whatever host name it is given; handed a
+    socket bound to loopback (``master_listen_fd``) it listens there. Both stores of a one-node
+    ``ddpkit run`` come from here: the launcher's rendezvous store (:mod:`ddpkit.launch.torchrun_adapter`)
+    and rank 0's (:func:`_torchrun_store`). ``world_size``: wait for that many clients, as torch does.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does: TIME_WAIT leftovers of a restart
+        sock.bind((addr.strip("[]"), port))
+        sock.listen(socket.SOMAXCONN)
+        bound = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the socket from here
+    return dist.TCPStore(
+        addr, bound, world_size, True, datetime.timedelta(seconds=timeout),
+        wait_for_workers=world_size is not None, master_listen_fd=fd,
+    )
 
 
 def _host(addr: str) -> str:

@@ -8,7 +8,9 @@
 supervises workers itself. With ``fork=True`` torch's launcher forks the workers from this process
 instead of starting new interpreters (``start_method="fork"``, :mod:`ddpkit.launch.forked`).
 It adds the defaults ddpkit relies on (one OpenMP thread per worker, a fresh rendezvous store per
-restart) and a failure summary whose "Root Cause" is the rank that failed first. Used by
+restart) and a failure summary whose "Root Cause" is the rank that failed first. A one-node job
+listens on loopback only (:func:`torchrun_argv`) and every job gets a secret of its own for the tags
+on its control messages (:mod:`ddpkit.distributed.control_auth`). Used by
 ``ddpkit run`` and ``ddpkit bench``; the worker side is :mod:`ddpkit.launch.entrypoint`. What this
 needs from torch's launcher beyond its command line is in :mod:`ddpkit.launch.torchrun_adapter`.
 """
@@ -21,10 +23,12 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddpkit.distributed.control_auth import SECRET_ENV, new_secret
 from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, EXIT_UNHEALTHY, ConfigError, LaunchError, exit_now
 from ddpkit.launch import torchrun_adapter
 
@@ -64,7 +68,7 @@ def torchrun_argv(
     node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
     rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (), extra: Sequence[str] = (),
 ) -> list[str]:
-    """torchrun's argument list: a free port on one node by default, static or c10d rendezvous otherwise.
+    """torchrun's argument list: on one node, loopback only (:func:`_loopback_rendezvous`); static or c10d rendezvous otherwise.
 
     ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after it
     forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
@@ -82,8 +86,8 @@ def torchrun_argv(
         argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *signals])}")
     if rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-    elif nnodes in ("1", "1:1") and master_addr is None and master_port is None:
-        argv += ["--standalone"]  # c10d rendezvous on localhost with a free port
+    elif nnodes in ("1", "1:1") and master_addr is None:
+        argv += _loopback_rendezvous(master_port)
     else:
         addr = master_addr or "127.0.0.1"
         port = master_port if master_port is not None else 29500
@@ -91,6 +95,17 @@ def torchrun_argv(
             check_port_free(addr, port)
         argv += [f"--master-addr={addr}", f"--master-port={port}", f"--node-rank={node_rank}"]
     return [*argv, *extra, *program]
+
+
+def _loopback_rendezvous(port: int | None) -> list[str]:
+    """One node (``nnodes`` 1, no ``master_addr``, no ``rdzv_endpoint``): torch's c10d rendezvous (``--standalone``'s)
+    on a store listening on 127.0.0.1 (a free port, or ``port``); ``--local-addr`` makes the workers' MASTER_ADDR
+    127.0.0.1, where rank 0's store then listens too (:func:`ddpkit.distributed.process_group.loopback_store`).
+    Several nodes listen on every interface: docs/multinode.md, "Open ports"."""
+    if port is not None:
+        check_port_free("127.0.0.1", port)
+    return [f"--rdzv-backend={torchrun_adapter.LOOPBACK_RDZV}", f"--rdzv-endpoint=127.0.0.1:{port or 0}", f"--rdzv-id={uuid.uuid4()}",
+            "--local-addr=127.0.0.1"]
 
 
 def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: int = EXIT_PREEMPTED) -> int:
@@ -113,6 +128,10 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
     # A fresh rendezvous store per round: the shared one keeps a failed attempt's keys, which
     # can point restarted ranks at dead peers (pytorch/pytorch#135712; see ddpkit.distributed.process_group).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The tags on the job's control messages: the workers inherit it (torchrun passes its environment on).
+    os.environ[SECRET_ENV] = os.environ.get(SECRET_ENV) or new_secret()
+    if args.rdzv_backend == torchrun_adapter.LOOPBACK_RDZV:
+        _loopback_only()
     try:
         _run(args, fork=fork and hasattr(os, "fork"))
     except SignalException as exc:  # the agent forwarded it to the workers and waited for them
@@ -129,6 +148,17 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
     return EXIT_OK
+
+
+def _loopback_only() -> None:
+    """A one-node job: the rendezvous backend that listens on loopback, and Gloo's and NCCL's sockets
+    on the loopback interface too (they would take the host name's address), unless the user chose one."""
+    torchrun_adapter.register_loopback_rendezvous()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a shared store would be torch's, on every interface
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None) if hasattr(socket, "if_nameindex") else None
+    if loopback is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, loopback)
 
 
 def _run(args: Any, *, fork: bool) -> None:

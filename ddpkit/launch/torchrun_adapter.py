@@ -4,12 +4,15 @@
     check_passthrough(["--local-ranks-filter", "0"])     # what follows ``ddpkit run ... --``: a typo is a ConfigError
     run(args, fork=False)                                # torch.distributed.run.run(args), or forked workers
     failures(exc)                                        # a ChildFailedError's records, by global rank
+    register_loopback_rendezvous()                       # --rdzv-backend=ddpkit-loopback: a one-node job's store on 127.0.0.1
 
 ``torchrun`` is ``torch.distributed.run``; ddpkit calls it in-process (:mod:`ddpkit.launch.launcher`).
 Its command line is public and stable, but ddpkit also uses pieces of it that are not: the argument
 parser's table of option strings (to ask which flags this torch has), ``config_from_args`` (to start
 forked workers through ``elastic_launch``), the failure records of ``ChildFailedError`` and the name
-of the logger torch's worker polling writes to. Each of those is read here and nowhere else, so a
+of the logger torch's worker polling writes to; and a rendezvous backend of ddpkit's own, registered
+the documented way (``rendezvous_handler_registry``), which is torch's c10d rendezvous on a store
+listening on loopback only. Each of those is read here and nowhere else, so a
 torch release that moves one breaks this module's tests (``tests/test_torchrun_passthrough.py``), not
 the launcher's logic. ``pyproject.toml`` requires the torch these were checked against (see there).
 """
@@ -31,11 +34,16 @@ __all__ = [
     "failures",
     "process_failure",
     "launcher_exceptions",
+    "register_loopback_rendezvous",
     "POLLING_LOGGER",
+    "LOOPBACK_RDZV",
 ]
 
 #: The logger torch's multiprocessing context writes "failed (exitcode: N)" lines to (with a traceback).
 POLLING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+#: The rendezvous backend of a one-node ``ddpkit run`` (see :func:`register_loopback_rendezvous`).
+LOOPBACK_RDZV = "ddpkit-loopback"
 
 
 def launcher_exceptions() -> tuple[type[BaseException], type[BaseException]]:
@@ -118,6 +126,29 @@ def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_
         before_fork()
     program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]  # what `python -u` would run
     elastic_launch(config=config, entrypoint=entrypoint)(program)
+
+
+def _loopback_handler(params: Any) -> Any:
+    """torch's c10d rendezvous (``--rdzv-backend=c10d``), on a TCPStore that this process hosts on loopback only."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from ddpkit.distributed.process_group import loopback_store
+
+    host, _, port = params.endpoint.rpartition(":")
+    store = loopback_store(int(port or 0), timeout=float(params.get_as_int("read_timeout", 60) or 60), addr=host or "127.0.0.1")
+    class Backend(C10dRendezvousBackend):
+        name = LOOPBACK_RDZV  # torch's launcher checks that the handler's backend has the name it asked for
+
+    return create_handler(store, Backend(store, params.run_id), params)
+
+
+def register_loopback_rendezvous() -> None:
+    """Make ``--rdzv-backend=ddpkit-loopback`` known to torch's launcher in this process (``--standalone``'s
+    rendezvous, whose store would listen on every interface, on a store listening on loopback only)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)  # the same creator again is a no-op
 
 
 def failures(exc: Any) -> dict[int, Any]:

@@ -13,6 +13,8 @@ They open and close in this order on every rank, whatever fails in between, so t
 opens them in one line and its ``fit()`` reads as the loop. The lock (:mod:`ddpkit.checkpoint.run_lock`)
 comes right after the group, before anything is written into ``output_dir`` or resumed from it: rank 0
 takes it and every rank learns whether it did, so a second run on a live run's directory is refused there.
+Before it, the ranks agree on the job's key (:mod:`ddpkit.distributed.control_auth`), which tags the
+watchdog's and the stop request's messages in the store.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from ddpkit.checkpoint.run_lock import RunLock
 from ddpkit.config.schema import Config
+from ddpkit.distributed.control_auth import agree_job_key
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime, barrier, group_options, process_group
 from ddpkit.goodput.ledger import GoodputLedger
@@ -64,6 +67,7 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, step: Callable
     group = process_group(env, **group_options(config), trace_dir=Path(config.output_dir) / "logs")
     with (
         group as runtime,
+        contextlib.nullcontext(agree_job_key()),  # a collective, once the group is up: before anything uses the store
         RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
         Watchdog.for_run(config, runtime, step=step) as watchdog,
         GoodputLedger.for_run(config, runtime, step=step) as ledger,

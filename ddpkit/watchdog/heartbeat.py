@@ -317,7 +317,7 @@ def _local_peers(wd: Watchdog) -> list[int]:
     """The pids of the other ranks on this host, from their heartbeats."""
     keys = [f"hb/{r}" for r in range(wd.world_size) if r != wd.rank and wd._try(lambda r=r: wd.client("check", [f"hb/{r}"]))]
     beats = (wd._try(lambda: wd.client("multi_get", keys)) or []) if keys else []  # multi_get would wait for a missing key
-    return [beat["pid"] for beat in map(json.loads, beats) if beat.get("host") == wd._host]
+    return [beat["pid"] for beat in map(json.loads, filter(None, beats)) if beat.get("host") == wd._host]  # None: no valid tag
 
 
 def _announce(wd: Watchdog, wait: float) -> None:

@@ -69,7 +69,7 @@ class Monitor:
         keys = [f"hb/{r}" for r in range(self.wd.world_size)]
         present = [k for k in keys if int(k[3:]) in self.beats and self.beats[int(k[3:])] is not None or self.wd.client("check", [k])]
         values = self.wd.client("multi_get", present) if present else []
-        self._update({int(k[3:]): json.loads(v) for k, v in zip(present, values)})
+        self._update({int(k[3:]): json.loads(v) for k, v in zip(present, values) if v is not None})  # None: no valid tag
 
     def _update(self, beats: dict[int, dict[str, Any] | None]) -> None:
         now = time.monotonic()

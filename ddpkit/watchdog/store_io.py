@@ -4,6 +4,11 @@
     client("set", "hb/0", "...")                  # raises StoreDown after 5 s with no answer
     client.get_if_set("alarm")                    # None when the key does not exist; never blocks on it
 
+Every value the client sets carries a tag made with the job's key, and every value it reads must
+carry a valid one (:mod:`ddpkit.distributed.control_auth`): a value someone else wrote to the store
+reads as missing (and the first of each kind of key is logged); a ``compare_set`` that finds one
+replaces it.
+
 Kept apart from :mod:`ddpkit.watchdog.heartbeat` so that module reads as the protocol alone.
 """
 
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.atomic import write_atomically
+from ddpkit.distributed.control_auth import job_key, read_signed, sign
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import exit_now
 
@@ -38,8 +44,9 @@ class StoreClient:
     and the C++ frames it unwinds through turn that into ``std::terminate`` (SIGABRT).
     """
 
-    def __init__(self, store: Any, deadline: float):
+    def __init__(self, store: Any, deadline: float, *, key: bytes | None = None):
         self.store, self.deadline = store, deadline
+        self.key = key if key is not None else job_key()  # read once: the tag of every value set and read
         self._requests: list[tuple[Callable[..., Any], tuple[Any, ...], list[Any], threading.Event]] = []
         self._wake = threading.Condition()
         self._idle = threading.Event()
@@ -64,6 +71,41 @@ class StoreClient:
             done.set()
 
     def __call__(self, method: str, *args: Any) -> Any:
+        """``store.<method>(*args)`` within the deadline; values set are signed, values read verified (see the module docstring).
+
+        ``get`` and ``multi_get`` give None for a value without a valid tag; ``compare_set`` gives the
+        winning value, verified."""
+        if method == "set":
+            name, value = args
+            return self._call("set", name, sign(self.key, name, value))
+        if method == "get":
+            return self._verified(args[0], self._call("get", args[0]))
+        if method == "multi_get":
+            return [self._verified(name, raw) for name, raw in zip(args[0], self._call("multi_get", args[0]))]
+        if method == "compare_set":
+            return self._compare_set(*args)
+        return self._call(method, *args)
+
+    def _verified(self, name: str, raw: bytes) -> bytes | None:
+        value = read_signed(self.key, name, raw)
+        return None if value is None else value.encode()
+
+    def _compare_set(self, name: str, expected: str, desired: str) -> bytes:
+        """Set ``name`` to ``desired`` unless it holds a valid value already; the value it ends with, verified.
+
+        A value without a valid tag counts as absent and is replaced: a forged alarm must not keep
+        the real one out. (ddpkit only claims keys that are absent: ``expected`` is "".)
+        """
+        assert expected == "", "the watchdog only claims keys that do not exist yet"
+        signed = sign(self.key, name, desired)
+        current = self._call("compare_set", name, "", signed)
+        for _ in range(3):  # someone who keeps writing there gets no more tries than this
+            if (value := self._verified(name, current)) is not None:
+                return value
+            current = self._call("compare_set", name, current, signed)
+        raise StoreDown(f"{name!r} keeps being overwritten with values without a valid tag")
+
+    def _call(self, method: str, *args: Any) -> Any:
         if self._closed:
             raise StoreDown("the watchdog's store client is closed")
         if not self._idle.is_set():
@@ -82,8 +124,11 @@ class StoreClient:
         return value
 
     def get_if_set(self, key: str) -> str | None:
-        """The value of ``key``, or None when it does not exist (never blocks on a missing key)."""
-        return self("get", key).decode() if self("check", [key]) else None
+        """The value of ``key``, or None when it does not exist or has no valid tag (never blocks on a missing key)."""
+        if not self("check", [key]):
+            return None
+        value = self("get", key)
+        return None if value is None else value.decode()
 
     def close(self) -> None:
         """End the thread once the call in flight, if any, has returned (waits at most the deadline)."""
