@@ -21,7 +21,8 @@ twice a second, under ``ddpkit/watchdog/<n>/``:
   to stderr (the launcher's output) and every rank exits with :data:`HANG_EXIT_CODE` (3).
   ``failed`` alarms come from a rank whose ``fit`` raised (:meth:`Watchdog.stop`): ranks on other
   nodes, which under NCCL could wait for ``dist.timeout``, exit with code 1 naming it within
-  seconds (ranks on the failing rank's node are stopped by torchrun first).
+  seconds (ranks on the failing rank's node are stopped by torchrun first). A rank frozen in C code
+  that keeps the GIL stops this thread too: then :mod:`ddpkit.watchdog.backstop` has its stacks and step.
 
 The store may live in a rank (``ddpkit run`` hosts it in rank 0), so every store call runs on a
 helper thread with a short deadline: a frozen rank 0 makes calls time out, and a rank that cannot
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.errors import EXIT_FAILURE
+from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
 from ddpkit.watchdog.report import SLOW_PHASES, stack_signature, thread_stacks
 from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, process_gone, terminate, write_error_file, write_text
@@ -72,9 +74,9 @@ class Watchdog:
         self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
         self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
         # Written by the training thread (a few attribute writes per phase), read by the watchdog thread.
-        self.phases: list[str] = ["setup"]
-        self.ticks = self.phase_ticks = 0
-        self.data_batches = 0
+        self.spans: list[str] = ["setup"]  # not "phases": a listener's phases narrow the spans it hears (Events)
+        self.ticks = self.phase_ticks = self.data_batches = 0
+        self.backstop: Any = NO_BACKSTOP
         self._stopped = threading.Event()
         self.handling_hang = self.published_failure = False
         self._seen_lock, self._counted_failure = threading.Lock(), False  # see _count_failure_seen
@@ -102,15 +104,20 @@ class Watchdog:
     def on_phase(self, name: str | None) -> None:
         """A listener of every span (:class:`ddpkit.reporting.events.Events`): ``name`` starts, or (None) ends."""
         if name is None:
-            if len(self.phases) > 1:
-                self.phases.pop()
+            if len(self.spans) > 1:
+                self.spans.pop()
         else:
-            self.phases.append(name)
+            self.spans.append(name)
             if name == "data":
                 self.data_batches += 1
-                self.phases[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
+                self.backstop.at_step(self._step())  # also right after a resume
+                self.spans[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
         self.ticks += 1
         self.phase_ticks = 0
+        self.backstop.at_phase(self.spans[-1])  # where a rank frozen with the GIL is, to the phase
+
+    def on_step_end(self, step: int) -> None:
+        self.backstop.at_step(step)  # the heartbeat publishes twice a second: a hundred steps may pass between two
 
     def tick(self) -> None:
         """Progress inside a phase (one validation batch): a long validation is not a hang."""
@@ -138,6 +145,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         global _current
         _current = self
+        self.backstop = open_backstop(self.log_dir, rank=self.rank, hang_timeout=self.hang_timeout, step=self._step())
         with contextlib.suppress(StoreDown):  # a first heartbeat now: a rank frozen before the thread's first is still named, by pid
             self._publish()
         self._thread.start()
@@ -153,7 +161,7 @@ class Watchdog:
         """
         if self._stopped.is_set():
             return
-        self.phases.append("done")
+        self.spans.append("done")
         self._stopped.set()
         if error is None and not self.handling_hang and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
@@ -169,6 +177,7 @@ class Watchdog:
                 self._publish()  # phase "done": rank 0 stops counting this rank
         except StoreDown:
             pass  # the store is gone: the job is ending anyway
+        self.backstop.close()  # nothing stays armed after fit()
         if error is None:
             self.client.close()
 
@@ -178,6 +187,7 @@ class Watchdog:
         store_ok, problem = time.monotonic(), ""
         while not self._stopped.wait(INTERVAL):
             try:
+                self.backstop.arm()  # its timer fires only if this thread stops running
                 self._publish()
                 raw = self.client.get_if_set("alarm")
                 if raw is not None:
@@ -195,7 +205,7 @@ class Watchdog:
     def beat(self) -> dict[str, Any]:
         """This rank's heartbeat, read from the training thread's attributes (watchdog thread)."""
         try:
-            phase = self.phases[-1]
+            phase = self.spans[-1]
         except IndexError:
             phase = "loop"
         local = (self._step(), phase, self.ticks, self.phase_ticks)
@@ -222,6 +232,7 @@ class Watchdog:
         if alarm["kind"] == "failed":
             return self._peer_failed(alarm)
         self.handling_hang = True  # from here this thread ends the process; the main thread must not race it
+        self.backstop.close()  # this rank is live and posts its stacks: no dump meanwhile
         self.client("set", f"stacks/{self.rank}", thread_stacks())
         if alarm["by"] == self.rank:
             return self._monitor.report(alarm)
@@ -290,8 +301,7 @@ class _Off:
         return self
 
     def stop(self, error: BaseException | None = None) -> None: ...
-    def __enter__(self) -> _Off:
-        return self
+    __enter__ = start
 
     def __exit__(self, *exc: object) -> None: ...
 

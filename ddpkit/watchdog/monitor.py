@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import EXIT_HANG
+from ddpkit.watchdog.backstop import backstop_path, read_backstop
 from ddpkit.watchdog.report import classify, format_report, summary_line
 from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
@@ -100,21 +101,16 @@ class Monitor:
         self._try_read_all()
         silent = self.silent()
         expected = [r for r in range(wd.world_size) if r not in silent and (self.beats.get(r) or {}).get("phase") != "done"]
-        stacks: dict[int, str] = {}
-        deadline = time.monotonic() + GATHER_WAIT
-        while time.monotonic() < deadline and len(stacks) < len(expected):
-            for rank in expected:
-                if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))) is not None:
-                    stacks[rank] = text
-            time.sleep(0.2)
+        stacks = self._gather(expected)
         if len(stacks) < len(expected):  # a rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
             self._try_read_all()
             silent = {r: t for r, t in self.silent().items() if r not in stacks}
-        verdict = classify(self.beats, silent)
+        beats = self._last_words(silent, stacks)
+        verdict = classify(beats, silent)
         stalled = alarm["stalled"]
-        text = format_report(verdict, self.beats, silent, stacks, stalled_for=stalled, limit=alarm["limit"])
+        text = format_report(verdict, beats, silent, stacks, stalled_for=stalled, limit=alarm["limit"])
         path = write_text(Path(alarm["path"]), text)
-        summary = summary_line(verdict, self.beats, silent, stalled_for=stalled)
+        summary = summary_line(verdict, beats, silent, stalled_for=stalled)
         print(f"{text}\nddpkit: {summary}; report: {path}", file=sys.stderr, flush=True)
         hang_start = time.time() - stalled
         stuck = verdict.stuck or verdict.silent
@@ -129,6 +125,32 @@ class Monitor:
         while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < len(expected) - 1:
             time.sleep(0.1)
         terminate(HANG_EXIT_CODE)
+
+    def _gather(self, expected: list[int]) -> dict[int, str]:
+        """The stacks the ``expected`` ranks post, for up to ``GATHER_WAIT`` seconds."""
+        wd, stacks = self.wd, {}
+        deadline = time.monotonic() + GATHER_WAIT
+        while time.monotonic() < deadline and len(stacks) < len(expected):
+            for rank in expected:
+                if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))) is not None:
+                    stacks[rank] = text
+            time.sleep(0.2)
+        return stacks
+
+    def _last_words(self, silent: dict[int, float], stacks: dict[int, str]) -> dict[int, dict[str, Any] | None]:
+        """The heartbeats, with each silent rank's own record (:mod:`ddpkit.watchdog.backstop`) of where it
+        stopped, to the step (its last heartbeat may be many steps older); its faulthandler dump goes in ``stacks``."""
+        beats = dict(self.beats)
+        for rank in silent:
+            beat, found = beats.get(rank) or {}, read_backstop(self.wd.log_dir, rank)
+            if found is None:
+                elsewhere = f" (look on its host, {beat['host']})" if beat.get("host", socket.gethostname()) != socket.gethostname() else ""
+                stacks[rank] = f"(no stacks received from this rank, and no faulthandler dump at {backstop_path(self.wd.log_dir, rank)}{elsewhere})"
+                continue
+            step, phase, dump = found
+            beats[rank] = {**beat, "step": max(step, int(beat.get("step", 0))), "phase": phase}
+            stacks[rank] = dump or "(no stacks received from this rank, and faulthandler's timer did not fire in it: stopped by a signal, or gone)"
+        return beats
 
     def _try_read_all(self) -> None:
         try:

@@ -92,7 +92,8 @@ def summary_line(verdict: Verdict, beats: dict[int, dict[str, Any] | None], sile
         where = {r: beats.get(r) or {} for r in verdict.stuck}
         parts.append("stuck: " + ", ".join(f"rank {r} (step {where[r].get('step', '?')}, {where[r].get('phase', '?')})" for r in verdict.stuck))
     if verdict.silent:
-        parts.append("no heartbeat: " + ", ".join(f"rank {r} (since {_clock(silent[r])})" for r in verdict.silent))
+        at = {r: f", at step {beat.get('step', '?')}" if (beat := beats.get(r)) else "" for r in verdict.silent}
+        parts.append("no heartbeat: " + ", ".join(f"rank {r} (since {_clock(silent[r])}{at[r]})" for r in verdict.silent))
     if not verdict.stuck and verdict.silent:
         parts.reverse()
     if verdict.waiting:

@@ -9,8 +9,9 @@ Environment variables (read once at start):
   ``HANG_STEP`` (1-based, default 3), as a deadlock would (waiting on an event nobody sets):
   ``step`` (training_step), ``data`` (the dataset's __getitem__, inside a DataLoader worker when
   data.num_workers > 0), ``validation`` (validation_step), ``hook`` (on_step_end), ``stop`` (the
-  rank sends itself SIGSTOP in training_step: frozen, no heartbeat), ``fail`` (training_step
-  raises), or ``none``.
+  rank sends itself SIGSTOP in training_step: frozen, no heartbeat), ``frozen`` (on_step_end calls
+  libc's ``sleep(600)`` through ``ctypes.PyDLL``, which keeps the GIL: every Python thread of the
+  rank freezes with it, the watchdog's included), ``fail`` (training_step raises), or ``none``.
 * ``SLOW=1``: long legitimate work that must not be taken for a hang, each longer than a small
   ``dist.hang_timeout``: a first step that keeps running new code for ``SLOW_SECONDS`` on every
   rank (a stand-in for torch.compile tracing), a first batch that takes as long on rank 1 (a cold
@@ -21,6 +22,7 @@ Environment variables (read once at start):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -52,6 +54,14 @@ def hang(where: str) -> None:
     if WHERE == "fail":
         raise RuntimeError(f"injected fault in {where} on rank {RANK}")
     threading.Event().wait()
+
+
+def sleep_in_c_holding_the_gil() -> None:
+    """A stuck extension call: libc's sleep through PyDLL, which does not release the GIL."""
+    if STAMP and not os.path.exists(STAMP):
+        with open(STAMP, "w") as f:
+            f.write(repr(time.time()))
+    ctypes.PyDLL(None).sleep(600)
 
 
 def run_new_code(seconds: float) -> None:
@@ -110,6 +120,8 @@ class HangTrainer(ddpkit.Trainer):
     def on_step_end(self, step: int) -> None:
         if self._hangs("hook") and step >= HANG_STEP:
             hang("on_step_end")
+        if self._hangs("frozen") and step == HANG_STEP:
+            sleep_in_c_holding_the_gil()
 
 
 if SLOW and RANK == 0:
