@@ -137,9 +137,9 @@ class Trainer:
     def on_fit_end(self, metrics: dict[str, float]) -> None: """After training, with the final metrics ``fit()`` returns."""
 
     @classmethod
-    def main(cls, argv: Sequence[str] | None = None) -> None:
-        """``script.py [CONFIG] [key=value ...]``: ``cls(CONFIG, overrides=[...]).fit()``; errors become clear messages and exit codes."""
-        run_trainer(cls, *parse_worker_argv(argv, usage=cls.__doc__ or ""))
+    def main(cls, argv: Sequence[str] | None = None, *, defaults: Sequence[str] = ()) -> None:
+        """``script.py [CONFIG] [key=value ...]``: ``cls(CONFIG, overrides=[*defaults, ...]).fit()`` (a key given replaces its default)."""
+        run_trainer(cls, *parse_worker_argv(argv, usage=cls.__doc__ or "", defaults=defaults))
 
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""

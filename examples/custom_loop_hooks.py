@@ -113,7 +113,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--target-accuracy", type=float, default=HookedTrainer.target_accuracy, help="stop once val_accuracy reaches this")
     args, rest = parser.parse_known_args(argv)
     HookedTrainer.target_accuracy = args.target_accuracy
-    HookedTrainer.main([*DEFAULTS, *rest])
+    HookedTrainer.main(rest, defaults=DEFAULTS)  # a key given on the command line replaces its default
 
 
 if __name__ == "__main__":

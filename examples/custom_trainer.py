@@ -40,8 +40,4 @@ class RegressionTrainer(ddpkit.Trainer):
 
 
 if __name__ == "__main__":
-    import sys
-
-    defaults = ["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64"]
-    given = {arg.split("=", 1)[0] for arg in sys.argv[1:]}  # a key given twice is refused: yours replaces the default
-    RegressionTrainer.main([*(d for d in defaults if d.split("=", 1)[0] not in given), *sys.argv[1:]])
+    RegressionTrainer.main(defaults=["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64"])  # yours replace these

@@ -73,5 +73,4 @@ class CausalLMTrainer(ddpkit.Trainer):
 
 
 if __name__ == "__main__":
-    given = {arg.split("=", 1)[0] for arg in sys.argv[1:]}
-    CausalLMTrainer.main([*(d for d in DEFAULTS if d.split("=", 1)[0] not in given), *sys.argv[1:]])
+    CausalLMTrainer.main(defaults=DEFAULTS)

@@ -48,7 +48,6 @@ ddpkit's ``mnist_cnn`` returns logits for ``cross_entropy``, which is the same l
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch import nn
@@ -90,4 +89,4 @@ class HorovodMnistTrainer(ddpkit.Trainer):
 
 
 if __name__ == "__main__":
-    HorovodMnistTrainer.main([*DEFAULTS, *sys.argv[1:]])
+    HorovodMnistTrainer.main(defaults=DEFAULTS)  # a key given on the command line replaces its default

@@ -16,7 +16,6 @@ ranks wait at a barrier.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import torchvision
@@ -93,4 +92,4 @@ def draw_demo_tree(root: Path, *, per_class: int = 160, val_per_class: int = 40,
 
 
 if __name__ == "__main__":
-    ImageFolderTrainer.main([*DEFAULTS, *sys.argv[1:]])
+    ImageFolderTrainer.main(defaults=DEFAULTS)  # a key given on the command line replaces its default

@@ -19,6 +19,7 @@ import os
 import signal
 
 import ddpkit
+import ddpkit.atomic as atomic
 import ddpkit.checkpoint.files as ckpt
 
 
@@ -28,7 +29,7 @@ def die() -> None:
 
 def arm_checkpoint_crash(save_index: int, point: str) -> None:
     """Make the ``save_index``-th save (1-based) die at ``point``."""
-    real_save, real_replace, real_write = ckpt.save_checkpoint, os.replace, ckpt._HashingWriter.write
+    real_save, real_replace, real_write = ckpt.save_checkpoint, os.replace, atomic._HashingWriter.write
     state = {"saves": 0, "armed": False}
 
     def save(*args, **kwargs):
@@ -52,7 +53,7 @@ def arm_checkpoint_crash(save_index: int, point: str) -> None:
 
     ckpt.save_checkpoint = save
     ckpt.os.replace = replace
-    ckpt._HashingWriter.write = write
+    atomic._HashingWriter.write = write
 
 
 class CrashingTrainer(ddpkit.Trainer):

@@ -112,7 +112,8 @@ def test_the_two_pods_train_together(tmp_path):
     procs = []
     for replica_type in ("Master", "Worker"):
         argv, env = render_pod(job, replica_type, 0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NCCL_SOCKET_IFNAME="lo")
-        argv = [sys.executable, "-m", "ddpkit", "run", str(config), *argv[3:], f"run.output_dir={out}"]
+        rest = [a for a in argv[3:] if not a.startswith("run.output_dir=")]  # the example's own directory, replaced (a key twice is refused)
+        argv = [sys.executable, "-m", "ddpkit", "run", str(config), *rest, f"run.output_dir={out}"]
         full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
         procs.append(subprocess.Popen(argv, env=full_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:

@@ -399,9 +399,10 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path)
 
     from ddpkit.checkpoint.state import Progress
     from ddpkit.config.loader import load_config
+    from ddpkit.reporting.events import Events
     from ddpkit.reporting.reporter import Reporter
 
-    reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), resumed=False)
+    reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), events=Events())
     try:
         before, started = reporter._window_start, time.perf_counter()
         with reporter.outside_training("evaluation"):

@@ -160,3 +160,13 @@ def test_more_local_processes_than_gpus_in_a_worker(one_visible_gpu):
     with pytest.raises(LaunchError) as caught:
         resolve_device(DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2))
     assert str(caught.value) == GPU_SHORTAGE
+
+
+def test_a_scripts_defaults_give_way_to_the_keys_the_command_line_sets():
+    from ddpkit.launch.entrypoint import parse_worker_argv
+
+    defaults = ["run.name=demo", "train.epochs=10", "model.kwargs.hidden=[64]", "optim.lr=0.1"]
+    path, overrides = parse_worker_argv(["exp.yaml", "train.epochs=2", "model.kwargs={hidden: [8]}"], defaults=defaults)
+    assert path == "exp.yaml"
+    assert overrides == ["run.name=demo", "optim.lr=0.1", "train.epochs=2", "model.kwargs={hidden: [8]}"]
+    assert parse_worker_argv([], defaults=defaults) == (None, defaults)

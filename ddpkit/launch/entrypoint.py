@@ -39,17 +39,25 @@ from ddpkit.watchdog.store_io import terminate, write_error_file
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
 
-def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "") -> tuple[str | None, list[str]]:
+def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "", defaults: Sequence[str] = ()) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
 
     A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
+    ``defaults``: a script's own ``key=value`` settings, first; a key the command line sets (or a
+    section it sets whole) replaces its default, since a key given twice is refused.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG.yaml] [key.sub=value ...]\n\n{usage}")
         sys.exit(EXIT_OK)
     path = args.pop(0) if args and "=" not in args[0] else None
-    return path, args
+    given = [arg.split("=", 1)[0].strip() for arg in args]
+    kept = [d for d in defaults if not any(_key(d) == g or _key(d).startswith(g + ".") for g in given)]
+    return path, [*kept, *args]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
 
 
 def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> None:
