@@ -50,6 +50,9 @@ class Events:
         for listener in listeners:
             if listener is None:
                 continue
+            phases = getattr(listener, "phases", None)
+            if phases is not None and not (isinstance(phases, tuple) and all(isinstance(p, str) for p in phases)):
+                raise TypeError(f"{type(listener).__name__}.phases must be a tuple of span names (the spans its on_phase hears), got {phases!r}")
             self.listeners.append(listener)
             for event in EVENTS:
                 method = getattr(listener, event, None)
