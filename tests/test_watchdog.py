@@ -39,6 +39,8 @@ from helpers import REPO, processes_mentioning, tiny_config
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed.control_auth import verify
 from ddpkit.distributed.process_group import flight_recorder_env
+from ddpkit.reporting.events import Events
+from ddpkit.watchdog.backstop import Backstop, read_backstop
 from ddpkit.watchdog.report import classify, summary_line, thread_stacks
 from ddpkit.watchdog.store_io import StoreClient, StoreDown, kill_frozen_sibling
 
@@ -165,6 +167,54 @@ def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
     assert failed.published_failure and failed.client("check", ["alarm"])  # open for announce_failure...
     watchdog.announce_failure(wait=0.1)
     assert set(threading.enumerate()) <= before  # ...which closes it
+
+
+_FROZEN_CHILD = """
+import ctypes, sys
+from pathlib import Path
+from ddpkit.watchdog.backstop import Backstop
+backstop = Backstop.open(Path(sys.argv[1]), rank=3, after=0.3, step=41)
+backstop.arm()
+backstop.at_step(42)
+backstop.at_phase("hook")
+def stuck_in_c():
+    ctypes.PyDLL(None).sleep(4)
+stuck_in_c()
+backstop.arm()  # alive again: the dump is dropped
+print(Path(sys.argv[1], "stacks-rank3.txt").stat().st_size, flush=True)
+backstop.close()
+"""
+
+
+def test_the_backstop_writes_a_gil_frozen_process_stacks_and_step_and_forgets_them_when_it_recovers(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", _FROZEN_CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    deadline, found = time.monotonic() + 60, None
+    while time.monotonic() < deadline and not (found and found[2]):
+        time.sleep(0.1)
+        found = read_backstop(tmp_path, 3)
+    out, _ = child.communicate(timeout=60)
+    assert found is not None and found[:2] == (42, "hook"), found
+    assert "written by faulthandler on rank 3 itself" in found[2] and "in stuck_in_c" in found[2], found[2]
+    assert out.split() == ["80"]  # re-armed: only the position line is left
+    assert read_backstop(tmp_path, 3) is None and not list(tmp_path.iterdir())  # closed: the file is gone
+
+
+def test_the_watchdog_hears_every_span_and_records_where_the_rank_is(tmp_path):
+    """Its span stack is not called ``phases``: Events reads that attribute as the spans a listener wants."""
+    from ddpkit.watchdog.heartbeat import Watchdog
+
+    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path, step=lambda: 5).start()
+    events = Events()
+    events.add(watchdog)
+    for name in ("data", None, "forward", "backward"):
+        for listener in events.phase_listeners(name or "data"):
+            listener(name)
+    events.step_end(6)
+    assert watchdog.beat()["phase"] == "backward" and watchdog.ticks == 4
+    assert read_backstop(tmp_path, 1)[:2] == (6, "backward")
+    assert isinstance(watchdog.backstop, Backstop)
+    watchdog.stop()
+    assert not (tmp_path / "stacks-rank1.txt").exists()
 
 
 @pytest.mark.multiprocess
@@ -382,6 +432,26 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_rank_frozen_in_c_code_holding_the_gil_is_reported_with_its_stack_and_step(jobs, tmp_path, monkeypatch):
+    """Rank 1 calls libc's sleep through ctypes.PyDLL in on_step_end after step 11: every Python
+    thread of it stops, its watchdog's included; faulthandler's timer and its position page still speak."""
+    monkeypatch.setenv("HANG_STEP", "11")  # of 16; steps take milliseconds, heartbeats go twice a second
+    job = run_hang(jobs, tmp_path, "frozen", hang_timeout=10)
+    assert job.proc.returncode == 3 and job.hang_to_exit() < 10 + 10, job.output[-3000:]
+    report = job.report()
+    assert _ranks_in_order(report) == [("waiting", 0), ("silent", 1)], report[:2000]
+    assert re.search(r"no heartbeat: rank 1 \(since \d\d:\d\d:\d\d, at step 11\)", report.splitlines()[1]), report[:2000]
+    assert "last seen at step 11 in loop" in report, report[:2000]  # after optimizer step 11, in the loop's hooks
+    stack = _section(report, 1)
+    assert "written by faulthandler on rank 1 itself" in stack, stack
+    assert "in sleep_in_c_holding_the_gil" in stack and "in on_step_end" in stack and str(HANG_SCRIPT.name) in stack, stack
+    assert re.search(r"Root Cause.*?rank\s+: 1 .*?exitcode\s+: 3", job.output, re.DOTALL), job.output[-3000:]
+    logs = tmp_path / "run" / "logs"
+    assert (logs / "stacks-rank1.txt").exists() and not (logs / "stacks-rank0.txt").exists()  # the live rank cancelled and removed its own
 
 
 @pytest.mark.multiprocess

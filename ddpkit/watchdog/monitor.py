@@ -13,6 +13,7 @@ start of the hang.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -117,14 +118,23 @@ class Monitor:
         write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time(), code=HANG_EXIT_CODE)
         done = {"summary": summary, "stuck": stuck, "since": hang_start}
         wd._try(lambda: wd.client("set", "done", json.dumps(done)))
-        for rank in verdict.silent:  # frozen ranks on this node would hold the job until the agent's SIGKILL
-            beat = self.beats.get(rank) or {}
-            if beat.get("host") == socket.gethostname() and kill_frozen_sibling(int(beat.get("pid", 0))):
-                print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
         deadline = time.monotonic() + 3  # let the others exit first: torchrun names the earliest failure
         while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < len(expected) - 1:
             time.sleep(0.1)
+        self._kill_frozen(verdict.silent, f"{summary} (report: {path})", hang_start)  # last: torchrun sees this rank's 3 with its -9
         terminate(HANG_EXIT_CODE)
+
+    def _kill_frozen(self, silent: list[int], summary: str, hang_start: float) -> None:
+        """Frozen ranks on this node would hold the job until the agent's SIGKILL (30 s after its SIGTERM):
+        kill them now, each with its torchrun error file written for it (the hang's summary, dated to its start)."""
+        for rank in silent:
+            beat = self.beats.get(rank) or {}
+            if beat.get("host") != socket.gethostname() or not beat.get("pid"):
+                continue
+            local_rank = rank - self.wd.rank + int(os.environ.get("LOCAL_RANK", "0"))  # a node's ranks are contiguous under torchrun
+            write_error_file(summary, when=hang_start, code=HANG_EXIT_CODE, local_rank=local_rank, pid=int(beat["pid"]))
+            if kill_frozen_sibling(int(beat["pid"])):
+                print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
 
     def _gather(self, expected: list[int]) -> dict[int, str]:
         """The stacks the ``expected`` ranks post, for up to ``GATHER_WAIT`` seconds."""

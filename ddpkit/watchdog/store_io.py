@@ -156,17 +156,20 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_error_file(message: str, *, when: float, code: int) -> None:
+def write_error_file(message: str, *, when: float, code: int, local_rank: int | None = None, pid: int | None = None) -> None:
     """torchrun's error file: its summary names the failure with the earliest timestamp first.
 
     ``code`` (the exit code this rank is about to leave with) and the pid are recorded too: with
     forked workers torch's launcher observes only the first rank it sees exit, and
     :func:`ddpkit.launch.launcher.launch` reads the other ranks' failures from these files.
+    With ``local_rank`` and ``pid``: the file of a frozen rank of this node, written for it before it is killed.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    info = {"py_callstack": message, "timestamp": str(int(when)), "exitcode": code, "pid": os.getpid()}
+    if local_rank is not None:  # torchrun's attempt_N/<local_rank>/error.json
+        path = str(Path(path).parent.parent / str(local_rank) / Path(path).name)
+    info = {"py_callstack": message, "timestamp": str(int(when)), "exitcode": code, "pid": pid or os.getpid()}
     payload = {"message": {"message": message, "extraInfo": info}}
     try:
         with open(path, "w") as f:
