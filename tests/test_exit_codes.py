@@ -217,3 +217,29 @@ def test_a_preempted_ddpkit_run_exits_with_run_requeue_exit_code(tmp_path):
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 138, output[-3000:]
     assert "Run the same command again to resume" in output or "run the same command again to resume" in output
+
+
+def test_a_killed_frozen_rank_counts_with_the_code_its_error_file_records(tmp_path):
+    """The watchdog SIGKILLs a rank frozen in C code after writing its error file (exit code 3): if
+    torchrun sees that rank first, ``ddpkit run`` still exits 3, not 1."""
+    import json
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddpkit.launch.launcher import _root_cause_code
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "hang", "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 1}}}))
+
+    class Failed:
+        def __init__(self, failure):
+            self.failure = failure
+
+        def get_first_failure(self):
+            return 1, self.failure
+
+    killed = ProcessFailure(local_rank=1, pid=1, exitcode=-signal.SIGKILL, error_file=str(error_file))
+    assert _root_cause_code(Failed(killed)) == 3
+    plain = ProcessFailure(local_rank=1, pid=1, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
+    assert _root_cause_code(Failed(plain)) == 1

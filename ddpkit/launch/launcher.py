@@ -218,7 +218,10 @@ def _root_cause_code(exc: Any) -> int:
     """The first failed rank's exit code when it tells a scheduler what to do (2: fix the config, 3: a hang,
     4: unhealthy; ``ddpkit.errors.EXIT_CODES``), else 1."""
     _, first = exc.get_first_failure()
-    return first.exitcode if first.exitcode in (EXIT_CONFIG, EXIT_HANG, EXIT_UNHEALTHY) else EXIT_FAILURE
+    code = first.exitcode
+    if code == -signal.SIGKILL:  # a frozen rank the watchdog killed: its error file holds the code it stands for (3)
+        code = ((getattr(first, "error_file_data", None) or {}).get("message") or {}).get("extraInfo", {}).get("exitcode", code)
+    return code if code in (EXIT_CONFIG, EXIT_HANG, EXIT_UNHEALTHY) else EXIT_FAILURE
 
 
 #: What torchrun's agent handles (and forwards to the workers) by default.
