@@ -220,7 +220,8 @@ def _root_cause_code(exc: Any) -> int:
     _, first = exc.get_first_failure()
     code = first.exitcode
     if code == -signal.SIGKILL:  # a frozen rank the watchdog killed: its error file holds the code it stands for (3)
-        code = ((getattr(first, "error_file_data", None) or {}).get("message") or {}).get("extraInfo", {}).get("exitcode", code)
+        message = (getattr(first, "error_file_data", None) or {}).get("message")
+        code = message.get("extraInfo", {}).get("exitcode", code) if isinstance(message, dict) else code
     return code if code in (EXIT_CONFIG, EXIT_HANG, EXIT_UNHEALTHY) else EXIT_FAILURE
 
 
