@@ -127,10 +127,10 @@ def _arm_crash(point: str) -> None:
 
     real_write_atomically = sharded.write_atomically
 
-    def write_manifest(path, data):
+    def write_manifest(path, data, **kwargs):
         if saves[0] == 2 and point == "before-manifest":
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_write_atomically(path, data)
+        return real_write_atomically(path, data, **kwargs)
 
     sharded._prepare, sharded.os.replace, sharded.write_atomically = prepare, replace, write_manifest
     filesystem.FileSystemWriter.write_data = write_data
