@@ -91,11 +91,6 @@ class RunState:
         self.stopped = False  # set at the optimizer step every rank agreed to stop at
         self._preempted: Preempted | None = None  # the stop, once announced by wait() on every rank
 
-    @property
-    def outcome(self) -> str:
-        """How the run ended, as trackers say it: ``FINISHED``, or ``KILLED`` when a signal stopped it."""
-        return "KILLED" if self.stopped else "FINISHED"
-
     # --- resume -----------------------------------------------------------------------------
 
     def resume(self) -> bool:

@@ -218,12 +218,6 @@ class _WatchedSpan:
         self.phase.__exit__()
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"{type(value).__name__} {value!r:.60}"
-
-
 class _PhaseSpan:
     """Tells the listeners of phase ``name`` that it starts and ends (reused: phases of one name never nest)."""
 
