@@ -15,7 +15,7 @@
 """
 
 # What the Trainer composes, importable from the package.
-from ddpkit.training import steps  # noqa: E402  (the built-in steps, as training.steps.*)
+from ddpkit.training import steps  # the built-in steps, as training.steps.*
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
 from ddpkit.training.metrics import evaluate
