@@ -88,7 +88,7 @@ def test_gradient_norm_reads_bucket_views_on_cuda():
     assert not torch.isfinite(gradient_norm(params))
 
 
-@pytest.mark.parametrize("action, code", [("skip", 0), ("stop", 1)])
+@pytest.mark.parametrize("action, code", [("skip", 0), ("stop", 4)])  # 4: ddpkit.errors.EXIT_UNHEALTHY
 @pytest.mark.parametrize("how", ["mul", "grad"])
 def test_nan_on_cuda_is_skipped_or_stops_without_a_host_sync_guard(tmp_path, action, code, how):
     # On CUDA the loss guard is loss * (loss * 0 + 1) (no host read) and the gradient norm is read
@@ -103,3 +103,50 @@ def test_nan_on_cuda_is_skipped_or_stops_without_a_host_sync_guard(tmp_path, act
     files = [tmp_path / "run" / "model.pt", *(tmp_path / "run" / "checkpoints").glob("*.pt")]
     weights = [load_weights(f) for f in files if f.exists()]
     assert weights and all(torch.isfinite(t).all() for w in weights for t in w.get("model", w).values() if torch.is_tensor(t))
+
+
+def _lm(tmp, **sections) -> dict:
+    """A small gpt on a token file written here (random ids, vocab 97): the language-model path on CUDA."""
+    import numpy as np
+
+    for name, count in (("train", 40_000), ("val", 4_000)):
+        np.random.default_rng(len(name)).integers(0, 97, count, dtype=np.uint16).tofile(tmp / f"{name}.bin")
+    cfg = tiny_config(
+        tmp,
+        model={"name": "gpt", "kwargs": {"vocab_size": 97, "dim": 64, "depth": 2, "heads": 2, "max_len": 64}},
+        data={"name": "tokens", "batch_size": 8, "kwargs": {"path": str(tmp / "train.bin"), "val_path": str(tmp / "val.bin"), "seq_len": 64}},
+        optim={"name": "adamw", "lr": 1e-3, "momentum": 0.0},
+        dist={"device": "cuda", "timeout": 120},
+        checkpoint={"every_steps": 20},
+    )
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_language_model_on_cuda_resumes_bitwise_with_tokens_weighting(tmp_path, precision):
+    """Token data, the gpt, loss_normalization=tokens and tokens_per_s / mfu on CUDA; a resume equal to a straight run."""
+    import json
+
+    train = {"precision": precision, "deterministic": True, "loss_normalization": "tokens", "log_every": 10, "eval_every": 20}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):
+        out.mkdir()
+    _run(straight, _lm(straight, train={**train, "max_steps": 40}))
+    _run(resumed, _lm(resumed, train={**train, "max_steps": 20}))
+    _run(resumed, _lm(resumed, train={**train, "max_steps": 40}, checkpoint={"every_steps": 20, "resume": "auto"}))
+    assert_bitwise_equal(load_weights(resumed / "run" / "model.pt"), load_weights(straight / "run" / "model.pt"))
+    records = [json.loads(line) for line in (straight / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["tokens_per_s"] > 0 for r in records if "train_loss" in r)
+    assert any("val_ppl" in r for r in records)
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_on_cuda_not_a_device_assert(tmp_path):
+    cfg = _lm(tmp_path, train={"max_steps": 5})
+    cfg["model"]["kwargs"]["vocab_size"] = 50  # the file holds ids up to 96
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = run_cli("run", str(path), "--nproc-per-node", "1", timeout=300)
+    assert done.returncode != 0
+    assert "is outside the model's vocabulary [0, 50)" in done.stderr and "device-side assert" not in done.stderr
