@@ -59,6 +59,8 @@ def test_spike_detector_waits_for_warmup_then_flags_far_values_only():
 
 def test_slower_ranks_compares_each_rank_with_the_others_median():
     assert slower_ranks([10.0, 13.8], margin=0.25) == [(1, pytest.approx(0.38))]
+    assert slower_ranks([0.00045, 0.0006], margin=0.25, floor=1e-3) == []  # 32% slower, but 0.15 ms a step: noise
+    assert slower_ranks([0.010, 0.0138], margin=0.25, floor=1e-3) == [(1, pytest.approx(0.38))]
     assert slower_ranks([10.0, 11.0], margin=0.25) == []
     assert slower_ranks([10.0, 10.5, 20.0], margin=0.25) == [(2, pytest.approx(20 / 10.25 - 1))]
 

@@ -75,8 +75,9 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return weighted if weighted is not None else torch.zeros(2, dtype=torch.int64)
 
 
-def slower_ranks(times: list[float], *, margin: float) -> list[tuple[int, float]]:
-    """``(rank, fraction)`` for each rank whose time exceeds the median of the other ranks' by more than ``margin``.
+def slower_ranks(times: list[float], *, margin: float, floor: float = 0.0) -> list[tuple[int, float]]:
+    """``(rank, fraction)`` for each rank whose time exceeds the median of the other ranks' by more than
+    ``margin`` (a fraction) and by more than ``floor`` (in the times' unit).
 
     The other ranks' median, not all ranks': at two ranks the median of both would halve the gap.
     """
@@ -86,7 +87,7 @@ def slower_ranks(times: list[float], *, margin: float) -> list[tuple[int, float]
         if not others:
             continue
         reference = statistics.median(others)
-        if reference > 0 and math.isfinite(own) and own > reference * (1 + margin):
+        if reference > 0 and math.isfinite(own) and own > reference * (1 + margin) and own - reference > floor:
             slow.append((rank, own / reference - 1))
     return slow
 
