@@ -52,13 +52,20 @@ def test_resume_on_cuda_is_bitwise_equal_to_a_straight_run(tmp_path, precision):
     # train.deterministic: without it cuDNN's convolution backward is not bitwise reproducible at all
     # (an fp32 run resumed here once ended 6e-8 away from the straight one).
     train = {"precision": precision, "deterministic": True}
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _resumed_equals_straight(tmp_path, _cnn, train, first={"epochs": 1}, whole={"epochs": 2}, checkpoint={"every_epochs": 1})
+
+
+def _resumed_equals_straight(tmp, build, train: dict, *, first: dict, whole: dict, checkpoint: dict):
+    """Train ``whole`` straight, and ``first`` then ``whole`` resumed; require bitwise-equal ``model.pt``;
+    return the straight run's directory. ``build(out, **sections)`` makes a config (``_cnn``, ``_lm``)."""
+    straight, resumed = tmp / "straight", tmp / "resumed"
     for out in (straight, resumed):
         out.mkdir()
-    _run(straight, _cnn(straight, train={**train, "epochs": 2}))
-    _run(resumed, _cnn(resumed, train={**train, "epochs": 1}))
-    _run(resumed, _cnn(resumed, train={**train, "epochs": 2}, checkpoint={"every_epochs": 1, "resume": "auto"}))
+    _run(straight, build(straight, train={**train, **whole}))
+    _run(resumed, build(resumed, train={**train, **first}))
+    _run(resumed, build(resumed, train={**train, **whole}, checkpoint={**checkpoint, "resume": "auto"}))
     assert_bitwise_equal(load_weights(resumed / "run" / "model.pt"), load_weights(straight / "run" / "model.pt"))
+    return straight
 
 
 def test_compile_on_cuda(tmp_path):
@@ -130,13 +137,7 @@ def test_language_model_on_cuda_resumes_bitwise_with_tokens_weighting(tmp_path, 
     import json
 
     train = {"precision": precision, "deterministic": True, "loss_normalization": "tokens", "log_every": 10, "eval_every": 20}
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for out in (straight, resumed):
-        out.mkdir()
-    _run(straight, _lm(straight, train={**train, "max_steps": 40}))
-    _run(resumed, _lm(resumed, train={**train, "max_steps": 20}))
-    _run(resumed, _lm(resumed, train={**train, "max_steps": 40}, checkpoint={"every_steps": 20, "resume": "auto"}))
-    assert_bitwise_equal(load_weights(resumed / "run" / "model.pt"), load_weights(straight / "run" / "model.pt"))
+    straight = _resumed_equals_straight(tmp_path, _lm, train, first={"max_steps": 20}, whole={"max_steps": 40}, checkpoint={"every_steps": 20})
     records = [json.loads(line) for line in (straight / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["tokens_per_s"] > 0 for r in records if "train_loss" in r)
     assert any("val_ppl" in r for r in records)
