@@ -143,6 +143,23 @@ def test_tensor_datasets_are_read_a_batch_at_a_time_with_the_same_batches_bit_fo
     assert [torch.equal(a[0], b[0]) for a, b in zip(val, DataLoader(dataset, batch_size=16, sampler=val.sampler))] == [True, True, True]
 
 
+def test_a_dataset_already_on_an_accelerator_is_gathered_there_never_pinned_nor_forked():
+    """The device path without a GPU: "meta" tensors stand in for CUDA ones (any non-CPU device takes it)."""
+    from ddpkit.data.batched import resident_device
+
+    on_device = TensorDataset(torch.empty(40, 3, device="meta"), torch.empty(40, dtype=torch.long, device="meta"))
+    env = DistEnv(rank=0, world_size=2)
+    loader = build_train_loader(on_device, env=env, batch_size=4, pin_memory=True)
+    assert resident_device(loader.dataset) == torch.device("meta") and loader.pin_memory is False
+    x, y = next(iter(loader))  # the index went to the tensors' device: a gather there, no copy to the host
+    assert x.device.type == y.device.type == "meta" and x.shape == (4, 3) and y.shape == (4,)
+    assert build_val_loader(on_device, env=env, batch_size=8, pin_memory=True).pin_memory is False
+    with pytest.raises(DataError, match=r"already on meta.*data.num_workers=0"):
+        build_train_loader(on_device, env=env, batch_size=4, num_workers=2)
+    assert resident_device(TensorDataset(torch.zeros(4))) is None and resident_device(list(range(4))) is None
+    assert build_train_loader(TensorDataset(torch.zeros(40)), env=env, batch_size=4, pin_memory=True).pin_memory is True
+
+
 def test_batch_reads_leave_other_datasets_and_worker_loaders_alone():
     from ddpkit.data.batched import batch_reads
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.data.batched import batch_reads
+from ddpkit.data.batched import batch_reads, resident_device
 from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
 from ddpkit.data.samplers import ExactShardSampler, ResumableDistributedSampler, SampleSeeded
 from ddpkit.data.streaming import build_stream_loader, build_stream_val_loader, is_stream
@@ -74,6 +74,7 @@ def build_train_loader(
     )
     sampler.tag_epoch = bool(num_workers)
     sampler.allow_length_change = allow_length_change
+    pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="training")
     data, collate = batch_reads(dataset, num_workers=num_workers)  # a TensorDataset: one gather per batch
     return DataLoader(
         SampleSeeded(dataset, seed) if num_workers else data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
@@ -112,11 +113,25 @@ def build_val_loader(
     if is_stream(dataset):
         return build_stream_val_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
     sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
+    pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="validation")
     data, collate = batch_reads(dataset, num_workers=num_workers)
     return DataLoader(
         data, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
         generator=torch.Generator().manual_seed(0), **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
+
+
+def _pin_memory(dataset: Dataset, pin_memory: bool, *, num_workers: int, what: str) -> bool:
+    """Whether to pin batches: never for a dataset already on the GPU, which no worker process may read either."""
+    device = resident_device(dataset)
+    if device is None:
+        return pin_memory
+    if num_workers:
+        raise DataError(
+            f"the {what} dataset's tensors are already on {device}, which worker processes cannot read (CUDA does not "
+            f"survive a fork); set data.num_workers=0: batches are then gathered on {device} with no copy at all"
+        )
+    return False
 
 
 def _worker_options(num_workers: int, persistent: bool, prefetch_factor: int | None) -> dict[str, Any]:
