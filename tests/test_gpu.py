@@ -151,3 +151,56 @@ def test_a_token_id_outside_the_vocabulary_is_named_on_cuda_not_a_device_assert(
     done = run_cli("run", str(path), "--nproc-per-node", "1", timeout=300)
     assert done.returncode != 0
     assert "is outside the model's vocabulary [0, 50)" in done.stderr and "device-side assert" not in done.stderr
+
+
+def test_async_save_stages_a_cuda_state_in_reused_pinned_buffers_as_it_was_at_the_save(tmp_path, monkeypatch):
+    """``checkpoint.async``'s staging on CUDA: the copies are queued into pinned host buffers, the next training
+    step is queued right behind them, and the file still holds the state of the save, bitwise; a second save
+    reuses the same buffers."""
+    from ddpkit.checkpoint import files
+    from ddpkit.checkpoint.staging import to_cpu
+
+    given, real = [], files.save_checkpoint
+    monkeypatch.setattr(files, "save_checkpoint", lambda state, *a, **k: (given.append(state), real(state, *a, **k))[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 8)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.randn(256, 4096, device="cuda")
+
+    def train_step():  # in-place updates of the weights and of AdamW's moments, all on the current stream
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def capture():
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "cuda_rng": torch.cuda.get_rng_state()}
+
+    writer = files.AsyncCheckpointWriter()
+    expected = []
+    for step in (1, 2):
+        train_step()
+        expected.append(to_cpu(capture()))  # a synchronous copy: the state at the save
+        writer.stage_and_submit(capture(), tmp_path, step=step)
+        train_step()  # queued at once, behind the copies
+    writer.wait()
+    for step, state in zip((1, 2), expected):
+        _assert_same_bits(files.load_checkpoint(tmp_path / f"step-{step:09d}.pt"), state)
+    weights = [given[i]["model"]["0.weight"] for i in (0, 1)]
+    assert weights[0].is_pinned() and weights[0].data_ptr() == weights[1].data_ptr()
+    assert all(given[0]["optimizer"]["state"][0][k].is_pinned() for k in ("exp_avg", "exp_avg_sq"))
+
+
+def _assert_same_bits(got, want, where: str = "state") -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), f"{where} differs"
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_same_bits(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same_bits(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where

@@ -2,6 +2,8 @@
 
 - ``files``: write (temp file, fsync, rename, manifest last), validate, find the newest good one,
   load safely (``weights_only=True``).
+- ``staging``: ``checkpoint.async``'s host copy of the state: reused buffers, pinned for CUDA tensors, filled
+  by queued copies that the background writer waits for, so the loop pays little more than queuing them.
 - ``run_lock``: one writer per run directory: global rank 0 holds ``.ddpkit.lock`` (host, pid, start time,
   refreshed); a second run on a live run's directory is refused, a dead run's lock is taken over.
 - ``disk_space``: room for a save: a warning before one that will not fit, one line naming the checkpoint,

@@ -36,6 +36,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ import torch
 
 from ddpkit.atomic import write_atomically
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
+from ddpkit.checkpoint.staging import HostStaging, to_cpu
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -269,34 +271,37 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     return state
 
 
-def to_cpu(state: Any) -> Any:
-    """A deep copy of ``state`` with every tensor cloned to CPU memory (the snapshot an async save writes)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: to_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(v) for v in state)
-    return state
-
-
 class AsyncCheckpointWriter:
     """Runs :func:`save_checkpoint` in a background thread, at most one save in flight.
 
-    ``submit`` first waits for the previous save (so two writes never overlap), then starts the
-    next one and returns at once. An error in the background is raised by the next ``submit`` or
-    ``wait``, so it is never lost.
+    ``stage_and_submit`` waits for the previous save (so two writes never overlap and its host
+    buffers are free), copies the state into reused host buffers (pinned for CUDA tensors: the
+    copies are only queued, :mod:`ddpkit.checkpoint.staging`), then starts the write and returns;
+    the write waits for the copies to land first. ``submit`` writes a state the caller already
+    copied (:func:`to_cpu`). An error in the background is raised by the next submit or ``wait``,
+    so it is never lost.
     """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging = HostStaging()
+
+    def stage_and_submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write the state as it is now, in the background; training may change ``state`` as soon as this returns."""
+        self.wait()  # before the copy: the previous save may still be reading these buffers
+        self._start(self._staging.copy(state), directory, ready=self._staging.synchronize, **kwargs)
 
     def submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write ``state`` in the background; the caller must not change it until the save is done."""
         self.wait()
+        self._start(state, directory, **kwargs)
 
+    def _start(self, state: dict[str, Any], directory: str | os.PathLike, *, ready: Callable[[], None] | None = None, **kwargs: Any) -> None:
         def run() -> None:
             try:
+                if ready is not None:
+                    ready()  # the copies queued on the GPU have landed
                 save_checkpoint(state, directory, **kwargs)
             except BaseException as exc:  # re-raised on the training thread by wait()
                 self._error = exc

@@ -239,7 +239,7 @@ class RunState:
             meta = {"epoch": self.progress.epoch, "config_hash": state["config_hash"], "versions": state["versions"]}
             kwargs = dict(step=step, name=name, keep_last=ck.keep_last, meta=meta)
             if self._writer is not None:
-                self._writer.submit(ckpt.to_cpu(state), self.config.checkpoint_dir, **kwargs)
+                self._writer.stage_and_submit(state, self.config.checkpoint_dir, **kwargs)  # only queues the copies on a GPU
             else:
                 ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
         if self._writer is None:

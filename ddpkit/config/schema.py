@@ -235,7 +235,8 @@ class CheckpointConfig:
     )
     async_save: bool = option(
         False,
-        "Write checkpoint files in a background thread; the step loop only pays for the copy to CPU memory.",
+        "Write checkpoint files in a background thread; the step loop only waits for the state's copy into reused host "
+        "memory (from CUDA only queued: the buffers are pinned, the copy runs as a DMA) and for a previous save still being written.",
         key="async",
     )
     allow_config_change: bool = option(
