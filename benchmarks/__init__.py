@@ -11,6 +11,7 @@
     python -m benchmarks.feature_cost --feature health|watchdog|goodput|step-parts   # what each per-step feature costs
     python -m benchmarks.checkpoint          # the loop's stall per save: synchronous vs checkpoint.async
     python -m benchmarks.goodput --rounds 2 --faults 5   # goodput under injected faults, recovery time split
+    python -m benchmarks.restart             # restart to the first step after a SIGKILL, in parts: new interpreter vs warm standby
     python -m benchmarks.modes               # parallel.mode ddp / zero1 / fsdp2: step time and bytes per rank
     python -m benchmarks.order               # epoch orders: memory and time to the first batch, batches/s
     python -m benchmarks.shared_memory       # PSS of an in-memory dataset: a Python list vs SharedDataset
