@@ -140,7 +140,7 @@ class MemorySnapshots:
         state = self.state.capture()  # every rank: the all-gather of RNG states
         if self.is_main:
             meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
-            self._writer.submit(ckpt.to_cpu(state), self.directory, step=step, keep_last=KEEP, meta=meta)
+            self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
             if self.ledger is not None:
                 self.ledger.checkpoint(began=began, step=step, kind="memory")
         if self.adaptive:
