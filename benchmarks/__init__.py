@@ -5,7 +5,8 @@
     python -m benchmarks.compare_peers       # ddpkit vs the hand-written loop, Fabric, Accelerate, Lightning, new processes per run
     python -m benchmarks.trees hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit   # two checkouts side by side
     python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit; --accuracy, --page-faults
-    python -m benchmarks.gpu                 # one CUDA GPU: resnet50, bf16, channels_last, hand-written vs ddpkit
+    python -m benchmarks.gpu                 # one CUDA GPU: resnet50 read through a DataLoader (host-bound), hand-written vs ddpkit
+    python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50, hand-written vs ddpkit, eager and compiled; --stall
     python -m benchmarks.startup             # import time and time to the first step
     python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (its hand side: benchmarks.tta_hand)
     python -m benchmarks.feature_cost --feature health|watchdog|goodput|step-parts   # what each per-step feature costs

@@ -174,6 +174,12 @@ def test_batch_reads_leave_other_datasets_and_worker_loaders_alone():
     assert batch_reads(augmented) == (augmented, None)
     assert batch_reads(list(range(8))) == (list(range(8)), None)
     assert batch_reads(TensorDataset(torch.arange(8)))[1] is not None
+
+    class Windows(TensorDataset):  # keeps __getitem__: read a batch at a time, its attributes still readable
+        seq_len = 16
+
+    wrapped, _ = batch_reads(Windows(torch.arange(8)))
+    assert wrapped.seq_len == 16 and not hasattr(wrapped, "missing")
     batches, _ = batch_reads(TensorDataset(torch.arange(8) * 10))
     assert batches.__getitems__([torch.tensor(1), 3])[0].tolist() == [10, 30]  # indices that are not plain ints
     assert batches.__getitems__([])[0].shape == (0,)

@@ -44,6 +44,12 @@ class TensorBatches(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped dataset's own attributes (a subclass's ``seq_len``, say) read through the wrapper."""
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
