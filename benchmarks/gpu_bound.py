@@ -166,21 +166,21 @@ class StepTimer:
         else:
             mark = time.perf_counter()
         self.marks.append(mark)
-        if len(self.marks) == self.warmup + 1:  # the mark that ends the warm-up starts the clock
+        if len(self.marks) == self.warmup:  # the mark after the last warm-up step starts the clock
             if self.cuda:
                 torch.cuda.synchronize()
             self.host_start = time.perf_counter()
             self.warmup_seconds = self.host_start - self.warmup_seconds
-        return len(self.marks) > self.warmup + 1 and time.perf_counter() - self.host_start >= self.seconds
+        return len(self.marks) > self.warmup and time.perf_counter() - self.host_start >= self.seconds
 
     def step_ms(self) -> list[float]:
-        """Milliseconds of each timed step (after the warm-up)."""
+        """Milliseconds of each timed step: steps ``warmup + 1``, ``warmup + 2``, ... (the gaps between their marks)."""
         if self.cuda:
             torch.cuda.synchronize()
             gap = lambda a, b: a.elapsed_time(b)  # noqa: E731
         else:
             gap = lambda a, b: (b - a) * 1000  # noqa: E731
-        timed = self.marks[self.warmup:]
+        timed = self.marks[self.warmup - 1:]
         return [gap(a, b) for a, b in zip(timed, timed[1:])]
 
 
@@ -471,6 +471,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--after", type=int, default=5, help="--stall: steps after a save that its cost is counted in (default 5)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
     args = parser.parse_args(argv)
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: the mark after the last warm-up step starts the clock")
     args.bf16 = args.device == "cuda"
     if args.stall and args.mode == "both":
         args.mode = "eager"

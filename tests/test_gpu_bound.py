@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path, monk
     for name in ("sync", "async"):
         costs = gpu_bound.save_costs(runs[name][0]["step_ms"], warmup=2, every=4, after=2)
         assert costs["blocked"] and len(costs["blocked"]) == len(costs["lost"])  # saves happened and were measured
+        if name == "sync":  # writing, hashing and fsyncing a file holds a ~1 ms step up by several steps: seen where it lands
+            assert statistics.median(costs["blocked"]) * 1000 > costs["typical"] / 2, costs
     assert "blocked s" in result["printed"] and "no saves" in result["printed"]
 
 
