@@ -204,3 +204,34 @@ def _assert_same_bits(got, want, where: str = "state") -> None:
             _assert_same_bits(g, w, f"{where}[{i}]")
     else:
         assert got == want, where
+
+
+def test_a_dataset_already_on_the_gpu_is_gathered_there_with_the_default_pin_memory(tmp_path):
+    """A TensorDataset kept on the GPU (benchmarks.gpu_bound's data path): ``data.pin_memory`` (on by default)
+    is not applied to CUDA tensors, which cannot be pinned, and every batch reaches the step already on the GPU."""
+    from torch.utils.data import TensorDataset
+
+    from ddpkit import Trainer
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(64, 8, device="cuda", generator=generator)
+    y = torch.randint(0, 2, (64,), device="cuda", generator=generator)
+
+    class OnGpu(Trainer):
+        devices: list[str] = []
+
+        def build_model(self):
+            return torch.nn.Linear(8, 2)
+
+        def build_datasets(self):
+            return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
+
+        def training_step(self, batch):
+            self.devices.append(batch[0].device.type)
+            return super().training_step(batch)
+
+    cfg = tiny_config(tmp_path, data={"batch_size": 8, "pin_memory": True}, dist={"device": "cuda"}, train={"max_steps": 5, "epochs": None})
+    trainer = OnGpu(cfg)
+    metrics = trainer.fit()
+    assert OnGpu.devices == ["cuda"] * 5 and trainer.train_loader.pin_memory is False
+    assert metrics["step"] == 5 and torch.isfinite(torch.tensor(metrics["val_loss"]))
