@@ -107,7 +107,7 @@ GPT2 = Workload(
 )
 RESNET50 = Workload(
     "resnet50", {"name": "resnet50", "kwargs": {"num_classes": 1000}},
-    {"name": "sgd", "lr": 0.01, "momentum": 0.9}, samples=8 * 128, channels_last=True,
+    {"name": "sgd", "lr": 0.01, "momentum": 0.9}, samples=8 * 256, channels_last=True,
 )
 WORKLOADS = {"gpt2": GPT2, "resnet50": RESNET50}
 #: Shapes small enough for a CPU: the same code path in seconds (``--tiny``).

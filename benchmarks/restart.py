@@ -3,7 +3,7 @@
     python -m benchmarks.restart                                   # CUDA when available (GPT-2 124M), else a small GPT on the CPU; 5 rounds
     python -m benchmarks.restart --device cuda --preset gpt2 --rounds 5 --json restart.json
     python -m benchmarks.restart --device cpu --rounds 1 --every-steps 2 --torchrun    # also torchrun's own path
-    python -m benchmarks.restart --preload torch._dynamo           # the standby also imports what the build imports lazily
+    python -m benchmarks.restart --preload                         # a standby with torch and ddpkit only (default: torch._dynamo too)
 
 A GPT (``ddpkit.training.gpt``) on the ``stdlib`` token corpus trains with the ddpkit ``Trainer``
 as a world of one, checkpointing every ``--every-steps`` steps, in a child process; once its first
@@ -17,8 +17,9 @@ trains exactly one step and exits, started two ways:
 - **warm standby**: ``python -m benchmarks.restart --standby READY``, started ahead of the round,
   has imported torch and ddpkit and then waits on its stdin; the restart request is one line
   there, and it runs the same code from the checkpoint. It has no CUDA context (one made ahead
-  would not survive a fork, so a forkserver-style standby cannot have one either). ``--preload
-  MODULE ...``: it imports these too.
+  would not survive a fork, so a forkserver-style standby cannot have one either). It also imports
+  ``--preload MODULE ...``, by default ``torch._dynamo``, as ``ddpkit run``'s forked CPU workers find
+  it preloaded (``ddpkit.launch.forked.PRELOADED``).
 
 The parts, from ``time.time()`` stamps (one clock for every process on the machine) taken inside
 the restarted process, each ending at its stamp:
@@ -34,8 +35,8 @@ the restarted process, each ending at its stamp:
    ``goodput.jsonl``, ``began``): the datasets, model, loaders, optimizer, schedule, and what
    ``_setup`` does after the last build hook (``build_scheduler``): the model's views, the reporter,
    the health checks, the registration of the state. It also holds imports that only the build
-   makes: constructing AdamW imports ``torch._dynamo`` (about 1 s of a 2-core CPU), which a standby
-   started with ``--preload torch._dynamo`` has done ahead;
+   makes: constructing AdamW imports ``torch._dynamo`` (about 0.85 s of a 2-core CPU), which the
+   standby has done ahead (unless started with an empty ``--preload``);
 6. *load*: reading the checkpoint and loading every part of the state (that ledger line's ``t``);
 7. *first step*: to the end of ``on_step_end`` of the first step after a ``torch.cuda.synchronize()``
    on CUDA; it holds the reporter's start, ``on_fit_start`` and the first batch's loading.
@@ -342,8 +343,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", choices=list(PRESETS), help="the model: gpt2 (124M, the default on CUDA) or small (the default on the CPU)")
     parser.add_argument("--every-steps", type=int, default=10, help="the killed job's checkpoint.every_steps (default 10)")
     parser.add_argument("--torchrun", action="store_true", help="a third arm: torchrun --standalone --nproc-per-node 1 starts the worker")
-    parser.add_argument("--preload", nargs="*", default=[], metavar="MODULE",
-                        help="modules the standby also imports ahead, e.g. torch._dynamo (which AdamW's construction imports, in 'build')")
+    parser.add_argument("--preload", nargs="*", default=["torch._dynamo"], metavar="MODULE",
+                        help="modules the standby also imports ahead (default: torch._dynamo, which AdamW's construction imports "
+                             "in 'build', as ddpkit run's forked CPU workers have it preloaded; --preload with no module: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one process may take (default 600)")
     parser.add_argument("--json", type=Path, help="write every round's stamps and parts here")
     args = parser.parse_args(argv)
