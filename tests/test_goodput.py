@@ -97,6 +97,45 @@ def test_stale_corrupt_and_older_snapshots_never_win_over_the_disk(tmp_path, mon
     assert snapshot.newest_snapshot(other_run) is None  # named by run: another output directory sees none
 
 
+def test_a_snapshot_that_cannot_be_written_stops_the_snapshots_not_the_training(tmp_path, monkeypatch, capfd):
+    """A /dev/shm smaller than the state (Docker's default is 64 MB) fails a snapshot's background write;
+    the run warns once, takes no more snapshots, and trains to the end with its disk checkpoints."""
+    from ddpkit import Trainer
+    from ddpkit.checkpoint import files
+    from ddpkit.errors import CheckpointError
+
+    monkeypatch.setattr(snapshot, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    real_save, attempts = files.save_checkpoint, []
+
+    def save(state, directory, **kwargs):
+        if Path(directory).is_relative_to(tmp_path / "shm"):
+            attempts.append(kwargs["step"])
+            raise CheckpointError(f"cannot write memory snapshot step {kwargs['step']}: no space left on device")
+        return real_save(state, directory, **kwargs)
+
+    monkeypatch.setattr(files, "save_checkpoint", save)
+    cfg = tiny_config(tmp_path, train={"epochs": 2}, checkpoint={"memory_every_steps": 2, "every_epochs": 1})
+    metrics = Trainer(cfg).fit()
+    assert metrics["step"] == 32 and (tmp_path / "run" / "model.pt").is_file()
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [16, 32]  # the disk checkpoints are unaffected
+    assert attempts == [2]  # the first failure stops the snapshots: no write attempted after it
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0] and "checkpoint.memory_every_steps: null" in warnings[0]
+
+
+def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monkeypatch, capfd):
+    from ddpkit import Trainer
+
+    monkeypatch.setattr(snapshot, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setattr(snapshot, "free_bytes", lambda path: 1000)  # what `df /dev/shm` would say of a nearly full one
+    metrics = Trainer(tiny_config(tmp_path, checkpoint={"memory_every_steps": 2})).fit()
+    assert metrics["step"] == 32 and list((tmp_path / "shm").rglob("*.pt")) == []
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]
+    assert len(warnings) == 1 and "has 1000 B free" in warnings[0], warnings
+
+
 # The digits CNN has dropout: each rank draws its own masks, so a resume is bitwise only if every rank
 # gets its own torch stream back (a crash save reads the dead rank's from its boundary slot file).
 DROPOUT = {"data": {"kwargs": {"num_train": 256, "num_val": 101, "image_size": 16}}, "model": {"name": "mnist_cnn", "kwargs": {"image_size": 16}}}

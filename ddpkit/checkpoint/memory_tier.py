@@ -30,6 +30,10 @@ path and inode, so a deleted and recreated directory is another run), a snapshot
 when it is valid (manifest, size, checksum) and newer than the newest valid disk checkpoint,
 RunState then checks its config like any checkpoint's, and a snapshot at or below the newest disk
 checkpoint is stale and removed. A finished run removes its snapshots.
+
+A snapshot that cannot be written (a ``/dev/shm`` smaller than the state: Docker's default is
+64 MB) ends the snapshots, with one warning naming the fix, never the run: the disk checkpoints
+are its safety, a snapshot only shortens a restart.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Ledger
+from ddpkit.checkpoint.disk_space import free_bytes, human_bytes, state_bytes
 from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime, broadcast_object
+from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
 
 __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
@@ -114,6 +120,7 @@ class MemorySnapshots:
         self._pending = False  # an optimizer step ended; the next data span is its boundary
         self._last, self._last_time = state.progress.step, time.perf_counter()
         self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
+        self._failed = False  # a write failed (e.g. /dev/shm is smaller than the state): rank 0 writes no more
 
     @classmethod
     def arm(cls, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger) -> MemorySnapshots | None:
@@ -138,14 +145,29 @@ class MemorySnapshots:
     def _take(self, step: int) -> None:
         began, started = time.time(), time.perf_counter()
         state = self.state.capture()  # every rank: the all-gather of RNG states
-        if self.is_main:
+        if self.is_main and not self._failed:  # every rank still joins capture(): rank 0 alone writes, or has stopped writing
             meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
-            self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
-            if self.ledger is not None:
-                self.ledger.checkpoint(began=began, step=step, kind="memory")
+            needed, free = state_bytes(state), free_bytes(SHM)
+            if free is not None and free < needed * 1.05:  # the zip framing's few percent on top: it cannot fit
+                self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has {human_bytes(free)} free")
+        if self.is_main and not self._failed:
+            try:
+                self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
+                if self.ledger is not None:
+                    self.ledger.checkpoint(began=began, step=step, kind="memory")
+            except (CheckpointError, OSError) as exc:  # the previous snapshot's write failed: say so once, train on without them
+                self._stop_writing(exc)  # no return: _adapt's broadcast below is a collective every rank joins
         if self.adaptive:
             self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
         self._last, self._last_time = step, time.perf_counter()
+
+    def _stop_writing(self, why: BaseException | str) -> None:
+        """A snapshot is an extra, not the run's safety (the disk checkpoints are): a failed write ends the snapshots only."""
+        self._failed = True
+        cause = str(why).split("; ")[0]  # a failed write's first clause; the rest is a disk checkpoint's resume advice
+        log.warning("memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. Give %s more room "
+                    "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory_every_steps: null",
+                    cause, SHM)
 
     def _plan(self, step: int) -> None:
         """`auto`'s first interval, counted from the run's start, from an estimated blocking time (one broadcast)."""
@@ -173,6 +195,7 @@ class MemorySnapshots:
         try:
             self._writer.wait()
         except Exception as exc:  # a full /dev/shm must not fail a run that trained fine
-            log.warning("memory snapshot not written: %s", exc)
+            if not self._failed:
+                self._stop_writing(exc)
         if status == "FINISHED" and self.is_main:
             shutil.rmtree(self.directory, ignore_errors=True)
