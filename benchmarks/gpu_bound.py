@@ -45,9 +45,11 @@ which three steps of the eager hand-written loop (eager needs more memory than c
 below 90% of the GPU's memory, leaving ddpkit its small extra.
 
 ``--stall`` runs the ddpkit arm three ways (no saves, synchronous saves, ``checkpoint.async``)
-with a save every ``--every`` steps and reports, per save, the training time lost: the sum over the
-``--after`` steps after the save of (step time - the run's median step time away from saves), in
-seconds and in steps, and the p95 step time of the steps right after saves against the run without saves.
+with a save every ``--every`` steps and reports per save (:func:`save_costs`) how long it held
+the loop up: *blocked*, the step after the save beyond the run's median step away from saves, in
+seconds and in steps (the goal for ``checkpoint.async``: under one step); *lost*, the same summed
+over the ``--after`` steps after it (a background write slowing its neighbours); and the p95 step
+time of those steps against every step of the run without saves.
 """
 
 from __future__ import annotations
