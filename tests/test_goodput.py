@@ -129,7 +129,9 @@ def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monk
 
     monkeypatch.setattr(snapshot, "SHM", tmp_path / "shm")
     (tmp_path / "shm").mkdir()
-    monkeypatch.setattr(snapshot, "free_bytes", lambda path: 1000)  # what `df /dev/shm` would say of a nearly full one
+    from ddpkit.checkpoint import disk_space
+
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)  # what `df /dev/shm` would say of a nearly full one
     metrics = Trainer(tiny_config(tmp_path, checkpoint={"memory_every_steps": 2})).fit()
     assert metrics["step"] == 32 and list((tmp_path / "shm").rglob("*.pt")) == []
     warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]

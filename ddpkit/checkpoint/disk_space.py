@@ -26,7 +26,7 @@ import torch
 
 from ddpkit.errors import CheckpointError
 
-__all__ = ["state_bytes", "free_bytes", "room_check", "write_failure", "human_bytes"]
+__all__ = ["state_bytes", "free_bytes", "short_of_room", "room_check", "write_failure", "human_bytes"]
 
 log = logging.getLogger("ddpkit")
 
@@ -55,10 +55,16 @@ def free_bytes(directory: Path) -> int | None:
         return None
 
 
+def short_of_room(directory: Path, *, needed: int) -> int | None:
+    """The free bytes in ``directory`` when a save of ``needed`` bytes (plus its framing) cannot fit there, else None."""
+    free = free_bytes(directory)
+    return free if free is not None and free < needed * _SLACK else None
+
+
 def room_check(directory: Path, *, needed: int, what: str) -> None:
     """Warn (once per directory and run) when ``directory`` has less room than ``needed`` bytes: the save will likely fail."""
-    free = free_bytes(directory)
-    if free is None or free >= needed * _SLACK or str(directory) in _warned:
+    free = short_of_room(directory, needed=needed)
+    if free is None or str(directory) in _warned:
         return
     _warned.add(str(directory))
     log.warning(

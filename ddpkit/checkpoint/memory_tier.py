@@ -46,7 +46,7 @@ from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Ledger
-from ddpkit.checkpoint.disk_space import free_bytes, human_bytes, state_bytes
+from ddpkit.checkpoint.disk_space import human_bytes, short_of_room, state_bytes
 from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime, broadcast_object
@@ -145,21 +145,24 @@ class MemorySnapshots:
     def _take(self, step: int) -> None:
         began, started = time.time(), time.perf_counter()
         state = self.state.capture()  # every rank: the all-gather of RNG states
-        if self.is_main and not self._failed:  # every rank still joins capture(): rank 0 alone writes, or has stopped writing
-            meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
-            needed, free = state_bytes(state), free_bytes(SHM)
-            if free is not None and free < needed * 1.05:  # the zip framing's few percent on top: it cannot fit
-                self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has {human_bytes(free)} free")
-        if self.is_main and not self._failed:
-            try:
-                self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
-                if self.ledger is not None:
-                    self.ledger.checkpoint(began=began, step=step, kind="memory")
-            except (CheckpointError, OSError) as exc:  # the previous snapshot's write failed: say so once, train on without them
-                self._stop_writing(exc)  # no return: _adapt's broadcast below is a collective every rank joins
+        if self.is_main and not self._failed:  # every rank joins capture() and _adapt(): rank 0 alone writes, or has stopped writing
+            self._write(state, step, began=began)
         if self.adaptive:
             self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
         self._last, self._last_time = step, time.perf_counter()
+
+    def _write(self, state: dict[str, Any], step: int, *, began: float) -> None:
+        """Rank 0: stage the snapshot and start its background write, or stop the snapshots when it cannot be written."""
+        needed = state_bytes(state)
+        if (free := short_of_room(SHM, needed=needed)) is not None:
+            return self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has {human_bytes(free)} free")
+        meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
+        try:
+            self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
+        except (CheckpointError, OSError) as exc:  # the previous snapshot's write failed: say so once, train on without them
+            return self._stop_writing(exc)
+        if self.ledger is not None:
+            self.ledger.checkpoint(began=began, step=step, kind="memory")
 
     def _stop_writing(self, why: BaseException | str) -> None:
         """A snapshot is an extra, not the run's safety (the disk checkpoints are): a failed write ends the snapshots only."""
