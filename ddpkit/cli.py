@@ -30,13 +30,13 @@ checkpoint), and a failing rank's traceback appears in the launcher's summary. E
 ``--`` goes to torchrun as it is, after torchrun's own parser accepted it (a typo exits 2 with its message).
 Exit codes (``ddpkit.errors.EXIT_CODES``; the same from ``ddpkit run``, a worker and ``ddpkit train``):
 
-    0    success                                      done
-    1    failed: a crash, a lost peer, I/O            retry (resumes)
-    2    refused: invalid config, usage or launch     fail: fix it
-    3    the hang watchdog stopped the job            retry (resumes)
-    4    unhealthy: NaN/Inf steps, diverged replicas  fail: would repeat
-    75   stopped by a signal after saving             requeue (resumes); run.requeue_exit_code sets it
-    130  interrupted with Ctrl-C                      stop
+    0    success                                         done
+    1    failed: a crash, a lost peer, I/O               retry (resumes)
+    2    refused: invalid config, data, usage or launch  fail: fix it
+    3    the hang watchdog stopped the job               retry (resumes)
+    4    unhealthy: NaN/Inf steps, diverged replicas     fail: would repeat
+    75   stopped by a signal after saving                requeue (resumes); run.requeue_exit_code sets it
+    130  interrupted with Ctrl-C                         stop
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES: tuple[tuple[int, str, str], ...] = (
     (EXIT_OK, "success", "done"),
     (EXIT_FAILURE, "failed: a crash, a lost peer, I/O", "retry (resumes)"),
-    (EXIT_CONFIG, "refused: invalid config, usage or launch", "fail: fix it"),
+    (EXIT_CONFIG, "refused: invalid config, data, usage or launch", "fail: fix it"),
     (EXIT_HANG, "the hang watchdog stopped the job", "retry (resumes)"),
     (EXIT_UNHEALTHY, "unhealthy: NaN/Inf steps, diverged replicas", "fail: would repeat"),
     (EXIT_PREEMPTED, "stopped by a signal after saving", "requeue (resumes)"),
@@ -117,7 +117,20 @@ class LaunchError(DdpkitError):
 
 
 class DataError(DdpkitError):
-    """A dataset cannot be found or is too small for the requested world size and batch size."""
+    """A dataset cannot be found, is not what the config says, or is too small for the world size and batch size.
+
+    Exit 2 like a config error: the same data fails the same way on a retry (a token id outside the
+    vocabulary, a file of the wrong size), so a scheduler should not retry it. ``retryable=True``
+    (exit 1) is for what a retry may not meet again: a file that changed under the running job, a
+    peer that never wrote its part.
+    """
+
+    exit_code = EXIT_CONFIG
+
+    def __init__(self, message: str, *, retryable: bool = False):
+        super().__init__(message)
+        if retryable:
+            self.exit_code = EXIT_FAILURE
 
 
 class CheckpointError(DdpkitError):

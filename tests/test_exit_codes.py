@@ -42,6 +42,29 @@ def test_the_table_has_one_row_per_code_and_says_what_to_do():
     assert errors.exit_code_table(indent="  ") in help_text and "-- TORCHRUN_OPTION" in help_text
 
 
+def test_bad_data_is_refused_with_2_and_a_file_changed_under_the_job_is_worth_a_retry():
+    assert errors.DataError("a token id outside the vocabulary").exit_code == errors.EXIT_CONFIG
+    assert errors.DataError("the token file disappeared after the run started", retryable=True).exit_code == errors.EXIT_FAILURE
+    assert errors.DataError.exit_code == errors.EXIT_CONFIG  # the class's default is unchanged by an instance
+
+
+@pytest.mark.multiprocess
+def test_a_token_id_outside_the_vocabulary_ends_ddpkit_run_with_2(tmp_path):
+    """The whole path: the worker's DataError, torchrun's failure, the launcher's exit status."""
+    import numpy as np
+
+    tokens = np.arange(4096, dtype=np.uint16) % 300  # ids up to 299; the model embeds 257
+    tokens.tofile(tmp_path / "train.bin")
+    cfg = tiny_config(tmp_path, data={"name": "tokens", "batch_size": 4, "kwargs": {"path": str(tmp_path / "train.bin"), "seq_len": 32}},
+                      model={"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
+                      train={"max_steps": 3})
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "run", str(tmp_path / "exp.yaml"), "--nproc-per-node", "1"],
+                          capture_output=True, text=True, cwd=REPO, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == errors.EXIT_CONFIG, done.stderr[-3000:]
+    assert "is outside the model's vocabulary [0, 257)" in done.stderr
+
+
 @pytest.mark.parametrize("code", [0, 1, 2, 3, 4, 130, 256, -1])
 def test_a_requeue_code_that_means_something_else_is_refused(code):
     with pytest.raises(ConfigError, match="run.requeue_exit_code"):

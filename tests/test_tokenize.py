@@ -53,7 +53,7 @@ def test_errors_are_one_line_with_the_fix(tmp_path, capsys):
         tokenize([str(tmp_path / "a.txt")], str(tmp_path / "o.npy"), progress=False)
     with pytest.raises(DataError, match="the end-of-text id must be 256 or more"):
         tokenize([str(tmp_path / "a.txt")], str(tmp_path / "o.bin"), eot=10, progress=False)
-    assert main([str(tmp_path / "missing.txt"), "-o", str(tmp_path / "o.bin")]) == 1
+    assert main([str(tmp_path / "missing.txt"), "-o", str(tmp_path / "o.bin")]) == 2  # bad input fails the same way again: EXIT_CONFIG
     err = capsys.readouterr().err
     assert err.startswith("ddpkit tokenize: error: no such input file") and err.count("\n") == 1
     assert not (tmp_path / "o.bin").exists()

@@ -197,7 +197,7 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
         if found:
             return max(found, key=lambda p: p.stat().st_mtime)
         time.sleep(0.05)
-    raise DataError(f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within {timeout:.0f} s; did it fail, or construct the dataset?")
+    raise DataError(f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within {timeout:.0f} s; did it fail, or construct the dataset?", retryable=True)
 
 
 def remove_stale_segments(folder: Path) -> list[Path]:

@@ -101,7 +101,7 @@ class TokenFile(Dataset):
         nbytes = count * self.dtype.itemsize
         data = os.pread(self._file(), nbytes, self.offset + start * self.dtype.itemsize)
         if len(data) != nbytes:
-            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; the file shrank since the run started")
+            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; the file shrank since the run started", retryable=True)
         return np.frombuffer(data, dtype=self.dtype)
 
     def _check_ids(self, window: np.ndarray, start: int) -> None:
@@ -115,7 +115,7 @@ class TokenFile(Dataset):
             try:
                 self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
             except FileNotFoundError:
-                raise DataError(f"{self.path}: the token file disappeared after the run started") from None
+                raise DataError(f"{self.path}: the token file disappeared after the run started", retryable=True) from None
         assert self._fd is not None
         return self._fd
 
