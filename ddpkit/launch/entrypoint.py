@@ -10,7 +10,7 @@ has argparse's result. Both then run ``cls(CONFIG, overrides=...).fit()`` throug
 and its traceback to the error file torchrun reads, so the failing rank's traceback appears in
 the launcher's summary. A :class:`~ddpkit.errors.DdpkitError` (bad config, bad launch,
 bad data, bad checkpoint) is the user's to fix, not a bug: it is printed as one clear message,
-recorded in the error file without a traceback, and becomes the exit code (2 for config errors,
+recorded in the error file without a traceback, and becomes the exit code (2 for config and data errors,
 4 for an unhealthy run, ``run.requeue_exit_code`` (75) for a signal-stopped run, else 1; all defined
 in :mod:`ddpkit.errors`).
 
