@@ -232,6 +232,7 @@ class RunState:
             return
         started = time.perf_counter()
         require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # every rank agrees; nothing pruned
+        failure: CheckpointError | None = None
         if self._sharded is not None:  # zero1 / fsdp2: every rank writes its own shards
             self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=self.config.checkpoint.keep_last)
         elif (state := self.capture()) and self.runtime.env.rank == 0:  # capture is a collective: every rank runs it
@@ -241,8 +242,13 @@ class RunState:
             if self._writer is not None:
                 self._writer.stage_and_submit(state, self.config.checkpoint_dir, **kwargs)  # only queues the copies on a GPU
             else:
-                ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
+                try:
+                    ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
+                except CheckpointError as exc:  # a full disk, a quota: every rank must hear it (below)
+                    failure = exc
         if self._writer is None:
+            if self._sharded is None:
+                _raise_on_every_rank(failure)
             barrier("checkpoint")
         if name is None:
             self._last_saved_step = step
@@ -316,3 +322,16 @@ def _legacy_order_difference(saved: dict[str, Any], components: Components) -> l
     if "order" in saved.get("data", {}) or current in (None, "randperm", "sequential"):
         return []
     return [f"data.order: the checkpoint predates it and used 'randperm'; this run would use {current!r} (set data.order=randperm)"]
+
+
+def _raise_on_every_rank(failure: CheckpointError | None) -> None:
+    """Rank 0's write outcome, on every rank (one broadcast): a failed write ends every rank with its message.
+
+    Were rank 0 to leave alone, the others would meet its closed connection in the barrier after the
+    save and print torch's traceback ("Connection closed by peer") under rank 0's clear line.
+    """
+    message = broadcast_object(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"rank 0 could not write the checkpoint: {message}")

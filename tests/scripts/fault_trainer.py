@@ -8,7 +8,8 @@ Environment variables (read once at start):
 * ``FAULT_WHERE``: where to fail. ``step`` (training_step), ``data`` (the dataset's __getitem__,
   also inside a DataLoader worker), ``hook`` (on_step_end), ``validation`` (validation_step),
   ``save`` (rank 0's checkpoint write: the test points ``checkpoint.dir`` below a regular file,
-  so the real ``mkdir`` fails), or ``none``.
+  so the real ``mkdir`` fails), ``disk_full`` (rank 0's checkpoint write meets ENOSPC, as on a full
+  disk: every rank is told, none prints a traceback), or ``none``.
 * ``FAULT_RANK``: the rank that fails (default 1). ``FAULT_STEP``: the optimizer step, 1-based,
   at or after which it fails (default 3).
 * ``FAULT_STAMP``: a file; ``time.time()`` is written there right before the fault, so the test
@@ -21,6 +22,7 @@ The exception message always contains ``injected fault``.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -91,6 +93,14 @@ class FaultTrainer(ddpkit.Trainer):
             fail("on_step_end")
         if self._faulty("save") and step >= FAULT_STEP:
             stamp()  # the checkpoint write that follows this hook fails on its own
+        if self._faulty("disk_full") and step >= FAULT_STEP:
+            stamp()
+            from ddpkit.checkpoint import files
+
+            def full(path: Any, *args: Any, **kwargs: Any) -> Any:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+            files.write_atomically = full  # the checkpoint write that follows this hook: no room left
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
         if self._faulty("validation"):
