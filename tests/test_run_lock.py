@@ -109,6 +109,28 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 120) -> None:
         time.sleep(0.2)
 
 
+def test_a_folder_that_cannot_be_written_is_named_before_anything_is_created(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    assert run_lock.cannot_write(tmp_path / "a-file" / "run" / "checkpoints") == f"{tmp_path / 'a-file'} is a file, not a folder"
+    assert run_lock.cannot_write(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+    assert run_lock.cannot_write(tmp_path) is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("key", ["run.output_dir", "checkpoint.dir"])
+def test_a_run_directory_below_a_file_is_refused_at_the_start_with_2(tmp_path: Path, key: str) -> None:
+    """Found before the first step, on every rank, not at the first save: one line, exit 2, no traceback."""
+    (tmp_path / "a-file").write_text("not a folder")
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path, checkpoint={"every_steps": 4})))
+    done = run_cli("run", str(config), "--nproc-per-node", "2", f"{key}={tmp_path / 'a-file' / 'sub'}", timeout=120)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ddpkit: error")]
+    assert lines == [f"ddpkit: error (rank 0): {key}: cannot write to {tmp_path / 'a-file' / 'sub'}: {tmp_path / 'a-file'} is a file, "
+                     f"not a folder; point {key} at a directory this user can write"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "step 1" not in done.stderr
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_second_run_on_a_live_runs_directory_is_refused_and_the_first_is_intact(tmp_path: Path) -> None:

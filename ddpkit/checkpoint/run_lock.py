@@ -22,6 +22,10 @@ holder is still alive:
 A lock whose holder is dead (every process SIGKILLed, a node lost) is stale: the next run logs one
 line naming it and takes it over, so the same command resumes. The lock is removed when the run
 ends, however it ends short of SIGKILL, and only if it is still this run's (its token).
+
+Before the lock, rank 0 checks that ``run.output_dir`` and ``checkpoint.dir`` can be written (judged
+by their nearest existing folder; nothing is created): a path below a file or on a read-only mount is
+refused at once with a ConfigError naming the key (exit 2), not found at the first save, hours in.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from typing import Any
 
 from ddpkit.distributed.process_group import broadcast_object
 from ddpkit.distributed.processes import is_alive, proc_stat
-from ddpkit.errors import EXIT_CONFIG, DdpkitError
+from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 
-__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "read_holder"]
+__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write", "read_holder"]
 
 log = logging.getLogger("ddpkit")
 
@@ -79,6 +83,18 @@ class LockHolder:
         return f"pid {self.pid} on {self.host}, since {since}" if self.host else f"a run starting there, lock file unreadable since {since}"
 
 
+def cannot_write(directory: Path) -> str | None:
+    """Why this process cannot create or write ``directory``, else None; judged by its nearest existing folder, nothing created."""
+    path = directory.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is a file, not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable (permissions, or a read-only mount)"
+    return None
+
+
 def read_holder(directory: Path) -> LockHolder | None:
     """The holder named in ``directory``'s lock file, or None without one (an unreadable file: a holder of unknown pid)."""
     path, age = directory / LOCK_NAME, 0.0
@@ -95,29 +111,41 @@ def read_holder(directory: Path) -> LockHolder | None:
 class RunLock:
     """The run directory's lock for one ``fit()`` (see the module docstring); a context manager on every rank."""
 
-    def __init__(self, directory: Path | None):
-        self.directory, self.token = directory, secrets.token_hex(8)
+    def __init__(self, directory: Path | None, *, checkpoint_dir: Path | None = None):
+        self.directory, self.checkpoint_dir, self.token = directory, checkpoint_dir, secrets.token_hex(8)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
     def for_run(cls, config: Any, runtime: Any) -> RunLock:
-        """Rank 0 of the job locks ``config.output_dir``; the other ranks learn the outcome (a broadcast)."""
-        return cls(Path(config.output_dir) if runtime.env.rank == 0 else None)
+        """Rank 0 of the job checks the run's directories and locks ``config.output_dir``; the other ranks learn the outcome (a broadcast)."""
+        if runtime.env.rank != 0:
+            return cls(None)
+        return cls(Path(config.output_dir), checkpoint_dir=Path(config.checkpoint_dir))
 
     def __enter__(self) -> RunLock:
-        refusal = None
+        refusal: tuple[bool, str] | None = None  # (locked by another run, message)
         if self.directory is not None:
+            refusal = self._unwritable()
             try:
-                self.acquire()
+                if refusal is None:
+                    self.acquire()
             except RunDirectoryLocked as exc:
-                refusal = str(exc)
+                refusal = (True, str(exc))
         refusal = broadcast_object(refusal)  # no rank writes before rank 0 holds the lock
         if refusal is not None:
-            error = RunDirectoryLocked(refusal)
+            locked, message = refusal
+            error = RunDirectoryLocked(message) if locked else ConfigError(message)
             error.reported = self.directory is None  # rank 0 prints the one line; the others exit quietly
             raise error
         return self
+
+    def _unwritable(self) -> tuple[bool, str] | None:
+        """A refusal naming the first of ``run.output_dir`` / ``checkpoint.dir`` this process cannot write, else None."""
+        for key, directory in (("run.output_dir", self.directory), ("checkpoint.dir", self.checkpoint_dir)):
+            if directory is not None and (why := cannot_write(directory)):
+                return False, f"{key}: cannot write to {directory}: {why}; point {key} at a directory this user can write"
+        return None
 
     def __exit__(self, *exc: Any) -> None:
         self.release()

@@ -7,8 +7,8 @@ Environment variables (read once at start):
 
 * ``FAULT_WHERE``: where to fail. ``step`` (training_step), ``data`` (the dataset's __getitem__,
   also inside a DataLoader worker), ``hook`` (on_step_end), ``validation`` (validation_step),
-  ``save`` (rank 0's checkpoint write: the test points ``checkpoint.dir`` below a regular file,
-  so the real ``mkdir`` fails), ``disk_full`` (rank 0's checkpoint write meets ENOSPC, as on a full
+  ``save`` (rank 0's checkpoint write raises what ``mkdir`` raises when the checkpoint folder has
+  become a file: an error that is not ddpkit's), ``disk_full`` (rank 0's checkpoint write meets ENOSPC, as on a full
   disk: every rank is told, none prints a traceback), or ``none``.
 * ``FAULT_RANK``: the rank that fails (default 1). ``FAULT_STEP``: the optimizer step, 1-based,
   at or after which it fails (default 3).
@@ -92,7 +92,13 @@ class FaultTrainer(ddpkit.Trainer):
         if self._faulty("hook") and step >= FAULT_STEP:
             fail("on_step_end")
         if self._faulty("save") and step >= FAULT_STEP:
-            stamp()  # the checkpoint write that follows this hook fails on its own
+            stamp()
+            from ddpkit.checkpoint import files
+
+            def not_a_folder(state: Any, directory: Any, **kwargs: Any) -> Any:
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(directory))
+
+            files.save_checkpoint = not_a_folder  # the checkpoint write that follows this hook
         if self._faulty("disk_full") and step >= FAULT_STEP:
             stamp()
             from ddpkit.checkpoint import files
