@@ -44,12 +44,13 @@ hand-written loop's in the same round and mode.
 which three steps of the eager hand-written loop (eager needs more memory than compiled) peak
 below 90% of the GPU's memory, leaving ddpkit its small extra.
 
-``--stall`` runs the ddpkit arm three ways (no saves, synchronous saves, ``checkpoint.async``)
-with a save every ``--every`` steps and reports per save (:func:`save_costs`) how long it held
-the loop up: *blocked*, the step after the save beyond the run's median step away from saves, in
-seconds and in steps (the goal for ``checkpoint.async``: under one step); *lost*, the same summed
-over the ``--after`` steps after it (a background write slowing its neighbours); and the p95 step
-time of those steps against every step of the run without saves.
+``--stall`` runs the ddpkit arm three ways (no saves, synchronous saves, ``checkpoint.async``;
+the in-memory snapshots off in all three, so only the saves differ) with a save every ``--every``
+steps and reports per save (:func:`save_costs`) how long it held the loop up: *blocked*, the step
+after the save beyond the run's median step away from saves, in seconds and in steps (the goal for
+``checkpoint.async``: under one step); *lost*, the same summed over the ``--after`` steps after it
+(a background write slowing its neighbours); and the p95 step time of those steps against every
+step of the run without saves.
 """
 
 from __future__ import annotations
@@ -381,7 +382,9 @@ def stall(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path) 
     for r in range(args.rounds):
         for name in rotated(list(STALL_VARIANTS), r):
             async_save = STALL_VARIANTS[name]
-            checkpoint = {} if async_save is None else {"every_steps": args.every, "async": async_save, "keep_last": 1}
+            # Memory snapshots off in all three: their own copies would land in random steps of every variant.
+            saves = {} if async_save is None else {"every_steps": args.every, "async": async_save, "keep_last": 1}
+            checkpoint = {"memory_every_steps": None, **saves}
             result = run_arm("ddpkit", w, data, args, compiled=args.mode == "compiled", checkpoint=checkpoint,
                              workdir=workdir / f"{name.replace(' ', '-')}-r{r}")
             runs[name].append(result)

@@ -23,7 +23,7 @@ case "$part" in
   gpt2-eager|gpt2-compiled)  # hand-written vs ddpkit, 2 alternated rounds of 30 s per arm: 60 s measured per arm
     "$py" -m benchmarks.gpu_bound --device cuda --workload gpt2 --mode "${part#gpt2-}" --rounds 2 --seconds 30 --json "$out/$part.json" 2>&1 | tee "$out/$part.txt" ;;
   stall-restart)  # sync vs checkpoint.async on the GPT, then restart to first step after a SIGKILL
-    "$py" -m benchmarks.gpu_bound --device cuda --workload gpt2 --stall --every 100 --rounds 2 --seconds 30 --json "$out/stall.json" 2>&1 | tee "$out/stall.txt"
+    "$py" -m benchmarks.gpu_bound --device cuda --workload gpt2 --stall --every 50 --rounds 2 --seconds 30 --json "$out/stall.json" 2>&1 | tee "$out/stall.txt"
     "$py" -m benchmarks.restart --device cuda --preset gpt2 --rounds 3 --preload torch._dynamo --json "$out/restart.json" 2>&1 | tee "$out/restart.txt" ;;
   resnet50)
     "$py" -m benchmarks.gpu_bound --device cuda --workload resnet50 --mode both --rounds 2 --seconds 20 --batch-size 256 --json "$out/resnet50.json" 2>&1 | tee "$out/resnet50.txt" ;;
