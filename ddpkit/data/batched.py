@@ -40,6 +40,7 @@ class TensorBatches(Dataset):
 
     def __init__(self, dataset: TensorDataset):
         self.dataset, self.tensors = dataset, dataset.tensors
+        self.device = resident_device(dataset)  # kept on the GPU: the index goes there, the gather runs there
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -55,8 +56,8 @@ class TensorBatches(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         index = _index_tensor(indices)
-        if self.tensors and self.tensors[0].device.type != "cpu":  # a dataset kept on the GPU: gather there
-            index = index.to(self.tensors[0].device)
+        if self.device is not None:
+            index = index.to(self.device)
         # index_select copies whole rows (5.5 us for 64 MNIST images, where tensor[index] takes 16);
         # a list, as default_collate returns for tuple samples.
         return [torch.index_select(tensor, 0, index) for tensor in self.tensors]
