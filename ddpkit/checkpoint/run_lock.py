@@ -125,11 +125,9 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         refusal: tuple[bool, str] | None = None  # (locked by another run, message)
-        if self.directory is not None:
-            refusal = self._unwritable()
+        if self.directory is not None and (refusal := self._unwritable()) is None:
             try:
-                if refusal is None:
-                    self.acquire()
+                self.acquire()
             except RunDirectoryLocked as exc:
                 refusal = (True, str(exc))
         refusal = broadcast_object(refusal)  # no rank writes before rank 0 holds the lock
