@@ -102,12 +102,12 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
 def test_async_writer_writes_complete_checkpoints_and_reraises_errors(tmp_path):
     writer = AsyncCheckpointWriter()
     for step in (1, 2, 3):
-        writer.submit(state(step), tmp_path, step=step, keep_last=2)
+        writer.stage_and_submit(state(step), tmp_path, step=step, keep_last=2)
     writer.wait()
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
     validate_checkpoint(tmp_path / "step-000000003.pt")
     (tmp_path / "blocker").write_text("a file where a directory should be")
-    writer.submit(state(4), tmp_path / "blocker" / "ckpts", step=4)
+    writer.stage_and_submit(state(4), tmp_path / "blocker" / "ckpts", step=4)
     with pytest.raises(OSError):
         writer.wait()
 

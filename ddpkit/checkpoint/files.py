@@ -36,7 +36,6 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,9 +276,8 @@ class AsyncCheckpointWriter:
     ``stage_and_submit`` waits for the previous save (so two writes never overlap and its host
     buffers are free), copies the state into reused host buffers (pinned for CUDA tensors: the
     copies are only queued, :mod:`ddpkit.checkpoint.staging`), then starts the write and returns;
-    the write waits for the copies to land first. ``submit`` writes a state the caller already
-    copied (:func:`to_cpu`). An error in the background is raised by the next submit or ``wait``,
-    so it is never lost.
+    the write waits for the copies to land first. An error in the background is raised by the next
+    ``stage_and_submit`` or ``wait``, so it is never lost.
     """
 
     def __init__(self) -> None:
@@ -290,19 +288,12 @@ class AsyncCheckpointWriter:
     def stage_and_submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write the state as it is now, in the background; training may change ``state`` as soon as this returns."""
         self.wait()  # before the copy: the previous save may still be reading these buffers
-        self._start(self._staging.copy(state), directory, ready=self._staging.synchronize, **kwargs)
+        staging, host = self._staging, self._staging.copy(state)
 
-    def submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write ``state`` in the background; the caller must not change it until the save is done."""
-        self.wait()
-        self._start(state, directory, **kwargs)
-
-    def _start(self, state: dict[str, Any], directory: str | os.PathLike, *, ready: Callable[[], None] | None = None, **kwargs: Any) -> None:
         def run() -> None:
             try:
-                if ready is not None:
-                    ready()  # the copies queued on the GPU have landed
-                save_checkpoint(state, directory, **kwargs)
+                staging.synchronize()  # the copies queued on the GPU have landed
+                save_checkpoint(host, directory, **kwargs)
             except BaseException as exc:  # re-raised on the training thread by wait()
                 self._error = exc
 
