@@ -67,7 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,6 @@ class Workload:
     classes: int = 1000
     clip: float | None = None
     channels_last: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def unit(self) -> str:
