@@ -36,6 +36,7 @@ __all__ = [
     "report_error",
     "exit_code_of",
     "exit_now",
+    "first_line",
     "DdpkitError",
     "ConfigError",
     "LaunchError",
@@ -173,6 +174,24 @@ def exit_code_of(run: Callable[[], int], *, command: str) -> int:
         return report_error(exc, command=command)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+#: How much of an exception's first line a log line or a one-line error quotes.
+FIRST_LINE_LIMIT = 300
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of ``str(exc)``, stripped and cut at 300 characters; the type's name if blank.
+
+    How a one-line report quotes an error it did not write (a tracker's client, a store, a backend),
+    whose message can be a multi-line dump:
+
+        first_line(RuntimeError("connect() failed\n  at tcp.cpp:42"))   # -> "connect() failed"
+    """
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()[:FIRST_LINE_LIMIT]
+    return type(exc).__name__
 
 
 def exit_now(code: int) -> NoReturn:
