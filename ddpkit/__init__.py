@@ -31,7 +31,8 @@ against this order, collapsed to packages):
     registry.py              models, datasets and optimizers by name
     distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement
     config/                  the typed schema, safe YAML, ``key=value`` overrides, cross-field checks, hashing
-    atomic.py, errors.py, _version.py   atomic file writes; the user-facing exceptions and every exit code; the version
+    atomic.py, errors.py, progress.py, _version.py   atomic file writes; the user-facing exceptions and every exit code;
+                             the loop's Progress counter that every layer reads; the version
 """
 
 from ddpkit._version import __version__
@@ -44,7 +45,8 @@ from ddpkit.distributed import DistEnv, Runtime, read_dist_env
 from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, HealthError, LaunchError
 from ddpkit.registry import register_dataset, register_model, register_optimizer
 from ddpkit.reporting.sink_base import Sink
-from ddpkit.trainer import Progress, Trainer
+from ddpkit.progress import Progress
+from ddpkit.trainer import Trainer
 from ddpkit.training.model_views import CompileError
 
 __all__ = [

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import registry, training
-from ddpkit.checkpoint.state import Progress, RunState, seed_for_setup
+from ddpkit.checkpoint.state import RunState, seed_for_setup
+from ddpkit.progress import Progress
 from ddpkit.config.loader import Config, load_config
 from ddpkit.data import data_position, epoch_batches, move_to_device, require_vocab_of, run_length, train_loader_for, val_loader_for
 from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer

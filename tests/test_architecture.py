@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 PACKAGE = Path(__file__).resolve().parents[1] / "ddpkit"
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 40
-MAX_TOP_MODULES = 9
+# 10: progress.py joined the bottom row, so every layer can name the loop's counter without importing checkpoint/.
+MAX_TOP_MODULES = 10
 # Who may import the command line and the Trainer: the public surface, the entry point, and the benchmarks
 # (they time a Trainer subclass, the loop users run, so they sit beside the cli, above the Trainer).
 MAY_IMPORT = {
@@ -28,7 +29,7 @@ MAY_IMPORT = {
     "ddpkit.trainer": lambda m: m in ("ddpkit", "ddpkit.cli") or m.startswith("ddpkit.bench."),
 }
 # The bottom layer: what everything else builds on; it imports nothing above itself.
-BASE = ("ddpkit.errors", "ddpkit._version", "ddpkit.config", "ddpkit.distributed")
+BASE = ("ddpkit.errors", "ddpkit._version", "ddpkit.progress", "ddpkit.config", "ddpkit.distributed")
 
 
 def _module_name(path: Path) -> str:
@@ -145,7 +146,7 @@ def test_the_package_graph_follows_the_map_in_ddpkit_init():
 
 def test_the_map_checker_reads_rows_and_refuses_an_upward_import(monkeypatch):
     rows = _map_rows()
-    assert rows[0] == {"__main__"} and {"atomic", "errors", "_version"} in rows
+    assert rows[0] == {"__main__"} and {"atomic", "errors", "progress", "_version"} in rows
     assert [i for i, row in enumerate(rows) if "trainer" in row] < [i for i, row in enumerate(rows) if "checkpoint" in row]
     graph = _graph()
     graph["ddpkit.config.loader"] = graph["ddpkit.config.loader"] | {"ddpkit.trainer"}

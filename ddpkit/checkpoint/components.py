@@ -21,10 +21,10 @@ and ``progress`` at the top, the rest under ``components``) are read into the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ddpkit.errors import CheckpointError
+from ddpkit.progress import Progress
 
 __all__ = ["Stateful", "Ledger", "Progress", "Components", "read_checkpoint", "METADATA_KEYS", "REQUIRED_COMPONENTS"]
 
@@ -49,22 +49,6 @@ class Ledger(Protocol):
     """Where a save that blocked training is recorded (:class:`ddpkit.goodput.ledger.GoodputLedger`)."""
 
     def checkpoint(self, *, began: float, step: int, kind: str, always: bool = False) -> None: ...
-
-
-@dataclass
-class Progress:
-    """Where training is: optimizer steps taken, current epoch, micro-batches consumed in it."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore in place: the loop, the reporter and the watchdog all hold this same object."""
-        self.step, self.epoch, self.batch_in_epoch = int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
 
 
 class Components:
