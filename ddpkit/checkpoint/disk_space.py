@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.errors import CheckpointError
+from ddpkit.errors import CheckpointError, first_line
 
 __all__ = ["state_bytes", "free_bytes", "short_of_room", "room_check", "write_failure", "human_bytes"]
 
@@ -81,7 +81,7 @@ def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int
         getattr(exc, "errno", None) in _NO_SPACE or (free is not None and free < needed)
         or any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded"))  # DCP wraps each rank's error
     )
-    reason = "no space left on device" if no_space else _first_line(exc)
+    reason = "no space left on device" if no_space else first_line(exc)
     room = f"it needs about {human_bytes(needed)}, {human_bytes(free) if free is not None else 'unknown space'} free"
     kept = (
         f"the newest complete checkpoint is {newest.name} (valid, kept); "
@@ -103,8 +103,3 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             break
     return f"{n:.1f} {unit}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = (getattr(exc, "strerror", None) or str(exc)).strip().splitlines()
-    return (text[0][:300] if text else "") or type(exc).__name__

@@ -45,7 +45,7 @@ from torch import nn
 from ddpkit.atomic import fsync_dir, write_atomically
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
 from ddpkit.checkpoint.files import list_checkpoints, load_checkpoint, prune, save_atomically
-from ddpkit.errors import CheckpointError
+from ddpkit.errors import CheckpointError, first_line
 
 __all__ = [
     "ShardedParts", "save_sharded", "save_sharded_async", "finish_async",
@@ -273,7 +273,7 @@ def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]
     try:
         _dcp().load(tensors, checkpoint_id=path)
     except Exception as exc:  # DCP raises CheckpointException with each rank's error
-        raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {first_line(exc)}") from None
     parts.load_state_dict({"model": merge(tensors["model"], rest.get("model", {})),
                            "optimizer": merge(tensors.get("optimizer", {}), rest.get("optimizer", {}))})
     return rest
@@ -298,8 +298,3 @@ def export_model(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} holds no model tensors; is it a ddpkit sharded checkpoint?")
     _dcp().load({"model": model}, checkpoint_id=path, no_dist=True)
     return model
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:400] if text else type(exc).__name__

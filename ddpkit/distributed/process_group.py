@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.env import DistEnv
-from ddpkit.errors import ConfigError, LaunchError
+from ddpkit.errors import ConfigError, LaunchError, first_line
 
 __all__ = [
     "Runtime",
@@ -303,8 +303,9 @@ def _launch_error(env: DistEnv, exc: BaseException) -> LaunchError:
             "Check that every node uses the same MASTER_ADDR/MASTER_PORT, that the port is open in the "
             "firewall, and that --nnodes x --nproc-per-node equals the number of processes started."
         )
-    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return LaunchError(f"could not create the process group ({where}, rank {env.rank} of {env.world_size}): {first_line}")
+    return LaunchError(
+        f"could not create the process group ({where}, rank {env.rank} of {env.world_size}): {first_line(exc)}"
+    )
 
 
 # --- collectives that are safe at any world size ------------------------------------------

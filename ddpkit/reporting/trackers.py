@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, first_line
 from ddpkit.reporting.sink_base import Sink, as_text, flatten_config
 
 __all__ = ["MlflowSink", "WandbSink", "tracker_sinks"]
@@ -110,12 +110,7 @@ class _Background:
             except Exception as exc:  # a tracker client may raise anything; none of it may reach training
                 self.failed = True
                 log.warning("%s failed and is switched off for the rest of this run; training and metrics.jsonl go on: %s: %s",
-                            self.name, type(exc).__name__, _first_line(exc))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else ""
+                            self.name, type(exc).__name__, first_line(exc))
 
 
 def _metrics_of(record: dict[str, Any]) -> dict[str, float]:

@@ -4,7 +4,7 @@
     loss = F.cross_entropy(models.train(x), y)      # compile(DDP(model)), or DDP(model) when off
     metrics = evaluate(models.eval)                  # compile(model) on the bare module, no collectives
     torch.save(models.bare.state_dict(), path)       # no `module.` and no `_orig_mod.` prefix
-    models.close()                                   # end of fit: callbacks off, dynamo settings restored
+    models.on_exit("FINISHED")                       # end of fit: callbacks off, dynamo settings restored
 
 Before wrapping, ``build_models`` also applies ``train.keep_host_memory`` (ddpkit.training.allocator: no
 page faults per CPU step) and ``train.channels_last`` (NHWC parameters and 4-D inputs).
@@ -46,7 +46,7 @@ from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS
 from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, first_line
 from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
@@ -98,8 +98,8 @@ class Models:
         """The context validation runs in: FSDP2 gathers the parameters once for it, other modes need nothing."""
         return full_parameters(self.bare)
 
-    def close(self, status: str | None = None) -> None:
-        """Stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice (``status`` unused)."""
+    def on_exit(self, status: str) -> None:
+        """The run ended: stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
         if self.watch is not None:
             self.watch.close()
             self.watch = None
@@ -205,8 +205,7 @@ def _explain_failures(forward: Callable[..., Any], limit: int) -> Callable[..., 
 def _summary(exc: BaseException) -> str:
     """``Type: first line`` of the error that started it (Dynamo wraps a backend's error in its own)."""
     root = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
-    lines = [line for line in str(root).splitlines() if line.strip()]
-    return f"{type(root).__name__}: {lines[0].strip()[:300]}" if lines else type(root).__name__
+    return f"{type(root).__name__}: {first_line(root)}"
 
 
 _LAST_REASON: list[str | None] = [None]  # the newest recompile reason, for the limit message

@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
-from ddpkit.errors import EXIT_FAILURE
+from ddpkit.errors import EXIT_FAILURE, first_line
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
 from ddpkit.watchdog.report import SLOW_PHASES, stack_signature, thread_stacks
@@ -167,7 +167,7 @@ class Watchdog:
             self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
         try:
             if error is not None and not self.handling_hang:
-                message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
+                message = f"{type(error).__name__}: {first_line(error)}"
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine

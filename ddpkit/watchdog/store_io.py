@@ -27,7 +27,7 @@ from typing import Any
 from ddpkit.atomic import write_atomically
 from ddpkit.distributed.control_auth import job_key, read_signed, sign
 from ddpkit.distributed.processes import proc_stat
-from ddpkit.errors import exit_now
+from ddpkit.errors import exit_now, first_line
 
 __all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "terminate"]
 
@@ -120,7 +120,7 @@ class StoreClient:
             raise StoreDown(f"no answer from the store within {self.deadline:g}s")
         ok, value = box[0]
         if not ok:
-            raise StoreDown(f"{type(value).__name__}: {str(value).strip().splitlines()[0] if str(value).strip() else ''}")
+            raise StoreDown(f"{type(value).__name__}: {first_line(value)}")
         return value
 
     def get_if_set(self, key: str) -> str | None:
