@@ -37,8 +37,9 @@ against this order, collapsed to packages):
 
 from ddpkit._version import __version__
 from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
-from ddpkit.config.loader import dump_config, load_config
+from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
+from ddpkit.config.serialize import dump_config
 
 # Plumbing, public since the first release (the Trainer's ``env`` and ``runtime``); it lives in ddpkit.distributed.
 from ddpkit.distributed import DistEnv, Runtime, read_dist_env

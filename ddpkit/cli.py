@@ -164,7 +164,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from ddpkit.config.loader import dump_config, load_config
+    from ddpkit.config.loader import load_config
+    from ddpkit.config.serialize import dump_config
 
     if args.schema:
         return _write_schema(args.output)

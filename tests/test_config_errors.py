@@ -17,7 +17,7 @@ from helpers import run_cli, tiny_config
 
 from ddpkit import ConfigError, load_config
 from ddpkit.cli import main as cli_main
-from ddpkit.config.loader import MAX_FILE_BYTES
+from ddpkit.config.yaml_text import MAX_FILE_BYTES
 
 
 def _alias_bomb() -> str:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpkit import Config, ConfigError, load_config
-from ddpkit.config.loader import config_hash, dump_config
+from ddpkit.config.serialize import config_hash, dump_config
 from ddpkit.config.yaml_text import parse_yaml
 
 VALID: dict[str, Any] = {

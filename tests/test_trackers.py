@@ -22,7 +22,8 @@ from helpers import tiny_config
 
 from ddpkit.errors import DdpkitError
 from ddpkit.reporting import sinks
-from ddpkit.reporting.sinks import STATUS_FILE, Sink, SinkGroup, StatusSink, flatten_config, read_status
+from ddpkit.reporting.sink_base import Sink, flatten_config
+from ddpkit.reporting.sinks import STATUS_FILE, SinkGroup, StatusSink, read_status
 from ddpkit.reporting.trackers import MlflowSink, WandbSink, tracker_sinks
 
 mlflow = pytest.importorskip("mlflow")
@@ -370,7 +371,7 @@ def test_training_goes_on_when_the_tracker_is_down(tmp_path):
 def test_a_user_sink_added_in_on_fit_start_gets_every_record(tmp_path):
     """The documented way to add your own sink, on a real (one-process) fit."""
     import ddpkit
-    from ddpkit.reporting.sinks import Sink
+    from ddpkit.reporting.sink_base import Sink
 
     seen: dict = {"records": [], "ended": None}
 

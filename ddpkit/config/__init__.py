@@ -14,7 +14,8 @@
 Nothing here knows about ``torch.distributed``.
 """
 
-from ddpkit.config.loader import dump_config, load_config
+from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
+from ddpkit.config.serialize import dump_config
 
 __all__ = ["Config", "load_config", "dump_config"]

@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddpkit.config.checks import cross_field_problems
-from ddpkit.config.overrides import apply_overrides, parse_override
+from ddpkit.config.overrides import apply_overrides
 from ddpkit.config.schema import Config, yaml_key
-from ddpkit.config.serialize import as_written, config_hash, config_to_dict, dump_config, flatten
-from ddpkit.config.yaml_text import MAX_FILE_BYTES, NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
+from ddpkit.config.serialize import as_written
+from ddpkit.config.yaml_text import NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
 from ddpkit.errors import ConfigError
 
-# Re-exported: the type load_config returns, and the names callers have always imported from here.
-__all__ = ["Config", "load_config", "read_yaml", "parse_override", "config_to_dict", "dump_config", "config_hash", "flatten", "MAX_FILE_BYTES"]
+__all__ = ["load_config"]
 
 MAX_PROBLEMS_SHOWN = 30
 

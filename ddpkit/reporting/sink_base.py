@@ -1,6 +1,6 @@
 """The metric-sink interface (:class:`Sink`) and the small helpers its implementations share.
 
-    class PrintSink(ddpkit.Sink):                 # also ddpkit.reporting.sinks.Sink
+    class PrintSink(ddpkit.Sink):                 # also ddpkit.reporting.sink_base.Sink
         name = "print"
         def write(self, record):
             print(record["step"], record.get("train_loss"))

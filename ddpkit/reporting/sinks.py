@@ -39,13 +39,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-# Sink and the helpers trackers share live in sink_base (trackers import them from there, not from here).
 from ddpkit.atomic import write_atomically
 from ddpkit.errors import DdpkitError
-from ddpkit.reporting.sink_base import STATUSES, Sink, as_text, flatten_config
+from ddpkit.reporting.sink_base import STATUSES, Sink
 
-__all__ = ["Sink", "SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "TensorBoardSink",
-           "flatten_config", "as_text", "read_status", "STATUS_FILE", "STATUSES"]
+__all__ = ["SinkGroup", "build_sinks", "MetricsFileSink", "StatusSink", "TensorBoardSink", "read_status", "STATUS_FILE"]
 
 log = logging.getLogger("ddpkit.reporting.sinks")
 
