@@ -45,7 +45,7 @@ from ddpkit.distributed.process_group import broadcast_object
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 
-__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write", "read_holder"]
+__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write", "read_holder", "start_ticks"]
 
 log = logging.getLogger("ddpkit")
 
@@ -75,7 +75,7 @@ class LockHolder:
 
     def alive(self) -> bool:
         if self.host == socket.gethostname():
-            return is_alive(self.pid) and (self.start_ticks is None or _start_ticks(self.pid) == self.start_ticks)
+            return is_alive(self.pid) and (self.start_ticks is None or start_ticks(self.pid) == self.start_ticks)
         return self.age_s < STALE_AFTER_S
 
     def describe(self) -> str:
@@ -174,7 +174,7 @@ class RunLock:
             fd = os.open(self.directory / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        fields = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()),
+        fields = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
                   "since": time.time(), "token": self.token}
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(fields))
@@ -204,7 +204,7 @@ class RunLock:
             (self.directory / LOCK_NAME).unlink(missing_ok=True)
 
 
-def _start_ticks(pid: int) -> str | None:
+def start_ticks(pid: int) -> str | None:
     """Field 22 of ``/proc/PID/stat`` (the process's start time), or None without ``/proc``."""
     fields = proc_stat(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.config.schema import HANG_TIMEOUT
 from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_MODES, COMPILE_TORCH_OPTIONS
+from ddpkit.config.urls import url_problems
 from ddpkit.errors import ConfigError, check_requeue_exit_code
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ def cross_field_problems(cfg: Config) -> list[str]:
     problems += _watchdog_problems(cfg.dist)
     problems += _compile_problems(cfg.train.compile)
     problems += parallel_problems(cfg)
+    # checkpoint.dir=s3:/x would otherwise be a local folder named 's3:'
+    ck = cfg.checkpoint
+    problems += url_problems(directory=ck.dir, output_dir=cfg.run.output_dir, storage_options=ck.storage_options)
     if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
         problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
     try:

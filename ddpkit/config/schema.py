@@ -27,6 +27,7 @@ from ddpkit.config.fields import option, yaml_key
 from ddpkit.config.health_section import HealthConfig, SpikeConfig, StragglerConfig
 from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
+from ddpkit.config.urls import url_scheme
 
 __all__ = [
     "Config",
@@ -212,7 +213,17 @@ class BestConfig:
 class CheckpointConfig:
     """Crash-safe rank-0 checkpoints and resume."""
 
-    dir: str | None = option(None, "Checkpoint directory. Defaults to `<output_dir>/checkpoints`.")
+    dir: str | None = option(
+        None,
+        "Checkpoint directory. Defaults to `<output_dir>/checkpoints`. A URL (`s3://`, `gs://`, `az://`, `abfs://`, "
+        "`file://`) keeps the checkpoints, `metrics.jsonl` and `model.pt` in object storage: each save is written to "
+        "`<output_dir>/checkpoints` first, then uploaded in the background; a run on an empty disk resumes from the "
+        "newest valid one there (docs/storage.md; needs `ddpkit[s3]`, `[gcs]` or `[azure]`).",
+    )
+    storage_options: dict[str, Any] = option(
+        factory=dict,
+        doc="fsspec options for a URL `dir` (S3: `{profile: ..., endpoint_url: ...}`); else the cloud's own env and files.",
+    )
     every_steps: int | Literal["auto"] | None = option(
         None,
         "Save every this many optimizer steps. `auto`: every sqrt(2 * `mtbf_hours` * T_save) seconds of training "
@@ -322,5 +333,13 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> str:
-        """The checkpoint directory, with the `<output_dir>/checkpoints` default applied."""
-        return self.checkpoint.dir or f"{self.output_dir}/checkpoints"
+        """The local checkpoint directory: `checkpoint.dir`, or `<output_dir>/checkpoints` by default and when
+        `checkpoint.dir` is a URL (the staging copy that is uploaded there)."""
+        if self.checkpoint.dir and url_scheme(self.checkpoint.dir) is None:
+            return self.checkpoint.dir
+        return f"{self.output_dir}/checkpoints"
+
+    @property
+    def checkpoint_url(self) -> str | None:
+        """`checkpoint.dir` when it is an object-storage URL (mirrored by ddpkit.checkpoint.storage), else None."""
+        return self.checkpoint.dir if url_scheme(self.checkpoint.dir) is not None else None

@@ -1,0 +1,138 @@
+"""Publish one local checkpoint to the store: data objects first, the manifest last, then retention.
+
+    publish_checkpoint(store, job, epoch=3, keep_last=2, protected={"step-000000100.pt"})
+
+Runs in the upload process (:mod:`ddpkit.checkpoint.storage.worker`), never on the training thread.
+A sharded checkpoint spread over nodes without a shared disk is published in parts: each node's
+upload process sends the shard files its ranks wrote and a part list (``.ddpkit/parts/<name>/node-<k>.json``);
+node 0's waits for every part, then writes the one manifest covering them all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpkit.checkpoint.storage.layout import FORMAT, manifest_name, newest_fence, retire
+from ddpkit.checkpoint.storage.store import Store
+from ddpkit.errors import CheckpointError
+
+__all__ = ["publish_checkpoint", "publish_file", "LeaseLost", "PART_WAIT_S"]
+
+#: Seconds node 0's upload waits for the other nodes' shards of a sharded checkpoint.
+PART_WAIT_S = 600.0
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class LeaseLost(CheckpointError):
+    """A newer run took the store's lock: this run's checkpoints can no longer count (never retried)."""
+
+
+def publish_checkpoint(
+    store: Store, job: dict[str, Any], *, epoch: int | None, keep_last: int | None, protected: set[str]
+) -> dict[str, Any]:
+    """Upload the checkpoint ``job["path"]`` names; returns ``{"name", "step", "bytes"}`` of what was sent.
+
+    Raises FileNotFoundError when the local checkpoint is gone (pruned before its turn came),
+    :class:`LeaseLost` when another run holds the lock now, and the store's own errors otherwise.
+    """
+    path = Path(job["path"])
+    name, node, nodes = path.name, job.get("node", 0), job.get("nodes", 1)
+    if name in protected:
+        return {"name": name, "step": job["step"], "bytes": 0}  # the checkpoint this run resumed from is there already
+    create = name.startswith("step-")
+    if node == 0 and store.get_bytes(manifest_name(name)) is not None:
+        store.delete([manifest_name(name)])  # an older save under this name stops counting before its data changes
+    objects = _send(store, path, node=node, nodes=nodes, ranks=job.get("ranks", ()))
+    if node != 0:
+        store.put_bytes(f".ddpkit/parts/{name}/node-{node:05d}.json", json.dumps(objects).encode())
+        return {"name": name, "step": job["step"], "bytes": sum(o["bytes"] for o in objects.values())}
+    if nodes > 1:
+        objects.update(_wait_for_parts(store, name, nodes))
+    local = json.loads(_local_manifest(path).read_text())
+    if path.suffix == ".dcp":
+        local["files"] = {key.split("/", 1)[1]: spec["bytes"] for key, spec in objects.items()}
+    _check_lease(store, epoch)
+    manifest = {
+        "format": FORMAT,
+        "name": name,
+        "step": job["step"],
+        "epoch": epoch,
+        "created": time.time(),
+        "objects": objects,
+        "local": local,
+    }
+    store.put_bytes(manifest_name(name), json.dumps(manifest, indent=1).encode(), create=create)
+    if nodes > 1:
+        store.delete([f".ddpkit/parts/{name}/node-{k:05d}.json" for k in range(1, nodes)])
+    if create and keep_last is not None:
+        retire(store, keep_last=keep_last, protected=protected, epoch=epoch)
+    return {"name": name, "step": job["step"], "bytes": sum(o["bytes"] for o in objects.values())}
+
+
+def publish_file(store: Store, job: dict[str, Any]) -> dict[str, Any]:
+    """Upload a run file (``metrics.jsonl``, ``model.pt``) over its previous copy; a JSONL file up to its last
+    complete line (the trainer may be appending to it right now)."""
+    path = Path(job["path"])
+    if job.get("lines"):
+        data = path.read_bytes()
+        data = data[: data.rfind(b"\n") + 1]
+        store.put_bytes(job["name"], data)
+        return {"name": job["name"], "bytes": len(data)}
+    _, size = store.put_file(path, job["name"])
+    return {"name": job["name"], "bytes": size}
+
+
+def _local_manifest(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _send(store: Store, path: Path, *, node: int, nodes: int, ranks: Any) -> dict[str, dict[str, Any]]:
+    """Upload the data objects of ``path`` this node holds: ``{key: {"bytes", "sha256"}}``."""
+    if path.suffix != ".dcp":
+        sha, size = store.put_file(path, path.name)
+        return {path.name: {"bytes": size, "sha256": sha}}
+    folder = path if path.is_dir() else path.with_name(f".{path.name}.partial")  # a node whose rank 0 is elsewhere
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{path}: no such sharded checkpoint on this node")
+    mine = {int(r) for r in ranks}
+    objects = {}
+    for file in sorted(folder.iterdir()):
+        shard = _SHARD.match(file.name)
+        if file.is_file() and (nodes == 1 or (shard and int(shard.group(1)) in mine) or (node == 0 and not shard)):
+            sha, size = store.put_file(file, f"{path.name}/{file.name}")
+            objects[f"{path.name}/{file.name}"] = {"bytes": size, "sha256": sha}
+    return objects
+
+
+def _wait_for_parts(store: Store, name: str, nodes: int) -> dict[str, dict[str, Any]]:
+    """The other nodes' part lists, merged; waits up to PART_WAIT_S for the last one."""
+    deadline = time.monotonic() + PART_WAIT_S
+    wanted = [f".ddpkit/parts/{name}/node-{k:05d}.json" for k in range(1, nodes)]
+    while True:
+        parts = [store.get_bytes(key) for key in wanted]
+        if all(part is not None for part in parts):
+            merged: dict[str, dict[str, Any]] = {}
+            for part in parts:
+                merged.update(json.loads(part))
+            return merged
+        if time.monotonic() > deadline:
+            missing = sum(part is None for part in parts)
+            raise CheckpointError(
+                f"{name}: {missing} of {nodes - 1} other nodes did not upload their shards in {PART_WAIT_S:.0f} s"
+            )
+        time.sleep(2.0)
+
+
+def _check_lease(store: Store, epoch: int | None) -> None:
+    if epoch is None:
+        return
+    fence = newest_fence(store)
+    if fence is not None and fence.get("epoch") != epoch:
+        raise LeaseLost(
+            f"{store.url} was taken over by another run (lock epoch {fence.get('epoch')}, this run's {epoch}): "
+            "this run's checkpoints are no longer published there"
+        )

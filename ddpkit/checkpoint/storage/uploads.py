@@ -1,0 +1,107 @@
+"""The training process's handle on its upload process: queue a job and return, read answers, drain at the end.
+
+    uploads = Uploader({"url": "s3://b/run", "options": {}, "keep_last": 2, "lease": None})
+    uploads.submit({"op": "checkpoint", "path": "runs/x/checkpoints/step-000000200.pt", "step": 200})  # returns at once
+    uploads.answers()          # the answers that arrived since the last call (never blocks)
+    left = uploads.drain(60)   # at the end: the jobs not done within 60 s (the process is then stopped)
+
+The process is a new interpreter (``python -m ddpkit.checkpoint.storage.worker``), started on the first
+job; jobs and answers are JSON lines on its stdin and stdout. Submitting writes one short line into a
+pipe the process always reads, so it never waits for an upload. No thread runs in the training process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Uploader"]
+
+
+class Uploader:
+    """One upload process and the jobs it has not answered yet."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self.pending: dict[int, dict[str, Any]] = {}  # seq -> job, until answered
+        self._proc: subprocess.Popen | None = None
+        self._seq, self._buffer = 0, b""
+
+    def start(self) -> None:
+        """Start the process now (it renews the lock from then on); otherwise the first submit does."""
+        if self._proc is not None:
+            return
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[3])  # a checkout that is not installed works too
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpkit.checkpoint.storage.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._send({**self.spec, "ppid": os.getpid()})
+
+    def submit(self, job: dict[str, Any]) -> None:
+        """Queue ``job``; returns at once. A process that died is started again (and its lost jobs reported failed)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            self._proc = None  # died (killed, out of memory): what it had not answered is lost
+        self.start()
+        self._seq += 1
+        job = {**job, "seq": self._seq}
+        if job["op"] != "protect":
+            self.pending[self._seq] = job
+        self._send(job)
+
+    def answers(self) -> list[dict[str, Any]]:
+        """The answers that arrived since the last call, without waiting."""
+        if self._proc is None:
+            return []
+        try:
+            while chunk := os.read(self._proc.stdout.fileno(), 1 << 16):
+                self._buffer += chunk
+        except BlockingIOError:
+            pass
+        *lines, self._buffer = self._buffer.split(b"\n")
+        answers = [json.loads(line) for line in lines if line.strip()]
+        for answer in answers:
+            self.pending.pop(answer.get("seq"), None)
+        return answers
+
+    def drain(self, deadline_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Let the queued jobs finish, at most ``deadline_s`` seconds: ``(answers, jobs left undone)``."""
+        if self._proc is None:
+            return [], []
+        try:
+            self._proc.stdin.close()  # end of jobs: the process finishes its queue and exits
+        except OSError:
+            pass
+        answers, end = [], time.monotonic() + deadline_s
+        while self._proc.poll() is None and time.monotonic() < end:
+            answers += self.answers()
+            time.sleep(0.05)
+        if self._proc.poll() is None:
+            self._proc.kill()  # past the deadline: what is still uploading stays local
+        self._proc.wait()
+        answers += self.answers()
+        left = list(self.pending.values())
+        self.pending.clear()
+        self._proc.stdout.close()
+        self._proc = None
+        return answers, left
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write((json.dumps(message) + "\n").encode())
+            self._proc.stdin.flush()
+        except BrokenPipeError:  # the process just died; the next submit starts another
+            pass
