@@ -78,6 +78,9 @@ def _section(path: str, cls: type, level: int = 2) -> list[str]:
             rows.append(_row(key, "section" + (" or null" if optional(tp) else ""), default, "", f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)})."))
             continue
         rows.append(_row(key, _type_name(tp), _default(f), _allowed(tp, f), f.metadata["doc"]))
+        item = typing.get_args(strip_none(tp))[0] if typing.get_origin(strip_none(tp)) is list else None
+        if dataclasses.is_dataclass(item):  # a list of mappings with keys of their own (optim.groups): their table follows
+            nested.append((key, item))
     doc = " ".join((cls.__doc__ or "").split())
     out = [f"{'#' * level} {path}\n", f"{doc}\n", "\n".join(rows) + "\n"]
     for key, inner in nested:
@@ -104,7 +107,7 @@ def _type_name(tp: Any) -> str:
         name = "string"
     elif origin is list:
         name = f"list of {_type_name(typing.get_args(inner)[0])}"
-    elif origin is dict:
+    elif origin is dict or dataclasses.is_dataclass(inner):
         name = "mapping"
     else:
         name = {bool: "bool", int: "int", float: "float", str: "string"}[inner]

@@ -107,8 +107,8 @@ def test_parse_override():
 
 
 def test_cross_field_checks(tmp_path):
-    with pytest.raises(ConfigError, match="set train.epochs or train.max_steps"):
-        load_config({"train": {"epochs": None}})
+    neither = load_config({"train": {"epochs": None}}).train  # neither epochs nor max_steps: one epoch (issue 44)
+    assert (neither.epochs, neither.max_steps, neither.epoch_limit) == (None, None, 1)
     with pytest.raises(ConfigError, match="adam has no momentum argument; set optim.kwargs.betas"):
         load_config({"optim": {"name": "adam", "momentum": 0.9}})
 

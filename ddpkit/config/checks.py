@@ -1,6 +1,6 @@
 """Checks that involve more than one config field (one field's own range is checked where it is declared).
 
-    problems = cross_field_problems(cfg)   # ["train.epochs: set train.epochs or train.max_steps ...", ...]
+    problems = cross_field_problems(cfg)   # ["ddp.static_graph: static_graph=true already handles ...", ...]
     hang_timeout_seconds(cfg.dist)          # dist.hang_timeout resolved: `auto` is 120 s capped at 80% of dist.timeout
 """
 
@@ -35,8 +35,6 @@ def hang_timeout_seconds(d: DistConfig) -> float | None:
 def cross_field_problems(cfg: Config) -> list[str]:
     """Problems that involve more than one field, as ``"path: message"`` strings."""
     problems = []
-    if cfg.train.epochs is None and cfg.train.max_steps is None:
-        problems.append("train.epochs: set train.epochs or train.max_steps (both are null, so training would never end)")
     if cfg.ddp.static_graph and cfg.ddp.find_unused_parameters:
         problems.append(
             "ddp.static_graph: static_graph=true already handles unused parameters; "

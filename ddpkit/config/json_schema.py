@@ -91,6 +91,8 @@ def _value(tp: Any, f: dataclasses.Field) -> dict[str, Any]:
         return {"type": "array", "items": _value(typing.get_args(tp)[0], f)}
     if origin is dict or tp is dict:
         return {"type": "object"}
+    if dataclasses.is_dataclass(tp):  # the items of a list of mappings (optim.groups)
+        return _section(tp)
     schema: dict[str, Any] = {"type": _JSON_TYPES[tp]}
     if tp in (int, float):
         if f.metadata.get("ge") is not None:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from ddpkit.config.fields import option, yaml_key
 from ddpkit.config.health_section import HealthConfig, SpikeConfig, StragglerConfig
 from ddpkit.config.parallel import FSDPConfig, ParallelConfig
-from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, SchedConfig, TrainConfig
+from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, ParamGroupConfig, SchedConfig, TrainConfig
 from ddpkit.config.urls import url_scheme
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "ModelConfig",
     "DataConfig",
     "OptimConfig",
+    "ParamGroupConfig",
     "SchedConfig",
     "EarlyStoppingConfig",
     "TrainConfig",

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from ddpkit.config.fields import option
 from ddpkit.config.profile_section import ProfileConfig
 
-__all__ = ["OptimConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
+__all__ = ["OptimConfig", "ParamGroupConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
 
 # The one table of `train.compile` keys: the config checks and ddpkit.training.model_views both read it.
 #: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
@@ -24,13 +24,37 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclass(frozen=True)
+class ParamGroupConfig:
+    """One entry of `optim.groups`: the parameters its patterns select, and the settings they get instead of the optimizer's."""
+
+    params: list[str] = option(
+        factory=list, doc="Patterns of parameter names: shell-style (`fnmatch`: `*.bias`, `blocks.*.ln?.weight`), or a regular "
+        "expression after `re:` (`re:^blocks\\.(0|1)\\.`, matched with `re.search`). Every pattern must match some parameter."
+    )
+    lr: float | None = option(None, "This group's learning rate (the schedule scales it like `optim.lr`). `null`: `optim.lr`.", gt=0)
+    weight_decay: float | None = option(
+        None, "This group's weight decay, whatever the parameters' shapes. `null`: `optim.weight_decay` under `optim.decay`'s rule.", ge=0
+    )
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """The optimizer. Not needed when the Trainer subclass overrides `build_optimizer`."""
 
     name: str = option("sgd", "A registered optimizer (`sgd`, `adam`, `adamw`) or `package.module:callable`.")
     lr: float = option(0.01, "Learning rate (peak rate when a warmup is used).", gt=0)
     momentum: float = option(0.0, "SGD momentum (SGD only; Adam's are `kwargs.betas`).", ge=0)
-    weight_decay: float = option(0.0, "Weight decay.", ge=0)
+    weight_decay: float = option(0.0, "Weight decay (of the parameters `decay` selects).", ge=0)
+    decay: Literal["matrices", "all"] = option(
+        "matrices", "Which parameters `weight_decay` applies to: `matrices` (parameters of 2 or more dimensions: weight matrices "
+        "and embeddings, not biases or norm weights; nanoGPT's, torchtitan's and the Hugging Face Trainer's rule) or `all` "
+        "(every parameter, the rule of earlier ddpkit releases). A `groups` entry's own `weight_decay` wins over both."
+    )
+    groups: list[ParamGroupConfig] = option(
+        factory=list, doc="Parameter groups with their own `lr` / `weight_decay`, e.g. `[{params: ['*.ln*', 'ln_f.*'], "
+        "weight_decay: 0.0}, {params: ['head.*'], lr: 1e-4}]`: a parameter joins the first group with a pattern matching its "
+        "name (`model.named_parameters()`), the others keep `lr`, `weight_decay` and the `decay` rule (docs/lm.md)."
+    )
     kwargs: dict[str, Any] = option(factory=dict, doc="Other optimizer arguments, e.g. `nesterov`, `betas`, `eps`.")
 
 
@@ -66,8 +90,21 @@ class EarlyStoppingConfig:
 class TrainConfig:
     """Length of training and what happens in each step."""
 
-    epochs: int | None = option(1, "Epochs to train. Training stops at `epochs` or `max_steps`, whichever comes first.", ge=1)
-    max_steps: int | None = option(None, "Optimizer steps to train (optional cap).", ge=1)
+    epochs: int | None = option(
+        None, "Epochs to train. `null` (the default): as many as `max_steps` takes, or one epoch when `max_steps` is null too. "
+        "With both set, training stops at whichever comes first.", ge=1
+    )
+    max_steps: int | None = option(
+        None, "Optimizer steps to train: exactly this many, over as many epochs as that takes, when `epochs` is null (the "
+        "schedule spans them all); a cap when `epochs` is set. `null`: `epochs` decides.", ge=1
+    )
+
+    @property
+    def epoch_limit(self) -> int | None:
+        """The epochs the run may start: ``epochs`` when set, else 1 without ``max_steps`` and unbounded (None) with it."""
+        if self.epochs is not None:
+            return self.epochs
+        return None if self.max_steps is not None else 1
     grad_accum_steps: int = option(
         1, "Micro-batches per optimizer step; the first k-1 run under DDP's `no_sync()`.", ge=1
     )

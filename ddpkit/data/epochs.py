@@ -121,15 +121,17 @@ def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
     """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where the loader cannot say.
 
     The ranks agree on the epoch length first (``data.uneven``), so every rank's schedule has the same length.
+    ``train.max_steps`` alone is the length however many epochs it spans; ``train.epochs`` alone, or neither
+    (one epoch), is whole epochs; both: whichever ends first (``TrainConfig.epoch_limit``).
     """
     train, length = config.train, epochs_of(loader).length
     if length is not None:
         length = agree_on_count(length, epoch=None, uneven=config.data.uneven)
     if length is None:
-        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epochs, steps_per_epoch=None, sched_name=config.sched.name)
+        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None, sched_name=config.sched.name)
         return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
     steps_per_epoch = math.ceil(length / train.grad_accum_steps)
-    return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch))
+    return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
 
 
 def data_position(loader: DataLoader) -> dict[str, Any]:

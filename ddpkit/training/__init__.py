@@ -1,6 +1,7 @@
 """What one training step is made of, apart from the loop itself.
 
-- ``optim``: optimizers and learning-rate schedules, registered by name.
+- ``optim``: optimizers and learning-rate schedules, registered by name; ``param_groups``: weight decay on
+  matrices only and ``optim.groups`` (per-group ``lr`` / ``weight_decay`` by parameter-name patterns).
 - ``precision``: autocast and the fp16 gradient scaler.
 - ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).

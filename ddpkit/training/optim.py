@@ -8,7 +8,8 @@ each micro-batch (scaled for fp16, divided over accumulated micro-batches), then
 clipping, the step, zeroing gradients and the schedule, with the autocast context for forward
 passes. The loop itself stays a few readable lines.
 
-An optimizer builder is called as ``builder(params, lr=, momentum=, weight_decay=, **kwargs)``;
+An optimizer builder is called as ``builder(params, lr=, momentum=, weight_decay=, **kwargs)``, ``params``
+being torch's param groups when ``optim.decay`` / ``optim.groups`` make more than one (a list of dicts);
 register your own with ``@ddpkit.register_optimizer("name")``. Schedules are a ``LambdaLR``
 stepped once per optimizer step: linear warmup from 0 to ``optim.lr``, then constant, cosine or
 linear decay to ``min_lr``, or step decay.
@@ -26,6 +27,7 @@ from ddpkit.config.schema import OptimConfig, SchedConfig, TrainConfig
 from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.errors import ConfigError
 from ddpkit.registry import OPTIMIZERS, register_optimizer
+from ddpkit.training.param_groups import accept_one_group, param_groups
 from ddpkit.training.precision import autocast, check_precision, grad_scaler
 from ddpkit.training.token_loss import TokenCount, split_loss
 
@@ -47,15 +49,29 @@ def adamw(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_dec
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
 
-def build_optimizer(params: Iterable[Any], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.name`` over ``params``."""
+def build_optimizer(model: torch.nn.Module | Iterable[Any], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.name`` over ``model``'s parameters, in the groups ``optim`` configures.
+
+    ``model`` is the (bare or FSDP2-sharded) module, whose parameter names ``optim.groups`` patterns
+    select; bare parameters are accepted too, for the ``optim.decay`` rule alone. The builder gets
+    torch's param groups (a list of dicts) unless they come to one plain group (no weight decay, no
+    ``optim.groups``): then the parameters themselves, as before groups existed. See
+    :mod:`ddpkit.training.param_groups`, which also lets a one-group checkpoint of an earlier release load.
+    """
+    named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else [(None, p) for p in model]
+    groups = param_groups(named, cfg)
+    plain = len(groups) == 1 and set(groups[0]) == {"params", "weight_decay"} and groups[0]["weight_decay"] == cfg.weight_decay
     builder = OPTIMIZERS.get(cfg.name, key="optim.name")
     try:
-        return builder(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **cfg.kwargs)
+        optimizer = builder(groups[0]["params"] if plain else groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                            **cfg.kwargs)
     except TypeError as exc:  # an unknown keyword in optim.kwargs
         raise ConfigError(f"optim.kwargs: {exc} (optimizer {cfg.name!r})") from None
     except ValueError as exc:  # torch's own range checks, e.g. "Invalid beta parameter"
         raise ConfigError(f"optim: {exc} (optimizer {cfg.name!r})") from None
+    if len(optimizer.param_groups) > 1:
+        accept_one_group(optimizer, [p for _, p in named])
+    return optimizer
 
 
 def lr_factor(step: int, cfg: SchedConfig, *, base_lr: float, total_steps: int) -> float:
@@ -81,7 +97,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total
     """
     if cfg.name == "constant" and cfg.warmup_steps == 0:
         return None
-    base_lr = optimizer.param_groups[0]["lr"]
+    # min_lr is optim.lr's floor; a group with its own lr ends at the same fraction of it
+    base_lr = optimizer.defaults.get("lr", optimizer.param_groups[0]["lr"])
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg, base_lr=base_lr, total_steps=total_steps)
     )
