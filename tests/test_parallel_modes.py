@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from helpers import REPO, run_cli, samples_by_step, tiny_config
+from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
 from ddpkit.config.loader import load_config
@@ -20,7 +21,7 @@ from ddpkit.config.parallel import ParallelConfig
 from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
 from ddpkit.testing import RankFailure, run_on_ranks
-from ddpkit.training.models import MLP, TinyLM
+from ddpkit.training.models import MLP
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,6 +1,6 @@
 """The ``parallel`` config section: how the model, its gradients and its optimizer state are spread over ranks.
 
-    parallel: {mode: fsdp2, fsdp: {blocks: [TransformerBlock], reshard_after_forward: true}}
+    parallel: {mode: fsdp2, fsdp: {blocks: [GPTBlock], reshard_after_forward: true}}
 
     ddpkit run --nproc 2 train.py config.yaml parallel.mode=zero1
 
@@ -28,7 +28,7 @@ class FSDPConfig:
 
     blocks: list[str] | None = option(
         None,
-        "Class names of the submodules sharded as one unit each (e.g. `[TransformerBlock]`); the root takes the rest. "
+        "Class names of the submodules sharded as one unit each (e.g. `[GPTBlock]`); the root takes the rest. "
         "`null`: every child with parameters of the outermost `nn.ModuleList` / `nn.Sequential` containers.",
     )
     reshard_after_forward: bool = option(
