@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import REPO, processes_mentioning, tiny_config
+from helpers import REPO, cpu_runtime, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed.control_auth import verify
@@ -144,6 +144,8 @@ def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.join()
+        if "client" in locals():
+            client.close()  # the call stuck on the frozen server fails now that it is gone: its thread ends
 
 
 def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
@@ -155,13 +157,14 @@ def test_stop_ends_the_watchdog_threads_before_the_group_is_destroyed(tmp_path):
     done = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()
     beats = dist.PrefixStore(f"ddpkit/watchdog/{watchdog._generation}", store)
     deadline = time.monotonic() + 60
-    while not beats.check(["hb/1"]) and time.monotonic() < deadline:
-        time.sleep(0.05)  # its thread is publishing
+    while not beats.check(["node/1"]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # its thread is publishing (a world of two one-rank nodes: rank 1 leads node 1)
     done.stop()
     assert set(threading.enumerate()) <= before  # both threads ended: the publisher and its store client
-    assert json.loads(verify(done.client.key, "hb/1", beats.get("hb/1")))["phase"] == "done"  # stop() said so itself (signed)
+    record = json.loads(verify(done.client.key, "node/1", beats.get("node/1")))  # signed
+    assert record["beats"]["1"]["phase"] == "done"  # stop() said so itself
     with pytest.raises(StoreDown, match="closed"):
-        done.client("check", ["hb/1"])
+        done.client("check", ["node/1"])
     failed = watchdog.Watchdog(store, rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path).start()
     failed.stop(RuntimeError("injected"))
     assert failed.published_failure and failed.client("check", ["alarm"])  # open for announce_failure...
@@ -257,13 +260,11 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
 
 
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
-    from ddpkit.distributed.env import DistEnv
-    from ddpkit.distributed.process_group import Runtime
     from ddpkit.watchdog.heartbeat import Watchdog
 
-    single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    single = cpu_runtime(world_size=1, store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled
-    pair = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    pair = cpu_runtime(world_size=2, store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, step=lambda: 0).enabled
     on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, step=lambda: 0)
     assert on.enabled and on.hang_timeout == 48 and on.slow_timeout == 54  # 80% and 90% of dist.timeout
@@ -271,6 +272,8 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
     assert explicit.hang_timeout == 120  # given explicitly (and below dist.timeout): used as given, never capped
     auto = Watchdog.for_run(load_config({}, ["dist.timeout=140"]), pair, step=lambda: 0)
     assert auto.hang_timeout == 112  # auto: 120 s capped at 80% of dist.timeout
+    for watchdog in (on, explicit, auto):
+        watchdog.stop()  # never started: ends its store client's thread
 
 
 def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):

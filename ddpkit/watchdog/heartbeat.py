@@ -1,32 +1,38 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
-    with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:   # stop(error) on the way out
-        events.add(watchdog)                                # on_phase: every span of reporter.span(): data, forward, ...
-        evaluate(model, loader, watchdog.ticking(validation_step))   # each validation batch is progress
+    with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:  # stop(error) on exit
+        events.add(watchdog)          # on_phase: every span of reporter.span(): data, forward, ...
+        Evaluation(models, loader, device=device, autocast=autocast, ticking=watchdog.ticking)  # each batch: progress
 
-The training thread only writes attributes (the phase, a counter). A daemon thread publishes them
-through the process group's own key-value store (torchrun's TCPStore; never a collective) about
-twice a second, under ``ddpkit/watchdog/<n>/``:
+The training thread only writes attributes (the phase, a counter); a daemon thread makes a heartbeat
+of them twice a second, at a cost that does not grow with the job (docs/scaling.md, "The control plane"):
 
-* ``hb/<rank>``: step, phase, counters, host, pid. Rank 0 reads all of them. "Progress" is any
-  change of any rank's step, phase or counter, or the main thread of any rank running code it has
-  not run since the last change (so a minutes-long ``torch.compile`` is progress, while a thread
-  blocked on a lock, a queue or a collective is not). With no progress for ``dist.hang_timeout``
-  seconds (``dist.slow_phase_timeout`` while a rank is in setup, compile, a checkpoint or its
-  first batch), rank 0 raises the alarm. The other ranks watch rank 0's heartbeat and raise it
-  themselves when rank 0 goes silent.
-* ``alarm``: the first alarm wins (``compare_set``). On a hang every live rank posts the stacks of
-  all its threads (``stacks/<rank>``); the rank that raised it classifies the ranks
-  (:mod:`ddpkit.watchdog.report`), writes ``<output_dir>/logs/hang-<YYYYmmdd-HHMMSS>.txt``, prints it
-  to stderr (the launcher's output) and every rank exits with :data:`HANG_EXIT_CODE` (3).
+* Every rank writes its heartbeat (step, phase, counters, pid) into its slot of its node's board,
+  a file in shared memory (:mod:`ddpkit.watchdog.node_board`): no store call.
+* One rank per node leads it (local rank 0 while it beats, :mod:`ddpkit.watchdog.node`): it reads
+  its node-mates' slots and, through the job's key-value store (torchrun's TCPStore; never a
+  collective) under ``ddpkit/watchdog/<n>/``, sets ``progress`` when a rank of its node made
+  progress, ``slow`` while one is in a slow phase and, every few seconds, ``node/<n>`` (the node's
+  beats and silent ranks); it polls ``alarm`` and relays what it reads to its node-mates.
+  "Progress" is any change of a rank's step, phase or counter, or its main thread running code it
+  has not run since the last change (so a minutes-long ``torch.compile`` is progress, while a thread
+  blocked on a lock, a queue or a collective is not).
+* Rank 0 judges (:mod:`ddpkit.watchdog.monitor`): it reads ``progress`` and ``slow``, two keys. With
+  no progress for ``dist.hang_timeout`` seconds (``dist.slow_phase_timeout`` while a rank is in setup,
+  compile, a checkpoint or its first batch), it raises the alarm. A deputy (the first rank of node 1,
+  or rank 1 on one node) watches rank 0's own record, ``judge``, and raises it when rank 0 goes silent.
+* ``alarm``: the first alarm wins (``compare_set``). The rank that raised it reads every node's record,
+  classifies the ranks (:mod:`ddpkit.watchdog.report`), asks the suspects for their stacks (``want``;
+  every live rank in a job of up to 64), writes ``<output_dir>/logs/hang-<YYYYmmdd-HHMMSS>.txt``, prints
+  it to stderr (the launcher's output) and every rank exits with :data:`HANG_EXIT_CODE` (3).
   ``failed`` alarms come from a rank whose ``fit`` raised (:meth:`Watchdog.stop`): ranks on other
   nodes, which under NCCL could wait for ``dist.timeout``, exit with code 1 naming it within
   seconds (ranks on the failing rank's node are stopped by torchrun first). A rank frozen in C code
   that keeps the GIL stops this thread too: then :mod:`ddpkit.watchdog.backstop` has its stacks and step.
 
 The store may live in a rank (``ddpkit run`` hosts it in rank 0), so every store call runs on a
-helper thread with a short deadline: a frozen rank 0 makes calls time out, and a rank that cannot
-reach the store for ``dist.hang_timeout`` writes a report of its own and exits.
+helper thread with a short deadline: a frozen rank 0 makes calls time out, and a node whose leader
+cannot reach the store for ``dist.hang_timeout`` writes reports of its own and exits.
 """
 
 from __future__ import annotations
@@ -45,16 +51,19 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
-from ddpkit.errors import EXIT_FAILURE, first_line
+from ddpkit.errors import EXIT_FAILURE
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
-from ddpkit.watchdog.monitor import GATHER_WAIT, HANG_EXIT_CODE, Monitor
-from ddpkit.watchdog.report import SLOW_PHASES, stack_signature, thread_stacks
-from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, process_gone, terminate, write_error_file, write_text
+from ddpkit.watchdog.failure import announce
+from ddpkit.watchdog.monitor import HANG_EXIT_CODE, Monitor, report_alone
+from ddpkit.watchdog.node import Node
+from ddpkit.watchdog.node_board import NodeBoard, board_name
+from ddpkit.watchdog.report import SLOW_PHASES, stack_signature
+from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, terminate, write_error_file
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
 FAILED_PEER_EXIT_CODE = EXIT_FAILURE  #: exit code of a rank stopped because another rank failed (1)
-INTERVAL = 0.5  # seconds between heartbeats (and checks of the alarm key)
+INTERVAL = 0.5  # seconds between heartbeats
 STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
 JOIN_WAIT = 2 * STORE_DEADLINE + INTERVAL  # stop(): the thread's last round of store calls, each within the deadline
 FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first
@@ -67,10 +76,12 @@ class Watchdog:
 
     enabled = True
 
-    def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float, log_dir: Path, step: Callable[[], int] = lambda: 0):
+    def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float,
+                 log_dir: Path, step: Callable[[], int] = lambda: 0, local_world_size: int = 1):
         global _generation
         _generation += 1
-        self.client = StoreClient(dist.PrefixStore(f"ddpkit/watchdog/{_generation}", own_client(store)), STORE_DEADLINE)
+        prefix = f"ddpkit/watchdog/{_generation}"
+        self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE)
         self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
         self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
         # Written by the training thread (a few attribute writes per phase), read by the watchdog thread.
@@ -84,6 +95,10 @@ class Watchdog:
         self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
         self._last_local: tuple[Any, ...] = ()
         self._since = time.time()
+        self.last_beat: dict[str, Any] = {}
+        local = local_world_size if local_world_size > 0 and world_size % local_world_size == 0 else 1
+        self.local_world_size, self.nodes, self._prefix = local, world_size // local, prefix
+        self.node: Node  # start() opens the node's board: a watchdog never started leaves nothing in /dev/shm
         self._monitor = Monitor(self)
 
     @classmethod
@@ -97,6 +112,7 @@ class Watchdog:
         return cls(
             runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
             slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
+            local_world_size=runtime.env.local_world_size,
         )
 
     # --- the training thread's side: attribute writes only -----------------------------------
@@ -117,7 +133,7 @@ class Watchdog:
         self.backstop.at_phase(self.spans[-1])  # where a rank frozen with the GIL is, to the phase
 
     def on_step_end(self, step: int) -> None:
-        self.backstop.at_step(step)  # the heartbeat publishes twice a second: a hundred steps may pass between two
+        self.backstop.at_step(step)  # the heartbeat goes out twice a second: a hundred steps may pass between two
 
     def tick(self) -> None:
         """Progress inside a phase (one validation batch): a long validation is not a hang."""
@@ -146,8 +162,15 @@ class Watchdog:
         global _current
         _current = self
         self.backstop = open_backstop(self.log_dir, rank=self.rank, hang_timeout=self.hang_timeout, step=self._step())
-        with contextlib.suppress(StoreDown):  # a first heartbeat now: a rank frozen before the thread's first is still named, by pid
+        local = self.local_world_size
+        name = board_name(self.client.key, self._prefix, node=self.rank // local)
+        board = NodeBoard.open(name, slots=local, index=self.rank % local)
+        self.node = Node(board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes, interval=INTERVAL)
+        with contextlib.suppress(StoreDown):  # a first beat now: a rank frozen before the thread's first is still named
             self._publish()
+            if self.rank == 0:  # the keys rank 0 reads exist from the start
+                self.client("set", "progress", "start")
+                self.client("set", "slow", "start")
         self._thread.start()
         return self
 
@@ -159,25 +182,29 @@ class Watchdog:
         the group and then the interpreter go (see :class:`StoreClient`). After a failure the
         process exits at once; the client stays open for :func:`announce_failure`, which closes it.
         """
+        if not hasattr(self, "node"):  # never started: only the store client's thread to end
+            return self.client.close()
         if self._stopped.is_set():
             return
         self.spans.append("done")
         self._stopped.set()
-        if error is None and not self.handling_hang and self._thread.is_alive() and self._thread is not threading.current_thread():
+        if (error is None and not self.handling_hang and self._thread.is_alive()
+                and self._thread is not threading.current_thread()):
             self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
         try:
             if error is not None and not self.handling_hang:
-                message = f"{type(error).__name__}: {first_line(error)}"
+                message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
                 if not self.published_failure:  # another rank failed first: this rank has seen its failure
                     self._count_failure_seen()
             else:
-                self._publish()  # phase "done": rank 0 stops counting this rank
+                self._publish()  # phase "done": not counted as silent, and no longer leading its node
         except StoreDown:
             pass  # the store is gone: the job is ending anyway
         self.backstop.close()  # nothing stays armed after fit()
+        self.node.board.close()
         if error is None:
             self.client.close()
 
@@ -188,10 +215,14 @@ class Watchdog:
         while not self._stopped.wait(INTERVAL):
             try:
                 self.backstop.arm()  # its timer fires only if this thread stops running
-                self._publish()
-                raw = self.client.get_if_set("alarm")
-                if raw is not None:
-                    return self._respond(json.loads(raw))
+                news = self.node.step(self.beat())
+                if self.node.took_over_at is not None:  # the store was last heard of when the old leader last beat
+                    store_ok = min(store_ok, time.monotonic() - max(0.0, time.time() - self.node.took_over_at))
+                    self.node.took_over_at = None
+                if news.get("alone"):
+                    return self._alone(news["alone"]["problem"], news["alone"]["since"])
+                if news.get("alarm"):
+                    return self._respond(news["alarm"])
                 self._monitor.check()
                 store_ok, problem = time.monotonic(), ""
             except StoreDown as exc:
@@ -199,7 +230,8 @@ class Watchdog:
                 if time.monotonic() - store_ok > self.hang_timeout and not self._stopped.is_set():
                     return self._alone(problem, time.time() - (time.monotonic() - store_ok))
             except Exception as exc:  # a bug here must never take the training run down
-                print(f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                print(f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}", file=sys.stderr,
+                      flush=True)
                 return
 
     def beat(self) -> dict[str, Any]:
@@ -209,7 +241,7 @@ class Watchdog:
         except IndexError:
             phase = "loop"
         local = (self._step(), phase, self.ticks, self.phase_ticks)
-        if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it each beat)
+        if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it)
             self._last_local, self._since, self._seen_stacks = local, time.time(), set()
         else:
             signature = stack_signature()
@@ -218,37 +250,36 @@ class Watchdog:
                 self._seen_stacks.add(signature)
         self._seq += 1
         first_batch = phase == "data" and self.data_batches <= 1
-        return {
-            "rank": self.rank, "seq": self._seq, "step": local[0], "phase": phase, "ticks": local[2], "phase_ticks": local[3],
-            "novel": self._novel, "since": self._since, "host": self._host, "pid": os.getpid(), "slow": phase in SLOW_PHASES or first_batch,
+        self.last_beat = {
+            "rank": self.rank, "seq": self._seq, "step": local[0], "phase": phase, "ticks": local[2],
+            "phase_ticks": local[3], "novel": self._novel, "since": self._since, "host": self._host,
+            "pid": os.getpid(), "slow": phase in SLOW_PHASES or first_batch, "t": time.time(),
         }
+        return self.last_beat
 
     def _publish(self) -> None:
-        self.client("set", f"hb/{self.rank}", json.dumps(self.beat()))
+        """One beat outside the thread's loop (start, stop): the board, the node's record, rank 0's ``judge``."""
+        self.node.step(self.beat())
+        if self.node.leading:
+            beats, silent = self.node.survey(time.time())
+            self.node.record(beats, silent, time.time(), None)
+        if self.rank == 0:
+            self.client("set", "judge", json.dumps(self.last_beat))
 
     def _respond(self, alarm: dict[str, Any]) -> None:
         if self._stopped.is_set():
             return
+        self.node.news["alarm"] = alarm  # for the node-mates, if this rank leads
         if alarm["kind"] == "failed":
             return self._peer_failed(alarm)
         self.handling_hang = True  # from here this thread ends the process; the main thread must not race it
-        self.backstop.close()  # this rank is live and posts its stacks: no dump meanwhile
-        self.client("set", f"stacks/{self.rank}", thread_stacks())
+        self.backstop.close()  # this rank is live and tells its node so: no dump meanwhile
         if alarm["by"] == self.rank:
             return self._monitor.report(alarm)
-        deadline = time.monotonic() + GATHER_WAIT + 10
-        done = None
-        while done is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            done = self._try(lambda: self.client.get_if_set("done"))
-        info = json.loads(done) if done else {"summary": f"hang declared by rank {alarm['by']}", "stuck": [], "since": time.time()}
-        print(f"ddpkit: rank {self.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr, flush=True)
-        stuck = self.rank in info["stuck"]
-        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time(), code=HANG_EXIT_CODE)
-        self._try(lambda: self.client("add", "exited", 1))
-        terminate(HANG_EXIT_CODE)
+        self._monitor.serve(alarm)
 
     def _peer_failed(self, alarm: dict[str, Any]) -> None:
+        self.node.step(self.beat())  # relay the failure to the node-mates before this thread waits
         self._try(self._count_failure_seen)
         # On the failed rank's node torchrun's agent stops this rank itself (its summary then names
         # the failed rank first); elsewhere no agent knows, so go now.
@@ -260,26 +291,19 @@ class Watchdog:
         terminate(FAILED_PEER_EXIT_CODE)
 
     def _count_failure_seen(self) -> None:
-        """Add this rank to ``failed_seen`` once, whichever thread (watchdog or training) learns of the failure first."""
+        """Add this rank to ``failed_seen`` once, whichever thread (watchdog or training) hears first."""
         with self._seen_lock:
             if not self._counted_failure:
                 self._counted_failure = True
                 self.client("add", "failed_seen", 1)
 
     def _alone(self, problem: str, since: float) -> None:
-        """The store stopped answering: report this rank alone (no other rank can be reached) and exit."""
-        beat = self.beat()
-        summary = (
-            f"hang: the job's store has not answered since {time.strftime('%H:%M:%S', time.localtime(since))} ({problem}); "
-            f"it is hosted by rank 0 under `ddpkit run` (else by torchrun's agent on node 0), so rank 0 or node 0 is "
-            f"probably frozen or gone. This rank {self.rank} is at step {beat['step']}, in {beat['phase']}"
-        )
-        path = self.log_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{self.rank}.txt"
-        text = f"{summary}\n\n=== rank {self.rank}: Python stacks of all threads ===\n{thread_stacks()}\n"
-        path = write_text(path, text)
-        print(f"ddpkit: rank {self.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
-        write_error_file(summary, when=time.time(), code=HANG_EXIT_CODE)
-        terminate(HANG_EXIT_CODE)
+        """The store stopped answering: report this rank alone (no other rank can be reached) and exit; a rank
+        that leads its node tells its node-mates first, which do the same."""
+        if self.node.leading:
+            self.node.news["alone"] = {"problem": problem, "since": since}
+            self._try(lambda: self.node.step(self.beat()))  # no store call reaches the store, the relay goes out
+        report_alone(self, problem, since)
 
     def _try(self, call: Callable[[], Any]) -> Any:
         try:
@@ -318,33 +342,6 @@ def announce_failure(*, wait: float = 2.0) -> None:
     if wd is None or not wd._stopped.is_set():
         return
     try:
-        _announce(wd, wait)
+        announce(wd, wait)
     finally:
         wd.client.close()
-
-
-def _local_peers(wd: Watchdog) -> list[int]:
-    """The pids of the other ranks on this host, from their heartbeats."""
-    keys = [f"hb/{r}" for r in range(wd.world_size) if r != wd.rank and wd._try(lambda r=r: wd.client("check", [f"hb/{r}"]))]
-    beats = (wd._try(lambda: wd.client("multi_get", keys)) or []) if keys else []  # multi_get would wait for a missing key
-    return [beat["pid"] for beat in map(json.loads, filter(None, beats)) if beat.get("host") == wd._host]  # None: no valid tag
-
-
-def _announce(wd: Watchdog, wait: float) -> None:
-    if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
-        time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
-        return
-    deadline = time.monotonic() + wait
-    if not wd.published_failure:  # another rank's alarm came first (this rank's error is probably its consequence)
-        # Rank 0 may host the store: stay until the publisher has stopped reading it, or its
-        # store client prints a C++ stack trace ("recvValue failed") for a store that went away.
-        while wd.rank == 0 and time.monotonic() < deadline and wd._try(lambda: wd.client.get_if_set("failed_done")) is None:
-            time.sleep(0.05)
-        return
-    peers = _local_peers(wd)  # a node-mate that is gone (SIGKILLed, say) will never read it: do not wait for it
-    while time.monotonic() < deadline:
-        seen = wd._try(lambda: wd.client("add", "failed_seen", 0))
-        if seen is None or seen + sum(map(process_gone, peers)) >= wd.world_size - 1:
-            break
-        time.sleep(0.1)
-    wd._try(lambda: wd.client("set", "failed_done", "1"))

@@ -1,19 +1,20 @@
-"""The watchdog's judge: decides that a job hangs, gathers every rank's stacks, writes the report.
+"""The watchdog's judge: decides that a job hangs, gathers the suspects' stacks, writes the report.
 
     monitor = Monitor(watchdog)   # one per Watchdog; its thread calls monitor.check() twice a second
-    monitor.check()               # rank 0: reads every heartbeat; others: rank 0's only
+    monitor.check()               # rank 0: reads two keys; the deputy: rank 0's record; the others: nothing
 
-Rank 0 watches everyone. Any other rank takes over when rank 0's own heartbeat stops (rank 0
-frozen while the store still answers, e.g. the store lives in torchrun's agent). The rank whose
-alarm won the ``compare_set`` writes the report; the others post their stacks and exit first, so
-torchrun's summary names the earliest failure: the stuck rank, whose error file is dated to the
-start of the hang.
+Rank 0 judges from ``progress`` and ``slow``, which the nodes' leaders set (:mod:`ddpkit.watchdog.node`):
+a value it has not seen before is progress somewhere. The deputy (the first rank of node 1, or rank 1
+when there is one node) takes over when rank 0's own record, ``judge``, stops changing (rank 0 frozen
+while the store still answers, e.g. the store lives in torchrun's agent). The rank whose alarm won the
+``compare_set`` writes the report from the nodes' records: it classifies the ranks, asks the suspects
+for their stacks (``want``), and the others exit first, so torchrun's summary names the earliest
+failure: the stuck rank, whose error file is dated to the start of the hang.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -22,42 +23,67 @@ from typing import Any
 
 from ddpkit.errors import EXIT_HANG
 from ddpkit.watchdog.backstop import backstop_path, read_backstop
-from ddpkit.watchdog.report import classify, format_report, summary_line
+from ddpkit.watchdog.node import SILENT_AFTER
+from ddpkit.watchdog.report import Verdict, classify, format_report, summary_line, thread_stacks
 from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
-__all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER"]
+__all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER", "deputy_rank", "report_alone"]
 
 HANG_EXIT_CODE = EXIT_HANG  #: every rank's exit code when the watchdog stops a hung job (3)
-SILENT_AFTER = 10.0  # a heartbeat older than this: the rank is frozen, stopped or gone
-GATHER_WAIT = 6.0  # how long the reporting rank waits for the others' stacks
+GATHER_WAIT = 6.0  # how long the reporting rank waits for the nodes' records, then for the stacks
+SLOW_FRESH = 2.0  # a ``slow`` set this recently means a live rank is in a slow phase (leaders set it each beat)
+ALL_STACKS = 64  # up to this many live ranks, the report has every rank's stacks; beyond, the suspects'
+WANT_STUCK, WANT_WAITING = 48, 16  # beyond: the stacks of this many stuck and waiting ranks
+
+
+def deputy_rank(world_size: int, local_world_size: int) -> int:
+    """The rank that watches rank 0: the first of node 1, or rank 1 when there is one node."""
+    return local_world_size if world_size > local_world_size else 1
 
 
 class Monitor:
-    """Decides that the job hangs (rank 0, or any rank once rank 0 is silent) and writes the report."""
+    """Decides that the job hangs (rank 0, or the deputy once rank 0 is silent) and writes the report."""
 
     def __init__(self, watchdog: Any):
         self.wd = watchdog
-        self.start = self.last_progress = time.monotonic()
-        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, monotonic time it changed)
-        self.progress: dict[int, tuple[Any, ...]] = {}
-        self.beats: dict[int, dict[str, Any] | None] = {}
+        self.start = self.last_progress = self.slow_seen = time.monotonic()
+        self.values: dict[str, bytes] = {}
+        self.deputy = deputy_rank(watchdog.world_size, watchdog.local_world_size)
+        self.judge: dict[str, Any] = {}
+        self.judge_at = self.start
 
     def check(self) -> None:
-        wd = self.wd
-        if wd.rank != 0:
-            raw = wd.client.get_if_set("hb/0")
-            self._update({0: json.loads(raw) if raw else None})
-            rank0 = self.beats.get(0) or {}
-            limit = wd.slow_timeout if rank0.get("slow") else wd.hang_timeout  # e.g. a long load holding the GIL
-            if rank0.get("phase") == "done" or self._silent_for(0) <= limit:
-                return  # rank 0 watches everyone while its heartbeat lives
-            self.read_all()  # rank 0 is frozen or gone: this rank reports
-            return self._declare(self._silent_for(0), limit)
-        self.read_all()
-        live = [b for r, b in self.beats.items() if b and b.get("phase") != "done" and self._silent_for(r) <= SILENT_AFTER]
-        limit = wd.slow_timeout if any(b.get("slow") for b in live) else wd.hang_timeout
-        if time.monotonic() - self.last_progress > limit:
-            self._declare(time.monotonic() - self.last_progress, limit)
+        if self.wd.rank == 0:
+            self._judge()
+        elif self.wd.rank == self.deputy:
+            self._watch_judge()
+
+    def _judge(self) -> None:
+        wd, now = self.wd, time.monotonic()
+        wd.client("set", "judge", json.dumps(wd.last_beat))  # for the deputy
+        if wd.node.progressed:
+            self.last_progress = now
+        if wd.node.slow:
+            self.slow_seen = now
+        keys = ["progress", "slow"]
+        if wd.client("check", keys):  # multi_get would wait for a missing key
+            for key, value in zip(keys, wd.client("multi_get", keys)):
+                if value is not None and value != self.values.get(key):  # None: no valid tag
+                    self.values[key] = value
+                    self.last_progress, self.slow_seen = (now, self.slow_seen) if key == "progress" else (
+                        self.last_progress, now)
+        limit = wd.slow_timeout if now - self.slow_seen <= SLOW_FRESH else wd.hang_timeout
+        if now - self.last_progress > limit:
+            self._declare(now - self.last_progress, limit)
+
+    def _watch_judge(self) -> None:
+        raw, now = self.wd.client.get_if_set("judge"), time.monotonic()
+        beat = json.loads(raw) if raw else {}
+        if beat.get("seq") is not None and beat.get("seq") != self.judge.get("seq"):
+            self.judge, self.judge_at = beat, now
+        limit = self.wd.slow_timeout if self.judge.get("slow", True) else self.wd.hang_timeout
+        if self.judge.get("phase") != "done" and now - self.judge_at > limit:
+            self._declare(now - self.judge_at, limit)  # rank 0 is frozen or gone: this rank reports
 
     def _declare(self, stalled: float, limit: float) -> None:
         """Raise the alarm (the first one wins) and answer whichever alarm won."""
@@ -67,46 +93,41 @@ class Monitor:
         won = wd.client("compare_set", "alarm", "", json.dumps(alarm)).decode()
         wd._respond(json.loads(won))
 
-    def read_all(self) -> None:
-        keys = [f"hb/{r}" for r in range(self.wd.world_size)]
-        present = [k for k in keys if int(k[3:]) in self.beats and self.beats[int(k[3:])] is not None or self.wd.client("check", [k])]
-        values = self.wd.client("multi_get", present) if present else []
-        self._update({int(k[3:]): json.loads(v) for k, v in zip(present, values) if v is not None})  # None: no valid tag
+    # --- the report ---------------------------------------------------------------------------------
 
-    def _update(self, beats: dict[int, dict[str, Any] | None]) -> None:
-        now = time.monotonic()
-        for rank, beat in beats.items():
-            if beat is None:
-                continue
-            if self.seen.get(rank, (None,))[0] != beat["seq"]:
-                self.seen[rank] = (beat["seq"], now)
-            progress = (beat["step"], beat["phase"], beat["ticks"], beat["novel"])
-            if self.progress.get(rank) != progress:
-                self.progress[rank], self.last_progress = progress, now
-            self.beats[rank] = beat
-
-    def _silent_for(self, rank: int) -> float:
-        return time.monotonic() - self.seen.get(rank, (None, self.start))[1]
-
-    def silent(self) -> dict[int, float]:
-        """Ranks without a fresh heartbeat -> wall time of their last one (or of the watchdog's start)."""
-        out = {}
-        for rank in range(self.wd.world_size):
-            if (self.beats.get(rank) or {}).get("phase") != "done" and (age := self._silent_for(rank)) > SILENT_AFTER:
-                out[rank] = time.time() - age
-        return out
+    def serve(self, alarm: dict[str, Any]) -> None:
+        """While another rank reports the hang: keep the node's record fresh, post this rank's stacks if they are
+        wanted, and exit once the report is done (or after a deadline)."""
+        wd = self.wd
+        deadline = time.monotonic() + 2 * GATHER_WAIT + 10
+        news: dict[str, Any] = {}
+        posted = False
+        while not news.get("done") and time.monotonic() < deadline:
+            news = wd._try(lambda: wd.node.step(wd.beat(), handling=alarm["path"])) or news
+            if not posted and wd.rank in (news.get("want") or []):
+                posted = wd._try(lambda: wd.client("set", f"stacks/{wd.rank}", thread_stacks()) or True) or False
+            time.sleep(0.25)
+        fallback = {"summary": f"hang declared by rank {alarm['by']}", "stuck": [], "since": time.time()}
+        info = news.get("done") or fallback
+        print(f"ddpkit: rank {wd.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr,
+              flush=True)
+        stuck = wd.rank in info["stuck"]
+        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time(),
+                         code=HANG_EXIT_CODE)
+        wd._try(lambda: wd.client("add", "exited", 1))
+        terminate(HANG_EXIT_CODE)
 
     def report(self, alarm: dict[str, Any]) -> None:
-        """Gather every live rank's stacks, write and print the report, then stop this rank last."""
+        """Read the nodes' records, gather the suspects' stacks, write and print the report, stop this rank last."""
         wd = self.wd
-        self._try_read_all()
-        silent = self.silent()
-        expected = [r for r in range(wd.world_size) if r not in silent and (self.beats.get(r) or {}).get("phase") != "done"]
-        stacks = self._gather(expected)
-        if len(stacks) < len(expected):  # a rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
-            self._try_read_all()
-            silent = {r: t for r, t in self.silent().items() if r not in stacks}
-        beats = self._last_words(silent, stacks)
+        beats, silent = self._collect(alarm["path"], wait=True)
+        want = self._wanted(classify(beats, silent), beats, silent)
+        wd.node.news["want"] = want
+        wd._try(lambda: wd.client("set", "want", json.dumps(want)))
+        stacks = self._gather(want, alarm["path"])
+        if len(stacks) < len(want):  # a rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
+            beats, silent = self._collect(alarm["path"], wait=False)
+        beats = self._last_words(silent, stacks, beats)
         verdict = classify(beats, silent)
         stalled = alarm["stalled"]
         text = format_report(verdict, beats, silent, stacks, stalled_for=stalled, limit=alarm["limit"])
@@ -115,55 +136,120 @@ class Monitor:
         print(f"{text}\nddpkit: {summary}; report: {path}", file=sys.stderr, flush=True)
         hang_start = time.time() - stalled
         stuck = verdict.stuck or verdict.silent
-        write_error_file(f"{summary} (report: {path})", when=hang_start if wd.rank in stuck else time.time(), code=HANG_EXIT_CODE)
-        done = {"summary": summary, "stuck": stuck, "since": hang_start}
+        when = hang_start if wd.rank in stuck else time.time()
+        write_error_file(f"{summary} (report: {path})", when=when, code=HANG_EXIT_CODE)
+        done = {"summary": summary[:1000], "stuck": stuck, "since": hang_start}
+        wd.node.news["done"] = done
         wd._try(lambda: wd.client("set", "done", json.dumps(done)))
+        live = len([r for r, b in beats.items() if r not in silent and b.get("phase") != "done"])
         deadline = time.monotonic() + 3  # let the others exit first: torchrun names the earliest failure
-        while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < len(expected) - 1:
+        while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < live - 1:
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm["path"]))  # the node-mates hear "done"
             time.sleep(0.1)
-        self._kill_frozen(verdict.silent, f"{summary} (report: {path})", hang_start)  # last: torchrun sees this rank's 3 with its -9
+        self._kill_frozen(verdict.silent, beats, f"{summary} (report: {path})", hang_start)  # last: after the 3s
         terminate(HANG_EXIT_CODE)
 
-    def _kill_frozen(self, silent: list[int], summary: str, hang_start: float) -> None:
-        """Frozen ranks on this node would hold the job until the agent's SIGKILL (30 s after its SIGTERM):
-        kill them now, each with its torchrun error file written for it (the hang's summary, dated to its start)."""
-        for rank in silent:
-            beat = self.beats.get(rank) or {}
-            if beat.get("host") != socket.gethostname() or not beat.get("pid"):
-                continue
-            local_rank = rank - self.wd.rank + int(os.environ.get("LOCAL_RANK", "0"))  # a node's ranks are contiguous under torchrun
-            write_error_file(summary, when=hang_start, code=HANG_EXIT_CODE, local_rank=local_rank, pid=int(beat["pid"]))
-            if kill_frozen_sibling(int(beat["pid"])):
-                print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
+    def _collect(self, alarm_id: str, *, wait: bool) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
+        """Every rank's last beat and the silent ranks (-> wall time of their last beat), from the nodes' records;
+        with ``wait``, for up to ``GATHER_WAIT`` seconds until every node has answered this alarm."""
+        wd, records = self.wd, {}
+        deadline = time.monotonic() + (GATHER_WAIT if wait else 0.0)
+        while True:
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # this rank's node answers too
+            missing = [n for n in range(wd.nodes) if (records.get(n) or {}).get("alarm") != alarm_id]
+            records.update(self._read_records(missing))
+            if time.monotonic() >= deadline or all((records.get(n) or {}).get("alarm") == alarm_id for n in missing):
+                break
+            time.sleep(0.25)
+        beats: dict[int, dict[str, Any]] = {}
+        silent: dict[int, float] = {}
+        for n in range(wd.nodes):
+            record = records.get(n) or {"t": wd.node.started, "beats": {}, "silent": {}}
+            beats.update({int(r): b for r, b in record["beats"].items()})
+            silent.update({int(r): t for r, t in record["silent"].items()})
+            if record.get("alarm") != alarm_id:  # the whole node is silent: lost, or its leader frozen with the store
+                for rank in range(n * wd.local_world_size, (n + 1) * wd.local_world_size):
+                    if (beats.get(rank) or {}).get("phase") != "done":
+                        silent.setdefault(rank, min(record["t"], (beats.get(rank) or {}).get("t", record["t"])))
+        return beats, silent
 
-    def _gather(self, expected: list[int]) -> dict[int, str]:
-        """The stacks the ``expected`` ranks post, for up to ``GATHER_WAIT`` seconds."""
+    def _read_records(self, nodes: list[int]) -> dict[int, dict[str, Any]]:
+        wd = self.wd
+        keys = [f"node/{n}" for n in nodes]
+        try:
+            if keys and wd.client("check", keys):  # all there: one round trip (multi_get waits for missing keys)
+                values = wd.client("multi_get", keys)
+            else:
+                values = [(raw.encode() if (raw := wd.client.get_if_set(k)) else None) for k in keys]
+        except StoreDown:
+            return {}
+        return {n: json.loads(v) for n, v in zip(nodes, values) if v is not None}
+
+    def _wanted(self, verdict: Verdict, beats: dict[int, dict[str, Any]], silent: dict[int, float]) -> list[int]:
+        """Whose stacks the report asks for: every live rank of a small job, else the stuck and a few waiting."""
+        live = sorted(r for r, b in beats.items() if r not in silent and b.get("phase") != "done")
+        if len(live) <= ALL_STACKS:
+            return live
+        return sorted(verdict.stuck[:WANT_STUCK] + verdict.waiting[:WANT_WAITING])
+
+    def _gather(self, want: list[int], alarm_id: str) -> dict[int, str]:
+        """The stacks the ``want`` ranks post, for up to ``GATHER_WAIT`` seconds (this rank's own at once)."""
         wd, stacks = self.wd, {}
+        if wd.rank in want:
+            stacks[wd.rank] = thread_stacks()
         deadline = time.monotonic() + GATHER_WAIT
-        while time.monotonic() < deadline and len(stacks) < len(expected):
-            for rank in expected:
-                if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))) is not None:
+        while time.monotonic() < deadline and len(stacks) < len(want):
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # relays ``want`` to this node's mates
+            for rank in want:
+                if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))):
                     stacks[rank] = text
             time.sleep(0.2)
         return stacks
 
-    def _last_words(self, silent: dict[int, float], stacks: dict[int, str]) -> dict[int, dict[str, Any] | None]:
-        """The heartbeats, with each silent rank's own record (:mod:`ddpkit.watchdog.backstop`) of where it
-        stopped, to the step (its last heartbeat may be many steps older); its faulthandler dump goes in ``stacks``."""
-        beats = dict(self.beats)
+    def _kill_frozen(self, silent: list[int], beats: dict[int, dict[str, Any]], summary: str,
+                     hang_start: float) -> None:
+        """Frozen ranks of this node would hold the job until the agent's SIGKILL (30 s after its SIGTERM): kill
+        them now, each with its torchrun error file written for it (the hang's summary, dated to its start)."""
+        node = self.wd.node
+        for rank in silent:
+            beat = beats.get(rank) or {}
+            if not node.first <= rank < node.first + node.size or not beat.get("pid"):
+                continue
+            local_rank = rank - node.first  # a node's ranks are contiguous under torchrun
+            write_error_file(summary, when=hang_start, code=HANG_EXIT_CODE, local_rank=local_rank, pid=int(beat["pid"]))
+            if kill_frozen_sibling(int(beat["pid"])):
+                print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
+
+    def _last_words(self, silent: dict[int, float], stacks: dict[int, str],
+                    beats: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The beats, with each silent rank's own record (:mod:`ddpkit.watchdog.backstop`) of where it stopped, to
+        the step (its last beat may be many steps older); its faulthandler dump goes in ``stacks``."""
+        beats, here = dict(beats), socket.gethostname()
         for rank in silent:
             beat, found = beats.get(rank) or {}, read_backstop(self.wd.log_dir, rank)
             if found is None:
-                elsewhere = f" (look on its host, {beat['host']})" if beat.get("host", socket.gethostname()) != socket.gethostname() else ""
-                stacks[rank] = f"(no stacks received from this rank, and no faulthandler dump at {backstop_path(self.wd.log_dir, rank)}{elsewhere})"
+                elsewhere = f" (look on its host, {beat['host']})" if beat.get("host", here) != here else ""
+                where = backstop_path(self.wd.log_dir, rank)
+                stacks[rank] = f"(no stacks received from this rank, and no faulthandler dump at {where}{elsewhere})"
                 continue
             step, phase, dump = found
             beats[rank] = {**beat, "step": max(step, int(beat.get("step", 0))), "phase": phase}
-            stacks[rank] = dump or "(no stacks received from this rank, and faulthandler's timer did not fire in it: stopped by a signal, or gone)"
+            stacks[rank] = dump or ("(no stacks received from this rank, and faulthandler's timer did not fire in it: "
+                                    "stopped by a signal, or gone)")
         return beats
 
-    def _try_read_all(self) -> None:
-        try:
-            self.read_all()
-        except StoreDown:
-            pass
+
+def report_alone(wd: Any, problem: str, since: float) -> None:
+    """The store stopped answering: report rank ``wd.rank`` alone (no other rank can be reached) and exit."""
+    beat = wd.beat()
+    summary = (
+        f"hang: the job's store has not answered since {time.strftime('%H:%M:%S', time.localtime(since))} "
+        f"({problem}); it is hosted by rank 0 under `ddpkit run` (else by torchrun's agent on node 0), so rank 0 "
+        f"or node 0 is probably frozen or gone. This rank {wd.rank} is at step {beat['step']}, in {beat['phase']}"
+    )
+    path = wd.log_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{wd.rank}.txt"
+    text = f"{summary}\n\n=== rank {wd.rank}: Python stacks of all threads ===\n{thread_stacks()}\n"
+    path = write_text(path, text)
+    print(f"ddpkit: rank {wd.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
+    write_error_file(summary, when=time.time(), code=HANG_EXIT_CODE)
+    terminate(HANG_EXIT_CODE)
