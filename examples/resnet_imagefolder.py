@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 import ddpkit
 from ddpkit.data.datasets import imagefolder
-from ddpkit.distributed.process_group import barrier
+from ddpkit.distributed.collectives import barrier
 from ddpkit.reporting.log import log
 
 DEFAULTS = [

@@ -14,9 +14,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from test_control_auth import finish, start_gated_run
+from helpers import finish, start_gated_run
 
-from ddpkit.distributed.process_group import is_loopback, loopback_store
+from ddpkit.distributed.rendezvous import is_loopback, loopback_store
 from ddpkit.launch.launcher import torchrun_argv
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net/tcp (Linux)")

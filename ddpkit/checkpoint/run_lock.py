@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.distributed.process_group import broadcast_object
+from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 

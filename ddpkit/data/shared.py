@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from ddpkit.atomic import write_atomically
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.env import DistEnv, read_dist_env
-from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.distributed.processes import is_alive
 from ddpkit.errors import DataError
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddpkit.data.uneven import group_device, grouped, uneven_stream_end
-from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.errors import DataError
 
 __all__ = ["StreamEpochs", "Tail"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.errors import DataError
 
 __all__ = ["agree_on_count", "agreed_batches", "uneven_stream_end", "grouped", "group_device"]

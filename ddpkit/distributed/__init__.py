@@ -7,7 +7,9 @@
         ...
 
 - ``env``: :class:`DistEnv`, the immutable reading of the environment.
-- ``process_group``: backend and device choice, init and teardown, small collective helpers.
+- ``process_group``: backend and device choice, the group's creation and teardown (:class:`Runtime`).
+- ``rendezvous``: how the ranks meet: the store for each launcher, and the one-line error when they cannot.
+- ``collectives``: barrier, sum, gather and broadcast that are safe at any world size, with no group too.
 - ``ddp``: DistributedDataParallel with the config's options, and unwrapping for saving.
 - ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
 - ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.

@@ -22,8 +22,8 @@ import torch
 from ddpkit._version import __version__
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, flatten
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.ddp import parameter_shapes
-from ddpkit.distributed.process_group import all_gather_object
 from ddpkit.errors import ConsistencyError
 
 __all__ = ["check_ranks_agree", "check_same_run_on_every_rank", "config_differences", "HARMLESS_PREFIXES"]

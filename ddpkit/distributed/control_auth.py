@@ -59,7 +59,7 @@ def agree_job_key() -> bytes:
     The launcher's secret when every rank was given the same one (one all-gather of its fingerprint,
     never the secret itself); else rank 0 makes one and broadcasts it over the process group.
     """
-    from ddpkit.distributed.process_group import all_gather_object, broadcast_object
+    from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 
     global _key
     given = _from_env() or _key

@@ -1,24 +1,22 @@
-"""Process-group setup and teardown, backend and device choice, and small collective helpers.
+"""Process-group setup and teardown, backend and device choice: the group's lifetime, in one ``with``.
 
     env = read_dist_env()
     with process_group(env, backend="auto", device="auto", timeout=300) as runtime:
         ...  # runtime.device, runtime.backend; collectives work, also at world size 1
 
 A world of one (``python train.py``) still gets a real, single-member Gloo/NCCL group backed by an
-in-memory store, so the training loop has exactly one code path. Every helper here is also safe
-when no group exists at all (it then acts on this process only).
+in-memory store, so the training loop has exactly one code path. How the ranks meet (the store
+for each launcher) is :mod:`ddpkit.distributed.rendezvous`; the collectives that are safe at any
+world size are :mod:`ddpkit.distributed.collectives`.
 """
 
 from __future__ import annotations
 
-import datetime
 import gc
 import importlib
-import ipaddress
 import os
-import socket
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,22 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.env import DistEnv
-from ddpkit.errors import ConfigError, LaunchError, first_line
+from ddpkit.distributed.rendezvous import default_store, init_default_group
+from ddpkit.errors import ConfigError, LaunchError
 
-__all__ = [
-    "Runtime",
-    "process_group",
-    "group_options",
-    "flight_recorder_env",
-    "resolve_device",
-    "resolve_backend",
-    "loopback_store",
-    "is_loopback",
-    "barrier",
-    "all_reduce_sum",
-    "all_gather_object",
-    "broadcast_object",
-]
+__all__ = ["Runtime", "process_group", "group_options", "flight_recorder_env", "resolve_device", "resolve_backend"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +103,7 @@ def process_group(
     backend = resolve_backend(backend, torch_device)
     _prepare_process(torch_device, debug=debug, trace_dir=trace_dir, preload=preload)
     created = not dist.is_initialized()
-    store = _init(env, backend, timeout) if created else _existing_group_store(env)
+    store = init_default_group(env, backend, timeout) if created else _existing_group_store(env)
     try:
         yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
     except BaseException:
@@ -187,7 +173,7 @@ def _existing_group_store(env: DistEnv) -> Any:
             f"an existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
             f"but the environment says RANK={env.rank} of WORLD_SIZE={env.world_size}"
         )
-    return _default_store()
+    return default_store()
 
 
 def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> dict[str, str]:
@@ -207,145 +193,3 @@ def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> d
         ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(os.fspath(trace_dir), "nccl_trace_rank_"),
     }
     return {names[0]: value for names, value in wanted.items() if not any(name in os.environ for name in names)}
-
-
-def _init(env: DistEnv, backend: str, timeout: float) -> Any:
-    """Create the default group; return the store it was built on."""
-    kwargs: dict[str, Any] = dict(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        if env.launcher == "none":
-            # No launcher, no rendezvous: a private in-memory store makes a group of one.
-            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        elif env.launcher == "torchrun":
-            kwargs.update(_torchrun_store(env, timeout))
-        else:  # SLURM: a TCPStore on the first node, as init_method="tcp://..." would make
-            url = f"tcp://{_host(env.master_addr)}:{env.master_port}?rank={env.rank}&world_size={env.world_size}"
-            store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout)))
-            kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
-        dist.init_process_group(**kwargs)
-    except (RuntimeError, ValueError, OSError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
-        raise _launch_error(env, exc) from None
-    return kwargs["store"]
-
-
-def _default_store() -> Any:
-    """The store of a group someone else created (e.g. :mod:`ddpkit.testing`), if torch exposes it."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except (ImportError, RuntimeError, ValueError):
-        return None
-
-
-def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
-    """The store for a torchrun-launched group: torch's env:// rendezvous, isolated per restart.
-
-    Under torchrun the ranks usually join a store served by the elastic agent
-    (``TORCHELASTIC_USE_AGENT_STORE=True``), and that store outlives a restart of the worker
-    group (pytorch/pytorch#135712). The process group's keys from the failed attempt are still
-    there, so a restarted rank can read a dead peer's address and fail to connect. A prefix per
-    attempt (``TORCHELASTIC_RESTART_COUNT``) gives every attempt clean keys. (``ddpkit run``
-    also asks the c10d rendezvous for a fresh store per round, where restart counts of nodes
-    that restarted for different reasons could disagree.)
-    """
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if env.rank == 0 and not agent_store and is_loopback(env.master_addr):  # ``ddpkit run`` on one node
-        return {"store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout), "rank": 0, "world_size": env.world_size}
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
-    if agent_store:
-        store = dist.PrefixStore(f"ddpkit/attempt_{env.restart_count}", store)
-    return {"store": store, "rank": rank, "world_size": world_size}
-
-
-def is_loopback(addr: str) -> bool:
-    """Whether ``addr`` (a MASTER_ADDR) names this machine's loopback interface (127.0.0.0/8, ::1, localhost)."""
-    with suppress(ValueError):
-        return ipaddress.ip_address(addr.strip("[]")).is_loopback
-    return addr == "localhost"
-
-
-def loopback_store(port: int, *, world_size: int | None = None, timeout: float = 300.0, addr: str = "127.0.0.1") -> dist.TCPStore:
-    """A TCPStore server listening on ``addr`` (loopback) only, on ``port`` (0: a free one): for jobs on one machine.
-
-    torch's TCPStore server listens on every interface, whatever host name it is given; handed a
-    socket bound to loopback (``master_listen_fd``) it listens there. Both stores of a one-node
-    ``ddpkit run`` come from here: the launcher's rendezvous store (:mod:`ddpkit.launch.torchrun_adapter`)
-    and rank 0's (:func:`_torchrun_store`). ``world_size``: wait for that many clients, as torch does.
-    """
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does: TIME_WAIT leftovers of a restart
-        sock.bind((addr.strip("[]"), port))
-        sock.listen(socket.SOMAXCONN)
-        bound = sock.getsockname()[1]
-        fd = sock.detach()  # the store owns the socket from here
-    return dist.TCPStore(
-        addr, bound, world_size, True, datetime.timedelta(seconds=timeout),
-        wait_for_workers=world_size is not None, master_listen_fd=fd,
-    )
-
-
-def _host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
-
-
-def _launch_error(env: DistEnv, exc: BaseException) -> LaunchError:
-    text = str(exc)
-    where = f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}"
-    if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return LaunchError(
-            f"port {env.master_port} is already in use ({where}), probably by another job. "
-            "Pick a free one with --master-port=PORT, or use `ddpkit run`, which picks a free port by default."
-        )
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return LaunchError(
-            f"rank {env.rank} could not reach the other {env.world_size - 1} rank(s) at {where} in time. "
-            "Check that every node uses the same MASTER_ADDR/MASTER_PORT, that the port is open in the "
-            "firewall, and that --nnodes x --nproc-per-node equals the number of processes started."
-        )
-    return LaunchError(
-        f"could not create the process group ({where}, rank {env.rank} of {env.world_size}): {first_line(exc)}"
-    )
-
-
-# --- collectives that are safe at any world size ------------------------------------------
-
-
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def barrier(*, debug: bool = False, timeout: float | None = None) -> None:
-    """Wait for every rank. With ``debug`` on Gloo, a stuck rank is named in the error."""
-    if not _active():
-        return
-    if debug and dist.get_backend() == "gloo":
-        kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-        dist.monitored_barrier(wait_all_ranks=True, **kwargs)
-    else:
-        dist.barrier()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over ranks in place and return it."""
-    if _active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without a group)."""
-    if not _active():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank."""
-    if not _active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

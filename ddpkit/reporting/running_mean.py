@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.distributed.collectives import all_reduce_sum
 
 __all__ = ["RunningMean"]
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ddpkit.atomic import write_atomically
-from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.distributed.collectives import all_gather_object
 
 __all__ = ["Timeline"]
 

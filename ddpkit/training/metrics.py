@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.process_group import all_gather_object, all_reduce_sum
+from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum
 from ddpkit.errors import ConfigError
 
 __all__ = ["ExactMeans", "BestTracker", "evaluate"]

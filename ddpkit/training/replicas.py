@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.errors import HealthError
 from ddpkit.reporting.log import log
 from ddpkit.training.health_checks import fingerprint

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 
 from ddpkit.config.health_section import StragglerConfig
-from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.training.health_checks import slower_ranks
 
 __all__ = ["StragglerWatch", "OWN_WORK"]
