@@ -34,7 +34,8 @@ from benchmarks.workloads import load_printed, rotated, run_module_workers
 from ddpkit.bench.report import Stats, format_table, progress
 from ddpkit.bench.timed import TimedTrainer, steady_ms_per_step
 from ddpkit.bench.worker import serve
-from ddpkit.distributed.process_group import Runtime, barrier
+from ddpkit.distributed.collectives import barrier
+from ddpkit.distributed.process_group import Runtime
 
 VARIANTS = {"none": None, "sync": False, "async": True}  # name -> checkpoint.async (None: no saves)
 BATCH, WARMUP = 32, 2

@@ -42,8 +42,9 @@ from ddpkit.bench.scaling_model import Bucket, Param, Profile
 from ddpkit.bench.units import BenchUsageError
 from ddpkit.config.schema import Config
 from ddpkit.data.loaders import build_train_loader, move_to_device
+from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.ddp import wrap_model
-from ddpkit.distributed.process_group import Runtime, barrier
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.registry import DATASETS, MODELS
 from ddpkit.training.allocator import keep_freed_host_memory
 from ddpkit.training.model_views import to_channels_last
