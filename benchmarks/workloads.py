@@ -1,4 +1,4 @@
-"""What the benchmarks share: the workloads, the one hand-written DDP loop, the weight digest, accuracy, the tables.
+"""What the benchmarks share: the workloads, the shared hand-written DDP loop, the weight digest, accuracy, tables.
 
     from benchmarks.workloads import WORKLOADS, build, loader_for, train_by_hand, weights_digest
     torch.manual_seed(SEED)
@@ -6,12 +6,18 @@
     train_by_hand(model, loader_for(train_set, rank, world_size), rank=rank, world_size=world_size, max_steps=steps)
     digest = weights_digest(model.state_dict())                  # equal digests: bitwise-equal weights
 
-Not a benchmark itself (``benchmarks/__init__.py`` lists those). The hand-written loop is the
-reference every side-by-side benchmark divides by, so there is one, with parameters for its
-variants: eager or ``torch.compile`` d, CPU or CUDA (channels_last, bf16 autocast), with or without
-the Trainer's per-step checks. It mirrors the Trainer's setup order, which is what makes the
-weights bitwise equal to ddpkit's: ``torch.manual_seed(seed)`` before the data and the model (the
-caller's part), a ``DistributedSampler(seed=seed, drop_last=True)``, a ``DataLoader`` with its own
+Not a benchmark itself (``benchmarks/__init__.py`` lists those). :func:`train_by_hand` is the
+reference that ``overhead``, ``compile``, ``gpu``, ``startup`` and ``tta_hand`` divide by, with
+parameters for their variants: eager or ``torch.compile`` d, CPU or CUDA (channels_last, bf16
+autocast), with or without the Trainer's per-step checks. It is not the only hand-written loop:
+seven more live beside the benchmark that needs a different one, ``lm.hand_written`` (nanoGPT's:
+AdamW and gradient clipping), ``gpu_bound.hand_written`` (batches indexed on the GPU), ``modes``
+(each parallel mode, memory read mid-step), ``feature_cost`` (three bare step loops, each timing
+features) and ``compile``'s allocator probe (one process, no group).
+
+:func:`train_by_hand` mirrors the Trainer's setup order, which is what makes the weights bitwise
+equal to ddpkit's: ``torch.manual_seed(seed)`` before the data and the model (the caller's part),
+a ``DistributedSampler(seed=seed, drop_last=True)``, a ``DataLoader`` with its own
 ``torch.Generator`` (iterating it never draws from the global RNG), and
 ``torch.manual_seed(seed + rank)`` once everything is built (dropout masks differ per rank, as they
 must).
