@@ -13,12 +13,14 @@
 (``ddpkit run`` itself, :func:`launch_session`; ``gone``: when its process ended, written by a watcher), ``start`` (the worker's process start, read
 from ``/proc``, with ``imported`` and ``ready``: torch imported, process group up), ``restore``
 (``began``, the restored ``step``, its ``source``), ``first_step``, ``progress`` (the step
-reached, about once a second, so a fault's lost work is known to within a second),
+reached, about once a second, so a fault's lost work is known to within a second), ``agent_fault`` (the
+launcher's agent saw an attempt fail: :mod:`ddpkit.goodput.faults`),
 ``checkpoint`` (``began``, ``step``, ``kind``: disk, memory or crash), ``validation``
 (``began``, ``step``), ``fault`` (the last completed step, and whether a surviving rank saved
 it) and ``end``.
 
-Rank 0 writes the ledger; any rank may write a ``fault`` line (the survivor of a crash). A line
+Rank 0 writes the ledger; any rank writes the ``checkpoint`` line of a crash save it makes and, when its attempt
+failed, its ``end`` line (the last step before a fault, whichever rank died). A line
 is one ``os.write`` on an ``O_APPEND`` file, so lines of different processes never interleave.
 The training thread's cost per step is one clock read and a comparison in the span listener.
 """
@@ -41,10 +43,11 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
 
-__all__ = ["LEDGER_FILE", "SESSION_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
+__all__ = ["LEDGER_FILE", "SESSION_ENV", "GOODPUT_DIR_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
 
 LEDGER_FILE = "goodput.jsonl"
 SESSION_ENV = "DDPKIT_GOODPUT_SESSION"  # set by `ddpkit run`; every attempt it launches shares it
+GOODPUT_DIR_ENV = "DDPKIT_GOODPUT_DIR"  # set by `ddpkit run`: the run's output directory
 PROGRESS_INTERVAL = 1.0  # seconds between "progress" lines: the resolution of "progress lost to faults"
 _IMPORTED = time.time()  # the trainer imports torch before this module: the end of the import cost
 
@@ -118,6 +121,7 @@ def _watch_exit(output_dir: str | os.PathLike) -> None:
 def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
     """``ddpkit run``'s share: its own start and exit, and a session id its workers inherit."""
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex[:12])
+    os.environ[GOODPUT_DIR_ENV] = str(output_dir)  # where the launcher's agent writes its fault lines (launch.launcher)
     append_event(output_dir, "launch", t=process_start_time())
     _watch_exit(output_dir)
     code: Any = "error"
@@ -132,7 +136,7 @@ def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
 
 
 class GoodputLedger:
-    """One attempt's ledger on one rank (only rank 0's writes, except :meth:`fault`)."""
+    """One attempt's ledger on one rank (only rank 0's writes, except a crash save's line and a failed attempt's end)."""
 
     def __init__(self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = "."):
         self.output_dir, self._step, self._dir = output_dir, step, run_dir
@@ -164,7 +168,11 @@ class GoodputLedger:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         status = self.status_of(exc)
-        self._write("end", step=self.last_step, last_step_t=self.last_step_time, status=status)
+        fields = {"step": self.last_step, "last_step_t": self.last_step_time, "status": status}
+        if self.output_dir is not None:
+            append_event(self.output_dir, "end", **fields)
+        elif status == "FAILED":  # every rank's: the last step before a fault, whichever rank died (goodput.faults)
+            append_event(self._dir, "end", **fields)
 
     def restore(self, resume: Callable[[], Any]) -> Any:
         """Time ``resume()`` (True or a source name when it restored a checkpoint) and record where training resumes."""

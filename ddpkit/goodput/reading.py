@@ -33,7 +33,7 @@ from typing import Any
 
 from ddpkit.errors import DdpkitError
 
-__all__ = ["CATEGORIES", "Attempt", "Report", "read_ledger", "analyse"]
+__all__ = ["CATEGORIES", "Attempt", "Report", "read_ledger", "analyse", "step_times"]
 
 LEDGER_FILE = "goodput.jsonl"
 CATEGORIES = ("startup", "restore", "checkpoint", "validation", "lost", "recovery", "shutdown")
@@ -126,13 +126,13 @@ def _sessions(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
 def _attempts(session: str, records: list[dict[str, Any]]) -> list[Attempt]:
     by_number: dict[int, Attempt] = {}
     for record in records:
-        if record["event"] not in ("launch", "exit", "gone"):
+        if record["event"] not in ("launch", "exit", "gone", "agent_fault"):  # the launcher's, not an attempt's
             number = int(record.get("attempt", 0))
             by_number.setdefault(number, Attempt(session, number)).records.append(record)
     return [by_number[n] for n in sorted(by_number)]
 
 
-def _step_times(a: Attempt) -> list[tuple[int, float]]:
+def step_times(a: Attempt) -> list[tuple[int, float]]:
     """(step, time it completed) points of one attempt, for locating a resume step in it."""
     points = [(int(r["step"]), float(r["t"])) for r in a.records if r["event"] in ("restore", "first_step", "progress")]
     points += [(int(r["step"]), float(r["began"])) for r in a.records if r["event"] == "checkpoint" and r.get("kind") != "crash"]
@@ -165,7 +165,7 @@ def _split_attempt(a: Attempt, begin: float, next_restore: int | None) -> float:
         a.seconds = {"startup": end - begin}
         return end
     a.restored_step, restored = int(restore["step"]), float(restore["t"])
-    points = _step_times(a)
+    points = step_times(a)
     a.last_step, last_t = max(points)
     last_t = max(t for s, t in points if s == a.last_step)
     spans = {kind: [(float(r["began"]), float(r["t"])) for r in a.all(event) if r.get("kind") != "crash"]

@@ -4,7 +4,8 @@
     check_passthrough(["--local-ranks-filter", "0"])     # what follows ``ddpkit run ... --``: a typo is a ConfigError
     run(args, fork=False)                                # torch.distributed.run.run(args), or forked workers
     failures(exc)                                        # a ChildFailedError's records, by global rank
-    register_loopback_rendezvous()                       # --rdzv-backend=ddpkit-loopback: a one-node job's store on 127.0.0.1
+    register_loopback_rendezvous()                       # --rdzv-backend=ddpkit-loopback: one node, store on 127.0.0.1
+    with observe_faults(listener): run(args, ...)        # each failed attempt: detected, stopped, exit codes
 
 ``torchrun`` is ``torch.distributed.run``; ddpkit calls it in-process (:mod:`ddpkit.launch.launcher`).
 Its command line is public and stable, but ddpkit also uses pieces of it that are not: the argument
@@ -14,14 +15,17 @@ of the logger torch's worker polling writes to; and a rendezvous backend of ddpk
 the documented way (``rendezvous_handler_registry``), which is torch's c10d rendezvous on a store
 listening on loopback only. Each of those is read here and nowhere else, so a
 torch release that moves one breaks this module's tests (``tests/test_torchrun_passthrough.py``), not
-the launcher's logic. ``pyproject.toml`` requires the torch these were checked against (see there).
+the launcher's logic. ``pyproject.toml`` requires the torch these were checked against (see there). The polling
+of the workers (``PContext.wait``) is observed, to time each fault (:func:`observe_faults`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ddpkit.errors import ConfigError
@@ -35,6 +39,8 @@ __all__ = [
     "process_failure",
     "launcher_exceptions",
     "register_loopback_rendezvous",
+    "observe_faults",
+    "rendezvous_types",
     "POLLING_LOGGER",
     "LOOPBACK_RDZV",
 ]
@@ -107,7 +113,7 @@ def check_passthrough(options: Sequence[str]) -> list[str]:
 def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_fork: Any = None) -> None:
     """``torch.distributed.run.run(args)``; with ``fork``, the workers are ``entrypoint(program)`` in processes forked from this one.
 
-    ``before_fork`` runs in this process just before (what the forked workers should inherit).
+    ``before_fork(program)`` runs in this process just before (what the forked workers should inherit).
     """
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
@@ -122,33 +128,86 @@ def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_
         args.master_port = 29500
     config, _, _ = config_from_args(args)  # not public API: torchrun's own translation of its options
     config.start_method = "fork"
+    # what `python -u` would run
+    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
     if before_fork is not None:
-        before_fork()
-    program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]  # what `python -u` would run
+        before_fork(program)
     elastic_launch(config=config, entrypoint=entrypoint)(program)
 
 
 def _loopback_handler(params: Any) -> Any:
-    """torch's c10d rendezvous (``--rdzv-backend=c10d``), on a TCPStore that this process hosts on loopback only."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-    from ddpkit.distributed.process_group import loopback_store
+    """The one-node rendezvous (:class:`ddpkit.launch.one_node_rendezvous.OneNodeRendezvous`), on a TCPStore that
+    this process hosts on loopback only (``--rdzv-endpoint``'s port, 0: a free one)."""
+    from ddpkit.distributed.rendezvous import loopback_store
+    from ddpkit.launch.one_node_rendezvous import OneNodeRendezvous
 
     host, _, port = params.endpoint.rpartition(":")
-    store = loopback_store(int(port or 0), timeout=float(params.get_as_int("read_timeout", 60) or 60), addr=host or "127.0.0.1")
-    class Backend(C10dRendezvousBackend):
-        name = LOOPBACK_RDZV  # torch's launcher checks that the handler's backend has the name it asked for
+    timeout = float(params.get_as_int("read_timeout", 60) or 60)
+    store = loopback_store(int(port or 0), timeout=timeout, addr=host or "127.0.0.1")
+    # torch's launcher checks that the handler's backend has the name it asked for
+    return OneNodeRendezvous(store, run_id=params.run_id, backend=LOOPBACK_RDZV, local_addr=params.local_addr or host)
 
-    return create_handler(store, Backend(store, params.run_id), params)
+
+def rendezvous_types() -> tuple[type, type, type]:
+    """torch's ``RendezvousHandler`` (the interface a rendezvous backend implements), ``RendezvousInfo`` and
+    ``RendezvousStoreInfo`` (what ``next_rendezvous`` returns): documented, in ``torch.distributed.elastic``."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+    return RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 
 def register_loopback_rendezvous() -> None:
-    """Make ``--rdzv-backend=ddpkit-loopback`` known to torch's launcher in this process (``--standalone``'s
-    rendezvous, whose store would listen on every interface, on a store listening on loopback only)."""
+    """Make ``--rdzv-backend=ddpkit-loopback`` known to torch's launcher in this process: a one-node job's
+    rendezvous, on a store listening on loopback only, that completes each round at once (``--standalone``'s
+    would listen on every interface and sleep up to 0.3 s on the first restart)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)  # the same creator again is a no-op
+
+
+#: ``listener(detected=, stopped=, attempt=, codes=)``: the agent saw a worker of ``attempt`` fail at
+#: ``detected`` and every worker of it was gone at ``stopped``; ``codes``: local rank -> exit code (-N: signal N).
+FaultListener = Callable[..., None]
+
+
+@contextlib.contextmanager
+def observe_faults(listener: FaultListener) -> Iterator[None]:
+    """Tell ``listener`` of each failed attempt the agent of this process sees, while the block runs.
+
+    The agent's monitor polls its workers (``PContext.wait(0)``, every ``--monitor-interval``); the poll that
+    sees a failure also stops the other workers (SIGTERM, then SIGKILL after a grace period) before it returns.
+    So the poll's start is when the failure was detected, and its return when the attempt's last worker was
+    gone. Not public API: torch's ``PContext.wait`` is wrapped here, in this process only, and restored after.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.wait
+
+    def wait(self: Any, timeout: float = -1, period: float = 1) -> Any:
+        began = time.time()
+        result = original(self, timeout, period)
+        if result is not None and result.is_failed():
+            attempt = int(self.envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if self.envs else 0
+            listener(detected=began, stopped=time.time(), attempt=attempt, codes=_exit_codes(self, result))
+        return result
+
+    PContext.wait = wait  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PContext.wait = original  # type: ignore[method-assign]
+
+
+def _exit_codes(pcontext: Any, result: Any) -> dict[int, int]:
+    """Each worker's exit code once stopped: forked (``_pc.processes``) or new interpreters (``subprocess_handlers``)."""
+    codes = {rank: failure.exitcode for rank, failure in result.failures.items()}
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if processes is not None:
+        codes.update({rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode is not None})
+    for rank, handler in getattr(pcontext, "subprocess_handlers", {}).items():
+        if handler.proc.poll() is not None:
+            codes[rank] = handler.proc.returncode
+    return dict(sorted(codes.items()))
 
 
 def failures(exc: Any) -> dict[int, Any]:

@@ -8,10 +8,16 @@
     3f2a9c1e#0   FAILED     0-41     8.1s        3.0s     1.9s     0.0s
     ...
 
+    faults: seconds from the last step before each one to the first step after it
+
+    fault       kind                      detection  teardown  restart  startup   load  first step  total  steps lost
+    3f2a9c1e#0  worker killed (SIGKILL)       0.021     0.035    0.012    0.081  0.004       0.009  0.162           0
+
     $ ddpkit goodput runs/exp --json      # the same numbers as JSON
 
 The categories (see :mod:`ddpkit.goodput.reading` and docs/goodput.md) partition the wall
-time, so productive time plus the badput adds up to it.
+time, so productive time plus the badput adds up to it. The faults' parts are
+:mod:`ddpkit.goodput.faults`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import exit_code_of
+from ddpkit.goodput.faults import PARTS, FaultCost, fault_costs
 from ddpkit.goodput.reading import CATEGORIES, Report, analyse, read_ledger
 
 __all__ = ["main", "goodput_of", "format_report"]
@@ -36,8 +43,8 @@ def _s(seconds: float) -> str:
     return f"{seconds:.1f}s"
 
 
-def format_report(report: Report) -> str:
-    """The text ``ddpkit goodput`` prints: totals, badput by category, one row per attempt."""
+def format_report(report: Report, faults: Sequence[FaultCost] = ()) -> str:
+    """The text ``ddpkit goodput`` prints: totals, badput by category, one row per attempt, one per fault."""
     lines = [
         f"wall {_s(report.wall_s)}  productive {_s(report.productive_s)}  goodput {report.goodput:.2f}",
         "badput: " + "  ".join(f"{c} {_s(v)}" for c, v in report.badput.items()),
@@ -47,15 +54,31 @@ def format_report(report: Report) -> str:
     rows = [columns]
     for a in report.attempts:
         steps = f"{a.restored_step}-{a.last_step}" if a.restored_step is not None else "-"
-        rows.append([a.label, a.status, steps, _s(a.wall_s), *(_s(a.seconds.get(c, 0.0)) for c in ("productive", *CATEGORIES))])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    for row in rows:
-        lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        seconds = (_s(a.seconds.get(c, 0.0)) for c in ("productive", *CATEGORIES))
+        rows.append([a.label, a.status, steps, _s(a.wall_s), *seconds])
+    lines += _table(rows, left=2)
+    if faults:
+        lines += ["", "faults: seconds from the last step before each one to the first step after it", ""]
+        rows = [["fault", "kind", *PARTS, "total", "steps lost"]]
+        for cost in faults:
+            parts = ("-" if cost.parts.get(p) is None else f"{cost.parts[p]:.3f}" for p in PARTS)
+            lost = f"{cost.steps_lost}" if cost.exact else f"<={cost.steps_lost}"
+            rows.append([cost.attempt, cost.kind, *parts, f"{cost.total:.3f}", lost])
+        lines += _table(rows, left=2)
     return "\n".join(lines)
 
 
+def _table(rows: list[list[str]], *, left: int) -> list[str]:
+    """Aligned columns: the first ``left`` to the left, the rest to the right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpkit goodput", description="Where a run's wall time went: productive training and badput by category.")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit goodput", description="Where a run's wall time went: productive training and badput by category, "
+        "and what each fault cost.")
     parser.add_argument("run_dir", help="a run's output directory (holding goodput.jsonl)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     try:
@@ -64,8 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
 
     def run() -> int:
-        report = goodput_of(args.run_dir)
-        print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
+        records = read_ledger(args.run_dir)
+        report, faults = analyse(records), fault_costs(records)
+        as_json = {**report.to_dict(), "faults": [cost.to_dict() for cost in faults]}
+        print(json.dumps(as_json, indent=1) if args.json else format_report(report, faults))
         return 0
 
     return exit_code_of(run, command="ddpkit goodput")
