@@ -12,6 +12,8 @@
   datasets built once per machine and read back from disk.
 - ``tokens``: token files for language models (``data: {name: tokens}``), one ``os.pread`` per
   window, ids checked against the model's vocabulary; the built-in ``stdlib`` corpus.
+- ``mixture`` / ``mixture_schedule``: several token files blended by weight (``data.kwargs.sources``), each
+  global batch holding each source's share, in an index-free order that resumes at any world size.
 - ``streaming`` / ``stream_epochs`` / ``stream_sources``: ``IterableDataset`` streams with equal
   step counts on every rank and exact resume; WebDataset and Hugging Face sources.
 """
@@ -21,4 +23,5 @@ from ddpkit.data.epochs import data_position, epoch_batches, run_length
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.data.tokens import require_vocab_of
 
-__all__ = ["data_position", "epoch_batches", "run_length", "move_to_device", "train_loader_for", "val_loader_for", "require_vocab_of"]
+__all__ = ["data_position", "epoch_batches", "run_length", "move_to_device", "train_loader_for", "val_loader_for",
+           "require_vocab_of"]

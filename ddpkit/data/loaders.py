@@ -33,12 +33,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data.batched import batch_reads, resident_device
 from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
+from ddpkit.data.mixture import is_mixture, report_passes
 from ddpkit.data.samplers import ExactShardSampler, ResumableDistributedSampler, SampleSeeded
 from ddpkit.data.streaming import build_stream_loader, build_stream_val_loader, is_stream
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import DataError, DdpkitError
 
-__all__ = ["build_train_loader", "build_val_loader", "train_loader_for", "val_loader_for", "move_to_device", "batch_size_of"]
+__all__ = ["build_train_loader", "build_val_loader", "train_loader_for", "val_loader_for", "move_to_device",
+           "batch_size_of"]
 
 
 def build_train_loader(
@@ -54,8 +56,9 @@ def build_train_loader(
     ``allow_length_change``: ``data.allow_length_change`` (a resume may re-plan the epoch for a dataset
     whose length changed; :class:`~ddpkit.data.epochs.SampleOrder`).
 
-    With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no
-    restart cost per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``.
+    With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no restart cost
+    per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``. A mixture of token files
+    (:mod:`ddpkit.data.mixture`) is planned for the global batch and read in order.
 
     An ``IterableDataset`` becomes a stream loader (:func:`~ddpkit.data.streaming.build_stream_loader`,
     which takes ``grad_accum_steps``, ``window_steps`` and ``uneven``).
@@ -68,26 +71,33 @@ def build_train_loader(
             dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed,
             prefetch_factor=prefetch_factor, accum=grad_accum_steps, window_steps=window_steps, uneven=uneven,
         )
+    mixture = is_mixture(dataset)  # it orders its own windows per (seed, epoch): the sampler walks positions in order
+    dataset = _planned(dataset, global_batch_size or batch_size * env.world_size * grad_accum_steps, seed=seed)
     sampler = _train_sampler(
-        dataset, env=env, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
+        dataset, env=env, batch_size=batch_size, shuffle=shuffle and not mixture, drop_last=drop_last, seed=seed,
         global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, order=order,
     )
-    sampler.tag_epoch = bool(num_workers)
-    sampler.allow_length_change = allow_length_change
+    sampler.tag_epoch, sampler.allow_length_change = bool(num_workers) or mixture, allow_length_change
     pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="training")
     data, collate = batch_reads(dataset, num_workers=num_workers)  # a TensorDataset: one gather per batch
     return DataLoader(
-        SampleSeeded(dataset, seed) if num_workers else data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(), collate_fn=collate,
+        SampleSeeded(dataset, seed) if num_workers and not mixture else data, batch_size=batch_size, sampler=sampler,
+        num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(),
+        collate_fn=collate,
         **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
+
+
+def _planned(dataset: Dataset, global_batch_size: int, *, seed: int) -> Dataset:
+    """A mixture planned for global batches of ``global_batch_size`` windows; any other dataset as it is."""
+    return dataset.planned(global_batch_size=global_batch_size, seed=seed) if is_mixture(dataset) else dataset
 
 
 def _train_sampler(
     dataset: Dataset, *, env: DistEnv, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
     global_batch_size: int | None, grad_accum_steps: int, order: str,
 ) -> ResumableDistributedSampler | GlobalBatchSampler:
-    """This rank's training order: world-size independent with ``global_batch_size``, else torch's sharding, resumable."""
+    """This rank's training order: world-size independent with ``global_batch_size``, else torch's sharding."""
     length = _length(dataset, "training")
     if drop_last and length < env.world_size * batch_size:
         raise DataError(
@@ -101,7 +111,8 @@ def _train_sampler(
             grad_accum_steps=grad_accum_steps, shuffle=shuffle, seed=seed, order=order,
         )
     return ResumableDistributedSampler(
-        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last, order=order,
+        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        order=order,
     )
 
 
@@ -111,12 +122,14 @@ def build_val_loader(
 ) -> DataLoader:
     """An evaluation loader over this rank's exact shard (possibly empty when the set is tiny)."""
     if is_stream(dataset):
-        return build_stream_val_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        return build_stream_val_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers,
+                                       pin_memory=pin_memory)
     sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
     pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="validation")
     data, collate = batch_reads(dataset, num_workers=num_workers)
     return DataLoader(
-        data, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+        data, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        collate_fn=collate,
         generator=torch.Generator().manual_seed(0), **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
 
@@ -165,12 +178,14 @@ def batch_size_of(batch: Any) -> int:
         return batch_size_of(batch[0])
     if isinstance(batch, dict) and batch:
         return batch_size_of(next(iter(batch.values())))
-    raise DdpkitError(f"cannot tell the batch size of a {type(batch).__name__}; return per-sample (1-D) metrics from validation_step")
+    raise DdpkitError(f"cannot tell the batch size of a {type(batch).__name__}; "
+                      "return per-sample (1-D) metrics from validation_step")
 
 
 def _length(dataset: Dataset, what: str) -> int:
     if not isinstance(dataset, Sized):
-        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); return a map-style Dataset or a torch.utils.data.IterableDataset")
+        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); "
+                        "return a map-style Dataset or a torch.utils.data.IterableDataset")
     length = len(dataset)
     if length == 0:
         raise DataError(f"the {what} dataset is empty; check data.name and data.kwargs (e.g. the root path)")
@@ -180,13 +195,20 @@ def _length(dataset: Dataset, what: str) -> int:
 def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
     cfg, accum = config.data, config.train.grad_accum_steps
-    return build_train_loader(
+    loader = build_train_loader(
         dataset, env=env, batch_size=per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=accum),
         num_workers=cfg.num_workers, shuffle=cfg.shuffle, drop_last=cfg.drop_last, seed=config.run.seed,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor, global_batch_size=cfg.global_batch_size, grad_accum_steps=accum,
         order=cfg.order, window_steps=cfg.stream_window, uneven=cfg.uneven, allow_length_change=cfg.allow_length_change,
     )
+    if is_mixture(loader.dataset):  # how often the run reads each source: logged, or refused under repeat: false
+        epochs, max_steps = config.train.epochs, config.train.max_steps
+        steps = loader.dataset.steps_per_epoch * (epochs or 1)
+        if max_steps is not None:
+            steps = max_steps if epochs is None else min(steps, max_steps)
+        report_passes(loader.dataset, total_steps=steps)
+    return loader
 
 
 def val_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:

@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddpkit.data.cache import cache_dir
+from ddpkit.data.mixture import mixture_datasets
 from ddpkit.errors import DataError
 from ddpkit.registry import register_dataset
 
@@ -46,6 +47,8 @@ DTYPES = ("uint16", "uint32", "int32")
 #: Byte-level tokens: ids 0-255 are the bytes, 256 separates documents.
 BYTE_EOT = 256
 BYTE_VOCAB = 257
+#: A target that carries no loss (torch's ``ignore_index``): what a mask file's 0 turns a target into.
+IGNORE_INDEX = -100
 #: Which files of the standard library become the stdlib corpus (see :func:`stdlib_corpus`).
 _CORPUS_VERSION = "v1"
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
@@ -59,19 +62,23 @@ class TokenFile(Dataset):
         x, y = ds[0]                                               # x = tokens[0:1024], y = tokens[1:1025]
     """
 
-    def __init__(self, path: str | os.PathLike, *, seq_len: int, dtype: str | None = None, vocab_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, *, seq_len: int, dtype: str | None = None,
+                 vocab_size: int | None = None):
         self.path = str(Path(path).expanduser())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"data.kwargs.seq_len: expected a positive integer, got {seq_len!r}")
         self.seq_len = seq_len
         self.dtype, self.offset, self.n_tokens = _layout(self.path, dtype)
         if self.n_tokens < seq_len + 1:
-            raise DataError(f"{self.path}: {self.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} (one window and its shifted target); "
+            raise DataError(f"{self.path}: {self.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} "
+                            "(one window and its shifted target); "
                             f"lower data.kwargs.seq_len or use a longer file")
         self.vocab_size: int | None = None
         if vocab_size is not None:
             self.require_vocab(vocab_size)
+        self.mask_path = _mask_beside(self.path, self.n_tokens)
         self._fd: int | None = None
+        self._mask_fd: int | None = None
         self._pid: int | None = None
 
     def require_vocab(self, vocab_size: int) -> None:
@@ -95,39 +102,67 @@ class TokenFile(Dataset):
         if self.vocab_size is not None:
             self._check_ids(window, start)
         both = torch.from_numpy(window.astype(np.int64))
-        return both[:-1], both[1:]
+        x, y = both[:-1], both[1:]
+        if self.mask_path is not None:  # a chat file: targets outside the trainable turns carry no loss
+            trained = os.pread(self._files()[1], self.seq_len, start + 1)  # one byte per token; y starts one later
+            y = y.masked_fill(torch.frombuffer(bytearray(trained), dtype=torch.uint8) == 0, IGNORE_INDEX)
+        return x, y
 
     def _read(self, start: int, count: int) -> np.ndarray:
         nbytes = count * self.dtype.itemsize
-        data = os.pread(self._file(), nbytes, self.offset + start * self.dtype.itemsize)
+        data = os.pread(self._files()[0], nbytes, self.offset + start * self.dtype.itemsize)
         if len(data) != nbytes:
-            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; the file shrank since the run started", retryable=True)
+            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; "
+                            "the file shrank since the run started", retryable=True)
         return np.frombuffer(data, dtype=self.dtype)
 
     def _check_ids(self, window: np.ndarray, start: int) -> None:
         if window.max() >= self.vocab_size or (window.dtype.kind == "i" and window.min() < 0):
             at = int(np.argmax((window >= self.vocab_size) | (window < 0)))
-            raise DataError(f"{self.path}: token id {int(window[at])} at token offset {start + at:,} is outside the model's vocabulary "
-                            f"[0, {self.vocab_size}); the file was made with another tokenizer, or raise model.kwargs.vocab_size")
+            raise DataError(f"{self.path}: token id {int(window[at])} at token offset {start + at:,} is outside the "
+                            f"model's vocabulary [0, {self.vocab_size}); the file was made with another tokenizer, "
+                            "or raise model.kwargs.vocab_size")
 
-    def _file(self) -> int:
-        if self._pid != os.getpid():  # first read in this process (e.g. a forked DataLoader worker): its own descriptor
+    def _files(self) -> tuple[int, int | None]:
+        """``(token file, mask file or None)`` descriptors of this process."""
+        if self._pid != os.getpid():  # first read in this process (a forked DataLoader worker?): its own descriptors
             try:
-                self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-            except FileNotFoundError:
-                raise DataError(f"{self.path}: the token file disappeared after the run started", retryable=True) from None
+                self._fd = os.open(self.path, os.O_RDONLY)
+                self._mask_fd = os.open(self.mask_path, os.O_RDONLY) if self.mask_path is not None else None
+                self._pid = os.getpid()
+            except FileNotFoundError as exc:
+                raise DataError(f"{exc.filename}: the file disappeared after the run started", retryable=True) from None
         assert self._fd is not None
-        return self._fd
+        return self._fd, self._mask_fd
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fd": None, "_pid": None}
+        return {**self.__dict__, "_fd": None, "_mask_fd": None, "_pid": None}
 
     def __del__(self, _getpid=os.getpid, _close=os.close) -> None:  # bound early: at exit the os module may be gone
-        if getattr(self, "_fd", None) is not None and self._pid == _getpid():
-            _close(self._fd)
+        if getattr(self, "_pid", None) == _getpid():
+            for fd in (self._fd, self._mask_fd):
+                if fd is not None:
+                    _close(fd)
 
     def __repr__(self) -> str:
         return f"TokenFile({self.path!r}, seq_len={self.seq_len}, dtype={self.dtype.name}, n_tokens={self.n_tokens:,})"
+
+
+def mask_path_of(path: str | os.PathLike) -> Path:
+    """The mask file beside a token file: ``sft.bin`` -> ``sft.mask`` (one byte per token, 1 = a trained target)."""
+    return Path(path).with_suffix(".mask")
+
+
+def _mask_beside(path: str, n_tokens: int) -> str | None:
+    """The mask file beside ``path`` if there is one, checked to hold one byte per token."""
+    mask = mask_path_of(path)
+    if not mask.is_file():
+        return None
+    if mask.stat().st_size != n_tokens:
+        raise DataError(f"{mask}: {mask.stat().st_size:,} bytes but {path} holds {n_tokens:,} tokens "
+                        "(one mask byte each); "
+                        f"remake both with `ddpkit tokenize --chat`, or remove the stale mask file")
+    return str(mask)
 
 
 def _layout(path: str, dtype: str | None) -> tuple[np.dtype, int, int]:
@@ -155,46 +190,66 @@ def _npy_layout(path: str, dtype: str | None, size: int) -> tuple[np.dtype, int,
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            fmt = np.lib.format
+            read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, fortran_order, found = read_header(f)
         except ValueError as exc:
-            raise DataError(f"{path}: not a readable .npy file ({exc}); write it with numpy.save, or use a raw .bin") from None
+            raise DataError(f"{path}: not a readable .npy file ({exc}); write it with numpy.save, "
+                            "or use a raw .bin") from None
         offset = f.tell()
     if len(shape) != 1 or fortran_order:
         raise DataError(f"{path}: a .npy token file must be a 1-D C-order array, this one has shape {shape}"
                         f"{' in Fortran order' if fortran_order else ''}; save tokens.ravel() instead")
     if found.kind not in "iu":
-        raise DataError(f"{path}: a .npy token file must hold integers, this one holds {found}; save token ids as uint16 or uint32")
+        raise DataError(f"{path}: a .npy token file must hold integers, this one holds {found}; "
+                        "save token ids as uint16 or uint32")
     if dtype is not None and np.dtype(dtype) != found:
-        raise DataError(f"{path}: data.kwargs.dtype is {dtype} but the .npy header says {found}; drop data.kwargs.dtype for .npy files")
+        raise DataError(f"{path}: data.kwargs.dtype is {dtype} but the .npy header says {found}; "
+                        "drop data.kwargs.dtype for .npy files")
     if offset + shape[0] * found.itemsize > size:
-        raise DataError(f"{path}: the header promises {shape[0]:,} {found} tokens but the file has {size - offset:,} data bytes; a truncated file?")
+        raise DataError(f"{path}: the header promises {shape[0]:,} {found} tokens but the file has "
+                        f"{size - offset:,} data bytes; a truncated file?")
     return found, offset, shape[0]
 
 
 def tokens(path: str | None = None, val_path: str | None = None, seq_len: int = 1024, dtype: str | None = None,
-           vocab_size: int | None = None, corpus: str | None = None) -> tuple[TokenFile, TokenFile | None]:
+           vocab_size: int | None = None, corpus: str | None = None, sources: list | None = None,
+           val_sources: list | None = None, repeat: bool = True) -> tuple[Dataset, Dataset | None]:
     """The ``tokens`` dataset builder: ``(train, val)`` windows of ``path`` and ``val_path`` (None without one).
 
-    ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached).
+    ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached);
+    ``sources`` (and ``val_sources``, ``repeat``) instead of ``path`` blend several files by weight
+    (:mod:`ddpkit.data.mixture`).
     """
+    def open_file(file: str, file_dtype: str | None = None) -> TokenFile:
+        return TokenFile(file, seq_len=seq_len, dtype=file_dtype or dtype, vocab_size=vocab_size)
+
+    if sources is not None:
+        if path is not None or val_path is not None or corpus is not None:
+            raise DataError("data.kwargs.sources: give either sources (and val_sources) or path/val_path/corpus, "
+                            "not both")
+        return mixture_datasets(sources, val_sources, open_file=open_file, repeat=repeat)
+    if val_sources is not None:
+        raise DataError("data.kwargs.val_sources: validation sources come with training sources; "
+                        "set data.kwargs.sources")
     if corpus is not None:
         if corpus != "stdlib":
-            raise DataError(f"data.kwargs.corpus: unknown corpus {corpus!r}; the built-in one is 'stdlib' (or give data.kwargs.path)")
+            raise DataError(f"data.kwargs.corpus: unknown corpus {corpus!r}; the built-in one is 'stdlib' "
+                            "(or give data.kwargs.path)")
         if path is not None or val_path is not None:
             raise DataError("data.kwargs.corpus: give either corpus or path/val_path, not both")
         path, val_path = map(str, stdlib_corpus())
     if path is None:
-        raise DataError("data.kwargs.path: not set; give a token file (make one with `ddpkit tokenize INPUT... -o FILE.bin`) or data.kwargs.corpus=stdlib")
-    train = TokenFile(path, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size)
-    val = TokenFile(val_path, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size) if val_path is not None else None
-    return train, val
+        raise DataError("data.kwargs.path: not set; give a token file (make one with `ddpkit tokenize INPUT... "
+                        "-o FILE.bin`) or data.kwargs.corpus=stdlib")
+    return open_file(path), (open_file(val_path) if val_path is not None else None)
 
 
 register_dataset("tokens", tokens)
 
 
-def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.PathLike, *, dtype: str, eot: int) -> int:
+def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.PathLike, *, dtype: str,
+                     eot: int) -> int:
     """Write ``documents`` to ``path`` as raw ``dtype`` ids with ``eot`` between them; return the number of tokens.
 
         write_token_file([[np.array([1, 2])], [np.array([3])]], "out.bin", dtype="uint16", eot=256)   # 1 2 256 3
@@ -216,7 +271,8 @@ def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.P
                     ids = np.asarray(chunk)
                     if ids.size and (int(ids.max()) > limit or int(ids.min()) < 0):
                         bad = int(ids.max()) if int(ids.max()) > limit else int(ids.min())
-                        raise DataError(f"{target}: token id {bad} does not fit {dtype} (0 to {limit}); write a wider dtype (uint32)")
+                        raise DataError(f"{target}: token id {bad} does not fit {dtype} (0 to {limit}); "
+                                        "write a wider dtype (uint32)")
                     out.write(ids.astype(dtype, copy=False).tobytes())
                     count += ids.size
         os.replace(temporary, target)
@@ -227,7 +283,7 @@ def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.P
 
 
 def stdlib_corpus(directory: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """``(train.bin, val.bin)``: byte-level uint16 tokens (vocab 257, end-of-text 256) of the standard library's ``.py`` files.
+    """``(train.bin, val.bin)``: byte-level uint16 tokens (vocab 257, end-of-text 256) of the stdlib's ``.py`` files.
 
         train, val = stdlib_corpus()          # ~/.cache/ddpkit/stdlib-py3.11-bytes-v1/{train,val}.bin, built once
 
@@ -241,8 +297,9 @@ def stdlib_corpus(directory: str | os.PathLike | None = None) -> tuple[Path, Pat
     train, val = folder / "train.bin", folder / "val.bin"
     if not (train.is_file() and val.is_file()):
         files = _stdlib_sources()
-        write_token_file(_byte_documents(f for i, f in enumerate(files) if i % 20 != 19), train, dtype="uint16", eot=BYTE_EOT)
-        write_token_file(_byte_documents(f for i, f in enumerate(files) if i % 20 == 19), val, dtype="uint16", eot=BYTE_EOT)
+        for target, held_out in ((train, False), (val, True)):
+            chosen = (f for i, f in enumerate(files) if (i % 20 == 19) == held_out)
+            write_token_file(_byte_documents(chosen), target, dtype="uint16", eot=BYTE_EOT)
     return train, val
 
 

@@ -25,7 +25,8 @@ __all__ = ["training_step", "validation_step", "IGNORE_INDEX"]
 IGNORE_INDEX = -100
 
 
-def training_step(model: torch.nn.Module, batch: Any, *, normalization: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def training_step(model: torch.nn.Module, batch: Any, *,
+                  normalization: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch ``(x, y)``: its mean, or ``(sum, count)`` under ``normalization="tokens"``."""
     x, y = batch
     logits = model(x)
@@ -38,11 +39,16 @@ def training_step(model: torch.nn.Module, batch: Any, *, normalization: str) -> 
 
 def validation_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """Per-sample (classifier) or per-token (language model) loss and accuracy of one validation batch."""
-    x, y = batch
+    x, y, *sources = batch  # a mixture's validation set adds each sample's source name (ddpkit.data.mixture)
     logits = model(x)
     if logits.dim() == 3:
+        length = y.shape[1]
         logits, y = logits.flatten(0, 1), y.flatten()
         counted = y != IGNORE_INDEX
         losses = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
-        return {"loss": losses[counted], "accuracy": (logits.argmax(dim=1) == y).float()[counted]}
+        metrics = {"loss": losses[counted], "accuracy": (logits.argmax(dim=1) == y).float()[counted]}
+        for name in dict.fromkeys(sources[0] if sources else ()):  # val_loss/<name>: each source's own tokens
+            rows = torch.tensor([n == name for n in sources[0]], device=y.device).repeat_interleave(length)
+            metrics[f"loss/{name}"] = losses[counted & rows]
+        return metrics
     return {"loss": F.cross_entropy(logits, y, reduction="none"), "accuracy": (logits.argmax(dim=1) == y).float()}
