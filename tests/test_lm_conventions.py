@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 
 import ddpkit
 from ddpkit import training
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.gpt import GPT
 from ddpkit.training.param_groups import param_groups
-from helpers import tiny_config
 
 STEPS_PER_EPOCH = 16  # tiny_config: 256 digits in batches of 16
 
@@ -30,12 +29,15 @@ class NamedGroups(ddpkit.Trainer):
         return training.build_optimizer(model, self.config.optim)
 
 
-@pytest.mark.parametrize(("train", "steps", "epoch"), [
-    ({"epochs": None, "max_steps": 40}, 40, 2),  # max_steps alone: 2.5 epochs, exactly 40 steps
-    ({"epochs": None, "max_steps": None}, STEPS_PER_EPOCH, 1),  # neither: one epoch
-    ({"epochs": 1, "max_steps": 40}, STEPS_PER_EPOCH, 1),  # both: whichever comes first
-    ({"epochs": 3, "max_steps": 20}, 20, 1),
-])
+@pytest.mark.parametrize(
+    ("train", "steps", "epoch"),
+    [
+        ({"epochs": None, "max_steps": 40}, 40, 2),  # max_steps alone: 2.5 epochs, exactly 40 steps
+        ({"epochs": None, "max_steps": None}, STEPS_PER_EPOCH, 1),  # neither: one epoch
+        ({"epochs": 1, "max_steps": 40}, STEPS_PER_EPOCH, 1),  # both: whichever comes first
+        ({"epochs": 3, "max_steps": 20}, 20, 1),
+    ],
+)
 def test_max_steps_alone_trains_exactly_that_many_steps_across_epochs(tmp_path, train, steps, epoch):
     cfg = tiny_config(tmp_path, train={**train, "log_every": 100}, sched={"name": "cosine", "min_lr": 0.001})
     cfg["train"] = {k: v for k, v in cfg["train"].items() if v is not None or k in train}
@@ -62,10 +64,15 @@ def test_weight_decay_applies_to_matrices_only_by_default_and_to_all_with_decay_
     model = _gpt()
     groups = param_groups(list(model.named_parameters()), load_config({"optim": {"weight_decay": 0.1}}).optim)
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
-    assert _names(model, groups[0]) == {"embed.weight", "pos.weight", *(f"blocks.{i}.{m}.weight" for i in range(2)
-                                                                         for m in ("attn.qkv", "attn.proj", "fc", "proj"))}
+    assert _names(model, groups[0]) == {
+        "embed.weight",
+        "pos.weight",
+        *(f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "fc", "proj")),
+    }
     assert all(name.endswith("bias") or ".ln" in name or name.startswith("ln_f") for name in _names(model, groups[1]))
-    every = param_groups(list(model.named_parameters()), load_config({"optim": {"weight_decay": 0.1, "decay": "all"}}).optim)
+    every = param_groups(
+        list(model.named_parameters()), load_config({"optim": {"weight_decay": 0.1, "decay": "all"}}).optim
+    )
     assert len(every) == 1 and every[0]["params"] == list(model.parameters())
     none = param_groups(list(model.named_parameters()), load_config({}).optim)  # no decay: one group in model order
     assert len(none) == 1 and none[0]["params"] == list(model.parameters())
@@ -73,11 +80,20 @@ def test_weight_decay_applies_to_matrices_only_by_default_and_to_all_with_decay_
 
 def test_groups_select_by_fnmatch_or_regex_first_match_wins_and_set_lr_and_decay():
     model = _gpt()
-    optim = load_config({"optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1, "groups": [
-        {"params": ["embed.*", "pos.*"], "lr": 0.001},
-        {"params": ["re:^blocks\\.1\\."], "weight_decay": 0.0},
-        {"params": ["blocks.*"], "lr": 0.02, "weight_decay": 0.5},
-    ]}}).optim
+    optim = load_config(
+        {
+            "optim": {
+                "name": "adamw",
+                "lr": 0.01,
+                "weight_decay": 0.1,
+                "groups": [
+                    {"params": ["embed.*", "pos.*"], "lr": 0.001},
+                    {"params": ["re:^blocks\\.1\\."], "weight_decay": 0.0},
+                    {"params": ["blocks.*"], "lr": 0.02, "weight_decay": 0.5},
+                ],
+            }
+        }
+    ).optim
     optimizer = training.build_optimizer(model, optim)
     by_names = {frozenset(_names(model, g)): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups}
     assert by_names[frozenset({"embed.weight", "pos.weight"})] == (0.001, 0.1)
@@ -87,18 +103,26 @@ def test_groups_select_by_fnmatch_or_regex_first_match_wins_and_set_lr_and_decay
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize(("groups", "message"), [
-    ([{"params": ["ln1.*"]}], r"optim.groups\[0\].params: 'ln1.\*' matches no parameter.*'\*.qkv.\*'"),
-    ([{"params": ["re:(unclosed"]}], r"optim.groups\[0\].params: 're:\(unclosed' is not a valid regular expression"),
-    ([{"params": []}], r"optim.groups\[0\].params: the group selects no parameters"),
-])
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([{"params": ["ln1.*"]}], r"optim.groups\[0\].params: 'ln1.\*' matches no parameter.*'\*.qkv.\*'"),
+        (
+            [{"params": ["re:(unclosed"]}],
+            r"optim.groups\[0\].params: 're:\(unclosed' is not a valid regular expression",
+        ),
+        ([{"params": []}], r"optim.groups\[0\].params: the group selects no parameters"),
+    ],
+)
 def test_group_mistakes_are_one_line_naming_the_entry(groups, message):
     with pytest.raises(ConfigError, match=message):
         training.build_optimizer(_gpt(), load_config({"optim": {"groups": groups}}).optim)
 
 
 def test_groups_need_names_so_bare_parameters_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"optim.groups: selecting parameters by name needs the model.*build_optimizer\(model"):
+    with pytest.raises(
+        ConfigError, match=r"optim.groups: selecting parameters by name needs the model.*build_optimizer\(model"
+    ):
         training.build_optimizer(_gpt().parameters(), load_config({"optim": {"groups": [{"params": ["*"]}]}}).optim)
 
 
@@ -112,7 +136,9 @@ def _as_written_by_the_previous_release(path: Path) -> None:
     for key in ("decay", "groups"):
         del state["config"]["optim"][key]
     meta = json.loads(path.with_suffix(".json").read_text())
-    save_checkpoint(state, path.parent, step=meta["step"], meta={k: meta[k] for k in ("epoch", "config_hash", "versions")})
+    save_checkpoint(
+        state, path.parent, step=meta["step"], meta={k: meta[k] for k in ("epoch", "config_hash", "versions")}
+    )
 
 
 def test_a_one_group_checkpoint_of_the_previous_release_resumes_bitwise_as_one_group(tmp_path, capfd):
@@ -120,8 +146,9 @@ def test_a_one_group_checkpoint_of_the_previous_release_resumes_bitwise_as_one_g
     old = {"name": "adamw", "lr": 0.01, "momentum": 0.0, "weight_decay": 0.1, "decay": "all"}
     common = {"checkpoint": {"every_steps": 4}, "train": {"epochs": None, "max_steps": 8}}
     ddpkit.Trainer(tiny_config(tmp_path / "ref", optim=old, **common)).fit()
-    ddpkit.Trainer(tiny_config(tmp_path / "cut", optim=old, checkpoint={"every_steps": 4},
-                               train={"epochs": None, "max_steps": 4})).fit()
+    ddpkit.Trainer(
+        tiny_config(tmp_path / "cut", optim=old, checkpoint={"every_steps": 4}, train={"epochs": None, "max_steps": 4})
+    ).fit()
     _as_written_by_the_previous_release(tmp_path / "cut/run/checkpoints/step-000000004.pt")
     new = {"name": "adamw", "lr": 0.01, "momentum": 0.0, "weight_decay": 0.1}  # today's default: two groups
     capfd.readouterr()
@@ -130,7 +157,8 @@ def test_a_one_group_checkpoint_of_the_previous_release_resumes_bitwise_as_one_g
     lines = [line for line in capfd.readouterr().err.splitlines() if "parameter group" in line]
     assert [line.split(" ", 3)[-1] for line in lines] == [
         "optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
-        "resuming it as one group, as it was trained. A new run uses the configured groups"]
+        "resuming it as one group, as it was trained. A new run uses the configured groups"
+    ]
     assert len(resumed.optimizer.param_groups) == 1 and resumed.progress.step == 8
     ref, got = _weights(tmp_path / "ref/run/model.pt"), _weights(tmp_path / "cut/run/model.pt")
     assert all(torch.equal(ref[k], got[k]) for k in ref)

@@ -1,14 +1,19 @@
 """A GPT-2 style language model, registered as ``gpt``.
 
     model: {name: gpt, kwargs: {vocab_size: 257, dim: 256, depth: 4, heads: 4, max_len: 256}}   # small, byte-level
-    model: {name: gpt, kwargs: {preset: gpt2}}                     # the 124M shape (vocab 50304, 768 x 12 blocks, 12 heads)
+    model: {name: gpt, kwargs: {preset: gpt2}}                     # the 124M shape (vocab 50304, 768 x 12, 12 heads)
     model: {name: gpt, kwargs: {preset: gpt2, max_len: 512}}       # explicit kwargs override the preset
+    model: {name: gpt, kwargs: {init_from: models/gpt2}}           # a local Hugging Face GPT-2 directory (hf_gpt2.py)
 
 ``forward(x[B, T] int64) -> logits[B, T, vocab_size]``, the next token's logits at every position.
 The shape is nanoGPT's: learned position embeddings, pre-LayerNorm blocks of causal attention
 (``scaled_dot_product_attention(..., is_causal=True)``, flash attention on GPUs) and a 4x GELU
 MLP, a final LayerNorm, and an output layer tied to the token embedding. Initialisation is
 GPT-2's: normal(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 * depth), zero biases.
+``activation: gelu_tanh`` is GPT-2's own tanh approximation (what its pretrained weights expect);
+``valid_vocab`` (< ``vocab_size``) gives the padded ids a logit of -inf, so they are never predicted
+and the loss is the unpadded vocabulary's. ``forward(x, cache=KVCache(...))`` appends the new tokens'
+keys and values to a cache and attends over all of them: generation feeds one token a step.
 
 The blocks are ``GPT.blocks``, an ``nn.ModuleList`` of :class:`GPTBlock`: FSDP2's default rule
 (:func:`ddpkit.distributed.sharding.fsdp_blocks`) shards each block as one unit, the root keeps
@@ -18,6 +23,7 @@ the embeddings and the final LayerNorm (``parallel.fsdp.blocks: [GPTBlock]`` say
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +31,9 @@ from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.registry import register_model
+from ddpkit.training.hf_gpt2 import read_config, read_weights
 
-__all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "PRESETS", "gpt"]
+__all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTIVATIONS", "gpt", "gpt_kwargs"]
 
 #: Named shapes; explicit kwargs override them. gpt2's vocabulary is 50257 padded to a multiple of 64.
 PRESETS = {
@@ -34,6 +41,50 @@ PRESETS = {
 }
 #: The shape without a preset: a small byte-level model (ddpkit's byte tokens and stdlib corpus have 257 ids).
 DEFAULTS = {"vocab_size": 257, "dim": 256, "depth": 4, "heads": 4, "max_len": 256}
+#: ``activation`` names -> ``F.gelu``'s ``approximate``: exact GELU, or the tanh approximation GPT-2 was trained with.
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+class LayerCache:
+    """One block's keys and values ``[B, heads, max_len, head_dim]``, filled up to ``length``."""
+
+    def __init__(self, shape: tuple[int, ...], *, device: torch.device, dtype: torch.dtype):
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new ``k``, ``v`` after the cached ones; causal attention of ``q`` over all of them."""
+        start, end = self.length, self.length + q.shape[2]
+        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
+        self.length = end
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if start == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        # query i sits at position start + i and sees the keys up to it (all of them for one new token)
+        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class KVCache:
+    """Every block's :class:`LayerCache` for ``batch`` sequences of up to the model's ``max_len`` tokens.
+
+    cache = KVCache(model, batch=1)
+    logits = model(prompt, cache=cache)           # the prompt's keys and values are kept
+    logits = model(next_token[:, None], cache=cache)   # one token: attends to the prompt and itself
+    """
+
+    def __init__(self, model: GPT, *, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        weight = model.embed.weight
+        shape = (batch, model.heads, model.max_len, model.dim // model.heads)
+        self.layers = [
+            LayerCache(shape, device=device or weight.device, dtype=dtype or weight.dtype) for _ in range(model.depth)
+        ]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached so far: the position of the next token."""
+        return self.layers[0].length
 
 
 class CausalSelfAttention(nn.Module):
@@ -45,51 +96,71 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)  # a residual projection: GPT-2 scales its initial weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if cache is not None:
+            y = cache.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
 
 
 class GPTBlock(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (a 4x GELU MLP)."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, activation: str = "gelu"):
         super().__init__()
+        self.approximate = ACTIVATIONS[activation]
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads, dropout)
         self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cache))
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)), approximate=self.approximate)))
 
 
 class GPT(nn.Module):
     """GPT-2: token + position embeddings, ``depth`` :class:`GPTBlock`, a final LayerNorm, a tied output layer.
 
-        model = GPT(vocab_size=257, dim=256, depth=4, heads=4, max_len=256)
-        logits = model(x)                                        # x: [B, T] int64, T <= max_len -> [B, T, 257]
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        model.flops_per_token(seq_len=256)                       # training FLOPs per token, for MFU
+    model = GPT(vocab_size=257, dim=256, depth=4, heads=4, max_len=256)
+    logits = model(x)                                        # x: [B, T] int64, T <= max_len -> [B, T, 257]
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    model.flops_per_token(seq_len=256)                       # training FLOPs per token, for MFU
     """
 
-    def __init__(self, vocab_size: int = 257, dim: int = 256, depth: int = 4, heads: int = 4, max_len: int = 256, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab_size: int = 257,
+        dim: int = 256,
+        depth: int = 4,
+        heads: int = 4,
+        max_len: int = 256,
+        dropout: float = 0.0,
+        activation: str = "gelu",
+        valid_vocab: int | None = None,
+    ):
         super().__init__()
         _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
+        _check_options(activation, valid_vocab, vocab_size)
         self.vocab_size, self.dim, self.depth, self.heads, self.max_len = vocab_size, dim, depth, heads, max_len
+        self.activation = activation
+        #: Ids from here up are padding: their logits are -inf (None: every id is real).
+        self.valid_vocab = valid_vocab if valid_vocab is not None and valid_vocab < vocab_size else None
         self.embed, self.pos = nn.Embedding(vocab_size, dim), nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(depth))
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout, activation) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied: one [vocab, dim] matrix reads tokens in and scores them out
         self._init_weights()
 
     def _init_weights(self) -> None:
-        """GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to the stream)."""
+        """GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to it)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -99,18 +170,29 @@ class GPT(nn.Module):
             for projection in (block.attn.proj, block.proj):
                 nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.depth))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[1]
+    def forward(self, x: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]``; with ``cache``, ``x`` continues the cached tokens."""
+        start = cache.length if cache is not None else 0
+        length = start + x.shape[1]
         if length > self.max_len:
-            raise ConfigError(f"model.kwargs.max_len: the input has {length} tokens per sequence but the model's max_len is {self.max_len}; "
-                              f"lower data.kwargs.seq_len to {self.max_len} or raise model.kwargs.max_len to {length}")
-        h = self.drop(self.embed(x) + self.pos(torch.arange(length, device=x.device)))
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln_f(h))
+            raise ConfigError(
+                f"model.kwargs.max_len: the input has {length} tokens per sequence but the model's max_len is "
+                f"{self.max_len}; "
+                f"lower data.kwargs.seq_len to {self.max_len} or raise model.kwargs.max_len to {length}"
+            )
+        h = self.drop(self.embed(x) + self.pos(torch.arange(start, length, device=x.device)))
+        for i, block in enumerate(self.blocks):
+            h = block(h, cache.layers[i] if cache is not None else None)
+        logits = self.head(self.ln_f(h))
+        if self.valid_vocab is not None:
+            logits[..., self.valid_vocab :] = float(
+                "-inf"
+            )  # padded ids: probability 0, no gradient, the loss unchanged
+        return logits
 
     def num_params(self, *, non_embedding: bool = True) -> int:
-        """Parameters (the tied output layer counted once); ``non_embedding`` leaves out the position embeddings (nanoGPT's count)."""
+        """Parameters (the tied output layer counted once); ``non_embedding`` leaves out the position embeddings
+        (nanoGPT's count)."""
         total = sum(p.numel() for p in self.parameters())
         return total - self.pos.weight.numel() if non_embedding else total
 
@@ -133,20 +215,95 @@ def _check_shape(**shape: float) -> None:
             raise ConfigError(f"model.kwargs.{key}: expected a positive integer, got {shape[key]!r}")
     if shape["dim"] % shape["heads"]:
         divisors = [h for h in range(1, min(shape["dim"], 64) + 1) if shape["dim"] % h == 0]
-        raise ConfigError(f"model.kwargs.heads: dim {shape['dim']} is not divisible by heads {shape['heads']}; "
-                          f"choose heads that divide dim (e.g. {', '.join(map(str, divisors[-4:]))}) or change model.kwargs.dim")
+        raise ConfigError(
+            f"model.kwargs.heads: dim {shape['dim']} is not divisible by heads {shape['heads']}; "
+            f"choose heads that divide dim (e.g. {', '.join(map(str, divisors[-4:]))}) or change model.kwargs.dim"
+        )
     if not 0.0 <= shape["dropout"] < 1.0:
         raise ConfigError(f"model.kwargs.dropout: expected a probability in [0, 1), got {shape['dropout']!r}")
 
 
-def gpt(preset: str | None = None, vocab_size: int | None = None, dim: int | None = None, depth: int | None = None,
-        heads: int | None = None, max_len: int | None = None, dropout: float = 0.0) -> GPT:
-    """The ``gpt`` builder: the ``preset``'s shape (or :data:`DEFAULTS`), with the explicit kwargs on top."""
+def _check_options(activation: str, valid_vocab: int | None, vocab_size: int) -> None:
+    if activation not in ACTIVATIONS:
+        raise ConfigError(
+            f"model.kwargs.activation: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)} "
+            "(gelu_tanh is GPT-2's own)"
+        )
+    if valid_vocab is not None and not (isinstance(valid_vocab, int) and 1 <= valid_vocab <= vocab_size):
+        raise ConfigError(
+            f"model.kwargs.valid_vocab: expected an integer in [1, vocab_size={vocab_size}], got {valid_vocab!r}"
+        )
+
+
+def gpt_kwargs(
+    preset: str | None = None,
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    depth: int | None = None,
+    heads: int | None = None,
+    max_len: int | None = None,
+    dropout: float = 0.0,
+    activation: str | None = None,
+    valid_vocab: int | None = None,
+    init_from: str | None = None,
+) -> dict[str, Any]:
+    """:class:`GPT`'s keyword arguments for the ``gpt`` builder's: a preset's shape (or :data:`DEFAULTS`), or the shape
+    of the GPT-2 directory ``init_from``, with the explicit kwargs on top (a contradiction is refused by name)."""
     if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"model.kwargs.preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, or give the shape's kwargs")
-    given = {"vocab_size": vocab_size, "dim": dim, "depth": depth, "heads": heads, "max_len": max_len}
-    shape = {**(PRESETS[preset] if preset else DEFAULTS), **{k: v for k, v in given.items() if v is not None}}
-    return GPT(**shape, dropout=dropout)
+        raise ConfigError(
+            f"model.kwargs.preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, "
+            "or give the shape's kwargs"
+        )
+    given = dict(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, activation=activation)
+    given = {k: v for k, v in given.items() if v is not None}
+    if init_from is None:
+        base = {**DEFAULTS, "activation": "gelu", **(PRESETS[preset] if preset else {})}
+        return {**base, **given, "dropout": dropout, "valid_vocab": valid_vocab}
+    if preset is not None:
+        raise ConfigError(
+            "model.kwargs.preset: give either preset or init_from (whose config.json is the shape), not both"
+        )
+    shape = read_config(init_from)
+    _check_against(shape, given, source=f"{init_from}/config.json")
+    return {**shape, **given, "dropout": dropout, "valid_vocab": shape["vocab_size"]}
+
+
+def _check_against(shape: dict[str, Any], given: dict[str, Any], *, source: str) -> None:
+    """Explicit kwargs must agree with a pretrained shape: equal, or a larger (padded) vocabulary, a shorter context."""
+    rules = {
+        "vocab_size": ("at least", lambda ours, theirs: ours >= theirs),
+        "max_len": ("at most", lambda ours, theirs: ours <= theirs),
+    }
+    for key, value in given.items():
+        rule, allowed = rules.get(key, ("equal to", lambda ours, theirs: ours == theirs))
+        if not allowed(value, shape[key]):
+            raise ConfigError(
+                f"model.kwargs.{key}: {value!r} contradicts {source}, whose model has {shape[key]!r} "
+                f"(it must be {rule} that); drop model.kwargs.{key}"
+            )
+
+
+def gpt(
+    preset: str | None = None,
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    depth: int | None = None,
+    heads: int | None = None,
+    max_len: int | None = None,
+    dropout: float = 0.0,
+    activation: str | None = None,
+    valid_vocab: int | None = None,
+    init_from: str | None = None,
+) -> GPT:
+    """The ``gpt`` builder: the shape of :func:`gpt_kwargs`; with ``init_from``, the GPT-2 directory's weights."""
+    model = GPT(
+        **gpt_kwargs(preset, vocab_size, dim, depth, heads, max_len, dropout, activation, valid_vocab, init_from)
+    )
+    if init_from is not None:
+        model.load_state_dict(
+            read_weights(init_from, vocab_size=model.vocab_size, max_len=model.max_len, depth=model.depth)
+        )
+    return model
 
 
 register_model("gpt", gpt)

@@ -45,8 +45,10 @@ def param_groups(named: Sequence[tuple[str | None, torch.Tensor]], cfg: OptimCon
     the decayed defaults, the undecayed defaults, then each ``optim.groups`` entry; empty groups are left out."""
     matchers = [_matchers(i, entry.params) for i, entry in enumerate(cfg.groups)]
     if matchers and any(name is None for name, _ in named):
-        raise ConfigError("optim.groups: selecting parameters by name needs the model, not its parameters: build the optimizer "
-                          "with ddpkit.training.build_optimizer(model, cfg), or drop optim.groups")
+        raise ConfigError(
+            "optim.groups: selecting parameters by name needs the model, not its parameters: build the optimizer "
+            "with ddpkit.training.build_optimizer(model, cfg), or drop optim.groups"
+        )
     decayed, plain, chosen = [], [], [[] for _ in cfg.groups]
     used = [[False] * len(m) for m in matchers]
     for name, param in named:
@@ -63,22 +65,29 @@ def param_groups(named: Sequence[tuple[str | None, torch.Tensor]], cfg: OptimCon
         decayed, plain = [p for _, p in named if id(p) in ungrouped], []
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     for entry, params in zip(cfg.groups, chosen):
-        group = {"params": params, "weight_decay": cfg.weight_decay if entry.weight_decay is None else entry.weight_decay}
+        group = {
+            "params": params,
+            "weight_decay": cfg.weight_decay if entry.weight_decay is None else entry.weight_decay,
+        }
         groups.append(group if entry.lr is None else {**group, "lr": entry.lr})
     return [g for g in groups if g["params"]]
 
 
 def _matchers(index: int, patterns: list[str]) -> list[Any]:
     if not patterns:
-        raise ConfigError(f"optim.groups[{index}].params: the group selects no parameters; give name patterns, e.g. ['*.bias']")
+        raise ConfigError(
+            f"optim.groups[{index}].params: the group selects no parameters; give name patterns, e.g. ['*.bias']"
+        )
     out = []
     for pattern in patterns:
         text = pattern[3:] if pattern.startswith("re:") else fnmatch.translate(pattern)
         try:
             out.append(re.compile(text).search if pattern.startswith("re:") else re.compile(text).match)
         except re.error as exc:
-            raise ConfigError(f"optim.groups[{index}].params: {pattern!r} is not a valid regular expression ({exc}); "
-                              "write a shell-style pattern without `re:`, or fix the expression") from None
+            raise ConfigError(
+                f"optim.groups[{index}].params: {pattern!r} is not a valid regular expression ({exc}); "
+                "write a shell-style pattern without `re:`, or fix the expression"
+            ) from None
     return out
 
 
@@ -99,8 +108,10 @@ def _refuse_unused(cfg: OptimConfig, used: list[list[bool]]) -> None:
     for index, flags in enumerate(used):
         for pattern, hit in zip(cfg.groups[index].params, flags):
             if not hit:
-                raise ConfigError(f"optim.groups[{index}].params: {pattern!r} matches no parameter that an earlier group did not "
-                                  "take; names look like model.named_parameters()'s, e.g. 'blocks.0.attn.qkv.weight' (use '*.qkv.*')")
+                raise ConfigError(
+                    f"optim.groups[{index}].params: {pattern!r} matches no parameter that an earlier group did not "
+                    "take; names look like model.named_parameters()'s, e.g. 'blocks.0.attn.qkv.weight' (use '*.qkv.*')"
+                )
 
 
 def accept_one_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
@@ -110,11 +121,16 @@ def accept_one_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
     optimizer's groups are replaced by one group over them right before such a state loads, so every
     moment estimate lands on its own parameter and training continues exactly as it would have.
     """
+
     def regroup(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
         groups = saved.get("param_groups", [])
         if len(groups) == 1 and len(opt.param_groups) > 1 and len(groups[0]["params"]) == len(params):
-            opt.param_groups = [{**opt.param_groups[0], "params": list(params)}]  # hyperparameters: the saved group's, at load
-            log.warning("optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
-                        "resuming it as one group, as it was trained. A new run uses the configured groups")
+            opt.param_groups = [
+                {**opt.param_groups[0], "params": list(params)}
+            ]  # hyperparameters: the saved group's, at load
+            log.warning(
+                "optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
+                "resuming it as one group, as it was trained. A new run uses the configured groups"
+            )
 
     optimizer.register_load_state_dict_pre_hook(regroup)

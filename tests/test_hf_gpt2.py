@@ -1,0 +1,102 @@
+"""Hugging Face GPT-2 directories in and out of ddpkit's gpt model (issue 44): nothing downloaded, a small GPT-2
+is built from a GPT2Config and saved with save_pretrained."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.training.gpt import gpt
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {"vocab_size": 101, "n_positions": 32, "n_embd": 24, "n_layer": 2, "n_head": 3}
+
+
+def save_hf_gpt2(directory, *, safe: bool = True, **config) -> torch.nn.Module:
+    """A random GPT2LMHeadModel of SHAPE (overridden by ``config``), written to ``directory``; returned in eval mode."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SHAPE, **config})).eval()
+    with torch.no_grad():  # biases and norms are zero/one at init: make them matter
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(directory, safe_serialization=safe)
+    return model
+
+
+def tokens(n: int = 20, vocab: int = SHAPE["vocab_size"]) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pytorch_model.bin"])
+def test_logits_equal_the_hugging_face_models_within_1e_4(tmp_path, safe):
+    reference = save_hf_gpt2(tmp_path, safe=safe)
+    model = gpt(init_from=str(tmp_path)).eval()
+    assert (model.vocab_size, model.dim, model.depth, model.heads, model.max_len, model.activation) == (
+        101,
+        24,
+        2,
+        3,
+        32,
+        "gelu_tanh",
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reference(tokens()).logits, atol=1e-4, rtol=0)
+
+
+def test_a_padded_vocabulary_never_predicts_the_padding_and_keeps_the_loss(tmp_path):
+    reference = save_hf_gpt2(tmp_path)
+    padded = gpt(init_from=str(tmp_path), vocab_size=128).eval()  # 101 ids padded to 128
+    x = tokens()
+    with torch.no_grad():
+        logits, expected = padded(x), reference(x).logits
+    assert logits.shape[-1] == 128 and torch.isneginf(logits[..., 101:]).all()
+    torch.testing.assert_close(logits[..., :101], expected, atol=1e-4, rtol=0)
+    y = tokens()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    torch.testing.assert_close(
+        loss, torch.nn.functional.cross_entropy(expected.flatten(0, 1), y.flatten()), atol=1e-5, rtol=0
+    )
+    padded.train()
+    padded(x).logsumexp(-1).mean().backward()
+    assert torch.isfinite(padded.embed.weight.grad).all() and padded.embed.weight.grad[101:].abs().max() == 0
+
+
+def test_exact_gelu_is_read_from_activation_function_and_max_len_may_crop(tmp_path):
+    reference = save_hf_gpt2(tmp_path, activation_function="gelu")
+    model = gpt(init_from=str(tmp_path), max_len=16).eval()
+    assert (model.activation, model.max_len) == ("gelu", 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens(16)), reference(tokens(16)).logits, atol=1e-4, rtol=0)
+
+
+def test_mistakes_are_one_line_naming_the_file_or_key(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"init_from: .*empty has no config.json; give a directory written by save_pretrained"
+    ):
+        gpt(init_from=str(tmp_path / "empty"))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=r"is a 'llama' model, not GPT-2.*examples/hf_causal_lm.py"):
+        gpt(init_from=str(llama))
+    save_hf_gpt2(tmp_path / "gpt2")
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs.dim: 32 contradicts .*gpt2/config.json, whose model has 24 .*drop model.kwargs.dim",
+    ):
+        gpt(init_from=str(tmp_path / "gpt2"), dim=32)
+    with pytest.raises(ConfigError, match=r"model.kwargs.vocab_size: 64 contradicts .*at least"):
+        gpt(init_from=str(tmp_path / "gpt2"), vocab_size=64)
+    with pytest.raises(ConfigError, match=r"model.kwargs.activation: 'gelu' contradicts"):
+        gpt(init_from=str(tmp_path / "gpt2"), activation="gelu")
+    with pytest.raises(ConfigError, match=r"model.kwargs.preset: give either preset or init_from"):
+        gpt(init_from=str(tmp_path / "gpt2"), preset="gpt2")
+    (tmp_path / "gpt2/model.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"has a config.json but no weights \(model.safetensors or pytorch_model.bin\)"
+    ):
+        gpt(init_from=str(tmp_path / "gpt2"))
