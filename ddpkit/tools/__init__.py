@@ -5,6 +5,7 @@
 - ``goodput``: ``ddpkit goodput``, where a run's wall time went (reads :mod:`ddpkit.goodput`).
 - ``estimate``: ``ddpkit estimate``, bytes per rank of each ``parallel.mode``, before a run.
 - ``tokenize``: ``ddpkit tokenize``, text files to a token file for ``data: {name: tokens}``.
+- ``chat``: ``ddpkit tokenize --chat``, chat or prompt/completion lines to tokens and a mask file (trained tokens).
 - ``export``: ``ddpkit export``, a checkpoint's model weights as safetensors or a torch state_dict.
 - ``env_report``: ``ddpkit env``, versions, devices, variables and extras for a bug report.
 """
