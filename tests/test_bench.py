@@ -14,34 +14,13 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import REPO, run_cli, tiny_config
+from helpers import REPO, parse_table, run_cli, tiny_config
 
 from ddpkit.bench import main as bench_main
 from ddpkit.bench.allreduce import bus_factor
 from ddpkit.bench.report import Stats, fmt, format_table
 from ddpkit.bench.throughput import efficiency_rows
 from ddpkit.bench.units import BenchUsageError, format_bytes, parse_nproc, parse_size, parse_sizes
-
-
-def parse_table(text: str) -> list[dict[str, str]]:
-    """The rows of the first table in ``text``, keyed by header; columns are found from the dashed rule.
-
-    The table ends at the first line that is blank or has text where two columns are separated.
-    """
-    lines = text.splitlines()
-    rule = next(i for i, line in enumerate(lines) if re.fullmatch(r"-+(  -+)*", line))
-    ends = [m.end() for m in re.finditer(r"-+", lines[rule])]
-    starts = [0, *ends[:-1]]
-
-    def cells(line: str) -> list[str]:
-        return [line[a: b if i < len(ends) - 1 else None].strip() for i, (a, b) in enumerate(zip(starts, ends))]
-
-    header, rows = cells(lines[rule - 1]), []
-    for line in lines[rule + 1:]:
-        if not line.strip() or any(line[end: end + 2].strip() for end in ends[:-1]):
-            break
-        rows.append(dict(zip(header, cells(line))))
-    return rows
 
 
 def close(a: float, b: float, rel: float = 2e-3) -> bool:

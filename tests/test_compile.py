@@ -18,7 +18,6 @@ from torch.nn import functional as F
 from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.distributed.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
 from ddpkit.distributed.env import read_dist_env
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.training.model_views import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 
 
@@ -28,10 +27,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def world_of_one() -> Runtime:
-    return Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
 
 
 def mlp() -> nn.Module:
@@ -85,15 +80,16 @@ def test_compiled_state_dict_prefixes_are_stripped_and_load_into_the_bare_networ
 # --- build_models in a world of one -------------------------------------------------------------
 
 
-def test_compile_off_gives_the_bare_model_everywhere():
-    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig())
+def test_compile_off_gives_the_bare_model_everywhere(world_of_one):
+    models = build_models(mlp(), world_of_one, ddp=DDPConfig(), train=TrainConfig())
     assert models.train is models.eval is models.bare and models.watch is None
 
 
-def test_compiled_training_matches_eager_and_compile_time_is_excluded():
+def test_compiled_training_matches_eager_and_compile_time_is_excluded(world_of_one):
     excluded = Excluded()
     eager = mlp()
-    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "aot_eager"}), exclude=excluded)
+    train = TrainConfig(compile={"backend": "aot_eager"})
+    models = build_models(mlp(), world_of_one, ddp=DDPConfig(), train=train, exclude=excluded)
     try:
         assert models.train is not models.bare and unwrap_model(models.train) is models.bare
         x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
@@ -111,18 +107,20 @@ def test_compiled_training_matches_eager_and_compile_time_is_excluded():
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # restored
 
 
-def test_a_model_compiled_in_build_model_is_compiled_once_in_ddp_order():
+def test_a_model_compiled_in_build_model_is_compiled_once_in_ddp_order(world_of_one):
     net = mlp()
-    models = build_models(torch.compile(net, backend="eager"), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "eager"}))
+    train = TrainConfig(compile={"backend": "eager"})
+    models = build_models(torch.compile(net, backend="eager"), world_of_one, ddp=DDPConfig(), train=train)
     try:
         assert models.bare is net and models.train._orig_mod is net  # one compile wrapper, around the (DDP-wrapped) net
     finally:
         models.close()
 
 
-def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog):
+def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog, world_of_one):
     models = build_models(
-        mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "eager", "dynamic": False, "recompile_limit": 2})
+        mlp(), world_of_one, ddp=DDPConfig(),
+        train=TrainConfig(compile={"backend": "eager", "dynamic": False, "recompile_limit": 2}),
     )
     try:
         with caplog.at_level(logging.INFO, logger="ddpkit"):
@@ -141,8 +139,9 @@ def ddpkit_test_broken_backend(gm, example_inputs):
     raise RuntimeError("this backend cannot compile anything")
 
 
-def test_a_failing_compile_names_the_option_to_turn_off():
-    models = build_models(mlp(), world_of_one(), ddp=DDPConfig(), train=TrainConfig(compile={"backend": "ddpkit_test_broken_backend"}))
+def test_a_failing_compile_names_the_option_to_turn_off(world_of_one):
+    train = TrainConfig(compile={"backend": "ddpkit_test_broken_backend"})
+    models = build_models(mlp(), world_of_one, ddp=DDPConfig(), train=train)
     try:
         with pytest.raises(CompileError, match="train.compile=false") as info:
             models.train(torch.randn(4, 6))
@@ -392,28 +391,35 @@ def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tmp_pa
         load_config(cfg, ["train.compile=3"])
 
 
-def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tmp_path):
+def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tiny_cfg, world_of_one):
+    """samples/s measures training only: an evaluation, and a compile inside it (CompileWatch opens a
+    nested span), are left out of the rate once, neither kept in its time nor taken out of it twice."""
     import time
 
-    from helpers import tiny_config
-
-    from ddpkit.checkpoint.state import Progress
     from ddpkit.config.loader import load_config
+    from ddpkit.progress import Progress
+    from ddpkit.reporting import log as logs
     from ddpkit.reporting.events import Events
     from ddpkit.reporting.reporter import Reporter
 
-    reporter = Reporter(load_config(tiny_config(tmp_path)), runtime=world_of_one(), total_steps=10, progress=Progress(), events=Events())
+    started, progress = time.perf_counter(), Progress()
+    reporter = Reporter(load_config(tiny_cfg), runtime=world_of_one, total_steps=10, progress=progress, events=Events())
     try:
-        before, started = reporter._window_start, time.perf_counter()
+        time.sleep(0.2)  # stands for 4 training steps
         with reporter.outside_training("evaluation"):
-            time.sleep(0.02)
+            time.sleep(0.05)
             with reporter.outside_training("compile"):  # what CompileWatch does when validation compiles
-                time.sleep(0.05)
+                time.sleep(0.2)
+        progress.step = 4
+        reporter.add_loss(torch.tensor(1.0))
+        record = reporter.training(progress, lr=0.1)
         elapsed = time.perf_counter() - started
-        # Counted twice, the window would move by at least elapsed + 0.05 s: samples/s far too high.
-        assert 0.07 <= reporter._window_start - before <= elapsed
     finally:
         reporter.close()
+    training_seconds = 4 * reporter.samples_per_step / record[logs.SAMPLES_PER_S]
+    # Counted twice, the 0.2 s compile would also be taken from the training time (0.2 s minus 0.2 s);
+    # not counted, the 0.25 s evaluation would stay in it.
+    assert 0.2 <= training_seconds <= elapsed - 0.25, (training_seconds, elapsed)
 
 
 @pytest.mark.multiprocess

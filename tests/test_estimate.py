@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cpu_runtime, run_cli
 from torch.nn import functional as F
 
 from ddpkit.tools.estimate import estimate
@@ -29,14 +29,12 @@ def _config(tmp_path) -> dict:
 def _measured(config: dict) -> dict:
     """Each mode as the Trainer builds it, two AdamW steps, then a backward: the tensors this rank holds."""
     from ddpkit.config.loader import load_config
-    from ddpkit.distributed.env import read_dist_env
     from ddpkit.distributed.memory import rank_bytes
-    from ddpkit.distributed.process_group import Runtime
     from ddpkit.distributed.sharding import shard_model, shard_optimizer, wrap_for_mode
     from ddpkit.registry import build_model
     from ddpkit.training.optim import build_optimizer
 
-    runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
+    runtime = cpu_runtime()
     out = {}
     for mode in ("ddp", "zero1", "fsdp2"):
         cfg = load_config({**config, "parallel": {"mode": mode}})

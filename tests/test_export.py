@@ -61,9 +61,9 @@ def test_export_of_a_run_equals_model_pt_in_both_formats(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_sharded_checkpoint_exports_to_safetensors_the_same_way(tmp_path):
-    from test_sharded_checkpoint import _train_and_save
+    from helpers import train_and_save_sharded
 
-    saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     line = export(tmp_path, tmp_path / "model.safetensors")
     assert "DCP directory" in line
     back = safetensors_torch.load_file(tmp_path / "model.safetensors")

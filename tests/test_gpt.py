@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import cpu_runtime
 from torch.nn import functional as F
 
 from ddpkit.distributed.sharding import fsdp_blocks
@@ -92,12 +93,10 @@ def test_fsdp2_default_rule_shards_each_block():
 def _fsdp2_matches_the_bare_model(_: None) -> tuple[float, float]:
     """Rank r: the loss and gradient norm of a 2-rank fsdp2 GPT, next to the same model unsharded."""
     from ddpkit.config.parallel import ParallelConfig
-    from ddpkit.distributed.env import read_dist_env
-    from ddpkit.distributed.process_group import Runtime
     from ddpkit.distributed.sharding import gradient_norm, shard_model
 
     bare, sharded = _small(), _small()
-    sharded = shard_model(sharded, Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo"), ParallelConfig(mode="fsdp2"))
+    sharded = shard_model(sharded, cpu_runtime(), ParallelConfig(mode="fsdp2"))
     x = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (bare, sharded):

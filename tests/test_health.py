@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import REPO, run_cli, tiny_config
+from helpers import REPO, load_script, run_cli, tiny_config
 
 from ddpkit.checkpoint.files import list_checkpoints
 from ddpkit.data.elastic import GlobalBatchSampler
@@ -85,13 +84,11 @@ def test_sample_indices_replay_the_sampler_without_touching_it():
 
 def _fit(tmp: Path, fault: dict[str, str], sections: dict) -> dict:
     """One rank of a HealthTrainer run; the HealthError of a stopped run is returned, not raised."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from health_trainer import HealthTrainer
-
+    health_trainer = load_script(SCRIPT)
     for name in [n for n in os.environ if n.startswith("HEALTH_")]:
         del os.environ[name]  # one spawn may run several fits
     os.environ.update(fault)
-    trainer = HealthTrainer(tiny_config(tmp, **sections))
+    trainer = health_trainer.HealthTrainer(tiny_config(tmp, **sections))
     try:
         result = {"metrics": trainer.fit(), "error": None}
     except HealthError as exc:

@@ -26,6 +26,7 @@ JOB = REPO / "tests" / "scripts" / "ray_job.py"
 def _ray_job(out: Path, kill_step: int = 0) -> subprocess.CompletedProcess:
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'ddpkit[ray]')")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "examples"), env.get("PYTHONPATH")]))  # ray_train
     args = [sys.executable, str(JOB), str(out), *([str(kill_step)] if kill_step else [])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, Exploit, assert_bitwise_equal, load_weights, run_cli, tiny_config
 
 import ddpkit
 from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
@@ -155,11 +155,9 @@ def test_async_checkpoints_are_complete_and_training_is_unchanged(tmp_path):
     assert_bitwise_equal(sync_state["model"], async_state["model"])
 
 
-def test_a_malicious_newest_checkpoint_stops_the_resume_and_runs_nothing(tmp_path):
-    from test_checkpoint import _Exploit
-
+def test_a_malicious_newest_checkpoint_stops_the_resume_and_runs_nothing(tmp_path, tiny_cfg):
     marker = tmp_path / "pwned"
-    save_checkpoint({"model": {}, "payload": _Exploit(marker)}, tmp_path / "run/checkpoints", step=99)
+    save_checkpoint({"model": {}, "payload": Exploit(marker)}, tmp_path / "run/checkpoints", step=99)
     with pytest.raises(CheckpointError, match="refusing to load .*step-000000099.pt"):
-        ddpkit.Trainer(tiny_config(tmp_path)).fit()
+        ddpkit.Trainer(tiny_cfg).fit()
     assert not marker.exists()

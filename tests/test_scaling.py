@@ -15,8 +15,7 @@ import math
 import pytest
 import torch
 import yaml
-from helpers import run_cli, tiny_config
-from test_bench import parse_table
+from helpers import parse_table, run_cli, tiny_config
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.bench import main as bench_main

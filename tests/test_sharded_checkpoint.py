@@ -9,79 +9,26 @@ import json
 
 import pytest
 import torch
-from helpers import run_cli
-from torch.nn import functional as F
+from helpers import built_in_mode, full_state, run_cli, train_and_save_sharded
+from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
-from ddpkit.checkpoint.sharded import ShardedParts, load_sharded, save_sharded, split_tensors
-from ddpkit.config.parallel import ParallelConfig
-from ddpkit.distributed.env import read_dist_env
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sharding import shard_model, shard_optimizer, wrap_for_mode
+from ddpkit.checkpoint.sharded import ShardedParts, load_sharded
 from ddpkit.testing import run_on_ranks
-from ddpkit.training.models import TinyLM
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _built(mode: str):
-    """TinyLM + AdamW in ``mode`` on this rank's group, as the Trainer builds them."""
-    import torch.distributed as dist
-
-    from ddpkit.config.schema import DDPConfig
-
-    torch.manual_seed(0)
-    runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
-    parallel = ParallelConfig(mode=mode)
-    model = shard_model(TinyLM(vocab=16, dim=12, depth=2, heads=2, max_len=8), runtime, parallel)
-    optimizer = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), parallel)
-    return model, optimizer, wrap_for_mode(model, runtime, DDPConfig(), parallel), dist.get_rank()
-
-
-def _full_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer tensor by name, whole, gathered from whichever rank holds it."""
-    import torch.distributed as dist
-
-    tensors, _ = split_tensors(ShardedParts(model, optimizer).state_dict())
-    flat = {}
-
-    def walk(prefix, tree):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                walk(f"{prefix}{key}.", value)
-            else:
-                flat[f"{prefix}{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value.detach().clone()
-
-    walk("", tensors)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, flat)
-    return {k: v for part in gathered for k, v in part.items()}  # zero1: each rank owns some optimizer entries
-
-
-def _train_and_save(tmp: str, mode: str) -> dict[str, torch.Tensor]:
-    model, optimizer, wrapped, rank = _built(mode)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x = torch.randint(0, 16, (4, 6), generator=g)
-        F.cross_entropy(wrapped(x), x[:, 0]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    optimizer.param_groups[0]["lr"] = 0.005  # a scheduled rate must come back too
-    tensors, rest = split_tensors(ShardedParts(model, optimizer).state_dict())
-    save_sharded(tensors, {**rest, "progress": {"step": 3}}, tmp, step=3, rank=rank, keep_last=2)
-    return _full_state(model, optimizer)
-
-
 def _load(tmp: str, mode: str) -> tuple[dict[str, torch.Tensor], float, dict]:
-    model, optimizer, _, _ = _built(mode)
+    model, optimizer, _, _ = built_in_mode(mode)
     info = files.find_latest_checkpoint(tmp)
     rest = load_sharded(info.path, ShardedParts(model, optimizer))
-    return _full_state(model, optimizer), optimizer.param_groups[0]["lr"], rest["progress"]
+    return full_state(model, optimizer), optimizer.param_groups[0]["lr"], rest["progress"]
 
 
 @pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_in_every_mode_and_world_size(tmp_path):
-    saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     info = files.find_latest_checkpoint(tmp_path)
     assert info.path.name == "step-000000003.dcp" and info.manifest["format"] == "dcp"
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt"} <= set(info.manifest["files"])  # each rank wrote its shard
@@ -95,7 +42,7 @@ def test_fsdp2_checkpoint_resumes_in_every_mode_and_world_size(tmp_path):
 
 @pytest.mark.slow
 def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_path):
-    saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "zero1"), timeout=120)[0]
+    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "zero1"), timeout=120)[0]
     assert any(".exp_avg" in key for key in saved) and any(".exp_avg_sq" in key for key in saved)
     loaded, _, _ = run_on_ranks(_load, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     assert loaded.keys() == saved.keys()
@@ -105,7 +52,7 @@ def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_pa
 @pytest.mark.slow  # 20-50 s on the shared machine: a 2-rank spawn and a CLI process
 def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     """``ddpkit export`` of a DCP directory; the crash windows on disk: DCP written but not renamed, renamed but no manifest."""
-    saved = run_on_ranks(_train_and_save, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     good = files.find_latest_checkpoint(tmp_path)
     result = run_cli("export", str(tmp_path), str(tmp_path / "model.pt"), timeout=60)
     assert result.returncode == 0 and "DCP directory" in result.stdout and good.path.name in result.stdout, result.stderr

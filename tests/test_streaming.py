@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, tiny_config
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ddpkit.data.datasets import make_digits
@@ -30,8 +30,7 @@ from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
 from ddpkit.testing import run_on_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from write_digits_shards import write_shards
+write_shards = load_script(REPO / "scripts" / "write_digits_shards.py").write_shards
 
 
 class IndexStream(IterableDataset):

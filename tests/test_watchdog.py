@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import REPO, processes_mentioning, tiny_config
+from helpers import REPO, cpu_runtime, processes_mentioning, tiny_config
 
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed.control_auth import verify
@@ -260,13 +260,11 @@ def test_hang_timeout_must_be_below_the_collective_timeout():
 
 
 def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
-    from ddpkit.distributed.env import DistEnv
-    from ddpkit.distributed.process_group import Runtime
     from ddpkit.watchdog.heartbeat import Watchdog
 
-    single = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    single = cpu_runtime(world_size=1, store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled
-    pair = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo", store=dist.HashStore())
+    pair = cpu_runtime(world_size=2, store=dist.HashStore())
     assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, step=lambda: 0).enabled
     on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, step=lambda: 0)
     assert on.enabled and on.hang_timeout == 48 and on.slow_timeout == 54  # 80% and 90% of dist.timeout

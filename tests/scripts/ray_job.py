@@ -1,6 +1,6 @@
 """A ddpkit Trainer under Ray Train's TorchTrainer on a local Ray cluster (tests/test_ray.py runs it).
 
-    python tests/scripts/ray_job.py OUT [KILL_STEP]
+    PYTHONPATH=examples python tests/scripts/ray_job.py OUT [KILL_STEP]
 
 Two CPU workers train the quickstart config, cut short; each rank appends "pid step" to
 OUT/steps-rank<r>.txt after every optimizer step. With KILL_STEP, rank 1 SIGKILLs itself after that
@@ -14,15 +14,14 @@ import sys
 from pathlib import Path
 
 import ray
+import ray_train  # examples/ray_train.py: PYTHONPATH=examples (tests/test_ray.py sets it)
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray_train import RayReporting, train_loop
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
-import ray_train  # noqa: E402
-from ray_train import RayReporting, train_loop  # noqa: E402
 
-ray.cloudpickle.register_pickle_by_value(ray_train)  # Ray's workers do not have examples/ on their path
+ray.cloudpickle.register_pickle_by_value(ray_train)  # so Ray's workers need not find examples/ themselves
 
 OUT = Path(sys.argv[1]).resolve()
 KILL = int(sys.argv[2]) if len(sys.argv) > 2 else 0
@@ -39,12 +38,14 @@ class Recorded(RayReporting):
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    overrides = [f"run.output_dir={OUT / 'run'}", "data.kwargs.num_train=2560", "data.kwargs.num_val=256", "train.epochs=2",
-                 "log.progress_bar=false", "train.log_every=5"]
+    overrides = [f"run.output_dir={OUT / 'run'}", "data.kwargs.num_train=2560", "data.kwargs.num_val=256",
+                 "train.epochs=2", "log.progress_bar=false", "train.log_every=5"]
     ray.init(num_cpus=2, include_dashboard=False)
     result = TorchTrainer(
         train_loop,
-        train_loop_config={"config": str(REPO / "configs" / "quickstart.yaml"), "overrides": overrides, "trainer_class": Recorded},
+        train_loop_config={
+            "config": str(REPO / "configs" / "quickstart.yaml"), "overrides": overrides, "trainer_class": Recorded,
+        },
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(OUT / "ray"), name="job", failure_config=FailureConfig(max_failures=1)),
     ).fit()
