@@ -29,8 +29,9 @@ from ddpkit.checkpoint.storage.probe import probe_store, why
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.checkpoint.storage.uploads import Uploader
 from ddpkit.config.schema import Config
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.env import DistEnv
-from ddpkit.distributed.process_group import Runtime, all_gather_object, broadcast_object
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError, ConfigError, DdpkitError
 
 __all__ = ["RemoteMirror", "EXIT_DEADLINE_S"]
@@ -225,7 +226,7 @@ class RemoteMirror:
             self._queue_run_files(_RUN_FILES)
         answers, left = self._uploads.drain(deadline_s)
         self._count(answers)
-        if self.lease is not None:
+        if self.lease is not None and not left:  # else the store is likely unreachable: the lease expires by itself
             try:
                 release(self.store, self.lease)
             except Exception as exc:  # the lease simply expires

@@ -41,10 +41,10 @@ def publish_checkpoint(
     """
     path = Path(job["path"])
     name, node, nodes = path.name, job.get("node", 0), job.get("nodes", 1)
-    if name in protected:
-        return {"name": name, "step": job["step"], "bytes": 0}  # the checkpoint this run resumed from is there already
     create = name.startswith("step-")
     if node == 0 and store.get_bytes(manifest_name(name)) is not None:
+        if name in protected:
+            return {"name": name, "step": job["step"], "bytes": 0}  # the one this run resumed from: there already
         store.delete([manifest_name(name)])  # an older save under this name stops counting before its data changes
     objects = _send(store, path, node=node, nodes=nodes, ranks=job.get("ranks", ()))
     if node != 0:

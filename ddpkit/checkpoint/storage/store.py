@@ -33,7 +33,7 @@ _PROTOCOL = {"gs": "gcs", "az": "abfs", "abfss": "abfs"}
 # Bounded waits for S3: botocore's defaults (60 s connect, legacy retries) would hold the start-up probe for
 # minutes on an unreachable endpoint. Our own retries (storage/worker.py) come on top.
 _S3_DEFAULTS = {
-    "config_kwargs": {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
+    "config_kwargs": {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
 }
 
 
