@@ -87,8 +87,8 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.goodput.ledger import GoodputLedger
 from ddpkit.registry import MODELS
-from ddpkit.reporting.events import Events
-from ddpkit.reporting.reporter import Reporter, _PhaseSpan
+from ddpkit.reporting.events import Events, PhaseSpan
+from ddpkit.reporting.reporter import Reporter
 from ddpkit.watchdog.heartbeat import Watchdog
 
 # --- health: the real Trainer, 2 ranks, each check on vs off -------------------------------------------
@@ -325,7 +325,7 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
         (listeners.watchdog, None), (listeners.ledger, ("optimizer",)), (listeners.crash, ("optimizer", "data")),
         (listeners.snapshots, ("optimizer", "data")), (listeners.straggler, ("data", "forward", "backward")),
     ]
-    spans = {name: _PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names)) for name in PHASES}
+    spans = {name: PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names)) for name in PHASES}
     hooks: list[Any] = []
     step_no = [0]
 

@@ -11,19 +11,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit import registry, training
-from ddpkit.checkpoint.state import RunState, seed_for_setup
-from ddpkit.progress import Progress
-from ddpkit.config.loader import Config, load_config
-from ddpkit.data import data_position, epoch_batches, move_to_device, require_vocab_of, run_length, train_loader_for, val_loader_for
+from ddpkit import data, registry, training
+from ddpkit.checkpoint.best import BestCheckpoint
+from ddpkit.checkpoint.checkpointer import Checkpointer
+from ddpkit.checkpoint.components import Stateful
+from ddpkit.checkpoint.model_export import save_model
+from ddpkit.config.loader import load_config
+from ddpkit.config.schema import Config
 from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.worker_scope import Worker, worker_scope
+from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput, start_logging
 
-__all__ = ["Trainer", "Progress"]
+__all__ = ["Trainer"]
 
 
 class Trainer:
@@ -41,15 +45,15 @@ class Trainer:
                     clip gradients, optimizer.step(), scheduler.step(), zero_grad()
                     every log_every steps:  reduce the loss over ranks, log it
                     every eval_every steps: validate()
-                    every every_steps:      checkpoint (rank 0 writes, all ranks wait)
-            on_epoch_end(); validate(); checkpoint
+                    checkpointer.save(step)            # when due: rank 0 writes, all ranks wait
+            on_epoch_end(); validate(); checkpointer.save(step)
         rank 0 writes model.pt; return the final metrics
 
-    Inside the step methods ``self.model`` is the DDP-wrapped model (the bare one during validation, so
-    ranks with fewer batches never wait on a collective); ``self.device``, ``self.rank``, ``self.world_size``... say where it runs.
+    Inside the step methods ``self.model`` is the DDP-wrapped model (the bare one during validation, so ranks with
+    fewer batches never wait on a collective); ``self.device``, ``self.rank``, ``self.world_size``... say where.
     """
 
-    def __init__(self, config: Config | str | os.PathLike | dict[str, Any] | None = None, *, overrides: Sequence[str] = ()):
+    def __init__(self, config: Config | str | os.PathLike | dict | None = None, *, overrides: Sequence[str] = ()):
         self.config: Config = load_config(config, overrides)  # a Config is re-validated too
         self.env: DistEnv = read_dist_env()
         self.progress = Progress()
@@ -61,20 +65,20 @@ class Trainer:
         self.val_loader: DataLoader | None = None
         self._steps_per_epoch = self.total_steps = 0
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-        self._step: training.OptimizerStep | None = None
-        self._models: training.Models | None = None  # train (DDP, compiled), eval, bare views of the model
-        self.state: RunState | None = None
+        self.scheduler: LRScheduler | None = None
         self.reporter: Reporter | None = None
+        self.checkpointer: Checkpointer | None = None
         self.health: training.TrainingHealth | None = None
-        self._evaluation: training.Evaluation | None = None
+        # Private parts: the optimizer step, the model's views (train: DDP, compiled; eval; bare), validation,
+        # early stopping (training.OptimizerStep, Models, Evaluation, EarlyStopping).
+        self._step = self._models = self._evaluation = self._early_stopping = None
         self._stop_requested = False
 
     rank = property(lambda self: self.env.rank, doc="This process's global rank (0 .. world_size - 1).")
     local_rank = property(lambda self: self.env.local_rank, doc="This process's rank on its node: its GPU index.")
     world_size = property(lambda self: self.env.world_size, doc="How many processes train together.")
-    is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0: the rank that writes files and shows progress.")
-    runtime = property(lambda self: self.worker and self.worker.runtime, doc="The process group's device, backend and store (once fit() runs).")
+    is_main = property(lambda self: self.env.rank == 0, doc="True on rank 0: it writes files and shows progress.")
+    runtime = property(lambda self: self.worker and self.worker.runtime, doc="The group's device, backend, store.")
 
     @property
     def device(self) -> torch.device:
@@ -89,7 +93,7 @@ class Trainer:
             raise RuntimeError("Trainer.model exists once fit() has built it")
         return self._models.eval if self._evaluation.active else self._models.train
 
-    unwrapped_model = property(lambda self: training.unwrap_model(self.model), doc="The model without its DDP wrapper: what gets saved.")
+    unwrapped_model = property(lambda self: training.unwrap_model(self.model), doc="The model without DDP (saved).")
 
     def request_stop(self) -> None:
         """Stop after the current optimizer step. Call it on every rank (e.g. from reduced metrics)."""
@@ -107,21 +111,26 @@ class Trainer:
         """The optimizer over ``model.parameters()`` (the bare model), from config ``optim`` by default."""
         return training.build_optimizer(model.parameters(), self.config.optim)
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler | None:
         """A per-step LR schedule from config ``sched``; None when the rate is constant."""
         return training.build_scheduler(optimizer, self.config.sched, total_steps=total_steps)
 
     def build_train_loader(self, dataset: Dataset) -> DataLoader:
         """The training loader: ``DistributedSampler`` sharding, per-rank batch size from config."""
-        return train_loader_for(dataset, self.config, env=self.env, device=self.device)
+        return data.train_loader_for(dataset, self.config, env=self.env, device=self.device)
 
     def build_val_loader(self, dataset: Dataset) -> DataLoader:
         """The validation loader: exact, duplicate-free shards."""
-        return val_loader_for(dataset, self.config, env=self.env, device=self.device)
+        return data.val_loader_for(dataset, self.config, env=self.env, device=self.device)
+
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """Your own state for every checkpoint, by name (an EMA model, a counter: anything with ``state_dict()`` /
+        ``load_state_dict()``). Called once after the build, before resume; resumed like ddpkit's own parts."""
+        return {}
 
     def training_step(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The loss of one micro-batch (already on ``self.device``): a mean, or ``(loss_sum, n_tokens)`` under
-        ``train.loss_normalization: tokens``. Default: cross-entropy on ``(x, y)``, per token for ``[B, T, V]`` logits."""
+        ``train.loss_normalization: tokens``. Default: cross-entropy on ``(x, y)``, per token for ``[B, T, V]``."""
         return training.steps.training_step(self.model, batch, normalization=self.config.train.loss_normalization)
 
     def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -131,90 +140,93 @@ class Trainer:
 
     def on_fit_start(self) -> None: """After setup (and resume), before the first step."""
     def on_epoch_start(self, epoch: int) -> None: """Before the first batch of ``epoch``."""
-    def on_step_end(self, step: int) -> None: """After optimizer step ``step`` (1-based). Runs every step: keep it cheap, no host syncs."""
-    def on_log(self, metrics: dict[str, float]) -> None: """Every ``log_every`` steps, on every rank, with rank-reduced training metrics."""
-    def on_validation_end(self, metrics: dict[str, float]) -> None: """After each validation, on every rank, with the exact global validation metrics."""
+    def on_step_end(self, step: int) -> None: """After optimizer step ``step`` (1-based), every step: no host syncs."""
+    def on_log(self, metrics: dict[str, float]) -> None: """Every ``log_every`` steps, with rank-reduced metrics."""
+    def on_validation_end(self, metrics: dict[str, float]) -> None: """After each validation, with exact metrics."""
     def on_epoch_end(self, epoch: int) -> None: """After the last batch of ``epoch``."""
-    def on_fit_end(self, metrics: dict[str, float]) -> None: """After training, with the final metrics ``fit()`` returns."""
+    def on_fit_end(self, metrics: dict[str, float]) -> None: """After training, with the metrics ``fit()`` returns."""
 
     @classmethod
     def main(cls, argv: Sequence[str] | None = None, *, defaults: Sequence[str] = ()) -> None:
-        """``script.py [CONFIG] [key=value ...]``: ``cls(CONFIG, overrides=[*defaults, ...]).fit()`` (a key given replaces its default)."""
+        """``script.py [CONFIG] [key=value ...]``: ``cls(CONFIG, overrides=[*defaults, ...]).fit()``."""
         run_trainer(cls, *parse_worker_argv(argv, usage=cls.__doc__ or "", defaults=defaults))
 
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
-        with worker_scope(self.config, self.env, self.events, step=lambda: self.progress.step) as self.worker:  # group, watchdog, ledger
+        with worker_scope(self.config, self.env, self.events, step=lambda: self.progress.step) as self.worker:
             self._setup()
             self.events.fit_start()
             while not self._finished():
                 self._train_epoch()
             metrics = self._finish()
-            self.worker.ledger.stopped = self.state.stopped  # a signal stop ends the attempt STOPPED
-            self._models.release()  # DDP holds the group: it goes first (after a success only); model is now the bare one
-        self.state.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)
+            self._models.release()  # DDP holds the group: it goes first (after a success only); model is the bare one
+        self.worker.stop.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)
         self.events.fit_end(metrics)
         return metrics
 
     def _setup(self) -> None:
         """Build (the same on every rank), register what a checkpoint holds, resume once, attach the listeners."""
-        cfg = self.config
+        cfg, worker, rt, progress = self.config, self.worker, self.worker.runtime, self.progress
         start_logging(cfg, rank=self.rank)
-        seed_for_setup(cfg)  # the same initial weights and data on every rank
+        training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)  # the same weights everywhere
         model = self._build()
-        self.state = RunState(cfg, runtime=self.runtime, progress=self.progress)
-        throughput = TokenThroughput.for_run(cfg, self.runtime, model=model, dataset=self.train_loader.dataset, counter=self._step.tokens)  # tokens/s, MFU
-        self.reporter = Reporter(cfg, runtime=self.runtime, total_steps=self.total_steps, progress=self.progress, events=self.events, throughput=throughput)
-        self.worker.close_on_exit(self._models, self.state, self.reporter)  # however fit() ends: compile's settings, signal handlers, sinks
-        self.health = training.TrainingHealth(cfg, runtime=self.runtime, model=model, loader=self.train_loader, progress=self.progress, state=self.state)
-        self._step.health = self.health  # NaNs, spikes, stragglers, replicas
-        # Every part a checkpoint holds, by name, in one call (None: nothing to save).
-        self.state.register_all(
-            model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler, progress=self.progress,
-            rng=training.RngStreams(rank=self.rank, world_size=self.world_size), early_stopping=self.state.early_stopping, best=self.state.best,
-            health=self.health, sinks=self.reporter.sinks, **data_position(self.train_loader),
-        )
-        resumed = self.worker.ledger.restore(self.state.resume)  # timed, in goodput.jsonl
-        self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step, resumed=resumed)
-        self._attach()
+        tokens = training.TokenCount.for_run(model, cfg.train, device=self.device, world_size=self.world_size)
+        throughput = TokenThroughput.for_run(cfg, rt, model=model, dataset=self.train_loader.dataset, counter=tokens)
+        self.reporter = Reporter(cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events,
+                                 throughput=throughput)  # tokens/s, MFU
+        self.checkpointer = Checkpointer(cfg, runtime=rt, progress=progress, stop=worker.stop, pauses=self.reporter)
+        self.health = training.TrainingHealth(cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress,
+                                              checkpoints=self.checkpointer)  # NaNs, spikes, stragglers, replicas
+        self._step = training.OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, tokens=tokens,
+                                            device=self.device, world_size=self.world_size, health=self.health)
+        self._models = training.build_models(model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
+                                             exclude=self.reporter.outside_training)  # DDP, then compiled
+        self._evaluation = training.Evaluation(self._models, self.val_loader, device=self.device,  # a long validation
+                                               autocast=self._step.autocast, ticking=worker.watchdog.ticking)  # ticks
+        best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
+        self._early_stopping = training.EarlyStopping.for_run(cfg, progress=progress)
+        self.checkpointer.register(builtin=dict(  # every part a checkpoint holds, by name, in one call
+            model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler,
+            progress=progress, rng=training.RngStreams(rank=self.rank, world_size=self.world_size), best=best,
+            early_stopping=self._early_stopping, health=self.health, sinks=self.reporter.sinks,
+            **data.data_position(self.train_loader),
+        ), user=self.checkpoint_parts())
+        resumed = worker.ledger.restore(self.checkpointer.resume)  # timed, in goodput.jsonl
+        self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
+        # The loop's listeners, in the order every event (and on_exit) reaches them: the user's hooks last.
+        self.events.add(Profiler.for_run(cfg, rank=self.rank, device=self.device), worker.watchdog, worker.ledger,
+                        *self.checkpointer.protections(ledger=worker.ledger), self.health.straggler, self.health,
+                        self._early_stopping, best, self._models, self.reporter, self)
 
     def _build(self) -> nn.Module:
-        """Datasets, model (sharded), loaders, optimizer, schedule and the model's views; returns the bare model."""
+        """Datasets, model (sharded), loaders, optimizer and schedule; returns the bare model."""
         cfg = self.config
         train_set, val_set = self.build_datasets()
-        model = shard_model(self.build_model(), self.runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: before the optimizer
+        model = shard_model(self.build_model(), self.runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2
         check_same_run_on_every_rank(cfg, model, train_set, val_set)  # first: any later failure would say less
-        require_vocab_of(model, train_set, val_set)  # a token id the model cannot embed is named with its file and offset
+        data.require_vocab_of(model, train_set, val_set)  # a token id the model cannot embed: its file and offset
         self.train_loader = self.build_train_loader(train_set)
         self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._steps_per_epoch, self.total_steps = run_length(self.train_loader, cfg)
-        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel, model=model)  # zero1: ZeRO; logs each rank's bytes
+        self._steps_per_epoch, self.total_steps = data.run_length(self.train_loader, cfg)
+        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel, model=model)  # zero1: ZeRO
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
-        self._step = training.OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, device=self.device, world_size=self.world_size)
-        self._models = training.build_models(model, self.runtime, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,  # DDP, then compiled
-                                             exclude=lambda name: self.reporter.outside_training(name))
-        self._evaluation = training.Evaluation(self._models, self.val_loader, device=self.device, autocast=self._step.autocast,
-                                               ticking=self.worker.watchdog.ticking)  # a long validation is progress, not a hang
         return model
 
-    def _attach(self) -> None:
-        """The loop's listeners, in the order every event reaches them: the user's hooks (this Trainer) last."""
-        health, worker, profiler = self.health, self.worker, Profiler.for_run(self.config, rank=self.rank, device=self.device)  # train.profile
-        self.events.add(profiler, worker.watchdog, worker.ledger, *self.state.protections(ledger=worker.ledger), health.straggler, health, self)
-
     def _finished(self) -> bool:
-        epochs, progress = self.config.train.epochs, self.progress
-        return self._stop_requested or self.state.stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
+        epochs, progress, early = self.config.train.epochs, self.progress, self._early_stopping
+        stopped = self._stop_requested or self.worker.stop.stopped or (early is not None and early.triggered)
+        return stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
 
     def _train_epoch(self) -> None:
-        progress, accum, report = self.progress, self.config.train.grad_accum_steps, self.reporter
-        batches, batches_per_epoch = epoch_batches(
-            self.train_loader, epoch=progress.epoch, consumed=progress.batch_in_epoch, rank=self.rank, uneven=self.config.data.uneven
-        )
+        progress, accum, report, events = self.progress, self.config.train.grad_accum_steps, self.reporter, self.events
+        batches, batches_per_epoch = data.epoch_batches(self.train_loader, epoch=progress.epoch, rank=self.rank,
+                                                   consumed=progress.batch_in_epoch, uneven=self.config.data.uneven)
         if progress.batch_in_epoch == 0:
-            self.events.epoch_start(progress.epoch)
+            events.epoch_start(progress.epoch)
         self._models.train.train()
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
+            if progress.batch_in_epoch % accum == 0:
+                events.step_start(progress.step)  # the step boundary: steps 1..step are complete
             with report.span("data"):
                 batch = next(batches, None)
             if batch is None:  # a stream ended, at this same batch on every rank (ddpkit.data.streaming)
@@ -224,6 +236,7 @@ class Trainer:
             boundary = progress.batch_in_epoch % accum == 0 or progress.batch_in_epoch == batches_per_epoch
             self._micro_step(batch, sync=boundary)
             if boundary:
+                events.update_start(progress.step)
                 with report.span("optimizer"):
                     self._step.step()
                 progress.step += 1
@@ -233,7 +246,7 @@ class Trainer:
             self._after_epoch(progress.epoch - 1)
 
     def _micro_step(self, batch: Any, *, sync: bool) -> None:
-        batch = move_to_device(batch, self.device)
+        batch = data.move_to_device(batch, self.device)
         with training.sync_gradients(self._models.train, sync=sync):
             with self.reporter.span("forward"), self._step.autocast():
                 loss, tokens = self._step.loss_of(self.training_step(batch), owner=type(self))
@@ -249,33 +262,31 @@ class Trainer:
             self._log_training()
         if train.eval_every and step % train.eval_every == 0:
             self._evaluate()
-        if self.state.due(after="step"):
-            self._save_checkpoint()
+        self.checkpointer.save(step)  # when due, or at the step every rank agreed to stop at on a signal
 
     def _after_epoch(self, epoch: int) -> None:
         self.events.epoch_end(epoch)
         if self.config.train.eval_every is None:
             self._evaluate()
-        if self.state.due(after="epoch"):
-            self._save_checkpoint()
+        self.checkpointer.save(self.progress.step)  # checkpoint.every_epochs
 
     def _finish(self) -> dict[str, float]:
         if self.reporter.loss_pending:
             self._log_training()
-        stopped = self.state.stopped  # by a signal: save and go, within the launcher's grace period
+        stopped = self.worker.stop.stopped  # by a signal: save and go, within the launcher's grace period
         if not stopped and self.val_loader is not None and self._evaluation.last_step != self.progress.step:
             self._evaluate()
-        if self.state.enabled:
-            self._save_checkpoint()  # so a longer run can resume from here
-        self.state.wait()
+        self.checkpointer.save(self.progress.step, last=True)  # so a longer run can resume from here
+        self.checkpointer.wait()
         self.reporter.write_timeline()
         if not stopped:
-            self.state.save_model(self.output_dir / "model.pt")  # rank 0 writes; fsdp2 gathers the shards first
+            save_model(self._models.bare, self.output_dir / "model.pt", rank=self.rank)  # fsdp2 gathers first
         self.worker.barrier("end of training", note=self.reporter.note)
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     def _log_training(self) -> None:
-        record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=self.health.log_fields())
+        lr = self.optimizer.param_groups[0]["lr"]
+        record = self.reporter.training(self.progress, lr=lr, extra=self.health.log_fields())
         self.metrics.update(train_loss=record["train_loss"])
         self.events.log(record)
 
@@ -286,16 +297,7 @@ class Trainer:
     def _evaluate(self) -> None:
         with self.reporter.outside_training("evaluation"):
             metrics = self._evaluation.validate(self.validation_step, at_step=self.progress.step)
-        if not metrics:
-            return
-        metrics = self.reporter.validation(self.progress, metrics)  # val_ppl added for runs on tokens
-        self.metrics.update(metrics)
-        self.events.validation_end(metrics)
-        if self.state.after_evaluation(metrics, save_best=lambda: self._save_checkpoint(name="best")):
-            self.request_stop()
-
-    def _save_checkpoint(self, name: str | None = None) -> None:
-        """Rank 0 writes the full training state; the other ranks contribute their RNG states and wait."""
-        if not self.state.saved_already(name):
-            with self.reporter.outside_training("checkpoint"):
-                self.state.save(barrier=lambda where: self.worker.barrier(where, note=self.reporter.note), name=name)
+        if metrics:
+            metrics = self.reporter.validation(self.progress, metrics)  # val_ppl added for runs on tokens
+            self.metrics.update(metrics)
+            self.events.validation_end(metrics)  # the best checkpoint, early stopping, then the user's hook

@@ -24,7 +24,7 @@ from helpers import REPO, tiny_config
 
 from ddpkit.checkpoint.preemption import StopOnSignal
 from ddpkit.distributed import control_auth
-from ddpkit.distributed.control_auth import read_signed, sign, verify
+from ddpkit.distributed.control_auth import job_key, read_signed, sign, verify
 from ddpkit.testing import run_on_ranks
 from ddpkit.watchdog.store_io import StoreClient, StoreDown
 
@@ -88,7 +88,7 @@ def test_a_key_that_someone_keeps_overwriting_is_a_store_failure():
 def test_a_forged_stop_request_is_ignored_and_a_signed_one_is_followed(monkeypatch):
     monkeypatch.setattr(control_auth, "_key", KEY)
     store = dist.HashStore()
-    stop = StopOnSignal([], store=store, rank=1, world_size=2)  # no signals, no thread: the store protocol alone
+    stop = StopOnSignal([], store=store, rank=1, world_size=2, key=job_key())  # no signals, no thread: the store protocol alone
     try:
         store.set("ddpkit/stop/request", "rank 0 received SIGTERM")
         assert stop._store.check(["request"]) and stop._read("request") is None

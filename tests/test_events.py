@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.reporting.events import Events
+from ddpkit.reporting.events import EVENTS, Events, Listener
 
 
 class Recorder:
@@ -65,9 +65,40 @@ def test_a_phases_attribute_that_is_not_a_tuple_of_names_is_refused():
         Events().add(Stack())
 
 
-def test_the_span_cache_is_emptied_in_place_when_a_listener_joins():
+def test_a_listener_added_after_a_span_was_used_hears_it_and_the_step_boundary_events():
+    log: list = []
     events = Events()
-    cache = events.span_cache
-    cache["data"] = object()
-    events.add(Recorder("late", []))
-    assert cache == {} and events.span_cache is cache
+    events.add(Recorder("early", log))
+    with events.phase("data"):
+        pass
+    events.add(Recorder("late", log), Boundary(log))
+    with events.phase("data"):
+        pass
+    events.step_start(4)
+    events.update_start(4)
+    assert log == [
+        ("early", "phase", "data"), ("early", "phase", None),
+        ("early", "phase", "data"), ("late", "phase", "data"), ("early", "phase", None), ("late", "phase", None),
+        ("boundary", "step_start", 4), ("boundary", "update_start", 4),
+    ]
+
+
+class Boundary(Listener):
+    """Overrides two events of the documented base; the base's no-ops are never called for it."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def on_step_start(self, step):
+        self.log.append(("boundary", "step_start", step))
+
+    def on_update_start(self, step):
+        self.log.append(("boundary", "update_start", step))
+
+
+def test_a_listener_base_documents_every_event_and_costs_nothing_for_what_it_does_not_override():
+    events = Events()
+    events.add(Boundary([]))
+    assert events.phase_listeners("data") == ()  # the base's on_phase is not called: no cost on the step path
+    assert {"on_step_start", "on_update_start", "on_exit", "on_phase"} <= set(EVENTS)
+    assert all(getattr(Listener, event).__doc__ for event in EVENTS), "every event has a docstring on Listener"

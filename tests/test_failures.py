@@ -35,7 +35,7 @@ from torch.utils.data import Sampler
 
 import ddpkit
 from ddpkit import ConsistencyError, DataError
-from ddpkit.distributed.process_group import barrier
+from ddpkit.distributed.collectives import barrier
 from ddpkit.testing import RankFailure, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -69,6 +69,12 @@ CASES = {
     # (no rank is left in a barrier to print torch's "Connection closed by peer"); both fail at once,
     # so torchrun's root cause may name either (None: any).
     "rank0_disk_full": ({"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"}, ["checkpoint.every_steps=3"], "no space left on device", None),
+    # The same under checkpoint.async: the background write fails on rank 0; the next save (or the run's end)
+    # tells every rank in the save's one broadcast, and each stops with the same one line.
+    "rank0_async_disk_full": (
+        {"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"}, ["checkpoint.every_steps=3", "checkpoint.async=true"],
+        "no space left on device", None,
+    ),
 }
 REAP_GRACE = 3.0  # seconds after the launcher's exit for the kernel to finish off its children
 

@@ -173,7 +173,7 @@ def test_a_checkpoint_records_the_order_its_run_drew_and_a_resume_that_would_dra
     from torch.utils.data import DataLoader
 
     from ddpkit.checkpoint.components import Components
-    from ddpkit.checkpoint.state import _legacy_order_difference
+    from ddpkit.checkpoint.resume import _legacy_order_difference
     from ddpkit.data.epochs import data_position
     from ddpkit.errors import CheckpointError
 

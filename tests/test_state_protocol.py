@@ -54,13 +54,14 @@ def test_a_checkpoint_holds_exactly_the_registered_names():
     assert state["schema"] == ["progress", "counter"]
     assert state["counter"] == {"value": 3} and state["progress"]["step"] == 7
 
-    fresh, late = Components(), Counter()
+    fresh, counter, spare = Components(), Counter(), Counter(5)
     progress = Progress()
     fresh.register("progress", progress)
+    fresh.register("counter", counter)
+    fresh.register("spare", spare)  # not in the checkpoint: keeps its state as built
     fresh.restore(state)
     assert progress.step == 7  # restored in place: everyone holding the object sees it
-    fresh.register("counter", late)  # registered after resume: receives its saved state
-    assert late.value == 3
+    assert counter.value == 3 and spare.value == 5
     with pytest.raises(ValueError, match="reserved"):
         fresh.register("world_size", Counter())
 
@@ -103,7 +104,8 @@ def test_a_checkpoint_of_the_previous_release_resumes_to_the_same_bits(tmp_path)
         assert torch.allclose(resumed[key], value, rtol=0, atol=1e-6), key
     newest = load_checkpoint(checkpoints / "step-000000006.pt")
     # The schema is the registered names (fp32: no scaler), each saved under its own key.
-    assert {"progress", "early_stopping", "best", "model", "optimizer", "scheduler", "sinks"} <= set(newest["schema"])
+    assert {"progress", "best", "model", "optimizer", "scheduler", "sinks"} <= set(newest["schema"])
+    assert "early_stopping" not in newest["schema"]  # registered only when train.early_stopping is configured
     assert "scaler" not in newest["schema"] and all(name in newest for name in newest["schema"])
     assert torch.is_tensor(newest["model"]["net.1.weight"]) and "components" not in newest
 

@@ -10,13 +10,16 @@
   the space needed and free and the newest complete checkpoint when a write fails.
 - ``components``: the one state protocol: every part that must survive a restart is registered by
   name (``state_dict`` / ``load_state_dict``); a checkpoint's schema is the list of those names.
-- ``state``: the run's state, one owner: when to save, which checkpoint a run resumes from, and
-  whether it may.
+- ``checkpointer``: the one owner of the run's checkpointed parts: whether a save is due, writing it
+  (two collectives in ddp mode), resuming, waiting; ``metadata``: the fields every kind of save writes;
+  ``resume``: which checkpoint a run resumes from, and whether it may.
+- ``best``: ``best.pt`` when ``checkpoint.best.metric`` improves; ``model_export``: the final ``model.pt``.
 - ``interval``: ``checkpoint.every_steps: auto``, the Young/Daly interval from measured save and step times.
 - ``sharded`` / ``sharded_run``: ``parallel.mode`` zero1 / fsdp2: a DCP directory per checkpoint,
   every rank writing its shard, committed by rename; any checkpoint resumes into any mode and world size.
 - ``crash_save`` / ``boundary_rng``: a crashed worker costs zero steps: the lowest surviving rank
   saves the last completed step, with every rank's RNG state read from small shared-memory slots.
 - ``memory_tier``: snapshots of the state in ``/dev/shm`` every K steps, for a host that loses every worker.
-- ``preemption``: stop on a signal after the same optimizer step on every rank, save it, exit 75.
+- ``preemption``: stop on a signal after the same optimizer step on every rank, save it, exit 75
+  (the one owner of "stopped").
 """

@@ -3,7 +3,7 @@
     components = Components()
     components.register("model", model)            # anything with state_dict() / load_state_dict()
     components.register("optimizer", optimizer)
-    state = components.capture(metadata={...})    # a plain dict (metadata: RNG streams, config, ...),, what torch.save writes
+    state = components.capture(metadata={...})    # a plain dict (metadata: config, versions): what torch.save writes
     components.restore(read_checkpoint(raw, path=path))
 
 One protocol, borrowed from torchtitan's ``Stateful``: every part of a run that must survive a
@@ -11,8 +11,8 @@ restart (model, optimizer, schedule, gradient scaler, progress counters, data po
 stopping, the best-checkpoint tracker, a tracker's run id, ...) has ``state_dict()`` /
 ``load_state_dict()`` and is registered by name. Nothing else decides what a checkpoint holds:
 the file's ``schema`` is the list of registered names, each saved under its own key, beside the
-run's metadata (:data:`METADATA_KEYS`). A component built late (after resume was decided)
-registers then and receives the state the resumed checkpoint holds for its name.
+run's metadata (:data:`METADATA_KEYS`). Every part is registered before the resume, in one call
+(:meth:`ddpkit.checkpoint.checkpointer.Checkpointer.register`), so the resume restores all of them.
 
 Files written before this layout (format 1: ``model``, ``optimizer``, ``scheduler``, ``scaler``
 and ``progress`` at the top, the rest under ``components``) are read into the same shape by
@@ -26,7 +26,10 @@ from typing import Any, Protocol
 from ddpkit.errors import CheckpointError
 from ddpkit.progress import Progress
 
-__all__ = ["Stateful", "Ledger", "Progress", "Components", "read_checkpoint", "METADATA_KEYS", "REQUIRED_COMPONENTS"]
+__all__ = [
+    "Stateful", "Ledger", "Capturer", "Progress", "Components", "read_checkpoint", "METADATA_KEYS",
+    "REQUIRED_COMPONENTS",
+]
 
 #: Keys a checkpoint holds besides its components: the list of components, and what wrote it.
 METADATA_KEYS = ("schema", "world_size", "config", "config_hash", "versions")
@@ -51,27 +54,30 @@ class Ledger(Protocol):
     def checkpoint(self, *, began: float, step: int, kind: str, always: bool = False) -> None: ...
 
 
+class Capturer(Protocol):
+    """What the crash save and memory snapshots capture through (the run's
+    :class:`ddpkit.checkpoint.checkpointer.Checkpointer`)."""
+
+    progress: Progress
+    components: Components
+
+    def capture(self, exclude: tuple[str, ...] = (), *, rng: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+
+
 class Components:
     """The run's stateful parts by name, in registration order."""
 
     def __init__(self) -> None:
         self._parts: dict[str, Stateful] = {}
-        self._restored: dict[str, Any] = {}  # the resumed checkpoint, for components registered later
 
     def register(self, name: str, component: Stateful | None) -> None:
-        """Save ``component`` under ``name`` from now on (None: nothing to save, e.g. no scheduler).
-
-        If a checkpoint was already restored, ``component`` receives the state it holds for
-        ``name``, so a part built after resume (a tracker sink) continues where it was.
-        """
+        """Save ``component`` under ``name`` from now on (None: nothing to save, e.g. no scheduler)."""
         if name in METADATA_KEYS:
-            raise ValueError(f"{name!r} is reserved for a checkpoint's metadata; register the component under another name")
+            raise ValueError(f"{name!r} is reserved for a checkpoint's metadata; register the part under another name")
         if component is None:
             self._parts.pop(name, None)
             return
         self._parts[name] = component
-        if self._restored.get(name) is not None:
-            component.load_state_dict(self._restored[name])
 
     def __getitem__(self, name: str) -> Stateful:
         return self._parts[name]
@@ -89,14 +95,13 @@ class Components:
         return {**state, **metadata, "schema": list(state)}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Load each registered component that ``state`` holds; keep the rest for late registrations.
+        """Load each registered component that ``state`` holds.
 
         A component the checkpoint lacks keeps its freshly built state (e.g. a run that now has a
         schedule resumes a checkpoint written without one).
         """
         names = [*state["schema"], *(n for n in _OUTSIDE_THE_SCHEMA if n in state and n not in state["schema"])]
-        self._restored = {name: state[name] for name in names}
-        self.load(self._restored, self.names)
+        self.load({name: state[name] for name in names}, self.names)
 
     def load(self, state: dict[str, Any], names: list[str] | tuple[str, ...]) -> list[str]:
         """Load ``names`` that are registered and that ``state`` holds (e.g. a rollback's model and

@@ -1,7 +1,7 @@
 """A crashed worker costs zero steps: a surviving rank saves the last completed step on its way out.
 
-    crash_save = CrashSave.arm(config, runtime, state, ledger=ledger)   # once, after resume
-    events.add(crash_save)      # on_phase: step boundaries; on_failure(error): save; on_exit: clean up
+    crash_save = CrashSave.arm(config, runtime, checkpointer, ledger=ledger)   # once, after resume
+    events.add(crash_save)      # the step boundary events; on_failure(error): save; on_exit: clean up
     # ... if fit() fails (a peer died, torchrun's SIGTERM), the Trainer's events call crash_save.on_failure(error)
 
 Under DDP every rank holds the complete model and optimizer state. When one worker dies (SIGKILL,
@@ -12,12 +12,12 @@ fsync, rename, manifest last), and the restarted group resumes from it. A second
 that save leaves the previous checkpoint as the newest valid one.
 
 What is recorded at each step boundary, and why it is enough. Parameters and optimizer state
-change only inside the ``optimizer`` span. At the start of the first ``data`` span after it, the
-previous step is complete (its logging, validation and checkpoint included): this module then
+change only after ``on_update_start``. At the next ``on_step_start`` (before the next step's first
+batch), the previous step is complete (its logging, validation and checkpoint included): this module then
 copies the progress counters (three ints) and the torch RNG state (5 KB, about 2 us), nothing else,
 and publishes that RNG state to the rank's slot file (:mod:`ddpkit.checkpoint.boundary_rng`). A failure
 inside data, forward or backward leaves the parameters at that boundary, so the boundary is saved;
-a failure between the start of ``optimizer`` and the next ``data`` (a half-applied update, or a
+a failure between ``on_update_start`` and the next ``on_step_start`` (a half-applied update, or a
 step whose validation did not finish) is not saved, and the restart uses the newest periodic
 checkpoint as before. Python's and NumPy's generators are compared with
 their state at the start of the attempt instead of copied each step (tens of microseconds): if the
@@ -28,8 +28,8 @@ Choosing the rank without collectives (the dead rank breaks them): every rank wr
 or by the next attempt after a kill); a failing rank saves if no lower rank on its host is alive.
 Every rank's own torch stream goes into the file, so per-rank dropout resumes bitwise: each rank
 writes its boundary state to ``<session>-<attempt>-rank<r>.rng`` in the same directory (two
-memory-mapped slots, by step parity; state as the update ends too, for a rank killed before its
-next batch), and the saver reads every rank's slot for its boundary step. A rank with no valid
+memory-mapped slots, by step parity; state as the update ends (``on_step_end``) too, for a rank killed
+before its next batch), and the saver reads every rank's slot for its boundary step. A rank with no valid
 slot there (another host; torn by the kill) gets the saver's stream, logged. Python's and NumPy's
 states are the saver's (unchanged since the attempt began). Streams (``data_position``
 components) advance mid-step and are not saved this way.
@@ -50,10 +50,13 @@ import torch
 
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.boundary_rng import BoundarySlots, read_boundary
-from ddpkit.checkpoint.components import Ledger
+from ddpkit.checkpoint.components import Capturer, Ledger
+from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import is_alive
+from ddpkit.errors import first_line
+from ddpkit.reporting.events import Listener
 from ddpkit.reporting.log import log
 from ddpkit.training.rng import capture_rng
 
@@ -82,18 +85,15 @@ def lowest_live_rank(directory: Path, prefix: str, world_size: int) -> int | Non
     return None
 
 
-class CrashSave:
+class CrashSave(Listener):
     """Step-boundary bookkeeping on every rank, and the save the lowest survivor makes on failure."""
 
-    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
-    phases = ("optimizer", "data")
-
-    def __init__(self, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger | None = None):
-        self.config, self.runtime, self.state, self.ledger = config, runtime, state, ledger
+    def __init__(self, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger | None = None):
+        self.config, self.runtime, self.checkpointer, self.ledger = config, runtime, checkpointer, ledger
         self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
         self.boundary: tuple[tuple[int, int, int], torch.Tensor] | None = None
         self._clean = True  # parameters equal the boundary's (False from optimizer start to the next data start)
-        self._updating = False  # inside the optimizer span: its end publishes the provisional RNG state
+        self._updating = False  # from on_update_start to on_step_end, which publishes the provisional RNG state
         self._updated_rng: torch.Tensor | None = None  # this rank's torch RNG state as the last update ended
         self._others = (random.getstate(), _numpy_state())
         self._dir, self._prefix = _pid_files(config)
@@ -132,24 +132,29 @@ class CrashSave:
                 pass  # another rank's file is still there
 
     @classmethod
-    def arm(cls, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger) -> CrashSave | None:
+    def arm(cls, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger) -> CrashSave | None:
         """The crash save of this run (a listener for the Trainer's events), or None when it cannot help.
 
-        ``state`` is the :class:`ddpkit.checkpoint.state.RunState` that owns what a checkpoint holds."""
-        if runtime.env.world_size == 1 or not config.checkpoint.crash_save or "data_position" in state.components.names:
+        ``checkpointer`` owns what a checkpoint holds and captures it."""
+        names = checkpointer.components.names
+        if runtime.env.world_size == 1 or not config.checkpoint.crash_save or "data_position" in names:
             return None
-        return cls(config, runtime, state, ledger=ledger)
+        return cls(config, runtime, checkpointer, ledger=ledger)
 
-    def on_phase(self, name: str | None) -> None:
-        """Two comparisons per span; at the first data span after an update, copy the boundary."""
-        if name == "optimizer":
-            self._clean, self._updating = False, True
-        elif name is None and self._updating:  # the update ended: a rank killed before its next batch leaves this
+    def on_update_start(self, step: int) -> None:
+        self._clean, self._updating = False, True
+
+    def on_step_end(self, step: int) -> None:
+        """The update ended: a rank killed before its next batch leaves this state for the saver."""
+        if self._updating:
             self._updating, self._updated_rng = False, torch.get_rng_state()
             if self._slots is not None:
-                self._slots.write(self.state.progress.step + 1, self._updated_rng, final=False)  # the loop counts the step next
-        elif name == "data" and (not self._clean or self.boundary is None):
-            progress, rng = self.state.progress, torch.get_rng_state()  # three ints and 5 KB: measured 5 us a step with the two comparisons
+                self._slots.write(step, self._updated_rng, final=False)
+
+    def on_step_start(self, step: int) -> None:
+        """At the first step boundary after an update, copy it: three ints and 5 KB (about 5 us a step)."""
+        if not self._clean or self.boundary is None:
+            progress, rng = self.checkpointer.progress, torch.get_rng_state()
             self.boundary = ((progress.step, progress.epoch, progress.batch_in_epoch), rng)
             if self._slots is not None:
                 self._slots.write(progress.step, rng)  # for the saver, should this rank die: a memmove, no syscall
@@ -180,10 +185,10 @@ class CrashSave:
         if latest is not None and latest.step >= progress["step"]:
             return  # that step is on disk already
         state = self._capture(progress, torch_rng)
-        ck = self.config.checkpoint
-        meta = {"epoch": progress["epoch"], "config_hash": state["config_hash"], "versions": state["versions"], "crash_save": True}
-        ckpt.save_checkpoint(state, self.config.checkpoint_dir, step=progress["step"], keep_last=ck.keep_last, meta=meta)
-        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        meta = manifest_fields(state, epoch=progress["epoch"], crash_save=True)
+        ckpt.save_checkpoint(state, self.config.checkpoint_dir, step=progress["step"],
+                             keep_last=self.config.checkpoint.keep_last, meta=meta)
+        cause = first_line(error)
         log.warning("rank %d saved step %d after %s: %s", self.rank, progress["step"], type(error).__name__, cause)
         if self.ledger is not None:
             self.ledger.checkpoint(began=began, step=progress["step"], kind="crash", always=True)
@@ -202,7 +207,7 @@ class CrashSave:
         return None
 
     def _rank_streams(self, step: int, torch_rng: torch.Tensor) -> list[dict[str, Any]]:
-        """Each rank's RNG states at boundary ``step``, in rank order, as RunState.capture writes them.
+        """Each rank's RNG states at boundary ``step``, in rank order, as the checkpointer's capture writes them.
 
         The torch stream is each rank's own (its slot file); Python's and NumPy's are this rank's,
         unchanged since the attempt began (checked in ``_refusal``). A rank that died between step
@@ -225,7 +230,7 @@ class CrashSave:
     def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:
         # Through the state's owner, without its collective (a peer is dead): every rank's RNG
         # streams come from the slot files instead of an all-gather.
-        state = self.state.capture(rng=self._rank_streams(progress["step"], torch_rng))
+        state = self.checkpointer.capture(rng=self._rank_streams(progress["step"], torch_rng))
         state["progress"] = dict(progress)  # the live counters already count the interrupted step's batch
         return state
 

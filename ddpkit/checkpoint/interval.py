@@ -35,7 +35,7 @@ import statistics
 import time
 from collections import deque
 
-from ddpkit.distributed.process_group import broadcast_object
+from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.reporting.log import log
 
 __all__ = ["AutoInterval", "young_daly_seconds", "interval_steps", "describe", "FIRST_EVERY"]
@@ -98,10 +98,19 @@ class AutoInterval:
         """After a save that blocked ``blocked`` seconds (every rank, like the save): re-estimate.
 
         ``since`` is the step the interval counts from (the latest periodic save), for the log line.
-        Rank 0's measurements are broadcast, so every rank holds the same interval."""
+        Rank 0's measurements are broadcast, so every rank holds the same interval (a save that
+        already broadcasts its outcome carries them instead: :meth:`measurement`, :meth:`adopt`)."""
+        self.adopt(broadcast_object(self.measurement(blocked)), since=since)
+
+    def measurement(self, blocked: float) -> tuple[float, float] | None:
+        """This rank's ``(save seconds, median step seconds)``, None before a step was timed; the next step
+        (the one that carries this save) is not a step time."""
         mine = (blocked, statistics.median(self._step_times)) if self._step_times else None
-        self._last_tick = None  # the step that carries this save is not a step time
-        measured = broadcast_object(mine)
+        self._last_tick = None
+        return mine
+
+    def adopt(self, measured: tuple[float, float] | None, *, since: int) -> None:
+        """Re-estimate from rank 0's :meth:`measurement` (the same on every rank; no collective)."""
         if measured is None:  # no step timed yet (a save at the first step): keep the current interval
             return
         save_seconds, step_seconds = measured
@@ -109,4 +118,5 @@ class AutoInterval:
         if self.measured and abs(every - self.every) <= CHANGE * self.every:
             return
         self.every, self.measured = every, True
-        log.info(describe(every, since=since, save_seconds=save_seconds, step_seconds=step_seconds, mtbf_hours=self.mtbf_hours))
+        log.info(describe(every, since=since, save_seconds=save_seconds, step_seconds=step_seconds,
+                          mtbf_hours=self.mtbf_hours))

@@ -4,12 +4,12 @@ worker of a host at once (a SIGKILL to all, a node-level OOM kill) costs at most
     checkpoint:
       memory_every_steps: 10        # or auto (the default); ddpkit run exp.yaml --max-restarts 3
 
-    snapshots = MemorySnapshots.arm(config, runtime, state, reporter, ledger=ledger)   # once, after resume
+    snapshots = MemorySnapshots.arm(config, runtime, checkpointer, ledger=ledger)   # once, after resume
     newest_snapshot(config)         # what a restart compares with the newest disk checkpoint
 
-Every ``memory_every_steps`` optimizer steps, at the first ``data`` span after the step (the step
-is then complete on every rank, its validation and disk checkpoint included), every rank joins
-:meth:`RunState.capture` (one small all-gather of the RNG states), rank 0 copies the state to new
+Every ``memory_every_steps`` optimizer steps, at the step boundary after the step (``on_step_start``: the
+step is then complete on every rank, its validation and disk checkpoint included), every rank joins
+the checkpointer's ``capture`` (one small all-gather of the RNG states), rank 0 copies the state to new
 CPU tensors and a background thread writes it with the same crash-safe writer as disk
 checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
 ``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
@@ -28,7 +28,7 @@ inputs, and changes by more than 20% are taken. A number is used as given.
 A snapshot never misleads a resume: the directory is named by the run (the output directory's
 path and inode, so a deleted and recreated directory is another run), a snapshot is used only
 when it is valid (manifest, size, checksum) and newer than the newest valid disk checkpoint,
-RunState then checks its config like any checkpoint's, and a snapshot at or below the newest disk
+the checkpointer then checks its config like any checkpoint's, and a snapshot at or below the newest disk
 checkpoint is stale and removed. A finished run removes its snapshots.
 
 A snapshot that cannot be written (a ``/dev/shm`` smaller than the state: Docker's default is
@@ -45,12 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint import files as ckpt
-from ddpkit.checkpoint.components import Ledger
+from ddpkit.checkpoint.components import Capturer, Ledger
 from ddpkit.checkpoint.disk_space import human_bytes, short_of_room, state_bytes
 from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
+from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
-from ddpkit.distributed.process_group import Runtime, broadcast_object
+from ddpkit.distributed.collectives import broadcast_object
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError
+from ddpkit.reporting.events import Listener
 from ddpkit.reporting.log import log
 
 __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
@@ -92,7 +95,8 @@ def newest_snapshot(config: Config) -> ckpt.CheckpointInfo | None:
 
 
 def prefer_newer(disk: ckpt.CheckpointInfo | None, config: Config) -> ckpt.CheckpointInfo | None:
-    """What ``checkpoint.resume: auto`` resumes from: ``disk`` (the newest valid disk checkpoint) or a newer snapshot."""
+    """What ``checkpoint.resume: auto`` resumes from: ``disk`` (the newest valid disk checkpoint) or a newer
+    snapshot."""
     if config.checkpoint.resume != "auto" or not config.checkpoint.memory_every_steps:
         return disk
     return newest_snapshot(config) or disk
@@ -106,78 +110,86 @@ def remove_stale(directory: Path, disk_step: int) -> None:
             info.path.unlink(missing_ok=True)
 
 
-class MemorySnapshots:
+class MemorySnapshots(Listener):
     """Takes a snapshot every ``checkpoint.memory_every_steps`` steps (see the module docstring)."""
 
-    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
-    phases = ("optimizer", "data")
-
-    def __init__(self, config: Config, runtime: Runtime, state: Any, *, every: int, ledger: Ledger | None = None):
-        self.config, self.state, self.every, self.ledger = config, state, every, ledger
+    def __init__(self, config: Config, runtime: Runtime, checkpointer: Capturer, *, every: int,
+                 ledger: Ledger | None = None):
+        self.config, self.checkpointer, self.every, self.ledger = config, checkpointer, every, ledger
         self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
         self._writer = ckpt.AsyncCheckpointWriter()
-        self._pending = False  # an optimizer step ended; the next data span is its boundary
-        self._last, self._last_time = state.progress.step, time.perf_counter()
+        self._pending = False  # an optimizer step updated the parameters; the next step start is its boundary
+        self._last, self._last_time = checkpointer.progress.step, time.perf_counter()
         self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
         self._failed = False  # a write failed (e.g. /dev/shm is smaller than the state): rank 0 writes no more
 
     @classmethod
-    def arm(cls, config: Config, runtime: Runtime, state: Any, *, ledger: Ledger) -> MemorySnapshots | None:
+    def arm(cls, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger) -> MemorySnapshots | None:
         """The snapshots of this run (a listener for the Trainer's events) when ``checkpoint.memory_every_steps``
-        is set and ``/dev/shm`` exists; else None. ``state`` is the RunState that captures the snapshots."""
+        is set and ``/dev/shm`` exists; else None. ``checkpointer`` captures the snapshots."""
         every, env = config.checkpoint.memory_every_steps, runtime.env
-        if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:  # one host: every rank reads its /dev/shm
+        # one host: every rank reads its /dev/shm
+        if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:
             return None
-        snapshots = cls(config, runtime, state, every=PLAN_STEP if every == "auto" else every, ledger=ledger)
+        snapshots = cls(config, runtime, checkpointer, every=PLAN_STEP if every == "auto" else every, ledger=ledger)
         snapshots.adaptive = snapshots.unplanned = every == "auto"
         return snapshots
 
-    def on_phase(self, name: str | None) -> None:
-        if name == "optimizer":
-            self._pending = True
-        elif name == "data" and self._pending:
+    def on_update_start(self, step: int) -> None:
+        self._pending = True
+
+    def on_step_start(self, step: int) -> None:
+        if self._pending:
             self._pending = False
-            step = self.state.progress.step
             if step - self._last >= self.every:
                 self._plan(step) if self.unplanned else self._take(step)
 
     def _take(self, step: int) -> None:
         began, started = time.time(), time.perf_counter()
-        state = self.state.capture()  # every rank: the all-gather of RNG states
-        if self.is_main and not self._failed:  # every rank joins capture() and _adapt(): rank 0 alone writes, or has stopped writing
+        state = self.checkpointer.capture()  # every rank: the all-gather of RNG states
+        # every rank joins capture() and _adapt(): rank 0 alone writes, or has stopped writing
+        if self.is_main and not self._failed:
             self._write(state, step, began=began)
         if self.adaptive:
             self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
         self._last, self._last_time = step, time.perf_counter()
 
     def _write(self, state: dict[str, Any], step: int, *, began: float) -> None:
-        """Rank 0: stage the snapshot and start its background write, or stop the snapshots when it cannot be written."""
+        """Rank 0: stage the snapshot and start its background write, or stop the snapshots when it cannot be
+        written."""
         needed = state_bytes(state)
         if (free := short_of_room(SHM, needed=needed)) is not None:
-            return self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has {human_bytes(free)} free")
-        meta = {"epoch": self.state.progress.epoch, "config_hash": state["config_hash"], "memory": True}
+            return self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has "
+                                      f"{human_bytes(free)} free")
+        meta = manifest_fields(state, epoch=self.checkpointer.progress.epoch, memory=True)
         try:
-            self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)  # reused (pinned) host buffers
-        except (CheckpointError, OSError) as exc:  # the previous snapshot's write failed: say so once, train on without them
+            # reused (pinned) host buffers
+            self._writer.stage_and_submit(state, self.directory, step=step, keep_last=KEEP, meta=meta)
+        except (CheckpointError, OSError) as exc:
+            # the previous snapshot's write failed: say so once, train on without them
             return self._stop_writing(exc)
         if self.ledger is not None:
             self.ledger.checkpoint(began=began, step=step, kind="memory")
 
     def _stop_writing(self, why: BaseException | str) -> None:
-        """A snapshot is an extra, not the run's safety (the disk checkpoints are): a failed write ends the snapshots only."""
+        """A snapshot is an extra, not the run's safety (the disk checkpoints are): a failed write ends the
+        snapshots only."""
         self._failed = True
         cause = str(why).split("; ")[0]  # a failed write's first clause; the rest is a disk checkpoint's resume advice
-        log.warning("memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. Give %s more room "
-                    "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory_every_steps: null",
+        log.warning("memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. "
+                    "Give %s more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) "
+                    "or set checkpoint.memory_every_steps: null",
                     cause, SHM)
 
     def _plan(self, step: int) -> None:
         """`auto`'s first interval, counted from the run's start, from an estimated blocking time (one broadcast)."""
         self.unplanned = False
-        model = self.state.components["model"]
-        state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and up to 2 optimizer states
-        self._adapt(step, blocked=estimated_block(state_bytes), trained=time.perf_counter() - self._last_time, estimated=True)
+        model = self.checkpointer.components["model"]
+        # parameters and up to 2 optimizer states
+        state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+        self._adapt(step, blocked=estimated_block(state_bytes), trained=time.perf_counter() - self._last_time,
+                    estimated=True)
 
     def _adapt(self, step: int, *, blocked: float, trained: float, estimated: bool = False) -> None:
         """Space snapshots by Young/Daly from the blocking time just measured, within BUDGET of the training.
@@ -186,11 +198,13 @@ class MemorySnapshots:
         collective) at the same step."""
         per_step = max(trained / max(1, step - self._last), 1e-9)  # no early return: every rank must join the broadcast
         period = young_daly_seconds(self.config.checkpoint.mtbf_hours, blocked)
-        every, period, blocked, per_step = broadcast_object((interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step))
+        every, period, blocked, per_step = broadcast_object(
+            (interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step))
         if estimated or abs(every - self.every) > CHANGE * self.every:
-            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, checkpoint.mtbf_hours=%g: "
-                     "Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)", every, self._last if estimated else step,
-                     blocked * 1e3, " (estimated)" if estimated else "", per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
+            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, "
+                     "checkpoint.mtbf_hours=%g: Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
+                     every, self._last if estimated else step, blocked * 1e3, " (estimated)" if estimated else "",
+                     per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
             self.every = every
 
     def on_exit(self, status: str) -> None:

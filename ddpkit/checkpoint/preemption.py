@@ -1,11 +1,16 @@
 """Stop on a signal without losing a step: every rank stops after the same optimizer step, rank 0
 saves exactly that step, and the process exits with :data:`PREEMPTED_EXIT_CODE`.
 
-    stop = StopOnSignal(["SIGTERM", "SIGUSR1"], store=runtime.store, rank=0, world_size=2)
-    ...                                   # at every optimizer-step boundary:
-    if stop.requested and stop.agreed(step):
-        ...                               # save, flush, raise Preempted (exit code 75)
-    stop.close()
+    with StopOnSignal.for_run(config, runtime, key=key) as stop:   # the worker's scope: handlers on, then off
+        ...                               # the checkpointer, at every optimizer-step boundary:
+        if stop.stop_here(step):          # one attribute read until a signal arrives
+            ...                           # save this step; the loop sees stop.stopped and ends
+        stop.announce(step, saved_in=checkpoint_dir)   # every rank prints its stop line
+    stop.raise_if_stopped()               # Preempted: exit code 75, the same command resumes
+
+``stop.stopped`` is the one place a run learns it was stopped on a signal: the loop ends on it, the
+attempt ends STOPPED in the goodput ledger on it, and :meth:`StopOnSignal.raise_if_stopped` ends the
+process with it.
 
 Clusters stop jobs on purpose: SLURM sends SIGTERM (or ``--signal=USR1@90`` before the time
 limit), Kubernetes SIGTERM before evicting a pod, torchrun's agent forwards what it receives. The
@@ -49,8 +54,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit.distributed.control_auth import job_key, read_signed, sign
-from ddpkit.errors import EXIT_PREEMPTED, DdpkitError
+from ddpkit.config.schema import Config
+from ddpkit.distributed.control_auth import read_signed, sign
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import EXIT_PREEMPTED, DdpkitError, report_error
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "StopOnSignal", "signal_numbers"]
 
@@ -91,13 +98,17 @@ def signal_numbers(names: Sequence[str]) -> list[signal.Signals]:
 class StopOnSignal:
     """Signal handlers plus the store protocol that turns one rank's signal into a common stop step."""
 
-    def __init__(self, names: Sequence[str], *, store: Any, rank: int, world_size: int, poll_interval: float = 0.1):
+    def __init__(
+        self, names: Sequence[str], *, store: Any, rank: int, world_size: int, key: bytes, poll_interval: float = 0.1
+    ):
         self.rank, self.world_size = rank, world_size
         self.requested = False  # read by the training thread every step: keep it a plain attribute
         self.received: str | None = None  # the signal this process got, if any
         self.stop_step: int | None = None
+        self.stopped = False  # True from the optimizer step every rank agreed to stop at
+        self._preempted: Preempted | None = None  # the stop, once announced on every rank
         self._store = _prefixed(store, "ddpkit/stop")
-        self._key = job_key()  # tags what this rank writes; what it reads must carry a valid one
+        self._key = key  # the job's key (ddpkit.distributed.control_auth): tags what this rank writes and reads
         self._pid, self._proposed, self._published = os.getpid(), False, False
         self._proposal = ""  # the step this rank proposed, once it has
         self._request_text: str | None = None  # "rank 1 received SIGTERM", read with the proposals
@@ -112,6 +123,38 @@ class StopOnSignal:
         if numbers and self._store is not None and world_size > 1:
             self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll", daemon=True)
             self._thread.start()
+
+    @classmethod
+    def for_run(cls, config: Config, runtime: Runtime, *, key: bytes) -> StopOnSignal:
+        """The stop of this run: handlers for ``checkpoint.save_on_signals``, the store's protocol between ranks."""
+        env = runtime.env
+        return cls(config.checkpoint.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size, key=key)
+
+    def __enter__(self) -> StopOnSignal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stop_here(self, step: int) -> bool:
+        """At every optimizer-step boundary: True once, at the step every rank agreed to stop at (then :attr:`stopped`)."""
+        if self.requested and not self.stopped and self.agreed(step):
+            self.stopped = True
+            return True
+        return False
+
+    def announce(self, step: int, *, saved_in: str) -> None:
+        """If a signal stopped the run: every rank prints its stop line now, once step ``step`` is saved in ``saved_in``."""
+        if self.stopped and self._preempted is None:
+            self._preempted = Preempted(
+                f"{self.describe()}: step {step} is saved in {saved_in}; run the same command again to resume from it"
+            )
+            report_error(self._preempted, command="ddpkit", rank=self.rank if self.world_size > 1 else None)
+
+    def raise_if_stopped(self) -> None:
+        """After the run's last save and flush: end a signal-stopped run with :class:`Preempted` (exit code 75)."""
+        if self.stopped:
+            raise self._preempted or Preempted(f"{self.describe()}: stopped; run the same command again to resume")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:

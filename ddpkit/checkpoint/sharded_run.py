@@ -1,9 +1,9 @@
-"""How RunState saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in any mode.
+"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in any mode.
 
     run = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
-    run.save(capture, directory, step=..., name=..., keep_last=...)   # every rank
-    state = ShardedRun.read(path)                                   # the small state: what components.restore takes
-    ShardedRun.restore(path_or_state, components)                   # model + optimizer, every rank, any layout
+    run.save(checkpointer.capture, directory, step=..., name=..., keep_last=...)   # every rank
+    state = ShardedRun.read(path)                  # the small state: what components.restore takes
+    ShardedRun.restore(path, state, components)    # model + optimizer, every rank, any layout
 
 The model and optimizer tensors go through DCP (:mod:`ddpkit.checkpoint.sharded`); every other
 registered component goes, as in a single-file checkpoint, into the ``state.pt`` that rank 0 writes
@@ -30,6 +30,7 @@ import torch
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint import sharded
 from ddpkit.checkpoint.components import Components
+from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
 from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
@@ -56,14 +57,14 @@ class ShardedRun:
         return cls(components, rank=rank, async_save=config.checkpoint.async_save)
 
     def save(self, capture: Any, directory: str, *, step: int, name: str | None, keep_last: int) -> None:
-        """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is RunState's (a collective)."""
+        """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is the checkpointer's (a collective)."""
         self.wait()
         parts = sharded.ShardedParts(*_parts(self.components))
         tensors, rest = sharded.split_tensors(parts.state_dict())
         small = capture(exclude=TENSOR_PARTS)
         small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})  # the non-tensor leaves (param groups)
         small["schema"] = [*small["schema"], *TENSOR_PARTS]
-        meta = {"epoch": small["progress"]["epoch"], "config_hash": small["config_hash"], "versions": small["versions"]}
+        meta = manifest_fields(small, epoch=small["progress"]["epoch"])
         kwargs = dict(step=step, rank=self.rank, name=name, keep_last=keep_last, meta=meta)
         if not self.async_save:
             sharded.save_sharded(tensors, small, directory, **kwargs)

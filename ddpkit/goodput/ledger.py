@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
@@ -135,22 +135,32 @@ def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
         append_event(output_dir, "exit", code=code)
 
 
+class Stopping(Protocol):
+    """The run's stop on a signal (:class:`ddpkit.checkpoint.preemption.StopOnSignal`), as the ledger reads it."""
+
+    stopped: bool
+
+
 class GoodputLedger:
     """One attempt's ledger on one rank (only rank 0's writes, except a crash save's line and a failed attempt's end)."""
 
-    def __init__(self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = "."):
-        self.output_dir, self._step, self._dir = output_dir, step, run_dir
+    def __init__(
+        self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = ".",
+        stop: Stopping | None = None,
+    ):
+        self.output_dir, self._step, self._dir, self._stop = output_dir, step, run_dir, stop
         self._span: list[str] = []
         self._began: dict[str, float] = {}
         self._first_done = False
         self._next_progress = 0.0
         self.last_step, self.last_step_time = 0, time.time()
-        self.stopped = False  #: set by the Trainer when a signal stopped the run after saving: the attempt ends STOPPED
 
     @classmethod
-    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int]) -> GoodputLedger:
-        """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere."""
-        return cls(config.output_dir if runtime.env.rank == 0 else None, step=step, run_dir=config.output_dir)
+    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int], stop: Stopping) -> GoodputLedger:
+        """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere (``stop``: the run's stop on
+        a signal, whose ``stopped`` makes a run that ends without an error end STOPPED)."""
+        output_dir = config.output_dir if runtime.env.rank == 0 else None
+        return cls(output_dir, step=step, run_dir=config.output_dir, stop=stop)
 
     def _write(self, event: str, **fields: Any) -> None:
         if self.output_dir is not None:
@@ -163,7 +173,8 @@ class GoodputLedger:
 
     def status_of(self, exc: BaseException | None) -> str:
         """How the attempt ended: FINISHED, STOPPED (a signal stopped it after saving) or FAILED."""
-        stopped = exc is None and self.stopped or getattr(exc, "exit_code", None) == EXIT_PREEMPTED
+        stopped = exc is None and self._stop is not None and self._stop.stopped
+        stopped = stopped or getattr(exc, "exit_code", None) == EXIT_PREEMPTED
         return "STOPPED" if stopped else ("FINISHED" if exc is None else "FAILED")
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

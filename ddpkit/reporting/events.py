@@ -2,20 +2,21 @@
 
     events = Events()
     events.add(watchdog, ledger, crash_save, health, trainer)   # the order every event is delivered in
+    events.step_start(step)             # an optimizer step begins: steps 1..step are complete
     with reporter.span("data"): ...     # on_phase("data") as it starts, on_phase(None) as it ends
+    events.update_start(step)           # the optimizer is about to change the parameters
     events.step_end(step)               # on_step_end(step) of every listener that has one
     events.failure(error)               # fit() failed: on_failure(error) (the crash save saves here)
     events.exit("FAILED")               # the attempt ended, any way: on_exit(status)
 
-A listener is any object; it receives the events it has a method for, and no others:
-``on_phase(name)`` (a span of the loop starts with its name, ends with None; a listener may narrow
-the spans it hears with a ``phases`` attribute), ``on_fit_start()``, ``on_epoch_start(epoch)``,
-``on_step_end(step)``, ``on_log(record)``, ``on_validation_end(metrics)``, ``on_epoch_end(epoch)``,
-``on_fit_end(metrics)``, ``on_failure(error)`` and ``on_exit(status)``. The Trainer adds itself
-last, so a user's ``on_*`` hooks run after ddpkit's own listeners have seen the same event.
+A listener is any object; it receives the events it has a method for, and no others. :class:`Listener`
+documents every event with a no-op method; subclassing it is optional, and a method it does not override
+costs nothing (only overridden methods are collected). The Trainer adds itself last, so a user's ``on_*``
+hooks run after ddpkit's own listeners have seen the same event; ``on_exit(status)`` is the one teardown
+every run component gets, in the list's order.
 
-As detectron2's ``TrainerBase`` runs its hooks: one list, one order, visible in one place (the
-Trainer's ``_attach``). The bound methods are collected once per event when a listener is added,
+As detectron2's ``TrainerBase`` runs its hooks: one list, one order (the Trainer's ``_attach`` adds every
+listener in one call). The bound methods are collected once per event when a listener is added,
 so delivering an event on the step path is a loop over a short tuple. A failing ``on_failure`` or
 ``on_exit`` is printed and the next listener still runs: the original failure is what the user
 must see, and every listener must get its chance to clean up.
@@ -27,13 +28,55 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Events", "EVENTS"]
+__all__ = ["Events", "EVENTS", "Listener", "PhaseSpan"]
+
+
+class Listener:
+    """Every event of the loop, each a no-op: override the ones a listener needs (see the module docstring)."""
+
+    #: The span names ``on_phase`` hears; None: every span.
+    phases: tuple[str, ...] | None = None
+
+    def on_phase(self, name: str | None) -> None:
+        """A span of the loop starts (``name``: data, forward, backward, optimizer, ...) or ends (None)."""
+
+    def on_fit_start(self) -> None:
+        """After setup and resume, before the first step."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Before the first batch of ``epoch``."""
+
+    def on_step_start(self, step: int) -> None:
+        """Before the first micro-batch of the next optimizer step: steps 1..``step`` are complete, their
+        validation and checkpoint included (the step boundary the crash save and memory snapshots use)."""
+
+    def on_update_start(self, step: int) -> None:
+        """The optimizer is about to change the parameters for step ``step + 1`` (they differ from the boundary's from here)."""
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based), every step: keep it cheap, no host syncs."""
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        """Every ``log_every`` steps, with the rank-reduced training record."""
+
+    def on_validation_end(self, metrics: dict[str, float]) -> None:
+        """After each validation, with the exact global metrics (every rank)."""
+
+    def on_epoch_end(self, epoch: int) -> None:
+        """After the last batch of ``epoch``."""
+
+    def on_fit_end(self, metrics: dict[str, float]) -> None:
+        """After training, with the metrics ``fit()`` returns."""
+
+    def on_failure(self, error: BaseException) -> None:
+        """``fit()`` failed with ``error`` (the crash save saves here)."""
+
+    def on_exit(self, status: str) -> None:
+        """The attempt ended, any way (FINISHED, STOPPED or FAILED): release what this listener holds."""
+
 
 #: Every event, as the method name a listener defines to receive it.
-EVENTS = (
-    "on_phase", "on_fit_start", "on_epoch_start", "on_step_end", "on_log", "on_validation_end",
-    "on_epoch_end", "on_fit_end", "on_failure", "on_exit",
-)
+EVENTS = tuple(name for name in vars(Listener) if name.startswith("on_"))
 
 
 class Events:
@@ -42,8 +85,7 @@ class Events:
     def __init__(self) -> None:
         self.listeners: list[Any] = []
         self._calls: dict[str, tuple[Callable[..., Any], ...]] = dict.fromkeys(EVENTS, ())
-        #: Per span name, whatever a deliverer keeps (the Reporter: its reusable span); emptied by :meth:`add`.
-        self.span_cache: dict[str, Any] = {}
+        self._phases: dict[str, PhaseSpan] = {}  # one reusable span per name; emptied when a listener joins
 
     def add(self, *listeners: Any) -> None:
         """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods for."""
@@ -56,9 +98,16 @@ class Events:
             self.listeners.append(listener)
             for event in EVENTS:
                 method = getattr(listener, event, None)
-                if callable(method):
+                if callable(method) and getattr(type(listener), event, None) is not getattr(Listener, event):
                     self._calls[event] += (method,)
-        self.span_cache.clear()  # in place: holders of this dict see it emptied
+        self._phases.clear()  # a span built before this listener joined would not call it
+
+    def phase(self, name: str) -> PhaseSpan:
+        """The context that tells the ``on_phase`` listeners of span ``name`` that it starts and ends (reused)."""
+        span = self._phases.get(name)
+        if span is None:
+            span = self._phases[name] = PhaseSpan(name, self.phase_listeners(name))
+        return span
 
     def phase_listeners(self, name: str) -> tuple[Callable[[str | None], None], ...]:
         """The ``on_phase`` methods that hear spans called ``name`` (a listener's ``phases`` narrows them)."""
@@ -71,6 +120,14 @@ class Events:
     def epoch_start(self, epoch: int) -> None:
         for call in self._calls["on_epoch_start"]:
             call(epoch)
+
+    def step_start(self, step: int) -> None:
+        for call in self._calls["on_step_start"]:
+            call(step)
+
+    def update_start(self, step: int) -> None:
+        for call in self._calls["on_update_start"]:
+            call(step)
 
     def step_end(self, step: int) -> None:
         for call in self._calls["on_step_end"]:
@@ -107,3 +164,20 @@ class Events:
             except Exception as problem:
                 name = getattr(call, "__qualname__", call)
                 print(f"ddpkit: {name} failed: {type(problem).__name__}: {problem}", file=sys.stderr, flush=True)
+
+
+class PhaseSpan:
+    """Tells the listeners of phase ``name`` that it starts and ends (reused: phases of one name never nest)."""
+
+    __slots__ = ("name", "listeners")
+
+    def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...]):
+        self.name, self.listeners = name, listeners
+
+    def __enter__(self) -> None:
+        for listener in self.listeners:
+            listener(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        for listener in self.listeners:
+            listener(None)

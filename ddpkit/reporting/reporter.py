@@ -10,7 +10,7 @@
     with reporter.outside_training("evaluation"):   # left out of samples/s
         metrics = evaluate(model)
     reporter.validation(progress, metrics)    # {"val_accuracy": 0.97, ...}: sinks and a log line
-    reporter.close()
+    reporter.on_exit("FINISHED")             # the run's listeners hear it, in the list's order
 
 It owns rank 0's console (the progress display of :mod:`ddpkit.reporting.console`), the metric sinks (``metrics.jsonl``, TensorBoard), the debug
 step log, the timeline and the samples/s window; the Trainer holds none of them. Records carry
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,10 @@ from ddpkit.config.serialize import config_to_dict, dump_config
 from ddpkit.data.elastic import per_rank_batch_size
 from ddpkit.data.streaming import UNKNOWN_LENGTH
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.progress import Progress
 from ddpkit.reporting import log as logs
 from ddpkit.reporting.console import ProgressDisplay
-from ddpkit.reporting.events import Events
+from ddpkit.reporting.events import Events, PhaseSpan
 from ddpkit.reporting.log import StepLog, log, setup_logging
 from ddpkit.reporting.running_mean import RunningMean
 from ddpkit.reporting.sinks import SinkGroup, build_sinks
@@ -64,7 +65,10 @@ def start_logging(config: Config, *, rank: int) -> None:
 class Reporter:
     """Console progress display, metric sinks, step log, timeline and throughput of one run, on one rank."""
 
-    def __init__(self, config: Config, *, runtime: Runtime, total_steps: int, progress: Any, events: Events, throughput: TokenThroughput | None = None):
+    def __init__(
+        self, config: Config, *, runtime: Runtime, total_steps: int, progress: Progress, events: Events,
+        throughput: TokenThroughput | None = None,
+    ):
         cfg, rank = config, runtime.env.rank
         self.config, self.runtime, self.total_steps, self.is_main = config, runtime, int(total_steps), rank == 0
         self.output_dir = Path(config.output_dir)
@@ -73,7 +77,7 @@ class Reporter:
         self.timeline = Timeline(enabled=cfg.train.timeline, rank=rank, device=runtime.device)
         self.step_log = StepLog(self.output_dir / "logs" / f"steps-rank{rank}.log" if cfg.dist.debug else None)
         # Rank 0's sinks (metrics.jsonl, status.json, trackers) open in start(), once resume is decided;
-        # RunState saves and restores their state (a tracker's run id) through this group.
+        # The checkpointer saves and restores their state (a tracker's run id) through this group.
         self.sinks = SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
         known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
@@ -82,7 +86,6 @@ class Reporter:
         self._outside = 0  # depth of outside_training spans
         self.events = events
         self.throughput = throughput or TokenThroughput()  # tokens_per_s and mfu, for runs that train on tokens
-        self._phase_spans: dict[str, _PhaseSpan] = events.span_cache  # one reusable span per phase name; emptied by events.add
         self._loss = RunningMean(runtime.device)
 
     # --- phases and time ---------------------------------------------------------------------
@@ -93,9 +96,7 @@ class Reporter:
         Called several times per step: with no listener it is the timeline's own span (free when
         the timeline is off), so reporting adds nothing to the step path.
         """
-        span = self._phase_spans.get(name)
-        if span is None:  # the step path reuses it: no object per span, one call per listener that asked
-            span = self._phase_spans[name] = _PhaseSpan(name, self.events.phase_listeners(name))
+        span = self.events.phase(name)  # reused: no object per span, one call per listener that asked
         if self.timeline.enabled:
             return _WatchedSpan(self.timeline.span(name), span)
         return span if span.listeners else self.timeline.span(name)
@@ -124,7 +125,7 @@ class Reporter:
         cfg, rt = self.config, self.runtime
         if self.is_main:
             self.sinks.extend(build_sinks(cfg, append=resumed))
-        self.sinks.start(config_to_dict(cfg))  # after RunState handed the group the resumed checkpoint's sink states
+        self.sinks.start(config_to_dict(cfg))  # the resumed checkpoint's sink states are in
         world_size = rt.env.world_size
         log.info(
             "world_size=%d backend=%s device=%s launcher=%s | per-rank batch %d x %d ranks x %d accumulation = global batch %d",
@@ -145,12 +146,12 @@ class Reporter:
         """Whether losses were added since the last record (the same on every rank)."""
         return self._loss.pending
 
-    def step_done(self, progress: Any) -> None:
+    def step_done(self, progress: Progress) -> None:
         """After every optimizer step: advance the progress display, note the step in the debug log."""
         self.console.update()
         self.step_log.write("step %d done (epoch %d, batch %d)", progress.step, progress.epoch, progress.batch_in_epoch)
 
-    def training(self, progress: Any, *, lr: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
+    def training(self, progress: Progress, *, lr: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
         """Record the loss averaged over ranks and steps (a collective) and the samples/s since the last record.
 
         ``extra``: more fields of the record, the same on every rank (the health metrics: ``grad_norm``, ...).
@@ -179,7 +180,7 @@ class Reporter:
                      f" mfu {record['mfu']:.1%}" if "mfu" in record else "")
         return record
 
-    def validation(self, progress: Any, metrics: dict[str, float]) -> dict[str, float]:
+    def validation(self, progress: Progress, metrics: dict[str, float]) -> dict[str, float]:
         """Record exact validation metrics (already prefixed ``val_``); return them, with ``val_ppl``
         (the exponential of the token-weighted ``val_loss``) added for runs that train on tokens."""
         if self.throughput.enabled and "val_loss" in metrics:
@@ -192,9 +193,9 @@ class Reporter:
         """Merge every rank's spans into ``<output_dir>/timeline.json`` (a collective; when enabled)."""
         self.timeline.write(self.output_dir / "timeline.json")
 
-    def close(self, status: str = "FINISHED") -> None:
-        """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or KILLED
-        (or the goodput ledger's STOPPED: a signal stopped the run after saving, which trackers call KILLED)."""
+    def on_exit(self, status: str) -> None:
+        """Close the bar, the sinks and the step log (safe to call twice); ``status``: FINISHED, FAILED or STOPPED
+        (a signal stopped the run after saving, which trackers call KILLED)."""
         status = "KILLED" if status == "STOPPED" else status
         self.console.close()
         self.sinks.finish(status, [self.output_dir / "model.pt"] if status == "FINISHED" else [])
@@ -206,7 +207,7 @@ class _WatchedSpan:
 
     __slots__ = ("inner", "phase")
 
-    def __init__(self, inner: contextlib.AbstractContextManager[Any], phase: _PhaseSpan):
+    def __init__(self, inner: contextlib.AbstractContextManager[Any], phase: PhaseSpan):
         self.inner, self.phase = inner, phase
 
     def __enter__(self) -> None:
@@ -216,20 +217,3 @@ class _WatchedSpan:
     def __exit__(self, *exc: object) -> None:
         self.inner.__exit__(*exc)
         self.phase.__exit__()
-
-
-class _PhaseSpan:
-    """Tells the listeners of phase ``name`` that it starts and ends (reused: phases of one name never nest)."""
-
-    __slots__ = ("name", "listeners")
-
-    def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...]):
-        self.name, self.listeners = name, listeners
-
-    def __enter__(self) -> None:
-        for listener in self.listeners:
-            listener(self.name)
-
-    def __exit__(self, *exc: object) -> None:
-        for listener in self.listeners:
-            listener(None)

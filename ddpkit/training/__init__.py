@@ -6,7 +6,7 @@
 - ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
 - ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``).
-- ``metrics``: exact validation means over ranks, the best-metric and early-stopping trackers;
+- ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
 - ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
   loss); ``token_loss``: ``train.loss_normalization: tokens``, exact for any split of a global batch.
@@ -17,14 +17,17 @@
 
 # What the Trainer composes, importable from the package.
 from ddpkit.training import steps  # the built-in steps, as training.steps.*
+from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
-from ddpkit.training.rng import RngStreams
+from ddpkit.training.rng import RngStreams, seed_for_setup
+from ddpkit.training.token_loss import TokenCount
 
 __all__ = [
     "Evaluation", "TrainingHealth", "evaluate", "Models", "build_models", "sync_gradients", "unwrap_model",
-    "OptimizerStep", "build_optimizer", "build_scheduler", "RngStreams", "steps",
+    "OptimizerStep", "build_optimizer", "build_scheduler", "RngStreams", "steps", "EarlyStopping", "seed_for_setup",
+    "TokenCount",
 ]

@@ -1,9 +1,10 @@
 """Training health: a NaN, a loss spike, a slow rank or a diverged replica is caught, named and
 handled by every rank together, at the same step.
 
-    health = TrainingHealth(config, runtime=runtime, model=model, loader=train_loader, progress=progress, state=run_state)
-    optimizer_step.health = health      # OptimizerStep calls watch_loss() and allow_step(), see below
-    run_state.register_all(health=health, ...)   # the counters and spike windows continue after a resume
+    health = TrainingHealth(config, runtime=runtime, model=model, loader=train_loader, progress=progress,
+                            checkpoints=checkpointer)
+    OptimizerStep(..., health=health)   # it calls watch_loss() and allow_step(), see below
+    checkpointer.register(builtin={"health": health, ...})   # the counters and spike windows continue after a resume
     events.add(health.straggler, health)         # the straggler watch times the data span; on_step_end below
     ...
     health.on_step_end(step)            # straggler and replica checks, every N steps
@@ -25,47 +26,55 @@ costs as measured. What happens in an optimizer step:
   non-finite gradients from finite losses are the GradScaler's business: it skips, and it is counted.
 * With ``spike`` on, one small all_reduce per step gives every rank the same mean loss; a loss or
   norm ``sigma`` standard deviations above its window is warned about, skipped, or rolled back
-  (the newest valid checkpoint's weights and optimizer, through ``restore``; the data goes on).
+  (the newest valid checkpoint's weights and optimizer, through ``checkpoints.rollback()``; the data goes on).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ddpkit.config.schema import Config
-from ddpkit.distributed.process_group import Runtime, all_gather_object, all_reduce_sum
+from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import HealthError
+from ddpkit.progress import Progress
 from ddpkit.reporting.log import GRAD_NORM, log
 from ddpkit.training.health_checks import SpikeDetector, sample_indices
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.straggler import StragglerWatch
 
-__all__ = ["TrainingHealth"]
+__all__ = ["TrainingHealth", "Rollback"]
+
+
+class Rollback(Protocol):
+    """What ``health.spike.action=rollback`` restores from: True when it loaded the newest valid checkpoint."""
+
+    def rollback(self) -> bool: ...
 
 
 class TrainingHealth:
     """The ``health`` section's checks for one run, on one rank; every decision is the same on every rank."""
 
-    def __init__(self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Any, state: Any = None):
-        """``state`` (the :class:`ddpkit.checkpoint.state.RunState`): ``health.spike.action=rollback`` restores from it."""
+    def __init__(
+        self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Progress,
+        checkpoints: Rollback | None = None,
+    ):
+        """``checkpoints`` (the run's :class:`ddpkit.checkpoint.checkpointer.Checkpointer`): what
+        ``health.spike.action=rollback`` restores the newest valid checkpoint's weights and optimizer from."""
         h, env = config.health, runtime.env
         self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
         self.loader, self.progress = loader, progress
         self.counts = {"skipped_steps": 0, "nonfinite_steps": 0, "scaler_skips": 0, "spikes": 0, "rollbacks": 0, "divergences": 0}
-        #: Restores the newest valid checkpoint's weights and optimizer; True if it did (set by the Trainer for ``rollback``).
-        self.restore: Callable[[], bool] | None = None
+        self._checkpoints = checkpoints
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
         self._norms: list[float] = []  # healthy steps' norms since the last record
         self._in_a_row = 0
         spike = h.spike
         self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
-        if state is not None:
-            self.restore = state.rollback
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
@@ -131,7 +140,7 @@ class TrainingHealth:
         if action == "warn":
             self._say("step %d: %s (health.spike.action=warn)", step, what)
             return False
-        if action == "rollback" and self.restore is not None and self.restore():
+        if action == "rollback" and self._checkpoints is not None and self._checkpoints.rollback():
             self.counts["rollbacks"] += 1
             what += "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches"
         self._skip(step, what)
@@ -183,7 +192,8 @@ class TrainingHealth:
             if name in self.spikes:
                 self.spikes[name].load_state_dict(saved)
 
-    def close(self) -> None:
+    def on_exit(self, status: str) -> None:
+        """The run ended: stop the straggler watch's timer."""
         if self.straggler is not None:
             self.straggler.close()
 

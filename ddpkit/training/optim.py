@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -104,11 +104,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total
     )
 
 
+class StepHealth(Protocol):
+    """What the optimizer step asks the run's health checks (:class:`ddpkit.training.health.TrainingHealth`)."""
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def allow_step(self, norm: torch.Tensor, *, scaled: bool = False) -> bool: ...
+
+
 class OptimizerStep:
-    """Backward passes and optimizer steps as ``train`` configures them (precision, accumulation, clipping)."""
+    """Backward passes and optimizer steps as ``train`` configures them (precision, accumulation, clipping).
+
+    ``tokens``: under ``loss_normalization: tokens``, the step's token count (:meth:`TokenCount.for_run`; built here
+    when not given). ``health``: sees each loss before backward and the gradient norm before the update, and may
+    skip the update.
+    """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig, device: torch.device, world_size: int = 1
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig,
+        device: torch.device, world_size: int = 1, tokens: TokenCount | None = None, health: StepHealth | None = None,
     ):
         check_precision(train.precision, device)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -118,10 +132,10 @@ class OptimizerStep:
         self._parameters = list(model.parameters())
         self.normalization = train.loss_normalization
         #: ``loss_normalization: tokens``: this step's token count, and the gradient scaling it decides.
-        self.tokens = TokenCount(self._parameters, world_size=world_size, device=device) if self.normalization == "tokens" else None
-        #: The run's :class:`ddpkit.training.health.TrainingHealth` (set by the Trainer): it sees each loss
-        #: before backward and the gradient norm before the update, and may skip the update.
-        self.health: Any = None
+        if tokens is None:
+            tokens = TokenCount.for_run(model, train, device=device, world_size=world_size)
+        self.tokens = tokens
+        self.health = health
 
     def autocast(self) -> Any:
         """The context for forward passes (a reusable no-op in fp32)."""

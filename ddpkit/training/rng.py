@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.process_group import all_gather_object
+from ddpkit.distributed.collectives import all_gather_object
 
-__all__ = ["seed_everything", "use_deterministic_kernels", "capture_rng", "restore_rng", "RngStreams"]
+__all__ = ["seed_everything", "seed_for_setup", "use_deterministic_kernels", "capture_rng", "restore_rng", "RngStreams"]
 
 
 def seed_everything(seed: int) -> None:
@@ -25,6 +25,14 @@ def seed_everything(seed: int) -> None:
     np = _numpy()
     if np is not None:
         np.random.seed(seed % 2**32)
+
+
+def seed_for_setup(seed: int, *, deterministic: bool) -> None:
+    """Seed every rank alike, so the initial weights and data are identical before DDP checks them (and, with
+    ``train.deterministic``, make the kernels deterministic before the first one runs)."""
+    if deterministic:
+        use_deterministic_kernels()
+    seed_everything(seed)
 
 
 def use_deterministic_kernels() -> None:

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.process_group import all_reduce_sum
+from ddpkit.config.train_sections import TrainConfig
+from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.errors import ConfigError
 
 __all__ = ["TokenCount", "split_loss"]
@@ -53,6 +54,13 @@ class TokenCount:
         self._parameters, self._world_size = parameters, world_size
         self._step = torch.zeros((), dtype=torch.float64, device=device)  # this rank, this step
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # every rank, since the last read
+
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, train: TrainConfig, *, device: torch.device, world_size: int) -> TokenCount | None:
+        """The count of a run with ``train.loss_normalization: tokens``; None under ``mean``."""
+        if train.loss_normalization != "tokens":
+            return None
+        return cls(list(model.parameters()), world_size=world_size, device=device)
 
     def add(self, n_tokens: torch.Tensor) -> None:
         """One micro-batch's token count (a device add, no sync)."""

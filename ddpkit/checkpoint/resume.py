@@ -1,0 +1,81 @@
+"""Which checkpoint a run resumes from, and whether it may: chosen once by rank 0, checked on every rank.
+
+    chosen = choose_checkpoint(config, rank=rank)          # (path, state) or None; a collective (one broadcast)
+    check_compatible(state, path, config, world_size=2, components=components)   # or a CheckpointError
+
+Choosing the file: rank 0 alone resolves ``checkpoint.resume`` (so every rank agrees even if a save
+lands meanwhile; a newer in-memory snapshot wins, :mod:`ddpkit.checkpoint.memory_tier`) and broadcasts
+the path; every rank then reads that file, which must be on a filesystem all nodes share.
+
+Compatibility: fields that change the math (model, data order and batches, optimizer, schedule,
+precision, seed, world size) must match, or the resumed run would silently differ from the run it
+continues. Fields that only change bookkeeping (logging, how long to train, where to write,
+checkpoint cadence, timeouts) may differ. The world size may differ when ``data.global_batch_size``
+is set: the sample order then does not depend on it (:mod:`ddpkit.data.elastic`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpkit.checkpoint import files as ckpt
+from ddpkit.checkpoint.components import Components, read_checkpoint
+from ddpkit.checkpoint.memory_tier import prefer_newer
+from ddpkit.checkpoint.sharded_run import read_any
+from ddpkit.config.schema import Config
+from ddpkit.config.serialize import config_to_dict
+from ddpkit.distributed.agreement import config_differences
+from ddpkit.distributed.collectives import broadcast_object
+from ddpkit.errors import CheckpointError
+from ddpkit.reporting.log import log
+
+__all__ = ["choose_checkpoint", "check_compatible"]
+
+
+def choose_checkpoint(config: Config, *, rank: int) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint ``checkpoint.resume`` names, read on every rank, or None for a fresh start (a collective)."""
+    choice = problem = None
+    if rank == 0:
+        try:
+            info = prefer_newer(ckpt.resolve_resume_path(config.checkpoint.resume, config.checkpoint_dir), config)
+            choice = str(info.path) if info else None
+        except CheckpointError as exc:
+            problem = str(exc)
+    choice, problem = broadcast_object((choice, problem))
+    if problem is not None:
+        raise CheckpointError(problem)
+    if choice is None:
+        return None
+    return choice, read_checkpoint(read_any(choice), path=choice)  # a file, or a sharded checkpoint's state.pt
+
+
+def check_compatible(state: dict[str, Any], path: str, config: Config, *, world_size: int, components: Components) -> None:
+    """Refuse a checkpoint whose run differs in fields that change the math (unless allowed), naming each field."""
+    elastic, saved_world_size = config.data.global_batch_size is not None, state["world_size"]
+    differences = config_differences(
+        state["config"], config_to_dict(config), saved_world_size=saved_world_size, world_size=world_size, elastic=elastic
+    )
+    if elastic and saved_world_size != world_size and not differences:
+        log.info(
+            "resuming on %d rank(s) a run checkpointed on %d: same samples per step (data.global_batch_size=%d); "
+            "each rank continues rank 0's random streams", world_size, saved_world_size, config.data.global_batch_size,
+        )
+    differences += _legacy_order_difference(state["config"], components)
+    if differences and not config.checkpoint.allow_config_change:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was written by a run whose config differs in fields that change the math:\n"
+            + "\n".join(f"  - {d}" for d in differences)
+            + "\nStart fresh with checkpoint.resume=none (or a new run.output_dir), "
+            "or resume anyway with checkpoint.allow_config_change=true."
+        )
+
+
+def _legacy_order_difference(saved: dict[str, Any], components: Components) -> list[str]:
+    """A checkpoint from before ``data.order`` existed drew its samples by ``randperm``; ``auto`` may now mean another order."""
+    current = getattr(components["data_order"], "resolved", None) if "data_order" in components.names else None
+    if "order" in saved.get("data", {}) or current in (None, "randperm", "sequential"):
+        return []
+    return [
+        "data.order: the checkpoint predates it and used 'randperm'; "
+        f"this run would use {current!r} (set data.order=randperm)"
+    ]
