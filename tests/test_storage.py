@@ -224,3 +224,17 @@ def test_a_file_url_is_a_store_with_atomic_create(tmp_path):
     with pytest.raises(FileExistsError):
         store.put_bytes(".ddpkit/x", b"2", create=True)
     assert store.listing() == {".ddpkit/x": 1} and os.path.isfile(tmp_path / "remote" / ".ddpkit" / "x")
+
+
+def test_a_sharded_checkpoint_goes_up_as_one_object_per_file_and_validates_after_fetch(store, tmp_path):
+    from ddpkit.checkpoint.files import validate_checkpoint
+    from ddpkit.checkpoint.sharded import save_sharded
+
+    final = save_sharded({"model": {"w": torch.arange(64.0)}}, {"step": 100}, tmp_path / "a", step=100, rank=0)
+    answer = _publish(store, final)
+    assert answer["bytes"] == sum(f.stat().st_size for f in final.iterdir())
+    (remote,) = layout.find_remote(store)
+    assert sorted(remote.manifest["objects"]) == sorted(f"step-000000100.dcp/{f.name}" for f in final.iterdir())
+    fetched = layout.download(store, remote, tmp_path / "empty")
+    assert validate_checkpoint(fetched).step == 100 and find_latest_checkpoint(tmp_path / "empty").path == fetched
+    assert all((fetched / f.name).read_bytes() == f.read_bytes() for f in final.iterdir())

@@ -23,6 +23,10 @@ A lock whose holder is dead (every process SIGKILLed, a node lost) is stale: the
 line naming it and takes it over, so the same command resumes. The lock is removed when the run
 ends, however it ends short of SIGKILL, and only if it is still this run's (its token).
 
+With ``checkpoint.dir`` on object storage (a URL), this lock still guards the local run directory (the
+staging copy), and the store gets a lock of its own, a lease with fencing epochs, taken when the
+remote mirror starts (:mod:`ddpkit.checkpoint.storage.lease`; same refusal, same exit code).
+
 Before the lock, rank 0 checks that ``run.output_dir`` and ``checkpoint.dir`` can be written (judged
 by their nearest existing folder; nothing is created): a path below a file or on a read-only mount is
 refused at once with a ConfigError naming the key (exit 2), not found at the first save, hours in.
