@@ -3,12 +3,15 @@
     images, labels = cached_tensors("digits-v1-24000-28-0.2-1234", lambda: make_digits(24000, seed=1234))
 
 Rendering the embedded ``digits`` data (24,000 images for the quickstart) takes about 4 s of CPU
-on every rank at every start, and a restart after a fault pays it again; reading the same tensors
-back takes about 0.2 s. The cache lives in ``$DDPKIT_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/ddpkit``, i.e. ``~/.cache/ddpkit``); set ``DDPKIT_CACHE_DIR=off`` to always
-build. Files are written to a temporary name and renamed into place (two ranks building at once
-both write whole files; the last rename wins), read with ``weights_only=True``, and a file that
-fails to load is rebuilt. The key must name everything the result depends on, a version included.
+on every rank at every start, and a restart after a fault paid it again; the same tensors are read
+back memory-mapped (``torch.load(mmap=True)``): a few milliseconds, the pages shared with the page
+cache and with every rank of the host. Any generated tensors can use it: ``cached_tensors(KEY, build)``
+in a Trainer's ``build_datasets`` (``tests/scripts/sklearn_trainer.py`` caches ``make_classification``).
+The cache lives in ``$DDPKIT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ddpkit``, i.e. ``~/.cache/ddpkit``);
+set ``DDPKIT_CACHE_DIR=off`` to always build. Files are written to a temporary name and renamed into
+place (two ranks building at once both write whole files; the last rename wins), read with
+``weights_only=True``, and a file that fails to load is rebuilt. The key must name everything the
+result depends on, a version included.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ def cached_tensors(key: str, build: Callable[[], tuple[torch.Tensor, ...]]) -> t
     path = directory / f"{key}.pt" if directory is not None else None
     if path is not None and path.is_file():
         try:
-            return tuple(torch.load(path, weights_only=True))
+            # mmap: the tensors are the page cache's pages, copied only where written (a private mapping), so a
+            # restart reads back a dataset the previous attempt cached in milliseconds, whatever its size.
+            return tuple(torch.load(path, weights_only=True, mmap=True))
         except Exception as exc:  # a truncated or foreign file: rebuild it
             logger.debug("rebuilding %s: %s", path, exc)
     tensors = build()
