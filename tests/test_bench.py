@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import REPO, parse_table, run_cli, tiny_config
+from helpers import parse_table, run_cli, tiny_config
 
 from ddpkit.bench import main as bench_main
 from ddpkit.bench.allreduce import bus_factor
@@ -183,9 +183,8 @@ def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
     assert "optim.lr=0.05" in done.stdout  # the user's overrides were applied to every run
 
 
-def test_overhead_benchmark_compares_final_weights_across_processes_by_digest(monkeypatch):
+def test_overhead_benchmark_compares_final_weights_across_processes_by_digest():
     # benchmarks.overhead --fresh runs every variant in processes of its own: weights are compared by SHA-256.
-    monkeypatch.syspath_prepend(str(REPO))
     from benchmarks import overhead as bench_overhead
 
     weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def workloads(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))  # benchmarks/ is not installed with ddpkit: it is imported from the checkout
+def workloads():
+    # benchmarks/ is not installed with ddpkit: pytest's pythonpath (".") finds it in the checkout.
     return importlib.import_module("benchmarks.workloads")
 
 

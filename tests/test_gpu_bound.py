@@ -45,8 +45,7 @@ def test_the_hand_written_loop_and_ddpkit_train_the_same_job_on_on_device_data(t
     assert unit in result["printed"] and "x hand" in result["printed"] and "CPU, torch" in result["machine"]
 
 
-def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))
+def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path):
     result = _bench(tmp_path, "--stall", "--every", "4", "--after", "2", "--seconds", "1")
     runs = result["runs"]
     assert sorted(runs) == ["async", "no saves", "sync"]
@@ -59,8 +58,7 @@ def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path, monk
     assert "blocked s" in result["printed"] and "no saves" in result["printed"]
 
 
-def test_save_costs_puts_a_save_in_the_step_after_it(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))
+def test_save_costs_puts_a_save_in_the_step_after_it():
     gpu_bound = importlib.import_module("benchmarks.gpu_bound")
     # Steps 3 .. 22 (warm-up 2) of 10 ms; saves at steps 5, 10, 15, 20 cost 40 ms in the step after each.
     step_ms = [10.0 + (40.0 if (3 + i) % 5 == 1 else 0.0) for i in range(20)]
