@@ -25,6 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ddpkit.config.schema import DataConfig, ModelConfig
 from ddpkit.errors import ConfigError
 
 __all__ = [
@@ -133,14 +134,14 @@ register_dataset = DATASETS.register
 register_optimizer = OPTIMIZERS.register
 
 
-def build_model(cfg: Any) -> Any:
+def build_model(cfg: ModelConfig) -> Any:
     """The model config section ``model`` names (the Trainer's default ``build_model``)."""
     if not cfg.name:
         raise ConfigError("model.name: not set; name a model (e.g. model.name=mnist_cnn) or override build_model()")
     return MODELS.build(cfg.name, key="model.name", kwargs=cfg.kwargs)
 
 
-def build_datasets(cfg: Any) -> tuple[Any, Any]:
+def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
     """The ``(train, val)`` datasets config section ``data`` names (the Trainer's default ``build_datasets``)."""
     if not cfg.name:
         raise ConfigError("data.name: not set; name a dataset (e.g. data.name=digits) or override build_datasets()")

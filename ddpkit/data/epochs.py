@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpkit.config.schema import Config
 from ddpkit.data.elastic import GlobalBatchSampler
 from ddpkit.data.order import order_kind
 from ddpkit.data.samplers import ResumableDistributedSampler, SampleSeeded
@@ -117,7 +118,7 @@ def epoch_batches(loader: DataLoader, *, epoch: int, consumed: int, rank: int, u
     return exact_batches(loader, count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven), count
 
 
-def run_length(loader: DataLoader, config: Any) -> tuple[int, int]:
+def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
     """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where the loader cannot say.
 
     The ranks agree on the epoch length first (``data.uneven``), so every rank's schedule has the same length.

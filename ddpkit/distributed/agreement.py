@@ -43,7 +43,7 @@ HARMLESS_PREFIXES = (
 )
 
 
-def check_same_run_on_every_rank(config: Any, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
+def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
     """Stop every rank with the differences if ranks built different configs, models or datasets."""
     shapes = parameter_shapes(model)
     check_ranks_agree({

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.config.schema import Config
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.rendezvous import default_store, init_default_group
 from ddpkit.errors import ConfigError, LaunchError
@@ -131,7 +132,7 @@ def _destroy() -> None:
     dist.destroy_process_group()
 
 
-def group_options(config: Any) -> dict[str, Any]:
+def group_options(config: Config) -> dict[str, Any]:
     """:func:`process_group`'s options from a run's config (``dist`` and ``parallel`` sections).
 
     ``parallel.mode=zero1`` preloads ``torch.distributed.optim``: like ``torch.distributed.nn``

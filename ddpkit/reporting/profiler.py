@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from ddpkit.atomic import temporary_path
+from ddpkit.config.schema import Config
 
 __all__ = ["Profiler", "PROFILE_DIR", "PHASE_PREFIX"]
 
@@ -51,9 +52,9 @@ class Profiler:
         self.traces: list[Path] = []  # the files written so far
 
     @classmethod
-    def for_run(cls, config: Any, *, rank: int, device: torch.device) -> Profiler | None:
-        """The profiler ``config.train.profile`` asks for (a :class:`ddpkit.config.schema.Config`), or None when it is null."""
-        section = getattr(config.train, "profile", None)
+    def for_run(cls, config: Config, *, rank: int, device: torch.device) -> Profiler | None:
+        """The profiler ``config.train.profile`` asks for, or None when it is null."""
+        section = config.train.profile
         if section is None:
             return None
         return cls(wait=section.wait, warmup=section.warmup, active=section.active, repeat=section.repeat,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.atomic import write_atomically
+from ddpkit.config.schema import Config
 from ddpkit.errors import DdpkitError
 from ddpkit.reporting.sink_base import STATUSES, Sink
 
@@ -124,7 +125,7 @@ class SinkGroup:
             return None
 
 
-def build_sinks(config: Any, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
+def build_sinks(config: Config, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
     """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.schema.Config`): ``metrics.jsonl``,
     ``status.json``, TensorBoard and the trackers when ``log.tensorboard`` / ``log.mlflow`` / ``log.wandb``
     ask for them, then ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""

@@ -20,11 +20,20 @@ On a CPU with no ``train.peak_tflops`` there is no ``mfu``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["TokenThroughput", "peak_flops", "PEAK_TFLOPS"]
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime
+
+__all__ = ["TokenThroughput", "TokenTotal", "peak_flops", "PEAK_TFLOPS"]
+
+
+class TokenTotal(Protocol):
+    """What counts the loss's tokens (``ddpkit.training.token_loss.TokenCount``): every rank's, since the last read."""
+
+    def read_total(self) -> float: ...
 
 #: Dense (no sparsity) peak TFLOP/s per GPU by name fragment: bf16 / fp16 tensor cores, and fp32
 #: without TF32 (vendors' data sheets; SXM parts). The first fragment found in the device name wins.
@@ -66,7 +75,9 @@ class TokenThroughput:
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
 
     @classmethod
-    def for_run(cls, config: Any, runtime: Any, *, model: torch.nn.Module, dataset: Any, counter: Any = None) -> TokenThroughput:
+    def for_run(
+        cls, config: Config, runtime: Runtime, *, model: torch.nn.Module, dataset: Any, counter: TokenTotal | None = None
+    ) -> TokenThroughput:
         """What ``config`` and the built ``model`` / ``dataset`` tell: tokens per sample (the dataset's
         ``seq_len``), FLOPs per token (the model's ``flops_per_token()``), the device's peak; ``counter``:
         the step's token count under ``loss_normalization: tokens`` (its ``read_total``), or None."""

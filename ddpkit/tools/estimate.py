@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ import torch
 from ddpkit import registry
 from ddpkit.config.cli_args import OLD_SPELLINGS, add_config_arguments, renamed
 from ddpkit.config.loader import load_config
+from ddpkit.config.schema import Config
 from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
 from ddpkit.training.optim import build_optimizer
@@ -48,7 +49,7 @@ MODES = ("ddp", "zero1", "fsdp2")
 class Estimate:
     """Per-rank bytes of each mode for one config and world size (the largest rank's numbers)."""
 
-    def __init__(self, cfg: Any, nproc: int, modes: Sequence[str] = MODES):
+    def __init__(self, cfg: Config, nproc: int, modes: Sequence[str] = MODES):
         with torch.device("meta"):
             model = registry.build_model(cfg.model)
             optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
@@ -69,13 +70,13 @@ class Estimate:
         return self.per_mode[mode].total + (self.activations or 0)
 
 
-def _per_rank_batch(cfg: Any, nproc: int) -> int:
+def _per_rank_batch(cfg: Config, nproc: int) -> int:
     if cfg.data.global_batch_size is not None:
         return max(1, cfg.data.global_batch_size // (nproc * cfg.train.grad_accum_steps))
     return cfg.data.batch_size
 
 
-def _activation_bytes(model: torch.nn.Module, cfg: Any, nproc: int) -> int | None:
+def _activation_bytes(model: torch.nn.Module, cfg: Config, nproc: int) -> int | None:
     """Bytes of every module's output for one per-rank batch, from a forward on the meta device."""
     try:
         train_set, _ = registry.build_datasets(cfg.data)
@@ -138,7 +139,13 @@ def report(est: Estimate, budget: int) -> str:
     return "\n".join(lines)
 
 
-def estimate(config: Any, overrides: Sequence[str] = (), *, nproc: int, modes: Sequence[str] = MODES) -> Estimate:
+def estimate(
+    config: str | os.PathLike | Mapping[str, Any] | Config,
+    overrides: Sequence[str] = (),
+    *,
+    nproc: int,
+    modes: Sequence[str] = MODES,
+) -> Estimate:
     """The estimate for a config file or dict with ``key=value`` overrides."""
     return Estimate(load_config(config, list(overrides)), nproc, modes)
 
