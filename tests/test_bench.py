@@ -13,8 +13,7 @@ import sys
 
 import pytest
 import torch
-import yaml
-from helpers import parse_table, run_cli, tiny_config
+from helpers import parse_table, run_cli
 
 from ddpkit.bench import main as bench_main
 from ddpkit.bench.allreduce import bus_factor
@@ -97,12 +96,10 @@ def test_bad_input_is_a_usage_error(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-def test_autotune_needs_two_ranks_and_a_valid_config(tmp_path, capsys):
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    assert bench_main(["autotune", str(config), "--nproc-per-node", "1"]) == 2
+def test_autotune_needs_two_ranks_and_a_valid_config(capsys, tiny_yaml):
+    assert bench_main(["autotune", str(tiny_yaml), "--nproc-per-node", "1"]) == 2
     assert "--nproc-per-node: 1 is out of range" in capsys.readouterr().err
-    assert bench_main(["autotune", str(config), "optim.lr=-1"]) == 2
+    assert bench_main(["autotune", str(tiny_yaml), "optim.lr=-1"]) == 2
     assert "optim.lr" in capsys.readouterr().err
 
 
@@ -164,11 +161,9 @@ def test_throughput_table_efficiency_and_plot(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_autotune_reports_every_candidate_and_the_fastest_override(tmp_path):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
+def test_autotune_reports_every_candidate_and_the_fastest_override(tiny_yaml):
     done = run_cli(
-        "bench", "autotune", str(config), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
+        "bench", "autotune", str(tiny_yaml), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
     )
     assert done.returncode == 0, done.stderr
     rows = parse_table(done.stdout)

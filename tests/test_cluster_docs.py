@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, tiny_config
+from helpers import REPO
 
 from ddpkit.cli import _parser
 from ddpkit.config.loader import load_config
@@ -95,19 +95,13 @@ def test_each_pods_command_is_a_valid_ddpkit_run(replica_type):
     assert cfg.output_dir.startswith("/runs/")
 
 
-def _write_tiny_config(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    return path
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_the_two_pods_train_together(tmp_path):
+def test_the_two_pods_train_together(tmp_path, tiny_yaml):
     """Both pods' commands, on loopback, with the operator's variables (RANK and WORLD_SIZE included)."""
     job = yaml.safe_load(MANIFEST.read_text())
     job["spec"]["nprocPerNode"] = "1"  # one CPU worker per "pod" here
-    config, out = _write_tiny_config(tmp_path), tmp_path / "out"
+    config, out = tiny_yaml, tmp_path / "out"
     port = str(_free_port())
     procs = []
     for replica_type in ("Master", "Worker"):
@@ -161,9 +155,9 @@ def test_torchx_component_renders_a_ddpkit_run_per_node():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="TorchX's component runs through bash")
-def test_torchx_local_scheduler_runs_two_nodes(tmp_path):
+def test_torchx_local_scheduler_runs_two_nodes(tmp_path, tiny_yaml):
     _component()
-    config, out = _write_tiny_config(tmp_path), tmp_path / "out"
+    config, out = tiny_yaml, tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     torchx = [sys.executable, "-m", "torchx.cli.main"] if importlib.util.find_spec("torchx.cli.main") else ["torchx"]
     done = subprocess.run(

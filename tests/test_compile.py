@@ -371,13 +371,11 @@ def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
 # --- the config keys --------------------------------------------------------------------------------
 
 
-def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tmp_path):
-    from helpers import tiny_config
-
+def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tiny_cfg):
     from ddpkit.config.loader import load_config
     from ddpkit.errors import ConfigError
 
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_cfg
     assert load_config(cfg, ["train.compile=true"]).train.compile is True
     assert load_config(cfg).train.compile is False
     mapping = load_config(cfg, ["train.compile.mode=max-autotune", "train.compile.recompile_limit=4"]).train.compile

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import run_cli, tiny_config
+from helpers import run_cli
 
 from ddpkit import ConfigError, load_config
 from ddpkit.cli import main as cli_main
@@ -139,11 +138,9 @@ def test_python_tags_never_run_through_the_real_command_line(tmp_path, command):
 
 
 @pytest.mark.multiprocess
-def test_a_config_error_only_the_workers_can_find_exits_2_with_the_message_and_no_cpp_trace(tmp_path):
+def test_a_config_error_only_the_workers_can_find_exits_2_with_the_message_and_no_cpp_trace(tiny_yaml):
     # The model's own keyword arguments are checked when it is built, i.e. in the workers.
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    done = run_cli("run", str(path), "--nproc-per-node", "2", "model.kwargs.bogus=1", timeout=120)
+    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "model.kwargs.bogus=1", timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
     assert "model.kwargs: got an unexpected keyword argument 'bogus' for model 'mlp'; it accepts: in_features, hidden, num_classes" in output

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import yaml
 from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,10 +110,8 @@ def test_exact_evaluation_is_the_same_on_1_2_and_3_ranks(tmp_path):
         assert metrics["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6), world  # sums in another order
 
 
-def test_ddpkit_run_end_to_end_with_two_processes(tmp_path):
-    config = tmp_path / "exp.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    done = run_cli("run", str(config), "--nproc-per-node", "2", "train.epochs=2", timeout=240)
+def test_ddpkit_run_end_to_end_with_two_processes(tmp_path, tiny_yaml):
+    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "train.epochs=2", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world_size=2 backend=gloo device=cpu launcher=torchrun" in done.stderr
     assert "global batch 32" in done.stderr
@@ -124,12 +121,10 @@ def test_ddpkit_run_end_to_end_with_two_processes(tmp_path):
     assert (run / "model.pt").exists() and (run / "config.yaml").exists()
 
 
-def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_path):
+def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_path, tiny_yaml):
     """Issue 28: a finished run aborted at exit when a thread took the GIL during interpreter shutdown."""
-    config = tmp_path / "exp.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
     script = str(REPO / "tests" / "scripts" / "exit_threads_trainer.py")
-    done = run_cli("run", str(config), "--nproc-per-node", "2", "--script", script, env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
+    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "--script", script, env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -71,11 +71,11 @@ def test_a_requeue_code_that_means_something_else_is_refused(code):
         check_requeue_exit_code(code)
 
 
-def test_requeue_exit_code_is_a_run_setting_with_default_75(tmp_path):
-    assert load_config(tiny_config(tmp_path)).run.requeue_exit_code == 75
-    assert load_config(tiny_config(tmp_path), ["run.requeue_exit_code=138"]).run.requeue_exit_code == 138
+def test_requeue_exit_code_is_a_run_setting_with_default_75(tiny_cfg):
+    assert load_config(tiny_cfg).run.requeue_exit_code == 75
+    assert load_config(tiny_cfg, ["run.requeue_exit_code=138"]).run.requeue_exit_code == 138
     with pytest.raises(ConfigError, match="run.requeue_exit_code"):
-        load_config(tiny_config(tmp_path), ["run.requeue_exit_code=0"])
+        load_config(tiny_cfg, ["run.requeue_exit_code=0"])
 
 
 class _PreemptedTrainer:

@@ -48,10 +48,8 @@ def test_a_forked_worker_looks_like_a_new_interpreter_but_starts_with_torch_impo
         assert fresh[rank]["preloaded"] is False
 
 
-def test_fork_is_refused_where_the_workers_count_their_own_devices(tmp_path):
-    config = tmp_path / "exp.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    proc = run_cli("run", str(config), "--nproc-per-node", "gpu", "--worker-start", "fork")
+def test_fork_is_refused_where_the_workers_count_their_own_devices(tiny_yaml):
+    proc = run_cli("run", str(tiny_yaml), "--nproc-per-node", "gpu", "--worker-start", "fork")
     assert proc.returncode == 2  # refused before anything started (a ConfigError)
     assert "--worker-start fork" in proc.stderr and "CUDA cannot be used in a forked process" in proc.stderr
     assert "Traceback" not in proc.stderr

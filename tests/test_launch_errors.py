@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from helpers import run_cli, tiny_config
+from helpers import run_cli
 
 from ddpkit import LaunchError
 from ddpkit.cli import main as cli_main
@@ -24,13 +22,6 @@ from ddpkit.distributed.process_group import resolve_device
 
 # torch's @record tries to enable faulthandler on stderr, which pytest's capture cannot provide.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler:UserWarning")
-
-
-@pytest.fixture
-def config(tmp_path) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    return path
 
 
 @pytest.fixture
@@ -60,8 +51,8 @@ def set_launcher_env(monkeypatch, **values: object) -> None:
         monkeypatch.setenv(name, str(value))
 
 
-def test_ddpkit_run_with_a_master_port_in_use(capsys, config, busy_port):
-    code, output = run_main(capsys, "run", str(config), "--nproc-per-node", "2", "--master-port", str(busy_port))
+def test_ddpkit_run_with_a_master_port_in_use(capsys, tiny_yaml, busy_port):
+    code, output = run_main(capsys, "run", str(tiny_yaml), "--nproc-per-node", "2", "--master-port", str(busy_port))
     assert code == 1
     assert_one_clear_message(
         output,
@@ -70,9 +61,9 @@ def test_ddpkit_run_with_a_master_port_in_use(capsys, config, busy_port):
     )
 
 
-def test_a_process_whose_master_port_is_in_use(capsys, monkeypatch, config, busy_port):
+def test_a_process_whose_master_port_is_in_use(capsys, monkeypatch, tiny_yaml, busy_port):
     set_launcher_env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=busy_port)
-    code, output = run_main(capsys, "train", str(config))
+    code, output = run_main(capsys, "train", str(tiny_yaml))
     assert code == 1
     assert_one_clear_message(
         output,
@@ -88,15 +79,15 @@ NCCL_ON_CPU = (
 )
 
 
-def test_nccl_without_cuda_is_refused_before_any_worker_starts(config):
-    done = run_cli("run", str(config), "--nproc-per-node", "2", "dist.backend=nccl", timeout=120)
+def test_nccl_without_cuda_is_refused_before_any_worker_starts(tiny_yaml):
+    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "dist.backend=nccl", timeout=120)
     assert done.returncode == 2
     assert_one_clear_message(done.stdout + done.stderr, f"ddpkit run: error: {NCCL_ON_CPU}")
     assert "torchelastic" not in done.stderr and "[rank" not in done.stderr  # no launcher, no worker
 
 
-def test_nccl_without_cuda_in_a_worker(capsys, config):
-    code, output = run_main(capsys, "train", str(config), "dist.backend=nccl")
+def test_nccl_without_cuda_in_a_worker(capsys, tiny_yaml):
+    code, output = run_main(capsys, "train", str(tiny_yaml), "dist.backend=nccl")
     assert code == 2
     assert_one_clear_message(output, f"ddpkit: error: {NCCL_ON_CPU}")
 
@@ -109,9 +100,9 @@ def test_nccl_without_cuda_in_a_worker(capsys, config):
         ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}, "RANK, WORLD_SIZE, LOCAL_RANK"),
     ],
 )
-def test_a_partial_torchrun_environment(capsys, monkeypatch, config, present, missing):
+def test_a_partial_torchrun_environment(capsys, monkeypatch, tiny_yaml, present, missing):
     set_launcher_env(monkeypatch, **present)
-    code, output = run_main(capsys, "train", str(config))
+    code, output = run_main(capsys, "train", str(tiny_yaml))
     assert code == 1
     assert_one_clear_message(
         output,
@@ -122,11 +113,11 @@ def test_a_partial_torchrun_environment(capsys, monkeypatch, config, present, mi
 
 
 @pytest.mark.multiprocess
-def test_a_world_size_that_is_not_nodes_times_processes_per_node(config):
+def test_a_world_size_that_is_not_nodes_times_processes_per_node(tiny_yaml):
     # torchrun sets GROUP_WORLD_SIZE to the number of nodes; 1 node x 2 processes is not a world of 4.
     env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    done = run_cli("train", str(config), env=env, timeout=120)
+    done = run_cli("train", str(tiny_yaml), env=env, timeout=120)
     assert done.returncode == 1
     assert_one_clear_message(
         done.stdout + done.stderr,
@@ -149,8 +140,8 @@ GPU_SHORTAGE = (
 )
 
 
-def test_more_local_processes_than_gpus_is_refused_by_ddpkit_run(capsys, config, one_visible_gpu):
-    code, output = run_main(capsys, "run", str(config), "--nproc-per-node", "2")
+def test_more_local_processes_than_gpus_is_refused_by_ddpkit_run(capsys, tiny_yaml, one_visible_gpu):
+    code, output = run_main(capsys, "run", str(tiny_yaml), "--nproc-per-node", "2")
     assert code == 2  # a refused launch: a retry will not fix it (ddpkit.errors.EXIT_CODES)
     assert_one_clear_message(output, f"ddpkit run: error: {GPU_SHORTAGE}")
 

@@ -79,21 +79,20 @@ def test_subclass_needs_no_model_or_data_config(tmp_path):
     assert (tmp_path / "model.pt").exists()
 
 
-def test_missing_model_name_says_what_to_do(tmp_path):
-    cfg = tiny_config(tmp_path)
-    cfg["model"] = {}
+def test_missing_model_name_says_what_to_do(tiny_cfg):
+    tiny_cfg["model"] = {}
     with pytest.raises(ConfigError, match=r"model.name: not set; name a model .* or override build_model\(\)"):
-        ddpkit.Trainer(cfg).fit()
+        ddpkit.Trainer(tiny_cfg).fit()
 
 
-def test_training_step_must_return_a_scalar(tmp_path):
+def test_training_step_must_return_a_scalar(tiny_cfg):
     class Wrong(ddpkit.Trainer):
         def training_step(self, batch):
             x, y = batch
             return F.cross_entropy(self.model(x), y, reduction="none")
 
     with pytest.raises(DdpkitError, match=r"Wrong.training_step must return a scalar loss tensor, got a tensor of shape \(16,\)"):
-        Wrong(tiny_config(tmp_path)).fit()
+        Wrong(tiny_cfg).fit()
 
 
 def test_precision_fp16_needs_cuda_and_bf16_runs_on_cpu(tmp_path):
@@ -124,13 +123,11 @@ def test_max_steps_schedule_and_clipping(tmp_path):
     assert lrs[0] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.0)  # warmup done at 5, cosine to 0 at 20
 
 
-def test_main_parses_config_and_overrides_and_exits_2_on_config_errors(tmp_path, capsys):
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(tmp_path)))
-    ddpkit.Trainer.main([str(path), "train.epochs=1"])
+def test_main_parses_config_and_overrides_and_exits_2_on_config_errors(tmp_path, capsys, tiny_yaml):
+    ddpkit.Trainer.main([str(tiny_yaml), "train.epochs=1"])
     assert load_config(yaml.safe_load((tmp_path / "run/config.yaml").read_text())).train.epochs == 1
     with pytest.raises(SystemExit) as exit_info:
-        ddpkit.Trainer.main([str(path), "optim.lrr=1"])
+        ddpkit.Trainer.main([str(tiny_yaml), "optim.lrr=1"])
     assert exit_info.value.code == 2
     assert "did you mean 'optim.lr'?" in capsys.readouterr().err
 
