@@ -3,7 +3,8 @@
     slots = BoundarySlots.create(path, torch.get_rng_state().numel())   # once per attempt, on every rank
     slots.write(step, torch.get_rng_state(), final=False)               # as step ``step``'s update ends: provisional
     slots.write(step, torch.get_rng_state())                            # at the step boundary (next batch): final
-    found = read_boundary(path, step)                                   # the crash saver, for a dead rank: (tensor, final) or None
+    found = read_boundary(path, step)                                   # the crash saver, for a dead rank:
+                                                                        # (tensor, final) or None
 
 The crash save (:mod:`ddpkit.checkpoint.crash_save`) runs on a surviving rank, but exact resume needs every
 rank's own torch stream (per-rank dropout masks). So every rank publishes its boundary state here:
@@ -12,10 +13,10 @@ once, with two slots written alternately by step parity. A dead rank's last boun
 before stay readable even if it died while writing ``k + 1``. A rank killed after step ``k``'s update
 but before its next batch (in logging, validation, a hook) never reached boundary ``k``, so the
 state as the update ends is written too, marked provisional; the saver decides whether it may use it.
-Each slot is ``[step: int64, length: int64, final: int64, payload bytes, marker: int64]``; the writer first sets the marker to
--1, then writes step, length and payload, and the marker (= step) last, so a slot whose writer was
-killed half-way has marker -1 (or a marker that differs from its step) and is refused. The step path
-pays two ctypes stores, one ``memmove`` of 5 KB and one store: no pickling, no system call.
+Each slot is ``[step: int64, length: int64, final: int64, payload bytes, marker: int64]``; the writer first
+sets the marker to -1, then writes step, length and payload, and the marker (= step) last, so a slot whose
+writer was killed half-way has marker -1 (or a marker that differs from its step) and is refused. The step
+path pays two ctypes stores, one ``memmove`` of 5 KB and one store: no pickling, no system call.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class BoundarySlots:
 
 
 def read_boundary(path: Path, step: int) -> tuple[torch.Tensor, bool] | None:
-    """The torch RNG state a rank published for ``step`` and whether it is final; None: no file, no such slot, or a torn one."""
+    """The torch RNG state a rank published for ``step`` and whether it is final; None: no file, no such slot,
+    or a torn one."""
     try:
         data = path.read_bytes()  # one read: a copy the writer can no longer change
     except OSError:
@@ -104,4 +106,5 @@ def read_boundary(path: Path, step: int) -> tuple[torch.Tensor, bool] | None:
     (marker,) = TRAILER.unpack_from(data, start + HEADER.size + capacity)
     if got != step or marker != step or not 0 < length <= capacity:
         return None
-    return torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8), bool(final)
+    return (torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8),
+            bool(final))

@@ -101,7 +101,8 @@ class CrashSave(Listener):
         self._slots: BoundarySlots | None = None
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
-            for old in [*self._dir.glob("*.pid"), *self._dir.glob("*.rng")]:  # earlier attempts' files: their processes are gone
+            # earlier attempts' files: their processes are gone
+            for old in [*self._dir.glob("*.pid"), *self._dir.glob("*.rng")]:
                 if not old.name.startswith(self._prefix):
                     old.unlink(missing_ok=True)
             self._pid_file.write_text(str(os.getpid()))
@@ -120,7 +121,8 @@ class CrashSave(Listener):
         if self._slots is not None:
             self._slots.close()
         if self._pid_file is not None:
-            self._pid_file.unlink(missing_ok=True)  # first: a higher rank that still sees it knows the glob below is to come
+            # first: a higher rank that still sees it knows the glob below is to come
+            self._pid_file.unlink(missing_ok=True)
             lowest = lowest_live_rank(self._dir, self._prefix, self.world_size) if status == "FAILED" else None
             saver = lowest is None or lowest > self.rank  # no lower rank alive: none will read this rank's file later
             for path in self._dir.glob(f"{self._prefix}rank*.rng") if saver else ():
@@ -224,7 +226,8 @@ class CrashSave(Listener):
                 missing.append(rank)
             streams.append({**mine, "torch": theirs})
         if missing:
-            log.warning("crash save: no torch RNG state of step %d for rank(s) %s; they continue rank %d's stream", step, missing, self.rank)
+            log.warning("crash save: no torch RNG state of step %d for rank(s) %s; they continue rank %d's stream",
+                        step, missing, self.rank)
         return streams
 
     def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:

@@ -36,7 +36,8 @@ _warned: set[str] = set()
 
 
 def state_bytes(state: Any) -> int:
-    """The bytes of every tensor in ``state`` (nested dicts, lists, tuples): what a save writes, give or take its framing."""
+    """The bytes of every tensor in ``state`` (nested dicts, lists, tuples): what a save writes, give or take its
+    framing."""
     if isinstance(state, torch.Tensor):
         local = state.to_local() if hasattr(state, "to_local") else state  # a DTensor: this rank's shard
         return local.untyped_storage().nbytes() if local.device.type != "meta" else 0
@@ -56,13 +57,15 @@ def free_bytes(directory: Path) -> int | None:
 
 
 def short_of_room(directory: Path, *, needed: int) -> int | None:
-    """The free bytes in ``directory`` when a save of ``needed`` bytes (plus its framing) cannot fit there, else None."""
+    """The free bytes in ``directory`` when a save of ``needed`` bytes (plus its framing) cannot fit there, else
+    None."""
     free = free_bytes(directory)
     return free if free is not None and free < needed * _SLACK else None
 
 
 def room_check(directory: Path, *, needed: int, what: str) -> None:
-    """Warn (once per directory and run) when ``directory`` has less room than ``needed`` bytes: the save will likely fail."""
+    """Warn (once per directory and run) when ``directory`` has less room than ``needed`` bytes: the save will
+    likely fail."""
     free = short_of_room(directory, needed=needed)
     if free is None or str(directory) in _warned:
         return
@@ -74,12 +77,14 @@ def room_check(directory: Path, *, needed: int, what: str) -> None:
     )
 
 
-def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int, newest: Path | None) -> CheckpointError:
+def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int,
+                  newest: Path | None) -> CheckpointError:
     """The one-line error for a failed checkpoint write (raise it ``from None``)."""
     free = free_bytes(directory)
     no_space = (
         getattr(exc, "errno", None) in _NO_SPACE or (free is not None and free < needed)
-        or any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded"))  # DCP wraps each rank's error
+        # DCP wraps each rank's error
+        or any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded"))
     )
     reason = "no space left on device" if no_space else first_line(exc)
     room = f"it needs about {human_bytes(needed)}, {human_bytes(free) if free is not None else 'unknown space'} free"

@@ -121,14 +121,16 @@ class StopOnSignal:
                 self._previous[number] = signal.signal(number, self._on_signal)
         # Without handlers (a loop in a worker thread) this rank still follows another rank's request.
         if numbers and self._store is not None and world_size > 1:
-            self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll", daemon=True)
+            self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll",
+                                            daemon=True)
             self._thread.start()
 
     @classmethod
     def for_run(cls, config: Config, runtime: Runtime, *, key: bytes) -> StopOnSignal:
         """The stop of this run: handlers for ``checkpoint.save_on_signals``, the store's protocol between ranks."""
         env = runtime.env
-        return cls(config.checkpoint.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size, key=key)
+        return cls(config.checkpoint.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size,
+                   key=key)
 
     def __enter__(self) -> StopOnSignal:
         return self
@@ -137,14 +139,16 @@ class StopOnSignal:
         self.close()
 
     def stop_here(self, step: int) -> bool:
-        """At every optimizer-step boundary: True once, at the step every rank agreed to stop at (then :attr:`stopped`)."""
+        """At every optimizer-step boundary: True once, at the step every rank agreed to stop at (then
+        :attr:`stopped`)."""
         if self.requested and not self.stopped and self.agreed(step):
             self.stopped = True
             return True
         return False
 
     def announce(self, step: int, *, saved_in: str) -> None:
-        """If a signal stopped the run: every rank prints its stop line now, once step ``step`` is saved in ``saved_in``."""
+        """If a signal stopped the run: every rank prints its stop line now, once step ``step`` is saved in
+        ``saved_in``."""
         if self.stopped and self._preempted is None:
             self._preempted = Preempted(
                 f"{self.describe()}: step {step} is saved in {saved_in}; run the same command again to resume from it"
@@ -190,12 +194,14 @@ class StopOnSignal:
             self.stop_step = step
             return True
         if self.stop_step is None:
-            if self.received is not None and not self._published:  # before the poll thread does: read below, never waited for
+            # before the poll thread does: read below, never waited for
+            if self.received is not None and not self._published:
                 self._publish()
             mine = f"proposal/{self.rank}"
             if not self._proposed:
                 self._proposal = str(step)
-            self._store.set(mine, sign(self._key, mine, self._proposal))  # again each step: someone may have overwritten it
+            # again each step: someone may have overwritten it
+            self._store.set(mine, sign(self._key, mine, self._proposal))
             if not self._proposed:
                 self._store.add(_PROPOSALS, 1)
                 self._proposed = True

@@ -49,11 +49,13 @@ def choose_checkpoint(config: Config, *, rank: int) -> tuple[str, dict[str, Any]
     return choice, read_checkpoint(read_any(choice), path=choice)  # a file, or a sharded checkpoint's state.pt
 
 
-def check_compatible(state: dict[str, Any], path: str, config: Config, *, world_size: int, components: Components) -> None:
+def check_compatible(state: dict[str, Any], path: str, config: Config, *, world_size: int,
+                     components: Components) -> None:
     """Refuse a checkpoint whose run differs in fields that change the math (unless allowed), naming each field."""
     elastic, saved_world_size = config.data.global_batch_size is not None, state["world_size"]
     differences = config_differences(
-        state["config"], config_to_dict(config), saved_world_size=saved_world_size, world_size=world_size, elastic=elastic
+        state["config"], config_to_dict(config), saved_world_size=saved_world_size, world_size=world_size,
+        elastic=elastic
     )
     if elastic and saved_world_size != world_size and not differences:
         log.info(
@@ -71,7 +73,8 @@ def check_compatible(state: dict[str, Any], path: str, config: Config, *, world_
 
 
 def _legacy_order_difference(saved: dict[str, Any], components: Components) -> list[str]:
-    """A checkpoint from before ``data.order`` existed drew its samples by ``randperm``; ``auto`` may now mean another order."""
+    """A checkpoint from before ``data.order`` existed drew its samples by ``randperm``; ``auto`` may now mean
+    another order."""
     current = getattr(components["data_order"], "resolved", None) if "data_order" in components.names else None
     if "order" in saved.get("data", {}) or current in (None, "randperm", "sequential"):
         return []

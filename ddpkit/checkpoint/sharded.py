@@ -115,10 +115,12 @@ class ShardedParts:
     def state_dict(self) -> dict[str, Any]:
         api = state_dict_api()
         if not self._zero:
-            return {"model": api.get_model_state_dict(self.model), "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer)}
+            return {"model": api.get_model_state_dict(self.model),
+                    "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer)}
         local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
         groups = [{**_hyper(g), "params": [self._names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
-        return {"model": api.get_model_state_dict(self.model), "optimizer": {"state": local["state"], "param_groups": groups}}
+        return {"model": api.get_model_state_dict(self.model),
+                "optimizer": {"state": local["state"], "param_groups": groups}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         api = state_dict_api()
@@ -142,12 +144,15 @@ class ShardedParts:
         whole = api.StateDictOptions(full_state_dict=True)
         api.set_model_state_dict(self.model, model_state, options=whole)
         if self._zero:
-            self.optimizer.load_state_dict(optimizer_state)  # ZeRO takes the position-keyed whole state and keeps its part
+            # ZeRO takes the position-keyed whole state and keeps its part
+            self.optimizer.load_state_dict(optimizer_state)
             return
-        names = [name for name, _ in self.model.named_parameters()]  # the optimizer was built over parameters(), in order
+        # the optimizer was built over parameters(), in order
+        names = [name for name, _ in self.model.named_parameters()]
         state = {names[i]: value for i, value in optimizer_state["state"].items()}
         groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
-        api.set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole)
+        api.set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups},
+                                     options=whole)
 
 
 def by_position(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -204,7 +209,8 @@ def finish_async(pending: tuple[Any, Path, Path, dict[str, Any]]) -> None:
 
 
 def _needed(tensors: dict[str, Any], rest: dict[str, Any], final: Path) -> int:
-    """About what the whole save writes (this rank's shards times the ranks, plus ``state.pt``); warns when it will not fit."""
+    """About what the whole save writes (this rank's shards times the ranks, plus ``state.pt``); warns when it
+    will not fit."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -218,7 +224,8 @@ def _failed(exc: BaseException, partial: Path, final: Path, *, rank: int, needed
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     newest = list_checkpoints(final.parent)
-    return write_failure(f"checkpoint {final.name}", final.parent, exc, needed=needed, newest=newest[-1].path if newest else None)
+    return write_failure(f"checkpoint {final.name}", final.parent, exc, needed=needed,
+                         newest=newest[-1].path if newest else None)
 
 
 def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tuple[Path, Path]:
@@ -232,7 +239,8 @@ def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tupl
     return final, partial
 
 
-def _finish(partial: Path, final: Path, *, rest: dict[str, Any], step: int, rank: int, keep_last: int | None, meta: dict[str, Any] | None) -> None:
+def _finish(partial: Path, final: Path, *, rest: dict[str, Any], step: int, rank: int, keep_last: int | None,
+            meta: dict[str, Any] | None) -> None:
     if rank != 0:
         return
     save_atomically(rest, partial / REST_FILE)
@@ -250,7 +258,8 @@ def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any
     files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
     os.replace(partial, final)
     fsync_dir(final.parent)
-    manifest = {"format": FORMAT, "file": final.name, "files": files, "bytes": sum(files.values()), "step": step, "created": time.time(), **(meta or {})}
+    manifest = {"format": FORMAT, "file": final.name, "files": files, "bytes": sum(files.values()), "step": step,
+                "created": time.time(), **(meta or {})}
     write_atomically(manifest_file, json.dumps(manifest, indent=1), durable=True)
 
 

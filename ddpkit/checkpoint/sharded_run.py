@@ -1,4 +1,5 @@
-"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in any mode.
+"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in
+any mode.
 
     run = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
     run.save(checkpointer.capture, directory, step=..., name=..., keep_last=...)   # every rank
@@ -35,7 +36,8 @@ from ddpkit.config.schema import Config
 from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
 
-__all__ = ["ShardedRun", "ShardedOptimizer", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state", "read_any", "restore_components"]
+__all__ = ["ShardedRun", "ShardedOptimizer", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state",
+           "read_any", "restore_components"]
 
 SHARDED_MODES = ("zero1", "fsdp2")
 #: The components DCP holds; everything else is small and goes into state.pt.
@@ -57,7 +59,8 @@ class ShardedRun:
         return cls(components, rank=rank, async_save=config.checkpoint.async_save)
 
     def save(self, capture: Any, directory: str, *, step: int, name: str | None, keep_last: int) -> None:
-        """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is the checkpointer's (a collective)."""
+        """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is the checkpointer's
+        (a collective)."""
         self.wait()
         parts = sharded.ShardedParts(*_parts(self.components))
         tensors, rest = sharded.split_tensors(parts.state_dict())
@@ -91,7 +94,8 @@ class ShardedRun:
 
     @staticmethod
     def restore(path: str, state: dict[str, Any], components: Components) -> None:
-        """Load the model and optimizer of ``path`` (DCP directory or single file) into this run's layout; every rank."""
+        """Load the model and optimizer of ``path`` (DCP directory or single file) into this run's layout; every
+        rank."""
         parts = sharded.ShardedParts(*_parts(components))
         if sharded.is_sharded_checkpoint(path):
             sharded.load_sharded(path, parts)
@@ -111,10 +115,12 @@ class ShardedOptimizer:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        raise CheckpointError("a zero1/fsdp2 optimizer's state is split over the ranks; it is saved by every rank (DCP), not by one")
+        raise CheckpointError("a zero1/fsdp2 optimizer's state is split over the ranks; it is saved by every rank "
+                              "(DCP), not by one")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise CheckpointError("a zero1/fsdp2 optimizer's state is loaded by every rank through ddpkit.checkpoint.sharded_run")
+        raise CheckpointError("a zero1/fsdp2 optimizer's state is loaded by every rank through "
+                              "ddpkit.checkpoint.sharded_run")
 
 
 def _parts(components: Components) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -131,7 +137,8 @@ def restore_components(path: str, state: dict[str, Any], components: Components,
     """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded."""
     saved = (state.get("config") or {}).get("parallel", {}).get("mode", "ddp")
     if saved != mode:
-        log.info("resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode)
+        log.info("resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s",
+                 saved, state["world_size"], mode)
     if mode not in SHARDED_MODES and not sharded.is_sharded_checkpoint(path):
         components.restore(state)  # ddp from a single file: as always
         return
@@ -152,7 +159,8 @@ def full_capture(state: dict[str, Any], components: Components, *, rank: int) ->
         whole = optimizer.state_dict() if rank == 0 else {}
     else:
         api = sharded.state_dict_api()
-        by_name = api.get_optimizer_state_dict(model, optimizer, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
+        by_name = api.get_optimizer_state_dict(model, optimizer,
+                                               options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
         whole = sharded.by_position(by_name, model) if rank == 0 else {}
     return {**state, "model": weights, "optimizer": whole, "schema": [*state["schema"], *TENSOR_PARTS]}
 

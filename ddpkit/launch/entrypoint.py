@@ -39,7 +39,8 @@ from ddpkit.watchdog.store_io import terminate, write_error_file
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
 
-def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "", defaults: Sequence[str] = ()) -> tuple[str | None, list[str]]:
+def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "",
+                      defaults: Sequence[str] = ()) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
 
     A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
@@ -128,7 +129,8 @@ def _on_failure(exc: Exception, *, peers: bool) -> int:
     if not isinstance(exc, DdpkitError):
         raise exc  # record() writes the traceback to torchrun's error file
     code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
-    write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)  # torchrun's summary: what failed, no traceback
+    # torchrun's summary: what failed, no traceback
+    write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)
     return code
 
 

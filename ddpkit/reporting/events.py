@@ -51,7 +51,8 @@ class Listener:
         validation and checkpoint included (the step boundary the crash save and memory snapshots use)."""
 
     def on_update_start(self, step: int) -> None:
-        """The optimizer is about to change the parameters for step ``step + 1`` (they differ from the boundary's from here)."""
+        """The optimizer is about to change the parameters for step ``step + 1`` (they differ from the boundary's
+        from here)."""
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step ``step`` (1-based), every step: keep it cheap, no host syncs."""
@@ -88,13 +89,15 @@ class Events:
         self._phases: dict[str, PhaseSpan] = {}  # one reusable span per name; emptied when a listener joins
 
     def add(self, *listeners: Any) -> None:
-        """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods for."""
+        """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods
+        for."""
         for listener in listeners:
             if listener is None:
                 continue
             phases = getattr(listener, "phases", None)
             if phases is not None and not (isinstance(phases, tuple) and all(isinstance(p, str) for p in phases)):
-                raise TypeError(f"{type(listener).__name__}.phases must be a tuple of span names (the spans its on_phase hears), got {phases!r}")
+                raise TypeError(f"{type(listener).__name__}.phases must be a tuple of span names "
+                                f"(the spans its on_phase hears), got {phases!r}")
             self.listeners.append(listener)
             for event in EVENTS:
                 method = getattr(listener, event, None)
@@ -111,7 +114,8 @@ class Events:
 
     def phase_listeners(self, name: str) -> tuple[Callable[[str | None], None], ...]:
         """The ``on_phase`` methods that hear spans called ``name`` (a listener's ``phases`` narrows them)."""
-        return tuple(method for method in self._calls["on_phase"] if name in (getattr(method.__self__, "phases", None) or (name,)))
+        return tuple(method for method in self._calls["on_phase"]
+                     if name in (getattr(method.__self__, "phases", None) or (name,)))
 
     def fit_start(self) -> None:
         for call in self._calls["on_fit_start"]:

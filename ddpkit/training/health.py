@@ -67,13 +67,15 @@ class TrainingHealth:
         h, env = config.health, runtime.env
         self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
         self.loader, self.progress = loader, progress
-        self.counts = {"skipped_steps": 0, "nonfinite_steps": 0, "scaler_skips": 0, "spikes": 0, "rollbacks": 0, "divergences": 0}
+        self.counts = {"skipped_steps": 0, "nonfinite_steps": 0, "scaler_skips": 0, "spikes": 0, "rollbacks": 0,
+                       "divergences": 0}
         self._checkpoints = checkpoints
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
         self._norms: list[float] = []  # healthy steps' norms since the last record
         self._in_a_row = 0
         spike = h.spike
-        self.spikes = {name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup) for name in ("loss", GRAD_NORM)} if spike else {}
+        self.spikes = ({name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup)
+                        for name in ("loss", GRAD_NORM)} if spike else {})
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
@@ -118,11 +120,13 @@ class TrainingHealth:
         self.counts["nonfinite_steps"] += 1
         where = f"non-finite loss on rank(s) {', '.join(map(str, ranks))}" if ranks else (
             "non-finite gradients after the all-reduce (the loss was finite on every rank)")
-        samples = "".join(f"; rank {r}'s batch had samples {_short(ix)} of epoch {self.progress.epoch}" for r, (b, ix) in enumerate(reports) if b and ix)
+        samples = "".join(f"; rank {r}'s batch had samples {_short(ix)} of epoch {self.progress.epoch}"
+                          for r, (b, ix) in enumerate(reports) if b and ix)
         if self.cfg.nonfinite == "stop":
             raise HealthError(
                 f"step {step}: {where}{samples}; stopped (health.nonfinite=stop) before the update, so the weights and "
-                "checkpoints stay finite. Look at those samples and the learning rate, or set health.nonfinite=skip to skip such steps."
+                "checkpoints stay finite. Look at those samples and the learning rate, "
+                "or set health.nonfinite=skip to skip such steps."
             )
         return self._skip(step, where + samples)
 
@@ -130,7 +134,8 @@ class TrainingHealth:
         """Check the step's mean loss (one all_reduce) and norm against their windows; True to skip the update."""
         total = torch.stack(losses).float().mean().reshape(1) if losses else torch.zeros(1, device=self.device)
         values = {"loss": all_reduce_sum(total).item() / self.world_size, GRAD_NORM: norm}
-        spiked = [f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})" for name, v in values.items() if self.spikes[name].is_spike(v)]
+        spiked = [f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})"
+                  for name, v in values.items() if self.spikes[name].is_spike(v)]
         if not spiked:
             for name, v in values.items():
                 self.spikes[name].add(v)
@@ -142,7 +147,8 @@ class TrainingHealth:
             return False
         if action == "rollback" and self._checkpoints is not None and self._checkpoints.rollback():
             self.counts["rollbacks"] += 1
-            what += "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches"
+            what += ("; rolled back to the newest valid checkpoint's weights and optimizer, "
+                     "and going on past these batches")
         self._skip(step, what)
         return True
 
@@ -152,9 +158,9 @@ class TrainingHealth:
         self._in_a_row += 1
         if self._in_a_row >= self.cfg.max_skips:
             raise HealthError(
-                f"step {step}: {why}; that is {self._in_a_row} skipped steps in a row (health.max_skips={self.cfg.max_skips}): "
-                "stopping. The checkpoints on disk are from before the trouble; lower the learning rate or look at the data, "
-                "or raise health.max_skips."
+                f"step {step}: {why}; that is {self._in_a_row} skipped steps in a row "
+                f"(health.max_skips={self.cfg.max_skips}): stopping. The checkpoints on disk are from before the "
+                "trouble; lower the learning rate or look at the data, or raise health.max_skips."
             )
         self._say("step %d: %s; skipped the optimizer and scheduler step on every rank (%d in a row, at most %d)",
                   step, why, self._in_a_row, self.cfg.max_skips)
@@ -167,7 +173,8 @@ class TrainingHealth:
     # --- after the step, and at log time ------------------------------------------------------
 
     def on_step_end(self, step: int) -> None:
-        """Every step: close the straggler timings (a collective every ``straggler.every`` steps) and check replicas when due."""
+        """Every step: close the straggler timings (a collective every ``straggler.every`` steps) and check
+        replicas when due."""
         if self.straggler is not None and (message := self.straggler.step_done()):
             self._say("%s", message)
         if self.replicas is not None and step % self.cfg.check_replicas_every == 0 and self.replicas(step=step):
@@ -180,7 +187,8 @@ class TrainingHealth:
         fields.update(self.counts)
         if self.straggler is not None:
             named = self.straggler.named
-            fields.update(straggler_rank=named[0] if named else -1, straggler_slowdown=round(named[1], 3) if named else 0.0)
+            fields.update(straggler_rank=named[0] if named else -1,
+                          straggler_slowdown=round(named[1], 3) if named else 0.0)
         return fields
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,18 +206,22 @@ class TrainingHealth:
             self.straggler.close()
 
 
-def _rank_checks(config: Config, *, runtime: Runtime, model: torch.nn.Module) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
+def _rank_checks(config: Config, *, runtime: Runtime,
+                 model: torch.nn.Module) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
     """The checks that compare ranks (none in a world of one)."""
     h, env = config.health, runtime.env
     if env.world_size == 1:
         return None, None
     straggler = None
     if h.straggler:
-        straggler = StragglerWatch(h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device)
-    replicated = getattr(getattr(config, "parallel", None), "mode", "ddp") != "fsdp2"  # fsdp2 shards the parameters: nothing to compare
+        straggler = StragglerWatch(h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size,
+                                   device=runtime.device)
+    # fsdp2 shards the parameters: nothing to compare
+    replicated = getattr(getattr(config, "parallel", None), "mode", "ddp") != "fsdp2"
     replicas = None
     if h.check_replicas_every and replicated:
-        replicas = ReplicaCheck(model, rank=env.rank, world_size=env.world_size, device=runtime.device, on_divergence=h.on_divergence)
+        replicas = ReplicaCheck(model, rank=env.rank, world_size=env.world_size, device=runtime.device,
+                                on_divergence=h.on_divergence)
     return straggler, replicas
 
 
