@@ -9,6 +9,7 @@
     ddpkit config CONFIG [key=value ...]     # print the resolved config
     ddpkit config --schema [-o FILE.json]    # the config's JSON Schema, for editors (yaml-language-server)
     ddpkit export CHECKPOINT OUT.safetensors # model weights for inference: safetensors, or a torch state_dict for OUT.pt
+    ddpkit export RUN_OR_CHECKPOINT DIR --format hf   # a gpt model as a Hugging Face GPT-2 directory
     ddpkit bench {throughput,allreduce,autotune,scaling} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
@@ -111,6 +112,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     export = sub.add_parser("export", help="write a checkpoint's model weights: safetensors (OUT.safetensors) or a torch state_dict (OUT.pt)")
     export.add_argument("checkpoint", help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) or a checkpoint directory (newest valid)")
     export.add_argument("output", help="where to write the weights; the extension picks the format: .safetensors, else torch.save's .pt")
+    export.add_argument("--format", choices=("auto", "hf"), default="auto",
+                        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 directory OUTPUT")
 
     commands = {"run": run, "train": train, "config": config, "export": export}
     commands.update({name: sub.add_parser(name, help=text) for name, text in OWN_PARSERS.items()})
@@ -217,6 +220,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from ddpkit.tools.export import export
+
+    if args.format == "hf":
+        from ddpkit.tools.hf_export import export_hf
+
+        print(export_hf(args.checkpoint, args.output))
+        return EXIT_OK
 
     print(export(args.checkpoint, args.output))
     return EXIT_OK

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.testing import run_on_ranks
+from ddpkit.tools.hf_export import export_hf
+from ddpkit.tools.lm_source import load_model
 from ddpkit.training.gpt import gpt
 
 transformers = pytest.importorskip("transformers")
@@ -100,3 +103,58 @@ def test_mistakes_are_one_line_naming_the_file_or_key(tmp_path):
         CheckpointError, match=r"has a config.json but no weights \(model.safetensors or pytorch_model.bin\)"
     ):
         gpt(init_from=str(tmp_path / "gpt2"))
+
+
+def test_export_of_an_unchanged_model_gives_back_the_directory_bit_for_bit(tmp_path):
+    reference = save_hf_gpt2(tmp_path / "hf", vocab_size=SHAPE["vocab_size"])
+    model = gpt(init_from=str(tmp_path / "hf"), vocab_size=128)  # padded on the way in, cut back on the way out
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(model.state_dict(), run / "model.pt")
+    (run / "config.yaml").write_text(
+        f"model: {{name: gpt, kwargs: {{init_from: {tmp_path / 'hf'}, vocab_size: 128}}}}\n"
+    )
+    line = export_hf(run, tmp_path / "out")
+    assert line.startswith(f"wrote {tmp_path / 'out'}: config.json + model.safetensors (")
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    assert back.config.vocab_size == 101 and back.config.activation_function == "gelu_new"
+    theirs, ours = reference.state_dict(), back.state_dict()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours if not k.endswith(".attn.bias"))
+
+
+def _fine_tune(directory: str, out: str, mode: str) -> dict[str, float]:
+    """Rank r of a 2-rank run: 3 steps of the GPT-2 in ``directory`` on the stdlib bytes."""
+    import ddpkit
+
+    return ddpkit.Trainer(
+        {
+            "run": {"output_dir": out, "seed": 0},
+            "log": {"progress_bar": False},
+            "dist": {"timeout": 60},
+            "model": {"name": "gpt", "kwargs": {"init_from": directory}},
+            "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
+            "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1},
+            "parallel": {"mode": mode},
+            "train": {"max_steps": 3, "eval_every": 100},
+            "checkpoint": {"every_steps": 3},
+        }
+    ).fit()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_hugging_face_to_ddpkit_fine_tuned_on_two_ranks_and_back(tmp_path, mode):
+    reference = save_hf_gpt2(tmp_path / "hf", vocab_size=257)
+    run_on_ranks(_fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode), timeout=240)
+    model, _ = load_model(tmp_path / "run")
+    x = tokens(vocab=257)
+    for source in (
+        tmp_path / "run",
+        next((tmp_path / "run/checkpoints").glob("step-*")),
+    ):  # model.pt, and the (DCP) checkpoint
+        export_hf(source, tmp_path / "out")
+        back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(back(x).logits, model(x), atol=1e-4, rtol=0)
+            assert (back(x).logits - reference(x).logits).abs().max() > 1e-3  # it did train

@@ -6,6 +6,8 @@
 - ``estimate``: ``ddpkit estimate``, bytes per rank of each ``parallel.mode``, before a run.
 - ``tokenize``: ``ddpkit tokenize``, text files to a token file for ``data: {name: tokens}``.
 - ``chat``: ``ddpkit tokenize --chat``, chat or prompt/completion lines to tokens and a mask file (trained tokens).
-- ``export``: ``ddpkit export``, a checkpoint's model weights as safetensors or a torch state_dict.
+- ``export``: ``ddpkit export``, a checkpoint's model weights as safetensors or a torch state_dict;
+  ``hf_export``: ``ddpkit export --format hf``, a ``gpt`` model as a Hugging Face GPT-2 directory;
+  ``lm_source``: a run's or checkpoint's model rebuilt with its trained weights (for export and generate).
 - ``env_report``: ``ddpkit env``, versions, devices, variables and extras for a bug report.
 """
