@@ -78,7 +78,6 @@ from ddpkit.bench.report import Stats, progress
 from ddpkit.bench.timed import TimedTrainer, steady_ms_per_step
 from ddpkit.bench.worker import serve
 from ddpkit.checkpoint.boundary_rng import BoundarySlots
-from ddpkit.checkpoint.components import Progress
 from ddpkit.checkpoint.crash_save import CrashSave
 from ddpkit.checkpoint.files import to_cpu
 from ddpkit.config.loader import load_config
@@ -86,6 +85,7 @@ from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.goodput.ledger import GoodputLedger
+from ddpkit.progress import Progress
 from ddpkit.registry import MODELS
 from ddpkit.reporting.events import Events, PhaseSpan
 from ddpkit.reporting.reporter import Reporter
