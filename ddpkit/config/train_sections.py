@@ -155,6 +155,14 @@ class TrainConfig:
         "32 MiB), so each step's CPU activations do not fault in fresh pages: measured 200-1,900 page faults "
         "and up to 5 ms per MNIST-CNN step without it. `false`: malloc's defaults. Linux/glibc only.",
     )
+    activation_checkpointing: bool | list[str] = option(
+        False,
+        "Recompute each block's activations in the backward pass instead of keeping them (non-reentrant "
+        "`torch.utils.checkpoint`; works under ddp, zero1, fsdp2 and compile, same loss): `true` checkpoints the "
+        "built-in gpt's `GPTBlock`s, or a Hugging Face model through its `gradient_checkpointing_enable`; a list "
+        "names the module classes to checkpoint (`[MyBlock]`). Less activation memory for about one more forward "
+        "a step (docs/lm.md).",
+    )
     early_stopping: EarlyStoppingConfig = option(factory=EarlyStoppingConfig, doc="Early stopping on a validation metric.")
 
 

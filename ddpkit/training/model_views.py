@@ -47,6 +47,7 @@ from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
 from ddpkit.errors import DdpkitError, first_line
+from ddpkit.training.activation_checkpointing import apply_activation_checkpointing
 from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
@@ -123,6 +124,7 @@ def build_models(
     """
     if train.keep_host_memory:
         keep_freed_host_memory()
+    apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)  # before DDP and compile
     settings = compile_settings(train.compile)
     if settings is not None and hasattr(model, "_orig_mod"):  # build_model compiled it: recompile in DDP's order
         log.info("build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead")
