@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import assert_bitwise_equal, load_weights, run_cli
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli
 
 import ddpkit
 from ddpkit.data.loaders import build_train_loader
@@ -211,3 +211,19 @@ def test_validation_reports_each_source_and_the_token_weighted_loss(tmp_path):
     for name, values in losses.items():
         assert metrics[f"val_loss/{name}"] == pytest.approx(np.mean(values), rel=1e-5)
     assert metrics["val_loss"] == pytest.approx(np.mean(losses["s0"] + losses["s2"]), rel=1e-5)
+
+
+def test_mixture_tiny_runs_on_two_ranks(tmp_path):
+    from ddpkit.tools.tokenize import tokenize
+
+    made = {"code": ["ddpkit/data/mixture.py", "ddpkit/data/tokens.py"], "docs": ["docs/lm.md"],
+            "configs": ["configs/lm_tiny.yaml"], "code_val": ["tests/test_mixture.py"], "docs_val": ["docs/data.md"]}
+    for name, inputs in made.items():
+        tokenize([str(REPO / i) for i in inputs], str(tmp_path / "data" / "mix" / f"{name}.bin"), progress=False)
+    done = run_cli("run", str(REPO / "configs" / "mixture_tiny.yaml"), "--nproc-per-node", "2", "train.max_steps=4",
+                   "train.eval_every=4", f"run.output_dir={tmp_path / 'run'}", "log.progress_bar=false", cwd=tmp_path,
+                   timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "configs" in done.stderr and "passes, repeated" in done.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"val_loss", "val_loss/code", "val_loss/docs"} <= set([r for r in records if "val_loss" in r][-1])
