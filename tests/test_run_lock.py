@@ -42,7 +42,9 @@ def test_a_second_lock_on_a_live_runs_directory_is_refused_naming_the_holder(tmp
     assert err.value.exit_code == EXIT_CONFIG
     first.release()
     assert not (tmp_path / LOCK_NAME).exists()
-    RunLock(tmp_path).acquire()  # free again
+    again = RunLock(tmp_path)
+    again.acquire()  # free again
+    again.release()  # and its refresh thread stops
 
 
 def test_a_dead_or_reused_pid_on_this_host_is_stale_and_taken_over(tmp_path: Path, caplog) -> None:
@@ -55,7 +57,9 @@ def test_a_dead_or_reused_pid_on_this_host_is_stale_and_taken_over(tmp_path: Pat
     assert read_holder(tmp_path).token == lock.token
     lock.release()
     _write_lock(tmp_path, start_ticks="1")  # this process's pid, but a process that started at another time
-    RunLock(tmp_path).acquire()
+    reused = RunLock(tmp_path)
+    reused.acquire()
+    reused.release()
 
 
 def test_another_hosts_lock_is_alive_while_refreshed(tmp_path: Path, monkeypatch) -> None:
@@ -64,7 +68,9 @@ def test_another_hosts_lock_is_alive_while_refreshed(tmp_path: Path, monkeypatch
         RunLock(tmp_path).acquire()
     old = time.time() - run_lock.STALE_AFTER_S - 1
     os.utime(tmp_path / LOCK_NAME, (old, old))  # its holder stopped refreshing: the node is gone
-    RunLock(tmp_path).acquire()
+    taken = RunLock(tmp_path)
+    taken.acquire()
+    taken.release()
 
 
 def test_the_holder_refreshes_and_releases_only_its_own_lock(tmp_path: Path, monkeypatch) -> None:
