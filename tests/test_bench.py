@@ -163,7 +163,8 @@ def test_throughput_table_efficiency_and_plot(tmp_path):
 @pytest.mark.multiprocess
 def test_autotune_reports_every_candidate_and_the_fastest_override(tiny_yaml):
     done = run_cli(
-        "bench", "autotune", str(tiny_yaml), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1", "optim.lr=0.05", timeout=240
+        "bench", "autotune", str(tiny_yaml), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1",
+        "optim.lr=0.05", timeout=240,
     )
     assert done.returncode == 0, done.stderr
     rows = parse_table(done.stdout)

@@ -124,7 +124,8 @@ def test_ddpkit_run_end_to_end_with_two_processes(tmp_path, tiny_yaml):
 def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_path, tiny_yaml):
     """Issue 28: a finished run aborted at exit when a thread took the GIL during interpreter shutdown."""
     script = str(REPO / "tests" / "scripts" / "exit_threads_trainer.py")
-    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "--script", script, env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
+    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "--script", script,
+                   env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
