@@ -10,6 +10,7 @@
     ddpkit config --schema [-o FILE.json]    # the config's JSON Schema, for editors (yaml-language-server)
     ddpkit export CHECKPOINT OUT.safetensors # model weights for inference: safetensors, or a torch state_dict for OUT.pt
     ddpkit export RUN_OR_CHECKPOINT DIR --format hf   # a gpt model as a Hugging Face GPT-2 directory
+    ddpkit generate RUN_OR_CHECKPOINT --prompt TEXT    # sample text from a trained language model, streamed
     ddpkit bench {throughput,allreduce,autotune,scaling} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
     ddpkit runs [DIR] [--json]               # table of the runs under DIR (default runs/)
@@ -131,6 +132,7 @@ OWN_PARSERS = {
     "goodput": "where a run's wall time went: productive training and badput by category",
     "tokenize": "text files to a token file for data.name=tokens (see ddpkit tokenize -h)",
     "env": "versions, devices, variables and extras, to paste into a bug report",
+    "generate": "sample text from a trained language model, printed as it comes (see ddpkit generate -h)",
 }
 RUN_HELP = "launch a training run on N processes through torch's launcher"
 RUN_USAGE = "ddpkit run CONFIG [key=value ...] [options] [-- TORCHRUN_OPTION ...]"
@@ -267,6 +269,12 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
     return goodput_main(args.rest)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ddpkit.tools.generate import main as generate_main
+
+    return generate_main(args.rest)
+
+
 def _cmd_tokenize(args: argparse.Namespace) -> int:
     from ddpkit.tools.tokenize import main as tokenize_main
 
@@ -276,6 +284,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs,
     "goodput": _cmd_goodput, "estimate": _cmd_estimate, "tokenize": _cmd_tokenize, "env": _cmd_env,
+    "generate": _cmd_generate,
 }
 
 

@@ -11,7 +11,8 @@
 - ``datasets``: the built-in datasets (``digits`` and friends), registered by name; ``cache``: generated
   datasets built once per machine and read back from disk.
 - ``tokens``: token files for language models (``data: {name: tokens}``), one ``os.pread`` per
-  window, ids checked against the model's vocabulary; the built-in ``stdlib`` corpus.
+  window, ids checked against the model's vocabulary; the built-in ``stdlib`` corpus; ``text_codec``: text
+  to ids and back (bytes or a local ``tokenizer.json``), streamed, for generation.
 - ``mixture`` / ``mixture_schedule``: several token files blended by weight (``data.kwargs.sources``), each
   global batch holding each source's share, in an index-free order that resumes at any world size.
 - ``streaming`` / ``stream_epochs`` / ``stream_sources``: ``IterableDataset`` streams with equal

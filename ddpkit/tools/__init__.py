@@ -9,5 +9,6 @@
 - ``export``: ``ddpkit export``, a checkpoint's model weights as safetensors or a torch state_dict;
   ``hf_export``: ``ddpkit export --format hf``, a ``gpt`` model as a Hugging Face GPT-2 directory;
   ``lm_source``: a run's or checkpoint's model rebuilt with its trained weights (for export and generate).
+- ``generate``: ``ddpkit generate``, text sampled from a trained language model, streamed as it comes.
 - ``env_report``: ``ddpkit env``, versions, devices, variables and extras for a bug report.
 """

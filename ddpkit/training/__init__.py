@@ -6,7 +6,8 @@
 - ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
 - ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache;
-  ``hf_gpt2``: Hugging Face GPT-2 directories in (``init_from``) and out (``ddpkit export --format hf``).
+  ``hf_gpt2``: Hugging Face GPT-2 directories in (``init_from``) and out (``ddpkit export --format hf``);
+  ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled.
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
 - ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
