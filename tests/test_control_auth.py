@@ -12,15 +12,11 @@ import datetime
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import yaml
-from helpers import REPO, tiny_config
+from helpers import finish, start_gated_run
 
 from ddpkit.checkpoint.preemption import StopOnSignal
 from ddpkit.distributed import control_auth
@@ -126,55 +122,7 @@ def test_the_ranks_agree_on_one_key_over_the_group():
 
 # --- a real run while another process writes to its store ----------------------------------------
 
-GATED_TRAINER = '''
-import json, os, time
-from pathlib import Path
-import ddpkit
-
-class Gated(ddpkit.Trainer):
-    def on_step_end(self, step):
-        gate = Path(os.environ["GATE_DIR"])
-        if step == 3 and self.rank == 0:
-            (gate / "ready.json").write_text(json.dumps({"port": int(os.environ["MASTER_PORT"]), "pid": os.getpid()}))
-            deadline = time.monotonic() + 60
-            while not (gate / "go").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-
-if __name__ == "__main__":
-    Gated.main()
-'''
-
 FORGED_ALARM = json.dumps({"kind": "hang", "by": 1, "path": "/tmp/forged-hang.txt", "stalled": 99.0, "limit": 1.0})
-
-
-def start_gated_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
-    """``ddpkit run`` on 2 ranks, paused by rank 0 after step 3 until ``tmp_path/go`` exists; (the launcher, rank 0's port and pid)."""
-    script = tmp_path / "gated.py"
-    script.write_text(GATED_TRAINER)
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 2, "log_every": 4})))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GATE_DIR": str(tmp_path)}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(script), *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "ready.json").exists():
-        if launcher.poll() is not None or time.monotonic() > deadline:
-            launcher.kill()
-            raise AssertionError(f"the run never reached step 3:\n{launcher.communicate()[0][-4000:]}")
-        time.sleep(0.1)
-    return launcher, json.loads((tmp_path / "ready.json").read_text())
-
-
-def finish(launcher: subprocess.Popen, tmp_path: Path) -> str:
-    (tmp_path / "go").touch()
-    try:
-        output, _ = launcher.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        launcher.kill()
-        raise
-    return output
 
 
 def test_another_process_writing_to_the_jobs_store_changes_nothing(tmp_path):
