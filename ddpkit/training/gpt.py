@@ -206,6 +206,10 @@ class GPT(nn.Module):
         """An empty :class:`KVCache` for ``batch`` sequences (the sampling protocol of ddpkit.training.generation)."""
         return KVCache(self, batch=batch)
 
+    def make_cache(self, batch: int) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences (the sampling protocol of ddpkit.training.generation)."""
+        return KVCache(self, batch=batch)
+
     def num_params(self, *, non_embedding: bool = True) -> int:
         """Parameters (the tied output layer counted once); ``non_embedding`` leaves out the position embeddings
         (nanoGPT's count)."""
