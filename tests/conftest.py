@@ -42,9 +42,8 @@ def thread_police():
 
     A leaked thread keeps polling a store, refreshing a lock or writing files into the next test
     and competes for the machine's cores. Threads that were running before the test are not its
-    fault; the ones it started get ``THREAD_GRACE_S`` in all to finish before the test fails.
-    Defined before ``clean_environment`` so it is set up first and checks last, after the process
-    group is gone.
+    fault; the ones it started get ``THREAD_GRACE_S`` in all to finish before the test fails
+    (an error at teardown naming each thread). Threads in spawned ranks end with their process.
     """
     before = _ddpkit_threads()
     yield
