@@ -119,6 +119,7 @@ class TokenMixture(Dataset):
         self.sources, self.repeat = list(sources), repeat
         self.names = [s.name for s in self.sources]
         self.seq_len: int = self.sources[0].file.seq_len
+        self.documents = self.sources[0].file.documents  # data.kwargs.document_mask, shared by every source
         self.schedule: BatchShares | None = None
         self.seed = 0
         self._cache: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # the last batch's layout
@@ -191,6 +192,7 @@ class MixtureValidation(Dataset):
     def __init__(self, sources: Sequence[Source]):
         self.sources = list(sources)
         self.seq_len: int = self.sources[0].file.seq_len
+        self.documents = self.sources[0].file.documents
         self._starts = np.cumsum([0] + [len(s.file) for s in self.sources])
 
     def require_vocab(self, vocab_size: int) -> None:

@@ -30,6 +30,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.data.cache import cache_dir
 from ddpkit.data.mixture import mixture_datasets
-from ddpkit.errors import DataError
+from ddpkit.errors import ConfigError, DataError
 from ddpkit.registry import register_dataset
 
 __all__ = ["TokenFile", "tokens", "write_token_file", "stdlib_corpus", "DTYPES", "BYTE_EOT", "BYTE_VOCAB"]
@@ -63,7 +64,7 @@ class TokenFile(Dataset):
     """
 
     def __init__(self, path: str | os.PathLike, *, seq_len: int, dtype: str | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, documents: dict[str, Any] | None = None):
         self.path = str(Path(path).expanduser())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"data.kwargs.seq_len: expected a positive integer, got {seq_len!r}")
@@ -77,6 +78,8 @@ class TokenFile(Dataset):
         if vocab_size is not None:
             self.require_vocab(vocab_size)
         self.mask_path = _mask_beside(self.path, self.n_tokens)
+        #: ``{eot, restart_positions}`` with ``data.kwargs.document_mask``: handed to the model (require_vocab_of).
+        self.documents = documents
         self._fd: int | None = None
         self._mask_fd: int | None = None
         self._pid: int | None = None
@@ -214,15 +217,19 @@ def _npy_layout(path: str, dtype: str | None, size: int) -> tuple[np.dtype, int,
 
 def tokens(path: str | None = None, val_path: str | None = None, seq_len: int = 1024, dtype: str | None = None,
            vocab_size: int | None = None, corpus: str | None = None, sources: list | None = None,
-           val_sources: list | None = None, repeat: bool = True) -> tuple[Dataset, Dataset | None]:
+           val_sources: list | None = None, repeat: bool = True, document_mask: bool = False,
+           restart_positions: bool = False, eot: int = BYTE_EOT) -> tuple[Dataset, Dataset | None]:
     """The ``tokens`` dataset builder: ``(train, val)`` windows of ``path`` and ``val_path`` (None without one).
 
     ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached);
     ``sources`` (and ``val_sources``, ``repeat``) instead of ``path`` blend several files by weight
-    (:mod:`ddpkit.data.mixture`).
+    (:mod:`ddpkit.data.mixture`). ``document_mask`` keeps the model's attention inside the documents that
+    ``eot`` separates, ``restart_positions`` restarts positions in each (:mod:`ddpkit.training.document_mask`).
     """
+    documents = {"eot": eot, "restart_positions": restart_positions} if document_mask else None
+
     def open_file(file: str, file_dtype: str | None = None) -> TokenFile:
-        return TokenFile(file, seq_len=seq_len, dtype=file_dtype or dtype, vocab_size=vocab_size)
+        return TokenFile(file, seq_len=seq_len, dtype=file_dtype or dtype, vocab_size=vocab_size, documents=documents)
 
     if sources is not None:
         if path is not None or val_path is not None or corpus is not None:
@@ -317,8 +324,16 @@ def _byte_documents(files: Iterable[Path]) -> Iterator[list[np.ndarray]]:
 
 def require_vocab_of(model: object, *datasets: object) -> None:
     """Hand ``model``'s vocabulary size (``model.vocab_size``, or a Hugging Face ``model.config.vocab_size``)
-    to each dataset that checks token ids (``require_vocab``): an id out of range is then a clear DataError."""
+    to each dataset that checks token ids (``require_vocab``): an id out of range is then a clear DataError.
+    With ``data.kwargs.document_mask`` the datasets' end-of-text id and position rule go to the model's
+    ``use_documents`` (the one place where the data meets the model before training)."""
     vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
     for dataset in datasets:
         if isinstance(vocab_size, int) and callable(getattr(dataset, "require_vocab", None)):
             dataset.require_vocab(vocab_size)
+    documents = next((d.documents for d in datasets if getattr(d, "documents", None)), None)
+    if documents is not None:  # data.kwargs.document_mask: the model needs the end-of-text id to find documents
+        if not callable(getattr(model, "use_documents", None)):
+            raise ConfigError(f"data.kwargs.document_mask: {type(model).__name__} has no use_documents(eot=, "
+                              "restart_positions=) to keep attention inside documents; use model.name=gpt or drop it")
+        model.use_documents(**documents)

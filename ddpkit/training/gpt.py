@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.registry import register_model
+from ddpkit.training.document_mask import Documents, document_attention, documents_of
 from ddpkit.training.hf_gpt2 import read_config, read_weights
 
 __all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTIVATIONS", "gpt", "gpt_kwargs"]
@@ -96,11 +97,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)  # a residual projection: GPT-2 scales its initial weights
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
         if cache is not None:
             y = cache.attend(q, k, v)
+        elif documents is not None:  # data.kwargs.document_mask: attention stays inside each packed document
+            y = document_attention(q, k, v, documents, dropout=self.dropout if self.training else 0.0)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
@@ -119,8 +123,9 @@ class GPTBlock(nn.Module):
         self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cache, documents))
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)), approximate=self.approximate)))
 
 
@@ -158,6 +163,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied: one [vocab, dim] matrix reads tokens in and scores them out
         self._init_weights()
+        self.documents: dict[str, Any] | None = None  # use_documents: per-document attention and positions
+
+    def use_documents(self, *, eot: int, restart_positions: bool = False) -> None:
+        """Attend within the documents ``eot`` separates (``data.kwargs.document_mask``; training.document_mask)."""
+        self.documents = {"eot": eot, "restart_positions": restart_positions}
 
     def _init_weights(self) -> None:
         """GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to it)."""
@@ -180,9 +190,11 @@ class GPT(nn.Module):
                 f"{self.max_len}; "
                 f"lower data.kwargs.seq_len to {self.max_len} or raise model.kwargs.max_len to {length}"
             )
-        h = self.drop(self.embed(x) + self.pos(torch.arange(start, length, device=x.device)))
+        documents = None if cache is not None or self.documents is None else documents_of(x, **self.documents)
+        positions = torch.arange(start, length, device=x.device) if documents is None else documents.positions
+        h = self.drop(self.embed(x) + self.pos(positions))
         for i, block in enumerate(self.blocks):
-            h = block(h, cache.layers[i] if cache is not None else None)
+            h = block(h, cache.layers[i] if cache is not None else None, documents)
         logits = self.head(self.ln_f(h))
         if self.valid_vocab is not None:
             logits[..., self.valid_vocab :] = float(
