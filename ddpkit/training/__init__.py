@@ -7,7 +7,9 @@
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
 - ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache;
   ``hf_gpt2``: Hugging Face GPT-2 directories in (``init_from``) and out (``ddpkit export --format hf``);
-  ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled.
+  ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
+  ``document_mask``: attention inside each document of a packed window (``data.kwargs.document_mask``);
+  ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
 - ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
