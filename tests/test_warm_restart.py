@@ -115,8 +115,9 @@ def test_the_one_node_rendezvous_completes_each_round_at_once_on_a_fresh_key_spa
     import torch.distributed as dist
 
     from ddpkit.launch.one_node_rendezvous import OneNodeRendezvous
+    from ddpkit.launch.torchrun_adapter import round_info
 
-    handler = OneNodeRendezvous(dist.HashStore(), run_id="r", backend="ddpkit-loopback")
+    handler = OneNodeRendezvous(dist.HashStore(), run_id="r", backend="ddpkit-loopback", info=round_info)
     began = time.monotonic()
     first, second = handler.next_rendezvous(), handler.next_rendezvous()
     assert time.monotonic() - began < 0.1  # torch's c10d handler sleeps up to 0.3 s on its first restart
@@ -159,3 +160,12 @@ def test_a_killed_worker_restarts_warm_and_the_run_ends_bitwise_with_the_fault_s
     assert all(fault[part] is not None and fault[part] >= 0 for part in PARTS)
     assert sum(fault[part] for part in PARTS) == pytest.approx(fault["total"])
     assert "worker killed (SIGKILL)" in run_cli("goodput", str(tmp_path / "warm/run")).stdout
+
+
+def test_the_launcher_says_whether_forked_workers_could_use_cuda(monkeypatch):
+    from ddpkit.launch.forked import cuda_fork_problem
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in cuda_fork_problem()
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    assert cuda_fork_problem() is None  # this CPU test process never initialised CUDA

@@ -10,14 +10,13 @@
 
 ``<output_dir>/goodput.jsonl`` holds one JSON object per line, ``{"event", "t", "session",
 "attempt", "rank", ...}`` with ``t`` in seconds since the epoch. Events: ``launch`` / ``exit``
-(``ddpkit run`` itself, :func:`launch_session`; ``gone``: when its process ended, written by a watcher), ``start`` (the worker's process start, read
-from ``/proc``, with ``imported`` and ``ready``: torch imported, process group up), ``restore``
-(``began``, the restored ``step``, its ``source``), ``first_step``, ``progress`` (the step
-reached, about once a second, so a fault's lost work is known to within a second), ``agent_fault`` (the
-launcher's agent saw an attempt fail: :mod:`ddpkit.goodput.faults`),
-``checkpoint`` (``began``, ``step``, ``kind``: disk, memory or crash), ``validation``
-(``began``, ``step``), ``fault`` (the last completed step, and whether a surviving rank saved
-it) and ``end``.
+(``ddpkit run`` itself, :func:`launch_session`; ``gone``: when its process ended, written by a
+watcher), ``agent_fault`` (``ddpkit run``'s agent saw an attempt fail: :mod:`ddpkit.goodput.faults`),
+``start`` (the worker's process start, read from ``/proc``, with ``imported`` and ``ready``: torch
+imported, process group up), ``restore`` (``began``, the restored ``step``, its ``source``),
+``first_step``, ``progress`` (the step reached, about once a second, so a fault's lost work is known
+to within a second), ``checkpoint`` (``began``, ``step``, ``kind``: disk, memory or crash),
+``validation`` (``began``, ``step``) and ``end`` (the last step, when it completed, the status).
 
 Rank 0 writes the ledger; any rank writes the ``checkpoint`` line of a crash save it makes and, when its attempt
 failed, its ``end`` line (the last step before a fault, whichever rank died). A line
@@ -43,7 +42,10 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
 
-__all__ = ["LEDGER_FILE", "SESSION_ENV", "GOODPUT_DIR_ENV", "GoodputLedger", "launch_session", "append_event", "process_start_time"]
+__all__ = [
+    "LEDGER_FILE", "SESSION_ENV", "GOODPUT_DIR_ENV", "GoodputLedger", "launch_session", "append_event",
+    "process_start_time",
+]
 
 LEDGER_FILE = "goodput.jsonl"
 SESSION_ENV = "DDPKIT_GOODPUT_SESSION"  # set by `ddpkit run`; every attempt it launches shares it
@@ -103,16 +105,19 @@ def gone():
 while not gone():
     time.sleep(0.02)
 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-os.write(fd, (json.dumps({"event": "gone", "t": time.time(), "session": session, "attempt": 0, "rank": 0}) + "\\n").encode())
+record = {"event": "gone", "t": time.time(), "session": session, "attempt": 0, "rank": 0}
+os.write(fd, (json.dumps(record) + "\\n").encode())
 """
 
 
 def _watch_exit(output_dir: str | os.PathLike) -> None:
     if not Path("/proc/self/stat").exists():
         return
-    argv = [sys.executable, "-S", "-c", _WATCH, str(os.getpid()), str(Path(output_dir) / LEDGER_FILE), os.environ[SESSION_ENV]]
+    ledger = str(Path(output_dir) / LEDGER_FILE)
+    argv = [sys.executable, "-S", "-c", _WATCH, str(os.getpid()), ledger, os.environ[SESSION_ENV]]
     try:
-        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        quiet = subprocess.DEVNULL
+        subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=quiet, start_new_session=True)
     except OSError:
         pass  # the exit line written below is then the session's end
 
@@ -142,7 +147,8 @@ class Stopping(Protocol):
 
 
 class GoodputLedger:
-    """One attempt's ledger on one rank (only rank 0's writes, except a crash save's line and a failed attempt's end)."""
+    """One attempt's ledger on one rank (only rank 0's writes, but for a crash save's line and a failed
+    attempt's end)."""
 
     def __init__(
         self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = ".",
@@ -167,7 +173,7 @@ class GoodputLedger:
             append_event(self.output_dir, event, **fields)
 
     def __enter__(self) -> GoodputLedger:
-        began = process_start_time()  # a worker forked from `ddpkit run` starts with torch imported: no import cost of its own
+        began = process_start_time()  # forked from `ddpkit run`, a worker starts with torch imported: no import cost
         self._write("start", t=began, imported=max(_IMPORTED, began), ready=time.time(), pid=os.getpid())
         return self
 

@@ -89,8 +89,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {
             "wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput, "badput": self.badput,
-            "attempts": [{"attempt": a.label, "status": a.status, "restored_step": a.restored_step, "last_step": a.last_step,
-                          "wall_s": a.wall_s, **a.seconds} for a in self.attempts],
+            "attempts": [{"attempt": a.label, "status": a.status, "restored_step": a.restored_step,
+                          "last_step": a.last_step, "wall_s": a.wall_s, **a.seconds} for a in self.attempts],
         }
 
 
@@ -119,7 +119,10 @@ def _sessions(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
     for record in records:
         order.setdefault(str(record.get("session")), []).append(record)
     sessions = list(order.items())
-    fresh = [i for i, (_, rs) in enumerate(sessions) if any(r["event"] == "restore" and r.get("attempt") == 0 and r.get("source") == "none" for r in rs)]
+    def afresh(rs: list[dict[str, Any]]) -> bool:
+        return any(r["event"] == "restore" and r.get("attempt") == 0 and r.get("source") == "none" for r in rs)
+
+    fresh = [i for i, (_, rs) in enumerate(sessions) if afresh(rs)]
     return sessions[fresh[-1]:] if fresh else sessions
 
 
@@ -135,7 +138,8 @@ def _attempts(session: str, records: list[dict[str, Any]]) -> list[Attempt]:
 def step_times(a: Attempt) -> list[tuple[int, float]]:
     """(step, time it completed) points of one attempt, for locating a resume step in it."""
     points = [(int(r["step"]), float(r["t"])) for r in a.records if r["event"] in ("restore", "first_step", "progress")]
-    points += [(int(r["step"]), float(r["began"])) for r in a.records if r["event"] == "checkpoint" and r.get("kind") != "crash"]
+    saves = [r for r in a.records if r["event"] == "checkpoint" and r.get("kind") != "crash"]
+    points += [(int(r["step"]), float(r["began"])) for r in saves]
     points += [(int(r["step"]), float(r["last_step_t"])) for r in a.records if "last_step_t" in r]
     return sorted(set(points))
 
@@ -173,7 +177,8 @@ def _split_attempt(a: Attempt, begin: float, next_restore: int | None) -> float:
     kept_to = last_t
     if a.status == "FAILED" and next_restore is not None:
         kept_to = min(max(_time_of_step(points, next_restore), restored), last_t)
-    s = {"startup": float(restore["began"]) - begin, "restore": restored - float(restore["began"]), "lost": last_t - kept_to}
+    began = float(restore["began"])
+    s = {"startup": began - begin, "restore": restored - began, "lost": last_t - kept_to}
     for kind, kind_spans in spans.items():
         s[kind] = _overlap(kind_spans, restored, kept_to) + _overlap(kind_spans, last_t, end)
     s["productive"] = kept_to - restored - _overlap(spans["checkpoint"] + spans["validation"], restored, kept_to)

@@ -5,7 +5,7 @@
 
 A worker that torchrun starts as a new interpreter spends about 2 s before it can train, on every
 attempt: 1.1 s importing torch and 0.9 s importing ``torch._dynamo``, which torch's optimizers
-import on their first call (docs/goodput.md, "Recovery time, split"). Under ``--max-restarts``
+import on their first call (docs/goodput.md, "Restarts without a cold start"). Under ``--max-restarts``
 that is paid again after every fault, by every worker, and it was most of the badput of a run
 hit by faults. torch's launcher can instead start a *function* in a process forked from itself
 (``start_method="fork"``); forked from a launcher that imported those modules once, a worker
@@ -18,8 +18,9 @@ forked process runs it with :mod:`runpy` as ``__main__``, with the same ``sys.ar
 What a fresh interpreter would not have inherited is undone first: the launcher's signal
 handlers (torchrun's agent turns SIGTERM into an exception in its own process), its exit
 handlers, its thread count, its thread name and its command line (``ps`` shows torchrun's). The
-launcher forks before it starts any computation, and only for CPU workers (CUDA cannot be used in
-a forked process); ``ddpkit run --start-method subprocess`` goes back to new interpreters.
+launcher forks before it starts any computation, and only for CPU workers: a forked process can use CUDA
+only if its parent never initialised it (:func:`cuda_fork_problem` says whether this launcher qualifies);
+``ddpkit run --worker-start subprocess`` goes back to new interpreters.
 
 Two differences in torch's launcher remain, both handled by the caller: it reports only the first
 worker it sees exit (:func:`ddpkit.launch.launcher.launch` reads the others' error files), and
@@ -39,7 +40,7 @@ import sys
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.launch.torchrun_adapter import POLLING_LOGGER
 
-__all__ = ["preload", "run_program", "quiet_polling_tracebacks", "PRELOADED"]
+__all__ = ["preload", "run_program", "quiet_polling_tracebacks", "cuda_fork_problem", "PRELOADED"]
 
 #: What the launcher imports before forking: torch's compiler front end (its optimizers import it on
 #: their first step) and everything ``ddpkit train`` and a Trainer script import.
@@ -62,6 +63,24 @@ def preload(program: list[str] | None = None) -> list[str]:
     # objects, writing to every page they live on (copy-on-write): 1.6 s each with scikit-learn preloaded.
     gc.freeze()
     return preloaded
+
+
+def cuda_fork_problem() -> str | None:
+    """Why workers forked from this process could not use CUDA, or None when they can.
+
+    A forked child may initialise CUDA only if its parent never did: the launcher must not have made a CUDA
+    context (``torch.cuda.is_initialized()``: a preloaded library may have), and must have asked NVML, not
+    the CUDA driver, whether devices exist (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before torch's first
+    ``is_available()``). For GPU workers the fork server is then a standby with everything imported and no
+    CUDA context; each worker creates its own, which is the part of a GPU restart this cannot save.
+    """
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "CUDA was initialised in the launcher (a preloaded library?): set DDPKIT_PRELOAD=off"
+    if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1":
+        return "the launcher asked the CUDA driver for devices: set PYTORCH_NVML_BASED_CUDA_CHECK=1 before torch"
+    return None
 
 
 def _warm_up() -> None:

@@ -30,13 +30,26 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.distributed.control_auth import SECRET_ENV, new_secret
-from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, EXIT_UNHEALTHY, ConfigError, LaunchError, exit_now
+from ddpkit.errors import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_HANG,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+    ConfigError,
+    LaunchError,
+    exit_now,
+)
 from ddpkit.launch import torchrun_adapter
 
 __all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_free", "exit_at_once"]
 
 
-def preflight(*, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32", precision_option: str = "train.precision=") -> str | None:
+def preflight(
+    *, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32",
+    precision_option: str = "train.precision=",
+) -> str | None:
     """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than
     GPUs, fp16 on the CPU. The checks are the workers' own functions, run for the last local rank.
     Returns the workers' device type (``"cpu"``, ``"cuda"``), or None when torchrun counts the devices."""
@@ -67,9 +80,11 @@ def default_nproc() -> int:
 def torchrun_argv(
     *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
     node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (), extra: Sequence[str] = (),
+    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (),
+    extra: Sequence[str] = (),
 ) -> list[str]:
-    """torchrun's argument list: on one node, loopback only (:func:`_loopback_rendezvous`); static or c10d rendezvous otherwise.
+    """torchrun's argument list: on one node, loopback only (:func:`_loopback_rendezvous`); static or c10d
+    rendezvous otherwise.
 
     ``shutdown_timeout`` is how long torchrun's agent waits for workers to exit after it
     forwards a signal before it sends SIGKILL. ``forward_signals`` are forwarded to the workers
@@ -111,7 +126,8 @@ def _loopback_rendezvous(port: int | None) -> list[str]:
     Several nodes listen on every interface: docs/multinode.md, "Open ports"."""
     if port is not None:
         check_port_free("127.0.0.1", port)
-    return [f"--rdzv-backend={torchrun_adapter.LOOPBACK_RDZV}", f"--rdzv-endpoint=127.0.0.1:{port or 0}", f"--rdzv-id={uuid.uuid4()}",
+    return [f"--rdzv-backend={torchrun_adapter.LOOPBACK_RDZV}", f"--rdzv-endpoint=127.0.0.1:{port or 0}",
+            f"--rdzv-id={uuid.uuid4()}",
             "--local-addr=127.0.0.1"]
 
 
@@ -128,17 +144,7 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
     """
     SignalException, ChildFailedError = torchrun_adapter.launcher_exceptions()  # noqa: N806
     args = torchrun_adapter.parse(torchrun_argv)
-    # torchrun would set this too (with a banner) for several processes per node: one thread
-    # per process keeps N processes from oversubscribing the cores.
-    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
-        os.environ["OMP_NUM_THREADS"] = "1"
-    # A fresh rendezvous store per round: the shared one keeps a failed attempt's keys, which
-    # can point restarted ranks at dead peers (pytorch/pytorch#135712; see ddpkit.distributed.rendezvous).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # The tags on the job's control messages: the workers inherit it (torchrun passes its environment on).
-    os.environ[SECRET_ENV] = os.environ.get(SECRET_ENV) or new_secret()
-    if args.rdzv_backend == torchrun_adapter.LOOPBACK_RDZV:
-        _loopback_only()
+    _prepare_environment(args)
     try:
         with _fault_log(requeue_exit_code):
             _run(args, fork=fork and hasattr(os, "fork"))
@@ -151,11 +157,27 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
     except ChildFailedError as exc:
         _add_unobserved_failures(exc)
         if _stopped_after_saving(exc, requeue_exit_code):
-            print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.", file=sys.stderr)
+            print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.",
+                  file=sys.stderr)
             return requeue_exit_code
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
     return EXIT_OK
+
+
+def _prepare_environment(args: Any) -> None:
+    """What the launcher and its workers share through the environment, set before torch's launcher starts."""
+    # torchrun would set this too (with a banner) for several processes per node: one thread
+    # per process keeps N processes from oversubscribing the cores.
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
+        os.environ["OMP_NUM_THREADS"] = "1"
+    # A fresh rendezvous store per round: the shared one keeps a failed attempt's keys, which
+    # can point restarted ranks at dead peers (pytorch/pytorch#135712; see ddpkit.distributed.rendezvous).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The tags on the job's control messages: the workers inherit it (torchrun passes its environment on).
+    os.environ[SECRET_ENV] = os.environ.get(SECRET_ENV) or new_secret()
+    if args.rdzv_backend == torchrun_adapter.LOOPBACK_RDZV:
+        _loopback_only()
 
 
 def _loopback_only() -> None:
@@ -163,7 +185,8 @@ def _loopback_only() -> None:
     on the loopback interface too (they would take the host name's address), unless the user chose one."""
     torchrun_adapter.register_loopback_rendezvous()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a shared store would be torch's, on every interface
-    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None) if hasattr(socket, "if_nameindex") else None
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = next((name for name in names if name.startswith("lo")), None)
     if loopback is not None:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, loopback)
@@ -202,7 +225,8 @@ def _stopped_after_saving(exc: Any, requeue_exit_code: int = EXIT_PREEMPTED) -> 
     SIGKILL) while they are leaving too. A rank that failed any other way makes it a failure.
     """
     codes = [failure.exitcode for failure in torchrun_adapter.failures(exc).values()]
-    return requeue_exit_code in codes and all(code in (requeue_exit_code, -signal.SIGTERM, -signal.SIGKILL) for code in codes)
+    expected = (requeue_exit_code, -signal.SIGTERM, -signal.SIGKILL)
+    return requeue_exit_code in codes and all(code in expected for code in codes)
 
 
 def _add_unobserved_failures(exc: Any) -> None:
@@ -224,9 +248,9 @@ def _add_unobserved_failures(exc: Any) -> None:
             local, file = other.name, other / path.name
             if local.isdigit() and int(local) not in known and file.is_file():
                 info = _extra_info(file)
+                code = int(info.get("exitcode", EXIT_FAILURE))
                 recorded[rank - failure.local_rank + int(local)] = torchrun_adapter.process_failure(
-                    local_rank=int(local), pid=int(info.get("pid", 0)), exitcode=int(info.get("exitcode", EXIT_FAILURE)), error_file=str(file)
-                )
+                    local_rank=int(local), pid=int(info.get("pid", 0)), exitcode=code, error_file=str(file))
 
 
 def _extra_info(error_file: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The rendezvous of a one-node ``ddpkit run``: one agent, so nothing to agree on and nothing to wait for.
 
-    handler = OneNodeRendezvous(loopback_store(0), run_id="...")   # what --rdzv-backend=ddpkit-loopback creates
+    handler = OneNodeRendezvous(loopback_store(0), run_id="...", backend="ddpkit-loopback", info=round_info)
     info = handler.next_rendezvous()    # round 1: rank 0 of 1, a fresh key space, a free port for the workers' store
 
 torchrun's one-node default (``--standalone``) is the c10d rendezvous of a multi-node job, run by one agent
@@ -12,28 +12,32 @@ handler completes each round at once, on a store that listens on loopback only
 restarted group never reads a failed round's keys, pytorch/pytorch#135712). The workers' own store is not this
 one: as with torch's handlers, the workers' rank 0 hosts it on a free port (``MASTER_PORT``).
 
-It implements torch's documented ``RendezvousHandler`` interface (its types come through
-:mod:`ddpkit.launch.torchrun_adapter`, the one module that reads torch's launcher) and is registered under
-``ddpkit-loopback`` by :func:`ddpkit.launch.torchrun_adapter.register_loopback_rendezvous`.
+It has the methods of torch's documented ``RendezvousHandler`` interface (torch calls them; it checks no base
+class), and is registered under ``ddpkit-loopback`` by
+:func:`ddpkit.launch.torchrun_adapter.register_loopback_rendezvous`, which hands it ``info``: how a round's store
+becomes torch's ``RendezvousInfo`` (that module is the one that reads torch's launcher).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch.distributed import PrefixStore, Store
-
-from ddpkit.launch.torchrun_adapter import rendezvous_types
-
-RendezvousHandler, RendezvousInfo, RendezvousStoreInfo = rendezvous_types()
 
 __all__ = ["OneNodeRendezvous"]
 
 
-class OneNodeRendezvous(RendezvousHandler):  # type: ignore[misc,valid-type]
-    """Rendezvous of one agent: every round completes at once, as rank 0 of a world of one node."""
+class OneNodeRendezvous:
+    """Rendezvous of one agent: every round completes at once, as rank 0 of a world of one node.
 
-    def __init__(self, store: Store, *, run_id: str, backend: str, local_addr: str = "127.0.0.1"):
+    ``info(store, local_addr)``: the round's ``RendezvousInfo`` (rank 0 of 1 on ``store``, the workers' store
+    on a free port of ``local_addr``)."""
+
+    def __init__(self, store: Store, *, run_id: str, backend: str, info: Callable[[Store, str], Any],
+                 local_addr: str = "127.0.0.1"):
         self._store, self._run_id, self._backend, self._addr = store, run_id, backend, local_addr
-        self._round, self._closed = 0, False
+        self._info, self._round, self._closed = info, 0, False
 
     def get_backend(self) -> str:
         return self._backend
@@ -42,11 +46,10 @@ class OneNodeRendezvous(RendezvousHandler):  # type: ignore[misc,valid-type]
     def use_agent_store(self) -> bool:
         return False  # the workers' rank 0 hosts their store, as with torch's c10d handler and its store unshared
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self) -> Any:
         """A new round: rank 0 of 1 on a fresh key space; ``MASTER_PORT`` a free port on ``local_addr``."""
         self._round += 1
-        store = PrefixStore(f"ddpkit-round-{self._round}/", self._store)
-        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo.build(0, store, local_addr=self._addr))
+        return self._info(PrefixStore(f"ddpkit-round-{self._round}/", self._store), self._addr)
 
     def is_closed(self) -> bool:
         return self._closed

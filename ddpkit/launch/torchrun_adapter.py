@@ -40,7 +40,7 @@ __all__ = [
     "launcher_exceptions",
     "register_loopback_rendezvous",
     "observe_faults",
-    "rendezvous_types",
+    "round_info",
     "POLLING_LOGGER",
     "LOOPBACK_RDZV",
 ]
@@ -53,7 +53,8 @@ LOOPBACK_RDZV = "ddpkit-loopback"
 
 
 def launcher_exceptions() -> tuple[type[BaseException], type[BaseException]]:
-    """(``SignalException``, ``ChildFailedError``): what ``run`` raises when the agent got a signal, or workers failed."""
+    """(``SignalException``, ``ChildFailedError``): what ``run`` raises when the agent got a signal, or workers
+    failed."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -111,7 +112,8 @@ def check_passthrough(options: Sequence[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_fork: Any = None) -> None:
-    """``torch.distributed.run.run(args)``; with ``fork``, the workers are ``entrypoint(program)`` in processes forked from this one.
+    """``torch.distributed.run.run(args)``; with ``fork``, the workers are ``entrypoint(program)`` in processes
+    forked from this one.
 
     ``before_fork(program)`` runs in this process just before (what the forked workers should inherit).
     """
@@ -145,15 +147,16 @@ def _loopback_handler(params: Any) -> Any:
     timeout = float(params.get_as_int("read_timeout", 60) or 60)
     store = loopback_store(int(port or 0), timeout=timeout, addr=host or "127.0.0.1")
     # torch's launcher checks that the handler's backend has the name it asked for
-    return OneNodeRendezvous(store, run_id=params.run_id, backend=LOOPBACK_RDZV, local_addr=params.local_addr or host)
+    return OneNodeRendezvous(store, run_id=params.run_id, backend=LOOPBACK_RDZV, info=round_info,
+                             local_addr=params.local_addr or host)
 
 
-def rendezvous_types() -> tuple[type, type, type]:
-    """torch's ``RendezvousHandler`` (the interface a rendezvous backend implements), ``RendezvousInfo`` and
-    ``RendezvousStoreInfo`` (what ``next_rendezvous`` returns): documented, in ``torch.distributed.elastic``."""
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+def round_info(store: Any, local_addr: str) -> Any:
+    """torch's ``RendezvousInfo`` of a one-node round: rank 0 of 1 on ``store``; the workers' store on a free port
+    of ``local_addr`` (``RendezvousStoreInfo.build``, as torch's handlers do with their store unshared)."""
+    from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
 
-    return RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    return RendezvousInfo(store, 0, 1, RendezvousStoreInfo.build(0, store, local_addr=local_addr))
 
 
 def register_loopback_rendezvous() -> None:
@@ -199,7 +202,8 @@ def observe_faults(listener: FaultListener) -> Iterator[None]:
 
 
 def _exit_codes(pcontext: Any, result: Any) -> dict[int, int]:
-    """Each worker's exit code once stopped: forked (``_pc.processes``) or new interpreters (``subprocess_handlers``)."""
+    """Each worker's exit code once stopped: forked (``_pc.processes``) or new interpreters
+    (``subprocess_handlers``)."""
     codes = {rank: failure.exitcode for rank, failure in result.failures.items()}
     processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
     if processes is not None:
@@ -211,7 +215,8 @@ def _exit_codes(pcontext: Any, result: Any) -> dict[int, int]:
 
 
 def failures(exc: Any) -> dict[int, Any]:
-    """The per-rank failure records of a ``ChildFailedError`` (global rank -> ``ProcessFailure``), which callers may add to."""
+    """The per-rank failure records of a ``ChildFailedError`` (global rank -> ``ProcessFailure``), which callers may
+    add to."""
     return exc.failures
 
 
