@@ -130,7 +130,10 @@ def health_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) ->
             runs[name]["wall"].append(steady_ms_per_step(clock.wall, warmup=warmup))
             runs[name]["cpu"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
             if runtime.env.rank == 0:
-                progress(f"[health] round {r + 1}/{rounds} {name}: {runs[name]['wall'][-1]:.3f} ms/step, {runs[name]['cpu'][-1]:.3f} CPU ms/step")
+                progress(
+                    f"[health] round {r + 1}/{rounds} {name}: {runs[name]['wall'][-1]:.3f} "
+                    f"ms/step, {runs[name]['cpu'][-1]:.3f} CPU ms/step"
+                )
     return {"runs": runs, "steps": steps, "warmup": warmup}
 
 
@@ -139,16 +142,19 @@ def health(args: argparse.Namespace) -> str:
     unknown = [v for v in variants if v not in HEALTH]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown[0]!r}; choose from {', '.join(HEALTH)}")
-    result = run_module_workers(__spec__.name, "health", {"variants": variants, "rounds": args.rounds, "steps": args.steps}, nproc=2)
+    result = run_module_workers(__spec__.name, "health",
+                                {"variants": variants, "rounds": args.rounds, "steps": args.steps}, nproc=2)
     runs, base = result["runs"], result["runs"]["off"]
     rows = []
     for name, run in runs.items():
         wall, ratio = Stats.of(run["wall"]), paired(run["wall"], base["wall"])
         extra_cpu = paired(run["cpu"], base["cpu"], scale=1000, difference=True)
         share = extra_cpu.median / 1000 / Stats.of(base["cpu"]).median
-        rows.append([name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3), f"{extra_cpu.median:+.1f}", f"{share:+.2%}"])
+        rows.append([name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
+                     f"{extra_cpu.median:+.1f}", f"{share:+.2%}"])
     title = f"MLP 784-128-128-10, 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']}, {len(base['wall'])} rounds"
-    headers = ["variant", "ms/step", "min..max", "x off", "x off min..max", "CPU us/step vs off", "CPU share of the off step"]
+    headers = ["variant", "ms/step", "min..max", "x off", "x off min..max", "CPU us/step vs off",
+               "CPU share of the off step"]
     return table(title, headers, rows)
 
 
@@ -171,12 +177,14 @@ def _skeleton(reporter: Reporter, steps: int) -> float:
 def watchdog(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config({"run": {"output_dir": tmp}, "log": {"progress_bar": False}})
-        runtime = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2), device=torch.device("cpu"), backend="gloo")
+        runtime = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2),
+                          device=torch.device("cpu"), backend="gloo")
         listening = Events()
         plain = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=Events())
         watched = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=listening)
         # A limit no round reaches: the absent rank 1 must not end the benchmark as a "hang".
-        dog = Watchdog(dist.HashStore(), rank=0, world_size=2, hang_timeout=1e6, slow_timeout=1e6, log_dir=Path(tmp), step=lambda: 0)
+        dog = Watchdog(dist.HashStore(), rank=0, world_size=2, hang_timeout=1e6, slow_timeout=1e6, log_dir=Path(tmp),
+                       step=lambda: 0)
         listening.add(dog)
         times: dict[str, list[float]] = {"off": [], "on": []}
         with dog:
@@ -184,7 +192,7 @@ def watchdog(args: argparse.Namespace) -> str:
                 for name in rotated(["off", "on"], r):
                     times[name].append(_skeleton(plain if name == "off" else watched, args.steps) * 1e6)
         for reporter in (plain, watched):
-            reporter.close("FINISHED")
+            reporter.on_exit("FINISHED")
     rows = []
     for name, us in times.items():
         s, extra = Stats.of(us), paired(us, times["off"], difference=True)
@@ -209,7 +217,10 @@ def _listeners(progress: Progress) -> list:
     return [ledger.on_phase, crash.on_phase]
 
 
-def _listened_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int, listeners: list, progress: Progress) -> float:
+def _listened_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int, listeners: list,
+    progress: Progress
+) -> float:
     began = time.perf_counter()
     for _ in range(n):
         for span in SPANS[:6]:
@@ -251,7 +262,8 @@ def goodput(args: argparse.Namespace) -> str:
         began = time.perf_counter()
         to_cpu({"model": model.state_dict(), "optimizer": opt.state_dict()})
         runs["snapshot"].append((time.perf_counter() - began) * 1e6)
-    with_file, without = _listeners(progress)[1], _listeners(progress)[1]  # the crash save's listener alone, 20000 spans a round
+    # the crash save's listener alone, 20000 spans a round
+    with_file, without = _listeners(progress)[1], _listeners(progress)[1]
     without.__self__._slots = None
     runs |= {"crash-save listener, no slot file": [], "crash-save listener, slot file": []}
     for r in range(args.rounds):
@@ -264,7 +276,8 @@ def goodput(args: argparse.Namespace) -> str:
         ratio = f"{paired(us, bare).median:.4f}" if name.endswith("step") or name.startswith("step") else "-"
         steps = f"{s.median / statistics.median(bare):.2f}" if name == "snapshot" else "-"
         rows.append([name, f"{s.median:.2f}", s.spread(2), ratio, steps])
-    title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds x {args.steps} steps (listener rows: 8 spans a step, "
+    title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds "
+             f"x {args.steps} steps (listener rows: 8 spans a step, "
              "no training); a snapshot every K steps costs (snapshot in steps)/K of a step")
     return table(title, ["measure", "us (median)", "min..max", "x bare step (paired)", "snapshot in steps"], rows)
 
@@ -276,7 +289,9 @@ class Listeners:
     """Stand-ins for the five default phase listeners, doing on each span what the real ones do."""
 
     def __init__(self) -> None:
-        self.phases, self.ticks, self.span, self.pending, self.updating, self.grad_ready = ["loop"], 0, [], False, False, 0.0
+        self.phases, self.ticks, self.span, self.pending, self.updating, self.grad_ready = [
+            "loop"
+        ], 0, [], False, False, 0.0
         self.started, self.phase, self.own = 0.0, None, 0.0
 
     def watchdog(self, name: str | None) -> None:
@@ -360,7 +375,9 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
             opt.zero_grad(set_to_none=True)
 
     def add_hooks():
-        hooks.extend(p.register_post_accumulate_grad_hook(lambda _p: setattr(listeners, "grad_ready", time.perf_counter())) for p in params)
+        hooks.extend(p.register_post_accumulate_grad_hook(lambda _p: setattr(
+            listeners, "grad_ready", time.perf_counter()
+        )) for p in params)
 
     def remove_hooks():
         for h in hooks:
@@ -378,7 +395,9 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
     }
 
 
-def _thread_us_per_step(step: Any, model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
+def _thread_us_per_step(
+    step: Any, model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], steps: int
+) -> float:
     """Thread-CPU microseconds per step over ``steps`` steps (after 20 warm-up steps)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for x, y in data[:20]:
@@ -410,15 +429,20 @@ def step_parts(args: argparse.Namespace) -> str:
     for name, us in per.items():
         extra = paired(us, plain, difference=True)
         spread = extra.spread(1) if name != "plain" else "-"
-        rows.append([name, f"{statistics.median(us):.1f}", f"{extra.median:+.1f}", spread, f"{100 * extra.median / statistics.median(plain):+.2f}%"])
+        rows.append([name, f"{statistics.median(us):.1f}", f"{extra.median:+.1f}", spread,
+                     f"{100 * extra.median / statistics.median(plain):+.2f}%"])
     title = f"MLP 784-128-128-10, batch {BATCH}, 1 thread, {args.rounds} rounds x {args.steps} steps; thread-CPU us/step"
-    return table(title, ["piece", "us/step (median)", "extra us/step vs plain (paired median)", "min..max", "% of the plain step"], rows)
+    return table(title,
+                 ["piece", "us/step (median)", "extra us/step vs plain (paired median)", "min..max",
+                  "% of the plain step"],
+                 rows)
 
 
 # --- the driver ----------------------------------------------------------------------------------------
 
 #: feature -> (measure, default rounds, default steps)
-FEATURES = {"health": (health, 7, 300), "watchdog": (watchdog, 7, 20000), "goodput": (goodput, 2, 200), "step-parts": (step_parts, 7, 300)}
+FEATURES = {"health": (health, 7, 300), "watchdog": (watchdog, 7, 20000), "goodput": (goodput, 2, 200),
+            "step-parts": (step_parts, 7, 300)}
 
 
 def main(argv: list[str]) -> int:
@@ -426,9 +450,12 @@ def main(argv: list[str]) -> int:
         return serve(argv[1], {"health": health_worker})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--feature", required=True, choices=list(FEATURES))
-    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default: health 7, watchdog 7, goodput 2, step-parts 7)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: health 300, watchdog 20000, goodput 200, step-parts 300)")
-    parser.add_argument("--variants", default=None, help=f"health only: comma list from {', '.join(HEALTH)} (off is always run)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="alternated rounds (default: health 7, watchdog 7, goodput 2, step-parts 7)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default: health 300, watchdog 20000, goodput 200, step-parts 300)")
+    parser.add_argument("--variants", default=None,
+                        help=f"health only: comma list from {', '.join(HEALTH)} (off is always run)")
     args = parser.parse_args(argv)
     measure, rounds, steps = FEATURES[args.feature]
     args.rounds, args.steps = args.rounds or rounds, args.steps or steps

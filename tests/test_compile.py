@@ -103,7 +103,7 @@ def test_compiled_training_matches_eager_and_compile_time_is_excluded(world_of_o
         with torch.no_grad():
             torch.testing.assert_close(models.eval(x), eager.eval()(x))
     finally:
-        models.close()
+        models.on_exit("FINISHED")
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False  # restored
 
 
@@ -114,7 +114,7 @@ def test_a_model_compiled_in_build_model_is_compiled_once_in_ddp_order(world_of_
     try:
         assert models.bare is net and models.train._orig_mod is net  # one compile wrapper, around the (DDP-wrapped) net
     finally:
-        models.close()
+        models.on_exit("FINISHED")
 
 
 def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog, world_of_one):
@@ -130,7 +130,7 @@ def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(c
             with pytest.raises(CompileError, match=r"recompile_limit=2.*train.compile=false"):
                 models.train(torch.randn(6, 6))
     finally:
-        models.close()
+        models.on_exit("FINISHED")
     assert len(models.bare(torch.randn(7, 6))) == 7
 
 
@@ -147,7 +147,7 @@ def test_a_failing_compile_names_the_option_to_turn_off(world_of_one):
             models.train(torch.randn(4, 6))
         assert "cannot compile anything" in str(info.value)
     finally:
-        models.close()
+        models.on_exit("FINISHED")
 
 
 def test_watch_close_is_complete():
@@ -413,7 +413,7 @@ def test_a_compile_inside_evaluation_is_left_out_of_samples_per_s_once(tiny_cfg,
         record = reporter.training(progress, lr=0.1)
         elapsed = time.perf_counter() - started
     finally:
-        reporter.close()
+        reporter.on_exit("FINISHED")
     training_seconds = 4 * reporter.samples_per_step / record[logs.SAMPLES_PER_S]
     # Counted twice, the 0.2 s compile would also be taken from the training time (0.2 s minus 0.2 s);
     # not counted, the 0.25 s evaluation would stay in it.

@@ -4,7 +4,7 @@
       every_steps: auto             # ddpkit run exp.yaml --max-restarts 3
       mtbf_hours: 24                # the failures this job expects: about one a day
 
-    interval = AutoInterval(mtbf_hours=24.0)        # RunState holds one when every_steps is auto
+    interval = AutoInterval(mtbf_hours=24.0)        # the Checkpointer holds one when every_steps is auto
     interval.tick()                                 # each optimizer step, every rank: one clock read
     interval.due(steps_since_save)                  # the same answer on every rank
     interval.saved(blocked=seconds, since=step)     # after each save, every rank: one broadcast
