@@ -86,7 +86,8 @@ def hand(w: dict[str, Any], steps: int, rank: int, world_size: int, *, compiled:
     train_set, model = build(w, steps)
     clock = StepClock()
     loader = loader_for(train_set, rank, world_size)
-    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, compiled=compiled, on_step=lambda step: clock.tick())
+    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, compiled=compiled,
+                  on_step=lambda step: clock.tick())
     return clock
 
 
@@ -122,7 +123,9 @@ def steps_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> 
             runs[name]["cpu_ms"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
             runs[name]["compile_s"].append(max(first - median_step_ms(clock.wall, warmup=warmup) / 1000, 0.0))
             if rank == 0:
-                progress(f"[compile] {params['workload']} round {r + 1} {name}: {ms:.1f} ms/step, first step {first:.1f} s")
+                progress(
+                    f"[compile] {params['workload']} round {r + 1} {name}: {ms:.1f} ms/step, first step {first:.1f} s"
+                )
     return {"runs": runs, "steps": steps, "warmup": warmup}
 
 
@@ -139,9 +142,11 @@ def report_steps(workload: str, result: dict[str, Any]) -> str:
             else:
                 cells += ["-", "-"]
         cpu = paired(run["cpu_ms"], runs[next(iter(runs))]["cpu_ms"])
-        cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3), f"{statistics.median(run['compile_s']):.1f}"]
+        cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3),
+                  f"{statistics.median(run['compile_s']):.1f}"]
         rows.append(cells)
-    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']} "
+    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, "
+             f"{result['steps']} timed steps after {result['warmup']} "
              f"warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
     headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max",
                "CPU ms/step", f"CPU x {next(iter(runs))}", "min..max", "compile s"]
@@ -187,7 +192,8 @@ def hand_to_accuracy(target: float, rank: int, world_size: int, *, compiled: boo
         return step > 0 and step % EVAL_EVERY == 0 and accuracy(evaluator, val) >= target
 
     loader = loader_for(train_set, rank, world_size)
-    steps = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=ACC_MAX_STEPS, lr=ACC_LR, compiled=compiled, on_step=reached)
+    steps = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=ACC_MAX_STEPS, lr=ACC_LR,
+                          compiled=compiled, on_step=reached)
     return time.perf_counter() - started, steps
 
 
@@ -220,7 +226,8 @@ def report_accuracy(target: float, result: dict[str, Any]) -> str:
     for name, run in runs.items():
         s = Stats.of(run["s"])
         ratio = paired(run["s"], runs["hand-eager"]["s"])
-        rows.append([name, f"{s.median:.1f}", s.spread(1), f"{ratio.median:.3f}", ratio.spread(3), ", ".join(str(n) for n in run["steps"])])
+        rows.append([name, f"{s.median:.1f}", s.spread(1), f"{ratio.median:.3f}", ratio.spread(3),
+                     ", ".join(str(n) for n in run["steps"])])
     title = f"time to {target:.0%} validation accuracy, MNIST CNN on digits, 2 ranks x 1 thread, batch {BATCH}/rank"
     return table(title, ["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
 
@@ -258,10 +265,12 @@ def page_faults(rounds: int) -> str:
     rows: dict[str, list[list[float]]] = {"malloc defaults": [], "kept (train.keep_host_memory)": []}
     for r in range(rounds):
         for name, arg in (("malloc defaults", "defaults"), ("kept (train.keep_host_memory)", "kept"))[:: 1 if r % 2 == 0 else -1]:
-            out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             rows[name].append([float(v) for v in out.stdout.split()])
             progress(f"[page faults] round {r + 1} {name}: {out.stdout.strip()}")
-    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name, runs in rows.items()]
+    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name,
+                runs in rows.items()]
     title = f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each (fresh processes, alternating)"
     return table(title, ["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], rows_out)
 
@@ -289,7 +298,8 @@ def main(argv: list[str]) -> int:
         if args.page_faults:
             print(page_faults(args.rounds), flush=True)
         elif args.accuracy is not None:
-            params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds, "target": args.accuracy, "timeout": 1800}
+            params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds,
+                      "target": args.accuracy, "timeout": 1800}
             results["accuracy"] = run_module_workers(__spec__.name, "compile_accuracy", params, nproc=2)
             print(report_accuracy(args.accuracy, results["accuracy"]), flush=True)
         else:

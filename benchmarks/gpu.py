@@ -50,7 +50,8 @@ def hand_written(steps: int, warmup: int, batch: int, workers: int, workdir: Pat
             torch.cuda.synchronize()
             started[step == steps] = time.perf_counter()
 
-    train_by_hand(model, loader, rank=0, world_size=1, max_steps=steps, lr=LR, momentum=MOMENTUM, device="cuda", channels_last=True, bf16=True,
+    train_by_hand(model, loader, rank=0, world_size=1, max_steps=steps, lr=LR, momentum=MOMENTUM, device="cuda",
+                  channels_last=True, bf16=True,
                   on_step=synced)
     return started[1] - started[0]
 
@@ -109,12 +110,15 @@ def main(argv: list[str]) -> int:
             for name in rotated(list(VARIANTS), r):
                 s = VARIANTS[name](args.steps, args.warmup, args.batch_size, args.workers, Path(tmp) / f"r{r}")
                 seconds[name].append(s)
-                print(f"[gpu] round {r + 1}/{args.rounds} {name}: {timed * args.batch_size / s:.0f} images/s", flush=True)
+                print(f"[gpu] round {r + 1}/{args.rounds} {name}: {timed * args.batch_size / s:.0f} images/s",
+                      flush=True)
         rows = []
         for name, runs in seconds.items():
             ratio = paired(runs, seconds["hand-written"])
-            rows.append([name, f"{timed * args.batch_size / Stats.of(runs).median:.0f}", f"{ratio.median:.3f}", ratio.spread(3)])
-        print(table(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: resnet50, bf16, channels_last, batch {args.batch_size}, "
+            rows.append([name, f"{timed * args.batch_size / Stats.of(runs).median:.0f}", f"{ratio.median:.3f}",
+                         ratio.spread(3)])
+        print(table(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: "
+                    f"resnet50, bf16, channels_last, batch {args.batch_size}, "
                     f"{args.workers} workers, {timed} timed steps after {args.warmup}, {args.rounds} rounds",
                     ["variant", "images/s (median)", "time x hand (paired)", "min..max"], rows), flush=True)
     return 0

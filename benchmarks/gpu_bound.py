@@ -114,9 +114,12 @@ RESNET50 = Workload(
 WORKLOADS = {"gpt2": GPT2, "resnet50": RESNET50}
 #: Shapes small enough for a CPU: the same code path in seconds (``--tiny``).
 TINY = {
-    "gpt2": replace(GPT2, model={"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
+    "gpt2": replace(GPT2,
+                    model={"name": "gpt",
+                           "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
                     samples=64, seq_len=32),
-    "resnet50": replace(RESNET50, model={"name": "resnet50", "kwargs": {"num_classes": 10}}, samples=32, image=(3, 32, 32), classes=10),
+    "resnet50": replace(RESNET50, model={"name": "resnet50", "kwargs": {"num_classes": 10}}, samples=32,
+                        image=(3, 32, 32), classes=10),
 }
 
 
@@ -189,7 +192,9 @@ class StepTimer:
 # --- the two sides ---------------------------------------------------------------------------------
 
 
-def hand_written(w: Workload, data: OnDevice, *, device: torch.device, batch: int, compiled: bool, timer: StepTimer, bf16: bool) -> None:
+def hand_written(
+    w: Workload, data: OnDevice, *, device: torch.device, batch: int, compiled: bool, timer: StepTimer, bf16: bool
+) -> None:
     """nanoGPT's loop on data already on the device, in the Trainer's setup order (seed, model, optimizer, seed)."""
     from ddpkit.registry import MODELS
 
@@ -230,13 +235,15 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _optimizer(w: Workload, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     o = w.optim
     if o["name"] == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=o["weight_decay"], betas=tuple(o["kwargs"]["betas"]),
+        return torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=o["weight_decay"],
+                                 betas=tuple(o["kwargs"]["betas"]),
                                  fused=device.type == "cuda")
     return torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"])
 
 
 class TimedOnDevice(Trainer):
-    """The Trainer with its defaults, fed the on-device data; ticks the timer after each step and stops when it says so."""
+    """The Trainer with its defaults, fed the on-device data; ticks the timer after each step and stops when it says
+    so."""
 
     timer: StepTimer
     data: OnDevice
@@ -254,8 +261,12 @@ class TimedOnDevice(Trainer):
             self.request_stop()
 
 
-def ddpkit_config(w: Workload, *, device: torch.device, batch: int, compiled: bool, workdir: Path, bf16: bool, **checkpoint: Any) -> dict:
-    optim = {**w.optim, "kwargs": {**w.optim.get("kwargs", {}), **({"fused": True} if device.type == "cuda" and w.optim["name"] == "adamw" else {})}}
+def ddpkit_config(
+    w: Workload, *, device: torch.device, batch: int, compiled: bool, workdir: Path, bf16: bool, **checkpoint: Any
+) -> dict:
+    optim = {**w.optim,
+             "kwargs": {**w.optim.get("kwargs", {}),
+                        **({"fused": True} if device.type == "cuda" and w.optim["name"] == "adamw" else {})}}
     return {
         "run": {"name": f"gpu-bound-{w.name}", "output_dir": str(workdir), "seed": SEED},
         "data": {"batch_size": batch, "num_workers": 0},
@@ -268,9 +279,11 @@ def ddpkit_config(w: Workload, *, device: torch.device, batch: int, compiled: bo
     }
 
 
-def ddpkit_trainer(w: Workload, data: OnDevice, *, device: torch.device, batch: int, compiled: bool, timer: StepTimer, bf16: bool,
+def ddpkit_trainer(w: Workload, data: OnDevice, *, device: torch.device, batch: int, compiled: bool, timer: StepTimer,
+                   bf16: bool,
                    workdir: Path, checkpoint: dict[str, Any] | None = None) -> None:
-    trainer = TimedOnDevice(ddpkit_config(w, device=device, batch=batch, compiled=compiled, workdir=workdir, bf16=bf16, **(checkpoint or {})))
+    trainer = TimedOnDevice(ddpkit_config(w, device=device, batch=batch, compiled=compiled, workdir=workdir, bf16=bf16,
+                                          **(checkpoint or {})))
     trainer.timer, trainer.data = timer, data
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, off the screen
         trainer.fit()
@@ -322,7 +335,10 @@ def largest_batch(w: Workload, data: OnDevice, args: argparse.Namespace) -> int:
         except torch.cuda.OutOfMemoryError:
             peak = None
         _fresh(device)
-        progress(f"[gpu_bound] batch {batch}: {'out of memory' if peak is None else f'peak {peak / 2**30:.1f} GiB of {total / 2**30:.0f}'}")
+        progress(
+            f"[gpu_bound] batch {batch}: "
+            f"{'out of memory' if peak is None else f'peak {peak / 2**30:.1f} GiB of {total / 2**30:.0f}'}"
+        )
         if peak is not None and peak < 0.9 * total:
             return batch
     raise SystemExit(f"gpu_bound: not even a batch of {CANDIDATE_BATCHES[-1]} fits on this GPU")
@@ -338,14 +354,16 @@ def compare(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path
         arms = [f"hand-{mode}", f"ddpkit-{mode}"]
         for r in range(args.rounds):
             for arm in rotated(arms, r):
-                result = run_arm(arm.split("-")[0], w, data, args, compiled=mode == "compiled", workdir=workdir / f"{arm}-r{r}")
+                result = run_arm(arm.split("-")[0], w, data, args, compiled=mode == "compiled",
+                                 workdir=workdir / f"{arm}-r{r}")
                 runs.setdefault(arm, []).append(result)
                 progress(f"[gpu_bound] {w.name} round {r + 1}/{args.rounds} {arm}: {result['per_s']:,.0f} {w.unit}/s, "
                          f"{statistics.median(result['step_ms']):.1f} ms/step, warm-up {result['warmup_s']:.1f} s")
     return runs
 
 
-def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, flops_per_unit: float | None,
+def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
+                     flops_per_unit: float | None,
                      peak: float | None) -> str:
     rows = []
     for arm, results in runs.items():
@@ -356,11 +374,13 @@ def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: a
         mfu = f"{per_s.median * flops_per_unit / peak:.1%}" if flops_per_unit and peak else "n/a"
         diff = max(abs(a - b) for r, h in zip(results, hand) for a, b in zip(r["losses"], h["losses"]))
         peak_gib = max((r["peak_bytes"] or 0) for r in results) / 2**30
-        rows.append([arm, f"{per_s.median:,.0f}", per_s.spread(0), mfu, f"{_quantile(steps, 0.5):.1f}", f"{_quantile(steps, 0.95):.1f}",
+        rows.append([arm, f"{per_s.median:,.0f}", per_s.spread(0), mfu, f"{_quantile(steps, 0.5):.1f}",
+                     f"{_quantile(steps, 0.95):.1f}",
                      f"{peak_gib:.1f}" if peak_gib else "n/a", f"{ratio.median:.3f}", ratio.spread(3), f"{diff:.1e}"])
     timed = statistics.median(len(r["step_ms"]) for r in itertools.chain.from_iterable(runs.values()))
     return table(f"{describe(args)}\n{w.name}: batch {args.batch_size}{f' x {w.seq_len} tokens' if w.seq_len else ''}, "
-                 f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} rounds of {args.seconds:g} s per arm after {args.warmup} "
+                 f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} "
+                 f"rounds of {args.seconds:g} s per arm after {args.warmup} "
                  f"warm-up steps (median {timed:.0f} timed steps)",
                  ["arm", f"{w.unit}/s", "min..max", "MFU", "p50 ms", "p95 ms", "peak GiB", "x hand", "x hand min..max",
                   f"loss diff (first {LOSSES_KEPT})"], rows)
@@ -387,7 +407,10 @@ def stall(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path) 
             result = run_arm("ddpkit", w, data, args, compiled=args.mode == "compiled", checkpoint=checkpoint,
                              workdir=workdir / f"{name.replace(' ', '-')}-r{r}")
             runs[name].append(result)
-            progress(f"[gpu_bound] stall round {r + 1}/{args.rounds} {name}: {statistics.median(result['step_ms']):.1f} ms/step")
+            progress(
+                f"[gpu_bound] stall round {r + 1}/{args.rounds} {name}: "
+                f"{statistics.median(result['step_ms']):.1f} ms/step"
+            )
     return runs
 
 
@@ -425,9 +448,11 @@ def stall_table(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace)
             continue
         blocked, lost = summary(sum((c["blocked"] for c in costs), [])), summary(sum((c["lost"] for c in costs), []))
         near = sorted(itertools.chain.from_iterable(c["near"] for c in costs))
-        rows.append([name, str(blocked.n), f"{blocked.median:.3f} ({blocked.spread(3)})", f"{blocked.median * 1000 / step:.2f}",
+        rows.append([name, str(blocked.n), f"{blocked.median:.3f} ({blocked.spread(3)})",
+                     f"{blocked.median * 1000 / step:.2f}",
                      f"{lost.median:.3f}", f"{_quantile(near, 0.95):.1f}", f"{step:.1f}"])
-    return table(f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch {args.batch_size}: a save every {args.every} steps, "
+    return table(f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch "
+                 f"{args.batch_size}: a save every {args.every} steps, "
                  f"{args.rounds} rounds of {args.seconds:g} s; blocked: the step after a save beyond the median step, "
                  f"lost: the same over the {args.after} steps after it",
                  ["saves", "count", "blocked s (min..max)", "blocked steps", f"lost s ({args.after} steps)",
@@ -463,16 +488,21 @@ def flops_per_unit(w: Workload) -> float | None:
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2")
-    parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="both", help="(--stall: eager or compiled)")
+    parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="both",
+                        help="(--stall: eager or compiled)")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2)")
-    parser.add_argument("--seconds", type=float, default=30.0, help="host seconds timed per arm and round, after the warm-up (default 30)")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="host seconds timed per arm and round, after the warm-up (default 30)")
     parser.add_argument("--warmup", type=int, default=20, help="steps before timing, compilation included (default 20)")
-    parser.add_argument("--batch-size", default="auto", help="per-step batch, or auto: the largest that fits (default; 4 without CUDA)")
+    parser.add_argument("--batch-size", default="auto",
+                        help="per-step batch, or auto: the largest that fits (default; 4 without CUDA)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, for a run of the code path on a CPU")
-    parser.add_argument("--stall", action="store_true", help="checkpoint stall: no saves / sync / async saves, ddpkit only")
+    parser.add_argument("--stall", action="store_true",
+                        help="checkpoint stall: no saves / sync / async saves, ddpkit only")
     parser.add_argument("--every", type=int, default=100, help="--stall: a save every this many steps (default 100)")
-    parser.add_argument("--after", type=int, default=5, help="--stall: steps after a save that its cost is counted in (default 5)")
+    parser.add_argument("--after", type=int, default=5,
+                        help="--stall: steps after a save that its cost is counted in (default 5)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
     args = parser.parse_args(argv)
     if args.warmup < 1:
@@ -486,7 +516,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_bound: --device cuda needs a CUDA GPU (none is visible here); --device cpu --tiny runs the code path", file=sys.stderr)
+        print("gpu_bound: --device cuda needs a CUDA GPU (none is visible here); --device cpu --tiny runs the code path",
+              file=sys.stderr)
         return 2
     w = (TINY if args.tiny else WORKLOADS)[args.workload]
     device = torch.device(args.device)
@@ -495,7 +526,9 @@ def main(argv: list[str]) -> int:
         args.batch_size = largest_batch(w, data, args) if args.device == "cuda" else 4
     args.batch_size = int(args.batch_size)
     if args.batch_size * 2 > w.samples:
-        raise SystemExit(f"gpu_bound: --batch-size {args.batch_size} leaves fewer than 2 steps an epoch over {w.samples} samples")
+        raise SystemExit(
+            f"gpu_bound: --batch-size {args.batch_size} leaves fewer than 2 steps an epoch over {w.samples} samples"
+        )
     with load_printed(), tempfile.TemporaryDirectory(prefix="bench-gpu-bound-") as tmp:
         if args.stall:
             runs = stall(w, data, args, Path(tmp))
@@ -509,7 +542,9 @@ def main(argv: list[str]) -> int:
                 peak = peak_flops(device, "bf16")
             print(throughput_table(w, runs, args, flops_per_unit(w), peak), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": describe(args), "args": {k: v for k, v in vars(args).items()}, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": describe(args), "args": {k: v for k, v in vars(args).items()},
+                                               "runs": runs},
+                                              indent=1))
     return 0
 
 

@@ -28,7 +28,8 @@ MODELS = {
     "mlp": ({"name": "mlp", "kwargs": {"in_features": 784, "hidden": [1024, 1024]}},
             lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))),
     "gpt": ({"name": "gpt", "kwargs": {"vocab_size": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
-                lambda g: (lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 512, (16, 65), generator=g))),  # next-token targets
+                # next-token targets
+                lambda g: (lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 512, (16, 65), generator=g))),
 }
 MODES = ("ddp", "zero1", "fsdp2")
 
@@ -45,7 +46,8 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
     from ddpkit.training.optim import build_optimizer
 
     spec, batch = MODELS[model_name]
-    cfg = load_config({"model": spec, "optim": {"name": "adam", "lr": 1e-3}, "train": {"epochs": 1}, "parallel": {"mode": mode}})
+    cfg = load_config({"model": spec, "optim": {"name": "adam", "lr": 1e-3}, "train": {"epochs": 1},
+                       "parallel": {"mode": mode}})
     torch.manual_seed(0)
     runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
     model = shard_model(build_model(cfg.model), runtime, cfg.parallel)
@@ -83,16 +85,24 @@ def main() -> None:
     load_before = load_average()
     per_rank = run_on_ranks(_rounds, 2, args=(args.rounds, args.steps), timeout=3600)
     load_after = load_average()
-    print(f"2 Gloo ranks on CPU, {args.rounds} rounds x {args.steps} timed Adam steps; load average before {load_before}, after {load_after}")
-    print(f"{'model':<8} {'mode':<6} {'median step':>12} {'vs ddp':>7} {'params/rank':>12} {'grads/rank':>11} {'optim/rank':>11}")
+    print(
+        f"2 Gloo ranks on CPU, {args.rounds} rounds x {args.steps} timed Adam "
+        f"steps; load average before {load_before}, after {load_after}"
+    )
+    print(
+        f"{'model':<8} {'mode':<6} {'median step':>12} {'vs ddp':>7} "
+        f"{'params/rank':>12} {'grads/rank':>11} {'optim/rank':>11}"
+    )
     for model_name in MODELS:
         rows = {m: [x for x in per_rank[0] if x["model"] == model_name and x["mode"] == m] for m in MODES}
         for mode in MODES:
             ratios = [a["seconds"] / b["seconds"] for a, b in zip(rows[mode], rows["ddp"])]  # the same round: paired
-            last = per_rank[0].index(rows[mode][-1])  # the same (round, model, mode) sits at the same index on every rank
+            # the same (round, model, mode) sits at the same index on every rank
+            last = per_rank[0].index(rows[mode][-1])
             held = [max(rank[last]["held"][k] for rank in per_rank) for k in range(3)]
             print(f"{model_name:<8} {mode:<6} {statistics.median(x['seconds'] for x in rows[mode]) * 1e3:>9.1f} ms "
-                  f"{statistics.median(ratios):>7.2f} {held[0] / 2**20:>8.2f} MiB {held[1] / 2**20:>7.2f} MiB {held[2] / 2**20:>7.2f} MiB")
+                  f"{statistics.median(ratios):>7.2f} {held[0] / 2**20:>8.2f} "
+                  f"MiB {held[1] / 2**20:>7.2f} MiB {held[2] / 2**20:>7.2f} MiB")
 
 
 if __name__ == "__main__":

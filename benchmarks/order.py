@@ -53,7 +53,8 @@ def sampler(kind: str, n: int):
 
 
 def _status_kb(field: str) -> int:
-    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith(field + ":"))
 
 
 def first_batch(kind: str, n: int) -> None:
@@ -76,14 +77,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e8, 1e9])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--skip-old-above", type=float, default=1e8, help="old/randperm above this need > 8 GB (10^9: ~44 GB)")
+    parser.add_argument("--skip-old-above", type=float, default=1e8,
+                        help="old/randperm above this need > 8 GB (10^9: ~44 GB)")
     args = parser.parse_args()
     print(f"load average before: {load_average()}", flush=True)
     print(f"{'N':>6} {'sampler':>11} {'first batch s':>14} {'peak RSS +MB':>13}")
     for n in map(int, args.sizes):
         for kind in KINDS:
             if kind != "index_free" and n > args.skip_old_above:
-                print(f"{n:>6.0e} {kind:>11} {'(not run: 8 GB tensor' + (' + ~36 GB list)' if kind == 'old' else ')'):>28}")
+                print(
+                    f"{n:>6.0e} {kind:>11} "
+                    f"{'(not run: 8 GB tensor' + (' + ~36 GB list)' if kind == 'old' else ')'):>28}"
+                )
                 continue
             argv = [sys.executable, "-m", __spec__.name, "--first-batch", kind, str(n)]
             out = subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env()).stdout.split()
@@ -95,7 +100,10 @@ def main() -> None:
     old = statistics.median(rates["old"])
     for kind in KINDS:
         median = statistics.median(rates[kind])
-        print(f"batches/s at N=1e6, {kind:>10}: median {median:>9.0f} over {args.rounds} rounds, x{median / old:.2f} of old")
+        print(
+            f"batches/s at N=1e6, {kind:>10}: median {median:>9.0f} "
+            f"over {args.rounds} rounds, x{median / old:.2f} of old"
+        )
     print(f"load average after: {load_average()}", flush=True)
 
 

@@ -102,15 +102,18 @@ def hand_written(
     train_set, model = build(w, steps)
     clock = StepClock()
     loader = loader_for(train_set, rank, world_size, batched=batched)
-    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, checks=checks, on_step=lambda step: clock.tick())
+    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, checks=checks,
+                  on_step=lambda step: clock.tick())
     return clock, model.state_dict()
 
 
 def ddpkit_trainer(
-    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False, log_every: int = 50,
+    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False,
+    log_every: int = 50,
     without: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[StepClock, dict]:
-    config = trainer_config(w, steps, world_size, workdir / "ddpkit", name="overhead", train={"timeline": timeline, "log_every": log_every})
+    config = trainer_config(w, steps, world_size, workdir / "ddpkit", name="overhead",
+                            train={"timeline": timeline, "log_every": log_every})
     for section, values in (without or {}).items():  # an ablation: some default switched off
         config[section] = {**config.get(section, {}), **values}
     trainer = TimedTrainer(config)
@@ -119,7 +122,9 @@ def ddpkit_trainer(
     return trainer.clock, trainer.unwrapped_model.state_dict()
 
 
-def wrapped_loop(w: dict[str, Any], steps: int, rank: int, world_size: int, *, setup: Any, backward: Any) -> tuple[StepClock, dict]:
+def wrapped_loop(
+    w: dict[str, Any], steps: int, rank: int, world_size: int, *, setup: Any, backward: Any
+) -> tuple[StepClock, dict]:
     """The hand-written loop with a framework's ``setup(model, optimizer)`` and ``backward(loss)``."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
@@ -175,8 +180,10 @@ def lightning(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tupl
     train_set, model = build(w, steps)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # banners, progress bar
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto", max_steps=steps, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+            accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto", max_steps=steps,
+            max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+            num_sanity_val_steps=0,
         )
         trainer.fit(Module(model), train_dataloaders=loader_for(train_set, rank, world_size))
     return clock, model.state_dict()
@@ -205,14 +212,16 @@ VARIANTS = {
     "hand-written": hand_written,
     "hand-written+checks": functools.partial(hand_written, checks=True),  # not run by default
     "hand-written+batched-reads": functools.partial(hand_written, batched=True),  # not run by default
-    "hand-written+host-memory": lambda *a, **kw: (keep_freed_host_memory(), hand_written(*a, **kw))[1],  # --single only: mallopt is per process
+    # --single only: mallopt is per process
+    "hand-written+host-memory": lambda *a, **kw: (keep_freed_host_memory(), hand_written(*a, **kw))[1],
     "ddpkit": ddpkit_trainer,
     "ddpkit+timeline": lambda *a, **kw: ddpkit_trainer(*a, **kw, timeline=True),
     # Not run by default: the Trainer with no loss reduction inside the run (log_every past the end).
     "ddpkit-nolog": lambda *a, **kw: ddpkit_trainer(*a, **{**kw, "log_every": 10**9}),
     # Ablations, not run by default: the Trainer with one group of defaults switched off, to say
     # what each costs per step (the difference to `ddpkit` in the same round).
-    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off) for name, off in ABLATIONS.items()},
+    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off) for name,
+       off in ABLATIONS.items()},
     # Not run by default: the gradients as torch's DDP keeps them by default (copied out of the buckets),
     # and the gradient norm per parameter: ddpkit before ddp.gradient_as_bucket_view became true.
     "ddpkit-no-bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": False}}),
@@ -242,7 +251,10 @@ def overhead_worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) 
             run["cpu"].append(steady_ms_per_step(clock.cpu, warmup=warmup))
             run["weights"].append(weights_digest(final))
             if rank == 0:
-                progress(f"[overhead] {params['workload']} round {r + 1} {name}: {run['wall'][-1]:.3f} ms/step, {run['cpu'][-1]:.3f} CPU ms/step")
+                progress(
+                    f"[overhead] {params['workload']} round {r + 1} {name}: "
+                    f"{run['wall'][-1]:.3f} ms/step, {run['cpu'][-1]:.3f} CPU ms/step"
+                )
     return {"runs": runs, "steps": steps, "warmup": warmup}
 
 
@@ -289,7 +301,8 @@ def report(workload: str, result: dict[str, Any]) -> str:
     w = WORKLOADS[workload]
     title = (f"{workload}: {w['nproc']} rank(s) x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
              f"{result['warmup']} warm-up, {len(hand['wall'])} rounds")
-    headers = ["variant", "ms/step", "min..max", "x hand", "x hand min..max", "x hand (best rounds)", "CPU us/step vs hand", "bitwise = hand"]
+    headers = ["variant", "ms/step", "min..max", "x hand", "x hand min..max", "x hand (best rounds)",
+               "CPU us/step vs hand", "bitwise = hand"]
     return table(title, headers, rows)
 
 
@@ -306,7 +319,9 @@ def run_single(variant: str, steps: int, log_every: int, workload: str = "step-c
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")  # every rank's Trainer must see the same output_dir
     with tempfile.TemporaryDirectory(prefix=f"bench-single-{run_id}-rank{env.rank}-") as tmp, process_group(env):
         if variant.startswith("ddpkit"):
-            extra["workdir"] = Path(tempfile.gettempdir()) / f"bench-single-{run_id}" if env.world_size > 1 else Path(tmp)
+            extra["workdir"] = Path(
+                tempfile.gettempdir()
+            ) / f"bench-single-{run_id}" if env.world_size > 1 else Path(tmp)
         VARIANTS[variant](WORKLOADS[workload], steps, env.rank, env.world_size, **extra)
 
 
@@ -317,12 +332,16 @@ def main(argv: list[str]) -> int:
         run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50, *argv[4:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="step-cost,mlp,mnist_cnn,resnet18", help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--workloads", default="step-cost,mlp,mnist_cnn,resnet18",
+                        help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per run (default: per workload, 1000/300/100/12)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")
-    parser.add_argument("--variants", default=None, help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}")
-    parser.add_argument("--fresh", action="store_true", help="each variant of each round in new processes (slower, no shared heap)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}")
+    parser.add_argument("--fresh", action="store_true",
+                        help="each variant of each round in new processes (slower, no shared heap)")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
     variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"]) + list(FRAMEWORKS)

@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.workloads import child_env, load_printed, loader_for, paired, summary, table, train_by_hand  # torch only: see its docstring
+# torch only: see its docstring
+from benchmarks.workloads import child_env, load_printed, loader_for, paired, summary, table, train_by_hand
 
 SEED, BATCH, STEPS = 0, 64, 3
 
@@ -73,7 +74,8 @@ def hand_written() -> None:
         if step == 1 and rank == 0:
             first_step_done()
 
-    train_by_hand(model, loader_for(train_set, rank, world_size), rank=rank, world_size=world_size, max_steps=STEPS, on_step=first_step)
+    train_by_hand(model, loader_for(train_set, rank, world_size), rank=rank, world_size=world_size, max_steps=STEPS,
+                  on_step=first_step)
     dist.destroy_process_group()
 
 
@@ -129,7 +131,8 @@ def _importtime(python: str, module: str) -> tuple[dict[str, tuple[int, int]], f
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([python, "-X", "importtime", "-c", f"import {module}"], capture_output=True, text=True, check=True)
+    done = subprocess.run([python, "-X", "importtime", "-c", f"import {module}"], capture_output=True, text=True,
+                          check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     table = {}
@@ -143,12 +146,15 @@ def _importtime(python: str, module: str) -> tuple[dict[str, tuple[int, int]], f
 def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) -> dict[str, list[float]]:
     """Seconds from starting the launcher to rank 0's first optimizer step, per variant and round."""
     config = workdir / "startup.yaml"
-    config.write_text(CONFIG.replace("run: {name: startup, seed: 0}", f"run: {{name: startup, seed: {SEED}, output_dir: {workdir / 'run'}}}"))
+    config.write_text(CONFIG.replace("run: {name: startup, seed: 0}",
+                                     f"run: {{name: startup, seed: {SEED}, output_dir: {workdir / 'run'}}}"))
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     commands = {
         "hand-written (torchrun)": ("hand", [*torchrun, "-m", __spec__.name]),
         "ddpkit Trainer (torchrun)": ("ddpkit", [*torchrun, "-m", __spec__.name, str(config)]),
-        "ddpkit Trainer (ddpkit run --script)": ("ddpkit", [python, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(script)]),
+        "ddpkit Trainer (ddpkit run --script)": ("ddpkit",
+                                                 [python, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2",
+                                                  "--script", str(script)]),
     }
     seconds: dict[str, list[float]] = {name: [] for name in commands}
     names = list(commands)
@@ -161,23 +167,32 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
             start = time.time()
             done = subprocess.run(argv, env=env, capture_output=True, text=True)
             if done.returncode != 0 or not marker.exists():
-                raise SystemExit(f"{name} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+                raise SystemExit(
+                    f"{name} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+                )
             seconds[name].append(float(marker.read_text()) - start)
-            print(f"[startup] round {r + 1}/{rounds} {name}: first step after {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
+            print(f"[startup] round {r + 1}/{rounds} {name}: first step after {seconds[name][-1]:.2f} s",
+                  file=sys.stderr, flush=True)
     return seconds
 
 
 def import_report(python: str, rounds: int) -> str:
     t = import_times(python, rounds)
-    added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in ("added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms"))
+    added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in (
+        "added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms"
+    ))
     extra = sorted(((summary(v).median, k) for k, v in t["extra_modules"].items()), reverse=True)
-    return table(f"import time, {rounds} alternated rounds (python -X importtime):", ["measure", "median ms", "min..max"], [
+    return table(f"import time, {rounds} alternated rounds (python -X importtime):", [
+        "measure", "median ms", "min..max"
+    ], [
         ["import torch (alone)", f"{torch_ms.median:.1f}", torch_ms.spread(1)],
         ["import ddpkit (total)", f"{ddpkit_ms.median:.1f}", ddpkit_ms.spread(1)],
         ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
         ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
     ]) + (f"\nbudget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
-          f"{len(extra)} modules not imported by torch, largest self times: " + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8]))
+          f"{len(extra)} modules not imported by torch, largest self times: " + ", ".join(
+              f"{name} {ms:.1f} ms" for ms, name in extra[:8]
+          ))
 
 
 def first_step_report(python: str, rounds: int) -> str:

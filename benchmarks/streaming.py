@@ -59,7 +59,9 @@ class TensorStream(IterableDataset):
             yield tuple(t[i] for t in self.tensors)
 
 
-def _epoch(variant: str, data: tuple[torch.Tensor, ...], workers: int, epoch: int, window: int = 8) -> tuple[float, int]:
+def _epoch(
+    variant: str, data: tuple[torch.Tensor, ...], workers: int, epoch: int, window: int = 8
+) -> tuple[float, int]:
     """Seconds for one epoch on this rank (slowest rank's, after an all_reduce) and samples used on all ranks."""
     env = read_dist_env()
     dist.barrier()
@@ -69,7 +71,8 @@ def _epoch(variant: str, data: tuple[torch.Tensor, ...], workers: int, epoch: in
         start_epoch(loader, epoch)
         batches = loader
     else:
-        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers, window_steps=window)
+        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers,
+                                     window_steps=window)
         batches = loader.stream_epochs
         batches.start_epoch(epoch)
     count = 0
@@ -103,7 +106,8 @@ def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
             loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, window_steps=window or 1)
             batches = loader.stream_epochs
             batches.start_epoch(r)
-            if not window:  # the loader itself: the same batches (less the workers' end-of-share markers), no collective
+            # the loader itself: the same batches (less the workers' end-of-share markers), no collective
+            if not window:
                 batches = (item for item in loader if isinstance(item, (list, tuple)))
             dist.barrier()
             started, count = time.perf_counter(), 0
@@ -137,17 +141,23 @@ def main() -> None:
 def measure(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {"throughput": {}, "agreement": {}}
     if "throughput" in args.parts:
-        print(f"samples/s, one epoch of {args.num_train} digits, per-rank batch 64; median (min..max) of {args.rounds} rounds")
+        print(
+            f"samples/s, one epoch of {args.num_train} digits, per-rank "
+            f"batch 64; median (min..max) of {args.rounds} rounds"
+        )
         print(f"{'ranks':>5} {'workers':>7} {'map':>22} {'stream':>22} {'stream/map':>20}")
     for ranks in (1, 2) if "throughput" in args.parts else ():
         job = run_on_ranks(_throughput_job, world_size=ranks, args=(args.rounds, args.num_train), timeout=3600)[0]
         for workers in (0, 2):
             m, s = job[f"map/{workers}"], job[f"stream/{workers}"]
             ratios = [b / a for a, b in zip(m, s)]
-            report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s), _summary("ratio", ratios)]
+            report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s),
+                                                          _summary("ratio", ratios)]
             print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
     job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0] if "agreement" in args.parts else {}
-    print("\nus per batch, 2 ranks, 0 workers: the loader alone, and StreamEpochs agreeing every data.stream_window steps")
+    print(
+        "\nus per batch, 2 ranks, 0 workers: the loader alone, and StreamEpochs agreeing every data.stream_window steps"
+    )
     for name, values in job.items():
         report["agreement"][name] = _summary(name, values)
         paired = [v / b for v, b in zip(values, job["no agreement"])] if name.startswith("window") else None

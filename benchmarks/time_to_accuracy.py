@@ -87,7 +87,9 @@ train:
   eval_every: 25
   early_stopping: {{metric: val_accuracy, mode: max, target: 0.95}}
 """
-REACHED = re.compile(r"early stopping: val_accuracy (\S+) >= train\.early_stopping\.target=\S+ \(mode max\) at step (\d+)")
+REACHED = re.compile(
+    r"early stopping: val_accuracy (\S+) >= train\.early_stopping\.target=\S+ \(mode max\) at step (\d+)"
+)
 
 
 def environment() -> dict[str, str]:
@@ -105,7 +107,10 @@ def prepare_data(workdir: Path) -> Path:
     val = make_digits(d["num_val"], seed=d["seed"] + 1, **shape)
     path = workdir / "digits.pt"
     torch.save([*train, *val], path)
-    progress(f"[tta] data: digits {d['num_train']} train / {d['num_val']} val, {d['image_size']}px, seed {d['seed']} -> {path}")
+    progress(
+        f"[tta] data: digits {d['num_train']} train / {d['num_val']} "
+        f"val, {d['image_size']}px, seed {d['seed']} -> {path}"
+    )
     return path
 
 
@@ -116,14 +121,17 @@ def launch(argv: list[str], log: Path) -> tuple[float, float, str]:
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=environment(), timeout=TIMEOUT)
         exited = time.time()
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} exited {done.returncode}; its stderr ({log}) ends:\n{log.read_text()[-4000:]}")
+        raise SystemExit(
+            f"{' '.join(argv)} exited {done.returncode}; its stderr ({log}) ends:\n{log.read_text()[-4000:]}"
+        )
     return launched, exited, done.stdout
 
 
 def run_hand(data: Path, out: Path) -> dict[str, Any]:
     """One hand-written run: its marks and step count."""
     out.mkdir(parents=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", HAND, str(data), str(out)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", HAND,
+            str(data), str(out)]
     launched, exited, stdout = launch(argv, out / "stderr.txt")
     line = [s for s in stdout.splitlines() if s.startswith("{")][-1]
     marks = json.loads(line)
@@ -131,12 +139,15 @@ def run_hand(data: Path, out: Path) -> dict[str, Any]:
 
 
 def run_ddpkit(out: Path, start: str = "fork") -> dict[str, Any]:
-    """One ``ddpkit run --start-method START``: its marks from the goodput ledger, its step count from the ledger and the log."""
+    """One ``ddpkit run --start-method START``: its marks from the goodput ledger, its step count from the ledger and
+    the log."""
     out.mkdir(parents=True)
     config = out.with_suffix(".yaml")
     config.write_text(CONFIG.format(output_dir=out))
     log = out.parent / f"{out.name}.stderr.txt"
-    launched, exited, _ = launch([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--start-method", start], log)
+    launched, exited, _ = launch([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2",
+                                  "--start-method", start],
+                                 log)
     events: dict[str, list[dict[str, Any]]] = {}
     for record in read_ledger(out):
         if record.get("rank", 0) == 0:
@@ -144,8 +155,10 @@ def run_ddpkit(out: Path, start: str = "fork") -> dict[str, Any]:
     start, end = events["start"][-1], events["end"][-1]
     reached = REACHED.search(log.read_text())
     return {
-        "launch": launched, "imported": start["imported"], "ready": start["ready"], "built": events["restore"][-1]["began"],
-        "first_step": events["first_step"][-1]["t"], "target": events["validation"][-1]["t"], "saved": end["t"], "exit": exited,
+        "launch": launched, "imported": start["imported"], "ready": start["ready"],
+        "built": events["restore"][-1]["began"],
+        "first_step": events["first_step"][-1]["t"], "target": events["validation"][-1]["t"], "saved": end["t"],
+        "exit": exited,
         "step": end["step"], "logged_step": int(reached.group(2)) if reached else None,
         "logged_accuracy": float(reached.group(1)) if reached else None,
     }
@@ -179,7 +192,9 @@ def measure(rounds: int, workdir: Path) -> dict[str, list[dict[str, Any]]]:
             runs[variant].append(run)
             progress(f"[tta] round {r + 1}/{rounds} {variant}: {run['wall_s']:.1f} s, {run['step']} steps")
         for variant in START:
-            runs[variant][-1]["bitwise_equal_to_hand"] = same_weights(runs[variant][-1]["model"], runs["hand-written"][-1]["model"])
+            runs[variant][-1]["bitwise_equal_to_hand"] = same_weights(
+                runs[variant][-1]["model"], runs["hand-written"][-1]["model"]
+            )
     return runs
 
 
@@ -196,17 +211,22 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
         f"time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, {len(hand)} rounds:",
         format_table(["variant", "median s", "min..max", "x hand (paired)", "min..max", "steps to target"], rows),
-        f"budget: ddpkit within 1.05x of hand-written: {'met' if budget <= 1.05 else 'NOT met'} (median {budget:.3f}x); "
-        f"final weights of both ddpkit variants bitwise equal to the same round's hand-written run: {equal}/{len(hand)} rounds",
+        "budget: ddpkit within 1.05x of hand-written: "
+        f"{'met' if budget <= 1.05 else 'NOT met'} (median {budget:.3f}x); "
+        "final weights of both ddpkit variants bitwise equal to the "
+        f"same round's hand-written run: {equal}/{len(hand)} rounds",
         "",
-        "parts, median seconds (launch -> imports done -> group ready -> data+model built -> first step -> target reached -> saved -> exit):",
+        "parts, median seconds (launch -> imports done -> group ready -> "
+        "data+model built -> first step -> target reached -> saved -> exit):",
     ]
     part_rows = [[v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()]
     diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))] for row in part_rows[1:]]
     lines.append(format_table(["variant", *PARTS], [*part_rows, *diffs]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]
     if any(a != b for a, b in logged):
-        lines.append(f"note: ddpkit's 'early stopping ... >= target' log line (step) vs its ledger's end step: {logged}")
+        lines.append(
+            f"note: ddpkit's 'early stopping ... >= target' log line (step) vs its ledger's end step: {logged}"
+        )
     return "\n".join(lines)
 
 
@@ -223,7 +243,8 @@ def main(argv: list[str]) -> int:
     print(report(runs))
     print(f"load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}", flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"rounds": args.rounds, "load_before": before, "load_after": after, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"rounds": args.rounds, "load_before": before, "load_after": after, "runs": runs},
+                                        indent=1))
     return 0
 
 

@@ -84,16 +84,21 @@ def main(argv: list[str]) -> int:
         for r in range(args.rounds):
             for label, tree, variant in rotated(entries, r):
                 runs[label].append(run_job(tree, variant, args.steps, args.workload))
-                print(f"[trees] round {r + 1}/{args.rounds} {label}: {runs[label][-1][0]:.3f} ms/step", file=sys.stderr, flush=True)
+                print(f"[trees] round {r + 1}/{args.rounds} {label}: {runs[label][-1][0]:.3f} ms/step", file=sys.stderr,
+                      flush=True)
         ref, rows = runs[entries[0][0]], []
         for label, own in runs.items():
             walls, cpus, digests = zip(*own)
             ref_walls, ref_cpus, ref_digests = zip(*ref)
-            wall, ratio, extra_cpu = summary(walls), paired(walls, ref_walls), paired(cpus, ref_cpus, scale=1000, difference=True)
+            wall, ratio, extra_cpu = summary(walls), paired(walls, ref_walls), paired(
+                cpus, ref_cpus, scale=1000, difference=True
+            )
             same = sum(a == b for a, b in zip(digests, ref_digests))
-            rows.append([label, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3), f"{extra_cpu.median:+.1f}", f"{same}/{len(own)}"])
+            rows.append([label, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
+                         f"{extra_cpu.median:+.1f}", f"{same}/{len(own)}"])
         print(table(f"{args.workload}: {args.rounds} rounds x {args.steps} steps, each a fresh 2-rank job",
-                    ["entry", "ms/step", "min..max", "x ref", "x ref min..max", "CPU us/step vs ref", "bitwise = ref"], rows), flush=True)
+                    ["entry", "ms/step", "min..max", "x ref", "x ref min..max", "CPU us/step vs ref", "bitwise = ref"],
+                    rows), flush=True)
     return 0
 
 

@@ -30,7 +30,9 @@ def temporary_path(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.tmp"
 
 
-def write_atomically(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], Any], *, durable: bool = False) -> tuple[str, int]:
+def write_atomically(
+    path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], Any], *, durable: bool = False
+) -> tuple[str, int]:
     """Replace ``path`` with ``data`` (bytes, text, or a function writing to a binary file) atomically.
 
     Returns the SHA-256 and size of what was written. The parent directory must exist."""

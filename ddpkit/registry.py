@@ -147,5 +147,7 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
         raise ConfigError("data.name: not set; name a dataset (e.g. data.name=digits) or override build_datasets()")
     datasets = DATASETS.build(cfg.name, key="data.name", kwargs=cfg.kwargs)
     if not (isinstance(datasets, tuple) and len(datasets) == 2):
-        raise ConfigError(f"data.name: dataset builder {cfg.name!r} must return (train, val), got {type(datasets).__name__}")
+        raise ConfigError(
+            f"data.name: dataset builder {cfg.name!r} must return (train, val), got {type(datasets).__name__}"
+        )
     return datasets

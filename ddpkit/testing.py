@@ -90,7 +90,10 @@ def _wait(procs: list[Any], workdir: Path, timeout: float) -> list[str]:
         if proc.is_alive():
             proc.kill()
             proc.join()
-            failures.append(f"rank {rank}: still running, killed ({'after a failure on another rank' if _failed(procs) else f'timeout {timeout:.0f}s'})")
+            failures.append(
+                f"rank {rank}: still running, killed "
+                f"({'after a failure on another rank' if _failed(procs) else f'timeout {timeout:.0f}s'})"
+            )
         elif proc.exitcode != 0:
             error = workdir / f"error{rank}.txt"
             failures.append(f"rank {rank}: exit code {proc.exitcode}\n{error.read_text() if error.exists() else ''}")
@@ -101,7 +104,9 @@ def _failed(procs: list[Any]) -> bool:
     return any(p.exitcode not in (None, 0) and p.exitcode != -9 for p in procs)
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, workdir: str, env: dict[str, str]) -> None:
+def _rank_main(
+    fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, workdir: str, env: dict[str, str]
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1", **env,

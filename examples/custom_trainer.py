@@ -40,4 +40,6 @@ class RegressionTrainer(ddpkit.Trainer):
 
 
 if __name__ == "__main__":
-    RegressionTrainer.main(defaults=["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64"])  # yours replace these
+    # yours replace these
+    RegressionTrainer.main(defaults=["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20",
+                                     "data.batch_size=64"])

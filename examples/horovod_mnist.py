@@ -85,7 +85,8 @@ class HorovodMnistTrainer(ddpkit.Trainer):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """Horovod's rule: the learning rate grows with the number of processes (the global batch does)."""
         cfg = self.config.optim
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr * self.world_size, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr * self.world_size, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ import torch
 from ddpkit.data.datasets import make_digits
 
 
-def write_shards(images: torch.Tensor, labels: torch.Tensor, out_dir: Path, *, prefix: str, sizes: Sequence[int]) -> list[Path]:
+def write_shards(
+    images: torch.Tensor, labels: torch.Tensor, out_dir: Path, *, prefix: str, sizes: Sequence[int]
+) -> list[Path]:
     """Write consecutive runs of ``sizes`` samples to ``out_dir/<prefix>-000.tar``, ...; return the paths."""
     if sum(sizes) != len(labels):
         raise ValueError(f"shard sizes add up to {sum(sizes)}, but there are {len(labels)} samples")
@@ -70,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if count:
             images, labels = make_digits(count, seed=seed, image_size=args.image_size, noise=args.noise)
             paths = write_shards(images, labels, args.out_dir, prefix=prefix, sizes=even_sizes(count, shards))
-            print(f"wrote {count} samples to {len(paths)} shards: {args.out_dir}/{prefix}-{{000..{len(paths) - 1:03d}}}.tar")
+            print(
+                f"wrote {count} samples to {len(paths)} shards: "
+                f"{args.out_dir}/{prefix}-{{000..{len(paths) - 1:03d}}}.tar"
+            )
 
 
 if __name__ == "__main__":

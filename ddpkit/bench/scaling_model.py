@@ -182,7 +182,10 @@ def fit_link(points: Sequence[tuple[int, int, float]], *, name: str = "fitted") 
     r1, r2 = sum(x1 for x1, _ in rows), sum(x2 for _, x2 in rows)
     det = s11 * s22 - s12 * s12
     if len(rows) < 2 or det <= 1e-12 * s11 * s22:
-        raise BenchUsageError("the allreduce measurement needs at least two different message sizes on 2+ ranks to fit latency and bandwidth")
+        raise BenchUsageError(
+            "the allreduce measurement needs at least two different "
+            "message sizes on 2+ ranks to fit latency and bandwidth"
+        )
     alpha, beta = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
     if beta <= 0:  # timings too noisy to show a bandwidth: fall back to the largest message's busbw
         b, n, t = max(points, key=lambda p: p[0])
@@ -217,7 +220,9 @@ def assign_buckets(params: Sequence[Param], *, cap_mb: float | None) -> list[Buc
     return out
 
 
-def comm_end_s(buckets: Sequence[Bucket], n: int, link: Link, algorithm: Algorithm = "ring", *, comm_factor: float = 1.0) -> tuple[float, float]:
+def comm_end_s(
+    buckets: Sequence[Bucket], n: int, link: Link, algorithm: Algorithm = "ring", *, comm_factor: float = 1.0
+) -> tuple[float, float]:
     """``(end of the last allreduce, sum of allreduce times)``, seconds after backward began.
 
     Bucket ``i`` starts at ``max(ready_i, end_{i-1})``: DDP launches buckets in order and the
@@ -256,16 +261,20 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def predict(profile: Profile, n: int, link: Link, algorithm: Algorithm = "ring", *, buckets: Sequence[Bucket] | None = None) -> Prediction:
+def predict(
+    profile: Profile, n: int, link: Link, algorithm: Algorithm = "ring", *, buckets: Sequence[Bucket] | None = None
+) -> Prediction:
     """Step time, samples/s and efficiency at ``n`` ranks (``buckets``: other than the measured ones)."""
     if n == 1:
         step = profile.single_step_s
         return Prediction(1, step, 0.0, 0.0, profile.batch_size / step, 1.0)
-    end, total = comm_end_s(buckets if buckets is not None else profile.buckets, n, link, algorithm, comm_factor=profile.comm_factor)
+    end, total = comm_end_s(buckets if buckets is not None else profile.buckets, n, link, algorithm,
+                            comm_factor=profile.comm_factor)
     compute = profile.data_s + profile.forward_s + profile.optimizer_s + profile.local_backward_s
     wait = straggler_s(profile.step_samples_s, n)
     step = compute + broadcast_s(profile.buffer_bytes, n, link) + max(profile.backward_s, end) + wait
-    return Prediction(n, step, total, max(0.0, end - profile.backward_s), n * profile.batch_size / step, profile.single_step_s / step, wait)
+    return Prediction(n, step, total, max(0.0, end - profile.backward_s), n * profile.batch_size / step,
+                      profile.single_step_s / step, wait)
 
 
 def assumed_profile(step_s: float, grad_bytes: int, *, batch_size: int, backward_share: float = 2 / 3,
@@ -284,7 +293,9 @@ def assumed_profile(step_s: float, grad_bytes: int, *, batch_size: int, backward
                    params=params, bucket_cap_mb=cap_mb)
 
 
-def best_bucket_cap(profile: Profile, n: int, link: Link, *, caps_mb: Sequence[float], algorithm: Algorithm = "ring") -> tuple[float, Prediction]:
+def best_bucket_cap(
+    profile: Profile, n: int, link: Link, *, caps_mb: Sequence[float], algorithm: Algorithm = "ring"
+) -> tuple[float, Prediction]:
     """The ``bucket_cap_mb`` among ``caps_mb`` with the shortest predicted step (needs ``profile.params``)."""
     options = [(cap, predict(profile, n, link, algorithm, buckets=assign_buckets(profile.params, cap_mb=cap))) for cap in caps_mb]
     return min(options, key=lambda option: option[1].step_s)
@@ -296,11 +307,13 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 def parse_bandwidth(text: str, *, option: str = "--link") -> float:
-    """Bytes/s in ``100Gbit`` or ``100Gb`` (bits), ``25GbE`` (Ethernet, bits), ``12.5GB/s`` or ``12.5GBps`` (bytes); decimal prefixes."""
+    """Bytes/s in ``100Gbit`` or ``100Gb`` (bits), ``25GbE`` (Ethernet, bits), ``12.5GB/s`` or ``12.5GBps`` (bytes);
+    decimal prefixes."""
     match = _BANDWIDTH.match(text.strip())
     if match is None or float(match.group(1)) <= 0:
         raise BenchUsageError(
-            f"{option}: cannot read {text!r} as a positive bandwidth; write e.g. 100Gbit, 25GbE or 12.5GB/s (decimal units; b = bits, B = bytes)"
+            f"{option}: cannot read {text!r} as a positive bandwidth; write e.g. "
+            "100Gbit, 25GbE or 12.5GB/s (decimal units; b = bits, B = bytes)"
         )
     number, prefix, unit = float(match.group(1)), match.group(2).lower(), match.group(3)
     in_bytes = unit == "B"  # GB/s; everything else (bit, b, bE as in GbE) counts bits

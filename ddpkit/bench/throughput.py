@@ -37,16 +37,22 @@ _IMAGE_SHAPE = (3, 224, 224)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a registered model (mlp, mnist_cnn) or any torchvision model (resnet18, ...)")
+    parser.add_argument("--model", required=True,
+                        help="a registered model (mlp, mnist_cnn) or any torchvision model (resnet18, ...)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-    parser.add_argument("--nproc-per-node", default="1,2", help="comma-separated world sizes to run, one node (default 1,2)")
+    parser.add_argument("--nproc-per-node", default="1,2",
+                        help="comma-separated world sizes to run, one node (default 1,2)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast precision (fp16: CUDA only)")
-    parser.add_argument("--input-shape", default=None, help="per-sample shape, e.g. 3,32,32 (default: 1,28,28 for mlp/mnist_cnn, else 3,224,224)")
-    parser.add_argument("--rounds", type=int, default=1, help="measure every world size this many times, alternating; report medians")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="autocast precision (fp16: CUDA only)")
+    parser.add_argument("--input-shape", default=None,
+                        help="per-sample shape, e.g. 3,32,32 (default: 1,28,28 for mlp/mnist_cnn, else 3,224,224)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every world size this many times, alternating; report medians")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank on the CPU (default 1)")
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="also plot scaling efficiency vs world size (needs matplotlib: ddpkit[plot])")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="also plot scaling efficiency vs world size (needs matplotlib: ddpkit[plot])")
     add_output_arguments(parser)
 
 
@@ -62,12 +68,16 @@ def run(args: argparse.Namespace) -> int:
     for round_index in range(args.rounds):
         order = counts if round_index % 2 == 0 else counts[::-1]
         for n in order:
-            progress(f"[throughput] round {round_index + 1}/{args.rounds}: {args.model} on {n} process(es), {args.warmup}+{args.steps} steps ...")
+            progress(
+                f"[throughput] round {round_index + 1}/{args.rounds}: {args.model} "
+                f"on {n} process(es), {args.warmup}+{args.steps} steps ..."
+            )
             result = run_workers("throughput", params, nproc=n, threads=args.threads_per_rank)
             runs[n].append(result["ms_per_step"])
             progress(f"[throughput]   {n} process(es): {result['ms_per_step']:.2f} ms/step")
     rows = efficiency_rows({n: Stats.of(ms) for n, ms in runs.items()}, batch_size=args.batch_size)
-    print(f"throughput: {args.model}, batch {args.batch_size} per rank, {args.precision}, input {'x'.join(map(str, shape))}, "
+    print(f"throughput: {args.model}, batch {args.batch_size} per rank, "
+          f"{args.precision}, input {'x'.join(map(str, shape))}, "
           f"{args.steps} timed steps, median of {args.rounds} round(s)")
     print(format_table(
         ["nproc", "global batch", "ms/step", "min..max", "samples/s", "efficiency"],
@@ -89,13 +99,15 @@ def _check(args: argparse.Namespace) -> list[int]:
     from ddpkit.registry import MODELS
 
     counts = parse_nproc(args.nproc_per_node)
-    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds), ("--threads-per-rank", args.threads_per_rank)):
+    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds),
+                          ("--threads-per-rank", args.threads_per_rank)):
         if value < 1:
             raise BenchUsageError(f"{option}: {value} must be at least 1")
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
-    preflight(nproc=str(counts[-1]), precision=args.precision, precision_option="--precision ")  # the checks of `ddpkit run`
+    # the checks of `ddpkit run`
+    preflight(nproc=str(counts[-1]), precision=args.precision, precision_option="--precision ")
     if args.plot:
         from ddpkit.bench.plotting import require_matplotlib
 
@@ -124,7 +136,8 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
         {
             "run": {"name": "bench-throughput", "seed": 0},
             # Eight batches per rank, reused epoch after epoch: memory stays small for any step count.
-            "data": {"name": "synthetic", "batch_size": batch, "kwargs": {"size": 8 * batch * runtime.env.world_size, "shape": params["shape"]}},
+            "data": {"name": "synthetic", "batch_size": batch,
+                     "kwargs": {"size": 8 * batch * runtime.env.world_size, "shape": params["shape"]}},
             "model": {"name": params["model"]},
             "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
             "train": {"precision": params["precision"]},

@@ -35,7 +35,9 @@ def parse_size(text: str, *, option: str = "--sizes") -> int:
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise BenchUsageError(f"{option}: cannot read {text!r} as a size; write e.g. 512B, 4KB, 16MB or 1GB (K/M/G = 1024-based)")
+        raise BenchUsageError(
+            f"{option}: cannot read {text!r} as a size; write e.g. 512B, 4KB, 16MB or 1GB (K/M/G = 1024-based)"
+        )
     size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
         raise BenchUsageError(f"{option}: {text!r} is not a positive size")
@@ -61,7 +63,10 @@ def parse_sizes(text: str, *, factor: int = 2, option: str = "--sizes") -> list[
         if not sizes:
             raise BenchUsageError(f"{option}: no size given; write e.g. 1KB..256MB or 4KB,1MB")
     if len(sizes) > MAX_SIZES:
-        raise BenchUsageError(f"{option}: {text!r} expands to {len(sizes)} sizes (at most {MAX_SIZES}); use a larger --step-factor or a narrower range")
+        raise BenchUsageError(
+            f"{option}: {text!r} expands to {len(sizes)} sizes (at most "
+            f"{MAX_SIZES}); use a larger --step-factor or a narrower range"
+        )
     return sizes
 
 
@@ -75,7 +80,9 @@ def parse_nproc(text: str, *, option: str = "--nproc-per-node", minimum: int = 1
         raise BenchUsageError(f"{option}: no process count given; write e.g. {option} 1,2")
     bad = [n for n in counts if not minimum <= n <= maximum]
     if bad:
-        raise BenchUsageError(f"{option}: {bad[0]} is out of range; each process count must be between {minimum} and {maximum}")
+        raise BenchUsageError(
+            f"{option}: {bad[0]} is out of range; each process count must be between {minimum} and {maximum}"
+        )
     return counts
 
 

@@ -74,10 +74,12 @@ def _section(cls: type) -> dict[str, Any]:
         schema = _section(inner) if inner is not None else _value(strip_none(hint), f)
         if optional(hint):
             schema = {"anyOf": [schema, {"type": "null"}]}
-        properties[key] = {**schema, "description": f.metadata.get("doc", "")}  # a section's: the field's text, as in docs/config.md's row
+        # a section's: the field's text, as in docs/config.md's row
+        properties[key] = {**schema, "description": f.metadata.get("doc", "")}
         if inner is None or f.default is None:
             properties[key]["default"] = _plain(default_value(f))
-    return {"type": "object", "description": " ".join((cls.__doc__ or "").split()), "properties": properties, "additionalProperties": False}
+    return {"type": "object", "description": " ".join((cls.__doc__ or "").split()), "properties": properties,
+            "additionalProperties": False}
 
 
 def _value(tp: Any, f: dataclasses.Field) -> dict[str, Any]:

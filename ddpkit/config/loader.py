@@ -134,7 +134,11 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
         if isinstance(value, str) and value in args:
             return value
         hint = _closest(value if isinstance(value, str) else short_repr(value), list(args))
-        problems.append(f"{path}: expected one of {', '.join(args)}; got {show(value)}" + (f" (did you mean {hint!r}?)" if hint else ""))
+        problems.append(
+            f"{path}: expected one of {', '.join(args)}; got {show(value)}" + (
+                f" (did you mean {hint!r}?)" if hint else ""
+            )
+        )
         return args[0]
     if origin is list:
         if isinstance(value, list):

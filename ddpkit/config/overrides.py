@@ -33,11 +33,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = parse_yaml(value_text) if value_text.strip() else None
     except DuplicateKeyError as exc:
         keys = ", ".join(f"`{path}`" for path, _, _ in exc.duplicates)
-        raise ConfigError(f"bad override {short_repr(text)}: the value gives {keys} twice; give each key once") from None
+        raise ConfigError(
+            f"bad override {short_repr(text)}: the value gives {keys} twice; give each key once"
+        ) from None
     except (yaml.YAMLError, RecursionError):
-        raise ConfigError(f"bad override {short_repr(text)}: the value is not a YAML value; quote it if it is a string") from None
+        raise ConfigError(
+            f"bad override {short_repr(text)}: the value is not a YAML value; quote it if it is a string"
+        ) from None
     except (ValueError, OverflowError) as exc:  # see read_yaml
-        raise ConfigError(f"bad override {short_repr(text)}: the value cannot be converted ({first_clause(exc)})") from None
+        raise ConfigError(
+            f"bad override {short_repr(text)}: the value cannot be converted ({first_clause(exc)})"
+        ) from None
     return key.split("."), value
 
 
@@ -94,7 +100,9 @@ def apply_override(raw: dict[str, Any], text: str, problems: list[str]) -> None:
             child = node[key] = {}
         if not isinstance(child, dict):
             path = ".".join(keys[: depth + 1])
-            problems.append(f"bad override {short_repr(text)}: {path} is {short_repr(child)}, not a section with sub-keys")
+            problems.append(
+                f"bad override {short_repr(text)}: {path} is {short_repr(child)}, not a section with sub-keys"
+            )
             return
         node = child
     node[keys[-1]] = value

@@ -34,7 +34,8 @@ class FSDPConfig:
     reshard_after_forward: bool = option(
         True,
         "Free each block's gathered parameters after its forward and gather them again for the backward: "
-        "less memory, one more all-gather per block and step (ZeRO-3). `false`: keep them until the backward (ZeRO-2 like).",
+        "less memory, one more all-gather per block and step (ZeRO-3). "
+        "`false`: keep them until the backward (ZeRO-2 like).",
     )
 
 

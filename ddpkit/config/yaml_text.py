@@ -65,7 +65,8 @@ class DuplicateKeyError(ValueError):
 
     def describe(self) -> str:
         """``"`train` is given twice (lines 1 and 9)"``, one clause per repeated key."""
-        return "; ".join(f"`{path}` is given twice (lines {first} and {second})" for path, first, second in self.duplicates)
+        return "; ".join(f"`{path}` is given twice (lines {first} and {second})" for path, first,
+                         second in self.duplicates)
 
 
 _loader_class = None
@@ -83,7 +84,8 @@ def _config_loader() -> type:
         # Implicit resolvers are tried in order; int and YAML 1.1 float come first, so "3" stays an
         # int and "2.5e-3" a float. A subclass gets its own copy of the resolver table.
         ConfigYamlLoader.add_implicit_resolver(_NUMBER_TEXT_TAG, _NUMBER_WITH_EXPONENT, list("-+0123456789"))
-        ConfigYamlLoader.add_constructor(_NUMBER_TEXT_TAG, lambda loader, node: NumberText(loader.construct_scalar(node)))
+        ConfigYamlLoader.add_constructor(_NUMBER_TEXT_TAG,
+                                         lambda loader, node: NumberText(loader.construct_scalar(node)))
         _loader_class = ConfigYamlLoader
     return _loader_class
 
@@ -223,9 +225,13 @@ def _read_config_bytes(path: Path) -> bytes:
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}; check the path and its permissions") from None
+        raise ConfigError(
+            f"config file {path} cannot be read: {exc.strerror or exc}; check the path and its permissions"
+        ) from None
     if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_FILE_BYTES} bytes; a config should be a small YAML file")
+        raise ConfigError(
+            f"config file {path} is larger than {MAX_FILE_BYTES} bytes; a config should be a small YAML file"
+        )
     return data
 
 
@@ -255,7 +261,9 @@ def check_size(raw: Any, problems: list[str]) -> None:
         value, depth, path = stack.pop()
         budget -= 1
         if depth > MAX_DEPTH:
-            problems.append(f"{_under(path)}: nested more than {MAX_DEPTH} levels deep; a config is a few levels of sections")
+            problems.append(
+                f"{_under(path)}: nested more than {MAX_DEPTH} levels deep; a config is a few levels of sections"
+            )
             return
         if budget < 0:
             problems.append(

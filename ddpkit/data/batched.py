@@ -77,7 +77,8 @@ def _collated(batch: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def batch_reads(dataset: Dataset, *, num_workers: int = 0) -> tuple[Dataset, Callable[[Any], Any] | None]:
-    """``(dataset, collate_fn)`` for a DataLoader: whole-batch reads where they give the same batches, else ``(dataset, None)``."""
+    """``(dataset, collate_fn)`` for a DataLoader: whole-batch reads where they give the same batches, else
+    ``(dataset, None)``."""
     plain = isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
     if not plain or num_workers:
         return dataset, None
@@ -85,7 +86,8 @@ def batch_reads(dataset: Dataset, *, num_workers: int = 0) -> tuple[Dataset, Cal
 
 
 def resident_device(dataset: Any) -> torch.device | None:
-    """The accelerator a ``TensorDataset``'s tensors already live on (e.g. ``cuda:0``), else None (CPU, or not tensors)."""
+    """The accelerator a ``TensorDataset``'s tensors already live on (e.g. ``cuda:0``), else None (CPU, or not
+    tensors)."""
     tensors = getattr(dataset, "tensors", None)
     if isinstance(dataset, (TensorDataset, TensorBatches)) and tensors and tensors[0].device.type != "cpu":
         return tensors[0].device

@@ -76,7 +76,9 @@ def make_digits(n: int, *, seed: int, image_size: int = 28, noise: float = 0.2) 
     return (images.clamp(0, 1) - 0.5) * 2, labels
 
 
-def digits(num_train: int = 12000, num_val: int = 2000, image_size: int = 28, noise: float = 0.2, seed: int = 1234) -> tuple[Dataset, Dataset]:
+def digits(
+    num_train: int = 12000, num_val: int = 2000, image_size: int = 28, noise: float = 0.2, seed: int = 1234
+) -> tuple[Dataset, Dataset]:
     """The embedded default dataset: 10 classes of generated 1x28x28 digit images, no download.
 
     ``seed`` fixes the data itself (independent of ``run.seed``, which fixes the training run).
@@ -95,17 +97,22 @@ def _cached_digits(n: int, *, seed: int, image_size: int, noise: float) -> tuple
     return cached_tensors(key, lambda: make_digits(n, seed=seed, image_size=image_size, noise=noise))
 
 
-def synthetic(size: int = 1024, shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, val_size: int = 0, seed: int = 0) -> tuple[Dataset, Dataset | None]:
+def synthetic(
+    size: int = 1024, shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, val_size: int = 0, seed: int = 0
+) -> tuple[Dataset, Dataset | None]:
     """Random tensors held in memory: for benchmarks, where data loading must cost nothing."""
     g = torch.Generator().manual_seed(seed)
 
     def make(count: int) -> TensorDataset:
-        return TensorDataset(torch.randn(count, *shape, generator=g), torch.randint(0, num_classes, (count,), generator=g))
+        return TensorDataset(torch.randn(count, *shape, generator=g),
+                             torch.randint(0, num_classes, (count,), generator=g))
 
     return make(size), (make(val_size) if val_size else None)
 
 
-def fake(size: int = 1000, val_size: int = 200, image_size: Sequence[int] = (3, 32, 32), num_classes: int = 10) -> tuple[Dataset, Dataset]:
+def fake(
+    size: int = 1000, val_size: int = 200, image_size: Sequence[int] = (3, 32, 32), num_classes: int = 10
+) -> tuple[Dataset, Dataset]:
     """``torchvision.datasets.FakeData``: random PIL images through the usual ToTensor transform."""
     from torchvision import datasets, transforms
 
@@ -119,7 +126,9 @@ def _local_torchvision(name: str, root: str | None, layout: str, **kwargs: Any) 
     from torchvision import datasets, transforms
 
     if not root:
-        raise DataError(f"data.kwargs.root: the {name} dataset needs a local root directory, e.g. data.kwargs.root=~/data")
+        raise DataError(
+            f"data.kwargs.root: the {name} dataset needs a local root directory, e.g. data.kwargs.root=~/data"
+        )
     path = Path(root).expanduser()
     stats = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530), "CIFAR10": (0.4734, 0.2516)}[name]
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*stats)])
@@ -151,7 +160,9 @@ def cifar10(root: str | None = None) -> tuple[Dataset, Dataset]:
     return _local_torchvision("CIFAR10", root, "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}")
 
 
-def imagefolder(root: str | None = None, val_root: str | None = None, image_size: int = 224, augment: bool = True) -> tuple[Dataset, Dataset | None]:
+def imagefolder(
+    root: str | None = None, val_root: str | None = None, image_size: int = 224, augment: bool = True
+) -> tuple[Dataset, Dataset | None]:
     """``torchvision.datasets.ImageFolder``: ``root/<class>/<image>``.
 
     If ``root`` has ``train/`` (and optionally ``val/``) subfolders they are used as the splits;
@@ -160,7 +171,10 @@ def imagefolder(root: str | None = None, val_root: str | None = None, image_size
     from torchvision import datasets, transforms
 
     if not root:
-        raise DataError("data.kwargs.root: the imagefolder dataset needs a directory of class folders, e.g. data.kwargs.root=~/images")
+        raise DataError(
+            "data.kwargs.root: the imagefolder dataset needs a "
+            "directory of class folders, e.g. data.kwargs.root=~/images"
+        )
     base = Path(root).expanduser()
     train_dir = base / "train" if (base / "train").is_dir() else base
     val_dir = Path(val_root).expanduser() if val_root else (base / "val" if (base / "val").is_dir() else None)
@@ -176,7 +190,9 @@ def imagefolder(root: str | None = None, val_root: str | None = None, image_size
         try:
             return datasets.ImageFolder(str(path), transform=transform)
         except (FileNotFoundError, RuntimeError) as exc:
-            raise DataError(f"data.kwargs.root: no images found under {path} ({exc}); expected {path}/<class_name>/<image files>") from None
+            raise DataError(
+                f"data.kwargs.root: no images found under {path} ({exc}); expected {path}/<class_name>/<image files>"
+            ) from None
 
     return load(train_dir, train_tf), (load(val_dir, val_tf) if val_dir else None)
 

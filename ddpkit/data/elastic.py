@@ -72,7 +72,8 @@ class GlobalBatchSampler(DistributedSampler):
         self.steps_per_epoch = len(dataset) // global_batch_size  # type: ignore[arg-type]
         if self.steps_per_epoch == 0:
             raise DataError(
-                f"the training set has {len(dataset)} samples, fewer than data.global_batch_size ({global_batch_size}): "  # type: ignore[arg-type]
+                f"the training set has {len(dataset)} samples, fewer "
+                f"than data.global_batch_size ({global_batch_size}): "  # type: ignore[arg-type]
                 "not one optimizer step fits. Use a smaller data.global_batch_size."
             )
         self.start_step = 0
@@ -81,7 +82,10 @@ class GlobalBatchSampler(DistributedSampler):
         super().set_epoch(epoch)
         per_step = self.micro_batch * self.grad_accum_steps
         if start_index % per_step:
-            raise DataError(f"cannot resume at sample {start_index} of this rank's epoch: not an optimizer-step boundary ({per_step} samples a step)")
+            raise DataError(
+                f"cannot resume at sample {start_index} of this rank's epoch: "
+                f"not an optimizer-step boundary ({per_step} samples a step)"
+            )
         # min: a resume onto a shorter dataset (data.allow_length_change) may start past the new end: the epoch is over
         self.start_step = min(start_index // per_step, self.steps_per_epoch)
 

@@ -28,7 +28,8 @@ from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total
 from ddpkit.data.uneven import agree_on_count, agreed_batches
 from ddpkit.errors import CheckpointError, DataError
 
-__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches", "run_length", "SampleOrder", "data_position"]
+__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches",
+           "run_length", "SampleOrder", "data_position"]
 
 
 class SamplerEpochs:
@@ -82,7 +83,8 @@ class SamplerEpochs:
 
 
 def epochs_of(loader: DataLoader) -> StreamEpochs | SamplerEpochs:
-    """The epoch protocol of ``loader``: its :class:`StreamEpochs` for a ddpkit stream, else a :class:`SamplerEpochs`."""
+    """The epoch protocol of ``loader``: its :class:`StreamEpochs` for a ddpkit stream, else a
+    :class:`SamplerEpochs`."""
     return stream_epochs_of(loader) or SamplerEpochs(loader)
 
 
@@ -102,12 +104,16 @@ def agree_on_batch_count(loader: DataLoader, *, epoch: int, consumed: int, uneve
     return epochs_of(loader).agree_on_count(epoch=epoch, consumed=consumed, uneven=uneven)
 
 
-def exact_batches(loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int, uneven: str = "error") -> Iterator[Any]:
+def exact_batches(
+    loader: DataLoader, *, count: int, rank: int, epoch: int, consumed: int, uneven: str = "error"
+) -> Iterator[Any]:
     """The next ``count - consumed`` batches of ``loader``; a DataError if it ends before its len() promised."""
     return epochs_of(loader).batches(count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven)
 
 
-def epoch_batches(loader: DataLoader, *, epoch: int, consumed: int, rank: int, uneven: str = "error") -> tuple[Iterator[Any], int]:
+def epoch_batches(
+    loader: DataLoader, *, epoch: int, consumed: int, rank: int, uneven: str = "error"
+) -> tuple[Iterator[Any], int]:
     """Start ``epoch`` after the ``consumed`` batches a resume skips: (this rank's batches, the agreed count).
 
     The three steps every epoch takes, in order: :func:`start_epoch`, :func:`agree_on_batch_count`
@@ -129,7 +135,8 @@ def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
     if length is not None:
         length = agree_on_count(length, epoch=None, uneven=config.data.uneven)
     if length is None:
-        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None, sched_name=config.sched.name)
+        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None,
+                                   sched_name=config.sched.name)
         return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
     steps_per_epoch = math.ceil(length / train.grad_accum_steps)
     return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
@@ -171,7 +178,8 @@ class SampleOrder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["order"] != self.resolved:
             raise CheckpointError(
-                f"the checkpoint's run drew its samples in {state['order']!r} order, this one would use {self.resolved!r} "
+                f"the checkpoint's run drew its samples in {state['order']!r} "
+                f"order, this one would use {self.resolved!r} "
                 f"(data.order=auto picks by the dataset's size): set data.order={state['order']} to resume it exactly"
             )
         saved_length = state.get("length")
@@ -180,7 +188,8 @@ class SampleOrder:
                 raise CheckpointError(
                     f"the training set has {self.length} samples, but the checkpoint's run trained on {saved_length}: "
                     "resuming would continue another epoch order from the same position (samples repeated or skipped). "
-                    "Restore the dataset, start a new run (another run.name), or set data.allow_length_change=true to re-plan the epoch"
+                    "Restore the dataset, start a new run (another run.name), "
+                    "or set data.allow_length_change=true to re-plan the epoch"
                 )
             logging.getLogger("ddpkit").warning(
                 "ddpkit: the training set has %d samples, the checkpoint's run had %d; data.allow_length_change=true, "

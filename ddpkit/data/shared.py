@@ -76,7 +76,9 @@ class SharedDataset(Dataset):
     Every rank must construct it (a collective when a process group exists: one all-gather).
     """
 
-    def __init__(self, data: Any, *, name: str = "data", env: DistEnv | None = None, directory: str | os.PathLike | None = None):
+    def __init__(
+        self, data: Any, *, name: str = "data", env: DistEnv | None = None, directory: str | os.PathLike | None = None
+    ):
         env = env or read_dist_env()
         folder, key = Path(directory) if directory else shared_dir(), _segment_key(env, name)
         self.path: Path | None = None
@@ -131,7 +133,8 @@ def _write_once(data: Any, folder: Path, key: str) -> Path:
 def _segment_key(env: DistEnv, name: str) -> str:
     """This job, attempt and dataset: run id (torchrun's rendezvous id or SLURM's job id) and master port."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "none"
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{run_id}-{env.master_port}-a{env.restart_count}-{name}")
+    safe = "".join(c if c.isalnum() or c in "-_" else "_"
+                   for c in f"{run_id}-{env.master_port}-a{env.restart_count}-{name}")
     return _PREFIX + safe
 
 
@@ -164,7 +167,10 @@ def _is_arrays(data: Any) -> bool:
 def _write_arrays(f: Any, data: Any) -> dict[str, Any]:
     parts = list(data) if isinstance(data, tuple) else [data]
     if len({len(part) for part in parts}) != 1:
-        raise DataError(f"SharedDataset: the arrays have different lengths ({[len(p) for p in parts]}); give one row per sample in each")
+        raise DataError(
+            "SharedDataset: the arrays have different lengths "
+            f"({[len(p) for p in parts]}); give one row per sample in each"
+        )
     arrays = []
     for part in parts:
         array = np.ascontiguousarray(part.numpy() if isinstance(part, torch.Tensor) else part)
@@ -172,12 +178,16 @@ def _write_arrays(f: Any, data: Any) -> dict[str, Any]:
         arrays.append((array.dtype.str, array.shape, f.tell()))
         f.write(memoryview(array).cast("B"))
     tensors = [isinstance(part, torch.Tensor) for part in parts]
-    return {"kind": "tuple" if isinstance(data, tuple) else "array", "length": len(parts[0]), "arrays": arrays, "tensors": tensors}
+    return {"kind": "tuple" if isinstance(data, tuple) else "array", "length": len(parts[0]), "arrays": arrays,
+            "tensors": tensors}
 
 
 def _write_records(f: Any, records: Sequence[Any]) -> dict[str, Any]:
     if not isinstance(records, Sequence):
-        raise DataError(f"SharedDataset: expected a sequence of records, a numpy array, a tensor or a tuple of them, got {type(records).__name__}")
+        raise DataError(
+            "SharedDataset: expected a sequence of records, a numpy array, a "
+            f"tensor or a tuple of them, got {type(records).__name__}"
+        )
     offsets = np.empty(len(records) + 1, dtype=np.int64)
     for i, record in enumerate(records):
         offsets[i] = f.tell()
@@ -186,7 +196,8 @@ def _write_records(f: Any, records: Sequence[Any]) -> dict[str, Any]:
     f.write(bytes(-f.tell() % 64))
     at = f.tell()
     f.write(offsets.tobytes())
-    return {"kind": "records", "length": len(records), "arrays": [(offsets.dtype.str, offsets.shape, at)], "tensors": [False]}
+    return {"kind": "records", "length": len(records), "arrays": [(offsets.dtype.str, offsets.shape, at)],
+            "tensors": [False]}
 
 
 def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
@@ -197,7 +208,9 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
         if found:
             return max(found, key=lambda p: p.stat().st_mtime)
         time.sleep(0.05)
-    raise DataError(f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within {timeout:.0f} s; did it fail, or construct the dataset?", retryable=True)
+    raise DataError(f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within "
+                    f"{timeout:.0f} s; did it fail, or construct the dataset?",
+                    retryable=True)
 
 
 def remove_stale_segments(folder: Path) -> list[Path]:

@@ -79,11 +79,13 @@ class StreamEpochs:
         self.epoch, self._skip, self._window_first, self._window_state = epoch, start_batch, 0, None
         self.stream.set_epoch(epoch)
         if self.loader.generator is not None:
-            self.loader.generator.manual_seed(self.stream.seed * 1_000_003 + epoch)  # worker seeds: a function of the epoch
+            # worker seeds: a function of the epoch
+            self.loader.generator.manual_seed(self.stream.seed * 1_000_003 + epoch)
         saved, self._saved = self._saved, None
         if start_batch and saved is not None and saved.get("saved_ranks"):
             raise DataError(
-                f"cannot resume the training stream at batch {start_batch} of epoch {epoch} on {self.stream.world_size} ranks: "
+                f"cannot resume the training stream at batch {start_batch} of "
+                f"epoch {epoch} on {self.stream.world_size} ranks: "
                 f"the checkpoint was written by {saved['saved_ranks']}, and a stream's position is per rank. Resume on "
                 f"{saved['saved_ranks']} ranks, or from a checkpoint taken at an epoch's end (checkpoint.every_epochs)."
             )
@@ -169,7 +171,8 @@ class StreamEpochs:
         left += len(more)
         dropped = left * self.stream.batch_size + tails + more_tails
         reads = all_gather_object((done + left, len(more) == self.window, dropped))
-        uneven_stream_end([(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done, uneven=self.uneven)
+        uneven_stream_end([(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done,
+                          uneven=self.uneven)
         dropped, unread = sum(r[2] for r in reads), any(r[1] for r in reads)
         used = done * self.stream.batch_size * len(reads)
         log.info(
@@ -177,4 +180,7 @@ class StreamEpochs:
             "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
         )
         if not done:
-            raise DataError(f"the training stream yields no full batch on some rank in epoch {self.epoch}; check the dataset and data.batch_size")
+            raise DataError(
+                "the training stream yields no full batch on some rank in "
+                f"epoch {self.epoch}; check the dataset and data.batch_size"
+            )

@@ -52,7 +52,8 @@ class TarShards(IterableDataset):
     ddpkit_splits_workers = True  # see ddpkit.data.streaming: this class does its own worker split
 
     def __init__(
-        self, urls: str | Sequence[str], *, fields: Sequence[str] = ("npy", "cls"), shuffle: bool = True, seed: int = 0, key: str = "data.kwargs.urls",
+        self, urls: str | Sequence[str], *, fields: Sequence[str] = ("npy", "cls"), shuffle: bool = True, seed: int = 0,
+        key: str = "data.kwargs.urls",
     ):
         self.urls = _expand(urls, key)
         self.fields, self.shuffle, self.seed = tuple(fields), shuffle, seed
@@ -84,7 +85,8 @@ class TarShards(IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         wds = _require("webdataset", "stream")
         files, offset, step = self._assignment()
-        pipeline = wds.DataPipeline(wds.SimpleShardList(files), wds.tarfile_to_samples(), wds.decode(), wds.to_tuple(*self.fields))
+        pipeline = wds.DataPipeline(wds.SimpleShardList(files), wds.tarfile_to_samples(), wds.decode(),
+                                    wds.to_tuple(*self.fields))
         for sample in itertools.islice(pipeline, offset, None, step):
             yield tuple(torch.from_numpy(value) if type(value).__module__ == "numpy" else value for value in sample)
 
@@ -108,7 +110,8 @@ def _expand(urls: str | Sequence[str], key: str) -> list[str]:
     return paths
 
 
-def webdataset(urls: str | list[str] = "", val_urls: str | list[str] | None = None, fields: Sequence[str] = ("npy", "cls"),
+def webdataset(urls: str | list[str] = "", val_urls: str | list[str] | None = None,
+               fields: Sequence[str] = ("npy", "cls"),
                shuffle: bool = True, seed: int = 0) -> tuple[TarShards, TarShards | None]:
     """Tar shards from ``urls`` (brace patterns like ``train-{000..007}.tar`` or a list) and optional ``val_urls``."""
     train = TarShards(urls, fields=fields, shuffle=shuffle, seed=seed)
@@ -138,7 +141,9 @@ class HFStream(IterableDataset):
 
 
 def hf_datasets(path: str = "", split: str = "train", val_split: str | None = None, data_files: Any = None,
-                columns: Sequence[str] | None = None, shuffle_buffer: int = 0, seed: int = 0) -> tuple[HFStream, HFStream | None]:
+                columns: Sequence[
+                    str
+                ] | None = None, shuffle_buffer: int = 0, seed: int = 0) -> tuple[HFStream, HFStream | None]:
     """``datasets.load_dataset(path, data_files=..., split=..., streaming=True)`` from local files.
 
     ``path``: a local directory of data files, or a file format (``parquet``, ``json``, ``csv``)
@@ -147,13 +152,17 @@ def hf_datasets(path: str = "", split: str = "train", val_split: str | None = No
     """
     datasets = _require("datasets", "hf")
     if not path:
-        raise DataError("data.kwargs.path: set a local directory, or a format (parquet, json, csv) with data.kwargs.data_files")
+        raise DataError(
+            "data.kwargs.path: set a local directory, or a format (parquet, json, csv) with data.kwargs.data_files"
+        )
 
     def load(which: str) -> HFStream:
         try:
             stream = datasets.load_dataset(path, data_files=data_files, split=which, streaming=True)
         except (FileNotFoundError, ValueError) as exc:
-            raise DataError(f"data.kwargs.path: cannot stream split {which!r} from {path!r} (data_files={data_files!r}): {exc}") from None
+            raise DataError(
+                f"data.kwargs.path: cannot stream split {which!r} from {path!r} (data_files={data_files!r}): {exc}"
+            ) from None
         if shuffle_buffer:
             stream = stream.shuffle(seed=seed, buffer_size=shuffle_buffer)
         return HFStream(stream, columns)

@@ -71,7 +71,8 @@ class ShardedStream(IterableDataset):
 
     def __init__(
         self, source: Any, *, rank: int, world_size: int, batch_size: int, drop_last: bool = True,
-        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate, seed: int = 0,
+        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate,
+        seed: int = 0,
     ):
         self.source, self.rank, self.world_size, self.batch_size, self.seed = source, rank, world_size, batch_size, seed
         self.drop_last, self.split_ranks, self.split_workers, self.collate_fn = drop_last, split_ranks, split_workers, collate_fn
@@ -119,7 +120,9 @@ class ShardedStream(IterableDataset):
             yield self.collate_fn(batch)
 
 
-def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True, seed: int = 0) -> ShardedStream:
+def shard_stream(
+    dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True, seed: int = 0
+) -> ShardedStream:
     """Shard ``dataset`` over ranks its own way if it has one, else round-robin; see the module doc."""
     rank, world = env.rank, env.world_size
     module = type(dataset).__module__.split(".")[0]
@@ -130,7 +133,9 @@ def shard_stream(dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool
         dataset, split_ranks, splits_workers = split_dataset_by_node(dataset, rank=rank, world_size=world), False, True
     elif module == "webdataset":  # its nodesplitter / workersplitter (as the user built it) decide
         split_ranks, splits_workers = False, True
-        _note_once(f"{type(dataset).__name__}: sharded by its own nodesplitter and workersplitter (give it wds.split_by_node)")
+        _note_once(
+            f"{type(dataset).__name__}: sharded by its own nodesplitter and workersplitter (give it wds.split_by_node)"
+        )
     elif callable(getattr(dataset, "shard", None)):
         sharded = dataset.shard(rank, world)
         dataset, split_ranks = (dataset if sharded is None else sharded), False
@@ -196,14 +201,17 @@ def build_stream_loader(
     except ImportError:
         raise DdpkitError(
             "training on an IterableDataset needs torchdata's StatefulDataLoader for exact mid-epoch resume: "
-            "pip install 'ddpkit[stream]'. Or return a map-style Dataset (with __len__) from build_datasets / data.name."
+            "pip install 'ddpkit[stream]'. Or return a map-style "
+            "Dataset (with __len__) from build_datasets / data.name."
         ) from None
     stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True, seed=seed)
     loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch
-    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
+    # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         loader = StatefulDataLoader(
-            stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(), **loader_kwargs
+            stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(),
+            **loader_kwargs
         )
     loader.stream_epochs = StreamEpochs(loader, accum=accum, window_steps=window_steps, uneven=uneven)
     return loader
@@ -214,13 +222,17 @@ def stream_epochs_of(loader: Any) -> StreamEpochs | None:
     return getattr(loader, "stream_epochs", None)
 
 
-def build_stream_val_loader(dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+def build_stream_val_loader(
+    dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False
+) -> DataLoader:
     """An evaluation loader: every sample of the stream counted on exactly one rank, nothing dropped."""
     stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=False)
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
 
 
-def stream_total_steps(*, max_steps: int | None, epochs: int | None, steps_per_epoch: int | None, sched_name: str) -> int | None:
+def stream_total_steps(
+    *, max_steps: int | None, epochs: int | None, steps_per_epoch: int | None, sched_name: str
+) -> int | None:
     """Training length in optimizer steps, or None while a stream's epoch length is unknown.
 
     Raises:

@@ -68,10 +68,14 @@ def agree_on_count(count: int, *, epoch: int | None, uneven: str = "error") -> i
     if shortest != max(counts):
         if uneven != "truncate":
             raise _uneven_error(counts, epoch=epoch, shortest=shortest)
-        log.warning("data.uneven=truncate: uneven batch counts %s (%s); every rank runs %d", "per epoch" if epoch is None else f"in epoch {epoch}",
+        log.warning("data.uneven=truncate: uneven batch counts %s (%s); every rank runs %d",
+                    "per epoch" if epoch is None else f"in epoch {epoch}",
                     _describe(counts), shortest)
     if shortest == 0:
-        raise DataError(f"the training loader yields no batches on some rank ({_describe(counts)}); check the dataset and data.batch_size")
+        raise DataError(
+            "the training loader yields no batches on some rank "
+            f"({_describe(counts)}); check the dataset and data.batch_size"
+        )
     return shortest
 
 

@@ -102,7 +102,8 @@ def _from_existing_group() -> DistEnv | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Without LOCAL_RANK, the GPU the user chose for this process (torch.cuda.set_device) is its local rank.
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=max(local_rank + 1, 1), launcher="existing")
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=max(local_rank + 1, 1),
+                   launcher="existing")
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
@@ -111,7 +112,9 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
     local_rank = _int(environ, "LOCAL_RANK", minimum=0)
     local_world_size = _int(environ, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in environ else world_size
     if rank >= world_size:
-        raise LaunchError(f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's --nnodes and --nproc-per-node")
+        raise LaunchError(
+            f"RANK={rank} is not below WORLD_SIZE={world_size}; check the launcher's --nnodes and --nproc-per-node"
+        )
     if local_rank >= local_world_size:
         raise LaunchError(
             f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}; "
@@ -185,7 +188,9 @@ def _int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise LaunchError(f"environment variable {name}={text!r} is not an integer; check how the job was launched") from None
+        raise LaunchError(
+            f"environment variable {name}={text!r} is not an integer; check how the job was launched"
+        ) from None
     if value < minimum:
         raise LaunchError(f"environment variable {name}={value} must be >= {minimum}; check how the job was launched")
     return value

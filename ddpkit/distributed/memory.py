@@ -73,7 +73,9 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankBytes:
     owned = _owned_parameters(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     if any(inner.state.get(p) for p in owned):
-        state = sum(_nbytes(v) for p in owned for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        state = sum(_nbytes(v) for p in owned for v in inner.state.get(
+            p, {}
+        ).values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     else:
         slots = optimizer_slots(optimizer)
         state = None if slots is None else slots * sum(_nbytes(p) for p in owned)
@@ -106,7 +108,9 @@ def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: 
     return ranks
 
 
-def mode_bytes(shapes: Sequence[tuple[int, ...]], *, world_size: int, mode: str, slots: int, element_size: int = 4) -> list[RankBytes]:
+def mode_bytes(
+    shapes: Sequence[tuple[int, ...]], *, world_size: int, mode: str, slots: int, element_size: int = 4
+) -> list[RankBytes]:
     """Per-rank bytes of each rank under ``mode``, from the parameter shapes alone (all trainable)."""
     sizes = [math.prod(s) for s in shapes]
     full = sum(sizes) * element_size

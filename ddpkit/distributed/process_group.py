@@ -144,7 +144,9 @@ def group_options(config: Config) -> dict[str, Any]:
     return dict(backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, preload=preload)
 
 
-def _prepare_process(device: torch.device, *, debug: bool, trace_dir: str | os.PathLike | None, preload: tuple[str, ...] = ()) -> None:
+def _prepare_process(
+    device: torch.device, *, debug: bool, trace_dir: str | os.PathLike | None, preload: tuple[str, ...] = ()
+) -> None:
     """What must be set before the group is created: the CUDA device, debug mode, NCCL's flight recorder.
 
     Also imports ``torch.distributed.nn`` while no group exists: its functions take

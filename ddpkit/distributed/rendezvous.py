@@ -72,7 +72,8 @@ def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if env.rank == 0 and not agent_store and is_loopback(env.master_addr):  # ``ddpkit run`` on one node
-        return {"store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout), "rank": 0, "world_size": env.world_size}
+        return {"store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout), "rank": 0,
+                "world_size": env.world_size}
     store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
     if agent_store:
         store = dist.PrefixStore(f"ddpkit/attempt_{env.restart_count}", store)
@@ -86,7 +87,9 @@ def is_loopback(addr: str) -> bool:
     return addr == "localhost"
 
 
-def loopback_store(port: int, *, world_size: int | None = None, timeout: float = 300.0, addr: str = "127.0.0.1") -> dist.TCPStore:
+def loopback_store(
+    port: int, *, world_size: int | None = None, timeout: float = 300.0, addr: str = "127.0.0.1"
+) -> dist.TCPStore:
     """A TCPStore server listening on ``addr`` (loopback) only, on ``port`` (0: a free one): for jobs on one machine.
 
     torch's TCPStore server listens on every interface, whatever host name it is given; handed a
@@ -95,7 +98,8 @@ def loopback_store(port: int, *, world_size: int | None = None, timeout: float =
     and rank 0's (:func:`_torchrun_store`). ``world_size``: wait for that many clients, as torch does.
     """
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does: TIME_WAIT leftovers of a restart
+        # as torch's own server does: TIME_WAIT leftovers of a restart
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr.strip("[]"), port))
         sock.listen(socket.SOMAXCONN)
         bound = sock.getsockname()[1]

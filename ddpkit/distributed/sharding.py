@@ -33,7 +33,8 @@ from ddpkit.distributed.memory import log_rank_bytes
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 
-__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks", "is_sharded", "gradient_norm"]
+__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks",
+           "is_sharded", "gradient_norm"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,10 @@ def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:
         missing = sorted(set(names) - {type(m).__name__ for m in found})
         if missing:
             known = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"parallel.fsdp.blocks: no submodule of class {', '.join(missing)} in the model; its classes are {', '.join(known)}")
+            raise ConfigError(
+                f"parallel.fsdp.blocks: no submodule of class {', '.join(missing)} "
+                f"in the model; its classes are {', '.join(known)}"
+            )
         return _outermost(found)
     return list(_container_children(model))
 
@@ -92,7 +96,9 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for m in modules if id(m) not in inner]
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig, *, model: nn.Module | None = None) -> torch.optim.Optimizer:
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, parallel: ParallelConfig, *, model: nn.Module | None = None
+) -> torch.optim.Optimizer:
     """``zero1``: the same optimizer class and groups inside ``ZeroRedundancyOptimizer``; else ``optimizer``.
 
     With ``model``, every rank's parameter, gradient and optimizer-state bytes are then logged
@@ -102,7 +108,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, parallel: ParallelConfig, 
         from torch.distributed.optim import ZeroRedundancyOptimizer  # here: ddp runs never load it
 
         groups = [dict(group) for group in optimizer.param_groups]
-        zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer), **_hyper(optimizer, groups[0]))
+        zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer),
+                                       **_hyper(optimizer, groups[0]))
         for group in groups[1:]:
             zero.add_param_group(group)
         optimizer = zero
@@ -122,7 +129,9 @@ def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parall
     if is_sharded(model):
         return model
     if parallel.mode == "fsdp2":
-        raise RuntimeError("parallel.mode=fsdp2 but the model was not sharded: call shard_model before building the optimizer")
+        raise RuntimeError(
+            "parallel.mode=fsdp2 but the model was not sharded: call shard_model before building the optimizer"
+        )
     return ddp.wrap_model(model, runtime, options)
 
 

@@ -75,7 +75,8 @@ def setup_logging(rank: int, *, all_ranks: bool = False, log_dir: str | Path | N
 
 
 class _ToRoot(logging.Handler):
-    """Hands records of this rank's level to the root logger's handlers (the program's logging), as propagation would."""
+    """Hands records of this rank's level to the root logger's handlers (the program's logging), as propagation
+    would."""
 
     def emit(self, record: logging.LogRecord) -> None:
         logging.getLogger().handle(record)
@@ -107,7 +108,8 @@ def console_through(writer: Any) -> None:
 
 
 class MetricSinks:
-    """``metrics.jsonl``, where rank 0 records metrics (TensorBoard is its own optional sink: :mod:`ddpkit.reporting.sinks`)."""
+    """``metrics.jsonl``, where rank 0 records metrics (TensorBoard is its own optional sink:
+    :mod:`ddpkit.reporting.sinks`)."""
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, append: bool = True):
         """``append=False`` starts ``metrics.jsonl`` afresh (a new run); a resumed run appends."""
@@ -148,7 +150,9 @@ class StepLog:
         """Append ``fmt % args`` (formatted only when the log is on: free in the step loop otherwise)."""
         if self._file is not None:
             now = time.time()
-            self._file.write(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {fmt % args}\n")
+            self._file.write(
+                f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {fmt % args}\n"
+            )
 
     def close(self) -> None:
         if self._file is not None:

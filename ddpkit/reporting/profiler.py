@@ -41,11 +41,15 @@ PHASE_PREFIX = "ddpkit."
 class Profiler:
     """One rank's torch.profiler over a run: a listener of :class:`ddpkit.reporting.events.Events`."""
 
-    def __init__(self, *, wait: int, warmup: int, active: int, repeat: int, trace_dir: str | os.PathLike, rank: int, cuda: bool = False):
+    def __init__(
+        self, *, wait: int, warmup: int, active: int, repeat: int, trace_dir: str | os.PathLike, rank: int,
+        cuda: bool = False
+    ):
         self.trace_dir, self.rank = Path(trace_dir), rank
         self._total = (wait + warmup + active) * repeat  # steps until the last cycle is written; 0: never ends
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self._prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+        self._prof = profile(activities=activities,
+                             schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
                              on_trace_ready=self._write, record_shapes=False)
         self._ranges: list[AbstractContextManager[Any]] = []
         self._steps, self._running = 0, False

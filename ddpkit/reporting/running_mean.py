@@ -27,7 +27,8 @@ class RunningMean:
         self._weights: list[torch.Tensor] = []
 
     def add(self, value: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Keep a detached reference: no kernel launch, no host sync. With ``weight``, ``value`` is a sum over that many."""
+        """Keep a detached reference: no kernel launch, no host sync. With ``weight``, ``value`` is a sum over that
+        many."""
         self._values.append(value.detach())
         if weight is not None:
             self._weights.append(weight.detach())

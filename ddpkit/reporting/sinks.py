@@ -118,7 +118,8 @@ class SinkGroup:
                 raise
             # Any exception at all: a tracker's client can raise anything, and no metric is
             # worth the run. metrics.jsonl still has every record.
-            log.warning("metric sink %r failed in %s() and is switched off for this run (metrics.jsonl keeps every record): %s: %s",
+            log.warning("metric sink %r failed in %s() and is switched off for "
+                        "this run (metrics.jsonl keeps every record): %s: %s",
                         sink.name, method, type(exc).__name__, exc)
             if sink in self.sinks:
                 self.sinks.remove(sink)
@@ -214,14 +215,16 @@ class StatusSink(Sink):
         attempts = int((resumed or {}).get("attempts", 0)) + 1
         first = (resumed or {}).get("started", time.time())
         self._state = {"status": "RUNNING", "started": first, "attempt_started": time.time(), "ended": None,
-                       "attempts": attempts, "step": 0, "wall_s": self._carried, "host": socket.gethostname(), "pid": os.getpid()}
+                       "attempts": attempts, "step": 0, "wall_s": self._carried, "host": socket.gethostname(),
+                       "pid": os.getpid()}
         self._save()
 
     def write(self, record: dict[str, Any]) -> None:
         self._state["step"] = record.get("step", self._state.get("step", 0))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"wall_s": self._wall(), "attempts": self._state.get("attempts", 1), "started": self._state.get("started")}
+        return {"wall_s": self._wall(), "attempts": self._state.get("attempts", 1),
+                "started": self._state.get("started")}
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
         self._state.update(status=status, ended=time.time(), wall_s=self._wall())

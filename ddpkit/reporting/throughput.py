@@ -52,7 +52,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 
 def peak_flops(device: torch.device, precision: str, *, configured_tflops: float | None = None) -> float | None:
-    """Peak FLOP/s of one ``device`` at ``precision``: ``configured_tflops`` if given, else the table; None if unknown."""
+    """Peak FLOP/s of one ``device`` at ``precision``: ``configured_tflops`` if given, else the table; None if
+    unknown."""
     if configured_tflops is not None:
         return configured_tflops * 1e12
     if device.type != "cuda":
@@ -76,7 +77,8 @@ class TokenThroughput:
 
     @classmethod
     def for_run(
-        cls, config: Config, runtime: Runtime, *, model: torch.nn.Module, dataset: Any, counter: TokenTotal | None = None
+        cls, config: Config, runtime: Runtime, *, model: torch.nn.Module, dataset: Any,
+        counter: TokenTotal | None = None
     ) -> TokenThroughput:
         """What ``config`` and the built ``model`` / ``dataset`` tell: tokens per sample (the dataset's
         ``seq_len``), FLOPs per token (the model's ``flops_per_token()``), the device's peak; ``counter``:
@@ -95,7 +97,8 @@ class TokenThroughput:
         return self.counted is not None or self.tokens_per_sample is not None
 
     def fields(self, *, samples: float, seconds: float) -> dict[str, float]:
-        """``tokens_per_s`` (and ``mfu``) of a window of ``samples`` trained in ``seconds``; {} when tokens are unknown."""
+        """``tokens_per_s`` (and ``mfu``) of a window of ``samples`` trained in ``seconds``; {} when tokens are
+        unknown."""
         if not self.enabled:
             return {}
         tokens = self.counted() if self.counted is not None else samples * self.tokens_per_sample

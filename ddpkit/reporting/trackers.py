@@ -41,7 +41,9 @@ log = logging.getLogger("ddpkit.reporting.trackers")
 _NOT_METRICS = ("step", "time")
 
 
-def tracker_sinks(*, mlflow: bool, wandb: bool, output_dir: str | os.PathLike, run_name: str, timeout: float = 60.0) -> list[Sink]:
+def tracker_sinks(
+    *, mlflow: bool, wandb: bool, output_dir: str | os.PathLike, run_name: str, timeout: float = 60.0
+) -> list[Sink]:
     """The tracker sinks the ``log`` config asks for (call on rank 0 only)."""
     sinks: list[Sink] = []
     if mlflow:
@@ -94,7 +96,8 @@ class _Background:
             pass
         finished = self.failed or done.wait(timeout)
         if not finished and not self.failed:
-            log.warning("%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer", self.name, timeout)
+            log.warning("%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer",
+                        self.name, timeout)
         return finished
 
     def _run(self) -> None:
@@ -109,7 +112,8 @@ class _Background:
                 fn(*args)
             except Exception as exc:  # a tracker client may raise anything; none of it may reach training
                 self.failed = True
-                log.warning("%s failed and is switched off for the rest of this run; training and metrics.jsonl go on: %s: %s",
+                log.warning("%s failed and is switched off for the rest of this "
+                            "run; training and metrics.jsonl go on: %s: %s",
                             self.name, type(exc).__name__, first_line(exc))
 
 
@@ -189,7 +193,8 @@ class MlflowSink(Sink):
         experiment_id = self._experiment_id(client)
         run = _find_run(client, experiment_id, self.run_id, self.run_key)
         if run is None and self.run_id is not None:
-            log.warning("mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run", self.run_id, self.tracking_uri)
+            log.warning("mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run", self.run_id,
+                        self.tracking_uri)
         if run is None:
             tags = {_RUN_KEY_TAG: self.run_key, "ddpkit.output_dir": str(self.output_dir)}
             run = client.create_run(experiment_id, run_name=self.output_dir.name, tags=tags)

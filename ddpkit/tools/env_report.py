@@ -34,7 +34,8 @@ EXTRAS = {
     "mlflow": "mlflow", "wandb": "wandb", "tokenizers": "tokenizers", "safetensors": "safetensors",
 }
 # Variables that change a run: torchrun's and torchelastic's, SLURM's, the communication libraries'.
-_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+              "MASTER_PORT",
               "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "DDPKIT_CACHE_DIR")
 _PREFIXES = ("TORCHELASTIC_", "SLURM_", "NCCL_", "TORCH_", "PYTORCH_")
 # Never printed, whatever their prefix: a report is pasted into public issues.
@@ -51,7 +52,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpus": {"total": os.cpu_count(), "usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()},
+        "cpus": {"total": os.cpu_count(),
+                 "usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()},
         "cuda": _cuda(torch),
         "distributed": {"available": dist.is_available(), "gloo": dist.is_available() and dist.is_gloo_available(),
                         "nccl": dist.is_available() and dist.is_nccl_available(), "nccl_version": _nccl_version(torch)},
@@ -62,7 +64,8 @@ def environment() -> dict[str, Any]:
 
 def variables(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     """The run-relevant variables of ``environ``, sorted; anything that looks like a credential is left out."""
-    chosen = {k: v for k, v in environ.items() if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)}
+    chosen = {k: v for k,
+              v in environ.items() if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)}
     return dict(sorted(chosen.items()))
 
 
@@ -100,9 +103,11 @@ def format_environment(env: dict[str, Any]) -> str:
     rows = [
         ("ddpkit", env["ddpkit"]), ("torch", env["torch"]), ("python", env["python"]), ("platform", env["platform"]),
         ("CPUs", f"{env['cpus']['usable']} usable of {env['cpus']['total']}"),
-        ("CUDA", f"{'available' if cuda['available'] else 'not available'} (torch built with CUDA {cuda['version'] or 'none'})"),
+        ("CUDA",
+         f"{'available' if cuda['available'] else 'not available'} (torch built with CUDA {cuda['version'] or 'none'})"),
         ("cuDNN", cuda["cudnn"] or "-"), ("GPUs", ", ".join(cuda["gpus"]) or "none"),
-        ("NCCL", f"{'available' if comm['nccl'] else 'not available'}" + (f" {comm['nccl_version']}" if comm["nccl_version"] else "")),
+        ("NCCL",
+         f"{'available' if comm['nccl'] else 'not available'}" + (f" {comm['nccl_version']}" if comm["nccl_version"] else "")),
         ("Gloo", "available" if comm["gloo"] else "not available"),
     ]
     lines = [f"{name:<10} {value}" for name, value in rows]
@@ -114,7 +119,8 @@ def format_environment(env: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``ddpkit env [--json]``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="ddpkit env", description="Versions, devices, variables and extras, to paste into a bug report.")
+    parser = argparse.ArgumentParser(prog="ddpkit env",
+                                     description="Versions, devices, variables and extras, to paste into a bug report.")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     env = environment()

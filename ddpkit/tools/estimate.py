@@ -60,7 +60,8 @@ class Estimate:
         shapes = [tuple(p.shape) for p in params]
         slots = self.slots if self.slots is not None else 2  # an unknown optimizer: Adam's two, said in the output
         self.per_mode: dict[str, RankBytes] = {
-            mode: max(mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size), key=lambda b: b.total)
+            mode: max(mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size),
+                      key=lambda b: b.total)
             for mode in modes
         }
         self.activations = _activation_bytes(model, cfg, nproc)
@@ -115,8 +116,10 @@ def _fmt(n: int | None) -> str:
 
 def recommendation(est: Estimate, budget: int) -> str:
     """One line: the first mode, cheapest in communication first, whose total fits in ``budget``."""
-    reasons = {"ddp": "the fastest mode: one all-reduce per step", "zero1": "DDP's communication plus one broadcast of the "
-               "updated parameters; 1/N of the optimizer state", "fsdp2": "1/N of parameters, gradients and optimizer state; "
+    reasons = {"ddp": "the fastest mode: one all-reduce per step",
+               "zero1": "DDP's communication plus one broadcast of the "
+               "updated parameters; 1/N of the optimizer state",
+               "fsdp2": "1/N of parameters, gradients and optimizer state; "
                "all-gathers per block in forward and backward, a reduce-scatter of the gradients"}
     for mode in est.per_mode:
         if est.total(mode) <= budget:
@@ -128,7 +131,8 @@ def recommendation(est: Estimate, budget: int) -> str:
 def report(est: Estimate, budget: int) -> str:
     slots = f"{est.slots} state tensors per parameter" if est.slots is not None else "unknown state size (Adam's 2 assumed)"
     lines = [
-        f"model {est.model_name}: {est.count:,} parameters ({_fmt(est.count * est.element_size)} as {est.element_size}-byte values); "
+        f"model {est.model_name}: {est.count:,} parameters "
+        f"({_fmt(est.count * est.element_size)} as {est.element_size}-byte values); "
         f"optimizer {est.optim_name}: {slots}; {est.nproc} rank(s)",
         f"{'mode':<6} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>12} {'total per rank':>15}",
     ]
@@ -151,12 +155,17 @@ def estimate(
 
 
 def main(argv: Sequence[str]) -> int:
-    """``ddpkit estimate CONFIG [key=value ...] --nproc-per-node N [--mode M] [--memory-per-rank GiB]``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="ddpkit estimate", description="Per-rank bytes of each parallel.mode, from the model on the meta device.")
+    """``ddpkit estimate CONFIG [key=value ...] --nproc-per-node N [--mode M] [--memory-per-rank GiB]``; returns the
+    exit code."""
+    parser = argparse.ArgumentParser(prog="ddpkit estimate",
+                                     description="Per-rank bytes of each parallel.mode, "
+                                                 "from the model on the meta device.")
     add_config_arguments(parser)
-    parser.add_argument("--nproc-per-node", type=int, required=True, help="number of ranks (processes) to estimate for, on one node")
+    parser.add_argument("--nproc-per-node", type=int, required=True,
+                        help="number of ranks (processes) to estimate for, on one node")
     parser.add_argument("--mode", choices=MODES, action="append", help="only this mode (repeatable; default: all three)")
-    parser.add_argument("--memory-per-rank", type=float, default=None, help="GiB available to each rank (default: detected)")
+    parser.add_argument("--memory-per-rank", type=float, default=None,
+                        help="GiB available to each rank (default: detected)")
     try:
         args = parser.parse_intermixed_args(renamed(argv, OLD_SPELLINGS, prog="ddpkit estimate"))
     except SystemExit as exc:

@@ -170,7 +170,9 @@ def _matplotlib() -> tuple[Any, Any]:
         raise DdpkitError("ddpkit plot needs matplotlib, which is not installed: pip install 'ddpkit[plot]'") from None
     # The figure legend placed "outside" the axes needs matplotlib 3.7.
     if tuple(int(p) for p in matplotlib.__version__.split(".")[:2] if p.isdigit()) < (3, 7):
-        raise DdpkitError(f"ddpkit plot needs matplotlib>=3.7 (found {matplotlib.__version__}): pip install -U 'matplotlib>=3.7'")
+        raise DdpkitError(
+            f"ddpkit plot needs matplotlib>=3.7 (found {matplotlib.__version__}): pip install -U 'matplotlib>=3.7'"
+        )
     return Figure, FigureCanvasAgg
 
 
@@ -186,7 +188,8 @@ def _panels(runs: Sequence[RunMetrics]) -> list[Any]:
     for metric in sorted({m for run in runs for m in run.val_metrics()}):
         label = metric.removeprefix(VAL_PREFIX).replace("_", " ")
         percent = "accuracy" in metric  # ddpkit's accuracies are fractions of samples
-        panels.append(_single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o", percent=percent))
+        panels.append(_single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o",
+                              percent=percent))
     if has(LR):
         panels.append(_single(LR, _LR, scientific=True))
     if has(SAMPLES_PER_S):
@@ -210,7 +213,8 @@ def _draw_loss(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
 
 
 def _single(
-    key: str, labels: tuple[str, str], *, marker: str | None = None, scientific: bool = False, from_zero: bool = False, percent: bool = False
+    key: str, labels: tuple[str, str], *, marker: str | None = None, scientific: bool = False, from_zero: bool = False,
+    percent: bool = False
 ) -> Any:
     def draw(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
         for run, color in zip(runs, colors):
@@ -229,7 +233,9 @@ def _single(
     return draw
 
 
-def _line(ax: Any, points: list[tuple[int, float]] | None, *, color: str, linestyle: str, marker: str | None = None) -> None:
+def _line(
+    ax: Any, points: list[tuple[int, float]] | None, *, color: str, linestyle: str, marker: str | None = None
+) -> None:
     if not points:
         return
     steps, values = zip(*points)
@@ -252,13 +258,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="ddpkit plot",
         description="Plot loss, validation metrics, learning rate and throughput of one or more runs against the step.",
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's output_dir (holding metrics.jsonl), or a metrics .jsonl file")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="a run's output_dir (holding metrics.jsonl), or a metrics .jsonl file")
     parser.add_argument(
-        "-o", "--output", default=None, help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several"
+        "-o", "--output", default=None,
+        help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several"
     )
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--dpi", type=int, default=120, help="resolution of raster output (default 120)")
-    parser.add_argument("--goodput", action="store_true", help="draw where the wall time went (goodput.jsonl) instead; default output RUN_DIR/goodput.png")
+    parser.add_argument("--goodput", action="store_true",
+                        help="draw where the wall time went (goodput.jsonl) instead; default output RUN_DIR/goodput.png")
     return parser
 
 
@@ -275,13 +284,17 @@ def _plot(args: argparse.Namespace) -> int:
     names = _unique_names([Path(p) for p in args.runs])
     if args.goodput:  # one stacked bar per run and per attempt (ddpkit.goodput.plot)
         single = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
-        print(f"wrote {plot_goodput(args.runs, names, args.output or (Path(args.runs[0]) / 'goodput.png' if single else 'goodput.png'), title=args.title)}")
+        print(
+            "wrote "
+            f"{plot_goodput(args.runs, names, args.output or (Path(args.runs[0]) / 'goodput.png' if single else 'goodput.png'), title=args.title)}"
+        )
         return 0
     runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
     for run in runs:
         if run.skipped_lines:
             print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}", file=sys.stderr)
-    output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir() else Path("metrics.png"))
+    output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir()
+                             else Path("metrics.png"))
     written = plot_runs(runs, output, title=args.title, dpi=args.dpi)
     print(f"wrote {written}")
     return 0

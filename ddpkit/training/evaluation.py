@@ -35,7 +35,9 @@ class Evaluation:
         self.active = False
         self.last_step = -1
 
-    def validate(self, step: Callable[[Any], Mapping[str, torch.Tensor]], *, at_step: int | None = None) -> dict[str, float]:
+    def validate(
+        self, step: Callable[[Any], Mapping[str, torch.Tensor]], *, at_step: int | None = None
+    ) -> dict[str, float]:
         """``step`` over every validation batch; the exact ``val_`` means ({} without a validation set)."""
         if at_step is not None:
             self.last_step = at_step
@@ -44,6 +46,7 @@ class Evaluation:
         self.active = True
         try:
             with self.models.for_evaluation():  # fsdp2: parameters gathered once, no collective per batch
-                return evaluate(self.models.bare, self.loader, self.ticking(step), device=self.device, autocast=self.autocast)
+                return evaluate(self.models.bare, self.loader, self.ticking(step), device=self.device,
+                                autocast=self.autocast)
         finally:
             self.active = False

@@ -107,6 +107,7 @@ def sample_indices(loader: Any, *, epoch: int, first_batch: int, count: int) -> 
             setattr(replay, name, start)
     replay.epoch = epoch
     try:
-        return [int(i) for i in itertools.islice(iter(replay), first_batch * batch_size, (first_batch + count) * batch_size)]
+        return [int(i) for i in itertools.islice(iter(replay), first_batch * batch_size,
+                                                 (first_batch + count) * batch_size)]
     except Exception:  # a sampler that cannot be replayed: the log goes without indices, training goes on
         return None

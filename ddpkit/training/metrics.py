@@ -19,7 +19,8 @@ __all__ = ["ExactMeans", "BestTracker", "evaluate"]
 
 
 def evaluate(
-    model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device, autocast: Callable[[], Any]
+    model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device,
+    autocast: Callable[[], Any]
 ) -> dict[str, float]:
     """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
 
@@ -94,7 +95,9 @@ class BestTracker:
         if self.metric is None:
             return False
         if self.metric not in metrics:
-            raise ConfigError(f"{self.key}: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}")
+            raise ConfigError(
+                f"{self.key}: {self.metric!r} is not a validation metric; available: {', '.join(metrics)}"
+            )
         value = self.last = metrics[self.metric]
         sign = 1 if self.mode == "min" else -1
         improved = self.best is None or sign * (self.best - value) > self.min_delta
@@ -111,7 +114,8 @@ class BestTracker:
 
     @property
     def reached(self) -> bool:
-        """True when the latest evaluation met ``target``: ``>=`` it for mode ``max``, ``<=`` for ``min`` (NaN never does)."""
+        """True when the latest evaluation met ``target``: ``>=`` it for mode ``max``, ``<=`` for ``min`` (NaN never
+        does)."""
         if self.target is None or self.last is None:
             return False
         return self.last >= self.target if self.mode == "max" else self.last <= self.target

@@ -127,11 +127,14 @@ def build_models(
     apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)  # before DDP and compile
     settings = compile_settings(train.compile)
     if settings is not None and hasattr(model, "_orig_mod"):  # build_model compiled it: recompile in DDP's order
-        log.info("build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead")
+        log.info(
+            "build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead"
+        )
         model = unwrap_model(model)
     if train.channels_last:
         model = to_channels_last(model)
-    wrapped = wrap_for_mode(model, runtime, ddp, parallel or ParallelConfig())  # DDP, or the model fsdp2 already sharded
+    # DDP, or the model fsdp2 already sharded
+    wrapped = wrap_for_mode(model, runtime, ddp, parallel or ParallelConfig())
     bare = unwrap_model(wrapped)
     if settings is None:
         return Models(train=wrapped, eval=bare, bare=bare)
@@ -190,7 +193,8 @@ def _explain_failures(forward: Callable[..., Any], limit: int) -> Callable[..., 
             return forward(*args, **kwargs)
         except FailOnRecompileLimitHit as exc:
             raise CompileError(
-                f"torch.compile needed more than train.compile.recompile_limit={limit} compiled versions of one function; "
+                f"torch.compile needed more than train.compile.recompile_limit={limit} "
+                "compiled versions of one function; "
                 f"the reasons are logged above (last: {_LAST_REASON[0] or 'not recorded'}). Make the input shapes "
                 "constant (e.g. data.drop_last=true), set train.compile.dynamic=true, raise "
                 f"train.compile.recompile_limit, or {_TURN_OFF}"
@@ -219,7 +223,9 @@ class CompileWatch:
     Process-wide while open: Dynamo's callbacks and settings are global. ``close()`` undoes all of it.
     """
 
-    def __init__(self, recompile_limit: int, *, exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None):
+    def __init__(
+        self, recompile_limit: int, *, exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None
+    ):
         import torch._dynamo
 
         self.seconds = 0.0
@@ -231,7 +237,8 @@ class CompileWatch:
         self._callbacks.register_start_callback(self._started)
         self._callbacks.register_end_callback(self._ended)
         config = torch._dynamo.config
-        self._saved = {"recompile_limit": config.recompile_limit, "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit}
+        self._saved = {"recompile_limit": config.recompile_limit,
+                       "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit}
         config.recompile_limit, config.fail_on_recompile_limit_hit = recompile_limit, True
         self._reasons = _RecompileReasons(self.recompiles, recompile_limit)
 
@@ -292,7 +299,8 @@ class _RecompileReasons(logging.Handler):
         reason = " ".join(line.strip() for line in message.splitlines()[2:]) or message
         self.into.append(reason)
         _LAST_REASON[0] = reason
-        log.info("torch.compile: recompile %d (at most %d compiled versions per function): %s", len(self.into), self.limit, reason)
+        log.info("torch.compile: recompile %d (at most %d compiled versions per function): %s", len(self.into),
+                 self.limit, reason)
 
     def close(self) -> None:
         self._logger.removeHandler(self)

@@ -2,7 +2,7 @@
 
     check = ReplicaCheck(model, rank=rank, world_size=2, device=device, on_divergence="broadcast")
     check(step=100)    # a collective: the same call on every rank; logs, re-broadcasts or raises HealthError
-    require_finite(model, what="the checkpoint of step 100")   # RunState, before it writes anything
+    require_finite(model, what="the checkpoint of step 100")   # the checkpointer, before it writes anything
 
 A missed broadcast, a bit flip or rank-dependent user code makes a replica drift while DDP goes on
 averaging gradients computed on different weights. Each rank takes an exact fingerprint of its
@@ -50,7 +50,8 @@ class ReplicaCheck:
         what = f"replica divergence at step {step}: the parameters of rank(s) {ranks} differ from rank 0's"
         if self.on_divergence == "stop":
             raise HealthError(
-                f"{what} (health.on_divergence=stop). Look for rank-dependent code that changes weights outside the optimizer, "
+                f"{what} (health.on_divergence=stop). Look for rank-dependent "
+                "code that changes weights outside the optimizer, "
                 "or set health.on_divergence=broadcast to copy rank 0's weights to every rank and go on."
             )
         with torch.no_grad():

@@ -47,7 +47,10 @@ OWN_WORK = ("data",)  # the spans this watch listens to: the data wait; compute 
 class StragglerWatch:
     """Per-step own-work times on this rank; a comparison across ranks every ``cfg.every`` steps."""
 
-    def __init__(self, cfg: StragglerConfig, *, parameters: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self, cfg: StragglerConfig, *, parameters: Iterable[torch.nn.Parameter], rank: int, world_size: int,
+        device: torch.device
+    ):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self._started = self._data_end = self._grad_ready = 0.0
         self._data = self._compute = 0.0  # this step so far, seconds
@@ -66,7 +69,8 @@ class StragglerWatch:
         self._compute += time.perf_counter() - self._data_end
 
     def _keep_one_hook(self) -> None:
-        """After the first step: hook only the parameter whose gradient came last (a Python call per step, not per parameter)."""
+        """After the first step: hook only the parameter whose gradient came last (a Python call per step, not per
+        parameter)."""
         self.close()
         if self._last_ready is not None:
             self._hooks = [self._last_ready.register_post_accumulate_grad_hook(self._gradient_ready)]

@@ -35,15 +35,20 @@ def split_loss(result: Any, *, normalization: str, owner: type) -> tuple[torch.T
     if normalization == "tokens":
         if not (isinstance(result, (tuple, list)) and len(result) == 2 and _is_scalar(result[0])):
             raise ConfigError(
-                f"train.loss_normalization=tokens: {owner.__name__}.training_step must return (loss_sum, n_tokens), the summed "
-                f"loss of the micro-batch's tokens and how many there are, e.g. `return F.cross_entropy(logits.flatten(0, 1), "
-                f"labels.flatten(), ignore_index=-100, reduction='sum'), (labels != -100).sum()`; it returned {_describe(result)}"
+                f"train.loss_normalization=tokens: {owner.__name__}.training_step "
+                "must return (loss_sum, n_tokens), the summed "
+                "loss of the micro-batch's tokens and how many there are, "
+                "e.g. `return F.cross_entropy(logits.flatten(0, 1), "
+                "labels.flatten(), ignore_index=-100, reduction='sum'), "
+                f"(labels != -100).sum()`; it returned {_describe(result)}"
             )
         loss, tokens = result
         return loss, torch.as_tensor(tokens, device=loss.device)
     if not _is_scalar(result):
         hint = " (a (loss_sum, n_tokens) pair needs train.loss_normalization=tokens)" if isinstance(result, (tuple, list)) else ""
-        raise ConfigError(f"{owner.__name__}.training_step must return a scalar loss tensor, got {_describe(result)}{hint}")
+        raise ConfigError(
+            f"{owner.__name__}.training_step must return a scalar loss tensor, got {_describe(result)}{hint}"
+        )
     return result, None
 
 
@@ -56,7 +61,9 @@ class TokenCount:
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # every rank, since the last read
 
     @classmethod
-    def for_run(cls, model: torch.nn.Module, train: TrainConfig, *, device: torch.device, world_size: int) -> TokenCount | None:
+    def for_run(
+        cls, model: torch.nn.Module, train: TrainConfig, *, device: torch.device, world_size: int
+    ) -> TokenCount | None:
         """The count of a run with ``train.loss_normalization: tokens``; None under ``mean``."""
         if train.loss_normalization != "tokens":
             return None
