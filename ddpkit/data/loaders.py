@@ -51,10 +51,9 @@ def build_train_loader(
 ) -> DataLoader:
     """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
 
-    With ``global_batch_size`` the order is the same at any world size (see :mod:`ddpkit.data.elastic`)
-    and ``batch_size`` must be this rank's share of it. ``order``: ``data.order`` (:mod:`ddpkit.data.order`).
-    ``allow_length_change``: ``data.allow_length_change`` (a resume may re-plan the epoch for a dataset
-    whose length changed; :class:`~ddpkit.data.epochs.SampleOrder`).
+    With ``global_batch_size`` the order is the same at any world size (:mod:`ddpkit.data.elastic`) and
+    ``batch_size`` is this rank's share of it. ``order``: ``data.order``. ``allow_length_change``:
+    ``data.allow_length_change`` (a resume may re-plan the epoch of a dataset whose length changed).
 
     With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no restart cost
     per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``. A mixture of token files
@@ -63,8 +62,7 @@ def build_train_loader(
     An ``IterableDataset`` becomes a stream loader (:func:`~ddpkit.data.streaming.build_stream_loader`,
     which takes ``grad_accum_steps``, ``window_steps`` and ``uneven``).
 
-    Raises:
-        DataError: the dataset is empty, or too small to give every rank one full batch.
+    Raises DataError when the dataset is empty, or too small to give every rank one full batch.
     """
     if is_stream(dataset):  # an IterableDataset: sharded, batched and made resumable by ddpkit.data.streaming
         return build_stream_loader(
@@ -83,8 +81,7 @@ def build_train_loader(
     return DataLoader(
         SampleSeeded(dataset, seed) if num_workers and not mixture else data, batch_size=batch_size, sampler=sampler,
         num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(),
-        collate_fn=collate,
-        **_worker_options(num_workers, persistent_workers, prefetch_factor),
+        collate_fn=collate, **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
 
 
