@@ -352,8 +352,9 @@ def jobs():
                 pass
 
 
-def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8) -> Job:
-    argv = [str(_config(tmp)), "--nproc-per-node", "2", f"dist.hang_timeout={hang_timeout}", *overrides]
+def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8,
+             nproc: int = 2) -> Job:
+    argv = [str(_config(tmp)), "--nproc-per-node", str(nproc), f"dist.hang_timeout={hang_timeout}", *overrides]
     job = _start(tmp, {"HANG_WHERE": where, "HANG_RANK": str(rank)}, argv)
     jobs.append(job)
     _wait(job, STARTUP_ALLOWANCE + 4 * hang_timeout + 60)
@@ -480,3 +481,29 @@ def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jo
     # the store it would never learn of the failure.
     assert fault_to_exit < 45, node1[-3000:]
     assert not processes_mentioning(str(tmp_path))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("where, stuck_rank", [("step", 2), ("stop", 1)])
+def test_on_three_ranks_a_plain_rank_is_named_through_its_node_leader(jobs, tmp_path, where, stuck_rank):
+    """Ranks 1 and 2 beat only into the node's shared-memory board; rank 0 reads them and judges from the store."""
+    job = run_hang(jobs, tmp_path, where, rank=stuck_rank, nproc=3)
+    report = job.report()
+    if where == "step":
+        assert _ranks_in_order(report) == [("STUCK", 2), ("waiting", 0), ("waiting", 1)], report[:2000]
+        assert "in training_step" in _section(report, 2), report
+    else:  # SIGSTOPped: its last beat stays in the board, aging
+        assert _ranks_in_order(report) == [("waiting", 0), ("waiting", 2), ("silent", 1)], report[:2000]
+    assert job.hang_to_exit() < 8 + 12, job.output[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_frozen_rank_0_that_hosts_the_store_is_reported_by_the_other_rank(jobs, tmp_path):
+    """Rank 0 stops itself (SIGSTOP) and the store with it: rank 1 leads the node, finds no store and reports alone."""
+    job = run_hang(jobs, tmp_path, "stop", rank=0)
+    reports = sorted((tmp_path / "run" / "logs").glob("hang-*-rank1.txt"))
+    assert reports, job.output[-3000:]
+    assert "the job's store has not answered since" in reports[0].read_text()
+    assert "stopping: hang: the job's store has not answered" in job.output

@@ -165,7 +165,8 @@ class Watchdog:
         local = self.local_world_size
         name = board_name(self.client.key, self._prefix, node=self.rank // local)
         board = NodeBoard.open(name, slots=local, index=self.rank % local)
-        self.node = Node(board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes, interval=INTERVAL)
+        self.node = Node(board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes,
+                         interval=INTERVAL)
         with contextlib.suppress(StoreDown):  # a first beat now: a rank frozen before the thread's first is still named
             self._publish()
             if self.rank == 0:  # the keys rank 0 reads exist from the start

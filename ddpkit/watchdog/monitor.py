@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpkit.errors import EXIT_HANG
 from ddpkit.watchdog.backstop import backstop_path, read_backstop
-from ddpkit.watchdog.node import SILENT_AFTER
+from ddpkit.watchdog.node import LEADER_STALE, SILENT_AFTER
 from ddpkit.watchdog.report import Verdict, classify, format_report, summary_line, thread_stacks
 from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
@@ -252,4 +252,11 @@ def report_alone(wd: Any, problem: str, since: float) -> None:
     path = write_text(path, text)
     print(f"ddpkit: rank {wd.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
     write_error_file(summary, when=time.time(), code=HANG_EXIT_CODE)
+    node = wd.node  # a node-mate frozen with the store (rank 0 hosting it, SIGSTOPped) would hold the job 30 s more
+    for index, beat in enumerate(node.board.read(i) for i in range(node.size)):
+        if index != node.local and beat and beat.get("pid") and time.time() - beat.get("t", 0.0) > LEADER_STALE:
+            write_error_file(summary, when=since, code=HANG_EXIT_CODE, local_rank=index, pid=int(beat["pid"]))
+            if kill_frozen_sibling(int(beat["pid"])):
+                print(f"ddpkit: killed frozen rank {node.first + index} (pid {beat['pid']})", file=sys.stderr,
+                      flush=True)
     terminate(HANG_EXIT_CODE)
