@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 
@@ -134,6 +133,9 @@ class RunLock:
                 self.acquire()
             except RunDirectoryLocked as exc:
                 refusal = (True, str(exc))
+        # Imported here: the store's upload process renews its lease through this module's helpers without torch.
+        from ddpkit.distributed.collectives import broadcast_object
+
         refusal = broadcast_object(refusal)  # no rank writes before rank 0 holds the lock
         if refusal is not None:
             locked, message = refusal

@@ -5,9 +5,10 @@
     uploads.answers()          # the answers that arrived since the last call (never blocks)
     left = uploads.drain(60)   # at the end: the jobs not done within 60 s (the process is then stopped)
 
-The process is a new interpreter (``python -m ddpkit.checkpoint.storage.worker``), started on the first
-job; jobs and answers are JSON lines on its stdin and stdout. Submitting writes one short line into a
-pipe the process always reads, so it never waits for an upload. No thread runs in the training process.
+The process is a new interpreter running :mod:`ddpkit.checkpoint.storage.worker` without torch
+(:data:`BOOT`), started by :meth:`Uploader.start` or the first job; jobs and answers are JSON lines on its
+stdin and stdout. Submitting writes one short line into a pipe the process always reads, so it never waits
+for an upload. No thread runs in the training process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Uploader"]
+__all__ = ["Uploader", "BOOT"]
+
+# ``python -m ddpkit.checkpoint.storage.worker`` would run ddpkit/__init__.py first, which imports the Trainer and
+# torch: seconds of CPU and hundreds of MB per upload process for nothing it uses. The packages on the way are
+# registered empty instead, so only the modules the worker needs are loaded (fsspec, its backend, a few of ours).
+BOOT = """import os, runpy, sys, types
+root = sys.argv.pop(1)
+for name in ("ddpkit", "ddpkit.config", "ddpkit.distributed", "ddpkit.checkpoint", "ddpkit.checkpoint.storage"):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(root, *name.split("."))]
+    sys.modules[name] = package
+runpy.run_module("ddpkit.checkpoint.storage.worker", run_name="__main__", alter_sys=True)
+"""
 
 
 class Uploader:
@@ -41,7 +54,7 @@ class Uploader:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ddpkit.checkpoint.storage.worker"],
+            [sys.executable, "-c", BOOT, package_root],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
