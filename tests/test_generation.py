@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
 
+import ddpkit
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
 from ddpkit.tools.generate import main as generate_main
 from ddpkit.training.generation import generate
 from ddpkit.training.gpt import GPT
+from ddpkit.training.samples import TrainingSamples
 
 
 def small(**kwargs) -> GPT:
@@ -118,3 +121,47 @@ def test_generate_refuses_a_prompt_longer_than_the_context_and_a_tokenizer_too_b
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ConfigError, match=r"--tokenizer: .*tokenizer.json has 300 ids but the model scores 257"):
         _cli(run, "--tokenizer", tmp_path / "tokenizer.json")
+
+
+class SamplingTrainer(ddpkit.Trainer):
+    """Attaches train.sample's listener as the Trainer will once the lead adds it to its event list."""
+
+    def on_fit_start(self):
+        samples = TrainingSamples.for_run(
+            self.config, rank=self.rank, model=self.unwrapped_model, outside=self.reporter.outside_training
+        )
+        self.events.add(samples)
+
+
+def test_train_sample_writes_samples_to_the_log_jsonl_and_tensorboard(tmp_path, capfd):
+    pytest.importorskip("tensorboard")
+    config = {
+        "run": {"output_dir": str(tmp_path / "run")},
+        "log": {"progress_bar": False, "tensorboard": True},
+        "model": {"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 2, "heads": 4, "max_len": 64}},
+        "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
+        "optim": {"name": "adamw", "lr": 1e-3},
+        "train": {"max_steps": 4, "eval_every": 100, "log_every": 2},
+        "checkpoint": {"every_steps": None, "every_epochs": None},
+    }
+    config["train"]["sample"] = {"every_steps": 2, "prompt": "def ", "max_new_tokens": 12, "temperature": 0}
+    trainer = SamplingTrainer(config)
+    trainer.fit()
+    lines = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in lines] == [(2, "def "), (4, "def ")]
+    codec = TextCodec.open(None)
+    expected = codec.decode(
+        list(generate(trainer.unwrapped_model.eval(), list(b"def "), max_new_tokens=12, temperature=0, eot=256))
+    )
+    assert lines[-1]["text"] == expected  # the finished model's greedy continuation
+    assert f"sample at step 4: {'def ' + expected!r}" in capfd.readouterr().err
+    assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_sample_is_off_by_default_and_refuses_a_prompt_too_long():
+    from ddpkit.config.loader import load_config
+
+    assert TrainingSamples.for_run(load_config({}), rank=0, model=small(), outside=None) is None
+    cfg = load_config({"train": {"sample": {"prompt": "x" * 80}}})
+    with pytest.raises(ConfigError, match=r"train.sample.prompt: 80 tokens, but the model's context is 64"):
+        TrainingSamples.for_run(cfg, rank=0, model=small(), outside=None)

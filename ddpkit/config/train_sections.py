@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from ddpkit.config.fields import option
 from ddpkit.config.profile_section import ProfileConfig
+from ddpkit.config.sample_section import SampleConfig
 
 __all__ = ["OptimConfig", "ParamGroupConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
 
@@ -119,6 +120,11 @@ class TrainConfig:
         "torch.profiler: `{wait, warmup, active, repeat}` (its schedule, in optimizer steps) writes a trace per rank and recorded "
         "cycle to `<output_dir>/profile/` (Chrome/TensorBoard format) with ddpkit's phases labelled (`ddpkit.forward`, ...); "
         "`null`: off, no cost (docs/profiling.md).",
+    )
+    sample: SampleConfig | None = option(
+        None, "Sample text from a language model while it trains: `{every_steps, prompt, max_new_tokens, temperature, top_k, "
+        "seed, tokenizer}`, written to the log, `<output_dir>/samples.jsonl` and TensorBoard's text tab on rank 0, outside "
+        "the timed steps (every rank samples: fsdp2's forward is collective). `null`: off."
     )
     peak_tflops: float | None = option(
         None, "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "

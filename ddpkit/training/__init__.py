@@ -8,6 +8,7 @@
 - ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache;
   ``hf_gpt2``: Hugging Face GPT-2 directories in (``init_from``) and out (``ddpkit export --format hf``);
   ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
+  ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard);
   ``document_mask``: attention inside each document of a packed window (``data.kwargs.document_mask``);
   ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
