@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 
 import ddpkit
 from ddpkit.data.tokens import BYTE_EOT, require_vocab_of, tokens
@@ -71,7 +74,19 @@ def test_the_tokens_builder_hands_the_setting_to_the_model_and_training_runs(tmp
            "data": {"name": "tokens", "batch_size": 4, "kwargs": {"path": str(tmp_path / "t.bin"), "seq_len": 32,
                                                                   "document_mask": True}},
            "model": {"name": "gpt", "kwargs": {"dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
-           "train": {"max_steps": 3, "log_every": 1}, "checkpoint": {"every_steps": None}, "log": {"progress_bar": False}}
+           "train": {"max_steps": 3, "log_every": 1}, "checkpoint": {"every_steps": None},
+           "log": {"progress_bar": False}}
     trainer = ddpkit.Trainer(cfg)
     assert np.isfinite(trainer.fit()["train_loss"])
     assert trainer.unwrapped_model.documents == {"eot": EOT, "restart_positions": False}
+
+
+def test_packed_tiny_runs_on_two_ranks(tmp_path):
+    done = run_cli("run", "configs/packed_tiny.yaml", "--nproc-per-node", "2", "train.max_steps=4",
+                   "train.log_every=2",
+                   f"run.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "data.kwargs.seq_len=64",
+                   timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "activation checkpointing: 4 GPTBlock modules" in done.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
