@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import exit_code_of
-from ddpkit.goodput.faults import PARTS, FaultCost, fault_costs
+from ddpkit.goodput.faults import PARTS, FaultCost, fault_costs, medians
 from ddpkit.goodput.reading import CATEGORIES, Report, analyse, read_ledger
 
 __all__ = ["main", "goodput_of", "format_report"]
@@ -64,6 +64,10 @@ def format_report(report: Report, faults: Sequence[FaultCost] = ()) -> str:
             parts = ("-" if cost.parts.get(p) is None else f"{cost.parts[p]:.3f}" for p in PARTS)
             lost = f"{cost.steps_lost}" if cost.exact else f"<={cost.steps_lost}"
             rows.append([cost.attempt, cost.kind, *parts, f"{cost.total:.3f}", lost])
+        for kind, m in medians(list(faults)).items():
+            if m["n"] > 1:
+                parts = ("-" if m.get(p) is None else f"{m[p]:.3f}" for p in PARTS)
+                rows.append([f"median of {m['n']:g}", kind, *parts, f"{m['total']:.3f}", f"{m['steps_lost']:g}"])
         lines += _table(rows, left=2)
     return "\n".join(lines)
 
