@@ -151,10 +151,22 @@ def test_expired_credentials_are_recovered_by_a_new_client(tmp_path):
 
 
 def test_a_checkpoint_pruned_locally_before_its_turn_is_skipped_without_retries(store, tmp_path):
+    _saves(tmp_path, [200])  # step 100 was pruned once 200 was committed
     waits: list[float] = []
     job = {"op": "checkpoint", "path": str(tmp_path / "step-000000100.pt"), "step": 100}
     answer = Worker(store, sleep=waits.append).handle(job)
-    assert not answer["ok"] and waits == []
+    assert not answer["ok"] and "a newer checkpoint replaced it" in answer["error"] and waits == []
+
+
+def test_an_upload_queued_before_its_async_write_finished_waits_for_the_commit(store, tmp_path):
+    import threading
+
+    path = tmp_path / "step-000000100.pt"
+    writer = threading.Timer(0.5, _saves, args=(tmp_path, [100]))  # the background write lands after the queueing
+    writer.start()
+    answer = Worker(store, sleep=lambda s: None).handle({"op": "checkpoint", "path": str(path), "step": 100})
+    writer.join()
+    assert answer["ok"] and [c.step for c in layout.find_remote(store)] == [100]
 
 
 def test_only_the_newest_of_queued_checkpoints_is_sent():
@@ -238,3 +250,18 @@ def test_a_sharded_checkpoint_goes_up_as_one_object_per_file_and_validates_after
     fetched = layout.download(store, remote, tmp_path / "empty")
     assert validate_checkpoint(fetched).step == 100 and find_latest_checkpoint(tmp_path / "empty").path == fetched
     assert all((fetched / f.name).read_bytes() == f.read_bytes() for f in final.iterdir())
+
+
+def test_the_upload_process_runs_without_torch_and_answers_each_job(tmp_path):
+    from ddpkit.checkpoint.storage.uploads import Uploader
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"st')
+    uploads = Uploader({"url": f"file://{tmp_path}/remote", "options": {}, "keep_last": 2, "lease": None})
+    uploads.submit({"op": "file", "path": str(tmp_path / "metrics.jsonl"), "name": "metrics.jsonl", "lines": True})
+    answers: list[dict] = []
+    while not answers:
+        answers = uploads.answers()
+    maps = Path(f"/proc/{uploads._proc.pid}/maps").read_text()
+    assert answers[0]["ok"] and answers[0]["bytes"] == 12 and "libtorch" not in maps
+    assert uploads.drain(30) == ([], [])
+    assert (tmp_path / "remote" / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -5,7 +5,8 @@
     mirror.protect(resumed_path)                     # the checkpoint this run resumed from: never deleted there
     mirror.saved(path)                               # after each committed local save: queued, returns at once
     mirror.metrics()                                 # {"remote_upload_s": ..., "remote_lag_steps": ...}
-    mirror.on_exit(status)                           # every rank at the end: last uploads, with a deadline
+    mirror.drain()                                   # the end of training: metrics.jsonl, model.pt, the queue
+    mirror.on_exit(status)                           # every rank, however the run ends: drain if not yet, unlock
 
 The run writes its checkpoints into the local staging folder ``config.checkpoint_dir``
 (``<output_dir>/checkpoints``) exactly as without a URL, and the existing local discovery resumes from
@@ -38,7 +39,7 @@ __all__ = ["RemoteMirror", "EXIT_DEADLINE_S"]
 
 log = logging.getLogger("ddpkit")
 
-#: Seconds :meth:`RemoteMirror.on_exit` waits for the uploads still queued before it says what is left behind.
+#: Seconds :meth:`RemoteMirror.drain` waits at most for the uploads still queued before it says what is left behind.
 EXIT_DEADLINE_S = 600.0
 _STEP = re.compile(r"^step-(\d{9})\.")
 _RUN_FILES = ("metrics.jsonl", "model.pt")
@@ -72,6 +73,9 @@ class RemoteMirror:
         self._saved_step = self._remote_step = -1
         self._seconds = 0.0
         self._bytes = self._failures = 0
+        self._drained, self._left = False, []
+        #: Seconds :meth:`drain` waits by default (for_run keeps it under the watchdog's checkpoint-phase limit).
+        self.deadline_s = EXIT_DEADLINE_S
 
     @classmethod
     def for_run(cls, config: Config, runtime: Runtime) -> RemoteMirror | None:
@@ -103,6 +107,8 @@ class RemoteMirror:
             lease=lease,
             sharded=config.parallel.mode in ("zero1", "fsdp2"),
         )
+        slow = config.dist.slow_phase_timeout or 0.9 * config.dist.timeout  # the watchdog's limit for a checkpoint
+        mirror.deadline_s = min(EXIT_DEADLINE_S, 0.8 * slow)
         if env.rank == 0:
             mirror._uploads.start()  # renews the lock from now on
         return mirror
@@ -158,16 +164,18 @@ class RemoteMirror:
         if self._uploads_here(Path(path)):
             self._uploads.submit({"op": "protect", "name": Path(path).name})
 
-    def saved(self, path: str | Path) -> None:
+    def saved(self, path: str | Path, *, step: int | None = None) -> None:
         """Queue the upload of the checkpoint just committed at ``path`` and return at once.
 
         Call on each rank that wrote: rank 0 for a file, every rank for a sharded ``.dcp`` (each node's
-        local rank 0 sends its node's shards; the others return at once).
+        local rank 0 sends its node's shards; the others return at once). Under ``checkpoint.async`` call it
+        right after queueing the write: the upload waits for the local manifest of ``step``. ``step`` is read
+        from a ``step-*`` name; give it for a named checkpoint ("best").
         """
         path = Path(path)
         if not self._uploads_here(path):
             return
-        step = _step_of(path)
+        step = _step_of(path) if step is None else step
         ranks = list(
             range(self.env.rank - self.env.local_rank, self.env.rank - self.env.local_rank + self.env.local_world_size)
         )
@@ -219,35 +227,43 @@ class RemoteMirror:
                 self._seconds = float(answer.get("seconds") or 0.0)
                 self._remote_step = max(self._remote_step, int(answer.get("step") or 0))
 
-    def on_exit(self, status: str = "finished", *, deadline_s: float = EXIT_DEADLINE_S) -> list[str]:
-        """At the end of the run (every rank): send ``metrics.jsonl`` and ``model.pt``, wait for the queue at most
-        ``deadline_s`` seconds, release the store's lock, and say what was left behind; returns those paths."""
+    def drain(self, deadline_s: float | None = None) -> list[str]:
+        """Upload ``metrics.jsonl`` and ``model.pt`` too, then wait for everything queued, at most ``deadline_s``
+        seconds (default: :attr:`deadline_s`); the paths left behind, named in one warning. Not a collective.
+
+        Call it where the watchdog sees a checkpoint phase (the end of training), so a long last upload is not
+        taken for a hang; :meth:`on_exit` drains too when nothing did.
+        """
+        if self._drained:
+            return []
+        self._drained = True
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if self.env.rank == 0:
             self._queue_run_files(_RUN_FILES)
         answers, left = self._uploads.drain(deadline_s)
         self._count(answers)
-        if self.lease is not None and not left:  # else the store is likely unreachable: the lease expires by itself
+        self._left = [job.get("path", "") for job in left]
+        if self._left:
+            log.warning("ddpkit: %d upload(s) to %s not finished within %.0f s, kept only locally: %s",
+                        len(self._left), self.store.url, deadline_s, ", ".join(self._left))
+        elif self._failures:
+            log.warning("ddpkit: %d upload(s) to %s failed during the run (see the warnings above)",
+                        self._failures, self.store.url)
+        return self._left
+
+    def on_exit(self, status: str = "finished", *, deadline_s: float | None = None) -> list[str]:
+        """The run's end however it ends (a listener's teardown): drain if nothing did, release the store's lock.
+
+        Returns the paths whose upload was left behind. Where uploads were left behind the lock is not
+        released (the store is likely unreachable): it expires by itself, LEASE_S after the last renewal.
+        """
+        left = self.drain(deadline_s) if not self._drained else self._left
+        if self.lease is not None and not left:
             try:
                 release(self.store, self.lease)
             except Exception as exc:  # the lease simply expires
-                log.warning("ddpkit: could not release the lock on %s: %s", self.store.url, why(exc))
-        undone = [job.get("path", "") for job in left]
-        if undone:
-            log.warning(
-                "ddpkit: run %s; %d upload(s) to %s not finished within %.0f s, kept only locally: %s",
-                status,
-                len(undone),
-                self.store.url,
-                deadline_s,
-                ", ".join(undone),
-            )
-        elif self._failures:
-            log.warning(
-                "ddpkit: %d upload(s) to %s failed during the run (see the warnings above)",
-                self._failures,
-                self.store.url,
-            )
-        return undone
+                log.warning("ddpkit: could not release the lock on %s (run %s): %s", self.store.url, status, why(exc))
+        return left
 
 
 def _take_lock(store: Store, *, rank: int) -> Lease | None:

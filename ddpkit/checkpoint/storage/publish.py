@@ -20,15 +20,26 @@ from ddpkit.checkpoint.storage.layout import FORMAT, manifest_name, newest_fence
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import CheckpointError
 
-__all__ = ["publish_checkpoint", "publish_file", "LeaseLost", "PART_WAIT_S"]
+__all__ = ["publish_checkpoint", "publish_file", "NotRetried", "LeaseLost", "PART_WAIT_S", "COMMIT_WAIT_S"]
 
 #: Seconds node 0's upload waits for the other nodes' shards of a sharded checkpoint.
 PART_WAIT_S = 600.0
+#: Seconds an upload waits for its local save to be committed (a ``checkpoint.async`` write still in progress).
+COMMIT_WAIT_S = 900.0
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+_STEP_MANIFEST = re.compile(r"^step-\d{9}\.json$")
 
 
-class LeaseLost(CheckpointError):
-    """A newer run took the store's lock: this run's checkpoints can no longer count (never retried)."""
+class NotRetried(CheckpointError):
+    """An upload that a retry cannot help: given up at once."""
+
+
+class LeaseLost(NotRetried):
+    """A newer run took the store's lock: this run's checkpoints can no longer count."""
+
+
+class LocalSaveFailed(NotRetried):
+    """The local save this upload waited for never completed (its write failed, or it was pruned)."""
 
 
 def publish_checkpoint(
@@ -41,6 +52,8 @@ def publish_checkpoint(
     """
     path = Path(job["path"])
     name, node, nodes = path.name, job.get("node", 0), job.get("nodes", 1)
+    if node == 0:
+        _wait_committed(path, job["step"])
     create = name.startswith("step-")
     if node == 0 and store.get_bytes(manifest_name(name)) is not None:
         if name in protected:
@@ -88,6 +101,34 @@ def publish_file(store: Store, job: dict[str, Any]) -> dict[str, Any]:
 
 def _local_manifest(path: Path) -> Path:
     return path.with_suffix(".json")
+
+
+def _wait_committed(path: Path, step: int) -> None:
+    """Wait until ``path``'s local manifest says it holds ``step``: the save is committed (an async one may be
+    queued before its background write finished)."""
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while True:
+        try:
+            manifest = json.loads(_local_manifest(path).read_text())
+            if manifest.get("step") == step and manifest.get("file") == path.name:
+                return
+        except (OSError, ValueError):
+            pass  # not written yet, or being written
+        if time.monotonic() > deadline:
+            raise LocalSaveFailed(f"{path}: the local save of step {step} did not complete in {COMMIT_WAIT_S:.0f} s")
+        if _newer_committed(path, step):  # pruned after a newer save, or its write failed and a later one did not
+            raise LocalSaveFailed(f"{path}: no longer on this disk (a newer checkpoint replaced it); not uploaded")
+        time.sleep(0.2)
+
+
+def _newer_committed(path: Path, step: int) -> bool:
+    if not path.name.startswith("step-"):
+        return False
+    try:
+        names = [f.name for f in path.parent.iterdir()]
+    except OSError:
+        return True  # the folder itself is gone
+    return any(_STEP_MANIFEST.match(name) and int(name[5:14]) > step for name in names)
 
 
 def _send(store: Store, path: Path, *, node: int, nodes: int, ranks: Any) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpkit.checkpoint.storage.lease import RENEW_S, Lease, renew
-from ddpkit.checkpoint.storage.publish import LeaseLost, publish_checkpoint, publish_file
+from ddpkit.checkpoint.storage.publish import LeaseLost, NotRetried, publish_checkpoint, publish_file
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import first_line
 
@@ -68,11 +68,12 @@ class Worker:
                 else:
                     done = publish_file(self.store, job)
                 return {"seq": job.get("seq"), "ok": True, "seconds": round(time.monotonic() - started, 3), **done}
-            except (FileNotFoundError, LeaseLost) as exc:  # the local file is gone, or the lock: retrying cannot help
-                if isinstance(exc, FileNotFoundError) and job["op"] == "checkpoint" and os.path.exists(job["path"]):
-                    error = exc  # the store said not found (a missing bucket): worth a retry
-                else:
+            except NotRetried as exc:  # the lock was lost, or the local save never completed
+                return self._failed(job, exc, attempts, started)
+            except FileNotFoundError as exc:  # the local file is gone (pruned), or the store says "no bucket"
+                if job["op"] != "checkpoint" or not os.path.exists(job["path"]):
                     return self._failed(job, exc, attempts, started)
+                error = exc
             except Exception as exc:  # throttling, timeouts, expired credentials, a server that went away
                 error = exc
             if attempts < ATTEMPTS:
