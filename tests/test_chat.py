@@ -138,3 +138,39 @@ def test_sft_tiny_runs_on_two_ranks(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train_loss"] for r in records if "train_loss" in r]
     assert losses and all(np.isfinite(losses))
+
+
+def _word_tokenizer(folder: Path) -> Path:
+    """A local Hugging Face tokenizer (whitespace words) with a chat template: nothing downloaded."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = ["[UNK]", "<eos>", "<system>", "<user>", "<assistant>", "<end>", "be", "brief", "hi", "hello", "there",
+             "and", "bye", "ok", "capital", "paris"]
+    model = tokenizers.models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <end> {% endfor %}"
+                          "{% if add_generation_prompt %}<assistant> {% endif %}")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_a_local_tokenizers_chat_template_trains_the_assistant_spans_only(tmp_path, capsys):
+    folder = _word_tokenizer(tmp_path / "tok")
+    record = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "bye"},
+                           {"role": "assistant", "content": "ok"}]}
+    chats = _write_chats(tmp_path / "c.jsonl", [record, {"prompt": "capital", "completion": "paris"}])
+    assert tokenize_main(["--chat", str(chats), "-o", str(tmp_path / "sft.bin"), "--tokenizer", str(folder)]) == 0
+    assert "2 conversations" in capsys.readouterr().out
+    ids = np.fromfile(tmp_path / "sft.bin", dtype=np.uint16).tolist()
+    mask = np.fromfile(tmp_path / "sft.mask", dtype=np.uint8).tolist()
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    words = {i: w for w, i in vocab.items()}
+    rendered = [words[i] for i in ids]
+    assert rendered == ["<system>", "be", "brief", "<end>", "<user>", "hi", "<end>", "<assistant>", "hello", "there",
+                        "<end>", "<user>", "bye", "<end>", "<assistant>", "ok", "<end>", "<eos>",
+                        "capital", "paris", "<eos>"]
+    trained = [w for w, m in zip(rendered, mask) if m]
+    assert trained == ["hello", "there", "<end>", "ok", "<end>", "<eos>", "paris", "<eos>"]
