@@ -5,11 +5,19 @@ dict batches, and a loss weighted by tokens over documents of different lengths.
     torchrun --nproc-per-node=2 examples/hf_causal_lm.py
     torchrun --nproc-per-node=2 examples/hf_causal_lm.py parallel.mode=fsdp2 train.max_steps=50
     python examples/hf_causal_lm.py                                   # a world of one
+    torchrun --nproc-per-node=2 examples/hf_causal_lm.py model.kwargs.pretrained=models/gpt2   # fine-tune a local model
 
 The data are the bytes of Python's standard library (``data.kwargs.corpus=stdlib``, see
 docs/lm.md), cut into windows of random length and padded: padding carries the label -100, so
 under ``train.loss_normalization: tokens`` every real token weighs the same, however the global
 batch is split over ranks and micro-batches.
+
+``model.kwargs.pretrained`` names a local directory of any Hugging Face causal LM (what
+``save_pretrained`` writes: GPT-2, Llama, Qwen, ...), loaded with ``AutoModelForCausalLM`` and
+``local_files_only=True``: nothing is downloaded, and a directory that is not a causal LM is refused
+in one line. Its vocabulary must hold the byte ids (257) and its context ``SEQ_LEN`` tokens. For
+ddpkit's own ``gpt`` a GPT-2 directory loads with ``model: {name: gpt, kwargs: {init_from: DIR}}``
+instead (configs/finetune_gpt2.yaml), which ``ddpkit generate`` and ``ddpkit export --format hf`` then read.
 """
 
 import sys
@@ -21,7 +29,7 @@ import ddpkit
 from ddpkit.data.tokens import tokens as token_datasets
 
 try:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 except ImportError:
     sys.exit("examples/hf_causal_lm.py needs transformers: pip install 'ddpkit[transformers]'")
 
@@ -45,11 +53,24 @@ class RaggedDocuments(torch.utils.data.Dataset):
         x, _ = self.windows[i]
         length = 8 + (i * 7919) % (len(x) - 7)  # deterministic, different lengths
         mask = torch.arange(len(x)) < length
-        return {"input_ids": torch.where(mask, x, 0), "attention_mask": mask.long(), "labels": torch.where(mask, x, -100)}
+        labels = torch.where(mask, x, -100)
+        return {"input_ids": torch.where(mask, x, 0), "attention_mask": mask.long(), "labels": labels}
+
+
+def pretrained(directory: str) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory, or one line saying why not."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:  # no such directory / no weights; a config that is not a causal LM
+        first = str(exc).strip().splitlines()[0]
+        raise ddpkit.errors.ConfigError(f"model.kwargs.pretrained: {directory} is not a local causal LM directory "
+                                        f"(save_pretrained's config.json + weights): {first}") from None
 
 
 class CausalLMTrainer(ddpkit.Trainer):
     def build_model(self) -> torch.nn.Module:
+        if self.config.model.kwargs.get("pretrained"):
+            return pretrained(self.config.model.kwargs["pretrained"])  # the same weights on every rank
         config = GPT2Config(vocab_size=257, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=2)
         return GPT2LMHeadModel(config)  # random initial weights, the same on every rank (ddpkit seeds first)
 

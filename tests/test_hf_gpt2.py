@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import REPO, load_script
 
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.testing import run_on_ranks
@@ -158,3 +159,13 @@ def test_hugging_face_to_ddpkit_fine_tuned_on_two_ranks_and_back(tmp_path, mode)
         with torch.no_grad():
             torch.testing.assert_close(back(x).logits, model(x), atol=1e-4, rtol=0)
             assert (back(x).logits - reference(x).logits).abs().max() > 1e-3  # it did train
+
+
+def test_the_hugging_face_example_loads_any_local_causal_lm(tmp_path):
+    example = load_script(REPO / "examples/hf_causal_lm.py")
+    saved = save_hf_gpt2(tmp_path / "hf", vocab_size=257, n_positions=64)
+    config = {"run": {"output_dir": str(tmp_path / "run")}, "model": {"kwargs": {"pretrained": str(tmp_path / "hf")}}}
+    model = example.CausalLMTrainer(config).build_model()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    with pytest.raises(ConfigError, match=r"model.kwargs.pretrained: .*nowhere is not a local causal LM directory"):
+        example.CausalLMTrainer({"model": {"kwargs": {"pretrained": str(tmp_path / "nowhere")}}}).build_model()
