@@ -7,6 +7,7 @@
     python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit; --accuracy, --page-faults
     python -m benchmarks.gpu                 # one CUDA GPU: resnet50 read through a DataLoader (host-bound), hand-written vs ddpkit
     python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50, hand-written vs ddpkit, eager and compiled; --stall
+    python -m benchmarks.generate            # GPT-2 124M sampling with vs without the KV cache; decay groups' cost
     python -m benchmarks.startup             # import time and time to the first step
     python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (its hand side: benchmarks.tta_hand)
     python -m benchmarks.feature_cost --feature health|watchdog|goodput|step-parts   # what each per-step feature costs
