@@ -17,6 +17,7 @@
     ddpkit estimate CONFIG --nproc-per-node N [--mode M]   # bytes per rank of ddp / zero1 / fsdp2, before a run
     ddpkit goodput RUN_DIR [--json]          # where the run's wall time went: productive, badput by category
     ddpkit tokenize INPUT... -o FILE.bin [--tokenizer tokenizer.json]   # text files to a token file (data.name=tokens)
+    ddpkit tokenize --chat FILE.jsonl -o sft.bin [--skip-bad]   # chat lines to tokens + sft.mask (trained tokens)
     ddpkit env [--json]                      # versions, devices, variables and extras, for a bug report
     ddpkit --version
 
@@ -130,7 +131,7 @@ OWN_PARSERS = {
     "runs": "table of the runs under a directory: status, steps, val metrics, best, wall time",
     "estimate": "bytes per rank of each parallel.mode (ddp, zero1, fsdp2) before a run (see ddpkit estimate -h)",
     "goodput": "where a run's wall time went: productive training and badput by category",
-    "tokenize": "text files to a token file for data.name=tokens (see ddpkit tokenize -h)",
+    "tokenize": "text files (or --chat lines, with a mask) to a token file for data.name=tokens (ddpkit tokenize -h)",
     "env": "versions, devices, variables and extras, to paste into a bug report",
     "generate": "sample text from a trained language model, printed as it comes (see ddpkit generate -h)",
 }
