@@ -131,7 +131,8 @@ def test_store_calls_to_a_frozen_server_give_up_after_the_deadline(tmp_path):
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        client = StoreClient(dist.TCPStore("127.0.0.1", int(port_file.read_text()), 1, False, datetime.timedelta(seconds=30)), 1.0)
+        port = int(port_file.read_text())
+        client = StoreClient(dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=30)), 1.0)
         client("set", "key", "1")
         assert client.get_if_set("key") == "1" and client.get_if_set("missing") is None
         os.kill(server.pid, signal.SIGSTOP)
@@ -190,7 +191,8 @@ backstop.close()
 
 
 def test_the_backstop_writes_a_gil_frozen_process_stacks_and_step_and_forgets_them_when_it_recovers(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", _FROZEN_CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    argv = [sys.executable, "-c", _FROZEN_CHILD, str(tmp_path)]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
     deadline, found = time.monotonic() + 60, None
     while time.monotonic() < deadline and not (found and found[2]):
         time.sleep(0.1)
@@ -206,7 +208,8 @@ def test_the_watchdog_hears_every_span_and_records_where_the_rank_is(tmp_path):
     """Its span stack is not called ``phases``: Events reads that attribute as the spans a listener wants."""
     from ddpkit.watchdog.heartbeat import Watchdog
 
-    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path, step=lambda: 5).start()
+    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path,
+                        step=lambda: 5).start()
     events = Events()
     events.add(watchdog)
     for name in ("data", None, "forward", "backward"):
@@ -229,7 +232,8 @@ def test_only_a_frozen_sibling_is_killed_never_another_process():
         os.kill(frozen.pid, signal.SIGSTOP)
         # A rank of the same job: a child of the same parent (here this test, there torchrun's agent).
         killer = subprocess.run(
-            [sys.executable, "-c", f"from ddpkit.watchdog.store_io import kill_frozen_sibling as k; print(k({frozen.pid}), k({os.getpid()}))"],
+            [sys.executable, "-c", "from ddpkit.watchdog.store_io import kill_frozen_sibling as k; "
+             f"print(k({frozen.pid}), k({os.getpid()}))"],
             capture_output=True, text=True, timeout=60, cwd=REPO,
         )
         assert killer.stdout.split() == ["True", "False"], killer.stderr  # not its own parent: not a sibling
@@ -277,7 +281,8 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
 
 
 def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):
-    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+             "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     for name in names:
         monkeypatch.delenv(name, raising=False)
     assert flight_recorder_env(torch.device("cpu"), tmp_path) == {}
@@ -322,10 +327,12 @@ def _config(tmp: Path, **sections) -> Path:
 
 
 def _start(tmp: Path, env: dict[str, str], args: list[str], *, log: str = "launcher.log") -> Job:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HANG_STAMP": str(tmp / "hang-time"), **env}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HANG_STAMP": str(tmp / "hang-time"),
+                **env}
     argv = [sys.executable, "-m", "ddpkit", "run", *args, "--script", str(HANG_SCRIPT)]
     with open(tmp / log, "w") as out:
-        return Job(tmp, subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO), time.time())
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        return Job(tmp, proc, time.time())
 
 
 def _wait(job: Job, limit: float) -> None:
@@ -367,7 +374,8 @@ def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int 
 
 
 def _ranks_in_order(report: str) -> list[tuple[str, int]]:
-    return [(label, int(rank)) for label, rank in re.findall(r"^(STUCK|waiting|silent) +rank (\d+):", report, re.MULTILINE)]
+    found = re.findall(r"^(STUCK|waiting|silent) +rank (\d+):", report, re.MULTILINE)
+    return [(label, int(rank)) for label, rank in found]
 
 
 def _section(report: str, rank: int) -> str:
@@ -423,7 +431,8 @@ def test_a_frozen_rank_is_reported_as_silent(jobs, tmp_path):
 def test_long_legitimate_work_is_not_a_hang(jobs, tmp_path):
     """Compile-like first step, slow first batch, slow validation and a slow save: each longer than hang_timeout."""
     env = {"HANG_WHERE": "none", "SLOW": "1", "SLOW_SECONDS": "14"}
-    overrides = ["dist.hang_timeout=6", "train.max_steps=3", "train.epochs=1", "train.eval_every=2", "checkpoint.every_steps=2"]
+    overrides = ["dist.hang_timeout=6", "train.max_steps=3", "train.epochs=1", "train.eval_every=2",
+                 "checkpoint.every_steps=2"]
     job = _start(tmp_path, env, [str(_config(tmp_path)), "--nproc-per-node", "2", *overrides])
     jobs.append(job)
     _wait(job, STARTUP_ALLOWANCE + 240)
@@ -448,14 +457,17 @@ def test_a_rank_frozen_in_c_code_holding_the_gil_is_reported_with_its_stack_and_
     assert job.proc.returncode == 3 and job.hang_to_exit() < 10 + 10, job.output[-3000:]
     report = job.report()
     assert _ranks_in_order(report) == [("waiting", 0), ("silent", 1)], report[:2000]
-    assert re.search(r"no heartbeat: rank 1 \(since \d\d:\d\d:\d\d, at step 11\)", report.splitlines()[1]), report[:2000]
+    silent_line = r"no heartbeat: rank 1 \(since \d\d:\d\d:\d\d, at step 11\)"
+    assert re.search(silent_line, report.splitlines()[1]), report[:2000]
     assert "last seen at step 11 in loop" in report, report[:2000]  # after optimizer step 11, in the loop's hooks
     stack = _section(report, 1)
     assert "written by faulthandler on rank 1 itself" in stack, stack
-    assert "in sleep_in_c_holding_the_gil" in stack and "in on_step_end" in stack and str(HANG_SCRIPT.name) in stack, stack
+    assert "in sleep_in_c_holding_the_gil" in stack and "in on_step_end" in stack, stack
+    assert str(HANG_SCRIPT.name) in stack, stack
     assert re.search(r"Root Cause.*?rank\s+: 1 .*?exitcode\s+: 3", job.output, re.DOTALL), job.output[-3000:]
     logs = tmp_path / "run" / "logs"
-    assert (logs / "stacks-rank1.txt").exists() and not (logs / "stacks-rank0.txt").exists()  # the live rank cancelled and removed its own
+    assert (logs / "stacks-rank1.txt").exists()
+    assert not (logs / "stacks-rank0.txt").exists()  # the live rank cancelled and removed its own
 
 
 @pytest.mark.multiprocess
@@ -466,7 +478,8 @@ def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jo
     node = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     common = [str(config), "dist.hang_timeout=100", *node]
     failing = _start(tmp_path, {"HANG_WHERE": "fail", "HANG_RANK": "0"}, [*common, "--node-rank", "0"], log="node0.log")
-    hanging = _start(tmp_path, {"HANG_WHERE": "step", "HANG_RANK": "1", "HANG_STAMP": str(tmp_path / "hang1")}, [*common, "--node-rank", "1"], log="node1.log")
+    env = {"HANG_WHERE": "step", "HANG_RANK": "1", "HANG_STAMP": str(tmp_path / "hang1")}
+    hanging = _start(tmp_path, env, [*common, "--node-rank", "1"], log="node1.log")
     jobs += [failing, hanging]
     _wait(failing, STARTUP_ALLOWANCE + 60)
     _wait(hanging, 60)
@@ -507,3 +520,28 @@ def test_a_frozen_rank_0_that_hosts_the_store_is_reported_by_the_other_rank(jobs
     assert reports, job.output[-3000:]
     assert "the job's store has not answered since" in reports[0].read_text()
     assert "stopping: hang: the job's store has not answered" in job.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["step", "stop"])
+def test_on_two_loopback_nodes_a_hang_on_node_1_is_named_from_its_node_record(jobs, tmp_path, where):
+    """Two launchers, one rank each: rank 1 (node 1's leader) hangs in user code, or freezes (its node is lost)."""
+    config = _config(tmp_path)
+    node = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    common, env = [str(config), "dist.hang_timeout=8", *node], {"HANG_WHERE": where, "HANG_RANK": "1"}
+    first = _start(tmp_path, env, [*common, "--node-rank", "0"], log="node0.log")
+    second = _start(tmp_path, env, [*common, "--node-rank", "1"], log="node1.log")
+    jobs += [first, second]
+    _wait(first, STARTUP_ALLOWANCE + 90)
+    _wait(second, 60)
+    assert first.exited is not None, (tmp_path / "node0.log").read_text()[-3000:]
+    # A frozen node's own launcher waits on its stopped rank, as a lost node's would: the fixture ends it.
+    assert second.exited is not None or where == "stop", (tmp_path / "node1.log").read_text()[-3000:]
+    report = first.report()
+    if where == "step":
+        assert _ranks_in_order(report) == [("STUCK", 1), ("waiting", 0)], report[:2000]
+        assert "in training_step" in _section(report, 1), report
+    else:
+        assert _ranks_in_order(report) == [("waiting", 0), ("silent", 1)], report[:2000]
+    assert first.exited - float((tmp_path / "hang-time").read_text()) < 8 + 20, report[:2000]
