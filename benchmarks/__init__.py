@@ -1,30 +1,31 @@
 """ddpkit's benchmarks: side-by-side measurements, run from the repository root as modules.
 
-    python -m benchmarks.overhead            # per-step cost of the Trainer vs a hand-written DDP loop (and Fabric, Lightning, Accelerate)
-    python -m benchmarks.lm                  # a GPT on 2 Gloo ranks: ddpkit vs a hand-written nanoGPT-style DDP loop, tokens/s
-    python -m benchmarks.compare_peers       # ddpkit vs the hand-written loop, Fabric, Accelerate, Lightning, new processes per run
-    python -m benchmarks.trees hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit   # two checkouts side by side
-    python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit; --accuracy, --page-faults
-    python -m benchmarks.gpu                 # one CUDA GPU: resnet50 read through a DataLoader (host-bound), hand-written vs ddpkit
-    python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50, hand-written vs ddpkit, eager and compiled; --stall
+    python -m benchmarks.overhead            # per-step cost of the Trainer vs a hand-written DDP loop (and peers)
+    python -m benchmarks.lm                  # a GPT on 2 Gloo ranks: ddpkit vs a hand-written nanoGPT-style loop
+    python -m benchmarks.compare_peers       # ddpkit vs the hand-written loop, Fabric, Accelerate, Lightning
+    python -m benchmarks.trees hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit   # two checkouts
+    python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit's
+    python -m benchmarks.gpu                 # one CUDA GPU: resnet50 through a DataLoader, hand-written vs ddpkit
+    python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50, hand-written vs ddpkit
     python -m benchmarks.generate            # GPT-2 124M sampling with vs without the KV cache; decay groups' cost
     python -m benchmarks.startup             # import time and time to the first step
-    python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (its hand side: benchmarks.tta_hand)
+    python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (hand side: tta_hand)
     python -m benchmarks.feature_cost --feature health|watchdog|goodput|step-parts   # what each per-step feature costs
     python -m benchmarks.checkpoint          # the loop's stall per save: synchronous vs checkpoint.async
     python -m benchmarks.goodput --rounds 2 --faults 5   # goodput under injected faults, recovery time split
-    python -m benchmarks.restart             # restart to the first step after a SIGKILL, in parts: new interpreter vs warm standby
+    python -m benchmarks.restart             # restart to the first step after a SIGKILL: new interpreter vs warm
     python -m benchmarks.modes               # parallel.mode ddp / zero1 / fsdp2: step time and bytes per rank
     python -m benchmarks.order               # epoch orders: memory and time to the first batch, batches/s
     python -m benchmarks.shared_memory       # PSS of an in-memory dataset: a Python list vs SharedDataset
     python -m benchmarks.streaming           # a sharded stream vs map-style, and the agreed stop's cost
 
-``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the one
-hand-written DDP loop, the weight digest, the accuracy helper, medians, paired ratios, tables and the
-load average). ``benchmarks.tta_hand`` is launched by ``benchmarks.time_to_accuracy`` under torchrun.
-Workers that a benchmark starts in new processes import ``benchmarks`` through ``PYTHONPATH``
-(``benchmarks.workloads.child_env``), never by editing the import path in code. Measured numbers, with dates and
-machines: ``benchmarks/RESULTS.md``. The user command ``ddpkit bench`` lives in ``ddpkit/bench/``.
+``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the shared
+hand-written DDP loop ``train_by_hand`` and the benchmarks that keep a loop of their own, the weight
+digest, the accuracy helper, medians, paired ratios, tables and the load average).
+``benchmarks.tta_hand`` is launched by ``benchmarks.time_to_accuracy`` under torchrun. Workers that a
+benchmark starts in new processes import ``benchmarks`` through ``PYTHONPATH``
+(``benchmarks.workloads.child_env``), never by editing the import path in code. Measured numbers,
+with dates and machines: ``benchmarks/RESULTS.md``. The user command ``ddpkit bench`` lives in ``ddpkit/bench/``.
 
 Each runs the things it compares side by side in one process tree, alternating them over rounds,
 and prints medians, ranges and paired ratios with the load average before and after: absolute times

@@ -1,6 +1,6 @@
 """ddpkit against a hand-written DDP loop, Lightning Fabric, Accelerate and the Lightning Trainer.
 
-    python -m benchmarks.compare_peers                       # MLP and MNIST CNN, 2 Gloo ranks, 5 rounds, new processes per run
+    python -m benchmarks.compare_peers                       # MLP and MNIST CNN, 2 Gloo ranks, 5 fresh rounds
     python -m benchmarks.compare_peers --workloads mlp --rounds 7 --steps 1000
     python -m benchmarks.compare_peers --in-process          # all systems in one job (faster, shares one heap)
 

@@ -264,14 +264,17 @@ def page_faults(rounds: int) -> str:
 
     rows: dict[str, list[list[float]]] = {"malloc defaults": [], "kept (train.keep_host_memory)": []}
     for r in range(rounds):
-        for name, arg in (("malloc defaults", "defaults"), ("kept (train.keep_host_memory)", "kept"))[:: 1 if r % 2 == 0 else -1]:
+        variants = (("malloc defaults", "defaults"), ("kept (train.keep_host_memory)", "kept"))
+        for name, arg in variants[:: 1 if r % 2 == 0 else -1]:
             out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             rows[name].append([float(v) for v in out.stdout.split()])
             progress(f"[page faults] round {r + 1} {name}: {out.stdout.strip()}")
-    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in ((0, 0), (1, 2), (2, 1)))] for name,
-                runs in rows.items()]
-    title = f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each (fresh processes, alternating)"
+    columns = ((0, 0), (1, 2), (2, 1))  # (index, decimals) of faults, kernel ms and CPU ms
+    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in columns)]
+                for name, runs in rows.items()]
+    title = (f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each "
+             "(fresh processes, alternating)")
     return table(title, ["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], rows_out)
 
 

@@ -3,7 +3,7 @@
     python -m benchmarks.feature_cost --feature health                  # the Trainer's health checks, 2 ranks, 7 rounds
     python -m benchmarks.feature_cost --feature health --rounds 3 --steps 200 --variants off,nonfinite,spike
     python -m benchmarks.feature_cost --feature watchdog                # the hang watchdog on 4 empty spans a step
-    python -m benchmarks.feature_cost --feature goodput --rounds 5      # the ledger's and crash save's listeners, a snapshot
+    python -m benchmarks.feature_cost --feature goodput --rounds 5      # the ledger's and crash save's listeners
     python -m benchmarks.feature_cost --feature step-parts              # each piece of the step's work, thread CPU
 
 Every feature alternates its variants over ``--rounds`` rounds (the order rotating) and reports
@@ -73,13 +73,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.workloads import BATCH, WORKLOADS, load_printed, paired, rotated, run_module_workers, table, trainer_config
+from benchmarks.workloads import (
+    BATCH,
+    WORKLOADS,
+    load_printed,
+    paired,
+    rotated,
+    run_module_workers,
+    table,
+    trainer_config,
+)
 from ddpkit.bench.report import Stats, progress
 from ddpkit.bench.timed import TimedTrainer, steady_ms_per_step
 from ddpkit.bench.worker import serve
 from ddpkit.checkpoint.boundary_rng import BoundarySlots
 from ddpkit.checkpoint.crash_save import CrashSave
-from ddpkit.checkpoint.files import to_cpu
+from ddpkit.checkpoint.staging import to_cpu
 from ddpkit.config.loader import load_config
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime
@@ -152,7 +161,8 @@ def health(args: argparse.Namespace) -> str:
         share = extra_cpu.median / 1000 / Stats.of(base["cpu"]).median
         rows.append([name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
                      f"{extra_cpu.median:+.1f}", f"{share:+.2%}"])
-    title = f"MLP 784-128-128-10, 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after {result['warmup']}, {len(base['wall'])} rounds"
+    title = (f"MLP 784-128-128-10, 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+             f"{result['warmup']}, {len(base['wall'])} rounds")
     headers = ["variant", "ms/step", "min..max", "x off", "x off min..max", "CPU us/step vs off",
                "CPU share of the off step"]
     return table(title, headers, rows)
@@ -268,7 +278,8 @@ def goodput(args: argparse.Namespace) -> str:
     runs |= {"crash-save listener, no slot file": [], "crash-save listener, slot file": []}
     for r in range(args.rounds):
         for name in rotated(["crash-save listener, no slot file", "crash-save listener, slot file"], r):
-            runs[name].append(_spans_only(with_file if name.endswith(", slot file") else without, progress, 20000) * 1e6)
+            listeners = with_file if name.endswith(", slot file") else without
+            runs[name].append(_spans_only(listeners, progress, 20000) * 1e6)
     bare = runs["bare step"]
     rows = []
     for name, us in runs.items():
@@ -340,7 +351,8 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
         (listeners.watchdog, None), (listeners.ledger, ("optimizer",)), (listeners.crash, ("optimizer", "data")),
         (listeners.snapshots, ("optimizer", "data")), (listeners.straggler, ("data", "forward", "backward")),
     ]
-    spans = {name: PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names)) for name in PHASES}
+    spans = {name: PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names))
+             for name in PHASES}
     hooks: list[Any] = []
     step_no = [0]
 
@@ -431,7 +443,8 @@ def step_parts(args: argparse.Namespace) -> str:
         spread = extra.spread(1) if name != "plain" else "-"
         rows.append([name, f"{statistics.median(us):.1f}", f"{extra.median:+.1f}", spread,
                      f"{100 * extra.median / statistics.median(plain):+.2f}%"])
-    title = f"MLP 784-128-128-10, batch {BATCH}, 1 thread, {args.rounds} rounds x {args.steps} steps; thread-CPU us/step"
+    title = (f"MLP 784-128-128-10, batch {BATCH}, 1 thread, {args.rounds} rounds x {args.steps} steps; "
+             "thread-CPU us/step")
     return table(title,
                  ["piece", "us/step (median)", "extra us/step vs plain (paired median)", "min..max",
                   "% of the plain step"],

@@ -1,8 +1,8 @@
 """One GPU with the data already on it: a hand-written loop against ddpkit, eager and compiled.
 
-    python -m benchmarks.gpu_bound                                   # GPT-2 124M, eager and compiled, 2 rounds x 30 s per arm
+    python -m benchmarks.gpu_bound                                   # GPT-2 124M, eager and compiled, 2 x 30 s an arm
     python -m benchmarks.gpu_bound --workload resnet50 --mode eager --rounds 3 --seconds 20
-    python -m benchmarks.gpu_bound --stall --every 100               # checkpoint stall: no saves / sync / checkpoint.async
+    python -m benchmarks.gpu_bound --stall --every 100               # checkpoint stall: none / sync / async saves
     python -m benchmarks.gpu_bound --tiny --device cpu --seconds 2   # the same code path on any machine, tiny shapes
 
 What it answers: is ddpkit's step as fast as the loop a user would write when the GPU, not the
@@ -200,7 +200,8 @@ def hand_written(
 
     torch.manual_seed(SEED)
     memory_format = torch.channels_last if w.channels_last else torch.preserve_format
-    model = MODELS.build(w.model["name"], key="model.name", kwargs=w.model["kwargs"]).to(device, memory_format=memory_format)
+    model = MODELS.build(w.model["name"], key="model.name", kwargs=w.model["kwargs"])
+    model = model.to(device, memory_format=memory_format)
     net = torch.compile(model) if compiled else model
     optimizer = _optimizer(w, model, device)
     torch.manual_seed(SEED)  # the Trainer seeds seed + rank once everything is built
@@ -516,7 +517,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_bound: --device cuda needs a CUDA GPU (none is visible here); --device cpu --tiny runs the code path",
+        print("gpu_bound: --device cuda needs a CUDA GPU (none is visible here); "
+              "--device cpu --tiny runs the code path",
               file=sys.stderr)
         return 2
     w = (TINY if args.tiny else WORKLOADS)[args.workload]

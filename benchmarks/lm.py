@@ -34,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.workloads import SEED, load_printed, loader_for, paired, rotated, run_module_workers, table, weights_digest
+from benchmarks.workloads import (
+    SEED,
+    load_printed,
+    loader_for,
+    paired,
+    rotated,
+    run_module_workers,
+    table,
+    weights_digest,
+)
 from ddpkit.bench.report import Stats, progress
 from ddpkit.bench.timed import StepClock, TimedTrainer, steady_ms_per_step
 from ddpkit.bench.worker import serve
@@ -109,9 +118,8 @@ def report(result: dict[str, Any]) -> str:
         wall, ratio = Stats.of(run["wall"]), paired(run["wall"], hand["wall"])
         same = [mine == theirs for mine, theirs in zip(run["weights"], hand["weights"])]
         rows.append([name, f"{wall.median:.1f}", wall.spread(1), f"{tokens_per_step / wall.median * 1000:.0f}",
-                     f"{ratio.median:.3f}", ratio.spread(
-                         3
-                     ), f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})"])
+                     f"{ratio.median:.3f}", ratio.spread(3),
+                     f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})"])
     title = (f"GPT dim {MODEL['dim']} x {MODEL['depth']} blocks on "
              f"the stdlib bytes: {result['world_size']} Gloo ranks, "
              f"{BATCH} x {SEQ_LEN} tokens/rank, {result['steps']} timed "
@@ -125,7 +133,8 @@ def main(argv: list[str]) -> int:
         return serve(argv[1], {"lm": lm_worker})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per run, after 10 warm-up steps (default 60)")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="timed steps per run, after 10 warm-up steps (default 60)")
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
     with load_printed():

@@ -96,8 +96,9 @@ FRAMEWORKS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "ac
 def hand_written(
     w: dict[str, Any], steps: int, rank: int, world_size: int, *, checks: bool = False, batched: bool = False,
 ) -> tuple[StepClock, dict]:
-    """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's per-step work);
-    ``batched``: the data read a batch at a time, as the Trainer reads a TensorDataset (what is left is the loop's own cost)."""
+    """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's
+    per-step work); ``batched``: the data read a batch at a time, as the Trainer reads a TensorDataset
+    (what is left is the loop's own cost)."""
     torch.manual_seed(SEED)
     train_set, model = build(w, steps)
     clock = StepClock()
@@ -220,8 +221,8 @@ VARIANTS = {
     "ddpkit-nolog": lambda *a, **kw: ddpkit_trainer(*a, **{**kw, "log_every": 10**9}),
     # Ablations, not run by default: the Trainer with one group of defaults switched off, to say
     # what each costs per step (the difference to `ddpkit` in the same round).
-    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off) for name,
-       off in ABLATIONS.items()},
+    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off)
+       for name, off in ABLATIONS.items()},
     # Not run by default: the gradients as torch's DDP keeps them by default (copied out of the buckets),
     # and the gradient norm per parameter: ddpkit before ddp.gradient_as_bucket_view became true.
     "ddpkit-no-bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": False}}),
@@ -319,9 +320,8 @@ def run_single(variant: str, steps: int, log_every: int, workload: str = "step-c
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")  # every rank's Trainer must see the same output_dir
     with tempfile.TemporaryDirectory(prefix=f"bench-single-{run_id}-rank{env.rank}-") as tmp, process_group(env):
         if variant.startswith("ddpkit"):
-            extra["workdir"] = Path(
-                tempfile.gettempdir()
-            ) / f"bench-single-{run_id}" if env.world_size > 1 else Path(tmp)
+            shared = Path(tempfile.gettempdir()) / f"bench-single-{run_id}"
+            extra["workdir"] = shared if env.world_size > 1 else Path(tmp)
         VARIANTS[variant](WORKLOADS[workload], steps, env.rank, env.world_size, **extra)
 
 
@@ -363,7 +363,8 @@ def main(argv: list[str]) -> int:
         if args.fresh:
             results[workload] = run_fresh(workload, variants, args.rounds, args.steps)
         else:
-            results[workload] = run_module_workers(__spec__.name, "overhead", params, nproc=WORKLOADS[workload]["nproc"])
+            nproc = WORKLOADS[workload]["nproc"]
+            results[workload] = run_module_workers(__spec__.name, "overhead", params, nproc=nproc)
         mark_bitwise(results[workload])
         print(report(workload, results[workload]), flush=True)
     if args.json:

@@ -26,7 +26,8 @@ from ddpkit.testing import run_on_ranks
 
 def make_records(count: int) -> list[dict]:
     rng = np.random.default_rng(0)
-    return [{"id": f"sample-{i:08d}", "tokens": rng.integers(0, 50_000, 256, dtype=np.int32), "label": i % 10} for i in range(count)]
+    return [{"id": f"sample-{i:08d}", "tokens": rng.integers(0, 50_000, 256, dtype=np.int32), "label": i % 10}
+            for i in range(count)]
 
 
 def _collate(batch: list) -> int:
@@ -47,7 +48,10 @@ def _measure(kind: str, count: int, epochs: int) -> dict | None:
     from ddpkit.distributed.env import read_dist_env
 
     env = read_dist_env()
-    dataset = make_records(count) if kind == "plain" else SharedDataset(lambda: make_records(count), name=f"bench-{kind}-{count}")
+    if kind == "plain":
+        dataset = make_records(count)
+    else:
+        dataset = SharedDataset(lambda: make_records(count), name=f"bench-{kind}-{count}")
     gc.collect()
     loader = build_train_loader(dataset, env=env, batch_size=64, num_workers=2, seed=0, drop_last=False)
     loader.collate_fn = _collate

@@ -178,9 +178,8 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
 
 def import_report(python: str, rounds: int) -> str:
     t = import_times(python, rounds)
-    added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in (
-        "added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms"
-    ))
+    keys = ("added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms")
+    added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in keys)
     extra = sorted(((summary(v).median, k) for k, v in t["extra_modules"].items()), reverse=True)
     return table(f"import time, {rounds} alternated rounds (python -X importtime):", [
         "measure", "median ms", "min..max"
@@ -190,9 +189,8 @@ def import_report(python: str, rounds: int) -> str:
         ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
         ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
     ]) + (f"\nbudget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
-          f"{len(extra)} modules not imported by torch, largest self times: " + ", ".join(
-              f"{name} {ms:.1f} ms" for ms, name in extra[:8]
-          ))
+          f"{len(extra)} modules not imported by torch, largest self times: "
+          + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8]))
 
 
 def first_step_report(python: str, rounds: int) -> str:

@@ -114,7 +114,8 @@ def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
             for x, _ in batches:
                 x.sum()
                 count += 1
-            results.setdefault(f"window {window}" if window else "no agreement", []).append((time.perf_counter() - started) / count * 1e6)
+            name = f"window {window}" if window else "no agreement"
+            results.setdefault(name, []).append((time.perf_counter() - started) / count * 1e6)
     box = torch.zeros(1, dtype=torch.int64)
     for _ in range(2000):
         started = time.perf_counter()
@@ -154,7 +155,9 @@ def measure(args: argparse.Namespace) -> None:
             report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s),
                                                           _summary("ratio", ratios)]
             print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
-    job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0] if "agreement" in args.parts else {}
+    job = {}
+    if "agreement" in args.parts:
+        job = run_on_ranks(_agreement_job, world_size=2, args=(args.rounds, args.num_train), timeout=3600)[0]
     print(
         "\nus per batch, 2 ranks, 0 workers: the loader alone, and StreamEpochs agreeing every data.stream_window steps"
     )

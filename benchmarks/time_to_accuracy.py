@@ -192,9 +192,8 @@ def measure(rounds: int, workdir: Path) -> dict[str, list[dict[str, Any]]]:
             runs[variant].append(run)
             progress(f"[tta] round {r + 1}/{rounds} {variant}: {run['wall_s']:.1f} s, {run['step']} steps")
         for variant in START:
-            runs[variant][-1]["bitwise_equal_to_hand"] = same_weights(
-                runs[variant][-1]["model"], runs["hand-written"][-1]["model"]
-            )
+            last = runs[variant][-1]
+            last["bitwise_equal_to_hand"] = same_weights(last["model"], runs["hand-written"][-1]["model"])
     return runs
 
 
@@ -209,7 +208,8 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
     equal = min(sum(r["bitwise_equal_to_hand"] for r in runs[v]) for v in START)
     budget = paired([d["wall_s"] for d in runs["ddpkit"]], hand).median
     lines = [
-        f"time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, {len(hand)} rounds:",
+        "time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, "
+        f"{len(hand)} rounds:",
         format_table(["variant", "median s", "min..max", "x hand (paired)", "min..max", "steps to target"], rows),
         "budget: ddpkit within 1.05x of hand-written: "
         f"{'met' if budget <= 1.05 else 'NOT met'} (median {budget:.3f}x); "
@@ -219,8 +219,10 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         "parts, median seconds (launch -> imports done -> group ready -> "
         "data+model built -> first step -> target reached -> saved -> exit):",
     ]
-    part_rows = [[v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()]
-    diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))] for row in part_rows[1:]]
+    part_rows = [[v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)]
+                 for v, rs in runs.items()]
+    diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))]
+             for row in part_rows[1:]]
     lines.append(format_table(["variant", *PARTS], [*part_rows, *diffs]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]
     if any(a != b for a, b in logged):
@@ -243,8 +245,8 @@ def main(argv: list[str]) -> int:
     print(report(runs))
     print(f"load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}", flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"rounds": args.rounds, "load_before": before, "load_after": after, "runs": runs},
-                                        indent=1))
+        record = {"rounds": args.rounds, "load_before": before, "load_after": after, "runs": runs}
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 

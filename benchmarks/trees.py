@@ -2,7 +2,8 @@
 
     git worktree add /tmp/before HEAD~3
     python -m benchmarks.trees --rounds 10 hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit
-    python -m benchmarks.trees --workload mnist_cnn --steps 300 hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit
+    python -m benchmarks.trees --workload mnist_cnn --steps 300 \\
+        hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit
 
 Each entry is ``LABEL=TREE:VARIANT``: a variant of ``benchmarks.overhead`` (``hand-written``,
 ``ddpkit``, ``ddpkit-bare``, ...) run with ``TREE`` first on ``PYTHONPATH``, so ``ddpkit`` (and
@@ -90,9 +91,8 @@ def main(argv: list[str]) -> int:
         for label, own in runs.items():
             walls, cpus, digests = zip(*own)
             ref_walls, ref_cpus, ref_digests = zip(*ref)
-            wall, ratio, extra_cpu = summary(walls), paired(walls, ref_walls), paired(
-                cpus, ref_cpus, scale=1000, difference=True
-            )
+            wall, ratio = summary(walls), paired(walls, ref_walls)
+            extra_cpu = paired(cpus, ref_cpus, scale=1000, difference=True)
             same = sum(a == b for a, b in zip(digests, ref_digests))
             rows.append([label, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
                          f"{extra_cpu.median:+.1f}", f"{same}/{len(own)}"])

@@ -153,7 +153,8 @@ def train_by_hand(
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             if to_device:
-                x, y = x.to(device, non_blocking=True).contiguous(memory_format=memory_format), y.to(device, non_blocking=True)
+                x = x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+                y = y.to(device, non_blocking=True)
             with precision:
                 loss = F.cross_entropy(net(x), y)
             if checks and not math.isfinite(loss.detach().item()):  # TrainingHealth.watch_loss on the CPU

@@ -104,7 +104,8 @@ class HookedTrainer(ddpkit.Trainer):
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(self.rows)
-        log.info("stopped after %d steps at val_accuracy %.3f; wrote %s", metrics["step"], metrics["val_accuracy"], path)
+        log.info("stopped after %d steps at val_accuracy %.3f; wrote %s",
+                 metrics["step"], metrics["val_accuracy"], path)
 
 
 def main(argv: list[str]) -> None:

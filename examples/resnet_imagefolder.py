@@ -88,7 +88,8 @@ def draw_demo_tree(root: Path, *, per_class: int = 160, val_per_class: int = 40,
                 elif shape == "square":
                     draw.rectangle(box, fill=color)
                 else:
-                    draw.polygon([(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=color)
+                    corners = [(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)]
+                    draw.polygon(corners, fill=color)
                 image.save(folder / f"{i}.png")
 
 

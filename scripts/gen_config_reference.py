@@ -59,7 +59,8 @@ def render() -> str:
     """The whole of docs/config.md as text."""
     parts = [HEADER]
     sections = fields_of(Config)
-    parts.append("## Sections\n\n" + "\n".join(f"- [`{key}`](#{key}): {f.metadata['doc']}" for key, f, _hint in sections) + "\n")
+    listing = "\n".join(f"- [`{key}`](#{key}): {f.metadata['doc']}" for key, f, _hint in sections)
+    parts.append("## Sections\n\n" + listing + "\n")
     for key, _f, hint in sections:
         parts.extend(_section(key, hint))
     return "\n".join(parts)

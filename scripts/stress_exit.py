@@ -3,7 +3,7 @@ wrong exit codes and C++ aborts at interpreter exit.
 
     .venv/bin/python scripts/stress_exit.py --runs 200 --mode finish --load 2
     .venv/bin/python scripts/stress_exit.py --runs 20 --mode preempt --load 2       # SIGTERM to the launcher: exit 75
-    .venv/bin/python scripts/stress_exit.py --runs 20 --mode config-error --load 2  # a key only the workers check: exit 2
+    .venv/bin/python scripts/stress_exit.py --runs 20 --mode config-error --load 2  # a key the workers check: exit 2
     .venv/bin/python scripts/stress_exit.py --runs 20 --mode hang --load 2          # the hang watchdog: exit 3
 
 Each run is ``ddpkit run configs/quickstart.yaml --nproc-per-node 2`` with overrides that make it a

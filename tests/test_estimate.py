@@ -74,7 +74,7 @@ def test_the_command_prints_every_mode_and_a_recommendation(tmp_path):
     result = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "3", "--memory-per-rank", "0.00015", timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines[2:5]] == ["ddp", "zero1", "fsdp2"]
+    assert [line.split()[0] for line in lines[3:6]] == ["ddp", "zero1", "fsdp2"]
     assert lines[-1].startswith("recommendation: fsdp2") or lines[-1].startswith("recommendation: none fits")
     bad = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "2", "optim.lr=-1", timeout=120)
     assert bad.returncode == 2 and "optim.lr" in bad.stderr

@@ -1,6 +1,6 @@
 """``ddpkit bench``: the Horovod synthetic-benchmark and nccl-tests habits, for torch users.
 
-    ddpkit bench throughput --model resnet18 --batch-size 32 --nproc-per-node 1,2 [--steps 20] [--precision bf16] [--plot out.png]
+    ddpkit bench throughput --model resnet18 --batch-size 32 --nproc-per-node 1,2 [--steps 20] [--precision bf16]
     ddpkit bench allreduce --nproc-per-node 2 --sizes 1KB..256MB [--json] [-o results.json]
     ddpkit bench autotune configs/quickstart.yaml [key=value ...] [--steps 20]
     ddpkit bench scaling configs/quickstart.yaml --predict 8,64,512,1024 [--link 100Gbit] [--latency 5us]
@@ -54,7 +54,8 @@ def main(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         listing = "\n".join(f"  {name:<11} {text}" for name, text in _COMMANDS.items())
         summary = plain_text(__doc__.split("\n\n")[0])
-        usage = f"usage: ddpkit bench BENCHMARK [options]\n\n{summary}\n\nbenchmarks:\n{listing}\n\n`ddpkit bench BENCHMARK -h` shows a benchmark's options."
+        usage = (f"usage: ddpkit bench BENCHMARK [options]\n\n{summary}\n\nbenchmarks:\n{listing}\n\n"
+                 "`ddpkit bench BENCHMARK -h` shows a benchmark's options.")
         # asked for help: stdout, exit 0; no benchmark named: exit 2
         print(usage, file=sys.stdout if argv else sys.stderr)
         return EXIT_OK if argv else EXIT_CONFIG

@@ -91,7 +91,8 @@ def _report(
     best = min(range(len(pairs)), key=lambda i: stats[i].median)
     rows = []
     for i, ((cap, view), s) in enumerate(zip(pairs, stats)):
-        note = ", ".join(filter(None, ["fastest" if i == best else "", "your config" if (cap, view) == current else ""]))
+        note = ", ".join(filter(None, ["fastest" if i == best else "",
+                                       "your config" if (cap, view) == current else ""]))
         rows.append([f"{cap:g}", str(view).lower(), fmt(s.median), s.spread(), f"{s.median / stats[best].median:.3f}",
                      note])
     print(f"autotune: {args.config}{' ' + ' '.join(args.overrides) if args.overrides else ''}, {nproc} processes, "

@@ -261,7 +261,10 @@ def prediction_rows(
     for link in links:
         for n in world_sizes:
             p = predict(profile, n, link, algorithm)
-            cap, best = best_bucket_cap(profile, n, link, caps_mb=caps, algorithm=algorithm) if n > 1 else (profile.bucket_cap_mb or 25.0, p)
+            if n > 1:
+                cap, best = best_bucket_cap(profile, n, link, caps_mb=caps, algorithm=algorithm)
+            else:
+                cap, best = profile.bucket_cap_mb or 25.0, p
             rows.append({"link": link.label(), "ranks": n, "ms": p.step_s * 1e3, "samples_per_s": p.samples_per_s,
                          "efficiency": p.efficiency,
                          "exposed_ms": p.exposed_comm_s * 1e3, "straggler_ms": p.straggler_s * 1e3, "best_cap": cap,

@@ -297,7 +297,8 @@ def best_bucket_cap(
     profile: Profile, n: int, link: Link, *, caps_mb: Sequence[float], algorithm: Algorithm = "ring"
 ) -> tuple[float, Prediction]:
     """The ``bucket_cap_mb`` among ``caps_mb`` with the shortest predicted step (needs ``profile.params``)."""
-    options = [(cap, predict(profile, n, link, algorithm, buckets=assign_buckets(profile.params, cap_mb=cap))) for cap in caps_mb]
+    options = [(cap, predict(profile, n, link, algorithm, buckets=assign_buckets(profile.params, cap_mb=cap)))
+               for cap in caps_mb]
     return min(options, key=lambda option: option[1].step_s)
 
 

@@ -19,9 +19,9 @@ copies of the step run in alternation, so a busy machine slows both alike:
 
 Run as N one-rank processes at once (each measuring on its own, nothing communicated), it
 measures compute as it runs when N ranks share one machine: how ``--validate`` checks the model
-on a CPU box with fewer cores than ranks. Each quantity is the median over the timed iterations; the first ``warmup`` (DDP rebuilds its
-buckets after the first) are left out. The default ``training_step`` (cross-entropy on ``(x, y)``)
-is what runs, as for ``ddpkit run``.
+on a CPU box with fewer cores than ranks. Each quantity is the median over the timed iterations;
+the first ``warmup`` (DDP rebuilds its buckets after the first) are left out. The default
+``training_step`` (cross-entropy on ``(x, y)``) is what runs, as for ``ddpkit run``.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def _summarise(cfg: Config, wrapped: nn.Module, ddp: list[dict[str, Any]], bare:
         return statistics.median(row[key] for row in rows)
 
     layout = ddp[-1]["buckets"]  # the rebuilt buckets: the same sizes in every timed iteration
-    buckets = tuple(Bucket(size, statistics.median(row["buckets"][i][1] for row in ddp)) for i,
-                    (size, _) in enumerate(layout))
+    buckets = tuple(Bucket(size, statistics.median(row["buckets"][i][1] for row in ddp))
+                    for i, (size, _) in enumerate(layout))
     params = [p for p in wrapped.parameters() if p.requires_grad]
     ready = [Param(p.numel() * p.element_size(), statistics.median(row["params"].get(i, 0.0) for row in ddp),
                    str(p.dtype).removeprefix("torch."))

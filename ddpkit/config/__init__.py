@@ -8,6 +8,7 @@
 - ``yaml_text``: safe YAML reading and writing; ``overrides``: ``dotted.key=value``.
 - ``loader``: raw input -> a validated :class:`Config` (unknown keys get the closest valid one).
 - ``checks``: rules that span several fields; ``serialize``: dicts, YAML text, the config hash.
+- ``urls``: which values are object-storage URLs (``checkpoint.dir: s3://...``), and their checks.
 - ``json_schema``: the config as a JSON Schema, for editors (``ddpkit config --schema``); ``cli_args``: the
   command line's one style (CONFIG positional, old spellings with a deprecation line, plain ``--help``).
 

@@ -135,9 +135,8 @@ def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, proble
             return value
         hint = _closest(value if isinstance(value, str) else short_repr(value), list(args))
         problems.append(
-            f"{path}: expected one of {', '.join(args)}; got {show(value)}" + (
-                f" (did you mean {hint!r}?)" if hint else ""
-            )
+            f"{path}: expected one of {', '.join(args)}; got {show(value)}"
+            + (f" (did you mean {hint!r}?)" if hint else "")
         )
         return args[0]
     if origin is list:

@@ -3,7 +3,8 @@
     keys, value = parse_override("optim.lr=0.1")      # (["optim", "lr"], 0.1)
 
 The value is parsed as a YAML scalar (``3`` is an int, ``true`` a bool, ``null`` None,
-``[1, 2]`` a list, ``3e-4`` a number as in the file: :func:`ddpkit.config.yaml_text.parse_yaml`). Precedence: overrides > file > defaults.
+``[1, 2]`` a list, ``3e-4`` a number as in the file: :func:`ddpkit.config.yaml_text.parse_yaml`).
+Precedence: overrides > file > defaults.
 
 A key given twice (``optim.lr=0.1 ... optim.lr=0.2``), or a section given whole and a key inside it
 (``optim={lr: 1} optim.lr=2``), is refused by :func:`apply_overrides` naming both positions: which

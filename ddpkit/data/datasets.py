@@ -84,7 +84,9 @@ def digits(
     ``seed`` fixes the data itself (independent of ``run.seed``, which fixes the training run).
     """
     train = TensorDataset(*_cached_digits(num_train, seed=seed, image_size=image_size, noise=noise))
-    val = TensorDataset(*_cached_digits(num_val, seed=seed + 1, image_size=image_size, noise=noise)) if num_val else None
+    val = None
+    if num_val:
+        val = TensorDataset(*_cached_digits(num_val, seed=seed + 1, image_size=image_size, noise=noise))
     return train, val
 
 

@@ -161,7 +161,9 @@ def _write(data: Any, path: Path) -> Path:
 
 def _is_arrays(data: Any) -> bool:
     kinds = (np.ndarray, torch.Tensor)
-    return isinstance(data, kinds) or (isinstance(data, tuple) and bool(data) and all(isinstance(part, kinds) for part in data))
+    if isinstance(data, kinds):
+        return True
+    return isinstance(data, tuple) and bool(data) and all(isinstance(part, kinds) for part in data)
 
 
 def _write_arrays(f: Any, data: Any) -> dict[str, Any]:

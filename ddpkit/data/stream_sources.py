@@ -1,7 +1,8 @@
 """Built-in streaming datasets, registered by name: WebDataset tar shards and Hugging Face ``datasets``.
 
     data: {name: webdataset, kwargs: {urls: "/data/digits/train-{000..007}.tar", val_urls: "/data/digits/val-000.tar"}}
-    data: {name: hf_datasets, kwargs: {path: parquet, data_files: {train: /data/train.parquet}, columns: [image, label]}}
+    data: {name: hf_datasets, kwargs: {path: parquet, data_files: {train: /data/train.parquet},
+                                       columns: [image, label]}}
 
 Both return ``(train, val_or_None)`` streams (``IterableDataset``s without ``len()``), which the
 Trainer shards over ranks and workers with :mod:`ddpkit.data.streaming`. ``python

@@ -75,7 +75,8 @@ class ShardedStream(IterableDataset):
         seed: int = 0,
     ):
         self.source, self.rank, self.world_size, self.batch_size, self.seed = source, rank, world_size, batch_size, seed
-        self.drop_last, self.split_ranks, self.split_workers, self.collate_fn = drop_last, split_ranks, split_workers, collate_fn
+        self.drop_last, self.split_ranks, self.split_workers = drop_last, split_ranks, split_workers
+        self.collate_fn = collate_fn
         self.epoch, self._yielded, self._ended = 0, 0, False
         self._resume: dict[str, Any] | None = None
 
@@ -190,8 +191,9 @@ def build_stream_loader(
 
     ``accum`` and ``window_steps`` (``data.stream_window``): the read-ahead window, in whole
     optimizer steps; ``uneven`` (``data.uneven``): what an epoch end with a whole window left on
-    some rank does (see :mod:`ddpkit.data.uneven`). Its ``stream_epochs`` attribute (:func:`stream_epochs_of`) is the :class:`StreamEpochs` that
-    the Trainer iterates instead of the loader itself.
+    some rank does (see :mod:`ddpkit.data.uneven`). Its ``stream_epochs`` attribute
+    (:func:`stream_epochs_of`) is the :class:`StreamEpochs` that the Trainer iterates instead of the
+    loader itself.
 
     Raises:
         DdpkitError: torchdata (the ``stream`` extra) is not installed.

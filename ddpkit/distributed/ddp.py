@@ -24,7 +24,10 @@ from ddpkit.distributed.process_group import Runtime
 
 # torch 2.14 renamed DDP's `broadcast_buffers` to `forward_sync_buffers` (same meaning for
 # forward-time syncing) and warns on the old name; use whichever this torch has.
-_BUFFER_SYNC_ARG = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else "broadcast_buffers"
+_BUFFER_SYNC_ARG = (
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else "broadcast_buffers"
+)
 
 __all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
 

@@ -142,13 +142,16 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         master_addr=environ["MASTER_ADDR"],
         master_port=_int(environ, "MASTER_PORT", minimum=0),
         launcher="torchrun",
-        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0) if "TORCHELASTIC_RESTART_COUNT" in environ else 0,
+        restart_count=(
+            _int(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0) if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+        ),
     )
 
 
 def _inside_srun(environ: Mapping[str, str]) -> bool:
     """True inside an ``srun`` step with several tasks (not a bare ``salloc`` shell)."""
-    return all(k in environ for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")) and environ["SLURM_NTASKS"] != "1"
+    in_step = all(k in environ for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"))
+    return in_step and environ["SLURM_NTASKS"] != "1"
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv:

@@ -1,6 +1,6 @@
 """What each rank holds: parameters, gradients and optimizer state in bytes, per ``parallel.mode``.
 
-    held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters=..., gradients=..., optimizer=...)
+    held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters, gradients, optimizer)
     log_rank_bytes(model, optimizer, mode="fsdp2") # every rank's numbers in one startup log line (a collective)
     plan = mode_bytes(shapes, world_size=2, mode="zero1", slots=2, element_size=4)  # the same, from shapes only
 
@@ -73,9 +73,8 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankBytes:
     owned = _owned_parameters(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     if any(inner.state.get(p) for p in owned):
-        state = sum(_nbytes(v) for p in owned for v in inner.state.get(
-            p, {}
-        ).values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        state = sum(_nbytes(v) for p in owned for v in inner.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
     else:
         slots = optimizer_slots(optimizer)
         state = None if slots is None else slots * sum(_nbytes(p) for p in owned)

@@ -1,7 +1,7 @@
 """The ``parallel.mode`` wrappers: DDP, DDP + ZeRO-1, or FSDP2, all torch's own engines.
 
     model = shard_model(model, runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2: fully_shard, in place
-    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel, model=model)  # zero1: ZeRO; logs bytes per rank
+    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel, model=model)  # zero1
     wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)    # ddp / zero1: DDP; fsdp2: the sharded model
     with sync_gradients(wrapped, sync=is_boundary):                   # no_sync(), or set_requires_gradient_sync
         loss.backward()
@@ -147,9 +147,14 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
         # per bucket, on memory the all-reduce just wrote (52 -> 18 us in the MLP's loop). Not for
         # clipping, whose norm must have torch's own bits: another summation order differs in the last
         # bits. Finite exactly when every gradient is (and, as torch's norm, inf past 1.8e19).
-        squares = torch.dot(buckets[0], buckets[0]) if len(buckets) == 1 else torch.stack([torch.dot(b, b) for b in buckets]).sum()
+        if len(buckets) == 1:
+            squares = torch.dot(buckets[0], buckets[0])
+        else:
+            squares = torch.stack([torch.dot(b, b) for b in buckets]).sum()
         return squares.sqrt()
-    if grads and grads[0].is_cpu and all(type(g) is torch.Tensor and g.is_cpu and g.dtype == grads[0].dtype for g in grads):
+    if grads and grads[0].is_cpu and all(
+        type(g) is torch.Tensor and g.is_cpu and g.dtype == grads[0].dtype for g in grads
+    ):
         # On the CPU get_total_norm groups the tensors and takes one vector_norm per tensor in
         # Python (60 us a step on the test MLP); _foreach_norm runs the same kernels in one call
         # (20 us), so the same bits. Elsewhere it already uses _foreach_norm per device and dtype.
@@ -175,7 +180,8 @@ def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     Checked once for a set of gradient objects, then remembered: the step path checks that it holds
     the very same objects (0.71 us instead of 2.13 for the MLP's six gradients, `timeit`)."""
     global _last_tiling
-    if _last_tiling is not None and len(_last_tiling[0]) == len(grads) and all(ref() is g for ref, g in zip(_last_tiling[0], grads)):
+    cached = _last_tiling is not None and len(_last_tiling[0]) == len(grads)
+    if cached and all(ref() is g for ref, g in zip(_last_tiling[0], grads)):
         flat = [ref() for ref in _last_tiling[1]]  # alive: the gradients are views of them
         if all(b is not None for b in flat):
             return flat

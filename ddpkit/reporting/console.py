@@ -47,9 +47,9 @@ class ProgressDisplay:
         terminal: bool | None = None,
         emit: Callable[[str], None] | None = None,
     ):
-        """``total`` None: unknown (a stream); ``terminal`` defaults to ``stream.isatty()``; ``emit`` prints a plain progress line
-        (default: an INFO line on the ``ddpkit`` logger, so it has the log's prefix and lands in
-        ``log.rank_files`` too)."""
+        """``total`` None: unknown (a stream); ``terminal`` defaults to ``stream.isatty()``; ``emit`` prints a
+        plain progress line (default: an INFO line on the ``ddpkit`` logger, so it has the log's prefix and
+        lands in ``log.rank_files`` too)."""
         self.total, self.step, self.every = total, initial, every
         self._stream = stream if stream is not None else sys.stderr
         self._enabled = enabled

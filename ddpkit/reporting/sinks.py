@@ -129,7 +129,8 @@ class SinkGroup:
 def build_sinks(config: Config, *, append: bool, extra: Iterable[Sink] = ()) -> SinkGroup:
     """Rank 0's sinks for a run of ``config`` (a :class:`ddpkit.config.schema.Config`): ``metrics.jsonl``,
     ``status.json``, TensorBoard and the trackers when ``log.tensorboard`` / ``log.mlflow`` / ``log.wandb``
-    ask for them, then ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is not resumed)."""
+    ask for them, then ``extra`` (your own). ``append=False`` starts ``metrics.jsonl`` afresh (a run that is
+    not resumed)."""
     sinks: list[Sink] = [MetricsFileSink(config.output_dir, append=append), StatusSink(config.output_dir)]
     if config.log.tensorboard:
         sinks.append(TensorBoardSink(Path(config.output_dir) / "tensorboard"))

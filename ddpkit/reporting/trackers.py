@@ -96,7 +96,8 @@ class _Background:
             pass
         finished = self.failed or done.wait(timeout)
         if not finished and not self.failed:
-            log.warning("%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer",
+            log.warning("%s did not finish sending within log.tracker_timeout=%gs; "
+                        "training ends without waiting longer",
                         self.name, timeout)
         return finished
 

@@ -64,8 +64,8 @@ def environment() -> dict[str, Any]:
 
 def variables(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     """The run-relevant variables of ``environ``, sorted; anything that looks like a credential is left out."""
-    chosen = {k: v for k,
-              v in environ.items() if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)}
+    chosen = {k: v for k, v in environ.items()
+              if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)}
     return dict(sorted(chosen.items()))
 
 
@@ -103,11 +103,11 @@ def format_environment(env: dict[str, Any]) -> str:
     rows = [
         ("ddpkit", env["ddpkit"]), ("torch", env["torch"]), ("python", env["python"]), ("platform", env["platform"]),
         ("CPUs", f"{env['cpus']['usable']} usable of {env['cpus']['total']}"),
-        ("CUDA",
-         f"{'available' if cuda['available'] else 'not available'} (torch built with CUDA {cuda['version'] or 'none'})"),
+        ("CUDA", f"{'available' if cuda['available'] else 'not available'} "
+                 f"(torch built with CUDA {cuda['version'] or 'none'})"),
         ("cuDNN", cuda["cudnn"] or "-"), ("GPUs", ", ".join(cuda["gpus"]) or "none"),
-        ("NCCL",
-         f"{'available' if comm['nccl'] else 'not available'}" + (f" {comm['nccl_version']}" if comm["nccl_version"] else "")),
+        ("NCCL", f"{'available' if comm['nccl'] else 'not available'}"
+                 + (f" {comm['nccl_version']}" if comm["nccl_version"] else "")),
         ("Gloo", "available" if comm["gloo"] else "not available"),
     ]
     lines = [f"{name:<10} {value}" for name, value in rows]

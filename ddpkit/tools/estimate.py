@@ -5,7 +5,8 @@
     data: {name: tokens, batch_size: 16, kwargs: {corpus: stdlib, seq_len: 256}}
     optim: {name: adam, lr: 0.001}
     $ ddpkit estimate lm.yaml --nproc-per-node 2 model.kwargs.depth=12
-    model gpt: 9,608,960 parameters (36.66 MiB as 4-byte values); optimizer adam: 2 state tensors per parameter; 2 rank(s)
+    model gpt: 9,608,960 parameters (36.66 MiB as 4-byte values)
+    optimizer adam: 2 state tensors per parameter; 2 rank(s)
     mode    parameters   gradients   optimizer  activations  total per rank
     ddp      36.66 MiB   36.66 MiB   73.31 MiB   736.27 MiB      882.89 MiB
     zero1    36.66 MiB   36.66 MiB   36.66 MiB   736.27 MiB      846.23 MiB
@@ -125,16 +126,20 @@ def recommendation(est: Estimate, budget: int) -> str:
         if est.total(mode) <= budget:
             return f"{mode}: {_fmt(est.total(mode))} per rank fits in {_fmt(budget)} ({reasons[mode]})"
     best = min(est.per_mode, key=est.total)
-    return f"none fits in {_fmt(budget)} per rank; {best} needs {_fmt(est.total(best))}: use more ranks, a smaller batch or bf16"
+    return (f"none fits in {_fmt(budget)} per rank; {best} needs {_fmt(est.total(best))}: "
+            "use more ranks, a smaller batch or bf16")
 
 
 def report(est: Estimate, budget: int) -> str:
-    slots = f"{est.slots} state tensors per parameter" if est.slots is not None else "unknown state size (Adam's 2 assumed)"
+    slots = "unknown state size (Adam's 2 assumed)"
+    if est.slots is not None:
+        slots = f"{est.slots} state tensors per parameter"
     lines = [
         f"model {est.model_name}: {est.count:,} parameters "
-        f"({_fmt(est.count * est.element_size)} as {est.element_size}-byte values); "
+        f"({_fmt(est.count * est.element_size)} as {est.element_size}-byte values)",
         f"optimizer {est.optim_name}: {slots}; {est.nproc} rank(s)",
-        f"{'mode':<6} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>12} {'total per rank':>15}",
+        f"{'mode':<6} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>12} "
+        f"{'total per rank':>15}",
     ]
     for mode, b in est.per_mode.items():
         lines.append(f"{mode:<6} {_fmt(b.parameters):>11} {_fmt(b.gradients):>11} {_fmt(b.optimizer):>11} "
@@ -163,7 +168,8 @@ def main(argv: Sequence[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--nproc-per-node", type=int, required=True,
                         help="number of ranks (processes) to estimate for, on one node")
-    parser.add_argument("--mode", choices=MODES, action="append", help="only this mode (repeatable; default: all three)")
+    parser.add_argument("--mode", choices=MODES, action="append",
+                        help="only this mode (repeatable; default: all three)")
     parser.add_argument("--memory-per-rank", type=float, default=None,
                         help="GiB available to each rank (default: detected)")
     try:

@@ -267,7 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--dpi", type=int, default=120, help="resolution of raster output (default 120)")
     parser.add_argument("--goodput", action="store_true",
-                        help="draw where the wall time went (goodput.jsonl) instead; default output RUN_DIR/goodput.png")
+                        help="draw where the wall time went (goodput.jsonl) instead; "
+                             "default output RUN_DIR/goodput.png")
     return parser
 
 
@@ -284,15 +285,14 @@ def _plot(args: argparse.Namespace) -> int:
     names = _unique_names([Path(p) for p in args.runs])
     if args.goodput:  # one stacked bar per run and per attempt (ddpkit.goodput.plot)
         single = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
-        print(
-            "wrote "
-            f"{plot_goodput(args.runs, names, args.output or (Path(args.runs[0]) / 'goodput.png' if single else 'goodput.png'), title=args.title)}"
-        )
+        output = args.output or (Path(args.runs[0]) / "goodput.png" if single else "goodput.png")
+        print(f"wrote {plot_goodput(args.runs, names, output, title=args.title)}")
         return 0
     runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
     for run in runs:
         if run.skipped_lines:
-            print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}", file=sys.stderr)
+            print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}",
+                  file=sys.stderr)
     output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir()
                              else Path("metrics.png"))
     written = plot_runs(runs, output, title=args.title, dpi=args.dpi)

@@ -11,10 +11,10 @@
 Each row is read from the run's own files, nothing else: ``status.json`` (status, attempts and
 wall time, kept by the trainer), ``metrics.jsonl`` (last step, last ``val_*`` values, and the
 best value of ``checkpoint.best.metric`` from ``config.yaml``), ``checkpoints/best.json`` (the
-step the best checkpoint was taken at), ``model.pt`` and ``goodput.jsonl`` (productive / wall time). A run whose ``status.json`` still says
-RUNNING although its process on this host is gone is shown as CRASHED (killed outright, e.g.
-out of memory, before it could record how it ended). Runs written before ``status.json``
-existed show FINISHED when they have a ``model.pt``, else ``-``.
+step the best checkpoint was taken at), ``model.pt`` and ``goodput.jsonl`` (productive / wall
+time). A run whose ``status.json`` still says RUNNING although its process on this host is gone
+is shown as CRASHED (killed outright, e.g. out of memory, before it could record how it ended).
+Runs written before ``status.json`` existed show FINISHED when they have a ``model.pt``, else ``-``.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def format_table(rows: Sequence[RunSummary]) -> str:
     numeric = {2, *range(3, 3 + len(metrics)), len(header) - 1}
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
-        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
         for line in lines
     )
 

@@ -49,7 +49,8 @@ def keep_freed_host_memory() -> bool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         # Both must be set: setting either turns off glibc's dynamic threshold, and the mmap
         # threshold decides which blocks can be kept at all.
-        _applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        mmap_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+        _applied = mmap_set and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
     return _applied

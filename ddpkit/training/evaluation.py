@@ -1,8 +1,8 @@
 """Validation inside the loop: exact metrics over the whole validation set, then what they decide.
 
     evaluation = Evaluation(models, val_loader, device=device, autocast=step.autocast, ticking=watchdog.ticking)
-    metrics = evaluation.validate(validation_step)       # {"val_loss": ..., "val_accuracy": ...}, the same on every rank
-    evaluation.active                                    # True while it runs: the Trainer's ``model`` is then the bare one
+    metrics = evaluation.validate(validation_step)       # {"val_loss": ..., "val_accuracy": ...}, on every rank
+    evaluation.active                                    # True while it runs (the Trainer's ``model`` is the bare one)
     evaluation.last_step                                 # the optimizer step of the last validation (-1: none yet)
 
 Every rank runs ``validation_step`` over its exact, duplicate-free shard (:func:`ddpkit.training.metrics.evaluate`)

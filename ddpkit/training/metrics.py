@@ -68,7 +68,7 @@ class ExactMeans:
         # A rank whose shard was empty has seen no metric names: agree on the union first.
         names = sorted(set().union(*all_gather_object(sorted(self._sums))))
         empty = torch.zeros(2, dtype=torch.float64, device=self.device)
-        stacked = torch.stack([self._sums.get(n, empty) for n in names]) if names else torch.zeros(0, 2, dtype=torch.float64, device=self.device)
+        stacked = torch.stack([self._sums.get(n, empty) for n in names]) if names else empty.new_zeros(0, 2)
         totals = all_reduce_sum(stacked).tolist()
         return {name: (total / count if count else float("nan")) for name, (total, count) in zip(names, totals)}
 
@@ -85,7 +85,8 @@ class BestTracker:
         self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0,
         target: float | None = None, key: str = "metric",
     ):
-        self.metric, self.mode, self.patience, self.min_delta, self.target, self.key = metric, mode, patience, min_delta, target, key
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.target, self.key = target, key
         self.best: float | None = None
         self.last: float | None = None  # the latest evaluation's value, for the target rule
         self.bad_evals = 0

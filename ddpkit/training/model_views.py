@@ -157,7 +157,8 @@ def to_channels_last(model: nn.Module) -> nn.Module:
 
 def _inputs_to_channels_last(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(
-        a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args
+        a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a
+        for a in args
     )
 
 

@@ -45,7 +45,9 @@ def split_loss(result: Any, *, normalization: str, owner: type) -> tuple[torch.T
         loss, tokens = result
         return loss, torch.as_tensor(tokens, device=loss.device)
     if not _is_scalar(result):
-        hint = " (a (loss_sum, n_tokens) pair needs train.loss_normalization=tokens)" if isinstance(result, (tuple, list)) else ""
+        hint = ""
+        if isinstance(result, (tuple, list)):
+            hint = " (a (loss_sum, n_tokens) pair needs train.loss_normalization=tokens)"
         raise ConfigError(
             f"{owner.__name__}.training_step must return a scalar loss tensor, got {_describe(result)}{hint}"
         )
