@@ -16,6 +16,7 @@ from ddpkit import training
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
+from ddpkit.testing import run_on_ranks
 from ddpkit.training.gpt import GPT
 from ddpkit.training.param_groups import param_groups
 
@@ -23,7 +24,12 @@ STEPS_PER_EPOCH = 16  # tiny_config: 256 digits in batches of 16
 
 
 class NamedGroups(ddpkit.Trainer):
-    """Builds the optimizer from the model, so optim.groups can select parameters by name."""
+    """Builds the optimizer from the model, so optim.groups can select parameters by name; keeps the initial weights."""
+
+    def build_model(self):
+        model = super().build_model()
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
 
     def build_optimizer(self, model):
         return training.build_optimizer(model, self.config.optim)
@@ -162,3 +168,46 @@ def test_a_one_group_checkpoint_of_the_previous_release_resumes_bitwise_as_one_g
     assert len(resumed.optimizer.param_groups) == 1 and resumed.progress.step == 8
     ref, got = _weights(tmp_path / "ref/run/model.pt"), _weights(tmp_path / "cut/run/model.pt")
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def _groups_in_modes(out: str) -> dict[str, tuple[int, float, float]]:
+    """Rank r: a byte GPT trained 3 steps with a near-zero lr group on the embeddings, in each parallel mode:
+    (groups, largest change of the embeddings, of an MLP weight)."""
+    results = {}
+    for mode in ("ddp", "zero1", "fsdp2"):
+        trainer = NamedGroups(
+            {
+                "run": {"output_dir": f"{out}/{mode}", "seed": 0},
+                "log": {"progress_bar": False},
+                "dist": {"timeout": 60},
+                "model": {
+                    "name": "gpt",
+                    "kwargs": {"vocab_size": 257, "dim": 32, "depth": 2, "heads": 4, "max_len": 32},
+                },
+                "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
+                "optim": {
+                    "name": "adamw",
+                    "lr": 1e-2,
+                    "weight_decay": 0.1,
+                    "groups": [{"params": ["embed.*", "pos.*"], "lr": 1e-9}],
+                },
+                "parallel": {"mode": mode},
+                "train": {"max_steps": 3, "eval_every": 100},
+                "checkpoint": {"every_steps": None},
+            }
+        )
+        trainer.fit()
+        final = torch.load(f"{out}/{mode}/model.pt", weights_only=True)
+        change = {k: (final[k] - trainer.initial[k]).abs().max().item() for k in ("embed.weight", "blocks.0.fc.weight")}
+        results[mode] = (len(trainer.optimizer.param_groups), change["embed.weight"], change["blocks.0.fc.weight"])
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_groups_take_effect_under_ddp_zero1_and_fsdp2_on_two_ranks(tmp_path):
+    results = run_on_ranks(_groups_in_modes, 2, args=(str(tmp_path),), timeout=300)
+    assert results[0] == results[1]
+    for mode, (groups, embed, fc) in results[0].items():
+        assert groups == 3, mode  # decayed, undecayed, the embeddings' group
+        assert embed < 1e-6 < 1e-3 < fc, (mode, embed, fc)  # lr 1e-9 for the embeddings, 1e-2 elsewhere

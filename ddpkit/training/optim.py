@@ -35,17 +35,23 @@ __all__ = ["build_optimizer", "build_scheduler", "lr_factor", "OptimizerStep"]
 
 
 @register_optimizer("sgd")
-def sgd(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+def sgd(
+    params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any
+) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
 
 
 @register_optimizer("adam")
-def adam(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+def adam(
+    params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any
+) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
 
 @register_optimizer("adamw")
-def adamw(params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any) -> torch.optim.Optimizer:
+def adamw(
+    params: Iterable[Any], *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, **kwargs: Any
+) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
 
 
@@ -60,11 +66,12 @@ def build_optimizer(model: torch.nn.Module | Iterable[Any], cfg: OptimConfig) ->
     """
     named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else [(None, p) for p in model]
     groups = param_groups(named, cfg)
-    plain = len(groups) == 1 and set(groups[0]) == {"params", "weight_decay"} and groups[0]["weight_decay"] == cfg.weight_decay
+    plain = len(groups) == 1 and set(groups[0]) == {"params", "weight_decay"}
+    plain = plain and groups[0]["weight_decay"] == cfg.weight_decay
     builder = OPTIMIZERS.get(cfg.name, key="optim.name")
     try:
-        optimizer = builder(groups[0]["params"] if plain else groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                            **cfg.kwargs)
+        optimizer = builder(groups[0]["params"] if plain else groups, lr=cfg.lr, momentum=cfg.momentum,
+                            weight_decay=cfg.weight_decay, **cfg.kwargs)
     except TypeError as exc:  # an unknown keyword in optim.kwargs
         raise ConfigError(f"optim.kwargs: {exc} (optimizer {cfg.name!r})") from None
     except ValueError as exc:  # torch's own range checks, e.g. "Invalid beta parameter"
@@ -90,7 +97,9 @@ def lr_factor(step: int, cfg: SchedConfig, *, base_lr: float, total_steps: int) 
     return 1.0
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedConfig, *, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
     """A ``LambdaLR`` implementing ``cfg`` over ``total_steps`` optimizer steps; None for a constant rate.
 
     None rather than a scheduler that multiplies by 1.0: it saves the scheduler's per-step cost.
@@ -142,7 +151,7 @@ class OptimizerStep:
         return autocast(self._precision, self._device)
 
     def loss_of(self, result: Any, *, owner: type) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``training_step``'s return as ``(loss, n_tokens)``; a return that does not fit ``loss_normalization`` is refused."""
+        """``training_step``'s return as ``(loss, n_tokens)``; one not fitting ``loss_normalization`` is refused."""
         return split_loss(result, normalization=self.normalization, owner=owner)
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -174,7 +183,8 @@ class OptimizerStep:
             self.scheduler.step()
 
     def _gradient_norm(self) -> torch.Tensor | None:
-        """The global gradient norm, computed once: the clip's when clipping, else only when health needs it (unscaled in fp16)."""
+        """The global gradient norm, computed once: the clip's when clipping, else only when health needs it
+        (unscaled in fp16)."""
         if not self._clip and self.health is None:
             return None
         if self.scaler is not None:
