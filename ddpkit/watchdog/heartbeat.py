@@ -51,7 +51,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
-from ddpkit.errors import EXIT_FAILURE
+from ddpkit.errors import EXIT_FAILURE, first_line
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.failure import announce
 from ddpkit.watchdog.monitor import HANG_EXIT_CODE, Monitor, report_alone
@@ -194,7 +194,7 @@ class Watchdog:
             self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
         try:
             if error is not None and not self.handling_hang:
-                message = f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
+                message = f"{type(error).__name__}: {first_line(error)}"
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
