@@ -29,10 +29,11 @@ from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
 from ddpkit.training.rng import RngStreams, seed_for_setup
+from ddpkit.training.samples import TrainingSamples
 from ddpkit.training.token_loss import TokenCount
 
 __all__ = [
     "Evaluation", "TrainingHealth", "evaluate", "Models", "build_models", "sync_gradients", "unwrap_model",
     "OptimizerStep", "build_optimizer", "build_scheduler", "RngStreams", "steps", "EarlyStopping", "seed_for_setup",
-    "TokenCount",
+    "TokenCount", "TrainingSamples",
 ]
