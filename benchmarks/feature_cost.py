@@ -387,9 +387,10 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
             opt.zero_grad(set_to_none=True)
 
     def add_hooks():
-        hooks.extend(p.register_post_accumulate_grad_hook(lambda _p: setattr(
-            listeners, "grad_ready", time.perf_counter()
-        )) for p in params)
+        def stamp(_p):
+            listeners.grad_ready = time.perf_counter()
+
+        hooks.extend(p.register_post_accumulate_grad_hook(stamp) for p in params)
 
     def remove_hooks():
         for h in hooks:
