@@ -165,3 +165,8 @@ def test_train_sample_is_off_by_default_and_refuses_a_prompt_too_long():
     cfg = load_config({"train": {"sample": {"prompt": "x" * 80}}})
     with pytest.raises(ConfigError, match=r"train.sample.prompt: 80 tokens, but the model's context is 64"):
         TrainingSamples.for_run(cfg, rank=0, model=small(), outside=None)
+
+
+def test_a_missing_run_is_one_line_naming_what_to_give(tmp_path):
+    with pytest.raises(ConfigError, match=r"nowhere: no such run directory or checkpoint; give a run's output_dir"):
+        _cli(tmp_path / "nowhere")

@@ -24,7 +24,7 @@ import yaml
 from ddpkit.checkpoint.files import load_checkpoint, validate_checkpoint
 from ddpkit.checkpoint.sharded_run import read_any
 from ddpkit.config.schema import ModelConfig
-from ddpkit.errors import CheckpointError
+from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.registry import build_model
 from ddpkit.tools.export import model_weights
 from ddpkit.training.gpt import GPT, gpt_kwargs
@@ -45,6 +45,9 @@ class ModelSpec:
 def read_model(path: str | os.PathLike) -> ModelSpec:
     """The model of a run directory (``model.pt`` + ``config.yaml``; else its newest checkpoint) or a checkpoint."""
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such run directory or checkpoint; give a run's output_dir (e.g. runs/lm_tiny), "
+                          "a checkpoint file or a checkpoint directory")
     if path.is_dir() and (path / "model.pt").is_file() and (path / "config.yaml").is_file():
         section = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("model") or {}
         return _spec(section, load_checkpoint(path / "model.pt"), str(path / "model.pt"))
