@@ -145,9 +145,8 @@ def report_steps(workload: str, result: dict[str, Any]) -> str:
         cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3),
                   f"{statistics.median(run['compile_s']):.1f}"]
         rows.append(cells)
-    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, "
-             f"{result['steps']} timed steps after {result['warmup']} "
-             f"warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
+    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+             f"{result['warmup']} warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
     headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max",
                "CPU ms/step", f"CPU x {next(iter(runs))}", "min..max", "compile s"]
     return table(title, headers, rows)

@@ -287,9 +287,8 @@ def goodput(args: argparse.Namespace) -> str:
         ratio = f"{paired(us, bare).median:.4f}" if name.endswith("step") or name.startswith("step") else "-"
         steps = f"{s.median / statistics.median(bare):.2f}" if name == "snapshot" else "-"
         rows.append([name, f"{s.median:.2f}", s.spread(2), ratio, steps])
-    title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds "
-             f"x {args.steps} steps (listener rows: 8 spans a step, "
-             "no training); a snapshot every K steps costs (snapshot in steps)/K of a step")
+    title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds x {args.steps} steps (listener rows: 8 "
+             "spans a step, no training); a snapshot every K steps costs (snapshot in steps)/K of a step")
     return table(title, ["measure", "us (median)", "min..max", "x bare step (paired)", "snapshot in steps"], rows)
 
 
@@ -300,9 +299,8 @@ class Listeners:
     """Stand-ins for the five default phase listeners, doing on each span what the real ones do."""
 
     def __init__(self) -> None:
-        self.phases, self.ticks, self.span, self.pending, self.updating, self.grad_ready = [
-            "loop"
-        ], 0, [], False, False, 0.0
+        self.phases, self.ticks, self.span = ["loop"], 0, []
+        self.pending, self.updating, self.grad_ready = False, False, 0.0
         self.started, self.phase, self.own = 0.0, None, 0.0
 
     def watchdog(self, name: str | None) -> None:

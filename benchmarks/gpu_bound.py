@@ -380,9 +380,8 @@ def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: a
                      f"{peak_gib:.1f}" if peak_gib else "n/a", f"{ratio.median:.3f}", ratio.spread(3), f"{diff:.1e}"])
     timed = statistics.median(len(r["step_ms"]) for r in itertools.chain.from_iterable(runs.values()))
     return table(f"{describe(args)}\n{w.name}: batch {args.batch_size}{f' x {w.seq_len} tokens' if w.seq_len else ''}, "
-                 f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} "
-                 f"rounds of {args.seconds:g} s per arm after {args.warmup} "
-                 f"warm-up steps (median {timed:.0f} timed steps)",
+                 f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} rounds of {args.seconds:g} s per arm "
+                 f"after {args.warmup} warm-up steps (median {timed:.0f} timed steps)",
                  ["arm", f"{w.unit}/s", "min..max", "MFU", "p50 ms", "p95 ms", "peak GiB", "x hand", "x hand min..max",
                   f"loss diff (first {LOSSES_KEPT})"], rows)
 
@@ -452,10 +451,9 @@ def stall_table(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace)
         rows.append([name, str(blocked.n), f"{blocked.median:.3f} ({blocked.spread(3)})",
                      f"{blocked.median * 1000 / step:.2f}",
                      f"{lost.median:.3f}", f"{_quantile(near, 0.95):.1f}", f"{step:.1f}"])
-    return table(f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch "
-                 f"{args.batch_size}: a save every {args.every} steps, "
-                 f"{args.rounds} rounds of {args.seconds:g} s; blocked: the step after a save beyond the median step, "
-                 f"lost: the same over the {args.after} steps after it",
+    return table(f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch {args.batch_size}: a save every "
+                 f"{args.every} steps, {args.rounds} rounds of {args.seconds:g} s; blocked: the step after a save "
+                 f"beyond the median step, lost: the same over the {args.after} steps after it",
                  ["saves", "count", "blocked s (min..max)", "blocked steps", f"lost s ({args.after} steps)",
                   f"p95 ms, {args.after} steps after saves", "p50 ms"], rows)
 

@@ -120,10 +120,9 @@ def report(result: dict[str, Any]) -> str:
         rows.append([name, f"{wall.median:.1f}", wall.spread(1), f"{tokens_per_step / wall.median * 1000:.0f}",
                      f"{ratio.median:.3f}", ratio.spread(3),
                      f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})"])
-    title = (f"GPT dim {MODEL['dim']} x {MODEL['depth']} blocks on "
-             f"the stdlib bytes: {result['world_size']} Gloo ranks, "
-             f"{BATCH} x {SEQ_LEN} tokens/rank, {result['steps']} timed "
-             f"steps after {WARMUP}, {len(hand['wall'])} rounds")
+    title = (f"GPT dim {MODEL['dim']} x {MODEL['depth']} blocks on the stdlib bytes: {result['world_size']} Gloo "
+             f"ranks, {BATCH} x {SEQ_LEN} tokens/rank, {result['steps']} timed steps after {WARMUP}, "
+             f"{len(hand['wall'])} rounds")
     return table(title, ["variant", "ms/step", "min..max", "tokens/s", "x hand", "x hand min..max", "bitwise = hand"],
                  rows)
 

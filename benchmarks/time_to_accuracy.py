@@ -211,10 +211,9 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         "time to 95% validation accuracy, launch to exit, MNIST CNN on digits, 2 ranks x 1 thread, "
         f"{len(hand)} rounds:",
         format_table(["variant", "median s", "min..max", "x hand (paired)", "min..max", "steps to target"], rows),
-        "budget: ddpkit within 1.05x of hand-written: "
-        f"{'met' if budget <= 1.05 else 'NOT met'} (median {budget:.3f}x); "
-        "final weights of both ddpkit variants bitwise equal to the "
-        f"same round's hand-written run: {equal}/{len(hand)} rounds",
+        f"budget: ddpkit within 1.05x of hand-written: {'met' if budget <= 1.05 else 'NOT met'} (median "
+        f"{budget:.3f}x); final weights of both ddpkit variants bitwise equal to the same round's hand-written run: "
+        f"{equal}/{len(hand)} rounds",
         "",
         "parts, median seconds (launch -> imports done -> group ready -> "
         "data+model built -> first step -> target reached -> saved -> exit):",

@@ -313,10 +313,9 @@ def _print_profile(config: str, profile: Profile, cap: float | None, *, rounds: 
     print(f"scaling: {config}, {profile.batch_size} samples per rank per step, "
           f"bucket_cap_mb={cap if cap is not None else 'default (25, first bucket 1 MiB)'}; "
           f"one-rank profile (median round of {rounds})")
-    print(f"  one rank, bare model: {profile.single_step_s * 1e3:.3f} ms/step; "
-          f"DDP-wrapped phases: data {profile.data_s * 1e3:.3f} ms, "
-          f"forward {profile.forward_s * 1e3:.3f} ms, backward {profile.backward_s * 1e3:.3f} "
-          f"ms, optimizer {profile.optimizer_s * 1e3:.3f} ms")
+    print(f"  one rank, bare model: {profile.single_step_s * 1e3:.3f} ms/step; DDP-wrapped phases: data "
+          f"{profile.data_s * 1e3:.3f} ms, forward {profile.forward_s * 1e3:.3f} ms, backward "
+          f"{profile.backward_s * 1e3:.3f} ms, optimizer {profile.optimizer_s * 1e3:.3f} ms")
     launches = ", ".join(f"{format_bytes(b.nbytes)}@{b.ready_s * 1e3:.2f}ms" for b in profile.buckets)
     print(f"  {len(profile.buckets)} bucket(s), {format_bytes(profile.grad_bytes)} of gradients, "
           f"in firing order (size@launch after backward began): {launches}")

@@ -76,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
             runs[n].append(result["ms_per_step"])
             progress(f"[throughput]   {n} process(es): {result['ms_per_step']:.2f} ms/step")
     rows = efficiency_rows({n: Stats.of(ms) for n, ms in runs.items()}, batch_size=args.batch_size)
-    print(f"throughput: {args.model}, batch {args.batch_size} per rank, "
-          f"{args.precision}, input {'x'.join(map(str, shape))}, "
-          f"{args.steps} timed steps, median of {args.rounds} round(s)")
+    print(f"throughput: {args.model}, batch {args.batch_size} per rank, {args.precision}, input "
+          f"{'x'.join(map(str, shape))}, {args.steps} timed steps, median of {args.rounds} round(s)")
     print(format_table(
         ["nproc", "global batch", "ms/step", "min..max", "samples/s", "efficiency"],
         [[str(r["nproc"]), str(r["global_batch"]), fmt(r["ms_per_step"]), r["spread"], fmt(r["samples_per_s"]),

@@ -203,8 +203,8 @@ def build_stream_loader(
     except ImportError:
         raise DdpkitError(
             "training on an IterableDataset needs torchdata's StatefulDataLoader for exact mid-epoch resume: "
-            "pip install 'ddpkit[stream]'. Or return a map-style "
-            "Dataset (with __len__) from build_datasets / data.name."
+            "pip install 'ddpkit[stream]'. Or return a map-style Dataset (with __len__) from build_datasets / "
+            "data.name."
         ) from None
     stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True, seed=seed)
     loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch

@@ -118,8 +118,7 @@ def _fmt(n: int | None) -> str:
 def recommendation(est: Estimate, budget: int) -> str:
     """One line: the first mode, cheapest in communication first, whose total fits in ``budget``."""
     reasons = {"ddp": "the fastest mode: one all-reduce per step",
-               "zero1": "DDP's communication plus one broadcast of the "
-               "updated parameters; 1/N of the optimizer state",
+               "zero1": "DDP's communication plus one broadcast of the updated parameters; 1/N of the optimizer state",
                "fsdp2": "1/N of parameters, gradients and optimizer state; "
                "all-gathers per block in forward and backward, a reduce-scatter of the gradients"}
     for mode in est.per_mode:

@@ -50,9 +50,8 @@ class ReplicaCheck:
         what = f"replica divergence at step {step}: the parameters of rank(s) {ranks} differ from rank 0's"
         if self.on_divergence == "stop":
             raise HealthError(
-                f"{what} (health.on_divergence=stop). Look for rank-dependent "
-                "code that changes weights outside the optimizer, "
-                "or set health.on_divergence=broadcast to copy rank 0's weights to every rank and go on."
+                f"{what} (health.on_divergence=stop). Look for rank-dependent code that changes weights outside the "
+                "optimizer, or set health.on_divergence=broadcast to copy rank 0's weights to every rank and go on."
             )
         with torch.no_grad():
             for param in self.model.parameters():
