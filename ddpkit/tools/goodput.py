@@ -10,14 +10,15 @@
 
     faults: seconds from the last step before each one to the first step after it
 
-    fault       kind                      detection  teardown  restart  startup   load  first step  total  steps lost
-    3f2a9c1e#0  worker killed (SIGKILL)       0.021     0.035    0.012    0.081  0.004       0.009  0.162           0
+    fault       kind                     detection  teardown  restart  startup   load  first step  total  steps lost
+    a4fcbc23#0  worker killed (SIGKILL)      0.085     0.153    0.080    0.659  0.032       0.068  1.077           0
 
     $ ddpkit goodput runs/exp --json      # the same numbers as JSON
 
 The categories (see :mod:`ddpkit.goodput.reading` and docs/goodput.md) partition the wall
 time, so productive time plus the badput adds up to it. The faults' parts are
-:mod:`ddpkit.goodput.faults`'s.
+:mod:`ddpkit.goodput.faults`'s (the row above: a 2-rank run of a scikit-learn script at load
+average 11 on 2 cores); a kind that occurred more than once gets a median row.
 """
 
 from __future__ import annotations
