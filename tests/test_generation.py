@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import ddpkit
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
+from ddpkit.testing import run_on_ranks
 from ddpkit.tools.generate import main as generate_main
 from ddpkit.training.generation import generate
 from ddpkit.training.gpt import GPT
@@ -170,3 +172,33 @@ def test_train_sample_is_off_by_default_and_refuses_a_prompt_too_long():
 def test_a_missing_run_is_one_line_naming_what_to_give(tmp_path):
     with pytest.raises(ConfigError, match=r"nowhere: no such run directory or checkpoint; give a run's output_dir"):
         _cli(tmp_path / "nowhere")
+
+
+def _sample_in_fsdp2(out: str) -> list[dict]:
+    """Rank r: 2 steps of a byte GPT under fsdp2 with train.sample every step; rank 0's samples.jsonl lines."""
+    SamplingTrainer(
+        {
+            "run": {"output_dir": out},
+            "log": {"progress_bar": False},
+            "dist": {"timeout": 60},
+            "model": {"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 2, "heads": 4, "max_len": 64}},
+            "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
+            "optim": {"name": "adamw", "lr": 1e-3},
+            "parallel": {"mode": "fsdp2"},
+            "train": {
+                "max_steps": 2,
+                "eval_every": 100,
+                "sample": {"every_steps": 1, "prompt": "def ", "max_new_tokens": 8},
+            },
+            "checkpoint": {"every_steps": None, "every_epochs": None},
+        }
+    ).fit()
+    path = Path(out) / "samples.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_train_sample_under_fsdp2_samples_on_every_rank_and_rank_0_writes(tmp_path):
+    first, _ = run_on_ranks(_sample_in_fsdp2, 2, args=(str(tmp_path / "run"),), timeout=240)
+    assert [r["step"] for r in first] == [1, 2] and all(len(r["text"]) > 0 for r in first)
