@@ -147,13 +147,14 @@ class _SimAfter:
 
     def __init__(self, store: Any, key: bytes, args: dict[str, Any]):
         from ddpkit.distributed.control_auth import sign
-        from ddpkit.watchdog.node import POLLS_PER_SECOND, RECORD_EVERY
+        from ddpkit.watchdog.node import POLLS_PER_SECOND, RECORD_EVERY, SETS_PER_SECOND
         from ddpkit.watchdog.node_board import NodeBoard, board_name
 
         self.store, rpn = store, args["rpn"]
         self.nodes = args["ranks"] // rpn
         self.poll_every = max(1, math.ceil(self.nodes / (POLLS_PER_SECOND * INTERVAL)))
         self.record_every = int(RECORD_EVERY / INTERVAL)
+        self.set_every = 2 if self.nodes > SETS_PER_SECOND * INTERVAL else 1
         self.progress = [[sign(key, "progress", f"{n}:{i}") for i in (0, 1)] for n in range(self.nodes)]
         now = time.time()
         self.records = [sign(key, f"node/{n}", json.dumps(_record(n, rpn, now))) for n in range(self.nodes)]
@@ -167,7 +168,7 @@ class _SimAfter:
         for board in self.boards:
             board.write({**_beat(board.index, self.step), "t": time.time()})
         for n in range(2, self.nodes):
-            if training:
+            if training and (tick + n) % self.set_every == 0:
                 self.store.set("progress", self.progress[n][tick % 2])
                 counts["sets"] += 1
             if (tick + n) % self.poll_every == 0:

@@ -9,9 +9,9 @@ Who leads: the lowest local rank whose beat is fresh (under :data:`LEADER_STALE`
 a frozen or finished local rank 0 hands the node over without a message. Per heartbeat, the leader
 reads its node-mates' beats from shared memory (:mod:`ddpkit.watchdog.node_board`) and, in the store:
 
-* sets ``progress`` when a rank of its node changed step, phase or counter or ran new code, and
-  ``slow`` when one is in a slow phase (one set each; a set is not waited for). Rank 0 reads these two
-  keys, never the nodes' records: its cost does not grow with the job;
+* sets ``progress`` when a rank of its node changed step, phase or counter or ran new code (every
+  other beat beyond 6,250 nodes), and ``slow`` when one is in a slow phase (a set is not waited for).
+  Rank 0 reads these two keys, never the nodes' records: its cost does not grow with the job;
 * sets ``node/<n>``, the node's beats and its silent ranks, every :data:`RECORD_EVERY` seconds and on every
   step while a hang is reported (the report reads them);
 * reads ``alarm`` (then ``want`` and ``done`` while a hang is reported) once every few heartbeats, staggered
@@ -30,12 +30,13 @@ from typing import Any
 from ddpkit.watchdog.node_board import NodeBoard
 from ddpkit.watchdog.store_io import StoreClient
 
-__all__ = ["Node", "LEADER_STALE", "SILENT_AFTER", "RECORD_EVERY", "POLLS_PER_SECOND"]
+__all__ = ["Node", "LEADER_STALE", "SILENT_AFTER", "RECORD_EVERY", "POLLS_PER_SECOND", "SETS_PER_SECOND"]
 
 LEADER_STALE = 3.0  # seconds without a beat before the next local rank leads the node
 SILENT_AFTER = 10.0  # a beat older than this: the rank is frozen, stopped or gone
 RECORD_EVERY = 5.0  # seconds between a node's records while nothing is wrong
 POLLS_PER_SECOND = 2500  # round trips to the store for all leaders' polls together (it takes ~45,000 on 2 cores)
+SETS_PER_SECOND = 12_500  # beyond this many nodes' progress sets a second, each node sets every other beat
 
 
 class Node:
@@ -47,6 +48,10 @@ class Node:
         self.local, self.size, self.node = rank % local_world_size, local_world_size, rank // local_world_size
         self.first = rank - self.local
         self.poll_every = max(1, math.ceil(nodes / (POLLS_PER_SECOND * interval)))  # heartbeats between polls
+        # Every other beat at most: in step with the others, some node sets it every beat anyway; a node that
+        # progresses alone (a long load while the others wait) is then seen a beat late, within the 2 s allowed.
+        self.set_every = 2 if nodes > SETS_PER_SECOND * interval else 1
+        self._pending = False  # progress seen since this node last set ``progress``
         self.turn = 0
         self.leading = False
         self.took_over_at: float | None = None  # wall time the previous leader last beat, when this rank took over
@@ -114,8 +119,10 @@ class Node:
         """The node's sets and, on its turn, its poll; then the relay to its node-mates."""
         self.turn += 1
         tag = f"{self.node}:{self.turn}"
-        if self.progressed:
+        self._pending |= self.progressed
+        if self._pending and (self.turn + self.node) % self.set_every == 0:
             self.client("set", "progress", tag)
+            self._pending = False
         if self.slow:
             self.client("set", "slow", tag)
         if handling is not None or now - self._record_at >= RECORD_EVERY:
