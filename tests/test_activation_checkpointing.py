@@ -99,3 +99,19 @@ def test_the_same_training_under_ddp_zero1_fsdp2_and_compile(tmp_path):
         assert ac_loss == pytest.approx(loss, rel=1e-6, abs=1e-7), (mode, compiled)
         for a, b in zip(weights, ac_weights):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_applying_twice_wraps_once_and_a_deep_copy_checkpoints_its_own_blocks():
+    import copy
+
+    model = GPT(dim=32, depth=2, heads=2, max_len=16)
+    apply_activation_checkpointing(model, True)
+    apply_activation_checkpointing(model, True)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+    x = torch.randint(0, 257, (2, 16))
+    _, loss, _ = _saved_bytes(twin, x)
+    assert not torch.equal(loss, _saved_bytes(model, x)[1])  # the copy runs its own weights, not the original's
+    assert all(p.grad is not None for p in twin.parameters())
