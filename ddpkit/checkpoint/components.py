@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from ddpkit.errors import CheckpointError
 from ddpkit.progress import Progress
 
 __all__ = [
-    "Stateful", "Ledger", "Capturer", "Progress", "Components", "read_checkpoint", "METADATA_KEYS",
+    "StateTree", "Stateful", "Ledger", "Capturer", "Progress", "Components", "read_checkpoint", "METADATA_KEYS",
     "REQUIRED_COMPONENTS",
 ]
 
@@ -38,6 +40,12 @@ REQUIRED_COMPONENTS = ("model", "optimizer", "progress", "rng")
 #: Components that releases before 0.4 stored beside the schema instead of in it.
 _OUTSIDE_THE_SCHEMA = ("rng",)
 _FORMAT_1_TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "progress")
+
+
+#: A state dict as torch.save writes it: tensors and plain values, nested in dicts, lists and tuples.
+StateTree = (
+    torch.Tensor | dict[str, "StateTree"] | list["StateTree"] | tuple["StateTree", ...] | int | float | str | bool | None
+)
 
 
 class Stateful(Protocol):

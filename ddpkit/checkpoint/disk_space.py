@@ -20,10 +20,10 @@ import errno
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from ddpkit.checkpoint.components import StateTree
 from ddpkit.errors import CheckpointError, first_line
 
 __all__ = ["state_bytes", "free_bytes", "short_of_room", "room_check", "write_failure", "human_bytes"]
@@ -35,7 +35,7 @@ _SLACK = 1.05  # torch.save's zip framing and pickled structure on top of the te
 _warned: set[str] = set()
 
 
-def state_bytes(state: Any) -> int:
+def state_bytes(state: StateTree) -> int:
     """The bytes of every tensor in ``state`` (nested dicts, lists, tuples): what a save writes, give or take its
     framing."""
     if isinstance(state, torch.Tensor):

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 
 from ddpkit.atomic import write_atomically
+from ddpkit.checkpoint.components import StateTree
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
-from ddpkit.checkpoint.staging import HostStaging, to_cpu
+from ddpkit.checkpoint.staging import HostStaging
 from ddpkit.errors import CheckpointError
 
 __all__ = [
@@ -56,7 +57,6 @@ __all__ = [
     "find_latest_checkpoint",
     "resolve_resume_path",
     "AsyncCheckpointWriter",
-    "to_cpu",
     "save_atomically",
 ]
 
@@ -122,7 +122,7 @@ def save_checkpoint(
     return CheckpointInfo(path, manifest)
 
 
-def _refuse_shards(state: Any) -> None:
+def _refuse_shards(state: StateTree) -> None:
     """One rank's DTensor shards are not a checkpoint (e.g. a lone survivor's crash save under FSDP2)."""
     values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
     for value in values:

@@ -40,10 +40,12 @@ from typing import Any
 
 import torch
 
+from ddpkit.checkpoint.components import StateTree
+
 __all__ = ["HostStaging", "to_cpu"]
 
 
-def to_cpu(state: Any) -> Any:
+def to_cpu(state: StateTree) -> StateTree:
     """A deep copy of ``state`` with every tensor cloned to CPU memory (fresh memory at each call)."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
@@ -68,7 +70,7 @@ class HostStaging:
         self._events: list[torch.cuda.Event] = []
         self._used = 0
 
-    def copy(self, state: Any) -> Any:
+    def copy(self, state: StateTree) -> StateTree:
         """``state`` with every tensor copied into a host buffer; copies from CUDA are queued, not waited for."""
         self._used, devices = 0, set()
         host = self._walk(state, devices)
