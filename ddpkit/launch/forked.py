@@ -43,8 +43,9 @@ from ddpkit.launch.torchrun_adapter import POLLING_LOGGER
 __all__ = ["preload", "run_program", "quiet_polling_tracebacks", "cuda_fork_problem", "PRELOADED"]
 
 #: What the launcher imports before forking: torch's compiler front end (its optimizers import it on
-#: their first step) and everything ``ddpkit train`` and a Trainer script import.
-PRELOADED = ("torch._dynamo", "ddpkit.trainer", "ddpkit.cli")
+#: their first step), torch's serialization settings (its first ``torch.load`` or ``save`` reads them:
+#: the checkpoint a restart loads) and everything ``ddpkit train`` and a Trainer script import.
+PRELOADED = ("torch._dynamo", "torch.utils.serialization", "ddpkit.trainer", "ddpkit.cli")
 
 
 def preload(program: list[str] | None = None) -> list[str]:
