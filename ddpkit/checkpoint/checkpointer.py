@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol
 
 from ddpkit.checkpoint import files as ckpt
@@ -45,6 +46,7 @@ from ddpkit.checkpoint.metadata import manifest_fields, run_metadata
 from ddpkit.checkpoint.preemption import StopOnSignal
 from ddpkit.checkpoint.resume import check_compatible, choose_checkpoint
 from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, restore_components
+from ddpkit.checkpoint.storage import RemoteMirror
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.process_group import Runtime
@@ -78,6 +80,7 @@ class Checkpointer:
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
         self._last_saved_step = -1
+        self.mirror = RemoteMirror.for_run(config, runtime)  # checkpoint.dir is a URL (docs/storage.md); else None
 
     # --- what a checkpoint holds --------------------------------------------------------------
 
@@ -122,12 +125,13 @@ class Checkpointer:
         small = self.components.capture(metadata=metadata, exclude=TENSOR_PARTS)
         return full_capture(small, self.components, rank=self.rank)
 
-    def protections(self, *, ledger: Ledger) -> list[CrashSave | MemorySnapshots | None]:
+    def protections(self, *, ledger: Ledger) -> list[CrashSave | MemorySnapshots | RemoteMirror | None]:
         """The listeners that protect this state between checkpoints (after resume): the crash save of the
-        last completed step, and memory snapshots every K steps."""
+        last completed step, memory snapshots every K steps, and the store's mirror (its on_exit uploads model.pt
+        and releases the store's lock)."""
         config, runtime = self.config, self.runtime
         crash_save = CrashSave.arm(config, runtime, self, ledger=ledger)
-        return [crash_save, MemorySnapshots.arm(config, runtime, self, ledger=ledger)]
+        return [crash_save, MemorySnapshots.arm(config, runtime, self, ledger=ledger), self.mirror]  # mirror: on_exit
 
     # --- resume -------------------------------------------------------------------------------
 
@@ -138,11 +142,15 @@ class Checkpointer:
         one restores each rank's RNG streams exactly where they were. A user part the checkpoint lacks
         (it was written before the part existed) keeps its state as built, with a warning naming it.
         """
+        if self.mirror is not None and self.config.checkpoint.resume == "auto":
+            self.mirror.fetch(self.config.checkpoint_dir)  # an empty disk: the store's newest valid checkpoint
         chosen = choose_checkpoint(self.config, rank=self.rank)
         if chosen is None:
             seed_everything(self.config.run.seed + self.rank)
             return False
         path, state = chosen
+        if self.mirror is not None:
+            self.mirror.protect(path)  # never deleted from the store while this run goes on
         check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
         restore_components(path, state, self.components, mode=self.config.parallel.mode)  # any format into any layout
         self._last_saved_step = self.progress.step
@@ -188,6 +196,7 @@ class Checkpointer:
                 require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # a collective
                 keep = self.config.checkpoint.keep_last
                 self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=keep)
+                self._uploaded(step, name, suffix=".dcp")
                 measured = self._auto.measurement(time.perf_counter() - started) if self._auto else None
                 measured = broadcast_object(measured) if self._auto else None
             else:
@@ -232,12 +241,22 @@ class Checkpointer:
                     self._writer.stage_and_submit(state, self.config.checkpoint_dir, **kwargs)
                 else:
                     ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
+                self._uploaded(step, name, suffix=".pt")  # queued: an async write is waited for by the upload
             except CheckpointError as exc:  # a full disk, a quota: every rank must hear it (below)
                 failure = str(exc)
             measured = self._auto.measurement(time.perf_counter() - started) if self._auto else None
         failure, measured = broadcast_object((failure, measured))
         _raise_everywhere(failure, rank=self.rank)
         return measured
+
+    def log_fields(self) -> dict[str, float]:
+        """The store's upload figures for the training record (``checkpoint.dir`` a URL; rank 0's), else none."""
+        return self.mirror.metrics() if self.mirror is not None else {}
+
+    def _uploaded(self, step: int, name: str | None, *, suffix: str) -> None:
+        """Queue the store's copy of the save just made (``checkpoint.dir`` a URL); returns at once."""
+        if self.mirror is not None:
+            self.mirror.saved(Path(self.config.checkpoint_dir) / f"{name or f'step-{step:09d}'}{suffix}", step=step)
 
     def wait(self) -> None:
         """Block until background saves are on disk (a failed one stops every rank); then, if a signal stopped the
@@ -252,6 +271,10 @@ class Checkpointer:
             _raise_everywhere(broadcast_object(failure), rank=self.rank)
         if self._sharded is not None:
             self._sharded.wait()
+        if self.mirror is not None:  # the last uploads, in a checkpoint phase (the watchdog allows it longer)
+            grace = self.config.checkpoint.stop_timeout - 10 if self._stop.stopped else None  # before torchrun's kill
+            with self._pauses.outside_training("checkpoint"):
+                self.mirror.drain(None if grace is None else max(1.0, grace))
         self._stop.announce(self.progress.step, saved_in=self.config.checkpoint_dir)
 
 

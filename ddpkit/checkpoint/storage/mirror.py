@@ -29,6 +29,7 @@ from ddpkit.checkpoint.storage.lease import Lease, acquire, release
 from ddpkit.checkpoint.storage.probe import probe_store, why
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.checkpoint.storage.uploads import Uploader
+from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.env import DistEnv
@@ -73,9 +74,10 @@ class RemoteMirror:
         self._saved_step = self._remote_step = -1
         self._seconds = 0.0
         self._bytes = self._failures = 0
-        self._drained, self._left = False, []
-        #: Seconds :meth:`drain` waits by default (for_run keeps it under the watchdog's checkpoint-phase limit).
-        self.deadline_s = EXIT_DEADLINE_S
+        self._told = False
+        #: Seconds :meth:`drain` waits by default (for_run keeps it under the watchdog's checkpoint-phase limit),
+        #: and :meth:`on_exit` (under its hang limit: a teardown is no checkpoint phase).
+        self.deadline_s = self.exit_deadline_s = EXIT_DEADLINE_S
 
     @classmethod
     def for_run(cls, config: Config, runtime: Runtime) -> RemoteMirror | None:
@@ -109,6 +111,7 @@ class RemoteMirror:
         )
         slow = config.dist.slow_phase_timeout or 0.9 * config.dist.timeout  # the watchdog's limit for a checkpoint
         mirror.deadline_s = min(EXIT_DEADLINE_S, 0.8 * slow)
+        mirror.exit_deadline_s = min(mirror.deadline_s, 0.5 * (hang_timeout_seconds(config.dist) or EXIT_DEADLINE_S))
         if env.rank == 0:
             mirror._uploads.start()  # renews the lock from now on
         return mirror
@@ -229,35 +232,35 @@ class RemoteMirror:
 
     def drain(self, deadline_s: float | None = None) -> list[str]:
         """Upload ``metrics.jsonl`` and ``model.pt`` too, then wait for everything queued, at most ``deadline_s``
-        seconds (default: :attr:`deadline_s`); the paths left behind, named in one warning. Not a collective.
+        seconds (default :attr:`deadline_s`); the paths left behind, named in one warning. Not a collective.
 
-        Call it where the watchdog sees a checkpoint phase (the end of training), so a long last upload is not
-        taken for a hang; :meth:`on_exit` drains too when nothing did.
+        Call it at the end of training inside the checkpoint phase (the watchdog allows that phase longer),
+        so a long last upload is not taken for a hang. It may be called again: :meth:`on_exit` does, for what
+        was written after it (``model.pt``).
         """
-        if self._drained:
-            return []
-        self._drained = True
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if self.env.rank == 0:
             self._queue_run_files(_RUN_FILES)
         answers, left = self._uploads.drain(deadline_s)
         self._count(answers)
-        self._left = [job.get("path", "") for job in left]
-        if self._left:
+        undone = [job.get("path", "") for job in left]
+        if undone:
             log.warning("ddpkit: %d upload(s) to %s not finished within %.0f s, kept only locally: %s",
-                        len(self._left), self.store.url, deadline_s, ", ".join(self._left))
-        elif self._failures:
+                        len(undone), self.store.url, deadline_s, ", ".join(undone))
+        elif self._failures and not self._told:
+            self._told = True
             log.warning("ddpkit: %d upload(s) to %s failed during the run (see the warnings above)",
                         self._failures, self.store.url)
-        return self._left
+        return undone
 
     def on_exit(self, status: str = "finished", *, deadline_s: float | None = None) -> list[str]:
-        """The run's end however it ends (a listener's teardown): drain if nothing did, release the store's lock.
+        """The run's end however it ends (a listener's teardown): upload what is left (``model.pt``), at most
+        ``deadline_s`` seconds (default :attr:`exit_deadline_s`), and release the store's lock.
 
-        Returns the paths whose upload was left behind. Where uploads were left behind the lock is not
-        released (the store is likely unreachable): it expires by itself, LEASE_S after the last renewal.
+        Returns the paths whose upload was left behind. Then the lock is not released (the store is likely
+        unreachable): it expires by itself, LEASE_S after the last renewal.
         """
-        left = self.drain(deadline_s) if not self._drained else self._left
+        left = self.drain(self.exit_deadline_s if deadline_s is None else deadline_s)
         if self.lease is not None and not left:
             try:
                 release(self.store, self.lease)

@@ -47,8 +47,8 @@ def publish_checkpoint(
 ) -> dict[str, Any]:
     """Upload the checkpoint ``job["path"]`` names; returns ``{"name", "step", "bytes"}`` of what was sent.
 
-    Raises FileNotFoundError when the local checkpoint is gone (pruned before its turn came),
-    :class:`LeaseLost` when another run holds the lock now, and the store's own errors otherwise.
+    Raises :class:`NotRetried` when the local save never completed or another run holds the lock now,
+    FileNotFoundError when the local checkpoint is gone, and the store's own errors otherwise.
     """
     path = Path(job["path"])
     name, node, nodes = path.name, job.get("node", 0), job.get("nodes", 1)
@@ -65,25 +65,23 @@ def publish_checkpoint(
         return {"name": name, "step": job["step"], "bytes": sum(o["bytes"] for o in objects.values())}
     if nodes > 1:
         objects.update(_wait_for_parts(store, name, nodes))
-    local = json.loads(_local_manifest(path).read_text())
-    if path.suffix == ".dcp":
-        local["files"] = {key.split("/", 1)[1]: spec["bytes"] for key, spec in objects.items()}
-    _check_lease(store, epoch)
-    manifest = {
-        "format": FORMAT,
-        "name": name,
-        "step": job["step"],
-        "epoch": epoch,
-        "created": time.time(),
-        "objects": objects,
-        "local": local,
-    }
-    store.put_bytes(manifest_name(name), json.dumps(manifest, indent=1).encode(), create=create)
+    _commit(store, path, objects, step=job["step"], epoch=epoch, create=create)
     if nodes > 1:
         store.delete([f".ddpkit/parts/{name}/node-{k:05d}.json" for k in range(1, nodes)])
     if create and keep_last is not None:
         retire(store, keep_last=keep_last, protected=protected, epoch=epoch)
     return {"name": name, "step": job["step"], "bytes": sum(o["bytes"] for o in objects.values())}
+
+
+def _commit(store: Store, path: Path, objects: dict[str, Any], *, step: int, epoch: int | None, create: bool) -> None:
+    """The manifest, last: every object with its size and sha256, the epoch, and the local manifest to restore."""
+    local = json.loads(_local_manifest(path).read_text())
+    if path.suffix == ".dcp":
+        local["files"] = {key.split("/", 1)[1]: spec["bytes"] for key, spec in objects.items()}
+    _check_lease(store, epoch)
+    manifest = {"format": FORMAT, "name": path.name, "step": step, "epoch": epoch, "created": time.time(),
+                "objects": objects, "local": local}
+    store.put_bytes(manifest_name(path.name), json.dumps(manifest, indent=1).encode(), create=create)
 
 
 def publish_file(store: Store, job: dict[str, Any]) -> dict[str, Any]:
