@@ -18,10 +18,12 @@ step; the next attempt's process start, restore and first step), each fault spli
 * ``load``: the checkpoint load; ``first step``: until the first step after it completed.
 
 ``total`` is their sum; ``steps_lost`` the steps trained before the fault and again after it. The last step
-before a fault is exact when a worker lived to write it (the ``end`` line of a failed attempt, any rank); when
-every worker died at once it is the last ``progress`` mark (``exact`` False), up to a second early, which the
-detection part and the steps lost then overstate. A run without ``ddpkit run`` (a plain ``torchrun``) has no
-``agent_fault`` lines: its faults have no detection or teardown part, only a restart from the last step.
+before a fault is exact when a worker lived to write it (the ``end`` line of a failed attempt, any rank). When
+every worker died at once the last record is a ``progress`` mark or a snapshot, up to a second early: the parts
+are then measured from it (detection overstated by up to that second), and the steps lost are estimated
+(``exact`` False): the attempt's step rate carried on from that record until the agent saw the workers gone.
+A run without ``ddpkit run`` (a plain ``torchrun``) has no ``agent_fault`` lines: its faults have no detection
+or teardown part, only a restart from the last step.
 """
 
 from __future__ import annotations
@@ -108,11 +110,18 @@ def fault_costs(records: list[dict[str, Any]]) -> list[FaultCost]:
 
 
 def _last_step(a: Attempt) -> tuple[int, float, bool]:
-    """The attempt's last trained step, when it completed, and whether a worker wrote it (else: a progress mark)."""
+    """The attempt's last recorded step, when it completed, and whether a worker wrote it (else: a progress mark)."""
     points = step_times(a)
     step = max(points)[0]
     exact = any(r["event"] == "end" and int(r.get("step", -1)) == step for r in a.records)
     return step, max(t for s, t in points if s == step), exact
+
+
+def _estimated_step(a: Attempt, step: int, last_t: float, until: float) -> int:
+    """``step`` carried on at the attempt's step rate (from its restore to ``last_t``) until ``until``."""
+    first_step, first_t = min(step_times(a))
+    rate = (step - first_step) / (last_t - first_t) if last_t > first_t else 0.0
+    return step + int(rate * max(0.0, until - last_t))
 
 
 def _cost(failed: Attempt, next_: Attempt, line: dict[str, Any] | None) -> FaultCost:
@@ -131,6 +140,8 @@ def _cost(failed: Attempt, next_: Attempt, line: dict[str, Any] | None) -> Fault
         parts[name] = None if mark is None else max(0.0, mark - previous)
         previous = previous if mark is None else mark
     kind = line["kind"] if line is not None else ("stop signal" if failed.status == "STOPPED" else "worker failed")
+    if not exact and line is not None:  # every worker died: their last step lies between that record and the agent's
+        step = _estimated_step(failed, step, last_t, float(line["detected"]))
     lost = max(0, step - int(restore["step"])) if restore else 0
     return FaultCost(attempt=failed.label, kind=kind, steps_lost=lost, exact=exact, parts=parts)
 

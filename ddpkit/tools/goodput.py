@@ -63,7 +63,7 @@ def format_report(report: Report, faults: Sequence[FaultCost] = ()) -> str:
         rows = [["fault", "kind", *PARTS, "total", "steps lost"]]
         for cost in faults:
             parts = ("-" if cost.parts.get(p) is None else f"{cost.parts[p]:.3f}" for p in PARTS)
-            lost = f"{cost.steps_lost}" if cost.exact else f"<={cost.steps_lost}"
+            lost = f"{cost.steps_lost}" if cost.exact else f"~{cost.steps_lost}"
             rows.append([cost.attempt, cost.kind, *parts, f"{cost.total:.3f}", lost])
         for kind, m in medians(list(faults)).items():
             if m["n"] > 1:
