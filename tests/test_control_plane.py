@@ -148,3 +148,16 @@ def test_rank_0_judges_from_progress_and_slow_alone(tmp_path, monkeypatch):
     finally:
         for wd in wds.values():
             wd.stop()
+
+
+def test_a_report_on_100000_ranks_names_a_few_and_shows_the_stacks_it_has():
+    from ddpkit.watchdog.report import classify, format_report, summary_line
+
+    beats = {r: {"step": 7, "phase": "backward", "since": time.time(), "host": "h", "pid": r} for r in range(100_000)}
+    beats[31_337] = {**beats[31_337], "phase": "forward"}
+    verdict = classify(beats, silent={})
+    line = summary_line(verdict, beats, {}, stalled_for=20)
+    assert "stuck: rank 31337 (step 7, forward)" in line and "waiting: rank 0, rank 1" in line
+    assert line.endswith("and 99991 more") and len(line) < 400
+    text = format_report(verdict, beats, {}, {31_337: "Thread MainThread ...", 0: "..."}, stalled_for=20, limit=15)
+    assert text.count("=== rank") == 2 and "(99998 other ranks: no stacks asked for" in text

@@ -24,7 +24,7 @@ from typing import Any
 from ddpkit.errors import EXIT_HANG
 from ddpkit.watchdog.backstop import backstop_path, read_backstop
 from ddpkit.watchdog.node import LEADER_STALE, SILENT_AFTER
-from ddpkit.watchdog.report import Verdict, classify, format_report, summary_line, thread_stacks
+from ddpkit.watchdog.report import SECTIONS, Verdict, classify, format_report, summary_line, thread_stacks
 from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, write_error_file, write_text
 
 __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER", "deputy_rank", "report_alone"]
@@ -32,7 +32,7 @@ __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER", "deputy_rank", "report_a
 HANG_EXIT_CODE = EXIT_HANG  #: every rank's exit code when the watchdog stops a hung job (3)
 GATHER_WAIT = 6.0  # how long the reporting rank waits for the nodes' records, then for the stacks
 SLOW_FRESH = 2.0  # a ``slow`` set this recently means a live rank is in a slow phase (leaders set it each beat)
-ALL_STACKS = 64  # up to this many live ranks, the report has every rank's stacks; beyond, the suspects'
+ALL_STACKS = SECTIONS  # up to this many live ranks, the report has every rank's stacks; beyond, the suspects'
 WANT_STUCK, WANT_WAITING = 48, 16  # beyond: the stacks of this many stuck and waiting ranks
 
 

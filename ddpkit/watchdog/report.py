@@ -25,7 +25,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASE_ORDER", "SLOW_PHASES", "Verdict", "classify", "format_report", "summary_line", "thread_stacks", "stack_signature"]
+__all__ = ["PHASE_ORDER", "SLOW_PHASES", "Verdict", "classify", "format_report", "summary_line", "thread_stacks",
+           "stack_signature"]
+NAMED = 8  # ranks of each kind named in the summary line (100,000 waiting ranks do not fit in one)
+SECTIONS = 64  # ranks with a stack section even without stacks; beyond, only those whose stacks came
 
 #: Where each phase falls in an optimizer step. After ``optimizer`` the step count goes up, so the
 #: hooks, validation and checkpoint of step s come before the data, forward and backward of step
@@ -58,7 +61,8 @@ def _position(beat: dict[str, Any]) -> tuple[int, int, int]:
 
 def classify(beats: dict[int, dict[str, Any] | None], silent: dict[int, float]) -> Verdict:
     """Split ranks into stuck, waiting and silent (no heartbeat since ``silent[rank]``, a wall time)."""
-    live = {rank: beat for rank, beat in beats.items() if beat is not None and rank not in silent and beat.get("phase") != "done"}
+    live = {rank: beat for rank, beat in beats.items()
+            if beat is not None and rank not in silent and beat.get("phase") != "done"}
     verdict = Verdict(silent=sorted(silent))
     if not live:
         return verdict
@@ -78,26 +82,34 @@ def _where(beat: dict[str, Any] | None, now: float) -> str:
         return "never sent a heartbeat"
     phase = beat.get("phase", "loop")
     since = beat.get("since", now)
-    return f"step {beat.get('step', 0)}, in {phase} for {max(0.0, now - since):.0f}s (host {beat.get('host', '?')}, pid {beat.get('pid', '?')})"
+    where = f"host {beat.get('host', '?')}, pid {beat.get('pid', '?')}"
+    return f"step {beat.get('step', 0)}, in {phase} for {max(0.0, now - since):.0f}s ({where})"
 
 
 def _clock(wall: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(wall))
 
 
-def summary_line(verdict: Verdict, beats: dict[int, dict[str, Any] | None], silent: dict[int, float], *, stalled_for: float) -> str:
-    """One line naming the suspects first: stuck ranks, else ranks with no heartbeat."""
+def _named(items: list[str], total: int) -> str:
+    return ", ".join(items) + (f" and {total - len(items)} more" if total > len(items) else "")
+
+
+def summary_line(verdict: Verdict, beats: dict[int, dict[str, Any] | None], silent: dict[int, float], *,
+                 stalled_for: float) -> str:
+    """One line naming the suspects first: stuck ranks, else ranks with no heartbeat (the first few of each)."""
     parts = []
     if verdict.stuck:
-        where = {r: beats.get(r) or {} for r in verdict.stuck}
-        parts.append("stuck: " + ", ".join(f"rank {r} (step {where[r].get('step', '?')}, {where[r].get('phase', '?')})" for r in verdict.stuck))
+        where = {r: beats.get(r) or {} for r in verdict.stuck[:NAMED]}
+        named = [f"rank {r} (step {b.get('step', '?')}, {b.get('phase', '?')})" for r, b in where.items()]
+        parts.append("stuck: " + _named(named, len(verdict.stuck)))
     if verdict.silent:
-        at = {r: f", at step {beat.get('step', '?')}" if (beat := beats.get(r)) else "" for r in verdict.silent}
-        parts.append("no heartbeat: " + ", ".join(f"rank {r} (since {_clock(silent[r])}{at[r]})" for r in verdict.silent))
+        at = {r: f", at step {beat.get('step', '?')}" if (beat := beats.get(r)) else "" for r in verdict.silent[:NAMED]}
+        named = [f"rank {r} (since {_clock(silent[r])}{at[r]})" for r in at]
+        parts.append("no heartbeat: " + _named(named, len(verdict.silent)))
     if not verdict.stuck and verdict.silent:
         parts.reverse()
     if verdict.waiting:
-        parts.append("waiting: " + ", ".join(f"rank {r}" for r in verdict.waiting))
+        parts.append("waiting: " + _named([f"rank {r}" for r in verdict.waiting[:NAMED]], len(verdict.waiting)))
     return f"hang: no progress on any rank for {stalled_for:.0f}s; " + "; ".join(parts)
 
 
@@ -126,9 +138,16 @@ def format_report(
         beat = beats.get(rank)
         last = f", last seen at step {beat.get('step', 0)} in {beat.get('phase', '?')}" if beat else ""
         lines.append(f"silent   rank {rank}: no heartbeat since {_clock(silent[rank])}{last} (frozen, stopped or gone)")
-    for rank in [*verdict.stuck, *verdict.waiting, *verdict.silent]:
-        label = "stuck" if rank in verdict.stuck else "waiting" if rank in verdict.waiting else "no heartbeat"
-        lines += ["", f"=== rank {rank} ({label}): Python stacks of all threads ===", stacks.get(rank, "(no stacks received from this rank)").rstrip()]
+    ranks = [*verdict.stuck, *verdict.waiting, *verdict.silent]
+    shown = ranks if len(ranks) <= SECTIONS else [r for r in ranks if r in stacks]
+    stuck, waiting = set(verdict.stuck), set(verdict.waiting)
+    for rank in shown:
+        label = "stuck" if rank in stuck else "waiting" if rank in waiting else "no heartbeat"
+        text = stacks.get(rank, "(no stacks received from this rank)").rstrip()
+        lines += ["", f"=== rank {rank} ({label}): Python stacks of all threads ===", text]
+    if len(shown) < len(ranks):
+        omitted = len(ranks) - len(shown)
+        lines += ["", f"({omitted} other ranks: no stacks asked for; the report asks {SECTIONS} at most)"]
     return "\n".join(lines) + "\n"
 
 
