@@ -32,8 +32,8 @@ pytestmark = [
 STEPS_PER_EPOCH, EVERY = 8, 16  # 256 digits, 16 a batch, 2 ranks
 
 
-def _config(directory: Path, url: str | None) -> Path:
-    cfg = tiny_config(directory, train={"epochs": 40, "log_every": 8},
+def _config(directory: Path, url: str | None, mode: str = "ddp") -> Path:
+    cfg = tiny_config(directory, train={"epochs": 40, "log_every": 8}, parallel={"mode": mode},
                       checkpoint={"every_steps": EVERY, "keep_last": 2, "dir": url})
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -46,12 +46,13 @@ def _run(config: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(s3_url, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])  # zero1: a sharded checkpoint, one object per rank's file
+def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(mode, s3_url, tmp_path):  # noqa: F811
     store = open_store(s3_url)
     paused = 3 * EVERY + 2  # rank 0 pauses there: step 48's checkpoint is saved and uploading, the run is mid-way
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PAUSE_AT_STEP": str(paused),
            "PAUSE_DIR": str(tmp_path)}
-    first = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(_config(tmp_path / "first", s3_url)),
+    first = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(_config(tmp_path / "first", s3_url, mode)),
                               "--nproc-per-node", "2", "--script", str(REPO / "tests/scripts/paused_trainer.py")],
                              cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
@@ -61,7 +62,7 @@ def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(
             assert first.poll() is None, f"the run ended before it was killed:\n{first.stderr.read()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint reached the bucket"
             time.sleep(0.2)
-        second = run_cli("run", str(_config(tmp_path / "second", s3_url)), "--nproc-per-node", "2", timeout=180)
+        second = run_cli("run", str(_config(tmp_path / "second", s3_url, mode)), "--nproc-per-node", "2", timeout=180)
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"checkpoint.dir={s3_url} is in use by another run" in second.stderr
         assert first.poll() is None, "the first run ended before it was killed"
@@ -71,10 +72,11 @@ def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(
     newest = find_remote(store)[0].step
     assert newest == 3 * EVERY
 
-    resumed = _run(_config(tmp_path / "fresh", s3_url))  # a new machine: nothing in its output folder
-    assert f"fetched step-{newest:09d}.pt (step {newest}) from {s3_url}" in resumed.stderr
-    assert f"resuming from {tmp_path}/fresh/run/checkpoints/step-{newest:09d}.pt" in resumed.stderr
-    clean = _run(_config(tmp_path / "clean", None))
+    resumed = _run(_config(tmp_path / "fresh", s3_url, mode))  # a new machine: nothing in its output folder
+    name = f"step-{newest:09d}.{'pt' if mode == 'ddp' else 'dcp'}"
+    assert f"fetched {name} (step {newest}) from {s3_url}" in resumed.stderr
+    assert f"resuming from {tmp_path}/fresh/run/checkpoints/{name}" in resumed.stderr
+    clean = _run(_config(tmp_path / "clean", None, mode))
     final = load_weights(tmp_path / "fresh/run/model.pt")
     assert_bitwise_equal(final, load_weights(tmp_path / "clean/run/model.pt"))
     # keep_last 2 and the one resumed from (protected); a checkpoint queued behind a slow upload gives way to a newer
