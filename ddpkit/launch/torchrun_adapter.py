@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -190,8 +191,11 @@ def observe_faults(listener: FaultListener) -> Iterator[None]:
         began = time.time()
         result = original(self, timeout, period)
         if result is not None and result.is_failed():
-            attempt = int(self.envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if self.envs else 0
-            listener(detected=began, stopped=time.time(), attempt=attempt, codes=_exit_codes(self, result))
+            try:  # a record of the fault must never stop the agent's restart
+                attempt = int(self.envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if self.envs else 0
+                listener(detected=began, stopped=time.time(), attempt=attempt, codes=_exit_codes(self, result))
+            except Exception as exc:  # noqa: BLE001
+                logging.getLogger(__name__).debug("fault not recorded: %s", exc)
         return result
 
     PContext.wait = wait  # type: ignore[method-assign]
