@@ -90,3 +90,11 @@ def test_packed_tiny_runs_on_two_ranks(tmp_path):
     assert "activation checkpointing: 4 GPTBlock modules" in done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
+
+
+def test_a_compiled_gpt_masks_documents_the_same_way():
+    x = torch.randint(0, 256, (2, 32))
+    x[0, 5], x[1, 17] = EOT, EOT
+    model = _model(restart_positions=True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
