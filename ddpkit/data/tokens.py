@@ -41,7 +41,8 @@ from ddpkit.data.mixture import mixture_datasets
 from ddpkit.errors import ConfigError, DataError
 from ddpkit.registry import register_dataset
 
-__all__ = ["TokenFile", "tokens", "write_token_file", "stdlib_corpus", "DTYPES", "BYTE_EOT", "BYTE_VOCAB"]
+__all__ = ["TokenFile", "tokens", "write_token_file", "stdlib_corpus", "mask_path_of", "require_vocab_of", "DTYPES",
+           "BYTE_EOT", "BYTE_VOCAB", "IGNORE_INDEX"]
 
 #: The ``dtype`` values of a raw ``.bin`` file.
 DTYPES = ("uint16", "uint32", "int32")
