@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TextIO
 
 __all__ = ["setup_logging", "console_through", "MetricSinks", "StepLog", "METRICS_FILE"]
 
@@ -82,10 +82,16 @@ class _ToRoot(logging.Handler):
         logging.getLogger().handle(record)
 
 
+class LineWriter(Protocol):
+    """What prints log lines for the console handler while it owns the terminal (a live progress display)."""
+
+    def write(self, line: str, file: TextIO | None = None) -> None: ...
+
+
 class _ConsoleHandler(logging.StreamHandler):
     """Writes to stderr, through the console's display while a live bar shows, so log lines do not break it."""
 
-    display: Any = None
+    display: LineWriter | None = None
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -101,7 +107,7 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def console_through(writer: Any) -> None:
+def console_through(writer: LineWriter | None) -> None:
     """Send console log lines through ``writer.write(line, file=...)`` (a live progress bar that
     must not be broken, see :mod:`ddpkit.reporting.console`), or straight to stderr again with None."""
     _ConsoleHandler.display = writer
