@@ -48,7 +48,10 @@ from typing import Any
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 
-__all__ = ["LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write", "read_holder", "start_ticks"]
+__all__ = [
+    "LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write",
+    "read_holder", "start_ticks",
+]
 
 log = logging.getLogger("ddpkit")
 
@@ -83,11 +86,14 @@ class LockHolder:
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"pid {self.pid} on {self.host}, since {since}" if self.host else f"a run starting there, lock file unreadable since {since}"
+        if not self.host:
+            return f"a run starting there, lock file unreadable since {since}"
+        return f"pid {self.pid} on {self.host}, since {since}"
 
 
 def cannot_write(directory: Path) -> str | None:
-    """Why this process cannot create or write ``directory``, else None; judged by its nearest existing folder, nothing created."""
+    """Why this process cannot create or write ``directory``, else None; judged by its nearest existing folder,
+    nothing created."""
     path = directory.absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -99,12 +105,14 @@ def cannot_write(directory: Path) -> str | None:
 
 
 def read_holder(directory: Path) -> LockHolder | None:
-    """The holder named in ``directory``'s lock file, or None without one (an unreadable file: a holder of unknown pid)."""
+    """The holder named in ``directory``'s lock file, or None without one (an unreadable file: a holder of
+    unknown pid)."""
     path, age = directory / LOCK_NAME, 0.0
     try:
         age = time.time() - path.stat().st_mtime
         fields = json.loads(path.read_text())
-        return LockHolder(str(fields["host"]), int(fields["pid"]), fields.get("start_ticks"), float(fields["since"]), str(fields["token"]), age)
+        return LockHolder(str(fields["host"]), int(fields["pid"]), fields.get("start_ticks"), float(fields["since"]),
+                          str(fields["token"]), age)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):  # being written right now, or by a run killed while writing it
@@ -121,7 +129,8 @@ class RunLock:
 
     @classmethod
     def for_run(cls, config: Any, runtime: Any) -> RunLock:
-        """Rank 0 of the job checks the run's directories and locks ``config.output_dir``; the other ranks learn the outcome (a broadcast)."""
+        """Rank 0 of the job checks the run's directories and locks ``config.output_dir``; the other ranks learn the
+        outcome (a broadcast)."""
         if runtime.env.rank != 0:
             return cls(None)
         return cls(Path(config.output_dir), checkpoint_dir=Path(config.checkpoint_dir))
@@ -145,10 +154,12 @@ class RunLock:
         return self
 
     def _unwritable(self) -> tuple[bool, str] | None:
-        """A refusal naming the first of ``run.output_dir`` / ``checkpoint.dir`` this process cannot write, else None."""
+        """A refusal naming the first of ``run.output_dir`` / ``checkpoint.dir`` this process cannot write, else
+        None."""
         for key, directory in (("run.output_dir", self.directory), ("checkpoint.dir", self.checkpoint_dir)):
             if directory is not None and (why := cannot_write(directory)):
-                return False, f"{key}: cannot write to {directory}: {why}; point {key} at a directory this user can write"
+                return False, (f"{key}: cannot write to {directory}: {why}; "
+                               f"point {key} at a directory this user can write")
         return None
 
     def __exit__(self, *exc: Any) -> None:
@@ -170,9 +181,11 @@ class RunLock:
                     f"run directory {self.directory} is in use by another run ({holder.describe()}): "
                     "give this run another run.name (or run.output_dir), or stop that run first"
                 )
-            log.warning("ddpkit: taking over the stale lock of %s (%s is no longer running)", self.directory, holder.describe())
+            log.warning("ddpkit: taking over the stale lock of %s (%s is no longer running)", self.directory,
+                        holder.describe())
             (self.directory / LOCK_NAME).unlink(missing_ok=True)
-        raise RunDirectoryLocked(f"run directory {self.directory}: could not take its lock {LOCK_NAME}; is another run starting there?")
+        raise RunDirectoryLocked(f"run directory {self.directory}: could not take its lock {LOCK_NAME}; "
+                                 "is another run starting there?")
 
     def _create(self) -> bool:
         assert self.directory is not None
