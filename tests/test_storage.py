@@ -137,9 +137,9 @@ def test_a_failing_put_is_retried_with_backoff_and_counted_once_it_keeps_failing
     store.fs.fail_puts = 2
     answer = Worker(store, sleep=waits.append).handle({"op": "checkpoint", "path": str(first), "step": 100, "seq": 1})
     assert answer["ok"] and waits == [1.0, 2.0] and store.rebuilds == 2
-    store.fs.fail_puts = 100
+    store.fs.fail_puts, waits[:] = 100, []
     answer = Worker(store, sleep=waits.append).handle({"op": "checkpoint", "path": str(second), "step": 200, "seq": 2})
-    assert not answer["ok"] and "connection reset" in answer["error"]
+    assert not answer["ok"] and "connection reset" in answer["error"] and waits == [1, 2, 4, 8, 16, 30, 30, 30, 30]
     assert "could not upload" in capfd.readouterr().err and [c.step for c in layout.find_remote(store)] == [100]
 
 

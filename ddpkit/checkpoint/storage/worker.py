@@ -8,11 +8,11 @@ settings, then one job per line on stdin, and answers one JSON line per job on s
     -> {"seq": 4, "ok": true, "name": "step-000000200.pt", "step": 200, "bytes": 41234, "seconds": 0.8}
 
 One upload at a time, in order; when several checkpoints queued up behind a slow one, only the
-newest is sent (the older ones would be retired right after). Each job is tried ATTEMPTS times with
-exponential backoff, on a rebuilt client each time (expired credentials, a dropped connection); a job
-that still fails is warned about on stderr and answered ``"ok": false``: a failing store never stops
-training. The process renews the run's lock on the store every RENEW_S seconds and exits when its
-parent does (or at the ``exit`` job, after the queue is done).
+newest is sent (the older ones would be retired right after). Each job is retried with exponential
+backoff (1, 2, 4 ... 30 s; up to ATTEMPTS tries within RETRY_S), on a rebuilt client each time (expired
+credentials, a dropped connection); a job that still fails is warned about on stderr and answered
+``"ok": false``: a failing store never stops training. The process renews the run's lock on the store
+every RENEW_S seconds and exits when its parent does (or at the ``exit`` job, after the queue is done).
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from ddpkit.checkpoint.storage.publish import LeaseLost, NotRetried, publish_che
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import first_line
 
-__all__ = ["Worker", "ATTEMPTS", "BACKOFF_S", "main"]
+__all__ = ["Worker", "ATTEMPTS", "RETRY_S", "BACKOFF_S", "BACKOFF_MAX_S", "main"]
 
-#: Tries per upload before it is given up (and counted as a failure).
-ATTEMPTS = 5
-#: The first retry's wait in seconds; each next one doubles it.
+#: Tries per upload before it is given up (and counted as a failure)...
+ATTEMPTS = 10
+#: ... or once this many seconds have passed since its first try: a store away for a few minutes loses no upload.
+RETRY_S = 300.0
+#: The first retry's wait in seconds; each next one doubles it, up to BACKOFF_MAX_S.
 BACKOFF_S = 1.0
+BACKOFF_MAX_S = 30.0
 
 
 class Worker:
@@ -52,6 +55,7 @@ class Worker:
     ):
         self.store, self.epoch, self.keep_last, self.sleep = store, epoch, keep_last, sleep
         self.protected: set[str] = set()
+        self.renew_failing = False
 
     def handle(self, job: dict[str, Any]) -> dict[str, Any] | None:
         """Run one job; the answer for the parent (None for bookkeeping jobs such as ``protect``)."""
@@ -76,9 +80,11 @@ class Worker:
                 error = exc
             except Exception as exc:  # throttling, timeouts, expired credentials, a server that went away
                 error = exc
-            if attempts < ATTEMPTS:
-                self.sleep(BACKOFF_S * 2 ** (attempts - 1))
+            if attempts < ATTEMPTS and time.monotonic() - started < RETRY_S:
+                self.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (attempts - 1)))
                 self._rebuild()
+            else:
+                break
         return self._failed(job, error, attempts, started)
 
     def _rebuild(self) -> None:
@@ -113,14 +119,17 @@ class Worker:
     def renew(self, lease: Lease) -> bool:
         """One renewal of the store's lock; False when it is lost (then warned about once, by the caller)."""
         try:
-            return renew(self.store, lease)
-        except Exception as exc:  # a store that is away for a while: the lease lives until LEASE_S
-            print(
-                f"ddpkit: warning: cannot renew the lock on {self.store.url}: {first_line(exc)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            held = renew(self.store, lease)
+        except Exception as exc:  # a store that is away for a while: warned once; the lease lives until LEASE_S
+            if not self.renew_failing:
+                print(f"ddpkit: warning: cannot renew the lock on {self.store.url}: {first_line(exc)}; retrying",
+                      file=sys.stderr, flush=True)
+            self.renew_failing = True
             return True
+        if self.renew_failing:
+            print(f"ddpkit: the lock on {self.store.url} is renewed again", file=sys.stderr, flush=True)
+        self.renew_failing = False
+        return held
 
 
 def coalesce(jobs: list[dict[str, Any]], *, in_parts: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
