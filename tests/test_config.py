@@ -7,7 +7,8 @@ import yaml
 from helpers import run_cli
 
 from ddpkit import ConfigError, load_config
-from ddpkit.config.loader import config_hash, dump_config, parse_override
+from ddpkit.config.overrides import parse_override
+from ddpkit.config.serialize import config_hash, dump_config
 
 
 def write(tmp_path, text: str, name: str = "exp.yaml"):
