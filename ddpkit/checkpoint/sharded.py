@@ -46,6 +46,7 @@ from ddpkit.atomic import fsync_dir, write_atomically
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
 from ddpkit.checkpoint.files import list_checkpoints, load_checkpoint, prune, save_atomically
 from ddpkit.errors import CheckpointError, first_line
+from ddpkit.training.param_groups import merge_to_one_group
 
 __all__ = [
     "ShardedParts", "save_sharded", "save_sharded_async", "finish_async",
@@ -126,9 +127,16 @@ class ShardedParts:
         api = state_dict_api()
         api.set_model_state_dict(self.model, state["model"])
         if not self._zero:
+            if len(state["optimizer"]["param_groups"]) == 1:  # an earlier release's one group: resume it as trained
+                merge_to_one_group(self.optimizer, list(self.model.parameters()))
             api.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             return
         saved_groups = state["optimizer"]["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):  # ZeRO partitions by group: no regrouping
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this zero1 run's has "
+                f"{len(self.optimizer.param_groups)} (optim.decay / optim.groups); resume with the grouping it was "
+                "written with (optim.decay=all for a checkpoint of an earlier release), or resume under ddp or fsdp2")
         for zero_group, saved in zip(self.optimizer.param_groups, saved_groups):
             zero_group.update(_hyper(saved))  # ZeRO copies these to its local optimizer at each step
         local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)
@@ -147,8 +155,12 @@ class ShardedParts:
             # ZeRO takes the position-keyed whole state and keeps its part
             self.optimizer.load_state_dict(optimizer_state)
             return
-        # the optimizer was built over parameters(), in order
-        names = [name for name, _ in self.model.named_parameters()]
+        # ids -> names as torch.optim pairs them: the saved groups' ids in order with this optimizer's parameters in
+        # order (optim.decay / optim.groups: not model order); a one-group state of an earlier release: model order
+        if len(optimizer_state["param_groups"]) == 1:
+            merge_to_one_group(self.optimizer, list(self.model.parameters()))
+        ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+        names = dict(zip(ids, (self._names[p] for g in self.optimizer.param_groups for p in g["params"])))
         state = {names[i]: value for i, value in optimizer_state["state"].items()}
         groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
         api.set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups},

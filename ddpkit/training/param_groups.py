@@ -35,7 +35,7 @@ import torch
 from ddpkit.config.schema import OptimConfig
 from ddpkit.errors import ConfigError
 
-__all__ = ["param_groups", "accept_one_group"]
+__all__ = ["param_groups", "accept_one_group", "merge_to_one_group"]
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +124,24 @@ def accept_one_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
 
     def regroup(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
         groups = saved.get("param_groups", [])
-        if len(groups) == 1 and len(opt.param_groups) > 1 and len(groups[0]["params"]) == len(params):
-            opt.param_groups = [
-                {**opt.param_groups[0], "params": list(params)}
-            ]  # hyperparameters: the saved group's, at load
-            log.warning(
-                "optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
-                "resuming it as one group, as it was trained. A new run uses the configured groups"
-            )
+        if len(groups) == 1 and len(groups[0]["params"]) == len(params):
+            merge_to_one_group(opt, params)
 
     optimizer.register_load_state_dict_pre_hook(regroup)
+
+
+def merge_to_one_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Make ``optimizer`` one group over ``params`` (model order) if it has several; True, with one warning, if it did.
+
+    For a one-group optimizer state saved by an earlier release: the plain ``load_state_dict`` path calls it
+    through :func:`accept_one_group`'s hook; a loader that maps states by parameter name (DCP's
+    ``set_optimizer_state_dict``, :mod:`ddpkit.checkpoint.sharded`) calls it before loading.
+    """
+    if len(optimizer.param_groups) <= 1:
+        return False
+    optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(params)}]  # hyperparameters: the saved ones
+    log.warning(
+        "optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
+        "resuming it as one group, as it was trained. A new run uses the configured groups"
+    )
+    return True
