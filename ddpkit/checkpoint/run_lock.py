@@ -43,10 +43,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
+
+if TYPE_CHECKING:  # annotations only: the store's upload process imports this module without torch
+    from ddpkit.config.schema import Config
+    from ddpkit.distributed.process_group import Runtime
 
 __all__ = [
     "LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write",
@@ -128,7 +132,7 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_run(cls, config: Any, runtime: Any) -> RunLock:
+    def for_run(cls, config: Config, runtime: Runtime) -> RunLock:
         """Rank 0 of the job checks the run's directories and locks ``config.output_dir``; the other ranks learn the
         outcome (a broadcast)."""
         if runtime.env.rank != 0:
