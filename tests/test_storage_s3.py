@@ -136,3 +136,12 @@ def test_a_missing_bucket_and_missing_credentials_are_refused_at_start(s3_url, t
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="no credentials were found"):
         RemoteMirror.for_run(_config(tmp_path, s3_url), cpu_runtime())
+
+
+def test_a_checkpoint_saved_behind_the_mirrors_back_goes_up_at_the_end(s3_url, tmp_path):  # noqa: F811
+    config = _config(tmp_path, s3_url)
+    mirror = RemoteMirror.for_run(config, cpu_runtime())
+    path = _save(config, 10)  # the crash save of a dead peer's last step: written without mirror.saved()
+    assert mirror.on_exit("FAILED", deadline_s=60) == []
+    (remote,) = find_remote(mirror.store)
+    assert remote.step == 10 and remote.manifest["objects"][path.name]["bytes"] == path.stat().st_size

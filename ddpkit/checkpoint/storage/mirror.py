@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ddpkit.checkpoint.files import find_latest_checkpoint
+from ddpkit.checkpoint.files import find_latest_checkpoint, list_checkpoints
 from ddpkit.checkpoint.run_lock import RunDirectoryLocked
 from ddpkit.checkpoint.storage.layout import RemoteCheckpoint, download, find_remote
 from ddpkit.checkpoint.storage.lease import Lease, acquire, release
@@ -75,6 +75,8 @@ class RemoteMirror:
         self._seconds = 0.0
         self._bytes = self._failures = 0
         self._told = False
+        #: The local staging folder (``config.checkpoint_dir``), looked at once more at the end.
+        self.staging: Path | None = None
         #: Seconds :meth:`drain` waits by default (for_run keeps it under the watchdog's checkpoint-phase limit),
         #: and :meth:`on_exit` (under its hang limit: a teardown is no checkpoint phase).
         self.deadline_s = self.exit_deadline_s = EXIT_DEADLINE_S
@@ -109,6 +111,7 @@ class RemoteMirror:
             lease=lease,
             sharded=config.parallel.mode in ("zero1", "fsdp2"),
         )
+        mirror.staging = Path(config.checkpoint_dir)
         slow = config.dist.slow_phase_timeout or 0.9 * config.dist.timeout  # the watchdog's limit for a checkpoint
         mirror.deadline_s = min(EXIT_DEADLINE_S, 0.8 * slow)
         mirror.exit_deadline_s = min(mirror.deadline_s, 0.5 * (hang_timeout_seconds(config.dist) or EXIT_DEADLINE_S))
@@ -197,6 +200,14 @@ class RemoteMirror:
         if self.env.rank == 0:
             self._queue_run_files(("metrics.jsonl",))
 
+    def _queue_newer_local(self) -> None:
+        """A checkpoint written without :meth:`saved` (the crash save of a dead peer's last step) goes up too."""
+        if self.staging is None:
+            return
+        local = [c for c in list_checkpoints(self.staging) if c.path.suffix == ".pt"]  # sizes checked, no hashing
+        if local and local[-1].step > self._saved_step:
+            self.saved(local[-1].path, step=local[-1].step)
+
     def _uploads_here(self, path: Path) -> bool:
         return self.env.rank == 0 or (path.suffix == ".dcp" and self.env.local_rank == 0 and self._nodes > 1)
 
@@ -240,6 +251,7 @@ class RemoteMirror:
         """
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if self.env.rank == 0:
+            self._queue_newer_local()
             self._queue_run_files(_RUN_FILES)
         answers, left = self._uploads.drain(deadline_s)
         self._count(answers)
