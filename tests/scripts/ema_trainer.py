@@ -1,6 +1,7 @@
-"""A Trainer subclass that adds its own state to every checkpoint: an EMA copy of the weights and a counter.
+r"""A Trainer subclass that adds its own state to every checkpoint: an EMA copy of the weights and a counter.
 
-    KILL_RANK=1 KILL_AT_STEP=5 ddpkit run CONFIG --nproc-per-node 2 --max-restarts 1 --script tests/scripts/ema_trainer.py
+    KILL_RANK=1 KILL_AT_STEP=5 ddpkit run CONFIG --nproc-per-node 2 --max-restarts 1 \
+        --script tests/scripts/ema_trainer.py
 
 ``KILL_RANK`` / ``KILL_AT_STEP``: that rank SIGKILLs itself after that optimizer step, in the first attempt
 only. At the end rank 0 writes ``<run.output_dir>/ema.pt``: the EMA weights and the counter, for the test
@@ -64,7 +65,8 @@ class EmaTrainer(ddpkit.Trainer):
         self.ema.update(self.unwrapped_model)
         self.counter.value += 1
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and str(self.rank) == os.environ.get("KILL_RANK") and str(step) == os.environ.get("KILL_AT_STEP"):
+        if (first_attempt and str(self.rank) == os.environ.get("KILL_RANK")
+                and str(step) == os.environ.get("KILL_AT_STEP")):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_fit_end(self, metrics: dict[str, float]) -> None:
