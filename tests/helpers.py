@@ -40,6 +40,22 @@ def tiny_config(tmp_path: Path | str, **sections: Any) -> dict[str, Any]:
         "log": {"progress_bar": False},
         "dist": {"timeout": 60},
     }
+    return merge_sections(cfg, sections)
+
+
+def tiny_cnn_config(tmp_path: Path | str, **sections: Any) -> dict[str, Any]:
+    """:func:`tiny_config` with the MNIST CNN (it has dropout, so a resume must restore every RNG) on
+    16x16 digits, 40 of them held out; per-section overrides merged in."""
+    cfg = tiny_config(
+        tmp_path,
+        model={"name": "mnist_cnn", "kwargs": {"image_size": 16}},
+        data={"kwargs": {"num_train": 256, "num_val": 40, "image_size": 16}},
+    )
+    return merge_sections(cfg, sections)
+
+
+def merge_sections(cfg: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``cfg`` with each section's keys updated from ``sections`` (a key's value is replaced whole)."""
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg

@@ -14,22 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import (
+    REPO,
+    assert_bitwise_equal,
+    load_weights,
+    merge_sections,
+    run_cli,
+    tiny_cnn_config,
+    tiny_config,
+)
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]
 
 
 def _cnn(tmp, **sections) -> dict:
-    cfg = tiny_config(
-        tmp,
-        model={"name": "mnist_cnn", "kwargs": {"image_size": 16}},
-        data={"name": "digits", "batch_size": 16, "kwargs": {"num_train": 256, "num_val": 40, "image_size": 16}},
-        dist={"device": "cuda", "timeout": 120},
-        checkpoint={"every_epochs": 1},
-    )
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
+    cfg = tiny_cnn_config(tmp, dist={"device": "cuda", "timeout": 120}, checkpoint={"every_epochs": 1})
+    return merge_sections(cfg, sections)
 
 
 def _run(tmp, cfg: dict, *extra: str):

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, Exploit, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import (
+    REPO,
+    Exploit,
+    assert_bitwise_equal,
+    load_weights,
+    merge_sections,
+    run_cli,
+    tiny_cnn_config,
+    tiny_config,
+)
 
 import ddpkit
 from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
@@ -22,16 +31,8 @@ pytestmark = pytest.mark.multiprocess
 
 def cnn_config(out: Path, **sections) -> dict:
     """The MNIST CNN (it has dropout, so resume must restore every RNG) on 16x16 digits, 8 steps per epoch on 2 ranks."""
-    cfg = tiny_config(
-        out,
-        model={"name": "mnist_cnn", "kwargs": {"image_size": 16}},
-        data={"name": "digits", "batch_size": 16, "kwargs": {"num_train": 256, "num_val": 40, "image_size": 16}},
-        train={"epochs": 3, "log_every": 5},
-        checkpoint={"every_steps": 1, "keep_last": 3},
-    )
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
+    cfg = tiny_cnn_config(out, train={"epochs": 3, "log_every": 5}, checkpoint={"every_steps": 1, "keep_last": 3})
+    return merge_sections(cfg, sections)
 
 
 class _Interrupted(Exception):
