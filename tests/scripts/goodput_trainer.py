@@ -1,6 +1,7 @@
-"""A Trainer that logs every step it trains, per rank, and can SIGKILL itself: for tests/test_goodput.py.
+r"""A Trainer that logs every step it trains, per rank, and can SIGKILL itself: for tests/test_goodput.py.
 
-    KILL_RANKS=1 KILL_AT_STEP=7 ddpkit run CONFIG --nproc-per-node 2 --max-restarts 2 --script tests/scripts/goodput_trainer.py
+    KILL_RANKS=1 KILL_AT_STEP=7 ddpkit run CONFIG --nproc-per-node 2 --max-restarts 2 \
+        --script tests/scripts/goodput_trainer.py
     KILL_RANKS=all KILL_AT_STEP=13 ...      # every worker dies at once (a lost host)
 
 Each rank appends ``attempt step fingerprint`` to ``<output_dir>/trained-rank<r>.log`` after each
