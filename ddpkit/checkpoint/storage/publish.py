@@ -20,7 +20,10 @@ from ddpkit.checkpoint.storage.layout import FORMAT, manifest_name, newest_fence
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import CheckpointError
 
-__all__ = ["publish_checkpoint", "publish_file", "NotRetried", "LeaseLost", "PART_WAIT_S", "COMMIT_WAIT_S"]
+__all__ = [
+    "publish_checkpoint", "publish_file", "newer_committed", "NotRetried", "LeaseLost", "LocalSaveFailed", "Superseded",
+    "PART_WAIT_S", "COMMIT_WAIT_S",
+]
 
 #: Seconds node 0's upload waits for the other nodes' shards of a sharded checkpoint.
 PART_WAIT_S = 600.0
@@ -39,7 +42,11 @@ class LeaseLost(NotRetried):
 
 
 class LocalSaveFailed(NotRetried):
-    """The local save this upload waited for never completed (its write failed, or it was pruned)."""
+    """The local save this upload waited for never completed."""
+
+
+class Superseded(NotRetried):
+    """The local checkpoint is gone because a newer one replaced it (pruned): nothing lost, nothing to send."""
 
 
 def publish_checkpoint(
@@ -114,12 +121,13 @@ def _wait_committed(path: Path, step: int) -> None:
             pass  # not written yet, or being written
         if time.monotonic() > deadline:
             raise LocalSaveFailed(f"{path}: the local save of step {step} did not complete in {COMMIT_WAIT_S:.0f} s")
-        if _newer_committed(path, step):  # pruned after a newer save, or its write failed and a later one did not
-            raise LocalSaveFailed(f"{path}: no longer on this disk (a newer checkpoint replaced it); not uploaded")
+        if newer_committed(path, step):  # pruned after a newer save, or its write failed and a later one did not
+            raise Superseded(f"{path}: no longer on this disk (a newer checkpoint replaced it); not uploaded")
         time.sleep(0.2)
 
 
-def _newer_committed(path: Path, step: int) -> bool:
+def newer_committed(path: Path, step: int) -> bool:
+    """Whether a ``step-*`` checkpoint newer than ``step`` is committed beside ``path`` (so ``path`` may be pruned)."""
     if not path.name.startswith("step-"):
         return False
     try:

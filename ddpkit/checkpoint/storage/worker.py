@@ -24,10 +24,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ddpkit.checkpoint.storage.lease import RENEW_S, Lease, renew
-from ddpkit.checkpoint.storage.publish import LeaseLost, NotRetried, publish_checkpoint, publish_file
+from ddpkit.checkpoint.storage.publish import (
+    LeaseLost,
+    NotRetried,
+    Superseded,
+    newer_committed,
+    publish_checkpoint,
+    publish_file,
+)
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import first_line
 
@@ -72,9 +80,13 @@ class Worker:
                 else:
                     done = publish_file(self.store, job)
                 return {"seq": job.get("seq"), "ok": True, "seconds": round(time.monotonic() - started, 3), **done}
+            except Superseded:  # pruned locally once a newer checkpoint was saved: that one goes up instead
+                return {"seq": job.get("seq"), "ok": True, "skipped": True, "step": job.get("step"), "bytes": 0}
             except NotRetried as exc:  # the lock was lost, or the local save never completed
                 return self._failed(job, exc, attempts, started)
-            except FileNotFoundError as exc:  # the local file is gone (pruned), or the store says "no bucket"
+            except FileNotFoundError as exc:  # the local file is gone (pruned mid-upload), or the store has no bucket
+                if job["op"] == "checkpoint" and newer_committed(Path(job["path"]), job["step"]):
+                    return {"seq": job.get("seq"), "ok": True, "skipped": True, "step": job.get("step"), "bytes": 0}
                 if job["op"] != "checkpoint" or not os.path.exists(job["path"]):
                     return self._failed(job, exc, attempts, started)
                 error = exc
