@@ -18,6 +18,7 @@
     python -m benchmarks.order               # epoch orders: memory and time to the first batch, batches/s
     python -m benchmarks.shared_memory       # PSS of an in-memory dataset: a Python list vs SharedDataset
     python -m benchmarks.streaming           # a sharded stream vs map-style, and the agreed stop's cost
+    python -m benchmarks.control_plane --ranks 1000,10000,100000   # the hang watchdog's store traffic and CPU at scale
 
 ``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the shared
 hand-written DDP loop ``train_by_hand`` and the benchmarks that keep a loop of their own, the weight

@@ -3,21 +3,17 @@
     python -m benchmarks.control_plane --ranks 1000                        # before and after, 1,000 ranks
     python -m benchmarks.control_plane --ranks 1000,10000,100000 --ranks-per-node 8 --json cp.json
 
-(From the repository root; a few minutes on 2 cores.)
+(From the repository root; a few minutes on 2 cores.) For each world size and scheme, one job: a
+TCPStore server in this process (its CPU is the "store CPU" column), the roles that matter run by the
+real code in processes of their own, and one process simulating every other rank through the store:
 
-For each world size and scheme, one job on this machine: a TCPStore server in a process of its own,
-the roles that matter run by the real code in processes of their own, and one process simulating
-every other rank through the same store:
-
-* ``after`` (this checkout, :mod:`ddpkit.watchdog`): rank 0 (judge and leader of node 0), rank
+* ``after`` (:mod:`ddpkit.watchdog` of this checkout): rank 0 (judge, leader of node 0), rank
   ``ranks-per-node`` (leader of node 1, the deputy) and the next rank (a plain rank of node 1). The
-  simulator writes the other node-mates' beats into the real node boards in ``/dev/shm`` and, for
-  every other node, does what its leader does: ``progress`` sets, the node record every 5 s, the
-  staggered ``alarm`` polls.
-* ``before`` (the watchdog of commit ``BEFORE``, read from git into a temporary package): rank 0
-  and rank 1. The simulator writes every other rank's signed ``hb/<rank>`` once, then rewrites as
-  many as it can each interval (at most ``--before-sets``); the ops/s column then gives what the
-  protocol asks (4 per rank per interval), which the simulator cannot send at 100,000 ranks.
+  simulator writes the other node-mates' beats into the real node boards in ``/dev/shm`` and does what
+  every other node's leader does: ``progress`` sets, a record every 5 s, the staggered ``alarm`` polls.
+* ``before`` (the watchdog of commit ``BEFORE``, read from git into a temporary package): rank 0 and
+  rank 1. The simulator writes every other rank's signed ``hb/<rank>`` once, then rewrites at most
+  ``--before-sets`` per interval; "asked" is what the protocol asks (4 calls per rank per interval).
 
 Each role's "training thread" steps every 50 ms until every rank hangs at once. CPU: the role's watchdog
 threads (``/proc/self/task/<tid>/schedstat``) over ``--window`` s of steady state; store ops counted at the
@@ -40,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 BEFORE = "99b7f7eb5a68a31fb2057590fcaccfbf157d5138"  # the last commit of the per-rank heartbeat scheme
 PREFIX = "ddpkit/watchdog/1"
 INTERVAL, WARMUP = 0.5, 4.0
@@ -47,8 +45,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _store(port: int) -> Any:
-    import torch.distributed as dist
-
     return dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=60))
 
 
@@ -78,8 +74,7 @@ def _before_package(tmp: Path) -> Path:
 def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, ready: Any) -> None:
     """One real watchdog: train (a step every 50 ms) until the hang, measure its threads, then hang."""
     os.environ["DDPKIT_JOB_SECRET"] = args["secret"]
-    if scheme == "before":
-        sys.path.insert(0, args["before_path"])
+    if scheme == "before":  # found through PYTHONPATH (run_one)
         import ddpkit_watchdog_before.heartbeat as heartbeat
         from ddpkit_watchdog_before.store_io import StoreClient
     else:
@@ -120,8 +115,6 @@ def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, re
 def _simulate(scheme: str, args: dict[str, Any], out: str, clock: Any, ready: Any) -> None:
     """Every rank that is not a real role, through the same store (and the real node boards, after)."""
     os.environ.pop("DDPKIT_JOB_SECRET", None)
-    import torch.distributed as dist
-
     store = dist.PrefixStore(PREFIX, _store(args["port"]))
     key = args["secret"].encode()
     work = _SimAfter(store, key, args) if scheme == "after" else _SimBefore(store, key, args)
@@ -157,7 +150,9 @@ class _SimAfter:
         self.set_every = 2 if self.nodes > SETS_PER_SECOND * INTERVAL else 1
         self.progress = [[sign(key, "progress", f"{n}:{i}") for i in (0, 1)] for n in range(self.nodes)]
         now = time.time()
-        self.records = [sign(key, f"node/{n}", json.dumps(_record(n, rpn, now))) for n in range(self.nodes)]
+        record = {"host": "sim", "t": now, "alarm": None, "silent": {}}  # a node's record, as its leader sets it
+        self.records = [sign(key, f"node/{n}", json.dumps({**record, "node": n, "beats": {
+            n * rpn + i: {**_beat(n * rpn + i, 1), "t": now} for i in range(rpn)}})) for n in range(self.nodes)]
         real = {(0, 0), (1, 0), (1, 1)}
         self.boards = [NodeBoard.open(board_name(key, PREFIX, node=n), slots=rpn, index=i)
                        for n in (0, 1) for i in range(rpn) if (n, i) not in real]
@@ -207,15 +202,8 @@ def _beat(rank: int, step: int) -> dict[str, Any]:
             "novel": 0, "since": time.time(), "host": "sim", "pid": 0, "slow": False}
 
 
-def _record(node: int, rpn: int, now: float) -> dict[str, Any]:
-    beats = {node * rpn + i: {**_beat(node * rpn + i, 1), "t": now} for i in range(rpn)}
-    return {"node": node, "host": "sim", "t": now, "alarm": None, "beats": beats, "silent": {}}
-
-
 def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One simulated job: the store, the real roles, the simulator; the measurements and the detection time."""
-    import torch.distributed as dist
-
     from ddpkit.distributed.control_auth import new_secret
 
     ctx = multiprocessing.get_context("spawn")
@@ -223,14 +211,19 @@ def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Pa
     roles = {"rank 0": 0, "plain": 1} if scheme == "before" else {"rank 0": 0, "leader": rpn, "plain": rpn + 1}
     clock, ready = ctx.Array("d", 2), ctx.Queue()  # the hang's time and the end's, once every process is ready
     args = {"port": server.port, "ranks": ranks, "rpn": rpn, "hang": opts.hang_timeout, "secret": new_secret(),
-            "window": opts.window, "before_path": str(tmp), "before_sets": opts.before_sets}
+            "window": opts.window, "before_sets": opts.before_sets}
     run_dir = Path(tempfile.mkdtemp(prefix=f"{scheme}-{ranks}-", dir=tmp))
     procs = [ctx.Process(target=_role, args=(scheme, rank, args, str(run_dir / f"{name}.json"), clock, ready),
                          daemon=True) for name, rank in roles.items()]
     procs.append(ctx.Process(target=_simulate, args=(scheme, args, str(run_dir / "sim.json"), clock, ready),
                              daemon=True))
-    for proc in procs:
-        proc.start()
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), str(REPO), path]))  # the before package
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        os.environ["PYTHONPATH"] = path
     for _ in procs:
         ready.get(timeout=600)
     hang_at = time.time() + WARMUP + opts.window + 1
@@ -249,8 +242,6 @@ def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Pa
 
 def _watch(server: Any, hang_at: float, stop_at: float) -> dict[str, Any]:
     """The store server's CPU share before the hang, then the time from the hang to the ``alarm`` key."""
-    import torch.distributed as dist
-
     store = dist.PrefixStore(PREFIX, server)
     while time.time() < hang_at - 2 - 10:
         time.sleep(0.2)
@@ -278,8 +269,6 @@ def _capacity_client(port: int, method: str, seconds: float, queue: Any) -> None
 
 def capacity(seconds: float = 3.0, clients: int = 3) -> dict[str, float]:
     """What the store takes here: sets/s (not waited for) and round trips/s (``check``), from ``clients`` processes."""
-    import torch.distributed as dist
-
     server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False)
     server.set("k0", "0")
     ctx, out = multiprocessing.get_context("spawn"), {}

@@ -99,7 +99,7 @@ class Monitor:
         """While another rank reports the hang: keep the node's record fresh, post this rank's stacks if they are
         wanted, and exit once the report is done (or after a deadline)."""
         wd = self.wd
-        deadline = time.monotonic() + 2 * GATHER_WAIT + 10
+        deadline = time.monotonic() + 2 * (GATHER_WAIT + wd.node.poll_period) + 10
         news: dict[str, Any] = {}
         posted = False
         while not news.get("done") and time.monotonic() < deadline:
@@ -153,7 +153,7 @@ class Monitor:
         """Every rank's last beat and the silent ranks (-> wall time of their last beat), from the nodes' records;
         with ``wait``, for up to ``GATHER_WAIT`` seconds until every node has answered this alarm."""
         wd, records = self.wd, {}
-        deadline = time.monotonic() + (GATHER_WAIT if wait else 0.0)
+        deadline = time.monotonic() + (GATHER_WAIT + wd.node.poll_period if wait else 0.0)  # nodes poll every period
         while True:
             wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # this rank's node answers too
             missing = [n for n in range(wd.nodes) if (records.get(n) or {}).get("alarm") != alarm_id]
@@ -197,7 +197,7 @@ class Monitor:
         wd, stacks = self.wd, {}
         if wd.rank in want:
             stacks[wd.rank] = thread_stacks()
-        deadline = time.monotonic() + GATHER_WAIT
+        deadline = time.monotonic() + GATHER_WAIT + wd.node.poll_period  # the leaders poll ``want`` every period
         while time.monotonic() < deadline and len(stacks) < len(want):
             wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # relays ``want`` to this node's mates
             for rank in want:

@@ -12,8 +12,8 @@ reads its node-mates' beats from shared memory (:mod:`ddpkit.watchdog.node_board
 * sets ``progress`` when a rank of its node changed step, phase or counter or ran new code (every
   other beat beyond 6,250 nodes), and ``slow`` when one is in a slow phase (a set is not waited for).
   Rank 0 reads these two keys, never the nodes' records: its cost does not grow with the job;
-* sets ``node/<n>``, the node's beats and its silent ranks, every :data:`RECORD_EVERY` seconds and on every
-  step while a hang is reported (the report reads them);
+* sets ``node/<n>``, the node's beats and its silent ranks, every :data:`RECORD_EVERY` seconds, and at
+  once and then every second while a hang is reported (the report reads them);
 * reads ``alarm`` (then ``want`` and ``done`` while a hang is reported) once every few heartbeats, staggered
   by node so that all leaders together make at most :data:`POLLS_PER_SECOND` round trips, and relays
   what it read to its node-mates through the board.
@@ -48,6 +48,7 @@ class Node:
         self.local, self.size, self.node = rank % local_world_size, local_world_size, rank // local_world_size
         self.first = rank - self.local
         self.poll_every = max(1, math.ceil(nodes / (POLLS_PER_SECOND * interval)))  # heartbeats between polls
+        self.poll_period = self.poll_every * interval  # seconds for news in the store to reach every node
         # Every other beat at most: in step with the others, some node sets it every beat anyway; a node that
         # progresses alone (a long load while the others wait) is then seen a beat late, within the 2 s allowed.
         self.set_every = 2 if nodes > SETS_PER_SECOND * interval else 1
@@ -60,6 +61,7 @@ class Node:
         self.host, self.started = socket.gethostname(), time.time()
         self._marks: dict[int, tuple[Any, ...]] = {}
         self._record_at = 0.0
+        self._recorded_for: str | None = None  # the hang the last record answered
         self._relayed: dict[str, Any] | None = None
 
     def leader(self, now: float) -> int:
@@ -125,7 +127,7 @@ class Node:
             self._pending = False
         if self.slow:
             self.client("set", "slow", tag)
-        if handling is not None or now - self._record_at >= RECORD_EVERY:
+        if now - self._record_at >= (RECORD_EVERY if handling is None else 1.0) or handling != self._recorded_for:
             self.record(beats, silent, now, handling)
         if (self.turn + self.node) % self.poll_every == 0:
             self.poll(handling)
@@ -137,7 +139,7 @@ class Node:
                handling: str | None) -> None:
         record = {"node": self.node, "host": self.host, "t": now, "alarm": handling, "beats": beats, "silent": silent}
         self.client("set", f"node/{self.node}", json.dumps(record, separators=(",", ":")))
-        self._record_at = now
+        self._record_at, self._recorded_for = now, handling
 
     def poll(self, handling: str | None) -> None:
         """Read what the store has for this node: an alarm; while a hang is reported, whose stacks and the end."""
