@@ -22,8 +22,9 @@ from ddpkit.testing import run_on_ranks
 EMA_SCRIPT = REPO / "tests" / "scripts" / "ema_trainer.py"
 #: Every collective ddpkit's code calls through torch.distributed's namespace.
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
-    "gather", "gather_object", "scatter", "reduce", "all_to_all", "reduce_scatter_tensor", "all_gather_into_tensor",
+    "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+    "monitored_barrier", "gather", "gather_object", "scatter", "reduce", "all_to_all", "reduce_scatter_tensor",
+    "all_gather_into_tensor",
 )
 
 
