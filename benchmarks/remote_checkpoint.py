@@ -17,10 +17,10 @@ upload in flight may slow by competing for the CPU) and the loop's wall time; fo
 the **upload MB/s** of a checkpoint (its bytes over the upload process's time for it) and how many
 steps the bucket lagged at the end of the loop. The goal: a save holds the loop no longer than a local save does.
 
-The first ``--warmup`` steps (and their saves) are left out: the mirror's upload process starts with it,
-a new interpreter that imports torch, which a real run's setup (data, model) hides. moto's server runs
-on the same machine, so here the upload's server side competes with the loop for the CPU as well,
-which a remote bucket would not.
+The first ``--warmup`` steps (and their saves) are left out: the mirror's upload process starts with it
+(a new interpreter, about half a second), which a real run's setup (data, model) hides. moto's server runs
+on the same machine, niced like the upload process (which lowers its own priority), as a stand-in for
+a server elsewhere; on a loaded 2-core machine both still take CPU time from the loop.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ _SERVE = (
 
 def start_server() -> tuple[subprocess.Popen, str]:
     """moto's S3 on a free port of 127.0.0.1, with the bench bucket; the environment points at it."""
+    # niced: a stand-in for a server on another machine, whose CPU the loop would not share
     proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, preexec_fn=lambda: os.nice(10))
     endpoint = f"http://127.0.0.1:{int(proc.stdout.readline())}"
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")

@@ -178,6 +178,10 @@ def _renewing(worker: Worker, lease: Lease, stop: threading.Event) -> None:
 def main() -> None:
     out = os.fdopen(os.dup(1), "w")  # answers only; anything a library prints goes to stderr
     os.dup2(2, 1)
+    try:
+        os.nice(10)  # the training process comes first for the CPU (hashing, TLS, the client's own work)
+    except OSError:
+        pass
     spec = json.loads(sys.stdin.readline())
     lease = Lease(**spec["lease"]) if spec.get("lease") else None
     worker = Worker(
