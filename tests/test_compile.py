@@ -1,4 +1,5 @@
-"""torch.compile from the config (ddpkit.training.model_views), wrapper-free state dicts, and the data path's worker options.
+"""torch.compile from the config (ddpkit.training.model_views), wrapper-free state dicts, and the data path's
+worker options.
 
 Fast tests use Dynamo's ``eager`` / ``aot_eager`` backends (no C++ compiler involved); the
 end-to-end runs on 2 Gloo ranks use the default Inductor backend, as users do, and are slow.
@@ -168,7 +169,9 @@ def test_channels_last_converts_parameters_and_inputs_without_changing_results()
     converted = to_channels_last(net)
     assert converted[0].weight.is_contiguous(memory_format=torch.channels_last)
     seen = []
-    converted[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    converted[0].register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
     torch.testing.assert_close(converted(x), expected)
     assert seen == [True]
     assert all(torch.equal(converted.state_dict()[k], v) for k, v in reference.items())
@@ -225,7 +228,8 @@ def test_kept_host_memory_means_no_page_faults_in_steady_steps():
     import sys
 
     def faults_per_step(mode: str) -> tuple[str, float]:
-        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True,
+                             timeout=120, check=True)
         applied, faults = out.stdout.split()
         return applied, float(faults)
 
@@ -272,7 +276,8 @@ def test_persistent_workers_keep_per_sample_seeds_across_epochs_and_resume():
 
     env = read_dist_env()
     kwargs = dict(env=env, batch_size=4, seed=3)
-    persistent = build_train_loader(_RandomPerSample(), num_workers=2, persistent_workers=True, prefetch_factor=3, **kwargs)
+    persistent = build_train_loader(_RandomPerSample(), num_workers=2, persistent_workers=True, prefetch_factor=3,
+                                    **kwargs)
     restarted = build_train_loader(_RandomPerSample(), num_workers=1, persistent_workers=False, **kwargs)
     assert persistent.persistent_workers and persistent.prefetch_factor == 3
     a, b = _epochs(persistent, 3), _epochs(restarted, 3)
@@ -322,7 +327,8 @@ def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_
     from ddpkit.testing import run_on_ranks
 
     def config(epochs: int, compile_value) -> dict:
-        return tiny_config(tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value}, checkpoint={"every_epochs": 1})
+        return tiny_config(tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value},
+                           checkpoint={"every_epochs": 1})
 
     first = run_on_ranks(_fit, world_size=2, args=(config(2, True),), timeout=600)  # Inductor, as users run it
     assert first[0]["metrics"] == first[1]["metrics"] and first[0]["metrics"]["step"] == 16
@@ -335,7 +341,8 @@ def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_
     assert set(saved["model"]) == set(bare.state_dict())
 
     # Compile off, resuming a compiled run; then on again, resuming an eager one (one spawn for both).
-    eager, again = run_on_ranks(_fit_each, world_size=2, args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300)[0]
+    eager, again = run_on_ranks(_fit_each, world_size=2,
+                                args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300)[0]
     assert eager["metrics"]["step"] == 24 and eager["seen"] == [("train", "DistributedDataParallel"), ("val", "MLP")]
     assert again["metrics"]["step"] == 32 and again["seen"] == first[0]["seen"]
     bare.load_state_dict(load_weights(run / "model.pt"))
@@ -383,7 +390,8 @@ def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tiny_c
     with pytest.raises(ConfigError) as info:
         load_config(cfg, ["train.compile.mdoe=default", "train.compile.recompile_limit=0", "data.prefetch_factor=4"])
     message = str(info.value)
-    assert "train.compile.mdoe: unknown option" in message and "train.compile.recompile_limit: expected an integer >= 1" in message
+    assert ("train.compile.mdoe: unknown option" in message
+            and "train.compile.recompile_limit: expected an integer >= 1" in message)
     assert "data.prefetch_factor: only used with worker processes" in message
     with pytest.raises(ConfigError, match="train.compile: expected true or false"):
         load_config(cfg, ["train.compile=3"])
