@@ -34,7 +34,8 @@ def test_a_signed_value_verifies_and_anything_else_does_not():
     assert verify(OTHER, "hb/1", raw) is None  # another job's key
     assert verify(KEY, "hb/0", raw) is None  # moved to another key
     assert verify(KEY, "hb/1", b'{"step": 12}') is None  # no tag
-    assert verify(KEY, "hb/1", raw[:64]) is None and verify(KEY, "hb/1", b"") is None and verify(KEY, "hb/1", None) is None
+    assert (verify(KEY, "hb/1", raw[:64]) is None and verify(KEY, "hb/1", b"") is None
+            and verify(KEY, "hb/1", None) is None)
     assert verify(KEY, "x", sign(KEY, "x", "")) == ""
 
 
@@ -47,7 +48,8 @@ def test_a_rejected_message_is_logged_once_per_kind_of_key(caplog):
         assert read_signed(KEY, "alarm", sign(KEY, "alarm", "ok")) == "ok" and read_signed(KEY, "alarm", None) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert "key 'hb/0', value b'forged by another local process'" in lines[0] and "someone else wrote to the job's store" in lines[0]
+    assert ("key 'hb/0', value b'forged by another local process'" in lines[0]
+            and "someone else wrote to the job's store" in lines[0])
     assert "key 'alarm'" in lines[1] and KEY.decode() not in "".join(lines)
 
 
@@ -84,7 +86,8 @@ def test_a_key_that_someone_keeps_overwriting_is_a_store_failure():
 def test_a_forged_stop_request_is_ignored_and_a_signed_one_is_followed(monkeypatch):
     monkeypatch.setattr(control_auth, "_key", KEY)
     store = dist.HashStore()
-    stop = StopOnSignal([], store=store, rank=1, world_size=2, key=job_key())  # no signals, no thread: the store protocol alone
+    # no signals, no thread: the store protocol alone
+    stop = StopOnSignal([], store=store, rank=1, world_size=2, key=job_key())
     try:
         store.set("ddpkit/stop/request", "rank 0 received SIGTERM")
         assert stop._store.check(["request"]) and stop._read("request") is None
@@ -143,5 +146,6 @@ def test_another_process_writing_to_the_jobs_store_changes_nothing(tmp_path):
     ignored = [line for line in output.splitlines() if "without a valid ddpkit tag" in line]
     for key in ("'request'", "'alarm'"):
         named = [line for line in ignored if f"key {key}" in line]
-        assert named and len(named) == len({line.split("]")[0] for line in named}), (key, ignored)  # once per rank at most
+        # once per rank at most
+        assert named and len(named) == len({line.split("]")[0] for line in named}), (key, ignored)
     assert "rank 0 received SIGTERM" in "".join(ignored) and control_auth.SECRET_ENV not in output
