@@ -55,7 +55,9 @@ class _FullDisk:
 
 
 @pytest.mark.parametrize("budget", [0, 5000])
-def test_a_full_disk_names_the_checkpoint_the_space_and_the_newest_one(tmp_path: Path, monkeypatch, budget: int) -> None:
+def test_a_full_disk_names_the_checkpoint_the_space_and_the_newest_one(
+    tmp_path: Path, monkeypatch, budget: int
+) -> None:
     import builtins
 
     save_checkpoint(state(1), tmp_path, step=1)
@@ -67,9 +69,11 @@ def test_a_full_disk_names_the_checkpoint_the_space_and_the_newest_one(tmp_path:
     assert "\n" not in message
     assert f"could not write checkpoint step-000000003.pt in {tmp_path}: " in message
     assert "it needs about 16.0 KiB" in message and "free)" in message
-    assert "the newest complete checkpoint is step-000000002.pt" in message and "run the same command to resume" in message
+    assert ("the newest complete checkpoint is step-000000002.pt" in message
+            and "run the same command to resume" in message)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000000{s}.{x}" for s in (1, 2) for x in ("json", "pt")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-00000000{s}.{x}" for s in (1, 2) for x in ("json", "pt")]
     assert [validate_checkpoint(p).step for p in sorted(tmp_path.glob("*.pt"))] == [1, 2]
 
 
@@ -81,7 +85,8 @@ def test_torchs_own_zip_error_on_a_full_disk_counts_as_no_space(tmp_path: Path, 
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 171776 vs 171704")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(CheckpointError, match=r"no space left on device \(it needs about 16.0 KiB, 1000 B free\); there is no earlier"):
+    with pytest.raises(CheckpointError,
+                       match=r"no space left on device \(it needs about 16.0 KiB, 1000 B free\); there is no earlier"):
         save_checkpoint(state(1), tmp_path, step=1)
     assert list(tmp_path.iterdir()) == []
 
@@ -137,9 +142,12 @@ def test_a_failed_sharded_save_removes_its_partial_directory(tmp_path: Path, mon
         def save(self, tensors, checkpoint_id):
             os.makedirs(checkpoint_id)
             (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
-            raise RuntimeError("CheckpointException ranks:dict_keys([0])\nTraceback ... OSError: [Errno 28] No space left on device")
+            raise RuntimeError(
+                "CheckpointException ranks:dict_keys([0])\nTraceback ... OSError: [Errno 28] No space left on device"
+            )
 
     monkeypatch.setattr(sharded, "_dcp", lambda: FailingDcp())
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint step-000000005.dcp in .*: no space left on device"):
+    with pytest.raises(CheckpointError,
+                       match=r"could not write checkpoint step-000000005.dcp in .*: no space left on device"):
         sharded.save_sharded({"model": {"w": torch.zeros(4)}}, {"step": 5}, tmp_path, step=5, rank=0)
     assert list(tmp_path.iterdir()) == []
