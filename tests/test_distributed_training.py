@@ -31,7 +31,8 @@ def _hand_written_ddp(cfg: dict) -> dict[str, torch.Tensor]:
     train, _ = digits(**cfg["data"]["kwargs"])
     model = DDP(MLP(**cfg["model"]["kwargs"]))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["optim"]["lr"], momentum=cfg["optim"]["momentum"])
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg["run"]["seed"], drop_last=True)
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg["run"]["seed"],
+                                 drop_last=True)
     loader = DataLoader(train, batch_size=cfg["data"]["batch_size"], sampler=sampler, drop_last=True)
     for epoch in range(cfg["train"]["epochs"]):
         sampler.set_epoch(epoch)
@@ -145,7 +146,8 @@ def test_examples_run_under_torchrun(tmp_path):
     assert quick.returncode == 0, quick.stderr[-3000:]
     assert (tmp_path / "quick/model.pt").exists()
     custom = subprocess.run(
-        [*torchrun, "examples/custom_trainer.py", f"run.output_dir={tmp_path / 'custom'}", "train.epochs=2", "log.progress_bar=false"],
+        [*torchrun, "examples/custom_trainer.py", f"run.output_dir={tmp_path / 'custom'}", "train.epochs=2",
+         "log.progress_bar=false"],
         cwd=REPO, capture_output=True, text=True, timeout=240, env=env,
     )
     assert custom.returncode == 0, custom.stderr[-3000:]
