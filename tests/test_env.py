@@ -46,7 +46,8 @@ def test_local_world_size_and_group_world_size_are_optional():
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
-        (["WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"], "RANK, LOCAL_WORLD_SIZE set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"),
+        (["WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
+         "RANK, LOCAL_WORLD_SIZE set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"),
         (["MASTER_PORT"], "set but MASTER_PORT missing"),
         (["RANK"], "set but RANK missing"),
     ],
@@ -69,13 +70,15 @@ def test_a_partial_torchrun_environment_is_refused(drop, message):
         ({"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
         ({"RANK": "4"}, "RANK=4 is not below WORLD_SIZE=4; check the launcher's --nnodes and --nproc-per-node"),
         ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2; check the launcher's --nproc-per-node"),
-        ({"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "1"}, "WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3"),
+        ({"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "1"},
+         "WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3"),
         (
             {"GROUP_WORLD_SIZE": "1"},
             "WORLD_SIZE=4 does not match 1 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node (LOCAL_WORLD_SIZE) = 2: "
             "start every node with the same --nnodes and --nproc-per-node",
         ),
-        ({"GROUP_WORLD_SIZE": "3"}, "WORLD_SIZE=4 does not match 3 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node"),
+        ({"GROUP_WORLD_SIZE": "3"},
+         "WORLD_SIZE=4 does not match 3 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node"),
     ],
 )
 def test_invalid_torchrun_values_are_refused_with_the_variable_and_value(changes, message):
@@ -124,7 +127,9 @@ def test_torchrun_variables_win_over_slurm():
 
 
 @pytest.mark.parametrize(
-    ("changes", "message"), [({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"), ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1")]
+    ("changes", "message"),
+    [({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
+     ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1")]
 )
 def test_invalid_slurm_values_are_refused(changes, message):
     with pytest.raises(LaunchError, match=message):
