@@ -71,7 +71,8 @@ def test_the_command_prints_every_mode_and_a_recommendation(tmp_path):
     import yaml
 
     (tmp_path / "lm.yaml").write_text(yaml.safe_dump(_config(tmp_path)))
-    result = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "3", "--memory-per-rank", "0.00015", timeout=120)
+    result = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "3", "--memory-per-rank", "0.00015",
+                     timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[3:6]] == ["ddp", "zero1", "fsdp2"]
