@@ -37,7 +37,8 @@ class Failing:
 def test_events_reach_listeners_in_order_and_phases_narrow_the_spans(capsys):
     log: list = []
     events = Events()
-    events.add(Recorder("all", log), None, Recorder("data-only", log, phases=("data",)), Failing(), Recorder("last", log))
+    events.add(Recorder("all", log), None, Recorder("data-only", log, phases=("data",)), Failing(),
+               Recorder("last", log))
     for listener in events.phase_listeners("data"):
         listener("data")
     for listener in events.phase_listeners("forward"):
@@ -52,7 +53,8 @@ def test_events_reach_listeners_in_order_and_phases_narrow_the_spans(capsys):
         ("all", "exit", "FAILED"), ("data-only", "exit", "FAILED"), ("last", "exit", "FAILED"),
     ]
     err = capsys.readouterr().err
-    assert "Failing.on_failure failed: RuntimeError: cannot save" in err and "Failing.on_exit failed: OSError: disk full" in err
+    assert ("Failing.on_failure failed: RuntimeError: cannot save" in err
+            and "Failing.on_exit failed: OSError: disk full" in err)
 
 
 def test_a_phases_attribute_that_is_not_a_tuple_of_names_is_refused():
