@@ -35,7 +35,9 @@ def load_example(name: str) -> ModuleType:
     return module
 
 
-def make_image_tree(root: Path, classes: dict[str, tuple[int, int, int]], *, train: int = 6, val: int = 2, size: int = 16) -> None:
+def make_image_tree(
+    root: Path, classes: dict[str, tuple[int, int, int]], *, train: int = 6, val: int = 2, size: int = 16
+) -> None:
     """root/{train,val}/<class>/<i>.png: solid-colour images with a little noise, one colour per class."""
     from PIL import Image
 
@@ -44,7 +46,8 @@ def make_image_tree(root: Path, classes: dict[str, tuple[int, int, int]], *, tra
         for name, rgb in classes.items():
             (root / split / name).mkdir(parents=True)
             for i in range(count):
-                pixels = (torch.tensor(rgb).view(1, 1, 3) + torch.randint(-20, 20, (size, size, 3), generator=g)).clamp(0, 255)
+                pixels = (torch.tensor(rgb).view(1, 1, 3)
+                          + torch.randint(-20, 20, (size, size, 3), generator=g)).clamp(0, 255)
                 Image.fromarray(pixels.to(torch.uint8).numpy()).save(root / split / name / f"{i}.png")
 
 
@@ -81,7 +84,8 @@ def example_runs(tmp_path_factory):
     for name, args in commands.items():
         out = tmp / name
         procs[name] = (subprocess.Popen(
-            [sys.executable, *args, f"run.output_dir={out}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, *args, f"run.output_dir={out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
         ), out)
     results = {}
     try:
@@ -107,7 +111,8 @@ def test_horovod_mnist_scales_the_learning_rate_and_checkpoints_on_rank_zero(exa
     assert "using the embedded digits dataset" in output
     assert "world_size=2" in output
     assert {r["lr"] for r in records(run_dir) if "lr" in r} == {0.01 * 2}  # Horovod's lr * hvd.size()
-    assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == ["step-000000008.pt"]  # 512 / (64 x 2) x 2 epochs
+    # 512 / (64 x 2) x 2 epochs
+    assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == ["step-000000008.pt"]
     MnistCNN().load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
 
 
@@ -159,5 +164,6 @@ def test_resnet_demo_tree_has_train_and_val_class_folders(tmp_path):
     example = load_example("resnet_imagefolder")
     example.draw_demo_tree(tmp_path, per_class=2, val_per_class=1)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png")) == [
-        f"{split}/{shape}/{i}.png" for split, n in (("train", 2), ("val", 1)) for shape in ("circle", "square", "triangle") for i in range(n)
+        f"{split}/{shape}/{i}.png"
+        for split, n in (("train", 2), ("val", 1)) for shape in ("circle", "square", "triangle") for i in range(n)
     ]
