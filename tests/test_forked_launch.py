@@ -43,7 +43,8 @@ def test_a_forked_worker_looks_like_a_new_interpreter_but_starts_with_torch_impo
             assert facts["sigint_python"]
             assert facts["comm"] == os.path.basename(os.path.realpath(facts["comm"]))  # no "pt_elastic" thread name
             assert facts["comm"] != "pt_elastic"
-            assert facts["cmdline"][1:] == ["-u", str(SCRIPT), *facts["argv"]]  # what `ps` shows: torchrun's command line
+            # what `ps` shows: torchrun's command line
+            assert facts["cmdline"][1:] == ["-u", str(SCRIPT), *facts["argv"]]
         assert forked[rank]["preloaded"] is True, "the forked worker imported torch itself"
         assert fresh[rank]["preloaded"] is False
 
