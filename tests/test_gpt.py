@@ -58,7 +58,8 @@ def test_gpt2_initialisation_scales_the_residual_projections():
     residual = torch.cat([p.flatten() for b in model.blocks for p in (b.attn.proj.weight, b.proj.weight)])
     other = torch.cat([p.flatten() for b in model.blocks for p in (b.attn.qkv.weight, b.fc.weight)])
     assert residual.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert other.std().item() == pytest.approx(0.02, rel=0.05) and model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert (other.std().item() == pytest.approx(0.02, rel=0.05)
+            and model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05))
     assert all(m.bias.eq(0).all() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
 
 
@@ -67,7 +68,8 @@ def test_the_gpt2_preset_is_the_124m_shape_and_kwargs_override_it():
         model = MODELS.build("gpt", key="model.name", kwargs={"preset": "gpt2"})
         shorter = gpt(preset="gpt2", max_len=512)
     v, d, layers, t = 50304, 768, 12, 1024
-    by_hand = v * d + t * d + layers * (12 * d * d + 13 * d) + 2 * d  # embeddings, blocks (4 matrices, biases, 2 LayerNorms), ln_f
+    # embeddings, blocks (4 matrices, biases, 2 LayerNorms), ln_f
+    by_hand = v * d + t * d + layers * (12 * d * d + 13 * d) + 2 * d
     assert model.num_params(non_embedding=False) == by_hand == 124_475_904
     assert (model.vocab_size, model.dim, model.depth, model.heads, model.max_len) == (v, d, layers, 12, t)
     assert shorter.max_len == 512 and shorter.pos.weight.shape == (512, 768) and shorter.dim == 768
@@ -76,12 +78,14 @@ def test_the_gpt2_preset_is_the_124m_shape_and_kwargs_override_it():
 def test_flops_per_token_is_the_palm_formula():
     with torch.device("meta"):
         model = gpt(preset="gpt2")
-    n = 124_475_904 - 1024 * 768  # every parameter but the position embeddings (the tied token matrix is the output layer)
+    # every parameter but the position embeddings (the tied token matrix is the output layer)
+    n = 124_475_904 - 1024 * 768
     assert model.num_params() == n
     assert model.flops_per_token() == 6 * n + 12 * 12 * 768 * 1024 == 855_383_040
     assert model.flops_per_token(seq_len=256) == 6 * n + 12 * 12 * 768 * 256
     small = _small()
-    assert small.flops_per_token(seq_len=10) == 6 * (sum(p.numel() for p in small.parameters()) - 24 * 32) + 12 * 3 * 32 * 10
+    assert (small.flops_per_token(seq_len=10)
+            == 6 * (sum(p.numel() for p in small.parameters()) - 24 * 32) + 12 * 3 * 32 * 10)
 
 
 def test_fsdp2_default_rule_shards_each_block():
@@ -112,13 +116,18 @@ def test_fsdp2_on_two_ranks_gives_the_bare_models_loss_and_gradients():
     from ddpkit.testing import run_on_ranks
 
     for loss_gap, norm_gap in run_on_ranks(_fsdp2_matches_the_bare_model, 2, args=(None,), timeout=120):
-        assert abs(loss_gap) < 1e-5 and abs(norm_gap) < 1e-5  # both ranks computed the same batch, so no averaging difference
+        # both ranks computed the same batch, so no averaging difference
+        assert abs(loss_gap) < 1e-5 and abs(norm_gap) < 1e-5
 
 
 def test_shape_errors_name_the_key_and_the_fix():
-    with pytest.raises(ConfigError, match=r"model.kwargs.heads: dim 30 is not divisible by heads 4; choose heads that divide dim \(e.g. 6, 10, 15, 30\)"):
+    with pytest.raises(ConfigError,
+                       match=r"model.kwargs.heads: dim 30 is not divisible by heads 4; "
+                             r"choose heads that divide dim \(e.g. 6, 10, 15, 30\)"):
         gpt(dim=30, heads=4)
-    with pytest.raises(ConfigError, match=r"model.kwargs.max_len: the input has 25 tokens per sequence but the model's max_len is 24; lower"):
+    with pytest.raises(ConfigError,
+                       match=r"model.kwargs.max_len: the input has 25 tokens per sequence "
+                             r"but the model's max_len is 24; lower"):
         _small()(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ConfigError, match="model.kwargs.preset: unknown preset 'gpt3'; choose one of gpt2"):
         gpt(preset="gpt3")
