@@ -44,7 +44,8 @@ def test_the_categories_add_up_to_the_wall_time_and_lost_work_is_what_the_restar
         _record("validation", 108.0, 0, began=107.0, step=15), _record("progress", 110.0, 0, step=20),
         _record("checkpoint", 110.5, 0, began=110.2, step=20, kind="crash"),  # a survivor saved step 20
         _record("start", 113.0, 1), _record("restore", 116.0, 1, began=115.0, step=20, source="disk"),
-        _record("first_step", 116.5, 1, step=21), _record("end", 120.5, 1, step=30, last_step_t=120.0, status="FINISHED"),
+        _record("first_step", 116.5, 1, step=21),
+        _record("end", 120.5, 1, step=30, last_step_t=120.0, status="FINISHED"),
         _record("exit", 121.0, 0),
     ]
     report = analyse(records)
@@ -58,7 +59,8 @@ def test_the_categories_add_up_to_the_wall_time_and_lost_work_is_what_the_restar
     assert second.seconds["shutdown"] == pytest.approx(1.0)
 
     # Had the restart resumed from step 10 instead, the work from step 10 to 20 was lost.
-    older = [dict(r, step=10) if r["event"] == "restore" and r["attempt"] == 1 else r for r in records if r.get("kind") != "crash"]
+    older = [dict(r, step=10) if r["event"] == "restore" and r["attempt"] == 1 else r
+             for r in records if r.get("kind") != "crash"]
     lost = analyse(older).attempts[0].seconds["lost"]
     assert lost == pytest.approx(110.0 - 106.0)  # from the step-10 save's start to the last step seen
 
@@ -92,7 +94,8 @@ def test_stale_corrupt_and_older_snapshots_never_win_over_the_disk(tmp_path, mon
     bad.write_bytes(bytes(data))
     assert snapshot.newest_snapshot(config) is None
     save_checkpoint(state, memory, step=12)
-    assert snapshot.prefer_newer(list_checkpoints(config.checkpoint_dir)[-1], config).path == memory / "step-000000012.pt"
+    assert (snapshot.prefer_newer(list_checkpoints(config.checkpoint_dir)[-1], config).path
+            == memory / "step-000000012.pt")
     other_run = load_config(tiny_config(tmp_path / "other", checkpoint={"memory_every_steps": 4}))
     assert snapshot.newest_snapshot(other_run) is None  # named by run: another output directory sees none
 
@@ -118,10 +121,12 @@ def test_a_snapshot_that_cannot_be_written_stops_the_snapshots_not_the_training(
     cfg = tiny_config(tmp_path, train={"epochs": 2}, checkpoint={"memory_every_steps": 2, "every_epochs": 1})
     metrics = Trainer(cfg).fit()
     assert metrics["step"] == 32 and (tmp_path / "run" / "model.pt").is_file()
-    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [16, 32]  # the disk checkpoints are unaffected
+    # the disk checkpoints are unaffected
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [16, 32]
     assert attempts == [2]  # the first failure stops the snapshots: no write attempted after it
     warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]
-    assert len(warnings) == 1 and "no space left on device" in warnings[0] and "checkpoint.memory_every_steps: null" in warnings[0]
+    assert (len(warnings) == 1 and "no space left on device" in warnings[0]
+            and "checkpoint.memory_every_steps: null" in warnings[0])
 
 
 def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monkeypatch, capfd):
@@ -131,7 +136,8 @@ def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monk
     (tmp_path / "shm").mkdir()
     from ddpkit.checkpoint import disk_space
 
-    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)  # what `df /dev/shm` would say of a nearly full one
+    # what `df /dev/shm` would say of a nearly full one
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)
     metrics = Trainer(tiny_config(tmp_path, checkpoint={"memory_every_steps": 2})).fit()
     assert metrics["step"] == 32 and list((tmp_path / "shm").rglob("*.pt")) == []
     warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]
@@ -140,21 +146,25 @@ def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monk
 
 # The digits CNN has dropout: each rank draws its own masks, so a resume is bitwise only if every rank
 # gets its own torch stream back (a crash save reads the dead rank's from its boundary slot file).
-DROPOUT = {"data": {"kwargs": {"num_train": 256, "num_val": 101, "image_size": 16}}, "model": {"name": "mnist_cnn", "kwargs": {"image_size": 16}}}
+DROPOUT = {"data": {"kwargs": {"num_train": 256, "num_val": 101, "image_size": 16}},
+           "model": {"name": "mnist_cnn", "kwargs": {"image_size": 16}}}
 
 
 def _run(out: Path, env: dict[str, str], **checkpoint) -> tuple[float, object]:
     out.mkdir(parents=True)
-    cfg = tiny_config(out, train={"epochs": 2}, checkpoint={"every_epochs": 1, **checkpoint}, **DROPOUT)  # per section: kwargs replaced whole
+    # per section: kwargs replaced whole
+    cfg = tiny_config(out, train={"epochs": 2}, checkpoint={"every_epochs": 1, **checkpoint}, **DROPOUT)
     (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
     began = time.time()
-    proc = run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "2", "--script", SCRIPT, env=env, timeout=280)
+    proc = run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "2", "--script", SCRIPT,
+                   env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return time.time() - began, proc
 
 
 def _trained(out: Path, rank: int) -> list[tuple[int, int, str]]:
-    return [(int(a), int(s), f) for a, s, f in (line.split() for line in (out / "run" / f"trained-rank{rank}.log").read_text().splitlines())]
+    return [(int(a), int(s), f) for a, s, f in (
+        line.split() for line in (out / "run" / f"trained-rank{rank}.log").read_text().splitlines())]
 
 
 def _check_join_up(out: Path, clean: Path, *, resumed_at: int) -> None:
