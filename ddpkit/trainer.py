@@ -15,10 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import data, registry, training
-from ddpkit.checkpoint.best import BestCheckpoint
-from ddpkit.checkpoint.checkpointer import Checkpointer
-from ddpkit.checkpoint.components import Stateful
-from ddpkit.checkpoint.model_export import save_model
+from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful, save_model
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
 from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer
@@ -69,8 +66,6 @@ class Trainer:
         self.reporter: Reporter | None = None
         self.checkpointer: Checkpointer | None = None
         self.health: training.TrainingHealth | None = None
-        # Private parts: the optimizer step, the model's views (train: DDP, compiled; eval; bare), validation,
-        # early stopping (training.OptimizerStep, Models, Evaluation, EarlyStopping).
         self._step = self._models = self._evaluation = self._early_stopping = None
         self._stop_requested = False
 
@@ -124,8 +119,7 @@ class Trainer:
         return data.val_loader_for(dataset, self.config, env=self.env, device=self.device)
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
-        """Your own state for every checkpoint, by name (an EMA model, a counter: anything with ``state_dict()`` /
-        ``load_state_dict()``). Called once after the build, before resume; resumed like ddpkit's own parts."""
+        """Your own parts of every checkpoint, by name (an EMA model: anything with state_dict / load_state_dict)."""
         return {}
 
     def training_step(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +188,11 @@ class Trainer:
         resumed = worker.ledger.restore(self.checkpointer.resume)  # timed, in goodput.jsonl
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
         # The loop's listeners, in the order every event (and on_exit) reaches them: the user's hooks last.
+        samples = training.TrainingSamples.for_run(cfg, rank=self.rank, model=model,  # train.sample
+                                                   outside=self.reporter.outside_training)
         self.events.add(Profiler.for_run(cfg, rank=self.rank, device=self.device), worker.watchdog, worker.ledger,
                         *self.checkpointer.protections(ledger=worker.ledger), self.health.straggler, self.health,
-                        self._early_stopping, best, self._models, self.reporter, self)
+                        self._early_stopping, best, samples, self._models, self.reporter, self)
 
     def _build(self) -> nn.Module:
         """Datasets, model (sharded), loaders, optimizer and schedule; returns the bare model."""
@@ -285,8 +281,8 @@ class Trainer:
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     def _log_training(self) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
-        record = self.reporter.training(self.progress, lr=lr, extra=self.health.log_fields())
+        extra = {**self.health.log_fields(), **data.consumed_tokens(self.train_loader, self.progress.step)}
+        record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=extra)
         self.metrics.update(train_loss=record["train_loss"])
         self.events.log(record)
 

@@ -125,16 +125,6 @@ def test_generate_refuses_a_prompt_longer_than_the_context_and_a_tokenizer_too_b
         _cli(run, "--tokenizer", tmp_path / "tokenizer.json")
 
 
-class SamplingTrainer(ddpkit.Trainer):
-    """Attaches train.sample's listener as the Trainer will once the lead adds it to its event list."""
-
-    def on_fit_start(self):
-        samples = TrainingSamples.for_run(
-            self.config, rank=self.rank, model=self.unwrapped_model, outside=self.reporter.outside_training
-        )
-        self.events.add(samples)
-
-
 def test_train_sample_writes_samples_to_the_log_jsonl_and_tensorboard(tmp_path, capfd):
     pytest.importorskip("tensorboard")
     config = {
@@ -147,7 +137,7 @@ def test_train_sample_writes_samples_to_the_log_jsonl_and_tensorboard(tmp_path, 
         "checkpoint": {"every_steps": None, "every_epochs": None},
     }
     config["train"]["sample"] = {"every_steps": 2, "prompt": "def ", "max_new_tokens": 12, "temperature": 0}
-    trainer = SamplingTrainer(config)
+    trainer = ddpkit.Trainer(config)  # train.sample's listener is in the Trainer's event list
     trainer.fit()
     lines = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in lines] == [(2, "def "), (4, "def ")]
@@ -176,7 +166,7 @@ def test_a_missing_run_is_one_line_naming_what_to_give(tmp_path):
 
 def _sample_in_fsdp2(out: str) -> list[dict]:
     """Rank r: 2 steps of a byte GPT under fsdp2 with train.sample every step; rank 0's samples.jsonl lines."""
-    SamplingTrainer(
+    ddpkit.Trainer(
         {
             "run": {"output_dir": out},
             "log": {"progress_bar": False},

@@ -23,3 +23,11 @@
 - ``preemption``: stop on a signal after the same optimizer step on every rank, save it, exit 75
   (the one owner of "stopped").
 """
+
+# What the Trainer composes, importable from the package.
+from ddpkit.checkpoint.best import BestCheckpoint
+from ddpkit.checkpoint.checkpointer import Checkpointer
+from ddpkit.checkpoint.components import Stateful
+from ddpkit.checkpoint.model_export import save_model
+
+__all__ = ["BestCheckpoint", "Checkpointer", "Stateful", "save_model"]
