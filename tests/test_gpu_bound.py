@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def _bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "runs.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bound", "--tiny", "--device", "cpu", "--rounds", "1", "--warmup", "2",
-                           "--json", str(out), *args], cwd=REPO, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bound", "--tiny", "--device", "cpu", "--rounds", "1",
+                           "--warmup", "2", "--json", str(out), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"printed": proc.stdout, **json.loads(out.read_text())}
 
@@ -53,7 +54,8 @@ def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path):
     for name in ("sync", "async"):
         costs = gpu_bound.save_costs(runs[name][0]["step_ms"], warmup=2, every=4, after=2)
         assert costs["blocked"] and len(costs["blocked"]) == len(costs["lost"])  # saves happened and were measured
-        if name == "sync":  # writing, hashing and fsyncing a file holds a ~1 ms step up by several steps: seen where it lands
+        # writing, hashing and fsyncing a file holds a ~1 ms step up by several steps: seen where it lands
+        if name == "sync":
             assert statistics.median(costs["blocked"]) * 1000 > costs["typical"] / 2, costs
     assert "blocked s" in result["printed"] and "no saves" in result["printed"]
 
