@@ -265,3 +265,16 @@ def test_the_upload_process_runs_without_torch_and_answers_each_job(tmp_path):
     assert answers[0]["ok"] and answers[0]["bytes"] == 12 and "libtorch" not in maps
     assert uploads.drain(30) == ([], [])
     assert (tmp_path / "remote" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_an_sdks_own_already_exists_error_reads_as_a_refused_create(tmp_path):
+    class ResourceExistsError(Exception):  # Azure's name for it; GCS answers HTTP 412
+        pass
+
+    class Refusing(MemoryFileSystem):
+        def pipe_file(self, path, value, mode="overwrite", **kwargs):
+            raise ResourceExistsError("The specified blob already exists.")
+
+    store = Store(f"memory://bucket-{secrets.token_hex(4)}/run", fs=Refusing(skip_instance_cache=True))
+    with pytest.raises(FileExistsError):
+        store.put_bytes(".ddpkit/epoch-000000001.json", b"{}", create=True)

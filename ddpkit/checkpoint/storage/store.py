@@ -30,6 +30,7 @@ __all__ = ["Store", "open_store", "CHUNK"]
 CHUNK = 8 << 20
 _BACKENDS = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}
 _PROTOCOL = {"gs": "gcs", "az": "abfs", "abfss": "abfs"}
+_EXISTS = ("ResourceExistsError", "PreconditionFailed", "PreconditionFailedError")
 # Bounded waits for S3: botocore's defaults (60 s connect, legacy retries) would hold the start-up probe for
 # minutes on an unreachable endpoint. Our own retries (storage/worker.py) come on top.
 _S3_DEFAULTS = {
@@ -90,10 +91,17 @@ class Store:
             fd = os.open(self.key(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-        elif self.scheme in ("az", "abfs", "abfss"):
-            self.fs.pipe_file(self.key(name), data, overwrite=False)  # adlfs: If-None-Match: *
         else:
-            self.fs.pipe_file(self.key(name), data, mode="create")  # s3fs: If-None-Match: *; gcsfs: ifGenerationMatch=0
+            # s3fs sends If-None-Match: *; adlfs's overwrite=False the same; for others the start-up probe tells.
+            kwargs = {"overwrite": False} if self.scheme in ("az", "abfs", "abfss") else {"mode": "create"}
+            try:
+                self.fs.pipe_file(self.key(name), data, **kwargs)
+            except FileExistsError:
+                raise
+            except Exception as exc:  # each SDK says "exists" its own way: Azure's ResourceExistsError, HTTP 412
+                if type(exc).__name__ in _EXISTS or "412" in str(exc) or "PreconditionFailed" in str(exc):
+                    raise FileExistsError(f"{self.url}/{name} exists") from exc
+                raise
 
     def get_bytes(self, name: str) -> bytes | None:
         """The object's content, or None when it does not exist."""
