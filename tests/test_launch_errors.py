@@ -62,7 +62,8 @@ def test_ddpkit_run_with_a_master_port_in_use(capsys, tiny_yaml, busy_port):
 
 
 def test_a_process_whose_master_port_is_in_use(capsys, monkeypatch, tiny_yaml, busy_port):
-    set_launcher_env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=busy_port)
+    set_launcher_env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=busy_port)
     code, output = run_main(capsys, "train", str(tiny_yaml))
     assert code == 1
     assert_one_clear_message(
@@ -136,7 +137,8 @@ def one_visible_gpu(monkeypatch) -> None:
 
 
 GPU_SHORTAGE = (
-    "LOCAL_RANK=1 has no GPU: only 1 visible on this node (CUDA_VISIBLE_DEVICES=<unset>). Use --nproc-per-node=1 or fewer."
+    "LOCAL_RANK=1 has no GPU: only 1 visible on this node "
+    "(CUDA_VISIBLE_DEVICES=<unset>). Use --nproc-per-node=1 or fewer."
 )
 
 
