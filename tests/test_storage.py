@@ -238,6 +238,7 @@ def test_a_file_url_is_a_store_with_atomic_create(tmp_path):
     assert store.listing() == {".ddpkit/x": 1} and os.path.isfile(tmp_path / "remote" / ".ddpkit" / "x")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
 def test_a_sharded_checkpoint_goes_up_as_one_object_per_file_and_validates_after_fetch(store, tmp_path):
     from ddpkit.checkpoint.files import validate_checkpoint
     from ddpkit.checkpoint.sharded import save_sharded
