@@ -83,7 +83,8 @@ def _user_group_rank(rank: int, world_size: int, store: str, config: str, result
 def test_a_users_own_process_group_is_adopted_and_not_destroyed(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 1})))
-    mp.start_processes(_user_group_rank, args=(2, str(tmp_path / "store"), str(config), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_user_group_rank, args=(2, str(tmp_path / "store"), str(config), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
     for rank in (0, 1):
         facts = yaml.safe_load((tmp_path / f"rank{rank}.yaml").read_text())
         assert facts["initialized"] and facts["same_group"] and facts["sum"] == 3.0, facts
