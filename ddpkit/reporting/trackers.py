@@ -61,6 +61,9 @@ def _require(module: str, *, extra: str, key: str) -> None:
                           f"pip install 'ddpkit[{extra}]' (or set {key}=false)")
 
 
+_STOP = object()  # _Background's last item: its thread returns
+
+
 class _Background:
     """One daemon thread that runs a tracker's calls in order; the caller never waits on it.
 
@@ -101,9 +104,22 @@ class _Background:
                         self.name, timeout)
         return finished
 
+    def close(self, timeout: float) -> None:
+        """Run what is queued (at most ``timeout`` seconds), then end the thread. A stuck tracker is not waited for
+        longer: its daemon thread ends after the stuck call (never holding the process), and the queued calls."""
+        drained = self.drain(timeout)
+        try:
+            self._queue.put_nowait((_STOP, ()))
+        except queue.Full:  # 10,000 calls pending behind a stuck one: the daemon thread stays, idle
+            return
+        if drained:
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             fn, args = self._queue.get()
+            if fn is _STOP:
+                return
             if fn is None:  # drain()'s marker
                 args[0].set()
                 continue
@@ -176,13 +192,12 @@ class MlflowSink(Sink):
         return {"run_key": self.run_key, "run_id": self.run_id, "tracking_uri": self.tracking_uri}
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
-        if not self._bg.started:
-            return
-        for path in artifacts:
-            if Path(path).is_file():
-                self._bg.submit(lambda p=str(path): self._client.log_artifact(self.run_id, p))
-        self._bg.submit(lambda: self._client.set_terminated(self.run_id, status=status))
-        self._bg.drain(self.timeout)
+        if self._bg.started:
+            for path in artifacts:
+                if Path(path).is_file():
+                    self._bg.submit(lambda p=str(path): self._client.log_artifact(self.run_id, p))
+            self._bg.submit(lambda: self._client.set_terminated(self.run_id, status=status))
+        self._bg.close(self.timeout)
 
     # --- on the background thread -------------------------------------------------------------
 
@@ -295,10 +310,9 @@ class WandbSink(Sink):
         return {"run_id": self.run_id} if self.run_id else {}
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
-        if not self._bg.started:
-            return
-        self._bg.submit(self._close, status, [str(p) for p in artifacts if Path(p).is_file()])
-        self._bg.drain(self.timeout)
+        if self._bg.started:
+            self._bg.submit(self._close, status, [str(p) for p in artifacts if Path(p).is_file()])
+        self._bg.close(self.timeout)
 
     # --- on the background thread -------------------------------------------------------------
 
