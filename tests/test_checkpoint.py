@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import Exploit, run_cli
 
 from ddpkit.checkpoint.files import (
     AsyncCheckpointWriter,
@@ -83,17 +82,9 @@ def test_explicit_resume_path_must_exist_and_be_valid(tmp_path):
     assert resolve_resume_path("auto", tmp_path / "nothing-here") is None
 
 
-class _Exploit:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
-    info = save_checkpoint({"model": {}, "payload": _Exploit(marker)}, tmp_path, step=1)
+    info = save_checkpoint({"model": {}, "payload": Exploit(marker)}, tmp_path, step=1)
     validate_checkpoint(info.path)  # a valid file by size and checksum: the content is the problem
     with pytest.raises(CheckpointError,
                        match=r"refusing to load .*could run code when loaded \(it references posix.system\)"):
