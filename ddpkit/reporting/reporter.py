@@ -60,7 +60,9 @@ def start_logging(config: Config, *, rank: int) -> None:
     setup_logging(rank, all_ranks=config.log.all_ranks, log_dir=log_dir)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(output_dir / "config.yaml", dump_config(config), durable=True)
+        text, path = dump_config(config), output_dir / "config.yaml"
+        if not path.is_file() or path.read_text() != text:  # a restart of the same run: no second durable write
+            write_atomically(path, text, durable=True)
 
 
 class Reporter:
