@@ -279,3 +279,19 @@ def test_an_sdks_own_already_exists_error_reads_as_a_refused_create(tmp_path):
     store = Store(f"memory://bucket-{secrets.token_hex(4)}/run", fs=Refusing(skip_instance_cache=True))
     with pytest.raises(FileExistsError):
         store.put_bytes(".ddpkit/epoch-000000001.json", b"{}", create=True)
+
+
+def test_start_up_calls_ride_out_a_hiccup_but_not_a_denied_access(store):
+    from ddpkit.checkpoint.storage.probe import with_retries
+
+    waits: list[float] = []
+    store.fs.fail_puts = 2
+    with_retries(lambda: store.put_bytes("a", b"1"), store, sleep=waits.append)
+    assert waits == [1.0, 2.0] and store.get_bytes("a") == b"1"
+
+    def denied() -> None:
+        raise PermissionError("An error occurred (AccessDenied) when calling the PutObject operation")
+
+    with pytest.raises(PermissionError):
+        with_retries(denied, store, sleep=waits.append)
+    assert waits == [1.0, 2.0]  # no retry: the store's answer, not a hiccup

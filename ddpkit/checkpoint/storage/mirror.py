@@ -26,7 +26,7 @@ from ddpkit.checkpoint.files import find_latest_checkpoint, list_checkpoints
 from ddpkit.checkpoint.run_lock import RunDirectoryLocked
 from ddpkit.checkpoint.storage.layout import RemoteCheckpoint, download, find_remote
 from ddpkit.checkpoint.storage.lease import Lease, acquire, release
-from ddpkit.checkpoint.storage.probe import probe_store, why
+from ddpkit.checkpoint.storage.probe import probe_store, why, with_retries
 from ddpkit.checkpoint.storage.store import Store
 from ddpkit.checkpoint.storage.uploads import Uploader
 from ddpkit.config.checks import hang_timeout_seconds
@@ -140,11 +140,11 @@ class RemoteMirror:
 
     def _fetch_here(self, local_dir: Path) -> str | None:
         local = find_latest_checkpoint(local_dir)
-        for remote in self._remote_checkpoints():
+        for remote in with_retries(self._remote_checkpoints, self.store):
             if local is not None and local.step >= remote.step:
                 return None  # this disk already has it, or something newer
             try:
-                path = download(self.store, remote, local_dir)
+                path = with_retries(lambda: download(self.store, remote, local_dir), self.store)
             except CheckpointError as exc:
                 log.warning("ddpkit: %s", exc)
                 continue
@@ -283,7 +283,7 @@ class RemoteMirror:
 
 def _take_lock(store: Store, *, rank: int) -> Lease | None:
     """Rank 0 takes the store's lock; every rank learns a refusal (one broadcast) and raises it."""
-    lease, refusal = None, None
+    lease, refusal = None, None  # refusal: (held by another run, the line that says so)
     if rank == 0:
         if not store.conditional:
             log.warning(
@@ -292,10 +292,13 @@ def _take_lock(store: Store, *, rank: int) -> Lease | None:
                 store.url,
             )
         try:
-            lease = acquire(store)
+            lease = with_retries(lambda: acquire(store), store)
         except RunDirectoryLocked as exc:
-            refusal = str(exc)
-    _raise_first([broadcast_object(refusal)], rank=rank, kind=RunDirectoryLocked)
+            refusal = (True, str(exc))
+        except Exception as exc:  # the store failed every try: every rank must hear it, not wait in the broadcast
+            refusal = (False, f"checkpoint.dir={store.url}: cannot take the run lock there: {why(exc)}")
+    locked, message = broadcast_object(refusal) or (True, None)
+    _raise_first([message], rank=rank, kind=RunDirectoryLocked if locked else CheckpointError)
     return lease
 
 

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ddpkit.checkpoint.storage.store import Store, open_store
-from ddpkit.errors import ConfigError, first_line
+from ddpkit.errors import ConfigError, DdpkitError, first_line
 
-__all__ = ["probe_store", "why"]
+__all__ = ["probe_store", "why", "with_retries", "START_ATTEMPTS"]
+
+T = TypeVar("T")
+#: Tries of a start-up call (the probe, the lock, the fetch) before a transient error (a 503, a reset connection)
+#: counts as the store's answer; a missing bucket, missing credentials or a denied access count at once.
+START_ATTEMPTS = 4
 
 log = logging.getLogger("ddpkit")
 
@@ -58,17 +65,34 @@ def why(exc: BaseException) -> str:
     return first_line(exc)
 
 
+def permanent(exc: BaseException) -> bool:
+    """Whether a store error is its answer (no bucket, no or bad credentials, access denied), not a hiccup."""
+    text = f"{type(exc).__name__} {exc!r} {exc}"
+    return any(needle in text for needles, _ in _CAUSES[:4] for needle in needles)
+
+
+def with_retries(call: Callable[[], T], store: Store, *, attempts: int = START_ATTEMPTS,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """``call()``, tried again on a new client (1, 2, 4 s apart) while the store fails transiently."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except (FileExistsError, DdpkitError):  # answers (a refused create, a corrupt checkpoint, a held lock)
+            raise
+        except Exception as exc:
+            if attempt == attempts or permanent(exc):
+                raise
+            log.warning("ddpkit: %s: %s; trying again", store.url, why(exc))
+            sleep(2.0 ** (attempt - 1))
+            store.rebuild()
+    raise AssertionError("unreachable")
+
+
 def probe_store(url: str, options: dict[str, Any], *, host: str, rank: int) -> Store:
     """Write, read back and delete one small object under ``url``; the open store, or ConfigError."""
-    name = f".ddpkit/probe-{host}-{rank}-{secrets.token_hex(4)}"
-    payload = secrets.token_bytes(16)
     store = open_store(url, options)
     try:
-        store.put_bytes(name, payload, create=True)
-        conditional = _refuses_second_create(store, name)
-        if store.get_bytes(name) != (payload if conditional else b"second"):
-            raise OSError("what was read back differs from what was written")
-        store.delete([name])
+        conditional = with_retries(lambda: _probe(store, f".ddpkit/probe-{host}-{rank}-{secrets.token_hex(4)}"), store)
     except ConfigError:
         raise
     except Exception as exc:
@@ -78,6 +102,17 @@ def probe_store(url: str, options: dict[str, Any], *, host: str, rank: int) -> S
         ) from None
     store.conditional = store.conditional and conditional
     return store
+
+
+def _probe(store: Store, name: str) -> bool:
+    """One write, read and delete of ``name``; whether the store refused a second create-only write of it."""
+    payload = secrets.token_bytes(16)
+    store.put_bytes(name, payload, create=True)
+    conditional = _refuses_second_create(store, name)
+    if store.get_bytes(name) != (payload if conditional else b"second"):
+        raise OSError("what was read back differs from what was written")
+    store.delete([name])
+    return conditional
 
 
 def _refuses_second_create(store: Store, name: str) -> bool:
