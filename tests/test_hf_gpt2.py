@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, load_script
+from helpers import REPO, load_script, run_cli
 
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.testing import run_on_ranks
@@ -169,3 +169,27 @@ def test_the_hugging_face_example_loads_any_local_causal_lm(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
     with pytest.raises(ConfigError, match=r"model.kwargs.pretrained: .*nowhere is not a local causal LM directory"):
         example.CausalLMTrainer({"model": {"kwargs": {"pretrained": str(tmp_path / "nowhere")}}}).build_model()
+
+
+@pytest.mark.slow
+def test_the_finetune_config_run_generate_and_export_from_the_command_line(tmp_path):
+    """configs/finetune_gpt2.yaml as a user runs it (a small local GPT-2, the stdlib bytes); generate; export."""
+    save_hf_gpt2(tmp_path / "hf", vocab_size=257, n_positions=64)
+    run = tmp_path / "run"
+    overrides = [  # the HF directory's own 257 ids (no padding): the whole validation set takes a second
+        f"model.kwargs={{init_from: {tmp_path / 'hf'}}}", "data.kwargs={corpus: stdlib, seq_len: 32}",
+        "data.batch_size=2", "data.val_batch_size=64", "train.max_steps=2", "train.grad_accum_steps=1",
+        "train.precision=fp32", "train.sample=null", f"run.output_dir={run}", "checkpoint.every_steps=2",
+    ]
+    train = run_cli("run", "configs/finetune_gpt2.yaml", "--nproc-per-node", "1", *overrides)
+    assert train.returncode == 0, train.stderr[-3000:]
+    generated = run_cli("generate", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
+    assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr[-2000:]
+    exported = run_cli("export", str(run), str(tmp_path / "out"), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    model, _ = load_model(run)
+    assert back.config.vocab_size == model.vocab_size == 257
+    x = tokens(vocab=257)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x), atol=1e-4, rtol=0)
