@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -71,10 +72,20 @@ def _before_package(tmp: Path) -> Path:
     return tmp
 
 
+def _load_before(package: Path) -> None:
+    """Make ``ddpkit_watchdog_before`` importable from ``package`` (the import path itself is left alone)."""
+    spec = importlib.util.spec_from_file_location(package.name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[package.name] = module
+    spec.loader.exec_module(module)
+
+
 def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, ready: Any) -> None:
     """One real watchdog: train (a step every 50 ms) until the hang, measure its threads, then hang."""
     os.environ["DDPKIT_JOB_SECRET"] = args["secret"]
-    if scheme == "before":  # found through PYTHONPATH (run_one)
+    if scheme == "before":
+        _load_before(Path(args["before"]))
         import ddpkit_watchdog_before.heartbeat as heartbeat
         from ddpkit_watchdog_before.store_io import StoreClient
     else:
@@ -211,19 +222,14 @@ def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Pa
     roles = {"rank 0": 0, "plain": 1} if scheme == "before" else {"rank 0": 0, "leader": rpn, "plain": rpn + 1}
     clock, ready = ctx.Array("d", 2), ctx.Queue()  # the hang's time and the end's, once every process is ready
     args = {"port": server.port, "ranks": ranks, "rpn": rpn, "hang": opts.hang_timeout, "secret": new_secret(),
-            "window": opts.window, "before_sets": opts.before_sets}
+            "window": opts.window, "before_sets": opts.before_sets, "before": str(tmp / "ddpkit_watchdog_before")}
     run_dir = Path(tempfile.mkdtemp(prefix=f"{scheme}-{ranks}-", dir=tmp))
     procs = [ctx.Process(target=_role, args=(scheme, rank, args, str(run_dir / f"{name}.json"), clock, ready),
                          daemon=True) for name, rank in roles.items()]
     procs.append(ctx.Process(target=_simulate, args=(scheme, args, str(run_dir / "sim.json"), clock, ready),
                              daemon=True))
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp), str(REPO), path]))  # the before package
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        os.environ["PYTHONPATH"] = path
+    for proc in procs:
+        proc.start()
     for _ in procs:
         ready.get(timeout=600)
     hang_at = time.time() + WARMUP + opts.window + 1
@@ -286,20 +292,16 @@ def capacity(seconds: float = 3.0, clients: int = 3) -> dict[str, float]:
 
 def _row(r: dict[str, Any]) -> str:
     def share(name: str) -> str:
-        m = r.get(name)
-        return f"{100 * m['cpu_s'] / m['window']:.2f}%" if m else "-"
+        return f"{100 * r[name]['cpu_s'] / r[name]['window']:.2f}%" if r.get(name) else "-"
 
     def ops(name: str) -> float:
-        m = r.get(name)
-        return m["ops_n"] / m["window"] if m else 0.0
+        return r[name]["ops_n"] / r[name]["window"] if r.get(name) else 0.0
 
     sim = r.get("sim") or {}
     driven = (sim.get("sets", 0) + sim.get("round_trips", 0)) / max(1, sim.get("intervals", 1)) / INTERVAL
     driven += sum(ops(name) for name in ("rank 0", "leader", "plain"))
-    if r["scheme"] == "before":
-        asked = 4 * r["ranks"] / INTERVAL  # each rank: set hb, check alarm, check + get hb/0 (rank 0: the multi_get)
-    else:
-        asked = driven
+    # before, each rank: set hb, check alarm, check + get hb/0 (rank 0: the multi_get)
+    asked = 4 * r["ranks"] / INTERVAL if r["scheme"] == "before" else driven
     detect = f"{r['detect_s']:.1f}" if r["detect_s"] is not None else "none"
     return (f"| {r['scheme']} | {r['ranks']:,} | {asked:,.0f} | {driven:,.0f} | {100 * r['store_cpu']:.0f}% | "
             f"{share('rank 0')} ({ops('rank 0') * INTERVAL:.1f}) | {share('leader')} "
