@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from helpers import REPO, load_script, run_cli
 
-from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.data.tokens import require_vocab_of
+from ddpkit.data.tokens import tokens as token_datasets
+from ddpkit.errors import CheckpointError, ConfigError, DataError
 from ddpkit.testing import run_on_ranks
 from ddpkit.tools.hf_export import export_hf
 from ddpkit.tools.lm_source import load_model
@@ -193,3 +196,13 @@ def test_the_finetune_config_run_generate_and_export_from_the_command_line(tmp_p
     x = tokens(vocab=257)
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, model(x), atol=1e-4, rtol=0)
+
+
+def test_a_token_id_in_the_padding_is_a_data_error_not_an_infinite_loss(tmp_path):
+    save_hf_gpt2(tmp_path / "hf")
+    padded = gpt(init_from=str(tmp_path / "hf"), vocab_size=128)  # ids 101..127 are padding, their logits -inf
+    np.array([1, 2, 3, 120, 4, 5, 6, 7, 8], dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    train, _ = token_datasets(path=str(tmp_path / "ids.bin"), seq_len=4)
+    require_vocab_of(padded, train)
+    with pytest.raises(DataError, match=r"token id 120 at token offset 3 is outside the model's vocabulary \[0, 101\)"):
+        train[0]

@@ -328,7 +328,9 @@ def require_vocab_of(model: object, *datasets: object) -> None:
     to each dataset that checks token ids (``require_vocab``): an id out of range is then a clear DataError.
     With ``data.kwargs.document_mask`` the datasets' end-of-text id and position rule go to the model's
     ``use_documents`` (the one place where the data meets the model before training)."""
-    vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    # valid_vocab (gpt's padded vocabulary): the ids past it are padding, never a real token
+    vocab_size = (getattr(model, "valid_vocab", None) or getattr(model, "vocab_size", None)
+                  or getattr(getattr(model, "config", None), "vocab_size", None))
     for dataset in datasets:
         if isinstance(vocab_size, int) and callable(getattr(dataset, "require_vocab", None)):
             dataset.require_vocab(vocab_size)
