@@ -103,8 +103,8 @@ class Trainer:
         return registry.build_datasets(self.config.data)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The optimizer over ``model.parameters()`` (the bare model), from config ``optim`` by default."""
-        return training.build_optimizer(model.parameters(), self.config.optim)
+        """The optimizer over the bare model's named parameters (``optim.groups``), from config ``optim``."""
+        return training.build_optimizer(model, self.config.optim)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler | None:
         """A per-step LR schedule from config ``sched``; None when the rate is constant."""
@@ -209,7 +209,7 @@ class Trainer:
         return model
 
     def _finished(self) -> bool:
-        epochs, progress, early = self.config.train.epochs, self.progress, self._early_stopping
+        epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping
         stopped = self._stop_requested or self.worker.stop.stopped or (early is not None and early.triggered)
         return stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
 

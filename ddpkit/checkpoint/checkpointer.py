@@ -218,7 +218,7 @@ class Checkpointer:
             return bool(ck.every_epochs) and self.progress.epoch % ck.every_epochs == 0
         if self._auto is not None:
             self._auto.tick()  # one clock read: the step times `auto` converts seconds with
-        if self._stop.stop_here(step):
+        if self._stop.requested and self._stop.stop_here(step):  # an attribute read until a signal arrives
             return True  # every rank agreed to stop after this step: save it whatever the schedule says
         if self._auto is not None:
             return self._auto.due(step - max(0, self._last_saved_step))

@@ -119,7 +119,6 @@ class MemorySnapshots(Listener):
         self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
         self._writer = ckpt.AsyncCheckpointWriter()
-        self._pending = False  # an optimizer step updated the parameters; the next step start is its boundary
         self._last, self._last_time = checkpointer.progress.step, time.perf_counter()
         self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
         self._failed = False  # a write failed (e.g. /dev/shm is smaller than the state): rank 0 writes no more
@@ -136,14 +135,9 @@ class MemorySnapshots(Listener):
         snapshots.adaptive = snapshots.unplanned = every == "auto"
         return snapshots
 
-    def on_update_start(self, step: int) -> None:
-        self._pending = True
-
     def on_step_start(self, step: int) -> None:
-        if self._pending:
-            self._pending = False
-            if step - self._last >= self.every:
-                self._plan(step) if self.unplanned else self._take(step)
+        if step - self._last >= self.every:  # a step boundary after `every` updates (steps since the last)
+            self._plan(step) if self.unplanned else self._take(step)
 
     def _take(self, step: int) -> None:
         began, started = time.time(), time.perf_counter()

@@ -16,8 +16,10 @@ hooks run after ddpkit's own listeners have seen the same event; ``on_exit(statu
 every run component gets, in the list's order.
 
 As detectron2's ``TrainerBase`` runs its hooks: one list, one order (the Trainer's ``_attach`` adds every
-listener in one call). The bound methods are collected once per event when a listener is added,
-so delivering an event on the step path is a loop over a short tuple. A failing ``on_failure`` or
+listener in one call). The bound methods are collected once per event when a listener is added, a
+method whose body is only a docstring (or ``pass``) left out, so an empty hook costs nothing; the three
+events of every step are bound to the cheapest callable (nothing, the one listener's method, or a loop),
+so delivering one on the step path is one call. A failing ``on_failure`` or
 ``on_exit`` is printed and the next listener still runs: the original failure is what the user
 must see, and every listener must get its chance to clean up.
 """
@@ -25,7 +27,8 @@ must see, and every listener must get its chance to clean up.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["Events", "EVENTS", "Listener", "PhaseSpan"]
@@ -87,6 +90,17 @@ class Events:
         self.listeners: list[Any] = []
         self._calls: dict[str, tuple[Callable[..., Any], ...]] = dict.fromkeys(EVENTS, ())
         self._phases: dict[str, PhaseSpan] = {}  # one reusable span per name; emptied when a listener joins
+        #: The spans built so far, read-only (the Reporter's step path looks a span up here before asking phase()).
+        self.phases: Mapping[str, PhaseSpan] = MappingProxyType(self._phases)
+        self._bind_step_events()
+
+    def _bind_step_events(self) -> None:
+        """The three events of every optimizer step as the cheapest callable: nothing to call, the one
+        listener's own method, or a loop over several (the step path pays one call, not a loop in a method)."""
+        #: ``step_start(step)``, ``update_start(step)``, ``step_end(step)``: see :class:`Listener`.
+        self.step_start = _deliverer(self._calls["on_step_start"])
+        self.update_start = _deliverer(self._calls["on_update_start"])
+        self.step_end = _deliverer(self._calls["on_step_end"])
 
     def add(self, *listeners: Any) -> None:
         """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods
@@ -101,9 +115,10 @@ class Events:
             self.listeners.append(listener)
             for event in EVENTS:
                 method = getattr(listener, event, None)
-                if callable(method) and getattr(type(listener), event, None) is not getattr(Listener, event):
+                if callable(method) and not _does_nothing(method):
                     self._calls[event] += (method,)
         self._phases.clear()  # a span built before this listener joined would not call it
+        self._bind_step_events()
 
     def phase(self, name: str) -> PhaseSpan:
         """The context that tells the ``on_phase`` listeners of span ``name`` that it starts and ends (reused)."""
@@ -124,18 +139,6 @@ class Events:
     def epoch_start(self, epoch: int) -> None:
         for call in self._calls["on_epoch_start"]:
             call(epoch)
-
-    def step_start(self, step: int) -> None:
-        for call in self._calls["on_step_start"]:
-            call(step)
-
-    def update_start(self, step: int) -> None:
-        for call in self._calls["on_update_start"]:
-            call(step)
-
-    def step_end(self, step: int) -> None:
-        for call in self._calls["on_step_end"]:
-            call(step)
 
     def log(self, record: dict[str, Any]) -> None:
         for call in self._calls["on_log"]:
@@ -168,6 +171,41 @@ class Events:
             except Exception as problem:
                 name = getattr(call, "__qualname__", call)
                 print(f"ddpkit: {name} failed: {type(problem).__name__}: {problem}", file=sys.stderr, flush=True)
+
+
+def _nobody(step: int) -> None:
+    """A step event no listener hears."""
+
+
+def _deliverer(calls: tuple[Callable[[int], None], ...]) -> Callable[[int], None]:
+    if not calls:
+        return _nobody
+    if len(calls) == 1:
+        return calls[0]
+
+    def deliver(step: int) -> None:
+        for call in calls:
+            call(step)
+
+    return deliver
+
+
+def _docstring_only() -> None:
+    """A body that is a docstring and nothing else."""
+
+
+def _empty() -> None:
+    pass
+
+
+_NOTHING = {_docstring_only.__code__.co_code, _empty.__code__.co_code}
+
+
+def _does_nothing(method: Callable[..., Any]) -> bool:
+    """Whether ``method``'s body is only a docstring or ``pass`` (:class:`Listener`'s, the Trainer's hooks a
+    subclass did not override): never called, so a no-op hook costs the step path nothing."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    return code is not None and code.co_code in _NOTHING
 
 
 class PhaseSpan:

@@ -152,6 +152,8 @@ class OptimizerStep:
 
     def loss_of(self, result: Any, *, owner: type) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``training_step``'s return as ``(loss, n_tokens)``; one not fitting ``loss_normalization`` is refused."""
+        if self.tokens is None and isinstance(result, torch.Tensor) and result.dim() == 0:
+            return result, None  # the common case (a mean loss), checked without two more calls a step
         return split_loss(result, normalization=self.normalization, owner=owner)
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
