@@ -281,7 +281,8 @@ class Trainer:
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     def _log_training(self) -> None:
-        extra = {**self.health.log_fields(), **data.consumed_tokens(self.train_loader, self.progress.step)}
+        extra = {**self.health.log_fields(), **self.checkpointer.log_fields(),  # remote uploads: bytes, lag
+                 **data.consumed_tokens(self.train_loader, self.progress.step)}  # a mixture's tokens per source
         record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=extra)
         self.metrics.update(train_loss=record["train_loss"])
         self.events.log(record)
