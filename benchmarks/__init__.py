@@ -19,6 +19,11 @@
     python -m benchmarks.shared_memory       # PSS of an in-memory dataset: a Python list vs SharedDataset
     python -m benchmarks.streaming           # a sharded stream vs map-style, and the agreed stop's cost
     python -m benchmarks.control_plane --ranks 1000,10000,100000   # the hang watchdog's store traffic and CPU at scale
+    python -m benchmarks.background_threads  # CPU of ddpkit's background threads per second of training, by thread
+    python -m benchmarks.remote_checkpoint   # step time with checkpoints mirrored to a local S3 (moto) vs local only
+    python -m benchmarks.inprocess_recovery  # a Gloo survivor rebuilds its group with a replacement: the timings
+    python -m benchmarks.activation_checkpointing   # gpt2 at context 1,024: peak memory and step time, on vs off
+    python -m benchmarks.document_mask       # packed documents: masked attention's step time vs plain causal
 
 ``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the shared
 hand-written DDP loop ``train_by_hand`` and the benchmarks that keep a loop of their own, the weight

@@ -14,7 +14,7 @@ Workloads (``--workload``):
 
 * ``gpt2``: GPT-2 124M (``ddpkit.training.gpt``, preset ``gpt2``: 12 layers, 12 heads, width 768,
   vocabulary 50,304, context 1,024) on random token windows, AdamW (lr 6e-4, betas 0.9/0.95,
-  weight decay 0.1, ``fused=True`` on CUDA), gradient clipping at 1.0, bf16 autocast;
+  weight decay 0.1 on matrices only, ``fused=True`` on CUDA), gradient clipping at 1.0, bf16 autocast;
   tokens/s and MFU (``flops_per_token``, PaLM's formula, against the GPU's dense bf16 peak from
   ``ddpkit.reporting.throughput.PEAK_TFLOPS``).
 * ``resnet50``: torchvision's ResNet-50 (1,000 classes) on random 224x224 images, SGD with
@@ -235,10 +235,11 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _optimizer(w: Workload, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     o = w.optim
-    if o["name"] == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=o["weight_decay"],
-                                 betas=tuple(o["kwargs"]["betas"]),
-                                 fused=device.type == "cuda")
+    if o["name"] == "adamw":  # nanoGPT's groups: decay on matrices and embeddings only, as ddpkit's default
+        params = list(model.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["kwargs"]["betas"]), fused=device.type == "cuda")
     return torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"])
 
 

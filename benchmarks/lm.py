@@ -7,8 +7,8 @@
 
 One job of 2 Gloo ranks (one thread each) trains the same GPT (``model: {name: gpt}``: dim 128,
 4 blocks, 4 heads, context 128, vocab 257) on the same token windows (the stdlib byte corpus,
-``data.kwargs.corpus: stdlib``), with the same seed, AdamW (lr 3e-3, weight decay 0.1), gradient
-clipping at 1.0 and per-rank batch (16 x 128 tokens), in alternating rounds:
+``data.kwargs.corpus: stdlib``), with the same seed, AdamW (lr 3e-3, weight decay 0.1 on matrices and
+embeddings), gradient clipping at 1.0 and per-rank batch (16 x 128 tokens), in alternating rounds:
 
 * ``hand-written``: nanoGPT's loop under DDP: ``DistributedSampler``, ``logits = net(x)``,
   ``F.cross_entropy(logits.flatten(0, 1), y.flatten())``, backward, ``clip_grad_norm_``, step;
@@ -62,7 +62,10 @@ def hand_written(steps: int, rank: int, world_size: int, *, workdir: Path) -> tu
     train_set, _ = tokens(corpus="stdlib", seq_len=SEQ_LEN)  # the data, then the model: the Trainer's order
     model = GPT(**MODEL)
     net = DDP(model) if world_size > 1 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT's groups: matrices and embeddings decay
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=LR)
     torch.manual_seed(SEED + rank)
     net.train()
     clock = StepClock()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit.config.schema import Config
 from ddpkit.data.batched import batch_reads, resident_device
 from ddpkit.data.elastic import GlobalBatchSampler, per_rank_batch_size
 from ddpkit.data.mixture import is_mixture, report_passes
@@ -189,7 +190,7 @@ def _length(dataset: Dataset, what: str) -> int:
     return length
 
 
-def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
+def train_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
     cfg, accum = config.data, config.train.grad_accum_steps
     loader = build_train_loader(
@@ -208,7 +209,7 @@ def train_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: tor
     return loader
 
 
-def val_loader_for(dataset: Dataset, config: Any, *, env: DistEnv, device: torch.device) -> DataLoader:
+def val_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default validation loader: :func:`build_val_loader` with the config's ``data`` options."""
     cfg = config.data
     per_rank = per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=config.train.grad_accum_steps)

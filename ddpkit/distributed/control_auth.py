@@ -38,7 +38,7 @@ SECRET_ENV = "DDPKIT_JOB_SECRET"
 
 _TAG_LEN = 64  # hex digits of an HMAC-SHA256
 log = logging.getLogger("ddpkit")
-_key: bytes | None = None  # this process's job key, set once by agree_job_key (or job_key's fallback)
+_key: bytes | None = None  # job_key()'s key of this process alone (a run's key is held by its worker, not here)
 _logged: set[str] = set()  # kinds of key already reported as forged
 _lock = threading.Lock()
 
@@ -58,23 +58,22 @@ def agree_job_key() -> bytes:
 
     The launcher's secret when every rank was given the same one (one all-gather of its fingerprint,
     never the secret itself); else rank 0 makes one and broadcasts it over the process group.
+    The key is returned, never kept here: the worker holds it (:class:`ddpkit.launch.worker_scope.Worker`)
+    and hands it to what signs and reads the store (the stop on a signal, the watchdog).
     """
     from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 
-    global _key
-    given = _from_env() or _key
+    given = _from_env()
     fingerprint = hashlib.sha256(b"ddpkit-fingerprint:" + given).hexdigest()[:16] if given else None
     prints = all_gather_object(fingerprint)
     if given is not None and len(set(prints)) == 1:
-        _key = given
-    else:
-        _key = broadcast_object(new_secret().encode()) if len(prints) > 1 else (given or new_secret().encode())
-    return _key
+        return given
+    return broadcast_object(new_secret().encode()) if len(prints) > 1 else (given or new_secret().encode())
 
 
 def job_key() -> bytes:
-    """This process's job key: the agreed one, else the launcher's secret, else a key of this process alone
-    (a store used by this process only, as in tests that drive a watchdog or a stop request by hand)."""
+    """A key of this process alone, made once (the launcher's secret if it is still unread): for a store client
+    or watchdog driven by hand outside a run, as tests do. A run signs with the key its worker agreed."""
     global _key
     with _lock:
         if _key is None:

@@ -17,8 +17,8 @@ each must outlive every listener's ``on_exit`` (a hang in a listener's cleanup i
 attempt's end is written after everything). The lock (:mod:`ddpkit.checkpoint.run_lock`) comes right
 after the group, before anything is written into ``output_dir`` or resumed from it: rank 0 takes it and
 every rank learns whether it did, so a second run on a live run's directory is refused there. Before it,
-the ranks agree on the job's key (:mod:`ddpkit.distributed.control_auth`), held here by the worker, which
-tags the watchdog's and the stop request's messages in the store.
+the ranks agree on the job's key (:mod:`ddpkit.distributed.control_auth`), held here by the worker (no
+module keeps it), which the worker hands to the stop on a signal and the watchdog: it tags their messages.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, step: Callable
         with (
             RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
             StopOnSignal.for_run(config, runtime, key=key) as stop,
-            Watchdog.for_run(config, runtime, step=step) as watchdog,
+            Watchdog.for_run(config, runtime, step=step, key=key) as watchdog,
             GoodputLedger.for_run(config, runtime, step=step, stop=stop) as ledger,
         ):
             worker = Worker(config, runtime, key, stop, watchdog, ledger)

@@ -1,6 +1,6 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
-    with Watchdog.for_run(config, runtime, step=lambda: trainer.progress.step) as watchdog:  # stop(error) on exit
+    with Watchdog.for_run(config, runtime, step=lambda: progress.step, key=key) as watchdog:  # stop(error) on exit
         events.add(watchdog)          # on_phase: every span of reporter.span(): data, forward, ...
         Evaluation(models, loader, device=device, autocast=autocast, ticking=watchdog.ticking)  # each batch: progress
 
@@ -51,6 +51,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.config.checks import hang_timeout_seconds
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import EXIT_FAILURE, first_line
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.failure import announce
@@ -77,11 +79,12 @@ class Watchdog:
     enabled = True
 
     def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float,
-                 log_dir: Path, step: Callable[[], int] = lambda: 0, local_world_size: int = 1):
+                 log_dir: Path, step: Callable[[], int] = lambda: 0, local_world_size: int = 1,
+                 key: bytes | None = None):
         global _generation
         _generation += 1
         prefix = f"ddpkit/watchdog/{_generation}"
-        self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE)
+        self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE, key=key)
         self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
         self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
         # Written by the training thread (a few attribute writes per phase), read by the watchdog thread.
@@ -102,18 +105,17 @@ class Watchdog:
         self._monitor = Monitor(self)
 
     @classmethod
-    def for_run(cls, config: Any, runtime: Any, *, step: Callable[[], int]) -> Watchdog | _Off:
-        """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store)."""
-        d = config.dist
-        hang = hang_timeout_seconds(d)
+    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int],
+                key: bytes | None = None) -> Watchdog | _Off:
+        """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store); ``key``: the job's
+        (the worker's), which tags what it writes and must tag what it reads (ddpkit.distributed.control_auth)."""
+        d, hang = config.dist, hang_timeout_seconds(config.dist)
         if hang is None or runtime.env.world_size == 1 or runtime.store is None:
             return _Off()
         slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
-        return cls(
-            runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
-            slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
-            local_world_size=runtime.env.local_world_size,
-        )
+        return cls(runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
+                   slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
+                   local_world_size=runtime.env.local_world_size, key=key)
 
     # --- the training thread's side: attribute writes only -----------------------------------
 
