@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import WORKLOADS, load_printed, table, trainer_config
-
 import ddpkit
+from benchmarks.workloads import WORKLOADS, load_printed, table, trainer_config
 from ddpkit.testing import run_on_ranks
 
 _TICKS = os.sysconf("SC_CLK_TCK")

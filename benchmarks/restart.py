@@ -1,9 +1,9 @@
 """Restart to the first step after a SIGKILL, split into parts: a new interpreter vs a warm standby.
 
-    python -m benchmarks.restart                                   # CUDA when available (GPT-2 124M), else a small GPT on the CPU; 5 rounds
+    python -m benchmarks.restart            # CUDA when available (GPT-2 124M), else a small GPT on the CPU; 5 rounds
     python -m benchmarks.restart --device cuda --preset gpt2 --rounds 5 --json restart.json
     python -m benchmarks.restart --device cpu --rounds 1 --every-steps 2 --torchrun    # also torchrun's own path
-    python -m benchmarks.restart --preload                         # a standby with torch and ddpkit only (default: torch._dynamo too)
+    python -m benchmarks.restart --preload  # a standby with torch and ddpkit only (default: torch._dynamo too)
 
 A GPT (``ddpkit.training.gpt``) on the ``stdlib`` token corpus trains with the ddpkit ``Trainer``
 as a world of one, checkpointing every ``--every-steps`` steps, in a child process; once its first
@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import time
 
-UP = time.time()  # a new interpreter's first line of this worker ("interpreter up"); `-m` imported the bare `benchmarks` package first
+# a new interpreter's first line of this worker ("interpreter up"); `-m` imported the bare `benchmarks` package first
+UP = time.time()
 
 import json
 import os
@@ -73,11 +74,12 @@ from typing import Any
 SEED = 0
 NEW, WARM, TORCHRUN = "new interpreter", "warm standby", "torchrun"
 #: Each part and the stamp that ends it (the previous part's stamp begins it; see the docstring).
-PARTS = {"interpreter up": "up", "imports": "imported", "CUDA context": "cuda", "process group": "group", "build": "restore_began",
-         "load": "restore_end", "first step": "first_step"}
+PARTS = {"interpreter up": "up", "imports": "imported", "CUDA context": "cuda", "process group": "group",
+         "build": "restore_began", "load": "restore_end", "first step": "first_step"}
 #: The model and batch: a small byte-level GPT for the CPU, GPT-2 124M for a GPU (bf16 there).
 PRESETS = {
-    "small": {"model": {"vocab_size": 257, "dim": 64, "depth": 2, "heads": 2, "max_len": 64}, "seq_len": 64, "batch_size": 8},
+    "small": {"model": {"vocab_size": 257, "dim": 64, "depth": 2, "heads": 2, "max_len": 64}, "seq_len": 64,
+              "batch_size": 8},
     "gpt2": {"model": {"preset": "gpt2"}, "seq_len": 1024, "batch_size": 8},
 }
 
@@ -86,7 +88,8 @@ PRESETS = {
 
 
 def restart_trainer() -> type:
-    """The Trainer that stamps the parts from its public hooks; with ``result`` set it writes them after its first step and exits."""
+    """The Trainer that stamps the parts from its public hooks; with ``result`` set it writes them after its first
+    step and exits."""
     import torch
 
     import ddpkit
@@ -121,8 +124,8 @@ def restart_trainer() -> type:
 
 
 def serve(mode: str, path: str, *preload: str) -> None:
-    """``--worker SPEC``: run SPEC now; ``--standby READY [MODULE ...]``: import (and preload), write READY, run the spec
-    whose path comes on stdin."""
+    """``--worker SPEC``: run SPEC now; ``--standby READY [MODULE ...]``: import (and preload), write READY, run the
+    spec whose path comes on stdin."""
     import importlib
 
     stamps: dict[str, Any] = {"up": UP}
@@ -133,7 +136,8 @@ def serve(mode: str, path: str, *preload: str) -> None:
             importlib.import_module(module)
         Path(path).write_text("ready")
         path = sys.stdin.readline().strip()
-        stamps = {"up": time.time(), "imported": None}  # woken; its interpreter and imports were ready before the request
+        # woken; its interpreter and imports were ready before the request
+        stamps = {"up": time.time(), "imported": None}
     spec = json.loads(Path(path).read_text())
     if spec["device"] == "cuda":
         import torch
@@ -144,19 +148,23 @@ def serve(mode: str, path: str, *preload: str) -> None:
     trainer = trainer_class(spec["config"])
     trainer.stamps, trainer.result = stamps, spec["result"]
     trainer.fit()
-    raise SystemExit(f"{path}: fit() returned; a restart exits after its first step and the killed job should not finish")
+    raise SystemExit(
+        f"{path}: fit() returned; a restart exits after its first step and the killed job should not finish"
+    )
 
 
 # --- the driver ------------------------------------------------------------------------------------------
 
 
 def job_config(preset: str, *, device: str, every_steps: int, output_dir: Path) -> dict[str, Any]:
-    """The killed job's config: a GPT on the stdlib corpus that checkpoints every ``every_steps`` steps and would train on."""
+    """The killed job's config: a GPT on the stdlib corpus that checkpoints every ``every_steps`` steps and would
+    train on."""
     p = PRESETS[preset]
     return {
         "run": {"name": "restart", "output_dir": str(output_dir), "seed": SEED},
         "dist": {"device": device},
-        "data": {"name": "tokens", "batch_size": p["batch_size"], "kwargs": {"corpus": "stdlib", "seq_len": p["seq_len"]}},
+        "data": {"name": "tokens", "batch_size": p["batch_size"],
+                 "kwargs": {"corpus": "stdlib", "seq_len": p["seq_len"]}},
         "model": {"name": "gpt", "kwargs": p["model"]},
         "optim": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.1},
         "train": {"max_steps": 1_000_000, "log_every": 1_000_000, "precision": "bf16" if device == "cuda" else "fp32"},
@@ -166,12 +174,14 @@ def job_config(preset: str, *, device: str, every_steps: int, output_dir: Path) 
 
 
 def start(argv: list[str], log: Path, **popen: Any) -> subprocess.Popen:
-    """``python -m benchmarks.restart ARGV`` (or ARGV itself when it starts with the interpreter), output to ``log``, in its own session."""
+    """``python -m benchmarks.restart ARGV`` (or ARGV itself when it starts with the interpreter), output to ``log``,
+    in its own session."""
     from benchmarks.workloads import REPO, child_env
 
     command = argv if argv[0] == sys.executable else [sys.executable, "-m", __spec__.name, *argv]
     with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+        return subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, **popen)
 
 
 def failed(what: str, log: Path) -> SystemExit:
@@ -187,7 +197,8 @@ def write_spec(directory: Path, config: dict[str, Any], *, device: str, result: 
 
 
 def killed_job_checkpoint(config: dict[str, Any], workdir: Path, *, device: str, timeout: float) -> Any:
-    """Start the job, SIGKILL it (and its session) once a checkpoint is on disk; the newest valid one (a ``CheckpointInfo``)."""
+    """Start the job, SIGKILL it (and its session) once a checkpoint is on disk; the newest valid one (a
+    ``CheckpointInfo``)."""
     from ddpkit.checkpoint.files import find_latest_checkpoint, list_checkpoints
 
     log, directory = workdir / "job.log", Path(config["run"]["output_dir"]) / "checkpoints"
@@ -207,12 +218,14 @@ def killed_job_checkpoint(config: dict[str, Any], workdir: Path, *, device: str,
     info = find_latest_checkpoint(directory)
     if info is None:
         raise failed(f"no valid checkpoint in {directory} after the kill", log)
-    print(f"[restart] the job was SIGKILLed after its checkpoint of step {info.step} ({info.path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr, flush=True)
+    print(f"[restart] the job was SIGKILLed after its checkpoint of step {info.step} "
+          f"({info.path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr, flush=True)
     return info
 
 
 def start_standby(directory: Path, *, preload: list[str], timeout: float) -> tuple[subprocess.Popen, Path]:
-    """A standby with torch, ddpkit and ``preload`` imported, waiting on its stdin (started and waited for outside the timed part)."""
+    """A standby with torch, ddpkit and ``preload`` imported, waiting on its stdin (started and waited for outside
+    the timed part)."""
     directory.mkdir(parents=True, exist_ok=True)
     ready, log = directory / "ready", directory / "standby.log"
     standby = start(["--standby", str(ready), *preload], log, stdin=subprocess.PIPE, text=True)
@@ -224,14 +237,19 @@ def start_standby(directory: Path, *, preload: list[str], timeout: float) -> tup
     return standby, log
 
 
-def restart(arm: str, spec: Path, *, standby: subprocess.Popen, standby_log: Path) -> tuple[float, subprocess.Popen, Path]:
+def restart(
+    arm: str, spec: Path, *, standby: subprocess.Popen, standby_log: Path
+) -> tuple[float, subprocess.Popen, Path]:
     """Request the restart of ``spec`` one way; the request's time, the process to wait for and its log."""
     if arm == WARM:
         requested = time.time()
         standby.stdin.write(f"{spec}\n")
         standby.stdin.flush()
         return requested, standby, standby_log
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", __spec__.name] if arm == TORCHRUN else []
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", __spec__.name]
+        if arm == TORCHRUN else []
+    )
     log = spec.parent / "worker.log"
     requested = time.time()
     return requested, start([*launcher, "--worker", str(spec)] if launcher else ["--worker", str(spec)], log), log
@@ -241,9 +259,11 @@ def one_restart(arm: str, round_: int, *, config: dict[str, Any], checkpoint: An
                 standby: tuple[subprocess.Popen, Path], timeout: float) -> dict[str, Any]:
     """Restart from ``checkpoint`` one way, check it resumed there, and return its stamps and parts."""
     out = workdir / f"{arm.replace(' ', '-')}-{round_}"
-    restarted = {**config, "run": {**config["run"], "output_dir": str(out / "run")}, "checkpoint": {**config["checkpoint"], "resume": str(checkpoint.path)}}
+    restarted = {**config, "run": {**config["run"], "output_dir": str(out / "run")},
+                 "checkpoint": {**config["checkpoint"], "resume": str(checkpoint.path)}}
     result = out / "stamps.json"
-    requested, process, log = restart(arm, write_spec(out, restarted, device=device, result=result), standby=standby[0], standby_log=standby[1])
+    requested, process, log = restart(arm, write_spec(out, restarted, device=device, result=result),
+                                      standby=standby[0], standby_log=standby[1])
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -254,13 +274,15 @@ def one_restart(arm: str, round_: int, *, config: dict[str, Any], checkpoint: An
     stamps = {**json.loads(result.read_text()), "requested": requested, **restore_record(out / "run")}
     expected = checkpoint.step
     if (stamps["resumed_step"], stamps["restored_step"], stamps["step"]) != (expected, expected, expected + 1):
-        raise SystemExit(f"[restart] {arm}, round {round_ + 1}: did not resume from the checkpoint of step {expected}: resumed at "
-                         f"{stamps['resumed_step']} (ledger: {stamps['restored_step']}), first step {stamps['step']}, expected {expected + 1}")
+        raise SystemExit(f"[restart] {arm}, round {round_ + 1}: did not resume from the checkpoint of step {expected}: "
+                         f"resumed at {stamps['resumed_step']} (ledger: {stamps['restored_step']}), first step "
+                         f"{stamps['step']}, expected {expected + 1}")
     return {"round": round_, "arm": arm, "stamps": stamps, "parts": parts_of(stamps)}
 
 
 def restore_record(output_dir: Path) -> dict[str, Any]:
-    """When the restarted run's checkpoint load began and ended, and the step it restored, from its ``goodput.jsonl``."""
+    """When the restarted run's checkpoint load began and ended, and the step it restored, from its
+    ``goodput.jsonl``."""
     lines = (output_dir / "goodput.jsonl").read_text().splitlines()
     record = next(r for r in map(json.loads, lines) if r["event"] == "restore")
     return {"restore_began": record["began"], "restore_end": record["t"], "restored_step": record["step"]}
@@ -277,20 +299,24 @@ def parts_of(stamps: dict[str, Any]) -> dict[str, float | None]:
 
 
 def measure(args: Any, workdir: Path) -> tuple[Any, list[dict[str, Any]]]:
-    """Kill the job once, then restart it ``args.rounds`` times per arm, alternating; the checkpoint and every restart."""
+    """Kill the job once, then restart it ``args.rounds`` times per arm, alternating; the checkpoint and every
+    restart."""
     from benchmarks.workloads import rotated
 
-    config = job_config(args.preset, device=args.device, every_steps=args.every_steps, output_dir=workdir / "job" / "run")
+    config = job_config(args.preset, device=args.device, every_steps=args.every_steps,
+                        output_dir=workdir / "job" / "run")
     checkpoint = killed_job_checkpoint(config, workdir, device=args.device, timeout=args.timeout)
     arms, runs = [NEW, WARM, *([TORCHRUN] if args.torchrun else [])], []
     for r in range(args.rounds):
         standby = start_standby(workdir / f"standby-{r}", preload=args.preload, timeout=args.timeout)
         try:
             for arm in rotated(arms, r):
-                runs.append(one_restart(arm, r, config=config, checkpoint=checkpoint, workdir=workdir, device=args.device, standby=standby,
-                                        timeout=args.timeout))
-                parts = ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["parts"].items() if v is not None and k != "total")
-                print(f"[restart] round {r + 1}/{args.rounds} {arm}: first step {runs[-1]['parts']['total']:.3f} s after the request ({parts})",
+                runs.append(one_restart(arm, r, config=config, checkpoint=checkpoint, workdir=workdir,
+                                        device=args.device, standby=standby, timeout=args.timeout))
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["parts"].items()
+                                  if v is not None and k != "total")
+                print(f"[restart] round {r + 1}/{args.rounds} {arm}: first step "
+                      f"{runs[-1]['parts']['total']:.3f} s after the request ({parts})",
                       file=sys.stderr, flush=True)
         finally:
             if standby[0].poll() is None:  # a failed round's standby that never got its request
@@ -312,12 +338,16 @@ def report(runs: list[dict[str, Any]], *, rounds: int) -> str:
             values = [parts[name] for parts in by_arm[arm]]
             s = None if None in values else summary(values)
             rows.append([name, "n/a", ""] if s is None else [name, f"{s.median:.3f}", s.spread(3)])
-        out.append(table(f"\n{arm}: restart request -> first step, {rounds} alternated round(s):", ["part", "median s", "min..max"], rows))
+        out.append(table(f"\n{arm}: restart request -> first step, {rounds} alternated round(s):",
+                         ["part", "median s", "min..max"], rows))
     new_totals = [parts["total"] for parts in by_arm[NEW]]
     for arm in arms[1:]:
         totals = [parts["total"] for parts in by_arm[arm]]
         ratio, diff = paired(totals, new_totals), paired(totals, new_totals, difference=True)
-        out.append(f"{arm} / {NEW}, total (paired): median {ratio.median:.3f} ({ratio.spread(3)}); difference {diff.median:+.3f} s ({diff.spread(3)})")
+        out.append(
+            f"{arm} / {NEW}, total (paired): median {ratio.median:.3f} "
+            f"({ratio.spread(3)}); difference {diff.median:+.3f} s ({diff.spread(3)})"
+        )
     return "\n".join(out)
 
 
@@ -340,24 +370,29 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", choices=list(PRESETS), help="the model: gpt2 (124M, the default on CUDA) or small (the default on the CPU)")
-    parser.add_argument("--every-steps", type=int, default=10, help="the killed job's checkpoint.every_steps (default 10)")
-    parser.add_argument("--torchrun", action="store_true", help="a third arm: torchrun --standalone --nproc-per-node 1 starts the worker")
+    parser.add_argument("--preset", choices=list(PRESETS),
+                        help="the model: gpt2 (124M, the default on CUDA) or small (the default on the CPU)")
+    parser.add_argument("--every-steps", type=int, default=10,
+                        help="the killed job's checkpoint.every_steps (default 10)")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="a third arm: torchrun --standalone --nproc-per-node 1 starts the worker")
     parser.add_argument("--preload", nargs="*", default=["torch._dynamo"], metavar="MODULE",
-                        help="modules the standby also imports ahead (default: torch._dynamo, which AdamW's construction imports "
-                             "in 'build', as ddpkit run's forked CPU workers have it preloaded; --preload with no module: none)")
+                        help="modules the standby also imports ahead (default: torch._dynamo, which AdamW's "
+                             "construction imports in 'build', as ddpkit run's forked CPU workers have it preloaded; "
+                             "--preload with no module: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one process may take (default 600)")
     parser.add_argument("--json", type=Path, help="write every round's stamps and parts here")
     args = parser.parse_args(argv)
     args.preset = args.preset or ("gpt2" if args.device == "cuda" else "small")
-    print(device_line(args.device) + f"; model preset {args.preset}; standby preloads: {', '.join(args.preload) or 'nothing'}", flush=True)
+    print(device_line(args.device) + f"; model preset {args.preset}; "
+          f"standby preloads: {', '.join(args.preload) or 'nothing'}", flush=True)
     with load_printed(), tempfile.TemporaryDirectory(prefix="ddpkit-restart-") as tmp:
         checkpoint, runs = measure(args, Path(tmp))
         print(f"checkpoint: step {checkpoint.step}, {checkpoint.path.stat().st_size / 1e6:.1f} MB", flush=True)
         print(report(runs, rounds=args.rounds), flush=True)
     if args.json:
-        summary = {"device": device_line(args.device), "torch": torch.__version__, "preset": args.preset, "preload": args.preload,
-                   "checkpoint_step": checkpoint.step, "runs": runs}
+        summary = {"device": device_line(args.device), "torch": torch.__version__, "preset": args.preset,
+                   "preload": args.preload, "checkpoint_step": checkpoint.step, "runs": runs}
         args.json.write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -17,16 +17,20 @@ against this order, collapsed to packages):
 
     __main__.py              ``python -m ddpkit``
     cli.py                   the ``ddpkit`` command line: parses argv, calls one of the rows below
-    tools/, bench/           commands that read finished runs or plan one (runs, plot, goodput, estimate); ``ddpkit bench``
+    tools/, bench/           commands that read finished runs or plan one
+                             (runs, plot, goodput, estimate); ``ddpkit bench``
     trainer.py               ``Trainer``: build, register, attach; the loop on one screen; overridable steps
     testing.py               ``ddpkit.testing.run_on_ranks``: run a function on N Gloo ranks, for your own tests
-    launch/                  ``ddpkit run``'s launcher side (preflight, torchrun's argv, signals) and the worker entry point
+    launch/                  ``ddpkit run``'s launcher side (preflight, torchrun's argv, signals)
+                             and the worker entry point
     goodput/                 the goodput ledger: written by every rank (``goodput.jsonl``), read by ``ddpkit goodput``
     watchdog/                the hang watchdog: heartbeats through the job's store, the alarm, the hang report
     checkpoint/              the run's state (one owner, parts registered by name), crash-safe files, resume, sharded
                              checkpoints, the crash save, the in-memory tier, the agreed stop on a signal (preemption)
-    training/                the optimizer step: optimizers, schedules, precision, compile, health, metrics, models, RNG
-    reporting/               the reporter and the loop's one ordered list of listeners, logging, console, timeline, sinks
+    training/                the optimizer step: optimizers, schedules, precision, compile, health,
+                             metrics, models, RNG
+    reporting/               the reporter and the loop's one ordered list of listeners, logging, console,
+                             timeline, sinks
     data/                    samplers and loaders sharded over ranks, exact evaluation, datasets, token files, streams
     registry.py              models, datasets and optimizers by name
     distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement
@@ -43,10 +47,18 @@ from ddpkit.config.serialize import dump_config
 
 # Plumbing, public since the first release (the Trainer's ``env`` and ``runtime``); it lives in ddpkit.distributed.
 from ddpkit.distributed import DistEnv, Runtime, read_dist_env
-from ddpkit.errors import CheckpointError, ConfigError, ConsistencyError, DataError, DdpkitError, HealthError, LaunchError
+from ddpkit.errors import (
+    CheckpointError,
+    ConfigError,
+    ConsistencyError,
+    DataError,
+    DdpkitError,
+    HealthError,
+    LaunchError,
+)
+from ddpkit.progress import Progress
 from ddpkit.registry import register_dataset, register_model, register_optimizer
 from ddpkit.reporting.sink_base import Sink
-from ddpkit.progress import Progress
 from ddpkit.trainer import Trainer
 from ddpkit.training.model_views import CompileError
 

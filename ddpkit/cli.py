@@ -1,14 +1,16 @@
 """The ``ddpkit`` command line (also ``python -m ddpkit``).
 
     ddpkit run CONFIG [key=value ...] [--nproc-per-node N] [--max-restarts K]   # launch a training run
-    ddpkit run CONFIG --worker-start subprocess      # new interpreters per worker (default on the CPU: forked, torch imported)
+    ddpkit run CONFIG --worker-start subprocess      # new interpreters per worker
+                                                     # (default on the CPU: forked, torch imported)
     ddpkit run CONFIG --nnodes 2 --node-rank 0 --master-addr HOST [--master-port P]
     ddpkit run CONFIG --nnodes 2 --rdzv-endpoint HOST:PORT [--rdzv-id ID]       # elastic rendezvous
     ddpkit run CONFIG -- --local-ranks-filter 0 --log-dir logs   # after `--`: torchrun's own options, unchanged
     ddpkit train CONFIG [key=value ...]      # one worker; what `run` starts (torchrun -m ddpkit train ...)
     ddpkit config CONFIG [key=value ...]     # print the resolved config
     ddpkit config --schema [-o FILE.json]    # the config's JSON Schema, for editors (yaml-language-server)
-    ddpkit export CHECKPOINT OUT.safetensors # model weights for inference: safetensors, or a torch state_dict for OUT.pt
+    ddpkit export CHECKPOINT OUT.safetensors # model weights for inference: safetensors,
+                                             # or a torch state_dict for OUT.pt
     ddpkit export RUN_OR_CHECKPOINT DIR --format hf   # a gpt model as a Hugging Face GPT-2 directory
     ddpkit generate RUN_OR_CHECKPOINT --prompt TEXT    # sample text from a trained language model, streamed
     ddpkit bench {throughput,allreduce,autotune,scaling} ...
@@ -62,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = _parser()
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help(file=sys.stdout if argv else sys.stderr)  # asked for: stdout, exit 0; no command: a usage error
+        # asked for: stdout, exit 0; no command: a usage error
+        parser.print_help(file=sys.stdout if argv else sys.stderr)
         sys.exit(EXIT_OK if argv else EXIT_CONFIG)
     if argv[0] in ("--version", "-V"):
         print(f"ddpkit {__version__}")
@@ -72,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[0] in OWN_PARSERS:
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
-        # Intermixed: options may come before, between or after the key=value overrides; `--` ends them (run: torchrun's follow).
+        # Intermixed: options may come before, between or after the key=value overrides;
+        # `--` ends them (run: torchrun's follow).
         rest, passthrough = _split_at_dashes(argv[1:]) if argv[0] == "run" else (argv[1:], [])
         rest = renamed(rest, OLD_SPELLINGS, prog=f"ddpkit {argv[0]}")
         args = commands[argv[0]].parse_intermixed_args(rest)
@@ -84,44 +88,68 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="ddpkit", description=plain_text(__doc__.split("\n\n")[0]), formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="ddpkit", description=plain_text(__doc__.split("\n\n")[0]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"exit codes (ddpkit.errors.EXIT_CODES):\n{exit_code_table(indent='  ')}")
     parser.add_argument("-V", "--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, usage=RUN_USAGE, epilog=RUN_EPILOG)
+    run = sub.add_parser("run", help=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, usage=RUN_USAGE,
+                         epilog=RUN_EPILOG)
     _add_config_args(run)
-    run.add_argument("--nproc-per-node", "--nproc_per_node", default=None, help="processes per node (default: GPUs per node, or 1 on CPU)")
-    run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic runs (default 1)")
-    run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (static rendezvous)")
-    run.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)")
-    run.add_argument("--master-port", "--master_port", type=int, default=None, help="port on node 0 (default: a free port)")
-    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of a c10d rendezvous (instead of --master-addr)")
-    run.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="rendezvous id shared by all nodes of one job")
-    run.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the worker group this many times after a failure")
-    run.add_argument("--script", default=None, help="run this training script instead of the YAML-driven Trainer")
-    run.add_argument("--worker-start", choices=("auto", "fork", "subprocess"), default="auto", help=WORKER_START_HELP)
+    _add_run_args(run)
 
     train = sub.add_parser("train", help="run one training worker (what `ddpkit run` launches)")
     _add_config_args(train)
 
-    config = sub.add_parser("config", help="print the resolved config (file + overrides + defaults), or its JSON Schema", usage=CONFIG_USAGE)
+    config = sub.add_parser("config", usage=CONFIG_USAGE,
+                            help="print the resolved config (file + overrides + defaults), or its JSON Schema")
     config.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
-    config.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=0.1 train.epochs=3")
-    config.add_argument("--schema", action="store_true", help="print the JSON Schema of every config (for editors) instead")
-    config.add_argument("-o", "--output", default=None, metavar="FILE.json", help="with --schema: write it to this file")
+    config.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. optim.lr=0.1 train.epochs=3")
+    config.add_argument("--schema", action="store_true",
+                        help="print the JSON Schema of every config (for editors) instead")
+    config.add_argument("-o", "--output", default=None, metavar="FILE.json",
+                        help="with --schema: write it to this file")
 
-    export = sub.add_parser("export", help="write a checkpoint's model weights: safetensors (OUT.safetensors) or a torch state_dict (OUT.pt)")
-    export.add_argument("checkpoint", help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) or a checkpoint directory (newest valid)")
-    export.add_argument("output", help="where to write the weights; the extension picks the format: .safetensors, else torch.save's .pt")
-    export.add_argument("--format", choices=("auto", "hf"), default="auto",
-                        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 directory OUTPUT")
+    export = sub.add_parser("export", help="write a checkpoint's model weights: safetensors (OUT.safetensors) "
+                                           "or a torch state_dict (OUT.pt)")
+    _add_export_args(export)
 
     commands = {"run": run, "train": train, "config": config, "export": export}
     commands.update({name: sub.add_parser(name, help=text) for name, text in OWN_PARSERS.items()})
     for name, subparser in commands.items():
         subparser.prog = f"ddpkit {name}"
     return parser, commands
+
+
+def _add_run_args(run: argparse.ArgumentParser) -> None:
+    """``ddpkit run``'s own options (the config arguments come from :func:`_add_config_args`)."""
+    run.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
+                     help="processes per node (default: GPUs per node, or 1 on CPU)")
+    run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic runs (default 1)")
+    run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (static rendezvous)")
+    run.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)")
+    run.add_argument("--master-port", "--master_port", type=int, default=None,
+                     help="port on node 0 (default: a free port)")
+    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                     help="HOST:PORT of a c10d rendezvous (instead of --master-addr)")
+    run.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="rendezvous id shared by all nodes of one job")
+    run.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                     help="restart the worker group this many times after a failure")
+    run.add_argument("--script", default=None, help="run this training script instead of the YAML-driven Trainer")
+    run.add_argument("--worker-start", choices=("auto", "fork", "subprocess"), default="auto", help=WORKER_START_HELP)
+
+
+def _add_export_args(export: argparse.ArgumentParser) -> None:
+    """``ddpkit export``'s arguments: what to read, where to write, and in which format."""
+    export.add_argument("checkpoint", help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) "
+                                           "or a checkpoint directory (newest valid)")
+    export.add_argument("output", help="where to write the weights; the extension picks the format: "
+                                       ".safetensors, else torch.save's .pt")
+    export.add_argument("--format", choices=("auto", "hf"), default="auto",
+                        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 "
+                             "directory OUTPUT")
 
 
 # Commands that parse their own options (main() hands them the rest of argv), with their one-line help.
@@ -155,8 +183,8 @@ def _split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 WORKER_START_HELP = (
-    "how workers start: forked from the launcher with torch imported (about 2 s faster per start and restart; CPU workers "
-    "only, CUDA cannot be used in a forked process) or as new interpreters (default auto: fork on the CPU); "
+    "how workers start: forked from the launcher with torch imported (about 2 s faster per start and restart; CPU "
+    "workers only, CUDA cannot be used in a forked process) or as new interpreters (default auto: fork on the CPU); "
     "was --start-method, which is torchrun's flag for something else"
 )
 CONFIG_USAGE = "ddpkit config CONFIG [key=value ...]\n       ddpkit config --schema [-o FILE.json]"
@@ -209,10 +237,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.goodput.ledger import launch_session
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
-    device = preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend, device=cfg.dist.device, precision=cfg.train.precision)
+    device = preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend,
+                       device=cfg.dist.device, precision=cfg.train.precision)
     if args.worker_start == "fork" and device != "cpu":  # a refused launch (exit 2): a retry will not fix it
-        raise ConfigError(f"--worker-start fork: the workers would use {device or 'the devices torchrun counts'}, and CUDA cannot be "
-                          "used in a forked process; use --worker-start subprocess (or auto), or dist.device=cpu")
+        raise ConfigError(f"--worker-start fork: the workers would use {device or 'the devices torchrun counts'}, "
+                          "and CUDA cannot be used in a forked process; use --worker-start subprocess (or auto), "
+                          "or dist.device=cpu")
     # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
     grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
     requeue = check_requeue_exit_code(cfg.run.requeue_exit_code)  # what a signal-stopped, saved run exits with
@@ -283,8 +313,9 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
-    "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench, "plot": _cmd_plot, "runs": _cmd_runs,
-    "goodput": _cmd_goodput, "estimate": _cmd_estimate, "tokenize": _cmd_tokenize, "env": _cmd_env,
+    "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench,
+    "plot": _cmd_plot, "runs": _cmd_runs, "goodput": _cmd_goodput, "estimate": _cmd_estimate,
+    "tokenize": _cmd_tokenize, "env": _cmd_env,
     "generate": _cmd_generate,
 }
 
@@ -292,12 +323,14 @@ _COMMANDS = {
 # --- launching through torch.distributed.run -------------------------------------------------------
 
 
-def torchrun_args(args: argparse.Namespace, *, failure_timeout: float = 10.0, forward_signals: Sequence[str] = ()) -> list[str]:
+def torchrun_args(
+    args: argparse.Namespace, *, failure_timeout: float = 10.0, forward_signals: Sequence[str] = ()
+) -> list[str]:
     """The ``torchrun`` argument list equivalent to a ``ddpkit run`` invocation."""
     program = [args.script] if args.script else ["-m", "ddpkit", "train"]
     return torchrun_argv(
         nproc=args.nproc_per_node or str(default_nproc()), program=[*program, args.config, *args.overrides],
         nnodes=args.nnodes, max_restarts=args.max_restarts, shutdown_timeout=failure_timeout, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-        forward_signals=forward_signals, extra=getattr(args, "torchrun", ()),
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id, forward_signals=forward_signals, extra=getattr(args, "torchrun", ()),
     )

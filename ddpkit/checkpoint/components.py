@@ -44,7 +44,8 @@ _FORMAT_1_TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "progress")
 
 #: A state dict as torch.save writes it: tensors and plain values, nested in dicts, lists and tuples.
 StateTree = (
-    torch.Tensor | dict[str, "StateTree"] | list["StateTree"] | tuple["StateTree", ...] | int | float | str | bool | None
+    torch.Tensor | dict[str, "StateTree"] | list["StateTree"] | tuple["StateTree", ...]
+    | int | float | str | bool | None
 )
 
 

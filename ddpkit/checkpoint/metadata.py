@@ -32,5 +32,6 @@ def run_metadata(config: Config, *, world_size: int) -> dict[str, Any]:
 
 
 def manifest_fields(state: dict[str, Any], *, epoch: int, **extra: Any) -> dict[str, Any]:
-    """The manifest's fields beyond size and checksum, taken from the captured ``state`` (``extra``: e.g. ``memory=True``)."""
+    """The manifest's fields beyond size and checksum, taken from the captured ``state`` (``extra``: e.g.
+    ``memory=True``)."""
     return {"epoch": epoch, "config_hash": state["config_hash"], "versions": state["versions"], **extra}

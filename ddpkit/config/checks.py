@@ -57,7 +57,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
     ck = cfg.checkpoint
     problems += url_problems(directory=ck.dir, output_dir=cfg.run.output_dir, storage_options=ck.storage_options)
     if cfg.data.prefetch_factor is not None and cfg.data.num_workers == 0:
-        problems.append("data.prefetch_factor: only used with worker processes; set data.num_workers > 0 or data.prefetch_factor=null")
+        problems.append(
+            "data.prefetch_factor: only used with worker processes; "
+            "set data.num_workers > 0 or data.prefetch_factor=null"
+        )
     try:
         check_requeue_exit_code(cfg.run.requeue_exit_code)
     except ConfigError as exc:
@@ -88,7 +91,10 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
     """A `train.compile` mapping holds torch.compile's own arguments and ddpkit's two keys, nothing else."""
     if not isinstance(value, dict):
         return []
-    problems = [f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}" for key in value if key not in _COMPILE_KEYS]
+    problems = [
+        f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}"
+        for key in value if key not in _COMPILE_KEYS
+    ]
     if value.get("mode") not in (None, *COMPILE_MODES):
         problems.append(f"train.compile.mode: expected one of {', '.join(COMPILE_MODES)}, got {value['mode']!r}")
     limit = value.get("recompile_limit", COMPILE_DDPKIT_OPTIONS["recompile_limit"])
@@ -114,7 +120,9 @@ def parallel_problems(cfg: Config) -> list[str]:
             "or use parallel.mode=ddp / zero1"
         )
     if cfg.ddp.sync_batchnorm:
-        problems.append("ddp.sync_batchnorm: SyncBatchNorm is applied by the DDP wrapper; set it false with parallel.mode=fsdp2")
+        problems.append(
+            "ddp.sync_batchnorm: SyncBatchNorm is applied by the DDP wrapper; set it false with parallel.mode=fsdp2"
+        )
     if cfg.train.precision == "fp16":
         problems.append(
             "train.precision: fp16 needs a GradScaler, which ddpkit does not run on FSDP2's sharded gradients; "

@@ -26,33 +26,20 @@ from typing import Any, Literal
 from ddpkit.config.fields import option, yaml_key
 from ddpkit.config.health_section import HealthConfig, SpikeConfig, StragglerConfig
 from ddpkit.config.parallel import FSDPConfig, ParallelConfig
-from ddpkit.config.train_sections import DDPConfig, EarlyStoppingConfig, OptimConfig, ParamGroupConfig, SchedConfig, TrainConfig
+from ddpkit.config.train_sections import (
+    DDPConfig,
+    EarlyStoppingConfig,
+    OptimConfig,
+    ParamGroupConfig,
+    SchedConfig,
+    TrainConfig,
+)
 from ddpkit.config.urls import url_scheme
 
-__all__ = [
-    "Config",
-    "RunConfig",
-    "DistConfig",
-    "ModelConfig",
-    "DataConfig",
-    "OptimConfig",
-    "ParamGroupConfig",
-    "SchedConfig",
-    "EarlyStoppingConfig",
-    "TrainConfig",
-    "DDPConfig",
-    "ParallelConfig",
-    "FSDPConfig",
-    "BestConfig",
-    "CheckpointConfig",
-    "LogConfig",
-    "HealthConfig",
-    "SpikeConfig",
-    "StragglerConfig",
-    "option",
-    "yaml_key",
-    "HANG_TIMEOUT",
-]
+__all__ = ["Config", "RunConfig", "DistConfig", "ModelConfig", "DataConfig", "OptimConfig", "ParamGroupConfig",
+           "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "ParallelConfig", "FSDPConfig",
+           "BestConfig", "CheckpointConfig", "LogConfig", "HealthConfig", "SpikeConfig", "StragglerConfig", "option",
+           "yaml_key", "HANG_TIMEOUT"]
 
 #: Seconds of `dist.hang_timeout: auto` (its default), capped at 80% of `dist.timeout` where it is used.
 HANG_TIMEOUT = 120.0
@@ -81,8 +68,6 @@ class RunConfig:
         "(docs/multinode.md). 1 to 255, and not 1, 2, 3, 4 or 130, which mean something else (`ddpkit run --help`).",
         ge=1,
     )
-
-
 
 
 @dataclass(frozen=True)
@@ -223,7 +208,8 @@ class CheckpointConfig:
     )
     storage_options: dict[str, Any] = option(
         factory=dict,
-        doc="fsspec options for a URL `dir` (S3: `{profile: ..., endpoint_url: ...}`); else the cloud's own env and files.",
+        doc="fsspec options for a URL `dir` (S3: `{profile: ..., endpoint_url: ...}`); "
+        "else the cloud's own env and files.",
     )
     every_steps: int | Literal["auto"] | None = option(
         None,
@@ -235,11 +221,13 @@ class CheckpointConfig:
     )
     mtbf_hours: float = option(
         24.0,
-        "`every_steps: auto` and `memory_every_steps: auto`: the mean time between failures of the whole job you expect, in hours (a job "
-        "on N nodes fails about N times as often as one node).",
+        "`every_steps: auto` and `memory_every_steps: auto`: the mean time between failures of the whole job you "
+        "expect, in hours (a job on N nodes fails about N times as often as one node).",
         gt=0,
     )
-    every_epochs: int | None = option(1, "Save at the end of every this many epochs. `null`: never at epoch ends.", ge=1)
+    every_epochs: int | None = option(
+        1, "Save at the end of every this many epochs. `null`: never at epoch ends.", ge=1
+    )
     keep_last: int = option(2, "Checkpoints kept; older ones are removed once a newer one is complete.", ge=1)
     best: BestConfig | None = option(None, "Also keep the best checkpoint by a validation metric (`{metric, mode}`).")
     resume: str = option(
@@ -248,7 +236,8 @@ class CheckpointConfig:
     async_save: bool = option(
         False,
         "Write checkpoint files in a background thread; the step loop only waits for the state's copy into reused host "
-        "memory (from CUDA only queued: the buffers are pinned, the copy runs as a DMA) and for a previous save still being written.",
+        "memory (from CUDA only queued: the buffers are pinned, the copy runs as a DMA) and for a previous save still "
+        "being written.",
         key="async",
     )
     allow_config_change: bool = option(
@@ -274,9 +263,9 @@ class CheckpointConfig:
     )
     memory_every_steps: int | Literal["auto"] | None = option(
         "auto",
-        "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training thread; "
-        "a restart after every worker of the host died resumes from it when it is newer than the newest disk checkpoint. "
-        "`auto`: spaced by Young/Daly from the (first estimated, then measured) blocking time and "
+        "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training "
+        "thread; a restart after every worker of the host died resumes from it when it is newer than the newest disk "
+        "checkpoint. `auto`: spaced by Young/Daly from the (first estimated, then measured) blocking time and "
         "`checkpoint.mtbf_hours`, blocking at most 1% of the training (docs/goodput.md). `null`: off.",
         ge=1,
     )
@@ -291,9 +280,13 @@ class LogConfig:
     )
     all_ranks: bool = option(False, "Log INFO messages from every rank (default: rank 0 at INFO, others at WARNING).")
     rank_files: bool = option(False, "Also write each rank's log to `<output_dir>/logs/rank<N>.log`.")
-    tensorboard: bool = option(False, "Write TensorBoard event files to `<output_dir>/tensorboard` (needs `ddpkit[tensorboard]`).")
+    tensorboard: bool = option(
+        False, "Write TensorBoard event files to `<output_dir>/tensorboard` (needs `ddpkit[tensorboard]`)."
+    )
     progress_every: float = option(
-        30.0, "When stderr is not a terminal (a batch job's log): seconds between plain progress lines, instead of a bar.", gt=0
+        30.0,
+        "When stderr is not a terminal (a batch job's log): seconds between plain progress lines, instead of a bar.",
+        gt=0,
     )
     mlflow: bool = option(
         False,
@@ -306,7 +299,9 @@ class LogConfig:
         "`WANDB_MODE=offline` needs no network.",
     )
     tracker_timeout: float = option(
-        60.0, "Seconds the end of training waits for MLflow / W&B to send what is queued; a tracker never stalls a step.", gt=0
+        60.0,
+        "Seconds the end of training waits for MLflow / W&B to send what is queued; a tracker never stalls a step.",
+        gt=0,
     )
 
 
@@ -322,10 +317,15 @@ class Config:
     sched: SchedConfig = option(factory=SchedConfig, doc="Learning-rate schedule.")
     train: TrainConfig = option(factory=TrainConfig, doc="Training length and step options.")
     ddp: DDPConfig = option(factory=DDPConfig, doc="DistributedDataParallel options.")
-    parallel: ParallelConfig = option(factory=ParallelConfig, doc="Sharding: `ddp`, `zero1` or `fsdp2` (docs/modes.md).")
+    parallel: ParallelConfig = option(
+        factory=ParallelConfig, doc="Sharding: `ddp`, `zero1` or `fsdp2` (docs/modes.md)."
+    )
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="Checkpointing and resume.")
     log: LogConfig = option(factory=LogConfig, doc="Logging.")
-    health: HealthConfig = option(factory=HealthConfig, doc="Training health: NaN steps, loss spikes, stragglers, replica divergence (docs/health.md).")
+    health: HealthConfig = option(
+        factory=HealthConfig,
+        doc="Training health: NaN steps, loss spikes, stragglers, replica divergence (docs/health.md).",
+    )
 
     @property
     def output_dir(self) -> str:

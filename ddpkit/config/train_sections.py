@@ -13,7 +13,8 @@ from ddpkit.config.fields import option
 from ddpkit.config.profile_section import ProfileConfig
 from ddpkit.config.sample_section import SampleConfig
 
-__all__ = ["OptimConfig", "ParamGroupConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
+__all__ = ["OptimConfig", "ParamGroupConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig",
+           "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
 
 # The one table of `train.compile` keys: the config checks and ddpkit.training.model_views both read it.
 #: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
@@ -26,15 +27,23 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass(frozen=True)
 class ParamGroupConfig:
-    """One entry of `optim.groups`: the parameters its patterns select, and the settings they get instead of the optimizer's."""
+    """One entry of `optim.groups`: the parameters its patterns select, and the settings they get instead of the
+    optimizer's."""
 
     params: list[str] = option(
-        factory=list, doc="Patterns of parameter names: shell-style (`fnmatch`: `*.bias`, `blocks.*.ln?.weight`), or a regular "
-        "expression after `re:` (`re:^blocks\\.(0|1)\\.`, matched with `re.search`). Every pattern must match some parameter."
+        factory=list,
+        doc="Patterns of parameter names: shell-style (`fnmatch`: `*.bias`, `blocks.*.ln?.weight`), or a regular "
+        "expression after `re:` (`re:^blocks\\.(0|1)\\.`, matched with `re.search`). Every pattern must match some "
+        "parameter.",
     )
-    lr: float | None = option(None, "This group's learning rate (the schedule scales it like `optim.lr`). `null`: `optim.lr`.", gt=0)
+    lr: float | None = option(
+        None, "This group's learning rate (the schedule scales it like `optim.lr`). `null`: `optim.lr`.", gt=0
+    )
     weight_decay: float | None = option(
-        None, "This group's weight decay, whatever the parameters' shapes. `null`: `optim.weight_decay` under `optim.decay`'s rule.", ge=0
+        None,
+        "This group's weight decay, whatever the parameters' shapes. `null`: `optim.weight_decay` under "
+        "`optim.decay`'s rule.",
+        ge=0,
     )
 
 
@@ -47,14 +56,17 @@ class OptimConfig:
     momentum: float = option(0.0, "SGD momentum (SGD only; Adam's are `kwargs.betas`).", ge=0)
     weight_decay: float = option(0.0, "Weight decay (of the parameters `decay` selects).", ge=0)
     decay: Literal["matrices", "all"] = option(
-        "matrices", "Which parameters `weight_decay` applies to: `matrices` (parameters of 2 or more dimensions: weight matrices "
-        "and embeddings, not biases or norm weights; nanoGPT's, torchtitan's and the Hugging Face Trainer's rule) or `all` "
-        "(every parameter, the rule of earlier ddpkit releases). A `groups` entry's own `weight_decay` wins over both."
+        "matrices",
+        "Which parameters `weight_decay` applies to: `matrices` (parameters of 2 or more dimensions: weight matrices "
+        "and embeddings, not biases or norm weights; nanoGPT's, torchtitan's and the Hugging Face Trainer's rule) or "
+        "`all` (every parameter, the rule of earlier ddpkit releases). A `groups` entry's own `weight_decay` wins over "
+        "both.",
     )
     groups: list[ParamGroupConfig] = option(
-        factory=list, doc="Parameter groups with their own `lr` / `weight_decay`, e.g. `[{params: ['*.ln*', 'ln_f.*'], "
-        "weight_decay: 0.0}, {params: ['head.*'], lr: 1e-4}]`: a parameter joins the first group with a pattern matching its "
-        "name (`model.named_parameters()`), the others keep `lr`, `weight_decay` and the `decay` rule (docs/lm.md)."
+        factory=list,
+        doc="Parameter groups with their own `lr` / `weight_decay`, e.g. `[{params: ['*.ln*', 'ln_f.*'], weight_decay: "
+        "0.0}, {params: ['head.*'], lr: 1e-4}]`: a parameter joins the first group with a pattern matching its name "
+        "(`model.named_parameters()`), the others keep `lr`, `weight_decay` and the `decay` rule (docs/lm.md).",
     )
     kwargs: dict[str, Any] = option(factory=dict, doc="Other optimizer arguments, e.g. `nesterov`, `betas`, `eps`.")
 
@@ -92,17 +104,22 @@ class TrainConfig:
     """Length of training and what happens in each step."""
 
     epochs: int | None = option(
-        None, "Epochs to train. `null` (the default): as many as `max_steps` takes, or one epoch when `max_steps` is null too. "
-        "With both set, training stops at whichever comes first.", ge=1
+        None,
+        "Epochs to train. `null` (the default): as many as `max_steps` takes, or one epoch when `max_steps` is null "
+        "too. With both set, training stops at whichever comes first.",
+        ge=1,
     )
     max_steps: int | None = option(
-        None, "Optimizer steps to train: exactly this many, over as many epochs as that takes, when `epochs` is null (the "
-        "schedule spans them all); a cap when `epochs` is set. `null`: `epochs` decides.", ge=1
+        None,
+        "Optimizer steps to train: exactly this many, over as many epochs as that takes, when `epochs` is null (the "
+        "schedule spans them all); a cap when `epochs` is set. `null`: `epochs` decides.",
+        ge=1,
     )
 
     @property
     def epoch_limit(self) -> int | None:
-        """The epochs the run may start: ``epochs`` when set, else 1 without ``max_steps`` and unbounded (None) with it."""
+        """The epochs the run may start: ``epochs`` when set, else 1 without ``max_steps`` and unbounded (None) with
+        it."""
         if self.epochs is not None:
             return self.epochs
         return None if self.max_steps is not None else 1
@@ -111,20 +128,22 @@ class TrainConfig:
     )
     clip_grad_norm: float | None = option(None, "Clip the global gradient norm to this value.", gt=0)
     loss_normalization: Literal["mean", "tokens"] = option(
-        "mean", "`mean`: `training_step` returns a mean loss, averaged over micro-batches and ranks. `tokens`: it returns "
-        "`(loss_sum, n_tokens)` and the update is the sum over every token of the global batch divided by the global token count "
-        "(exact for any split into ranks and micro-batches; one all-reduce per step)."
+        "mean",
+        "`mean`: `training_step` returns a mean loss, averaged over micro-batches and ranks. `tokens`: it returns "
+        "`(loss_sum, n_tokens)` and the update is the sum over every token of the global batch divided by the global "
+        "token count (exact for any split into ranks and micro-batches; one all-reduce per step).",
     )
     profile: ProfileConfig | None = option(
         None,
-        "torch.profiler: `{wait, warmup, active, repeat}` (its schedule, in optimizer steps) writes a trace per rank and recorded "
-        "cycle to `<output_dir>/profile/` (Chrome/TensorBoard format) with ddpkit's phases labelled (`ddpkit.forward`, ...); "
-        "`null`: off, no cost (docs/profiling.md).",
+        "torch.profiler: `{wait, warmup, active, repeat}` (its schedule, in optimizer steps) writes a trace per rank "
+        "and recorded cycle to `<output_dir>/profile/` (Chrome/TensorBoard format) with ddpkit's phases labelled "
+        "(`ddpkit.forward`, ...); `null`: off, no cost (docs/profiling.md).",
     )
     sample: SampleConfig | None = option(
-        None, "Sample text from a language model while it trains: `{every_steps, prompt, max_new_tokens, temperature, top_k, "
-        "seed, tokenizer}`, written to the log, `<output_dir>/samples.jsonl` and TensorBoard's text tab on rank 0, outside "
-        "the timed steps (every rank samples: fsdp2's forward is collective). `null`: off."
+        None,
+        "Sample text from a language model while it trains: `{every_steps, prompt, max_new_tokens, temperature, top_k, "
+        "seed, tokenizer}`, written to the log, `<output_dir>/samples.jsonl` and TensorBoard's text tab on rank 0, "
+        "outside the timed steps (every rank samples: fsdp2's forward is collective). `null`: off.",
     )
     peak_tflops: float | None = option(
         None, "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "
@@ -134,14 +153,16 @@ class TrainConfig:
         "fp32", "Autocast precision: `bf16` on CPU or CUDA; `fp16` (with a GradScaler) on CUDA only."
     )
     log_every: int = option(50, "Optimizer steps between logged (rank-reduced) training metrics.", ge=1)
-    eval_every: int | None = option(None, "Optimizer steps between evaluations. `null`: at the end of every epoch.", ge=1)
+    eval_every: int | None = option(
+        None, "Optimizer steps between evaluations. `null`: at the end of every epoch.", ge=1
+    )
     timeline: bool = option(False, "Write a Chrome-trace timeline (one row per rank) to `<output_dir>/timeline.json`.")
     compile: bool | dict[str, Any] = option(
         False,
-        "`torch.compile` the model: `false`, `true`, or a mapping of torch.compile's `mode`, `fullgraph`, "
-        "`dynamic`, `backend`, `options`, plus ddpkit's `recompile_limit` (compiled versions of one function, default 8; past it training stops "
-        "with a message) and `validation` (default true: validate with a compiled copy too). DDP wraps first, "
-        "then compile; compile time is logged and left out of samples/s; checkpoints never carry `_orig_mod.`.",
+        "`torch.compile` the model: `false`, `true`, or a mapping of torch.compile's `mode`, `fullgraph`, `dynamic`, "
+        "`backend`, `options`, plus ddpkit's `recompile_limit` (compiled versions of one function, default 8; past it "
+        "training stops with a message) and `validation` (default true: validate with a compiled copy too). DDP wraps "
+        "first, then compile; compile time is logged and left out of samples/s; checkpoints never carry `_orig_mod.`.",
     )
     channels_last: bool = option(
         False,
@@ -169,7 +190,9 @@ class TrainConfig:
         "names the module classes to checkpoint (`[MyBlock]`). Less activation memory for about one more forward "
         "a step (docs/lm.md).",
     )
-    early_stopping: EarlyStoppingConfig = option(factory=EarlyStoppingConfig, doc="Early stopping on a validation metric.")
+    early_stopping: EarlyStoppingConfig = option(
+        factory=EarlyStoppingConfig, doc="Early stopping on a validation metric."
+    )
 
 
 @dataclass(frozen=True)
@@ -182,8 +205,12 @@ class DDPConfig:
         "(25 MiB, with a small first bucket so communication starts early).",
         gt=0,
     )
-    find_unused_parameters: bool = option(False, "Allow parameters that get no gradient in some steps (costs a graph walk per step).")
-    static_graph: bool = option(False, "Promise the graph and used parameters never change (enables DDP optimizations).")
+    find_unused_parameters: bool = option(
+        False, "Allow parameters that get no gradient in some steps (costs a graph walk per step)."
+    )
+    static_graph: bool = option(
+        False, "Promise the graph and used parameters never change (enables DDP optimizations)."
+    )
     gradient_as_bucket_view: bool = option(
         True,
         "Gradients are views into the allreduce buckets: saves the gradients' memory and a copy (the same bits), "

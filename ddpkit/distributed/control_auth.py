@@ -86,13 +86,15 @@ def _tag(key: bytes, name: str, value: bytes) -> bytes:
 
 
 def sign(key: bytes, name: str, value: str | bytes) -> bytes:
-    """``value`` with its tag in front, for the store key ``name`` (the tag covers both: a message cannot be moved to another key)."""
+    """``value`` with its tag in front, for the store key ``name`` (the tag covers both: a message cannot be moved to
+    another key)."""
     data = value.encode() if isinstance(value, str) else bytes(value)
     return _tag(key, name, data) + b" " + data
 
 
 def verify(key: bytes, name: str, raw: bytes | str | None) -> str | None:
-    """The value of a signed ``raw`` read from the key ``name``; None when missing, untagged or tagged with another key."""
+    """The value of a signed ``raw`` read from the key ``name``; None when missing, untagged or tagged with another
+    key."""
     if raw is None:
         return None
     data = raw.encode() if isinstance(raw, str) else bytes(raw)
@@ -105,7 +107,8 @@ def verify(key: bytes, name: str, raw: bytes | str | None) -> str | None:
 
 
 def read_signed(key: bytes, name: str, raw: bytes | str | None) -> str | None:
-    """:func:`verify`, logging the first rejected message of each kind of key (its name and a short repr of what was there)."""
+    """:func:`verify`, logging the first rejected message of each kind of key (its name and a short repr of what was
+    there)."""
     value = verify(key, name, raw)
     if value is None and raw is not None:
         kind = re.sub(r"\d+", "N", name)
@@ -116,7 +119,8 @@ def read_signed(key: bytes, name: str, raw: bytes | str | None) -> str | None:
             shown = bytes(raw) if not isinstance(raw, str) else raw.encode()
             log.warning(
                 "ignored a message in the job's store without a valid ddpkit tag: key %r, value %r (%d bytes); "
-                "someone else wrote to the job's store (docs/troubleshooting.md). Later ones of this kind are ignored silently",
+                "someone else wrote to the job's store (docs/troubleshooting.md). "
+                "Later ones of this kind are ignored silently",
                 name, shown[:80], len(shown),
             )
     return value

@@ -30,7 +30,8 @@ __all__ = ["export", "model_weights", "save_safetensors"]
 
 
 def export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> str:
-    """Write the model weights of ``checkpoint`` (a file, a DCP directory, or a directory: its newest valid) to ``output``; the summary line."""
+    """Write the model weights of ``checkpoint`` (a file, a DCP directory, or a directory: its newest valid) to
+    ``output``; the summary line."""
     info = validate_checkpoint(checkpoint)
     weights, source = model_weights(info.path)
     if Path(output).suffix == ".safetensors":
@@ -50,7 +51,9 @@ def model_weights(path: Path) -> tuple[dict[str, Any], str]:
     return strip_wrapper_prefixes(state["model"]), str(path)  # a file written elsewhere may carry the prefixes
 
 
-def save_safetensors(weights: dict[str, Any], output: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    weights: dict[str, Any], output: str | os.PathLike, *, metadata: dict[str, str] | None = None
+) -> None:
     """``weights`` as one safetensors file: contiguous CPU tensors, shared storage written as separate copies."""
     try:
         from safetensors.torch import save
@@ -60,8 +63,8 @@ def save_safetensors(weights: dict[str, Any], output: str | os.PathLike, *, meta
     tensors, seen = {}, set()
     for key, value in weights.items():
         if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"the model's state_dict entry {key!r} is a {type(value).__name__}, not a tensor; safetensors holds "
-                                  "tensors only: export to a .pt file instead")
+            raise CheckpointError(f"the model's state_dict entry {key!r} is a {type(value).__name__}, not a tensor; "
+                                  "safetensors holds tensors only: export to a .pt file instead")
         tensor = value.detach().cpu()
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
         if storage in seen or not tensor.is_contiguous():  # a tied weight's second name, or a strided view

@@ -1,8 +1,10 @@
 """The last word of a rank frozen while holding the GIL: its stacks and its place, written without Python.
 
-    backstop = open_backstop(log_dir, rank=1, hang_timeout=20, step=19)   # <log_dir>/stacks-rank1.txt, fires 8 s after a heartbeat
+    backstop = open_backstop(log_dir, rank=1, hang_timeout=20, step=19)   # <log_dir>/stacks-rank1.txt, fires 8 s
+                                                                          # after a heartbeat
     backstop.at_step(20); backstop.at_phase("forward")   # training thread: two slice writes into a mapped page
-    backstop.arm()      # watchdog thread, every heartbeat: faulthandler dumps every thread's stack unless re-armed within 8 s
+    backstop.arm()      # watchdog thread, every heartbeat: faulthandler dumps every thread's stack unless re-armed
+                        # within 8 s
     backstop.close()    # end of fit(): the timer cancelled, the file removed
     read_backstop(log_dir, 1)   # the reporting rank: (step, phase, stacks) or None
 
@@ -58,7 +60,8 @@ def open_backstop(log_dir: Path, *, rank: int, hang_timeout: float, step: int) -
         backstop.arm()  # now: a rank that freezes before the watchdog thread's first heartbeat has a dump too
         return backstop
     except (OSError, ValueError) as exc:
-        print(f"ddpkit: rank {rank}: no faulthandler backstop ({exc}); a rank frozen in C code will have no stack", file=sys.stderr)
+        print(f"ddpkit: rank {rank}: no faulthandler backstop ({exc}); a rank frozen in C code will have no stack",
+              file=sys.stderr)
         return NO_BACKSTOP
 
 

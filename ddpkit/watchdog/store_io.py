@@ -29,7 +29,8 @@ from ddpkit.distributed.control_auth import job_key, read_signed, sign
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import exit_now, first_line
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling", "process_gone", "terminate"]
+__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling",
+           "process_gone", "terminate"]
 
 
 class StoreDown(RuntimeError):
@@ -71,7 +72,8 @@ class StoreClient:
             done.set()
 
     def __call__(self, method: str, *args: Any) -> Any:
-        """``store.<method>(*args)`` within the deadline; values set are signed, values read verified (see the module docstring).
+        """``store.<method>(*args)`` within the deadline; values set are signed, values read verified (see the
+        module docstring).
 
         ``get`` and ``multi_get`` give None for a value without a valid tag; ``compare_set`` gives the
         winning value, verified."""
@@ -156,7 +158,9 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_error_file(message: str, *, when: float, code: int, local_rank: int | None = None, pid: int | None = None) -> None:
+def write_error_file(
+    message: str, *, when: float, code: int, local_rank: int | None = None, pid: int | None = None
+) -> None:
     """torchrun's error file: its summary names the failure with the earliest timestamp first.
 
     ``code`` (the exit code this rank is about to leave with) and the pid are recorded too: with
@@ -196,7 +200,8 @@ def kill_frozen_sibling(pid: int) -> bool:
 
 
 def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (exited, or a zombie its parent has not reaped yet); False where /proc cannot tell."""
+    """Whether process ``pid`` has ended (exited, or a zombie its parent has not reaped yet); False where /proc
+    cannot tell."""
     if not os.path.exists("/proc/self/stat"):
         return False
     fields = proc_stat(pid)
