@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, tiny_config
 
 import ddpkit
 from ddpkit.errors import ConfigError
@@ -28,15 +28,7 @@ COLLECTIVES = (
 )
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.value = state["value"]
+Counter = load_script(EMA_SCRIPT).Counter  # the subclass script's own part: a step counter
 
 
 class CountingTrainer(ddpkit.Trainer):
