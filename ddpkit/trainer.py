@@ -175,6 +175,7 @@ class Trainer:
                                             device=self.device, world_size=self.world_size, health=self.health)
         self._models = training.build_models(model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
                                              exclude=self.reporter.outside_training)  # DDP, then compiled
+        self.events.add(self._models, self.reporter)  # their on_exit however fit() ends: compile's watch, the console
         self._evaluation = training.Evaluation(self._models, self.val_loader, device=self.device,  # a long validation
                                                autocast=self._step.autocast, ticking=worker.watchdog.ticking)  # ticks
         best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
@@ -187,12 +188,11 @@ class Trainer:
         ), user=self.checkpoint_parts())
         resumed = worker.ledger.restore(self.checkpointer.resume)  # timed, in goodput.jsonl
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
-        # The loop's listeners, in the order every event (and on_exit) reaches them: the user's hooks last.
         samples = training.TrainingSamples.for_run(cfg, rank=self.rank, model=model,  # train.sample
                                                    outside=self.reporter.outside_training)
         self.events.add(Profiler.for_run(cfg, rank=self.rank, device=self.device), worker.watchdog, worker.ledger,
                         *self.checkpointer.protections(ledger=worker.ledger), self.health.straggler, self.health,
-                        self._early_stopping, best, samples, self._models, self.reporter, self)
+                        self._early_stopping, best, samples, self)  # the order events reach them: user's hooks last
 
     def _build(self) -> nn.Module:
         """Datasets, model (sharded), loaders, optimizer and schedule; returns the bare model."""
