@@ -175,7 +175,7 @@ class Trainer:
                                             device=self.device, world_size=self.world_size, health=self.health)
         self._models = training.build_models(model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
                                              exclude=self.reporter.outside_training)  # DDP, then compiled
-        self.events.add(self._models, self.reporter)  # their on_exit however fit() ends: compile's watch, the console
+        self.events.add(self._models, self.reporter, self.checkpointer.mirror)  # on_exit however fit() ends
         self._evaluation = training.Evaluation(self._models, self.val_loader, device=self.device,  # a long validation
                                                autocast=self._step.autocast, ticking=worker.watchdog.ticking)  # ticks
         best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)

@@ -125,13 +125,13 @@ class Checkpointer:
         small = self.components.capture(metadata=metadata, exclude=TENSOR_PARTS)
         return full_capture(small, self.components, rank=self.rank)
 
-    def protections(self, *, ledger: Ledger) -> list[CrashSave | MemorySnapshots | RemoteMirror | None]:
+    def protections(self, *, ledger: Ledger) -> list[CrashSave | MemorySnapshots | None]:
         """The listeners that protect this state between checkpoints (after resume): the crash save of the
-        last completed step, memory snapshots every K steps, and the store's mirror (its on_exit uploads model.pt
-        and releases the store's lock)."""
+        last completed step, and memory snapshots every K steps. (The store's :attr:`mirror` is a listener of
+        its own, added as soon as the checkpointer exists: its on_exit uploads model.pt and frees the lock.)"""
         config, runtime = self.config, self.runtime
         crash_save = CrashSave.arm(config, runtime, self, ledger=ledger)
-        return [crash_save, MemorySnapshots.arm(config, runtime, self, ledger=ledger), self.mirror]  # mirror: on_exit
+        return [crash_save, MemorySnapshots.arm(config, runtime, self, ledger=ledger)]
 
     # --- resume -------------------------------------------------------------------------------
 
