@@ -34,7 +34,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Protocol
 
 from ddpkit.checkpoint import files as ckpt
@@ -197,8 +196,8 @@ class Checkpointer:
                 keep = self.config.checkpoint.keep_last
                 self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=keep)
                 self._uploaded(step, name, suffix=".dcp")
-                measured = self._auto.measurement(time.perf_counter() - started) if self._auto else None
-                measured = broadcast_object(measured) if self._auto else None
+                blocked = time.perf_counter() - started  # rank 0's measurement decides, for every rank
+                measured = broadcast_object(self._auto.measurement(blocked)) if self._auto else None
             else:
                 measured = self._save_file(step, name, started)
         if name is None:
@@ -256,7 +255,8 @@ class Checkpointer:
     def _uploaded(self, step: int, name: str | None, *, suffix: str) -> None:
         """Queue the store's copy of the save just made (``checkpoint.dir`` a URL); returns at once."""
         if self.mirror is not None:
-            self.mirror.saved(Path(self.config.checkpoint_dir) / f"{name or f'step-{step:09d}'}{suffix}", step=step)
+            self.mirror.saved(ckpt.checkpoint_path(self.config.checkpoint_dir, step=step, name=name, suffix=suffix),
+                              step=step)
 
     def wait(self) -> None:
         """Block until background saves are on disk (a failed one stops every rank); then, if a signal stopped the

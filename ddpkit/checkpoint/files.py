@@ -50,6 +50,7 @@ from ddpkit.errors import CheckpointError
 
 __all__ = [
     "CheckpointInfo",
+    "checkpoint_path",
     "save_checkpoint",
     "load_checkpoint",
     "validate_checkpoint",
@@ -79,6 +80,12 @@ class CheckpointInfo:
         return int(self.manifest["step"])
 
 
+def checkpoint_path(directory: str | os.PathLike, *, step: int, name: str | None = None, suffix: str = ".pt") -> Path:
+    """Where the checkpoint of ``step`` (or the one named ``name``, e.g. "best") lives in ``directory``: the one naming
+    rule for single files (``.pt``), sharded directories (``.dcp``) and their copies in a store."""
+    return Path(directory) / f"{name or f'step-{step:09d}'}{suffix}"
+
+
 def manifest_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
@@ -100,7 +107,7 @@ def save_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
-    path = directory / (f"{name}.pt" if name else f"step-{step:09d}.pt")
+    path = checkpoint_path(directory, step=step, name=name)
     needed = state_bytes(state)  # the tensors' bytes: no directory scan on the save path
     room_check(directory, needed=needed, what=f"checkpoint {path.name}")
     # Invalidate any previous checkpoint under this name before its data file is replaced.

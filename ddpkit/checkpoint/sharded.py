@@ -44,7 +44,7 @@ from torch import nn
 
 from ddpkit.atomic import fsync_dir, write_atomically
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
-from ddpkit.checkpoint.files import list_checkpoints, load_checkpoint, prune, save_atomically
+from ddpkit.checkpoint.files import checkpoint_path, list_checkpoints, load_checkpoint, prune, save_atomically
 from ddpkit.errors import CheckpointError, first_line
 from ddpkit.training.param_groups import merge_to_one_group
 
@@ -241,7 +241,7 @@ def _failed(exc: BaseException, partial: Path, final: Path, *, rank: int, needed
 
 
 def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tuple[Path, Path]:
-    final = directory / f"{name or f'step-{step:09d}'}{SUFFIX}"
+    final = checkpoint_path(directory, step=step, name=name, suffix=SUFFIX)
     partial = directory / f".{final.name}.partial"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
