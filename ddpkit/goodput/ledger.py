@@ -207,8 +207,9 @@ class GoodputLedger:
         else:
             self._write("checkpoint", began=began, step=step, kind=kind)
 
-    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
-    phases = ("optimizer", "checkpoint", "evaluation")
+    #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`); a step's end is
+    #: :meth:`on_step_end`, one call a step (hearing the optimizer span took two, and a call for the step).
+    phases = ("checkpoint", "evaluation")
 
     def on_phase(self, name: str | None) -> None:
         """Phase listener: ``name`` starts, or (None) the innermost span ends. Cheap on the step path."""
@@ -218,16 +219,15 @@ class GoodputLedger:
                 self._began[name] = time.time()
             return
         ended = self._span.pop() if self._span else None
-        if ended == "optimizer":
-            self._step_done(time.time())
-        elif ended == "checkpoint":
+        if ended == "checkpoint":
             self.checkpoint(began=self._began.pop("checkpoint", time.time()), step=self._step(), kind="disk")
         elif ended == "evaluation":
             self._write("validation", began=self._began.pop("evaluation", time.time()), step=self._step())
 
-    def _step_done(self, now: float) -> None:
-        # The optimizer span ends just before the loop counts the step: this is step + 1.
-        self.last_step, self.last_step_time = self._step() + 1, now
+    def on_step_end(self, step: int) -> None:
+        """Step ``step`` is done: the first one and a progress mark about once a second go to the ledger."""
+        now = time.time()
+        self.last_step, self.last_step_time = step, now
         if not self._first_done:
             self._first_done = True
             self._write("first_step", step=self.last_step)

@@ -104,7 +104,7 @@ class Events:
 
     def add(self, *listeners: Any) -> None:
         """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods
-        for."""
+        for (an instance attribute set to None, as ``self.on_step_end = None``, opts it out of that event)."""
         for listener in listeners:
             if listener is None:
                 continue

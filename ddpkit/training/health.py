@@ -77,6 +77,8 @@ class TrainingHealth:
         self.spikes = ({name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup)
                         for name in ("loss", GRAD_NORM)} if spike else {})
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
+        if self.straggler is None and self.replicas is None:
+            self.on_step_end = None  # nothing to check after a step: the events skip a None (no call a step)
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 

@@ -137,6 +137,7 @@ class OptimizerStep:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.scaler = grad_scaler(train.precision, device)
         self._precision, self._device = train.precision, device
+        self._reusable_autocast = autocast(train.precision, device) if train.precision == "fp32" else None
         self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
         self._parameters = list(model.parameters())
         self.normalization = train.loss_normalization
@@ -147,8 +148,8 @@ class OptimizerStep:
         self.health = health
 
     def autocast(self) -> Any:
-        """The context for forward passes (a reusable no-op in fp32)."""
-        return autocast(self._precision, self._device)
+        """The context for forward passes (a reusable no-op in fp32, made once)."""
+        return self._reusable_autocast or autocast(self._precision, self._device)
 
     def loss_of(self, result: Any, *, owner: type) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``training_step``'s return as ``(loss, n_tokens)``; one not fitting ``loss_normalization`` is refused."""
