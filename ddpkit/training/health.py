@@ -7,7 +7,7 @@ handled by every rank together, at the same step.
     checkpointer.register(builtin={"health": health, ...})   # the counters and spike windows continue after a resume
     events.add(health.straggler, health)         # the straggler watch times the data span; on_step_end below
     ...
-    health.on_step_end(step)            # straggler and replica checks, every N steps
+    health.on_step_end(step)            # straggler and replica checks, every N steps (None when both are off)
     reporter.training(progress, lr=lr, extra=health.log_fields())   # grad_norm, skipped_steps, ...
 
 Configured by the ``health`` section (:mod:`ddpkit.config.health_section`); docs/health.md has the
