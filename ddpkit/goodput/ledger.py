@@ -3,7 +3,7 @@
     with GoodputLedger.for_run(config, runtime, step=lambda: trainer.progress.step) as ledger:
         ...                                   # build, then restore:
         resumed = ledger.restore(state.resume)  # timed; records the step training resumes at
-        events.add(ledger)                    # on_phase: first step, checkpoint and validation spans
+        events.add(ledger)                    # on_step_end: steps; on_phase: checkpoint and validation spans
     # on the way out: an "end" line (FINISHED, STOPPED or FAILED) with the last completed step
 
     ddpkit goodput runs/exp                   # the report (ddpkit.tools.goodput)
@@ -21,7 +21,7 @@ to within a second), ``checkpoint`` (``began``, ``step``, ``kind``: disk, memory
 Rank 0 writes the ledger; any rank writes the ``checkpoint`` line of a crash save it makes and, when its attempt
 failed, its ``end`` line (the last step before a fault, whichever rank died). A line
 is one ``os.write`` on an ``O_APPEND`` file, so lines of different processes never interleave.
-The training thread's cost per step is one clock read and a comparison in the span listener.
+The training thread's cost per step is one clock read and a comparison in ``on_step_end``.
 """
 
 from __future__ import annotations
