@@ -215,9 +215,10 @@ def test_the_watchdog_hears_every_span_and_records_where_the_rank_is(tmp_path):
     for name in ("data", None, "forward", "backward"):
         for listener in events.phase_listeners(name or "data"):
             listener(name)
+    assert read_backstop(tmp_path, 1)[:2] == (5, "backward")  # the page: the span entered last
     events.step_end(6)
     assert watchdog.beat()["phase"] == "backward" and watchdog.ticks == 4
-    assert read_backstop(tmp_path, 1)[:2] == (6, "backward")
+    assert read_backstop(tmp_path, 1)[:2] == (6, "loop")  # a step ended: the loop's own code runs until the next span
     assert isinstance(watchdog.backstop, Backstop)
     watchdog.stop()
     assert not (tmp_path / "stacks-rank1.txt").exists()

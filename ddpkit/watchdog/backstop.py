@@ -2,7 +2,7 @@
 
     backstop = open_backstop(log_dir, rank=1, hang_timeout=20, step=19)   # <log_dir>/stacks-rank1.txt, fires 8 s
                                                                           # after a heartbeat
-    backstop.at_step(20); backstop.at_phase("forward")   # training thread: two slice writes into a mapped page
+    backstop.at_step(20); backstop.at_phase("forward")   # training thread: slice writes into a mapped page
     backstop.arm()      # watchdog thread, every heartbeat: faulthandler dumps every thread's stack unless re-armed
                         # within 8 s
     backstop.close()    # end of fit(): the timer cancelled, the file removed
@@ -40,6 +40,7 @@ __all__ = ["Backstop", "NO_BACKSTOP", "open_backstop", "read_backstop", "backsto
 
 _HEAD = 80  # the mapped first line: "ddpkit: step <12 digits> phase <16 chars> armed <unix time>" padded, then "\n"
 _STEP, _PHASE, _ARMED = slice(13, 25), slice(32, 48), slice(55, 65)
+_STEP_IN_LOOP = slice(_STEP.start, _PHASE.stop)  # the step, " phase ", the phase
 _LINE = re.compile(rb"ddpkit: step +(\d+) phase (\S+) +armed +(\d+) *\n")
 
 
@@ -86,7 +87,8 @@ class Backstop:
     # --- the training thread: slice writes into the mapped page, no system call ----------------------
 
     def at_step(self, step: int) -> None:
-        self.page[_STEP] = b"%12d" % step
+        """Step ``step`` ended (or was resumed from): the page says that step, in the loop's own code."""
+        self.page[_STEP_IN_LOOP] = b"%12d phase loop            " % step  # one write: the step and "loop"
 
     def at_phase(self, phase: str) -> None:
         padded = self._phases.get(phase)

@@ -128,14 +128,18 @@ class Watchdog:
             self.spans.append(name)
             if name == "data":
                 self.data_batches += 1
-                self.backstop.at_step(self._step())  # also right after a resume
                 self.spans[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
+            # Where a rank frozen with the GIL is: the span it entered last, or "loop" once a step ended (at_step).
+            # Written on entry only, half the writes of every span edge: a rank frozen just after a span ends shows it.
+            self.backstop.at_phase(name)
         self.ticks += 1
         self.phase_ticks = 0
-        self.backstop.at_phase(self.spans[-1])  # where a rank frozen with the GIL is, to the phase
+
+    def on_fit_start(self) -> None:
+        self.backstop.at_step(self._step())  # the step resumed from, before the first step ends
 
     def on_step_end(self, step: int) -> None:
-        self.backstop.at_step(step)  # the heartbeat goes out twice a second: a hundred steps may pass between two
+        self.backstop.at_step(step)  # and "loop"; heartbeats go twice a second: a hundred steps may pass between two
 
     def tick(self) -> None:
         """Progress inside a phase (one validation batch): a long validation is not a hang."""
