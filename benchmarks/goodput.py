@@ -10,7 +10,9 @@ SIGKILL of one worker, SIGTERM of one worker (the agreed stop and save), SIGKILL
 
 - ``warm``: the defaults: workers forked from the launcher, which imported the script's libraries too;
 - ``no preload``: forked, ``DDPKIT_PRELOAD=off`` (torch and ddpkit preloaded, scikit-learn imported per worker);
-- ``new interpreters``: ``--worker-start subprocess``, what ``torchrun`` does.
+- ``new interpreters``: ``--worker-start subprocess``, what ``torchrun`` does;
+- ``warm, snapshot every step`` (not run unless named): ``warm`` with ``checkpoint.memory_every_steps: 1``, what a
+  SIGKILL of every worker needs to re-train no step, and what a snapshot per step costs.
 
 Printed per variant: the median goodput (``ddpkit goodput``) and the ledger's wall against the measured one;
 per fault kind the median, over every fault of that kind, of ``kill->step`` (from the signal, sent here, to the
@@ -39,18 +41,22 @@ import yaml
 from benchmarks.workloads import REPO, load_average
 
 SCRIPT = "tests/scripts/sklearn_trainer.py"
-VARIANTS = {"warm": ("fork", "auto"), "no preload": ("fork", "off"), "new interpreters": ("subprocess", "auto")}
+#: variant: (worker start, DDPKIT_PRELOAD, checkpoint.memory_every_steps)
+VARIANTS = {"warm": ("fork", "auto", "auto"), "no preload": ("fork", "off", "auto"),
+            "new interpreters": ("subprocess", "auto", "auto"), "warm, snapshot every step": ("fork", "auto", 1)}
+DEFAULT_VARIANTS = ["warm", "no preload", "new interpreters"]
 KINDS = ["kill-one", "term-one", "kill-all"]
 PARTS = ("detection", "teardown", "restart", "startup", "load", "first step")
 
 
-def config(out: Path, epochs: int) -> Path:
+def config(out: Path, epochs: int, memory_every_steps: int | str = "auto") -> Path:
     cfg = {
         "run": {"name": "chaos", "output_dir": str(out / "run"), "seed": 0},
         "data": {"batch_size": 64},
         "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "train": {"epochs": epochs, "log_every": 100},
-        "checkpoint": {"every_epochs": 5, "mtbf_hours": 0.002},  # the rate faults come at here: snapshots spaced for it
+        # mtbf_hours: the rate faults come at here, so `auto` spaces snapshots for it
+        "checkpoint": {"every_epochs": 5, "mtbf_hours": 0.002, "memory_every_steps": memory_every_steps},
         "log": {"progress_bar": False},
     }
     path = out / "exp.yaml"
@@ -123,11 +129,12 @@ def analyse_run(out: Path, injected: list[dict]) -> dict:
 
 
 def one_run(variant: str, args: argparse.Namespace, rng: random.Random) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant.replace(' ', '-')}-"))
-    start, preload = VARIANTS[variant]
+    out = Path(tempfile.mkdtemp(prefix=f"chaos-{variant.replace(' ', '-').replace(',', '')}-"))
+    start, preload, memory_every_steps = VARIANTS[variant]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_PRELOAD": preload, "SKLEARN_SAMPLES": str(args.samples)}
-    cmd = [sys.executable, "-m", "ddpkit", "run", str(config(out, args.epochs)), "--nproc-per-node", "2",
-           "--max-restarts", str(args.faults + 1), "--script", SCRIPT, "--worker-start", start]
+    exp = config(out, args.epochs, memory_every_steps)
+    cmd = [sys.executable, "-m", "ddpkit", "run", str(exp), "--nproc-per-node", "2", "--max-restarts",
+           str(args.faults + 1), "--script", SCRIPT, "--worker-start", start]
     began = time.time()
     with open(out / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -161,7 +168,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=25, help="epochs per run (25: about 12 s of training, quiet)")
     parser.add_argument("--samples", type=int, default=20000, help="the script's SKLEARN_SAMPLES (default 20000)")
     parser.add_argument("--max-delay", type=float, default=2.0, help="a fault comes 1 s to this after a first step")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every run's results here")
     args = parser.parse_args()
