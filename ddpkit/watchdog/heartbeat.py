@@ -129,14 +129,11 @@ class Watchdog:
             if name == "data":
                 self.data_batches += 1
                 self.spans[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
-            # Where a rank frozen with the GIL is: the span it entered last, or "loop" once a step ended (at_step).
-            # Written on entry only, half the writes of every span edge: a rank frozen just after a span ends shows it.
-            self.backstop.at_phase(name)
+            self.backstop.at_phase(name)  # a GIL-frozen rank's page: the span entered last, or "loop" (at_step)
         self.ticks += 1
         self.phase_ticks = 0
 
-    def on_fit_start(self) -> None:
-        self.backstop.at_step(self._step())  # the step resumed from, before the first step ends
+    def on_fit_start(self) -> None: self.backstop.at_step(self._step())  # the step resumed from
 
     def on_step_end(self, step: int) -> None:
         self.backstop.at_step(step)  # and "loop"; heartbeats go twice a second: a hundred steps may pass between two
@@ -325,11 +322,8 @@ class _Off:
     enabled = False
 
     def tick(self) -> None: ...  # no on_phase: as a listener it hears nothing, so Reporter.span stays free
-    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn
-
-    def start(self) -> _Off:
-        return self
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]: return fn
+    def start(self) -> _Off: return self
 
     def stop(self, error: BaseException | None = None) -> None: ...
     __enter__ = start
