@@ -204,23 +204,32 @@ def test_the_backstop_writes_a_gil_frozen_process_stacks_and_step_and_forgets_th
     assert read_backstop(tmp_path, 3) is None and not list(tmp_path.iterdir())  # closed: the file is gone
 
 
-def test_the_watchdog_hears_every_span_and_records_where_the_rank_is(tmp_path):
-    """Its span stack is not called ``phases``: Events reads that attribute as the spans a listener wants."""
+def test_the_watchdog_reads_where_the_rank_is_from_the_spans_and_pages_the_long_phases(tmp_path):
+    """The phase in its heartbeat is the innermost span running (from the events' position, no call per span);
+    its frozen-rank page says the step and "loop" after a step, or the long phase it entered."""
     from ddpkit.watchdog.heartbeat import Watchdog
 
-    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path,
-                        step=lambda: 5).start()
     events = Events()
+    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path,
+                        step=lambda: 5, position=events.position).start()
     events.add(watchdog)
-    for name in ("data", None, "forward", "backward"):
-        for listener in events.phase_listeners(name or "data"):
-            listener(name)
-    assert read_backstop(tmp_path, 1)[:2] == (5, "backward")  # the page: the span entered last
+    assert events.phase_listeners("forward") == () and watchdog.beat()["phase"] == "setup"
+    events.fit_start()
+    assert read_backstop(tmp_path, 1)[:2] == (5, "loop")
+    with events.phase("data"):
+        beat = watchdog.beat()
+        assert beat["phase"] == "data" and beat["slow"]  # the first step's data: possibly a slow first batch
+    with events.phase("forward"), events.phase("backward"):
+        assert watchdog.beat()["phase"] == "backward" and watchdog.beat()["ticks"] == 4  # span edges so far
+    assert watchdog.beat()["phase"] == "loop"  # back between spans
     events.step_end(6)
-    assert watchdog.beat()["phase"] == "backward" and watchdog.ticks == 4
     assert read_backstop(tmp_path, 1)[:2] == (6, "loop")  # a step ended: the loop's own code runs until the next span
+    with events.phase("checkpoint"):
+        beat = watchdog.beat()
+        assert beat["phase"] == "checkpoint" and beat["slow"] and read_backstop(tmp_path, 1)[:2] == (6, "checkpoint")
     assert isinstance(watchdog.backstop, Backstop)
     watchdog.stop()
+    assert watchdog.beat()["phase"] == "done" and events.position.phase == "loop"
     assert not (tmp_path / "stacks-rank1.txt").exists()
 
 

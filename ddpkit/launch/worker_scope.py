@@ -70,7 +70,7 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, step: Callable
         with (
             RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
             StopOnSignal.for_run(config, runtime, key=key) as stop,
-            Watchdog.for_run(config, runtime, step=step, key=key) as watchdog,
+            Watchdog.for_run(config, runtime, step=step, key=key, position=events.position) as watchdog,
             GoodputLedger.for_run(config, runtime, step=step, stop=stop) as ledger,
         ):
             worker = Worker(config, runtime, key, stop, watchdog, ledger)

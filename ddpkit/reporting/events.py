@@ -8,6 +8,7 @@
     events.step_end(step)               # on_step_end(step) of every listener that has one
     events.failure(error)               # fit() failed: on_failure(error) (the crash save saves here)
     events.exit("FAILED")               # the attempt ended, any way: on_exit(status)
+    events.position.phase               # the innermost span running now, read from any thread (the watchdog's)
 
 A listener is any object; it receives the events it has a method for, and no others. :class:`Listener`
 documents every event with a no-op method; subclassing it is optional, and a method it does not override
@@ -22,6 +23,10 @@ events of every step are bound to the cheapest callable (nothing, the one listen
 so delivering one on the step path is one call. A failing ``on_failure`` or
 ``on_exit`` is printed and the next listener still runs: the original failure is what the user
 must see, and every listener must get its chance to clean up.
+
+Where the training thread is needs no listener: the spans write it into :attr:`Events.position` as they
+start and end (two attribute writes and a count, no call), and a thread that wants it reads it there. The
+hang watchdog does, twice a second; hearing every span edge instead cost it 8 calls a step.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["Events", "EVENTS", "Listener", "PhaseSpan"]
+__all__ = ["Events", "EVENTS", "Listener", "PhaseSpan", "Position"]
 
 
 class Listener:
@@ -83,10 +88,22 @@ class Listener:
 EVENTS = tuple(name for name in vars(Listener) if name.startswith("on_"))
 
 
+class Position:
+    """Where the training thread is: ``phase``, the innermost span running ("setup" until ``fit_start``, then
+    "loop" between spans), and ``edges``, the span starts and ends so far (progress, to a reader)."""
+
+    __slots__ = ("phase", "edges")
+
+    def __init__(self, phase: str = "setup", edges: int = 0):
+        self.phase, self.edges = phase, edges
+
+
 class Events:
     """The ordered listeners of one run, and the calls that deliver each event to them."""
 
     def __init__(self) -> None:
+        #: Written by the spans on the training thread; read by other threads (see the module docstring).
+        self.position = Position()
         self.listeners: list[Any] = []
         self._calls: dict[str, tuple[Callable[..., Any], ...]] = dict.fromkeys(EVENTS, ())
         self._phases: dict[str, PhaseSpan] = {}  # one reusable span per name; emptied when a listener joins
@@ -124,7 +141,7 @@ class Events:
         """The context that tells the ``on_phase`` listeners of span ``name`` that it starts and ends (reused)."""
         span = self._phases.get(name)
         if span is None:
-            span = self._phases[name] = PhaseSpan(name, self.phase_listeners(name))
+            span = self._phases[name] = PhaseSpan(name, self.phase_listeners(name), self.position)
         return span
 
     def phase_listeners(self, name: str) -> tuple[Callable[[str | None], None], ...]:
@@ -133,6 +150,7 @@ class Events:
                      if name in (getattr(method.__self__, "phases", None) or (name,)))
 
     def fit_start(self) -> None:
+        self.position.phase = "loop"  # setup is over: between spans the loop runs its hooks and logging
         for call in self._calls["on_fit_start"]:
             call()
 
@@ -209,17 +227,24 @@ def _does_nothing(method: Callable[..., Any]) -> bool:
 
 
 class PhaseSpan:
-    """Tells the listeners of phase ``name`` that it starts and ends (reused: phases of one name never nest)."""
+    """Marks phase ``name`` in ``position`` and tells its listeners as it starts and ends (reused: phases of one
+    name never nest)."""
 
-    __slots__ = ("name", "listeners")
+    __slots__ = ("name", "listeners", "position", "outer")
 
-    def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...]):
-        self.name, self.listeners = name, listeners
+    def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...], position: Position):
+        self.name, self.listeners, self.position, self.outer = name, listeners, position, ""
 
     def __enter__(self) -> None:
+        position = self.position
+        self.outer, position.phase = position.phase, self.name  # the span this one runs inside, back at its end
+        position.edges += 1
         for listener in self.listeners:
             listener(self.name)
 
     def __exit__(self, *exc: object) -> None:
+        position = self.position
+        position.phase = self.outer
+        position.edges += 1
         for listener in self.listeners:
             listener(None)

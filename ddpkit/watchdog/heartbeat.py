@@ -1,10 +1,11 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
-    with Watchdog.for_run(config, runtime, step=lambda: progress.step, key=key) as watchdog:  # stop(error) on exit
-        events.add(watchdog)          # on_phase: every span of reporter.span(): data, forward, ...
+    with Watchdog.for_run(config, runtime, step=lambda: progress.step, key=key, position=events.position) as watchdog:
+        events.add(watchdog)          # on_phase: checkpoint, evaluation and compile only; the phase: events.position
         Evaluation(models, loader, device=device, autocast=autocast, ticking=watchdog.ticking)  # each batch: progress
 
-The training thread only writes attributes (the phase, a counter); a daemon thread makes a heartbeat
+The training thread only writes attributes (its spans write the phase and an edge count into the events'
+:class:`~ddpkit.reporting.events.Position`, the Trainer the step); a daemon thread makes a heartbeat
 of them twice a second, at a cost that does not grow with the job (docs/scaling.md, "The control plane"):
 
 * Every rank writes its heartbeat (step, phase, counters, pid) into its slot of its node's board,
@@ -54,6 +55,7 @@ from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import EXIT_FAILURE, first_line
+from ddpkit.reporting.events import Position
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.failure import announce
 from ddpkit.watchdog.monitor import HANG_EXIT_CODE, Monitor, report_alone
@@ -80,16 +82,17 @@ class Watchdog:
 
     def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float,
                  log_dir: Path, step: Callable[[], int] = lambda: 0, local_world_size: int = 1,
-                 key: bytes | None = None):
+                 key: bytes | None = None, position: Position | None = None):
         global _generation
         _generation += 1
         prefix = f"ddpkit/watchdog/{_generation}"
         self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE, key=key)
         self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
         self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
-        # Written by the training thread (a few attribute writes per phase), read by the watchdog thread.
-        self.spans: list[str] = ["setup"]  # not "phases": a listener's phases narrow the spans it hears (Events)
-        self.ticks = self.phase_ticks = self.data_batches = 0
+        # Written by the training thread, read by the watchdog thread: where it is (the events' spans write it)
+        self.position = position if position is not None else Position()
+        self.ticks = self.phase_ticks = 0  # progress inside a phase (tick(), ticking()): validation batches
+        self._first_step: int | None = None  # the step fit() started from: its data phase may be slow
         self.backstop: Any = NO_BACKSTOP
         self._stopped = threading.Event()
         self.handling_hang = self.published_failure = False
@@ -105,35 +108,33 @@ class Watchdog:
         self._monitor = Monitor(self)
 
     @classmethod
-    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int],
-                key: bytes | None = None) -> Watchdog | _Off:
+    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int], key: bytes | None = None,
+                position: Position | None = None) -> Watchdog | _Off:
         """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store); ``key``: the job's
-        (the worker's), which tags what it writes and must tag what it reads (ddpkit.distributed.control_auth)."""
+        (the worker's), which tags what it writes and must tag what it reads (ddpkit.distributed.control_auth);
+        ``position``: the events' (where the training thread is)."""
         d, hang = config.dist, hang_timeout_seconds(config.dist)
         if hang is None or runtime.env.world_size == 1 or runtime.store is None:
             return _Off()
         slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
         return cls(runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
                    slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
-                   local_world_size=runtime.env.local_world_size, key=key)
+                   local_world_size=runtime.env.local_world_size, key=key, position=position)
 
     # --- the training thread's side: attribute writes only -----------------------------------
 
-    def on_phase(self, name: str | None) -> None:
-        """A listener of every span (:class:`ddpkit.reporting.events.Events`): ``name`` starts, or (None) ends."""
-        if name is None:
-            if len(self.spans) > 1:
-                self.spans.pop()
-        else:
-            self.spans.append(name)
-            if name == "data":
-                self.data_batches += 1
-                self.spans[0] = "loop"  # setup is over: between spans the loop runs hooks and logging
-            self.backstop.at_phase(name)  # a GIL-frozen rank's page: the span entered last, or "loop" (at_step)
-        self.ticks += 1
-        self.phase_ticks = 0
+    #: The spans :meth:`on_phase` hears: the long ones, not the step's (the phase itself is read from ``position``).
+    phases = ("checkpoint", "evaluation", "compile")
 
-    def on_fit_start(self) -> None: self.backstop.at_step(self._step())  # the step resumed from
+    def on_phase(self, name: str | None) -> None:
+        """One of :attr:`phases` starts (its name) or ends (None)."""
+        if name is not None:
+            self.phase_ticks = 0  # validation batches counted from here
+            self.backstop.at_phase(name)  # a GIL-frozen rank's page: this phase, or "loop" once a step ends (at_step)
+
+    def on_fit_start(self) -> None:
+        self._first_step = self._step()  # the step resumed from
+        self.backstop.at_step(self._first_step)
 
     def on_step_end(self, step: int) -> None:
         self.backstop.at_step(step)  # and "loop"; heartbeats go twice a second: a hundred steps may pass between two
@@ -190,7 +191,7 @@ class Watchdog:
             return self.client.close()
         if self._stopped.is_set():
             return
-        self.spans.append("done")
+        self.position = Position("done", self.position.edges)  # the events' own is left as it is
         self._stopped.set()
         if (error is None and not self.handling_hang and self._thread.is_alive()
                 and self._thread is not threading.current_thread()):
@@ -240,11 +241,9 @@ class Watchdog:
 
     def beat(self) -> dict[str, Any]:
         """This rank's heartbeat, read from the training thread's attributes (watchdog thread)."""
-        try:
-            phase = self.spans[-1]
-        except IndexError:
-            phase = "loop"
-        local = (self._step(), phase, self.ticks, self.phase_ticks)
+        position = self.position
+        phase = position.phase
+        local = (self._step(), phase, position.edges + self.ticks, self.phase_ticks)
         if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it)
             self._last_local, self._since, self._seen_stacks = local, time.time(), set()
         else:
@@ -253,7 +252,7 @@ class Watchdog:
                 self._novel += len(self._seen_stacks) > 0  # the first signature after a change is the baseline
                 self._seen_stacks.add(signature)
         self._seq += 1
-        first_batch = phase == "data" and self.data_batches <= 1
+        first_batch = phase == "data" and local[0] == self._first_step
         self.last_beat = {
             "rank": self.rank, "seq": self._seq, "step": local[0], "phase": phase, "ticks": local[2],
             "phase_ticks": local[3], "novel": self._novel, "since": self._since, "host": self._host,
