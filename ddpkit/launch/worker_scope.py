@@ -4,7 +4,7 @@ its hang watchdog and its goodput ledger.
     with worker_scope(config, env, events, step=lambda: progress.step) as worker:
         worker.runtime        # the process group is up: device, backend, store (ddpkit.distributed)
         worker.stop           # checkpoint.save_on_signals: handlers, the agreed stop step, worker.stop.stopped
-        worker.watchdog       # heartbeats through the store; a listener of every span
+        worker.watchdog       # heartbeats through the store; reads the phase from events.position
         worker.ledger         # goodput.jsonl: restore, first step, checkpoints, the attempt's end
         worker.barrier("end of training")
     # on the way out: events.failure(error) if the body raised (the crash save), events.exit(status) (every

@@ -18,9 +18,9 @@ none of them. Records carry the keys defined beside their writer in :mod:`ddpkit
 reads the same names).
 Every span is an event on the run's one listener list (:class:`ddpkit.reporting.events.Events`):
 a listener's ``on_phase`` hears a span's name as it starts and None as it ends, at the cost of a
-method call, so a watchdog can tell what each rank is doing without a collective. A listener
-that names the spans it needs (its ``phases``) is not called for the others: the step path calls
-only who asked.
+method call. A listener that names the spans it needs (its ``phases``) is not called for the others:
+the step path calls only who asked. What each rank is doing needs no call at all: the spans write it
+into the events' ``position``, which the hang watchdog reads from its own thread.
 """
 
 from __future__ import annotations
