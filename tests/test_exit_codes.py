@@ -9,6 +9,7 @@ Slow: a real `ddpkit run` preempted with SIGTERM exits with the configured reque
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,3 +284,23 @@ def test_a_killed_frozen_rank_counts_with_the_code_its_error_file_records(tmp_pa
     assert _root_cause_code(Failed(killed)) == 3
     plain = ProcessFailure(local_rank=1, pid=1, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"))
     assert _root_cause_code(Failed(plain)) == 1
+
+
+def test_the_summary_shows_a_killed_frozen_rank_with_its_code_whichever_exit_torch_saw_first(tmp_path):
+    """torch reports the worker it sees exit first: the frozen rank (SIGKILLed by the watchdog) or the rank that
+    reported the hang (exit 3), and ddpkit adds the other from its error file. The summary reads the same."""
+    import json
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddpkit.launch.launcher import _summary
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "hang: no heartbeat: rank 1",
+                                                  "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 7}}}))
+    killed = ProcessFailure(local_rank=1, pid=7, exitcode=-signal.SIGKILL, error_file=str(error_file))
+    reporter = ProcessFailure(local_rank=0, pid=6, exitcode=3, error_file=str(tmp_path / "none.json"))
+    summary = _summary(ChildFailedError("run_program", {0: reporter, 1: killed}))
+    assert re.search(r"Root Cause.*?rank\s+: 1 .*?exitcode\s+: 3 \(pid: 7\)", summary, re.DOTALL), summary
+    assert "SIGKILL" not in summary, summary

@@ -264,11 +264,17 @@ def _root_cause_code(exc: Any) -> int:
     """The first failed rank's exit code when it tells a scheduler what to do (2: fix the config, 3: a hang,
     4: unhealthy; ``ddpkit.errors.EXIT_CODES``), else 1."""
     _, first = exc.get_first_failure()
-    code = first.exitcode
-    if code == -signal.SIGKILL:  # a frozen rank the watchdog killed: its error file holds the code it stands for (3)
-        message = (getattr(first, "error_file_data", None) or {}).get("message")
-        code = message.get("extraInfo", {}).get("exitcode", code) if isinstance(message, dict) else code
+    code = _code_it_stands_for(first)
     return code if code in (EXIT_CONFIG, EXIT_HANG, EXIT_UNHEALTHY) else EXIT_FAILURE
+
+
+def _code_it_stands_for(failure: Any) -> int:
+    """A failed rank's exit code; for a frozen rank the watchdog SIGKILLed, the code its error file records (3)."""
+    code = failure.exitcode
+    if code == -signal.SIGKILL:
+        message = (getattr(failure, "error_file_data", None) or {}).get("message")
+        code = message.get("extraInfo", {}).get("exitcode", code) if isinstance(message, dict) else code
+    return code
 
 
 #: What torchrun's agent handles (and forwards to the workers) by default.
@@ -286,9 +292,12 @@ def _summary(exc: Any) -> str:
     usually within the same second, and the tie goes to the lowest rank: rank 0's "Connection
     closed by peer" would be named as the cause. Failures that only report a lost peer, or a
     SIGTERM from the agent stopping the group, are moved back a second so the tie goes to the
-    real one (if all failures are of that kind, their order is unchanged).
+    real one (if all failures are of that kind, their order is unchanged). A frozen rank the watchdog
+    killed shows the code it stands for (3), as when torch did not see it exit.
     """
     for failure in torchrun_adapter.failures(exc).values():
+        # A frozen rank reads the same whether torch saw the watchdog's SIGKILL or ddpkit added it from its error file
+        failure.exitcode = _code_it_stands_for(failure)
         if failure.exitcode == -signal.SIGTERM or any(text in str(failure.message) for text in _PEER_LOST):
             failure.timestamp += 1
     return exc.format_msg()
