@@ -14,7 +14,7 @@ heartbeat, no stacks through the store. Two things still work there. ``faulthand
 is a C thread that needs no GIL: re-armed on every heartbeat, it fires only when the heartbeats
 stop, and writes the Python stack of every thread to this rank's file. And a page of the same
 file is mapped into memory, where the training thread writes its step at the end of each step
-("loop") and the long phases it enters (checkpoint, evaluation, compile), with no system call: the file's
+("loop") and the long phases it enters (checkpoint, evaluation, compile, sample), with no system call: the file's
 first line says where the rank was when it froze, to the step, while the last heartbeat may be a step
 or a hundred older; the stacks below it say where inside the step.
 

@@ -1,7 +1,7 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
     with Watchdog.for_run(config, runtime, step=lambda: progress.step, key=key, position=events.position) as watchdog:
-        events.add(watchdog)          # on_phase: checkpoint, evaluation and compile only; the phase: events.position
+        events.add(watchdog)          # on_phase: the long spans only (checkpoint, ...); the phase: events.position
         Evaluation(models, loader, device=device, autocast=autocast, ticking=watchdog.ticking)  # each batch: progress
 
 The training thread only writes attributes (its spans write the phase and an edge count into the events'
@@ -124,7 +124,7 @@ class Watchdog:
     # --- the training thread's side: attribute writes only -----------------------------------
 
     #: The spans :meth:`on_phase` hears: the long ones, not the step's (the phase itself is read from ``position``).
-    phases = ("checkpoint", "evaluation", "compile")
+    phases = ("checkpoint", "evaluation", "compile", "sample")  # sample: train.sample's generation
 
     def on_phase(self, name: str | None) -> None:
         """One of :attr:`phases` starts (its name) or ends (None)."""
