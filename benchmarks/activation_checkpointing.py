@@ -56,8 +56,9 @@ def _child(args: argparse.Namespace) -> dict:
     """One variant in this process: step times, bytes kept for backward, peak memory."""
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = gpt(args.preset, dim=args.dim, depth=args.depth, heads=args.heads, vocab_size=args.vocab_size,
-                max_len=args.seq_len).to(device)
+    model = gpt(
+        args.preset, dim=args.dim, depth=args.depth, heads=args.heads, vocab_size=args.vocab_size, max_len=args.seq_len
+    ).to(device)
     apply_activation_checkpointing(model, args.child == "on")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, model.vocab_size, (args.batch, args.seq_len + 1), device=device)
@@ -65,8 +66,9 @@ def _child(args: argparse.Namespace) -> dict:
     times = []
     for step in range(args.steps + 1):
         start = time.perf_counter()
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
-                                                         lambda t: t)
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.append(t.numel() * t.element_size()) or t, lambda t: t
+        )
         with hooks if step == 0 else contextlib.nullcontext():  # count what the first forward keeps
             logits = model(x[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
@@ -76,8 +78,11 @@ def _child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         if step:  # step 0 is the warm-up
             times.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {"ms": statistics.median(times), "kept_mib": sum(kept) / 2**20, "peak_mib": peak / 2**20}
 
 
@@ -89,20 +94,24 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     passed = list(argv if argv is not None else sys.argv[1:])  # each child gets the same flags
     for r in range(args.rounds):
-        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             command = [sys.executable, "-m", "benchmarks.activation_checkpointing", *passed, "--child", variant]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r} {variant}: {rows[variant][-1]}", file=sys.stderr)
     base = statistics.median(row["ms"] for row in rows["off"])
     shape = f"preset {args.preset}, dim {args.dim}, depth {args.depth}, heads {args.heads}" if args.dim else args.preset
-    print(f"activation checkpointing, {shape}, batch {args.batch} x seq_len {args.seq_len}, {args.device}, "
-          f"{args.rounds} rounds of {args.steps} steps")
+    print(
+        f"activation checkpointing, {shape}, batch {args.batch} x seq_len {args.seq_len}, {args.device}, "
+        f"{args.rounds} rounds of {args.steps} steps"
+    )
     print(f"{'variant':8} {'ms/step':>10} {'x off':>7} {'kept MiB':>10} {'peak MiB':>10}")
     for variant, results in rows.items():
         ms = statistics.median(row["ms"] for row in results)
-        print(f"{variant:8} {ms:10.1f} {ms / base:7.2f} {results[0]['kept_mib']:10.1f} "
-              f"{statistics.median(row['peak_mib'] for row in results):10.1f}")
+        print(
+            f"{variant:8} {ms:10.1f} {ms / base:7.2f} {results[0]['kept_mib']:10.1f} "
+            f"{statistics.median(row['peak_mib'] for row in results):10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def _rank(workload: str, steps: int, out: str) -> dict[str, Any]:
     w = WORKLOADS[workload]
     trainer = _Measured(trainer_config(w, steps, 2, out, name="threads", log={"progress_bar": False}))
     trainer.fit()
-    shares = {name: (trainer.after.get(name, 0.0) - trainer.before.get(name, 0.0)) / trainer.wall
-              for name in trainer.after}
+    shares = {
+        name: (trainer.after.get(name, 0.0) - trainer.before.get(name, 0.0)) / trainer.wall for name in trainer.after
+    }
     return {"wall": trainer.wall, "shares": shares}
 
 
@@ -72,8 +73,10 @@ def main() -> None:
         ranks = run_on_ranks(_rank, 2, args=(args.workload, args.steps, out), timeout=3600)
     names = sorted({name for r in ranks for name in r["shares"]}, key=lambda n: -ranks[0]["shares"].get(n, 0.0))
     rows = [[name, *(f"{100 * r['shares'].get(name, 0.0):.3f}%" for r in ranks)] for name in names]
-    title = (f"{args.workload}, 2 Gloo ranks, {args.steps} steps, every default on: CPU time per second of training "
-             f"(wall {ranks[0]['wall']:.1f} s)")
+    title = (
+        f"{args.workload}, 2 Gloo ranks, {args.steps} steps, every default on: CPU time per second of training "
+        f"(wall {ranks[0]['wall']:.1f} s)"
+    )
     print(table(title, ["thread", "rank 0", "rank 1"], rows))
 
 

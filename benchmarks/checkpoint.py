@@ -43,28 +43,38 @@ BATCH, WARMUP = 32, 2
 
 def run_variant(name: str, params: dict[str, Any], runtime: Runtime, out: Path) -> dict[str, Any]:
     every, steps = params["every"], params["steps"]
-    trainer = TimedTrainer({
-        "run": {"name": "ckpt-bench", "output_dir": str(out), "seed": 0},
-        "data": {"name": "synthetic", "batch_size": BATCH,
-                 "kwargs": {"size": steps * BATCH * runtime.env.world_size, "shape": [1, 28, 28]}},
-        "model": {"name": "mlp", "kwargs": {"hidden": params["hidden"]}},
-        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "train": {"epochs": 1, "max_steps": steps, "timeline": True},
-        "checkpoint": {
-            "every_steps": every if VARIANTS[name] is not None else None, "every_epochs": None, "resume": "none",
-            "async": bool(VARIANTS[name]), "keep_last": 2,
-        },
-        "log": {"progress_bar": False},
-    })
+    trainer = TimedTrainer(
+        {
+            "run": {"name": "ckpt-bench", "output_dir": str(out), "seed": 0},
+            "data": {
+                "name": "synthetic",
+                "batch_size": BATCH,
+                "kwargs": {"size": steps * BATCH * runtime.env.world_size, "shape": [1, 28, 28]},
+            },
+            "model": {"name": "mlp", "kwargs": {"hidden": params["hidden"]}},
+            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+            "train": {"epochs": 1, "max_steps": steps, "timeline": True},
+            "checkpoint": {
+                "every_steps": every if VARIANTS[name] is not None else None,
+                "every_epochs": None,
+                "resume": "none",
+                "async": bool(VARIANTS[name]),
+                "keep_last": 2,
+            },
+            "log": {"progress_bar": False},
+        }
+    )
     trainer.fit()
-    result = {"loop_s": trainer.clock.wall[-1] - trainer.clock.wall[WARMUP],
-              "ms_per_step": steady_ms_per_step(trainer.clock.wall, warmup=WARMUP)}
+    result = {
+        "loop_s": trainer.clock.wall[-1] - trainer.clock.wall[WARMUP],
+        "ms_per_step": steady_ms_per_step(trainer.clock.wall, warmup=WARMUP),
+    }
     if runtime.env.rank == 0:
         events = json.loads((out / "timeline.json").read_text())["traceEvents"]
         # Saves whose stall falls inside the timed window: after the warm-up, before the last step.
         spans = [e["dur"] / 1000 for e in events if e.get("tid") == 0 and e["name"] == "checkpoint"]
         before = len(range(every, WARMUP, every))  # saves during the warm-up, if any
-        result["stalls_ms"] = spans[before: before + params["saves"]]
+        result["stalls_ms"] = spans[before : before + params["saves"]]
         files = list((out / "checkpoints").glob("step-*.pt"))
         result["checkpoint_mb"] = max((f.stat().st_size for f in files), default=0) / 2**20
     barrier()
@@ -98,8 +108,9 @@ def report(result: dict[str, Any], params: dict[str, Any]) -> str:
         cost = Stats.of([(run["loop_s"] - b) * 1000 / saves for run, b in zip(runs[name], base)])
         stall_medians[name] = stall.median
         steps = Stats.of([run["ms_per_step"] for run in runs[name]])
-        rows.append([name, f"{stall.median:.1f}", stall.spread(1), f"{cost.median:.1f}", cost.spread(1),
-                     f"{steps.median:.1f}"])
+        rows.append(
+            [name, f"{stall.median:.1f}", stall.spread(1), f"{cost.median:.1f}", cost.spread(1), f"{steps.median:.1f}"]
+        )
     none_steps = Stats.of([run["ms_per_step"] for run in runs["none"]])
     rows.append(["none", "-", "-", "-", "-", f"{none_steps.median:.1f}"])
     size = max(run.get("checkpoint_mb", 0) for run in runs["sync"])
@@ -107,8 +118,9 @@ def report(result: dict[str, Any], params: dict[str, Any]) -> str:
         f"checkpoint stall: MLP 784-{'-'.join(map(str, params['hidden']))}-10, "
         f"{size:.0f} MB per checkpoint, 2 ranks x 1 thread, "
         f"batch {BATCH}/rank, save every {params['every']} steps, {saves} saves per run, {params['rounds']} rounds\n"
-        + format_table(["saves", "stall ms/save", "min..max", "cost ms/save (vs none)", "min..max", "ms/step (mean)"],
-                       rows)
+        + format_table(
+            ["saves", "stall ms/save", "min..max", "cost ms/save (vs none)", "min..max", "ms/step (mean)"], rows
+        )
         + f"\nasync stall / sync stall = {stall_medians['async'] / stall_medians['sync']:.3f} "
         f"({stall_medians['sync'] / stall_medians['async']:.1f}x shorter)"
     )
@@ -118,8 +130,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         return serve(argv[1], {"checkpoint": checkpoint_worker})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", default="2048,4096",
-                        help="MLP hidden widths (default 2048,4096: ~80 MB checkpoints)")
+    parser.add_argument(
+        "--hidden", default="2048,4096", help="MLP hidden widths (default 2048,4096: ~80 MB checkpoints)"
+    )
     parser.add_argument("--every", type=int, default=8, help="save every this many steps (default 8)")
     parser.add_argument("--steps", type=int, default=34, help="steps per run (default 34)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
@@ -129,8 +142,13 @@ def main(argv: list[str]) -> int:
     saves = len([s for s in range(WARMUP, args.steps) if s % args.every == 0])
     if saves < 1:
         parser.error(f"--steps {args.steps} with --every {args.every} leaves no save inside the timed window")
-    params = {"hidden": [int(h) for h in args.hidden.split(",")], "every": args.every, "steps": args.steps,
-              "rounds": args.rounds, "saves": saves}
+    params = {
+        "hidden": [int(h) for h in args.hidden.split(",")],
+        "every": args.every,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "saves": saves,
+    }
     with load_printed():
         result = run_module_workers(__spec__.name, "checkpoint", params, nproc=2)
         print(report(result, params), flush=True)

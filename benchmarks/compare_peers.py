@@ -33,8 +33,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workloads", default="mlp,mnist_cnn", help="comma list (default mlp,mnist_cnn)")
     parser.add_argument("--rounds", default="5", help="alternated rounds (default 5)")
     parser.add_argument("--steps", default=None, help="timed steps per run (default: the workload's)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="every system in one job instead of new processes per run")
+    parser.add_argument(
+        "--in-process", action="store_true", help="every system in one job instead of new processes per run"
+    )
     args = parser.parse_args(argv)
     forwarded = ["--workloads", args.workloads, "--rounds", args.rounds, "--variants", ",".join(SYSTEMS)]
     forwarded += ["--steps", args.steps] if args.steps else []

@@ -86,8 +86,15 @@ def hand(w: dict[str, Any], steps: int, rank: int, world_size: int, *, compiled:
     train_set, model = build(w, steps)
     clock = StepClock()
     loader = loader_for(train_set, rank, world_size)
-    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, compiled=compiled,
-                  on_step=lambda step: clock.tick())
+    train_by_hand(
+        model,
+        loader,
+        rank=rank,
+        world_size=world_size,
+        max_steps=steps,
+        compiled=compiled,
+        on_step=lambda step: clock.tick(),
+    )
     return clock
 
 
@@ -142,13 +149,30 @@ def report_steps(workload: str, result: dict[str, Any]) -> str:
             else:
                 cells += ["-", "-"]
         cpu = paired(run["cpu_ms"], runs[next(iter(runs))]["cpu_ms"])
-        cells += [f"{statistics.median(run['cpu_ms']):.1f}", f"{cpu.median:.3f}", cpu.spread(3),
-                  f"{statistics.median(run['compile_s']):.1f}"]
+        cells += [
+            f"{statistics.median(run['cpu_ms']):.1f}",
+            f"{cpu.median:.3f}",
+            cpu.spread(3),
+            f"{statistics.median(run['compile_s']):.1f}",
+        ]
         rows.append(cells)
-    title = (f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
-             f"{result['warmup']} warm-up, {len(next(iter(runs.values()))['ms'])} rounds")
-    headers = ["variant", "ms/step", "min..max", "x hand-eager", "min..max", "x hand-compiled", "min..max",
-               "CPU ms/step", f"CPU x {next(iter(runs))}", "min..max", "compile s"]
+    title = (
+        f"{workload}: 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+        f"{result['warmup']} warm-up, {len(next(iter(runs.values()))['ms'])} rounds"
+    )
+    headers = [
+        "variant",
+        "ms/step",
+        "min..max",
+        "x hand-eager",
+        "min..max",
+        "x hand-compiled",
+        "min..max",
+        "CPU ms/step",
+        f"CPU x {next(iter(runs))}",
+        "min..max",
+        "compile s",
+    ]
     return table(title, headers, rows)
 
 
@@ -165,14 +189,16 @@ class _UntilAccurate(TimedTrainer):
 
 def ddpkit_to_accuracy(target: float, workdir: Path, **train: Any) -> tuple[float, int]:
     started = time.perf_counter()
-    trainer = _UntilAccurate({
-        "run": {"name": "accuracy", "output_dir": str(workdir), "seed": SEED},
-        "data": {"name": "digits", "batch_size": BATCH},
-        "model": {"name": "mnist_cnn"},
-        "optim": {"name": "sgd", "lr": ACC_LR, "momentum": MOMENTUM},
-        "train": {"epochs": None, "max_steps": ACC_MAX_STEPS, "eval_every": EVAL_EVERY, **train},
-        "checkpoint": {"every_epochs": None, "resume": "none"},
-    })
+    trainer = _UntilAccurate(
+        {
+            "run": {"name": "accuracy", "output_dir": str(workdir), "seed": SEED},
+            "data": {"name": "digits", "batch_size": BATCH},
+            "model": {"name": "mnist_cnn"},
+            "optim": {"name": "sgd", "lr": ACC_LR, "momentum": MOMENTUM},
+            "train": {"epochs": None, "max_steps": ACC_MAX_STEPS, "eval_every": EVAL_EVERY, **train},
+            "checkpoint": {"every_epochs": None, "resume": "none"},
+        }
+    )
     trainer.target = target
     with contextlib.redirect_stderr(io.StringIO()):
         metrics = trainer.fit()
@@ -191,8 +217,16 @@ def hand_to_accuracy(target: float, rank: int, world_size: int, *, compiled: boo
         return step > 0 and step % EVAL_EVERY == 0 and accuracy(evaluator, val) >= target
 
     loader = loader_for(train_set, rank, world_size)
-    steps = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=ACC_MAX_STEPS, lr=ACC_LR,
-                          compiled=compiled, on_step=reached)
+    steps = train_by_hand(
+        model,
+        loader,
+        rank=rank,
+        world_size=world_size,
+        max_steps=ACC_MAX_STEPS,
+        lr=ACC_LR,
+        compiled=compiled,
+        on_step=reached,
+    )
     return time.perf_counter() - started, steps
 
 
@@ -225,8 +259,16 @@ def report_accuracy(target: float, result: dict[str, Any]) -> str:
     for name, run in runs.items():
         s = Stats.of(run["s"])
         ratio = paired(run["s"], runs["hand-eager"]["s"])
-        rows.append([name, f"{s.median:.1f}", s.spread(1), f"{ratio.median:.3f}", ratio.spread(3),
-                     ", ".join(str(n) for n in run["steps"])])
+        rows.append(
+            [
+                name,
+                f"{s.median:.1f}",
+                s.spread(1),
+                f"{ratio.median:.3f}",
+                ratio.spread(3),
+                ", ".join(str(n) for n in run["steps"]),
+            ]
+        )
     title = f"time to {target:.0%} validation accuracy, MNIST CNN on digits, 2 ranks x 1 thread, batch {BATCH}/rank"
     return table(title, ["variant", "seconds", "min..max", "x hand-eager", "min..max", "steps"], rows)
 
@@ -265,15 +307,23 @@ def page_faults(rounds: int) -> str:
     for r in range(rounds):
         variants = (("malloc defaults", "defaults"), ("kept (train.keep_host_memory)", "kept"))
         for name, arg in variants[:: 1 if r % 2 == 0 else -1]:
-            out = subprocess.run([sys.executable, "-c", _FAULTS, arg], capture_output=True, text=True, check=True,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            out = subprocess.run(
+                [sys.executable, "-c", _FAULTS, arg],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             rows[name].append([float(v) for v in out.stdout.split()])
             progress(f"[page faults] round {r + 1} {name}: {out.stdout.strip()}")
     columns = ((0, 0), (1, 2), (2, 1))  # (index, decimals) of faults, kernel ms and CPU ms
-    rows_out = [[name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in columns)]
-                for name, runs in rows.items()]
-    title = (f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each "
-             "(fresh processes, alternating)")
+    rows_out = [
+        [name, *(", ".join(f"{run[i]:.{d}f}" for run in runs) for i, d in columns)] for name, runs in rows.items()
+    ]
+    title = (
+        f"MNIST CNN training step, batch 64, 1 process x 1 thread, 200 steps per run, {rounds} runs each "
+        "(fresh processes, alternating)"
+    )
     return table(title, ["malloc", "minor faults/step", "kernel ms/step", "CPU ms/step"], rows_out)
 
 
@@ -300,8 +350,12 @@ def main(argv: list[str]) -> int:
         if args.page_faults:
             print(page_faults(args.rounds), flush=True)
         elif args.accuracy is not None:
-            params = {"variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]], "rounds": args.rounds,
-                      "target": args.accuracy, "timeout": 1800}
+            params = {
+                "variants": ["hand-eager", *[v for v in variants if v != "hand-eager"]],
+                "rounds": args.rounds,
+                "target": args.accuracy,
+                "timeout": 1800,
+            }
             results["accuracy"] = run_module_workers(__spec__.name, "compile_accuracy", params, nproc=2)
             print(report_accuracy(args.accuracy, results["accuracy"]), flush=True)
         else:

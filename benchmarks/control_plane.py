@@ -66,16 +66,18 @@ def _before_package(tmp: Path) -> Path:
     package = tmp / "ddpkit_watchdog_before"
     package.mkdir(parents=True, exist_ok=True)
     for name in ("__init__", "heartbeat", "monitor", "report", "backstop", "store_io"):
-        text = subprocess.run(["git", "show", f"{BEFORE}:ddpkit/watchdog/{name}.py"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout
+        text = subprocess.run(
+            ["git", "show", f"{BEFORE}:ddpkit/watchdog/{name}.py"], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout
         (package / f"{name}.py").write_text(text.replace("ddpkit.watchdog.", "ddpkit_watchdog_before."))
     return tmp
 
 
 def _load_before(package: Path) -> None:
     """Make ``ddpkit_watchdog_before`` importable from ``package`` (the import path itself is left alone)."""
-    spec = importlib.util.spec_from_file_location(package.name, package / "__init__.py",
-                                                  submodule_search_locations=[str(package)])
+    spec = importlib.util.spec_from_file_location(
+        package.name, package / "__init__.py", submodule_search_locations=[str(package)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[package.name] = module
     spec.loader.exec_module(module)
@@ -101,9 +103,16 @@ def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, re
     StoreClient._call = counted
     extra = {} if scheme == "before" else {"local_world_size": args["rpn"]}
     progress = {"step": 0}
-    wd = heartbeat.Watchdog(_store(args["port"]), rank=rank, world_size=args["ranks"], hang_timeout=args["hang"],
-                            slow_timeout=args["hang"], log_dir=Path(out).parent / f"logs-{rank}",
-                            step=lambda: progress["step"], **extra).start()
+    wd = heartbeat.Watchdog(
+        _store(args["port"]),
+        rank=rank,
+        world_size=args["ranks"],
+        hang_timeout=args["hang"],
+        slow_timeout=args["hang"],
+        log_dir=Path(out).parent / f"logs-{rank}",
+        step=lambda: progress["step"],
+        **extra,
+    ).start()
     wd.on_phase("data")
     ready.put(rank)
     measured: dict[str, float] = {}
@@ -162,11 +171,27 @@ class _SimAfter:
         self.progress = [[sign(key, "progress", f"{n}:{i}") for i in (0, 1)] for n in range(self.nodes)]
         now = time.time()
         record = {"host": "sim", "t": now, "alarm": None, "silent": {}}  # a node's record, as its leader sets it
-        self.records = [sign(key, f"node/{n}", json.dumps({**record, "node": n, "beats": {
-            n * rpn + i: {**_beat(n * rpn + i, 1), "t": now} for i in range(rpn)}})) for n in range(self.nodes)]
+        self.records = [
+            sign(
+                key,
+                f"node/{n}",
+                json.dumps(
+                    {
+                        **record,
+                        "node": n,
+                        "beats": {n * rpn + i: {**_beat(n * rpn + i, 1), "t": now} for i in range(rpn)},
+                    }
+                ),
+            )
+            for n in range(self.nodes)
+        ]
         real = {(0, 0), (1, 0), (1, 1)}
-        self.boards = [NodeBoard.open(board_name(key, PREFIX, node=n), slots=rpn, index=i)
-                       for n in (0, 1) for i in range(rpn) if (n, i) not in real]
+        self.boards = [
+            NodeBoard.open(board_name(key, PREFIX, node=n), slots=rpn, index=i)
+            for n in (0, 1)
+            for i in range(rpn)
+            if (n, i) not in real
+        ]
         self.step = 0
 
     def interval(self, tick: int, training: bool, counts: dict[str, int]) -> None:
@@ -192,8 +217,10 @@ class _SimBefore:
         from ddpkit.distributed.control_auth import sign
 
         self.store, self.ranks, self.budget = store, args["ranks"], args["before_sets"]
-        self.values = {r: [sign(key, f"hb/{r}", json.dumps({**_beat(r, s), "seq": s})) for s in (1, 2)]
-                       for r in range(2, self.ranks)}
+        self.values = {
+            r: [sign(key, f"hb/{r}", json.dumps({**_beat(r, s), "seq": s})) for s in (1, 2)]
+            for r in range(2, self.ranks)
+        }
         for rank, pair in self.values.items():
             store.set(f"hb/{rank}", pair[0])
         self.next = 2
@@ -209,8 +236,19 @@ class _SimBefore:
 
 
 def _beat(rank: int, step: int) -> dict[str, Any]:
-    return {"rank": rank, "seq": step, "step": step, "phase": "forward", "ticks": 4 * step, "phase_ticks": 0,
-            "novel": 0, "since": time.time(), "host": "sim", "pid": 0, "slow": False}
+    return {
+        "rank": rank,
+        "seq": step,
+        "step": step,
+        "phase": "forward",
+        "ticks": 4 * step,
+        "phase_ticks": 0,
+        "novel": 0,
+        "since": time.time(),
+        "host": "sim",
+        "pid": 0,
+        "slow": False,
+    }
 
 
 def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -221,13 +259,24 @@ def run_one(scheme: str, ranks: int, rpn: int, opts: argparse.Namespace, tmp: Pa
     server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False)
     roles = {"rank 0": 0, "plain": 1} if scheme == "before" else {"rank 0": 0, "leader": rpn, "plain": rpn + 1}
     clock, ready = ctx.Array("d", 2), ctx.Queue()  # the hang's time and the end's, once every process is ready
-    args = {"port": server.port, "ranks": ranks, "rpn": rpn, "hang": opts.hang_timeout, "secret": new_secret(),
-            "window": opts.window, "before_sets": opts.before_sets, "before": str(tmp / "ddpkit_watchdog_before")}
+    args = {
+        "port": server.port,
+        "ranks": ranks,
+        "rpn": rpn,
+        "hang": opts.hang_timeout,
+        "secret": new_secret(),
+        "window": opts.window,
+        "before_sets": opts.before_sets,
+        "before": str(tmp / "ddpkit_watchdog_before"),
+    }
     run_dir = Path(tempfile.mkdtemp(prefix=f"{scheme}-{ranks}-", dir=tmp))
-    procs = [ctx.Process(target=_role, args=(scheme, rank, args, str(run_dir / f"{name}.json"), clock, ready),
-                         daemon=True) for name, rank in roles.items()]
-    procs.append(ctx.Process(target=_simulate, args=(scheme, args, str(run_dir / "sim.json"), clock, ready),
-                             daemon=True))
+    procs = [
+        ctx.Process(target=_role, args=(scheme, rank, args, str(run_dir / f"{name}.json"), clock, ready), daemon=True)
+        for name, rank in roles.items()
+    ]
+    procs.append(
+        ctx.Process(target=_simulate, args=(scheme, args, str(run_dir / "sim.json"), clock, ready), daemon=True)
+    )
     for proc in procs:
         proc.start()
     for _ in procs:
@@ -280,8 +329,9 @@ def capacity(seconds: float = 3.0, clients: int = 3) -> dict[str, float]:
     ctx, out = multiprocessing.get_context("spawn"), {}
     for method in ("set", "check"):
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_capacity_client, args=(server.port, method, seconds, queue))
-                 for _ in range(clients)]
+        procs = [
+            ctx.Process(target=_capacity_client, args=(server.port, method, seconds, queue)) for _ in range(clients)
+        ]
         for proc in procs:
             proc.start()
         out[method] = sum(queue.get() for _ in procs) / seconds
@@ -303,10 +353,12 @@ def _row(r: dict[str, Any]) -> str:
     # before, each rank: set hb, check alarm, check + get hb/0 (rank 0: the multi_get)
     asked = 4 * r["ranks"] / INTERVAL if r["scheme"] == "before" else driven
     detect = f"{r['detect_s']:.1f}" if r["detect_s"] is not None else "none"
-    return (f"| {r['scheme']} | {r['ranks']:,} | {asked:,.0f} | {driven:,.0f} | {100 * r['store_cpu']:.0f}% | "
-            f"{share('rank 0')} ({ops('rank 0') * INTERVAL:.1f}) | {share('leader')} "
-            f"({ops('leader') * INTERVAL:.1f}) | {share('plain')} ({ops('plain') * INTERVAL:.1f}) | {detect} | "
-            f"{sim.get('late', '-')} |")
+    return (
+        f"| {r['scheme']} | {r['ranks']:,} | {asked:,.0f} | {driven:,.0f} | {100 * r['store_cpu']:.0f}% | "
+        f"{share('rank 0')} ({ops('rank 0') * INTERVAL:.1f}) | {share('leader')} "
+        f"({ops('leader') * INTERVAL:.1f}) | {share('plain')} ({ops('plain') * INTERVAL:.1f}) | {detect} | "
+        f"{sim.get('late', '-')} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,8 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ranks {opts.ranks}: each must be a multiple of --ranks-per-node, and at least two nodes")
     load = os.getloadavg()
     cap = capacity()
-    print(f"store capacity here: {cap['sets_per_s']:,.0f} sets/s, {cap['round_trips_per_s']:,.0f} round trips/s; "
-          f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    print(
+        f"store capacity here: {cap['sets_per_s']:,.0f} sets/s, {cap['round_trips_per_s']:,.0f} round trips/s; "
+        f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
         if "before" in schemes:
@@ -334,10 +389,14 @@ def main(argv: list[str] | None = None) -> int:
             for scheme in schemes:
                 results.append(run_one(scheme, ranks, opts.ranks_per_node, opts, Path(tmp)))
                 print(json.dumps(results[-1]), flush=True)
-    print(f"\nhang_timeout {opts.hang_timeout:g} s, {opts.ranks_per_node} ranks per node, interval {INTERVAL} s; "
-          f"load after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("| scheme | ranks | store ops/s asked | ops/s driven | store CPU | rank 0 CPU (ops/interval) | "
-          "node leader | plain rank | detect s | late intervals |")
+    print(
+        f"\nhang_timeout {opts.hang_timeout:g} s, {opts.ranks_per_node} ranks per node, interval {INTERVAL} s; "
+        f"load after {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        "| scheme | ranks | store ops/s asked | ops/s driven | store CPU | rank 0 CPU (ops/interval) | "
+        "node leader | plain rank | detect s | late intervals |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(_row(r))

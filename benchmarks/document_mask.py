@@ -60,8 +60,9 @@ def main() -> None:
     args = _args()
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = gpt(args.preset, dim=args.dim, depth=args.depth, heads=args.heads, vocab_size=args.vocab_size,
-                max_len=args.seq_len).to(device)
+    model = gpt(
+        args.preset, dim=args.dim, depth=args.depth, heads=args.heads, vocab_size=args.vocab_size, max_len=args.seq_len
+    ).to(device)
     eot = min(model.vocab_size - 1, 256) if args.vocab_size else 50256
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, eot, (args.batch, args.seq_len + 1), device=device)
@@ -71,13 +72,15 @@ def main() -> None:
         model.documents = None if restart is None else {"eot": eot, "restart_positions": restart}
         _step(model, optimizer, x)
     for r in range(args.rounds):
-        for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
+        for name in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
             restart = VARIANTS[name]
             model.documents = None if restart is None else {"eot": eot, "restart_positions": restart}
             times[name].append(statistics.median(_step(model, optimizer, x) for _ in range(args.steps)))
-    print(f"document mask, {args.preset if not args.dim else f'dim {args.dim} depth {args.depth}'}, batch "
-          f"{args.batch} x seq_len {args.seq_len}, documents of ~{args.doc_len} tokens, {device.type}, "
-          f"{args.rounds} rounds of {args.steps} steps")
+    print(
+        f"document mask, {args.preset if not args.dim else f'dim {args.dim} depth {args.depth}'}, batch "
+        f"{args.batch} x seq_len {args.seq_len}, documents of ~{args.doc_len} tokens, {device.type}, "
+        f"{args.rounds} rounds of {args.steps} steps"
+    )
     print(f"{'variant':22} {'ms/step':>10} {'x causal':>9}")
     for name, values in times.items():
         ratio = statistics.median(v / c for v, c in zip(values, times["causal"]))

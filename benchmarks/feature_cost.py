@@ -151,20 +151,39 @@ def health(args: argparse.Namespace) -> str:
     unknown = [v for v in variants if v not in HEALTH]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown[0]!r}; choose from {', '.join(HEALTH)}")
-    result = run_module_workers(__spec__.name, "health",
-                                {"variants": variants, "rounds": args.rounds, "steps": args.steps}, nproc=2)
+    result = run_module_workers(
+        __spec__.name, "health", {"variants": variants, "rounds": args.rounds, "steps": args.steps}, nproc=2
+    )
     runs, base = result["runs"], result["runs"]["off"]
     rows = []
     for name, run in runs.items():
         wall, ratio = Stats.of(run["wall"]), paired(run["wall"], base["wall"])
         extra_cpu = paired(run["cpu"], base["cpu"], scale=1000, difference=True)
         share = extra_cpu.median / 1000 / Stats.of(base["cpu"]).median
-        rows.append([name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
-                     f"{extra_cpu.median:+.1f}", f"{share:+.2%}"])
-    title = (f"MLP 784-128-128-10, 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
-             f"{result['warmup']}, {len(base['wall'])} rounds")
-    headers = ["variant", "ms/step", "min..max", "x off", "x off min..max", "CPU us/step vs off",
-               "CPU share of the off step"]
+        rows.append(
+            [
+                name,
+                f"{wall.median:.3f}",
+                wall.spread(3),
+                f"{ratio.median:.3f}",
+                ratio.spread(3),
+                f"{extra_cpu.median:+.1f}",
+                f"{share:+.2%}",
+            ]
+        )
+    title = (
+        f"MLP 784-128-128-10, 2 ranks x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+        f"{result['warmup']}, {len(base['wall'])} rounds"
+    )
+    headers = [
+        "variant",
+        "ms/step",
+        "min..max",
+        "x off",
+        "x off min..max",
+        "CPU us/step vs off",
+        "CPU share of the off step",
+    ]
     return table(title, headers, rows)
 
 
@@ -187,14 +206,24 @@ def _skeleton(reporter: Reporter, steps: int) -> float:
 def watchdog(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config({"run": {"output_dir": tmp}, "log": {"progress_bar": False}})
-        runtime = Runtime(env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2),
-                          device=torch.device("cpu"), backend="gloo")
+        runtime = Runtime(
+            env=DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2),
+            device=torch.device("cpu"),
+            backend="gloo",
+        )
         listening = Events()
         plain = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=Events())
         watched = Reporter(cfg, runtime=runtime, total_steps=1, progress=Progress(), events=listening)
         # A limit no round reaches: the absent rank 1 must not end the benchmark as a "hang".
-        dog = Watchdog(dist.HashStore(), rank=0, world_size=2, hang_timeout=1e6, slow_timeout=1e6, log_dir=Path(tmp),
-                       step=lambda: 0)
+        dog = Watchdog(
+            dist.HashStore(),
+            rank=0,
+            world_size=2,
+            hang_timeout=1e6,
+            slow_timeout=1e6,
+            log_dir=Path(tmp),
+            step=lambda: 0,
+        )
         listening.add(dog)
         times: dict[str, list[float]] = {"off": [], "on": []}
         with dog:
@@ -228,8 +257,13 @@ def _listeners(progress: Progress) -> list:
 
 
 def _listened_steps(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int, listeners: list,
-    progress: Progress
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    n: int,
+    listeners: list,
+    progress: Progress,
 ) -> float:
     began = time.perf_counter()
     for _ in range(n):
@@ -287,8 +321,10 @@ def goodput(args: argparse.Namespace) -> str:
         ratio = f"{paired(us, bare).median:.4f}" if name.endswith("step") or name.startswith("step") else "-"
         steps = f"{s.median / statistics.median(bare):.2f}" if name == "snapshot" else "-"
         rows.append([name, f"{s.median:.2f}", s.spread(2), ratio, steps])
-    title = (f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds x {args.steps} steps (listener rows: 8 "
-             "spans a step, no training); a snapshot every K steps costs (snapshot in steps)/K of a step")
+    title = (
+        f"MLP 144-64-10 step, batch 32, 1 thread, {args.rounds} rounds x {args.steps} steps (listener rows: 8 "
+        "spans a step, no training); a snapshot every K steps costs (snapshot in steps)/K of a step"
+    )
     return table(title, ["measure", "us (median)", "min..max", "x bare step (paired)", "snapshot in steps"], rows)
 
 
@@ -346,11 +382,15 @@ def step_parts_variants(model: torch.nn.Module, rng_file: Path) -> dict[str, Any
     slots = BoundarySlots.create(rng_file, torch.get_rng_state().numel())
     listeners = Listeners()
     subscribed = [  # each listener and the spans it asks for, as the Trainer registers them
-        (listeners.watchdog, None), (listeners.ledger, ("optimizer",)), (listeners.crash, ("optimizer", "data")),
-        (listeners.snapshots, ("optimizer", "data")), (listeners.straggler, ("data", "forward", "backward")),
+        (listeners.watchdog, None),
+        (listeners.ledger, ("optimizer",)),
+        (listeners.crash, ("optimizer", "data")),
+        (listeners.snapshots, ("optimizer", "data")),
+        (listeners.straggler, ("data", "forward", "backward")),
     ]
-    spans = {name: PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names))
-             for name in PHASES}
+    spans = {
+        name: PhaseSpan(name, tuple(f for f, names in subscribed if names is None or name in names)) for name in PHASES
+    }
     hooks: list[Any] = []
     step_no = [0]
 
@@ -440,21 +480,34 @@ def step_parts(args: argparse.Namespace) -> str:
     for name, us in per.items():
         extra = paired(us, plain, difference=True)
         spread = extra.spread(1) if name != "plain" else "-"
-        rows.append([name, f"{statistics.median(us):.1f}", f"{extra.median:+.1f}", spread,
-                     f"{100 * extra.median / statistics.median(plain):+.2f}%"])
-    title = (f"MLP 784-128-128-10, batch {BATCH}, 1 thread, {args.rounds} rounds x {args.steps} steps; "
-             "thread-CPU us/step")
-    return table(title,
-                 ["piece", "us/step (median)", "extra us/step vs plain (paired median)", "min..max",
-                  "% of the plain step"],
-                 rows)
+        rows.append(
+            [
+                name,
+                f"{statistics.median(us):.1f}",
+                f"{extra.median:+.1f}",
+                spread,
+                f"{100 * extra.median / statistics.median(plain):+.2f}%",
+            ]
+        )
+    title = (
+        f"MLP 784-128-128-10, batch {BATCH}, 1 thread, {args.rounds} rounds x {args.steps} steps; thread-CPU us/step"
+    )
+    return table(
+        title,
+        ["piece", "us/step (median)", "extra us/step vs plain (paired median)", "min..max", "% of the plain step"],
+        rows,
+    )
 
 
 # --- the driver ----------------------------------------------------------------------------------------
 
 #: feature -> (measure, default rounds, default steps)
-FEATURES = {"health": (health, 7, 300), "watchdog": (watchdog, 7, 20000), "goodput": (goodput, 2, 200),
-            "step-parts": (step_parts, 7, 300)}
+FEATURES = {
+    "health": (health, 7, 300),
+    "watchdog": (watchdog, 7, 20000),
+    "goodput": (goodput, 2, 200),
+    "step-parts": (step_parts, 7, 300),
+}
 
 
 def main(argv: list[str]) -> int:
@@ -462,12 +515,21 @@ def main(argv: list[str]) -> int:
         return serve(argv[1], {"health": health_worker})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--feature", required=True, choices=list(FEATURES))
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="alternated rounds (default: health 7, watchdog 7, goodput 2, step-parts 7)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps per run (default: health 300, watchdog 20000, goodput 200, step-parts 300)")
-    parser.add_argument("--variants", default=None,
-                        help=f"health only: comma list from {', '.join(HEALTH)} (off is always run)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternated rounds (default: health 7, watchdog 7, goodput 2, step-parts 7)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per run (default: health 300, watchdog 20000, goodput 200, step-parts 300)",
+    )
+    parser.add_argument(
+        "--variants", default=None, help=f"health only: comma list from {', '.join(HEALTH)} (off is always run)"
+    )
     args = parser.parse_args(argv)
     measure, rounds, steps = FEATURES[args.feature]
     args.rounds, args.steps = args.rounds or rounds, args.steps or steps

@@ -42,8 +42,12 @@ from benchmarks.workloads import REPO, load_average
 
 SCRIPT = "tests/scripts/sklearn_trainer.py"
 #: variant: (worker start, DDPKIT_PRELOAD, checkpoint.memory_every_steps)
-VARIANTS = {"warm": ("fork", "auto", "auto"), "no preload": ("fork", "off", "auto"),
-            "new interpreters": ("subprocess", "auto", "auto"), "warm, snapshot every step": ("fork", "auto", 1)}
+VARIANTS = {
+    "warm": ("fork", "auto", "auto"),
+    "no preload": ("fork", "off", "auto"),
+    "new interpreters": ("subprocess", "auto", "auto"),
+    "warm, snapshot every step": ("fork", "auto", 1),
+}
 DEFAULT_VARIANTS = ["warm", "no preload", "new interpreters"]
 KINDS = ["kill-one", "term-one", "kill-all"]
 PARTS = ("detection", "teardown", "restart", "startup", "load", "first step")
@@ -123,8 +127,15 @@ def analyse_run(out: Path, injected: list[dict]) -> dict:
         if cost is None or first is None or restore is None:
             continue
         last = max(int(s) for at, s, _ in trained if int(at) == a)
-        rows.append({"kind": fault["kind"], "ledger_kind": cost.kind, "kill->step": first["t"] - fault["t"],
-                     "lost_steps": last - int(restore["step"]), **{p: cost.parts[p] for p in PARTS}})
+        rows.append(
+            {
+                "kind": fault["kind"],
+                "ledger_kind": cost.kind,
+                "kill->step": first["t"] - fault["t"],
+                "lost_steps": last - int(restore["step"]),
+                **{p: cost.parts[p] for p in PARTS},
+            }
+        )
     return {"goodput": report.goodput, "wall": report.wall_s, "badput": report.badput, "faults": rows}
 
 
@@ -133,8 +144,21 @@ def one_run(variant: str, args: argparse.Namespace, rng: random.Random) -> dict:
     start, preload, memory_every_steps = VARIANTS[variant]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_PRELOAD": preload, "SKLEARN_SAMPLES": str(args.samples)}
     exp = config(out, args.epochs, memory_every_steps)
-    cmd = [sys.executable, "-m", "ddpkit", "run", str(exp), "--nproc-per-node", "2", "--max-restarts",
-           str(args.faults + 1), "--script", SCRIPT, "--worker-start", start]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        str(exp),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(args.faults + 1),
+        "--script",
+        SCRIPT,
+        "--worker-start",
+        start,
+    ]
     began = time.time()
     with open(out / "stderr.txt", "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -151,8 +175,10 @@ def summarize(results: dict[str, list[dict]]) -> None:
         ratio = statistics.median(r["wall"] / r["measured_wall"] for r in runs)
         goodputs = ", ".join(f"{r['goodput']:.2f}" for r in runs)
         walls = ", ".join(f"{r['measured_wall']:.1f}" for r in runs)
-        print(f"\n{variant}: median goodput {statistics.median(r['goodput'] for r in runs):.2f} ({goodputs}; "
-              f"walls {walls} s); ledger wall / measured {ratio:.3f}")
+        print(
+            f"\n{variant}: median goodput {statistics.median(r['goodput'] for r in runs):.2f} ({goodputs}; "
+            f"walls {walls} s); ledger wall / measured {ratio:.3f}"
+        )
         for kind in KINDS:
             rows = [f for r in runs for f in r["faults"] if f["kind"] == kind]
             if rows:

@@ -50,9 +50,19 @@ def hand_written(steps: int, warmup: int, batch: int, workers: int, workdir: Pat
             torch.cuda.synchronize()
             started[step == steps] = time.perf_counter()
 
-    train_by_hand(model, loader, rank=0, world_size=1, max_steps=steps, lr=LR, momentum=MOMENTUM, device="cuda",
-                  channels_last=True, bf16=True,
-                  on_step=synced)
+    train_by_hand(
+        model,
+        loader,
+        rank=0,
+        world_size=1,
+        max_steps=steps,
+        lr=LR,
+        momentum=MOMENTUM,
+        device="cuda",
+        channels_last=True,
+        bf16=True,
+        on_step=synced,
+    )
     return started[1] - started[0]
 
 
@@ -74,8 +84,13 @@ class _SyncedTrainer(TimedTrainer):
 def ddpkit_trainer(steps: int, warmup: int, batch: int, workers: int, workdir: Path) -> float:
     config = {
         "run": {"name": "gpu", "output_dir": str(workdir / "ddpkit"), "seed": SEED},
-        "data": {"name": "synthetic", "batch_size": batch, "num_workers": workers, "pin_memory": True,
-                 "kwargs": {"size": BATCHES * batch, "shape": [3, 224, 224], "num_classes": 1000}},
+        "data": {
+            "name": "synthetic",
+            "batch_size": batch,
+            "num_workers": workers,
+            "pin_memory": True,
+            "kwargs": {"size": BATCHES * batch, "shape": [3, 224, 224], "num_classes": 1000},
+        },
         "model": {"name": "resnet50", "kwargs": {"num_classes": 1000}},
         "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
         "train": {"epochs": None, "max_steps": steps, "precision": "bf16", "channels_last": True, "eval_every": 10**9},
@@ -110,17 +125,25 @@ def main(argv: list[str]) -> int:
             for name in rotated(list(VARIANTS), r):
                 s = VARIANTS[name](args.steps, args.warmup, args.batch_size, args.workers, Path(tmp) / f"r{r}")
                 seconds[name].append(s)
-                print(f"[gpu] round {r + 1}/{args.rounds} {name}: {timed * args.batch_size / s:.0f} images/s",
-                      flush=True)
+                print(
+                    f"[gpu] round {r + 1}/{args.rounds} {name}: {timed * args.batch_size / s:.0f} images/s", flush=True
+                )
         rows = []
         for name, runs in seconds.items():
             ratio = paired(runs, seconds["hand-written"])
-            rows.append([name, f"{timed * args.batch_size / Stats.of(runs).median:.0f}", f"{ratio.median:.3f}",
-                         ratio.spread(3)])
-        print(table(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: "
-                    f"resnet50, bf16, channels_last, batch {args.batch_size}, "
-                    f"{args.workers} workers, {timed} timed steps after {args.warmup}, {args.rounds} rounds",
-                    ["variant", "images/s (median)", "time x hand (paired)", "min..max"], rows), flush=True)
+            rows.append(
+                [name, f"{timed * args.batch_size / Stats.of(runs).median:.0f}", f"{ratio.median:.3f}", ratio.spread(3)]
+            )
+        print(
+            table(
+                f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: "
+                f"resnet50, bf16, channels_last, batch {args.batch_size}, "
+                f"{args.workers} workers, {timed} timed steps after {args.warmup}, {args.rounds} rounds",
+                ["variant", "images/s (median)", "time x hand (paired)", "min..max"],
+                rows,
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -103,23 +103,32 @@ class Workload:
 
 
 GPT2 = Workload(
-    "gpt2", {"name": "gpt", "kwargs": {"preset": "gpt2"}},
+    "gpt2",
+    {"name": "gpt", "kwargs": {"preset": "gpt2"}},
     {"name": "adamw", "lr": 6e-4, "weight_decay": 0.1, "kwargs": {"betas": [0.9, 0.95]}},
-    samples=64 * 64, seq_len=1024, clip=1.0,
+    samples=64 * 64,
+    seq_len=1024,
+    clip=1.0,
 )
 RESNET50 = Workload(
-    "resnet50", {"name": "resnet50", "kwargs": {"num_classes": 1000}},
-    {"name": "sgd", "lr": 0.01, "momentum": 0.9}, samples=8 * 256, channels_last=True,
+    "resnet50",
+    {"name": "resnet50", "kwargs": {"num_classes": 1000}},
+    {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    samples=8 * 256,
+    channels_last=True,
 )
 WORKLOADS = {"gpt2": GPT2, "resnet50": RESNET50}
 #: Shapes small enough for a CPU: the same code path in seconds (``--tiny``).
 TINY = {
-    "gpt2": replace(GPT2,
-                    model={"name": "gpt",
-                           "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
-                    samples=64, seq_len=32),
-    "resnet50": replace(RESNET50, model={"name": "resnet50", "kwargs": {"num_classes": 10}}, samples=32,
-                        image=(3, 32, 32), classes=10),
+    "gpt2": replace(
+        GPT2,
+        model={"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
+        samples=64,
+        seq_len=32,
+    ),
+    "resnet50": replace(
+        RESNET50, model={"name": "resnet50", "kwargs": {"num_classes": 10}}, samples=32, image=(3, 32, 32), classes=10
+    ),
 }
 
 
@@ -185,7 +194,7 @@ class StepTimer:
             gap = lambda a, b: a.elapsed_time(b)  # noqa: E731
         else:
             gap = lambda a, b: (b - a) * 1000  # noqa: E731
-        timed = self.marks[self.warmup - 1:]
+        timed = self.marks[self.warmup - 1 :]
         return [gap(a, b) for a, b in zip(timed, timed[1:])]
 
 
@@ -237,8 +246,10 @@ def _optimizer(w: Workload, model: torch.nn.Module, device: torch.device) -> tor
     o = w.optim
     if o["name"] == "adamw":  # nanoGPT's groups: decay on matrices and embeddings only, as ddpkit's default
         params = list(model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o["kwargs"]["betas"]), fused=device.type == "cuda")
     return torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"])
 
@@ -266,26 +277,48 @@ class TimedOnDevice(Trainer):
 def ddpkit_config(
     w: Workload, *, device: torch.device, batch: int, compiled: bool, workdir: Path, bf16: bool, **checkpoint: Any
 ) -> dict:
-    optim = {**w.optim,
-             "kwargs": {**w.optim.get("kwargs", {}),
-                        **({"fused": True} if device.type == "cuda" and w.optim["name"] == "adamw" else {})}}
+    optim = {
+        **w.optim,
+        "kwargs": {
+            **w.optim.get("kwargs", {}),
+            **({"fused": True} if device.type == "cuda" and w.optim["name"] == "adamw" else {}),
+        },
+    }
     return {
         "run": {"name": f"gpu-bound-{w.name}", "output_dir": str(workdir), "seed": SEED},
         "data": {"batch_size": batch, "num_workers": 0},
         "model": w.model,
         "optim": optim,
-        "train": {"epochs": None, "max_steps": 10**9, "precision": "bf16" if bf16 else "fp32", "compile": compiled,
-                  "channels_last": w.channels_last, "clip_grad_norm": w.clip},
+        "train": {
+            "epochs": None,
+            "max_steps": 10**9,
+            "precision": "bf16" if bf16 else "fp32",
+            "compile": compiled,
+            "channels_last": w.channels_last,
+            "clip_grad_norm": w.clip,
+        },
         "checkpoint": {"every_epochs": None, **checkpoint},
         "dist": {"device": device.type},
     }
 
 
-def ddpkit_trainer(w: Workload, data: OnDevice, *, device: torch.device, batch: int, compiled: bool, timer: StepTimer,
-                   bf16: bool,
-                   workdir: Path, checkpoint: dict[str, Any] | None = None) -> None:
-    trainer = TimedOnDevice(ddpkit_config(w, device=device, batch=batch, compiled=compiled, workdir=workdir, bf16=bf16,
-                                          **(checkpoint or {})))
+def ddpkit_trainer(
+    w: Workload,
+    data: OnDevice,
+    *,
+    device: torch.device,
+    batch: int,
+    compiled: bool,
+    timer: StepTimer,
+    bf16: bool,
+    workdir: Path,
+    checkpoint: dict[str, Any] | None = None,
+) -> None:
+    trainer = TimedOnDevice(
+        ddpkit_config(
+            w, device=device, batch=batch, compiled=compiled, workdir=workdir, bf16=bf16, **(checkpoint or {})
+        )
+    )
     trainer.timer, trainer.data = timer, data
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bar stays on, off the screen
         trainer.fit()
@@ -294,8 +327,16 @@ def ddpkit_trainer(w: Workload, data: OnDevice, *, device: torch.device, batch: 
 # --- one arm: build, warm up, time, measure, clean up ----------------------------------------------
 
 
-def run_arm(side: str, w: Workload, data: OnDevice, args: argparse.Namespace, *, compiled: bool, workdir: Path,
-            checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_arm(
+    side: str,
+    w: Workload,
+    data: OnDevice,
+    args: argparse.Namespace,
+    *,
+    compiled: bool,
+    workdir: Path,
+    checkpoint: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     device = torch.device(args.device)
     _fresh(device)
     timer = StepTimer(device, warmup=args.warmup, seconds=args.seconds)
@@ -307,7 +348,9 @@ def run_arm(side: str, w: Workload, data: OnDevice, args: argparse.Namespace, *,
     ms = timer.step_ms()
     units = args.batch_size * (w.seq_len or 1) * len(ms)
     result = {
-        "step_ms": ms, "per_s": units / (sum(ms) / 1000), "warmup_s": timer.warmup_seconds,
+        "step_ms": ms,
+        "per_s": units / (sum(ms) / 1000),
+        "warmup_s": timer.warmup_seconds,
         "losses": [float(v) for v in torch.stack(timer.losses).cpu()],
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
@@ -356,17 +399,24 @@ def compare(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path
         arms = [f"hand-{mode}", f"ddpkit-{mode}"]
         for r in range(args.rounds):
             for arm in rotated(arms, r):
-                result = run_arm(arm.split("-")[0], w, data, args, compiled=mode == "compiled",
-                                 workdir=workdir / f"{arm}-r{r}")
+                result = run_arm(
+                    arm.split("-")[0], w, data, args, compiled=mode == "compiled", workdir=workdir / f"{arm}-r{r}"
+                )
                 runs.setdefault(arm, []).append(result)
-                progress(f"[gpu_bound] {w.name} round {r + 1}/{args.rounds} {arm}: {result['per_s']:,.0f} {w.unit}/s, "
-                         f"{statistics.median(result['step_ms']):.1f} ms/step, warm-up {result['warmup_s']:.1f} s")
+                progress(
+                    f"[gpu_bound] {w.name} round {r + 1}/{args.rounds} {arm}: {result['per_s']:,.0f} {w.unit}/s, "
+                    f"{statistics.median(result['step_ms']):.1f} ms/step, warm-up {result['warmup_s']:.1f} s"
+                )
     return runs
 
 
-def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
-                     flops_per_unit: float | None,
-                     peak: float | None) -> str:
+def throughput_table(
+    w: Workload,
+    runs: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    flops_per_unit: float | None,
+    peak: float | None,
+) -> str:
     rows = []
     for arm, results in runs.items():
         hand = runs[arm.replace("ddpkit", "hand")]
@@ -376,15 +426,39 @@ def throughput_table(w: Workload, runs: dict[str, list[dict[str, Any]]], args: a
         mfu = f"{per_s.median * flops_per_unit / peak:.1%}" if flops_per_unit and peak else "n/a"
         diff = max(abs(a - b) for r, h in zip(results, hand) for a, b in zip(r["losses"], h["losses"]))
         peak_gib = max((r["peak_bytes"] or 0) for r in results) / 2**30
-        rows.append([arm, f"{per_s.median:,.0f}", per_s.spread(0), mfu, f"{_quantile(steps, 0.5):.1f}",
-                     f"{_quantile(steps, 0.95):.1f}",
-                     f"{peak_gib:.1f}" if peak_gib else "n/a", f"{ratio.median:.3f}", ratio.spread(3), f"{diff:.1e}"])
+        rows.append(
+            [
+                arm,
+                f"{per_s.median:,.0f}",
+                per_s.spread(0),
+                mfu,
+                f"{_quantile(steps, 0.5):.1f}",
+                f"{_quantile(steps, 0.95):.1f}",
+                f"{peak_gib:.1f}" if peak_gib else "n/a",
+                f"{ratio.median:.3f}",
+                ratio.spread(3),
+                f"{diff:.1e}",
+            ]
+        )
     timed = statistics.median(len(r["step_ms"]) for r in itertools.chain.from_iterable(runs.values()))
-    return table(f"{describe(args)}\n{w.name}: batch {args.batch_size}{f' x {w.seq_len} tokens' if w.seq_len else ''}, "
-                 f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} rounds of {args.seconds:g} s per arm "
-                 f"after {args.warmup} warm-up steps (median {timed:.0f} timed steps)",
-                 ["arm", f"{w.unit}/s", "min..max", "MFU", "p50 ms", "p95 ms", "peak GiB", "x hand", "x hand min..max",
-                  f"loss diff (first {LOSSES_KEPT})"], rows)
+    return table(
+        f"{describe(args)}\n{w.name}: batch {args.batch_size}{f' x {w.seq_len} tokens' if w.seq_len else ''}, "
+        f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} rounds of {args.seconds:g} s per arm "
+        f"after {args.warmup} warm-up steps (median {timed:.0f} timed steps)",
+        [
+            "arm",
+            f"{w.unit}/s",
+            "min..max",
+            "MFU",
+            "p50 ms",
+            "p95 ms",
+            "peak GiB",
+            "x hand",
+            "x hand min..max",
+            f"loss diff (first {LOSSES_KEPT})",
+        ],
+        rows,
+    )
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -405,8 +479,15 @@ def stall(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path) 
             # Memory snapshots off in all three: their own copies would land in random steps of every variant.
             saves = {} if async_save is None else {"every_steps": args.every, "async": async_save, "keep_last": 1}
             checkpoint = {"memory_every_steps": None, **saves}
-            result = run_arm("ddpkit", w, data, args, compiled=args.mode == "compiled", checkpoint=checkpoint,
-                             workdir=workdir / f"{name.replace(' ', '-')}-r{r}")
+            result = run_arm(
+                "ddpkit",
+                w,
+                data,
+                args,
+                compiled=args.mode == "compiled",
+                checkpoint=checkpoint,
+                workdir=workdir / f"{name.replace(' ', '-')}-r{r}",
+            )
             runs[name].append(result)
             progress(
                 f"[gpu_bound] stall round {r + 1}/{args.rounds} {name}: "
@@ -429,7 +510,8 @@ def save_costs(step_ms: list[float], *, warmup: int, every: int, after: int) -> 
     near = {s + k for s in saves for k in range(1, after + 1)}
     typical = statistics.median([ms for s, ms in steps.items() if s not in near] or step_ms)
     return {
-        "typical": typical, "near": [steps[s] for s in sorted(near)],
+        "typical": typical,
+        "near": [steps[s] for s in sorted(near)],
         "blocked": [(steps[s + 1] - typical) / 1000 for s in saves],
         "lost": [sum(steps[s + k] - typical for k in range(1, after + 1)) / 1000 for s in saves],
     }
@@ -449,14 +531,32 @@ def stall_table(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace)
             continue
         blocked, lost = summary(sum((c["blocked"] for c in costs), [])), summary(sum((c["lost"] for c in costs), []))
         near = sorted(itertools.chain.from_iterable(c["near"] for c in costs))
-        rows.append([name, str(blocked.n), f"{blocked.median:.3f} ({blocked.spread(3)})",
-                     f"{blocked.median * 1000 / step:.2f}",
-                     f"{lost.median:.3f}", f"{_quantile(near, 0.95):.1f}", f"{step:.1f}"])
-    return table(f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch {args.batch_size}: a save every "
-                 f"{args.every} steps, {args.rounds} rounds of {args.seconds:g} s; blocked: the step after a save "
-                 f"beyond the median step, lost: the same over the {args.after} steps after it",
-                 ["saves", "count", "blocked s (min..max)", "blocked steps", f"lost s ({args.after} steps)",
-                  f"p95 ms, {args.after} steps after saves", "p50 ms"], rows)
+        rows.append(
+            [
+                name,
+                str(blocked.n),
+                f"{blocked.median:.3f} ({blocked.spread(3)})",
+                f"{blocked.median * 1000 / step:.2f}",
+                f"{lost.median:.3f}",
+                f"{_quantile(near, 0.95):.1f}",
+                f"{step:.1f}",
+            ]
+        )
+    return table(
+        f"{describe(args)}\ncheckpoint stall, ddpkit {args.mode}, batch {args.batch_size}: a save every "
+        f"{args.every} steps, {args.rounds} rounds of {args.seconds:g} s; blocked: the step after a save "
+        f"beyond the median step, lost: the same over the {args.after} steps after it",
+        [
+            "saves",
+            "count",
+            "blocked s (min..max)",
+            "blocked steps",
+            f"lost s ({args.after} steps)",
+            f"p95 ms, {args.after} steps after saves",
+            "p50 ms",
+        ],
+        rows,
+    )
 
 
 # --- the machine -----------------------------------------------------------------------------------
@@ -466,8 +566,15 @@ def describe(args: argparse.Namespace) -> str:
     """The GPU (or CPU), driver, torch version and date: what every figure needs beside it."""
     if args.device == "cuda":
         try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=30).stdout.strip() or "unknown"
+            driver = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout.strip()
+                or "unknown"
+            )
         except (OSError, subprocess.SubprocessError):
             driver = "unknown"
         where = f"{torch.cuda.get_device_name(0)}, driver {driver}, CUDA {torch.version.cuda}"
@@ -488,21 +595,29 @@ def flops_per_unit(w: Workload) -> float | None:
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2")
-    parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="both",
-                        help="(--stall: eager or compiled)")
+    parser.add_argument(
+        "--mode", choices=["eager", "compiled", "both"], default="both", help="(--stall: eager or compiled)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2)")
-    parser.add_argument("--seconds", type=float, default=30.0,
-                        help="host seconds timed per arm and round, after the warm-up (default 30)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="host seconds timed per arm and round, after the warm-up (default 30)",
+    )
     parser.add_argument("--warmup", type=int, default=20, help="steps before timing, compilation included (default 20)")
-    parser.add_argument("--batch-size", default="auto",
-                        help="per-step batch, or auto: the largest that fits (default; 4 without CUDA)")
+    parser.add_argument(
+        "--batch-size", default="auto", help="per-step batch, or auto: the largest that fits (default; 4 without CUDA)"
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, for a run of the code path on a CPU")
-    parser.add_argument("--stall", action="store_true",
-                        help="checkpoint stall: no saves / sync / async saves, ddpkit only")
+    parser.add_argument(
+        "--stall", action="store_true", help="checkpoint stall: no saves / sync / async saves, ddpkit only"
+    )
     parser.add_argument("--every", type=int, default=100, help="--stall: a save every this many steps (default 100)")
-    parser.add_argument("--after", type=int, default=5,
-                        help="--stall: steps after a save that its cost is counted in (default 5)")
+    parser.add_argument(
+        "--after", type=int, default=5, help="--stall: steps after a save that its cost is counted in (default 5)"
+    )
     parser.add_argument("--json", default=None, help="also write every measurement here")
     args = parser.parse_args(argv)
     if args.warmup < 1:
@@ -516,9 +631,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_bound: --device cuda needs a CUDA GPU (none is visible here); "
-              "--device cpu --tiny runs the code path",
-              file=sys.stderr)
+        print(
+            "gpu_bound: --device cuda needs a CUDA GPU (none is visible here); --device cpu --tiny runs the code path",
+            file=sys.stderr,
+        )
         return 2
     w = (TINY if args.tiny else WORKLOADS)[args.workload]
     device = torch.device(args.device)
@@ -543,9 +659,11 @@ def main(argv: list[str]) -> int:
                 peak = peak_flops(device, "bf16")
             print(throughput_table(w, runs, args, flops_per_unit(w), peak), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": describe(args), "args": {k: v for k, v in vars(args).items()},
-                                               "runs": runs},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": describe(args), "args": {k: v for k, v in vars(args).items()}, "runs": runs}, indent=1
+            )
+        )
     return 0
 
 

@@ -94,9 +94,11 @@ def main() -> None:
     for tensor in ddp.module.state_dict().values():
         dist.broadcast(tensor, 0)
     ddp(torch.randn(32, 64)).sum().backward()
-    print(f"survivor: victim exit code {victim.exitcode}; destroy_process_group {destroyed:.3f} s; from the error to "
-          f"the first backward in the new group {time.time() - error_at:.3f} s; the replacement, from its start to its "
-          f"first backward {out.get():.3f} s")
+    print(
+        f"survivor: victim exit code {victim.exitcode}; destroy_process_group {destroyed:.3f} s; from the error to "
+        f"the first backward in the new group {time.time() - error_at:.3f} s; the replacement, from its start to its "
+        f"first backward {out.get():.3f} s"
+    )
     replacement.join()
     dist.destroy_process_group()
 

@@ -120,14 +120,25 @@ def report(result: dict[str, Any]) -> str:
     for name, run in runs.items():
         wall, ratio = Stats.of(run["wall"]), paired(run["wall"], hand["wall"])
         same = [mine == theirs for mine, theirs in zip(run["weights"], hand["weights"])]
-        rows.append([name, f"{wall.median:.1f}", wall.spread(1), f"{tokens_per_step / wall.median * 1000:.0f}",
-                     f"{ratio.median:.3f}", ratio.spread(3),
-                     f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})"])
-    title = (f"GPT dim {MODEL['dim']} x {MODEL['depth']} blocks on the stdlib bytes: {result['world_size']} Gloo "
-             f"ranks, {BATCH} x {SEQ_LEN} tokens/rank, {result['steps']} timed steps after {WARMUP}, "
-             f"{len(hand['wall'])} rounds")
-    return table(title, ["variant", "ms/step", "min..max", "tokens/s", "x hand", "x hand min..max", "bitwise = hand"],
-                 rows)
+        rows.append(
+            [
+                name,
+                f"{wall.median:.1f}",
+                wall.spread(1),
+                f"{tokens_per_step / wall.median * 1000:.0f}",
+                f"{ratio.median:.3f}",
+                ratio.spread(3),
+                f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})",
+            ]
+        )
+    title = (
+        f"GPT dim {MODEL['dim']} x {MODEL['depth']} blocks on the stdlib bytes: {result['world_size']} Gloo "
+        f"ranks, {BATCH} x {SEQ_LEN} tokens/rank, {result['steps']} timed steps after {WARMUP}, "
+        f"{len(hand['wall'])} rounds"
+    )
+    return table(
+        title, ["variant", "ms/step", "min..max", "tokens/s", "x hand", "x hand min..max", "bitwise = hand"], rows
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -135,8 +146,9 @@ def main(argv: list[str]) -> int:
         return serve(argv[1], {"lm": lm_worker})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
-    parser.add_argument("--steps", type=int, default=60,
-                        help="timed steps per run, after 10 warm-up steps (default 60)")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="timed steps per run, after 10 warm-up steps (default 60)"
+    )
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
     with load_printed():

@@ -25,11 +25,15 @@ from benchmarks.workloads import load_average
 from ddpkit.testing import run_on_ranks
 
 MODELS = {
-    "mlp": ({"name": "mlp", "kwargs": {"in_features": 784, "hidden": [1024, 1024]}},
-            lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))),
-    "gpt": ({"name": "gpt", "kwargs": {"vocab_size": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
-                # next-token targets
-                lambda g: (lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 512, (16, 65), generator=g))),
+    "mlp": (
+        {"name": "mlp", "kwargs": {"in_features": 784, "hidden": [1024, 1024]}},
+        lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g)),
+    ),
+    "gpt": (
+        {"name": "gpt", "kwargs": {"vocab_size": 512, "dim": 256, "depth": 4, "heads": 4, "max_len": 64}},
+        # next-token targets
+        lambda g: (lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 512, (16, 65), generator=g)),
+    ),
 }
 MODES = ("ddp", "zero1", "fsdp2")
 
@@ -46,8 +50,9 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
     from ddpkit.training.optim import build_optimizer
 
     spec, batch = MODELS[model_name]
-    cfg = load_config({"model": spec, "optim": {"name": "adam", "lr": 1e-3}, "train": {"epochs": 1},
-                       "parallel": {"mode": mode}})
+    cfg = load_config(
+        {"model": spec, "optim": {"name": "adam", "lr": 1e-3}, "train": {"epochs": 1}, "parallel": {"mode": mode}}
+    )
     torch.manual_seed(0)
     runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
     model = shard_model(build_model(cfg.model), runtime, cfg.parallel)
@@ -69,7 +74,7 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
 def _rounds(rounds: int, steps: int) -> list[dict]:
     results = []
     for r in range(rounds):
-        order = MODES[r % 3:] + MODES[: r % 3]
+        order = MODES[r % 3 :] + MODES[: r % 3]
         for model_name in MODELS:
             for mode in order:
                 seconds, held = _pair(model_name, mode, steps)
@@ -100,9 +105,11 @@ def main() -> None:
             # the same (round, model, mode) sits at the same index on every rank
             last = per_rank[0].index(rows[mode][-1])
             held = [max(rank[last]["held"][k] for rank in per_rank) for k in range(3)]
-            print(f"{model_name:<8} {mode:<6} {statistics.median(x['seconds'] for x in rows[mode]) * 1e3:>9.1f} ms "
-                  f"{statistics.median(ratios):>7.2f} {held[0] / 2**20:>8.2f} "
-                  f"MiB {held[1] / 2**20:>7.2f} MiB {held[2] / 2**20:>7.2f} MiB")
+            print(
+                f"{model_name:<8} {mode:<6} {statistics.median(x['seconds'] for x in rows[mode]) * 1e3:>9.1f} ms "
+                f"{statistics.median(ratios):>7.2f} {held[0] / 2**20:>8.2f} "
+                f"MiB {held[1] / 2**20:>7.2f} MiB {held[2] / 2**20:>7.2f} MiB"
+            )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,11 @@ def sampler(kind: str, n: int):
 
 
 def _status_kb(field: str) -> int:
-    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith(field + ":"))
+    return next(
+        int(line.split()[1])
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith(field + ":")
+    )
 
 
 def first_batch(kind: str, n: int) -> None:
@@ -77,8 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e8, 1e9])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--skip-old-above", type=float, default=1e8,
-                        help="old/randperm above this need > 8 GB (10^9: ~44 GB)")
+    parser.add_argument(
+        "--skip-old-above", type=float, default=1e8, help="old/randperm above this need > 8 GB (10^9: ~44 GB)"
+    )
     args = parser.parse_args()
     print(f"load average before: {load_average()}", flush=True)
     print(f"{'N':>6} {'sampler':>11} {'first batch s':>14} {'peak RSS +MB':>13}")

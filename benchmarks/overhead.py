@@ -94,7 +94,13 @@ FRAMEWORKS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "ac
 
 
 def hand_written(
-    w: dict[str, Any], steps: int, rank: int, world_size: int, *, checks: bool = False, batched: bool = False,
+    w: dict[str, Any],
+    steps: int,
+    rank: int,
+    world_size: int,
+    *,
+    checks: bool = False,
+    batched: bool = False,
 ) -> tuple[StepClock, dict]:
     """``checks``: also the Trainer's NaN guard on the loss and the gradient norm read each step (health's
     per-step work); ``batched``: the data read a batch at a time, as the Trainer reads a TensorDataset
@@ -103,18 +109,32 @@ def hand_written(
     train_set, model = build(w, steps)
     clock = StepClock()
     loader = loader_for(train_set, rank, world_size, batched=batched)
-    train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=steps, checks=checks,
-                  on_step=lambda step: clock.tick())
+    train_by_hand(
+        model,
+        loader,
+        rank=rank,
+        world_size=world_size,
+        max_steps=steps,
+        checks=checks,
+        on_step=lambda step: clock.tick(),
+    )
     return clock, model.state_dict()
 
 
 def ddpkit_trainer(
-    w: dict[str, Any], steps: int, rank: int, world_size: int, *, workdir: Path, timeline: bool = False,
+    w: dict[str, Any],
+    steps: int,
+    rank: int,
+    world_size: int,
+    *,
+    workdir: Path,
+    timeline: bool = False,
     log_every: int = 50,
     without: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[StepClock, dict]:
-    config = trainer_config(w, steps, world_size, workdir / "ddpkit", name="overhead",
-                            train={"timeline": timeline, "log_every": log_every})
+    config = trainer_config(
+        w, steps, world_size, workdir / "ddpkit", name="overhead", train={"timeline": timeline, "log_every": log_every}
+    )
     for section, values in (without or {}).items():  # an ablation: some default switched off
         config[section] = {**config.get(section, {}), **values}
     trainer = TimedTrainer(config)
@@ -181,9 +201,15 @@ def lightning(w: dict[str, Any], steps: int, rank: int, world_size: int) -> tupl
     train_set, model = build(w, steps)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # banners, progress bar
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto", max_steps=steps,
-            max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp" if world_size > 1 else "auto",
+            max_steps=steps,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
             num_sanity_val_steps=0,
         )
         trainer.fit(Module(model), train_dataloaders=loader_for(train_set, rank, world_size))
@@ -205,8 +231,10 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "recovery": {"checkpoint": {"crash_save": False, "memory_every_steps": None}},
     "progress": {"log": {"progress_bar": False}},
 }
-ABLATIONS["bare"] = {section: {k: v for off in ABLATIONS.values() for k, v in off.get(section, {}).items()}
-                     for section in ("health", "dist", "checkpoint", "log")}
+ABLATIONS["bare"] = {
+    section: {k: v for off in ABLATIONS.values() for k, v in off.get(section, {}).items()}
+    for section in ("health", "dist", "checkpoint", "log")
+}
 ABLATIONS["bare"]["train"] = {"log_every": 10**9}
 
 VARIANTS = {
@@ -221,8 +249,10 @@ VARIANTS = {
     "ddpkit-nolog": lambda *a, **kw: ddpkit_trainer(*a, **{**kw, "log_every": 10**9}),
     # Ablations, not run by default: the Trainer with one group of defaults switched off, to say
     # what each costs per step (the difference to `ddpkit` in the same round).
-    **{f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off)
-       for name, off in ABLATIONS.items()},
+    **{
+        f"ddpkit-{'' if name == 'bare' else 'no-'}{name}": functools.partial(ddpkit_trainer, without=off)
+        for name, off in ABLATIONS.items()
+    },
     # Not run by default: the gradients as torch's DDP keeps them by default (copied out of the buckets),
     # and the gradient norm per parameter: ddpkit before ddp.gradient_as_bucket_view became true.
     "ddpkit-no-bucket-view": functools.partial(ddpkit_trainer, without={"ddp": {"gradient_as_bucket_view": False}}),
@@ -295,15 +325,33 @@ def report(workload: str, result: dict[str, Any]) -> str:
         ratio = paired(run["wall"], hand["wall"])
         of_mins = min(run["step_median"]) / min(hand["step_median"])
         extra_us = paired(run["cpu"], hand["cpu"], scale=1000, difference=True).median
-        rows.append([
-            name, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3), f"{of_mins:.3f}",
-            f"{extra_us:+.1f}", f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})",
-        ])
+        rows.append(
+            [
+                name,
+                f"{wall.median:.3f}",
+                wall.spread(3),
+                f"{ratio.median:.3f}",
+                ratio.spread(3),
+                f"{of_mins:.3f}",
+                f"{extra_us:+.1f}",
+                f"{'yes' if all(same) else 'NO'} ({sum(same)}/{len(same)})",
+            ]
+        )
     w = WORKLOADS[workload]
-    title = (f"{workload}: {w['nproc']} rank(s) x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
-             f"{result['warmup']} warm-up, {len(hand['wall'])} rounds")
-    headers = ["variant", "ms/step", "min..max", "x hand", "x hand min..max", "x hand (best rounds)",
-               "CPU us/step vs hand", "bitwise = hand"]
+    title = (
+        f"{workload}: {w['nproc']} rank(s) x 1 thread, batch {BATCH}/rank, {result['steps']} timed steps after "
+        f"{result['warmup']} warm-up, {len(hand['wall'])} rounds"
+    )
+    headers = [
+        "variant",
+        "ms/step",
+        "min..max",
+        "x hand",
+        "x hand min..max",
+        "x hand (best rounds)",
+        "CPU us/step vs hand",
+        "bitwise = hand",
+    ]
     return table(title, headers, rows)
 
 
@@ -332,16 +380,20 @@ def main(argv: list[str]) -> int:
         run_single(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else 50, *argv[4:5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="step-cost,mlp,mnist_cnn,resnet18",
-                        help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "--workloads", default="step-cost,mlp,mnist_cnn,resnet18", help=f"comma list of {', '.join(WORKLOADS)}"
+    )
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per workload (default 7)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run (default: per workload, 1000/300/100/12)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per run (default: per workload, 1000/300/100/12)"
+    )
     parser.add_argument("--no-timeline", action="store_true", help="skip the ddpkit+timeline variant")
-    parser.add_argument("--variants", default=None,
-                        help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}")
-    parser.add_argument("--fresh", action="store_true",
-                        help="each variant of each round in new processes (slower, no shared heap)")
+    parser.add_argument(
+        "--variants", default=None, help=f"comma list instead of the defaults, from {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="each variant of each round in new processes (slower, no shared heap)"
+    )
     parser.add_argument("--json", default=None, help="also write all measurements here")
     args = parser.parse_args(argv)
     variants = ["hand-written", "ddpkit"] + ([] if args.no_timeline else ["ddpkit+timeline"]) + list(FRAMEWORKS)

@@ -54,20 +54,34 @@ _SERVE = (
 def start_server() -> tuple[subprocess.Popen, str]:
     """moto's S3 on a free port of 127.0.0.1, with the bench bucket; the environment points at it."""
     # niced: a stand-in for a server on another machine, whose CPU the loop would not share
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, preexec_fn=lambda: os.nice(10))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: os.nice(10),
+    )
     endpoint = f"http://127.0.0.1:{int(proc.stdout.readline())}"
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10).read()
     return proc, endpoint
 
 
 def run_variant(name: str, args: argparse.Namespace, out: Path, round_no: int) -> dict[str, Any]:
     """One loop of ``args.steps`` steps saving every ``args.every``; the timings of one variant."""
-    config = load_config({"run": {"output_dir": str(out / f"{name}-{round_no}")},
-                          "checkpoint": {"dir": f"s3://{BUCKET}/{name}-{round_no}" if name == "remote" else None,
-                                         "keep_last": 2}})
+    config = load_config(
+        {
+            "run": {"output_dir": str(out / f"{name}-{round_no}")},
+            "checkpoint": {"dir": f"s3://{BUCKET}/{name}-{round_no}" if name == "remote" else None, "keep_last": 2},
+        }
+    )
     mirror = RemoteMirror.for_run(config, Runtime(env=DistEnv(), device=torch.device("cpu"), backend="gloo"))
     state = {"w": torch.randn(args.mb * (1 << 18))}  # float32: 4 bytes each
     a = torch.randn(384, 384)
@@ -98,8 +112,11 @@ def run_variant(name: str, args: argparse.Namespace, out: Path, round_no: int) -
         lag = mirror.metrics()["remote_lag_steps"]
         mirror.on_exit("finished", deadline_s=300)
         metrics = mirror.metrics()
-        result.update(lag_steps=lag, upload_mb_s=args.mb * (1 << 20) / 1e6 / max(metrics["remote_upload_s"], 1e-9),
-                      failures=metrics["remote_upload_failures"])
+        result.update(
+            lag_steps=lag,
+            upload_mb_s=args.mb * (1 << 20) / 1e6 / max(metrics["remote_upload_s"], 1e-9),
+            failures=metrics["remote_upload_failures"],
+        )
     return result
 
 
@@ -132,17 +149,25 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, e
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 
-    print(f"remote checkpoints against moto's S3 at {endpoint}: {args.mb} MiB state, save every {args.every} of "
-          f"{args.steps} steps, {args.rounds} rounds (medians)")
-    print(f"{'variant':8} {'save ms':>9} {'of which queue ms':>18} {'step ms':>9} {'wall s':>8} {'upload MB/s':>12} "
-          f"{'lag steps':>10}")
+    print(
+        f"remote checkpoints against moto's S3 at {endpoint}: {args.mb} MiB state, save every {args.every} of "
+        f"{args.steps} steps, {args.rounds} rounds (medians)"
+    )
+    print(
+        f"{'variant':8} {'save ms':>9} {'of which queue ms':>18} {'step ms':>9} {'wall s':>8} {'upload MB/s':>12} "
+        f"{'lag steps':>10}"
+    )
     for name in ("local", "remote"):
         extra = f"{med(name, 'upload_mb_s'):12.1f} {med(name, 'lag_steps'):10.0f}" if name == "remote" else ""
-        print(f"{name:8} {med(name, 'save_ms'):9.1f} {med(name, 'queue_ms'):18.3f} {med(name, 'step_ms'):9.2f} "
-              f"{med(name, 'wall_s'):8.2f} {extra}")
+        print(
+            f"{name:8} {med(name, 'save_ms'):9.1f} {med(name, 'queue_ms'):18.3f} {med(name, 'step_ms'):9.2f} "
+            f"{med(name, 'wall_s'):8.2f} {extra}"
+        )
     ratios = {key: med("remote", key) / med("local", key) for key in ("save_ms", "step_ms", "wall_s")}
-    print(f"remote/local: save {ratios['save_ms']:.2f}x, step {ratios['step_ms']:.2f}x, wall {ratios['wall_s']:.2f}x; "
-          f"failed uploads: {sum(r['failures'] for r in results['remote'])}")
+    print(
+        f"remote/local: save {ratios['save_ms']:.2f}x, step {ratios['step_ms']:.2f}x, wall {ratios['wall_s']:.2f}x; "
+        f"failed uploads: {sum(r['failures'] for r in results['remote'])}"
+    )
 
 
 if __name__ == "__main__":

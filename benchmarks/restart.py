@@ -74,12 +74,22 @@ from typing import Any
 SEED = 0
 NEW, WARM, TORCHRUN = "new interpreter", "warm standby", "torchrun"
 #: Each part and the stamp that ends it (the previous part's stamp begins it; see the docstring).
-PARTS = {"interpreter up": "up", "imports": "imported", "CUDA context": "cuda", "process group": "group",
-         "build": "restore_began", "load": "restore_end", "first step": "first_step"}
+PARTS = {
+    "interpreter up": "up",
+    "imports": "imported",
+    "CUDA context": "cuda",
+    "process group": "group",
+    "build": "restore_began",
+    "load": "restore_end",
+    "first step": "first_step",
+}
 #: The model and batch: a small byte-level GPT for the CPU, GPT-2 124M for a GPU (bf16 there).
 PRESETS = {
-    "small": {"model": {"vocab_size": 257, "dim": 64, "depth": 2, "heads": 2, "max_len": 64}, "seq_len": 64,
-              "batch_size": 8},
+    "small": {
+        "model": {"vocab_size": 257, "dim": 64, "depth": 2, "heads": 2, "max_len": 64},
+        "seq_len": 64,
+        "batch_size": 8,
+    },
     "gpt2": {"model": {"preset": "gpt2"}, "seq_len": 1024, "batch_size": 8},
 }
 
@@ -163,8 +173,11 @@ def job_config(preset: str, *, device: str, every_steps: int, output_dir: Path) 
     return {
         "run": {"name": "restart", "output_dir": str(output_dir), "seed": SEED},
         "dist": {"device": device},
-        "data": {"name": "tokens", "batch_size": p["batch_size"],
-                 "kwargs": {"corpus": "stdlib", "seq_len": p["seq_len"]}},
+        "data": {
+            "name": "tokens",
+            "batch_size": p["batch_size"],
+            "kwargs": {"corpus": "stdlib", "seq_len": p["seq_len"]},
+        },
         "model": {"name": "gpt", "kwargs": p["model"]},
         "optim": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.1},
         "train": {"max_steps": 1_000_000, "log_every": 1_000_000, "precision": "bf16" if device == "cuda" else "fp32"},
@@ -180,8 +193,9 @@ def start(argv: list[str], log: Path, **popen: Any) -> subprocess.Popen:
 
     command = argv if argv[0] == sys.executable else [sys.executable, "-m", __spec__.name, *argv]
     with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, **popen)
+        return subprocess.Popen(
+            command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen
+        )
 
 
 def failed(what: str, log: Path) -> SystemExit:
@@ -218,8 +232,12 @@ def killed_job_checkpoint(config: dict[str, Any], workdir: Path, *, device: str,
     info = find_latest_checkpoint(directory)
     if info is None:
         raise failed(f"no valid checkpoint in {directory} after the kill", log)
-    print(f"[restart] the job was SIGKILLed after its checkpoint of step {info.step} "
-          f"({info.path.stat().st_size / 1e6:.1f} MB)", file=sys.stderr, flush=True)
+    print(
+        f"[restart] the job was SIGKILLed after its checkpoint of step {info.step} "
+        f"({info.path.stat().st_size / 1e6:.1f} MB)",
+        file=sys.stderr,
+        flush=True,
+    )
     return info
 
 
@@ -248,22 +266,36 @@ def restart(
         return requested, standby, standby_log
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", __spec__.name]
-        if arm == TORCHRUN else []
+        if arm == TORCHRUN
+        else []
     )
     log = spec.parent / "worker.log"
     requested = time.time()
     return requested, start([*launcher, "--worker", str(spec)] if launcher else ["--worker", str(spec)], log), log
 
 
-def one_restart(arm: str, round_: int, *, config: dict[str, Any], checkpoint: Any, workdir: Path, device: str,
-                standby: tuple[subprocess.Popen, Path], timeout: float) -> dict[str, Any]:
+def one_restart(
+    arm: str,
+    round_: int,
+    *,
+    config: dict[str, Any],
+    checkpoint: Any,
+    workdir: Path,
+    device: str,
+    standby: tuple[subprocess.Popen, Path],
+    timeout: float,
+) -> dict[str, Any]:
     """Restart from ``checkpoint`` one way, check it resumed there, and return its stamps and parts."""
     out = workdir / f"{arm.replace(' ', '-')}-{round_}"
-    restarted = {**config, "run": {**config["run"], "output_dir": str(out / "run")},
-                 "checkpoint": {**config["checkpoint"], "resume": str(checkpoint.path)}}
+    restarted = {
+        **config,
+        "run": {**config["run"], "output_dir": str(out / "run")},
+        "checkpoint": {**config["checkpoint"], "resume": str(checkpoint.path)},
+    }
     result = out / "stamps.json"
-    requested, process, log = restart(arm, write_spec(out, restarted, device=device, result=result),
-                                      standby=standby[0], standby_log=standby[1])
+    requested, process, log = restart(
+        arm, write_spec(out, restarted, device=device, result=result), standby=standby[0], standby_log=standby[1]
+    )
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -274,9 +306,11 @@ def one_restart(arm: str, round_: int, *, config: dict[str, Any], checkpoint: An
     stamps = {**json.loads(result.read_text()), "requested": requested, **restore_record(out / "run")}
     expected = checkpoint.step
     if (stamps["resumed_step"], stamps["restored_step"], stamps["step"]) != (expected, expected, expected + 1):
-        raise SystemExit(f"[restart] {arm}, round {round_ + 1}: did not resume from the checkpoint of step {expected}: "
-                         f"resumed at {stamps['resumed_step']} (ledger: {stamps['restored_step']}), first step "
-                         f"{stamps['step']}, expected {expected + 1}")
+        raise SystemExit(
+            f"[restart] {arm}, round {round_ + 1}: did not resume from the checkpoint of step {expected}: "
+            f"resumed at {stamps['resumed_step']} (ledger: {stamps['restored_step']}), first step "
+            f"{stamps['step']}, expected {expected + 1}"
+        )
     return {"round": round_, "arm": arm, "stamps": stamps, "parts": parts_of(stamps)}
 
 
@@ -303,21 +337,36 @@ def measure(args: Any, workdir: Path) -> tuple[Any, list[dict[str, Any]]]:
     restart."""
     from benchmarks.workloads import rotated
 
-    config = job_config(args.preset, device=args.device, every_steps=args.every_steps,
-                        output_dir=workdir / "job" / "run")
+    config = job_config(
+        args.preset, device=args.device, every_steps=args.every_steps, output_dir=workdir / "job" / "run"
+    )
     checkpoint = killed_job_checkpoint(config, workdir, device=args.device, timeout=args.timeout)
     arms, runs = [NEW, WARM, *([TORCHRUN] if args.torchrun else [])], []
     for r in range(args.rounds):
         standby = start_standby(workdir / f"standby-{r}", preload=args.preload, timeout=args.timeout)
         try:
             for arm in rotated(arms, r):
-                runs.append(one_restart(arm, r, config=config, checkpoint=checkpoint, workdir=workdir,
-                                        device=args.device, standby=standby, timeout=args.timeout))
-                parts = ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["parts"].items()
-                                  if v is not None and k != "total")
-                print(f"[restart] round {r + 1}/{args.rounds} {arm}: first step "
-                      f"{runs[-1]['parts']['total']:.3f} s after the request ({parts})",
-                      file=sys.stderr, flush=True)
+                runs.append(
+                    one_restart(
+                        arm,
+                        r,
+                        config=config,
+                        checkpoint=checkpoint,
+                        workdir=workdir,
+                        device=args.device,
+                        standby=standby,
+                        timeout=args.timeout,
+                    )
+                )
+                parts = ", ".join(
+                    f"{k} {v:.3f}" for k, v in runs[-1]["parts"].items() if v is not None and k != "total"
+                )
+                print(
+                    f"[restart] round {r + 1}/{args.rounds} {arm}: first step "
+                    f"{runs[-1]['parts']['total']:.3f} s after the request ({parts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             if standby[0].poll() is None:  # a failed round's standby that never got its request
                 os.killpg(standby[0].pid, signal.SIGKILL)
@@ -338,8 +387,13 @@ def report(runs: list[dict[str, Any]], *, rounds: int) -> str:
             values = [parts[name] for parts in by_arm[arm]]
             s = None if None in values else summary(values)
             rows.append([name, "n/a", ""] if s is None else [name, f"{s.median:.3f}", s.spread(3)])
-        out.append(table(f"\n{arm}: restart request -> first step, {rounds} alternated round(s):",
-                         ["part", "median s", "min..max"], rows))
+        out.append(
+            table(
+                f"\n{arm}: restart request -> first step, {rounds} alternated round(s):",
+                ["part", "median s", "min..max"],
+                rows,
+            )
+        )
     new_totals = [parts["total"] for parts in by_arm[NEW]]
     for arm in arms[1:]:
         totals = [parts["total"] for parts in by_arm[arm]]
@@ -370,29 +424,50 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", choices=list(PRESETS),
-                        help="the model: gpt2 (124M, the default on CUDA) or small (the default on the CPU)")
-    parser.add_argument("--every-steps", type=int, default=10,
-                        help="the killed job's checkpoint.every_steps (default 10)")
-    parser.add_argument("--torchrun", action="store_true",
-                        help="a third arm: torchrun --standalone --nproc-per-node 1 starts the worker")
-    parser.add_argument("--preload", nargs="*", default=["torch._dynamo"], metavar="MODULE",
-                        help="modules the standby also imports ahead (default: torch._dynamo, which AdamW's "
-                             "construction imports in 'build', as ddpkit run's forked CPU workers have it preloaded; "
-                             "--preload with no module: none)")
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="the model: gpt2 (124M, the default on CUDA) or small (the default on the CPU)",
+    )
+    parser.add_argument(
+        "--every-steps", type=int, default=10, help="the killed job's checkpoint.every_steps (default 10)"
+    )
+    parser.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="a third arm: torchrun --standalone --nproc-per-node 1 starts the worker",
+    )
+    parser.add_argument(
+        "--preload",
+        nargs="*",
+        default=["torch._dynamo"],
+        metavar="MODULE",
+        help="modules the standby also imports ahead (default: torch._dynamo, which AdamW's "
+        "construction imports in 'build', as ddpkit run's forked CPU workers have it preloaded; "
+        "--preload with no module: none)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one process may take (default 600)")
     parser.add_argument("--json", type=Path, help="write every round's stamps and parts here")
     args = parser.parse_args(argv)
     args.preset = args.preset or ("gpt2" if args.device == "cuda" else "small")
-    print(device_line(args.device) + f"; model preset {args.preset}; "
-          f"standby preloads: {', '.join(args.preload) or 'nothing'}", flush=True)
+    print(
+        device_line(args.device) + f"; model preset {args.preset}; "
+        f"standby preloads: {', '.join(args.preload) or 'nothing'}",
+        flush=True,
+    )
     with load_printed(), tempfile.TemporaryDirectory(prefix="ddpkit-restart-") as tmp:
         checkpoint, runs = measure(args, Path(tmp))
         print(f"checkpoint: step {checkpoint.step}, {checkpoint.path.stat().st_size / 1e6:.1f} MB", flush=True)
         print(report(runs, rounds=args.rounds), flush=True)
     if args.json:
-        summary = {"device": device_line(args.device), "torch": torch.__version__, "preset": args.preset,
-                   "preload": args.preload, "checkpoint_step": checkpoint.step, "runs": runs}
+        summary = {
+            "device": device_line(args.device),
+            "torch": torch.__version__,
+            "preset": args.preset,
+            "preload": args.preload,
+            "checkpoint_step": checkpoint.step,
+            "runs": runs,
+        }
         args.json.write_text(json.dumps(summary, indent=1))
     return 0
 

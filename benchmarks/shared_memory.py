@@ -26,8 +26,10 @@ from ddpkit.testing import run_on_ranks
 
 def make_records(count: int) -> list[dict]:
     rng = np.random.default_rng(0)
-    return [{"id": f"sample-{i:08d}", "tokens": rng.integers(0, 50_000, 256, dtype=np.int32), "label": i % 10}
-            for i in range(count)]
+    return [
+        {"id": f"sample-{i:08d}", "tokens": rng.integers(0, 50_000, 256, dtype=np.int32), "label": i % 10}
+        for i in range(count)
+    ]
 
 
 def _collate(batch: list) -> int:

@@ -42,9 +42,18 @@ def make_model():  # the classic MNIST CNN, as a user would write it
     from torch import nn
 
     return nn.Sequential(
-        nn.Conv2d(1, 10, 5), nn.MaxPool2d(2), nn.ReLU(),
-        nn.Conv2d(10, 20, 5), nn.Dropout2d(), nn.MaxPool2d(2), nn.ReLU(),
-        nn.Flatten(), nn.Linear(320, 50), nn.ReLU(), nn.Dropout(), nn.Linear(50, 10),
+        nn.Conv2d(1, 10, 5),
+        nn.MaxPool2d(2),
+        nn.ReLU(),
+        nn.Conv2d(10, 20, 5),
+        nn.Dropout2d(),
+        nn.MaxPool2d(2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(320, 50),
+        nn.ReLU(),
+        nn.Dropout(),
+        nn.Linear(50, 10),
     )
 
 
@@ -74,8 +83,14 @@ def hand_written() -> None:
         if step == 1 and rank == 0:
             first_step_done()
 
-    train_by_hand(model, loader_for(train_set, rank, world_size), rank=rank, world_size=world_size, max_steps=STEPS,
-                  on_step=first_step)
+    train_by_hand(
+        model,
+        loader_for(train_set, rank, world_size),
+        rank=rank,
+        world_size=world_size,
+        max_steps=STEPS,
+        on_step=first_step,
+    )
     dist.destroy_process_group()
 
 
@@ -131,14 +146,15 @@ def _importtime(python: str, module: str) -> tuple[dict[str, tuple[int, int]], f
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([python, "-X", "importtime", "-c", f"import {module}"], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [python, "-X", "importtime", "-c", f"import {module}"], capture_output=True, text=True, check=True
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     table = {}
     for line in done.stderr.splitlines():
         if line.startswith("import time:") and "|" in line and "self [us]" not in line:
-            self_us, cumulative_us, name = line[len("import time:"):].split("|")
+            self_us, cumulative_us, name = line[len("import time:") :].split("|")
             table[name.strip()] = (int(self_us), int(cumulative_us))
     return table, cpu
 
@@ -146,20 +162,24 @@ def _importtime(python: str, module: str) -> tuple[dict[str, tuple[int, int]], f
 def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) -> dict[str, list[float]]:
     """Seconds from starting the launcher to rank 0's first optimizer step, per variant and round."""
     config = workdir / "startup.yaml"
-    config.write_text(CONFIG.replace("run: {name: startup, seed: 0}",
-                                     f"run: {{name: startup, seed: {SEED}, output_dir: {workdir / 'run'}}}"))
+    config.write_text(
+        CONFIG.replace(
+            "run: {name: startup, seed: 0}", f"run: {{name: startup, seed: {SEED}, output_dir: {workdir / 'run'}}}"
+        )
+    )
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     commands = {
         "hand-written (torchrun)": ("hand", [*torchrun, "-m", __spec__.name]),
         "ddpkit Trainer (torchrun)": ("ddpkit", [*torchrun, "-m", __spec__.name, str(config)]),
-        "ddpkit Trainer (ddpkit run --script)": ("ddpkit",
-                                                 [python, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2",
-                                                  "--script", str(script)]),
+        "ddpkit Trainer (ddpkit run --script)": (
+            "ddpkit",
+            [python, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(script)],
+        ),
     }
     seconds: dict[str, list[float]] = {name: [] for name in commands}
     names = list(commands)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             variant, argv = commands[name]
             marker = workdir / "first-step.txt"
             marker.unlink(missing_ok=True)
@@ -171,8 +191,11 @@ def time_to_first_step(python: str, script: Path, rounds: int, workdir: Path) ->
                     f"{name} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
                 )
             seconds[name].append(float(marker.read_text()) - start)
-            print(f"[startup] round {r + 1}/{rounds} {name}: first step after {seconds[name][-1]:.2f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[startup] round {r + 1}/{rounds} {name}: first step after {seconds[name][-1]:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return seconds
 
 
@@ -181,16 +204,20 @@ def import_report(python: str, rounds: int) -> str:
     keys = ("added_ms", "torch_ms", "ddpkit_ms", "cpu_added_ms")
     added, torch_ms, ddpkit_ms, cpu_added = (summary(t[k]) for k in keys)
     extra = sorted(((summary(v).median, k) for k, v in t["extra_modules"].items()), reverse=True)
-    return table(f"import time, {rounds} alternated rounds (python -X importtime):", [
-        "measure", "median ms", "min..max"
-    ], [
-        ["import torch (alone)", f"{torch_ms.median:.1f}", torch_ms.spread(1)],
-        ["import ddpkit (total)", f"{ddpkit_ms.median:.1f}", ddpkit_ms.spread(1)],
-        ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
-        ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
-    ]) + (f"\nbudget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
-          f"{len(extra)} modules not imported by torch, largest self times: "
-          + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8]))
+    return table(
+        f"import time, {rounds} alternated rounds (python -X importtime):",
+        ["measure", "median ms", "min..max"],
+        [
+            ["import torch (alone)", f"{torch_ms.median:.1f}", torch_ms.spread(1)],
+            ["import ddpkit (total)", f"{ddpkit_ms.median:.1f}", ddpkit_ms.spread(1)],
+            ["ddpkit minus torch, same process", f"{added.median:.1f}", added.spread(1)],
+            ["process CPU time, ddpkit minus torch (paired)", f"{cpu_added.median:.1f}", cpu_added.spread(1)],
+        ],
+    ) + (
+        f"\nbudget: ddpkit adds <= 100 ms: {'met' if added.median <= 100 else 'NOT met'}; "
+        f"{len(extra)} modules not imported by torch, largest self times: "
+        + ", ".join(f"{name} {ms:.1f} ms" for ms, name in extra[:8])
+    )
 
 
 def first_step_report(python: str, rounds: int) -> str:

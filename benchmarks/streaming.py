@@ -71,8 +71,9 @@ def _epoch(
         start_epoch(loader, epoch)
         batches = loader
     else:
-        loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, num_workers=workers,
-                                     window_steps=window)
+        loader = build_stream_loader(
+            TensorStream(*data), env=env, batch_size=64, num_workers=workers, window_steps=window
+        )
         batches = loader.stream_epochs
         batches.start_epoch(epoch)
     count = 0
@@ -90,7 +91,7 @@ def _throughput_job(rounds: int, num_train: int) -> dict[str, list[float]]:
     data = make_digits(num_train, seed=1234)
     results: dict[str, list[float]] = {}
     for r in range(rounds):
-        for variant in (("map", "stream") if r % 2 == 0 else ("stream", "map")):
+        for variant in ("map", "stream") if r % 2 == 0 else ("stream", "map"):
             for workers in (0, 2):
                 seconds, samples = _epoch(variant, data, workers, epoch=r)
                 results.setdefault(f"{variant}/{workers}", []).append(samples / seconds)
@@ -102,7 +103,7 @@ def _agreement_job(rounds: int, num_train: int) -> dict[str, list[float]]:
     data = make_digits(num_train, seed=1234)
     env, results = read_dist_env(), {}
     for r in range(rounds):
-        for window in ((0, 8, 1) if r % 2 == 0 else (1, 8, 0)):
+        for window in (0, 8, 1) if r % 2 == 0 else (1, 8, 0):
             loader = build_stream_loader(TensorStream(*data), env=env, batch_size=64, window_steps=window or 1)
             batches = loader.stream_epochs
             batches.start_epoch(r)
@@ -152,8 +153,11 @@ def measure(args: argparse.Namespace) -> None:
         for workers in (0, 2):
             m, s = job[f"map/{workers}"], job[f"stream/{workers}"]
             ratios = [b / a for a, b in zip(m, s)]
-            report["throughput"][f"{ranks}x{workers}"] = [_summary("map", m), _summary("stream", s),
-                                                          _summary("ratio", ratios)]
+            report["throughput"][f"{ranks}x{workers}"] = [
+                _summary("map", m),
+                _summary("stream", s),
+                _summary("ratio", ratios),
+            ]
             print(f"{ranks:>5} {workers:>7} {_fmt(m, 0):>22} {_fmt(s, 0):>22} {_fmt(ratios, 3):>20}")
     job = {}
     if "agreement" in args.parts:

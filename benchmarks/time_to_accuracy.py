@@ -130,8 +130,18 @@ def launch(argv: list[str], log: Path) -> tuple[float, float, str]:
 def run_hand(data: Path, out: Path) -> dict[str, Any]:
     """One hand-written run: its marks and step count."""
     out.mkdir(parents=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", HAND,
-            str(data), str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        HAND,
+        str(data),
+        str(out),
+    ]
     launched, exited, stdout = launch(argv, out / "stderr.txt")
     line = [s for s in stdout.splitlines() if s.startswith("{")][-1]
     marks = json.loads(line)
@@ -145,9 +155,9 @@ def run_ddpkit(out: Path, start: str = "fork") -> dict[str, Any]:
     config = out.with_suffix(".yaml")
     config.write_text(CONFIG.format(output_dir=out))
     log = out.parent / f"{out.name}.stderr.txt"
-    launched, exited, _ = launch([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2",
-                                  "--start-method", start],
-                                 log)
+    launched, exited, _ = launch(
+        [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--start-method", start], log
+    )
     events: dict[str, list[dict[str, Any]]] = {}
     for record in read_ledger(out):
         if record.get("rank", 0) == 0:
@@ -155,11 +165,16 @@ def run_ddpkit(out: Path, start: str = "fork") -> dict[str, Any]:
     start, end = events["start"][-1], events["end"][-1]
     reached = REACHED.search(log.read_text())
     return {
-        "launch": launched, "imported": start["imported"], "ready": start["ready"],
+        "launch": launched,
+        "imported": start["imported"],
+        "ready": start["ready"],
         "built": events["restore"][-1]["began"],
-        "first_step": events["first_step"][-1]["t"], "target": events["validation"][-1]["t"], "saved": end["t"],
+        "first_step": events["first_step"][-1]["t"],
+        "target": events["validation"][-1]["t"],
+        "saved": end["t"],
         "exit": exited,
-        "step": end["step"], "logged_step": int(reached.group(2)) if reached else None,
+        "step": end["step"],
+        "logged_step": int(reached.group(2)) if reached else None,
         "logged_accuracy": float(reached.group(1)) if reached else None,
     }
 
@@ -218,10 +233,13 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         "parts, median seconds (launch -> imports done -> group ready -> "
         "data+model built -> first step -> target reached -> saved -> exit):",
     ]
-    part_rows = [[v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)]
-                 for v, rs in runs.items()]
-    diffs = [[f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))]
-             for row in part_rows[1:]]
+    part_rows = [
+        [v, *(f"{summary([r['parts_s'][p] for r in rs]).median:.2f}" for p in PARTS)] for v, rs in runs.items()
+    ]
+    diffs = [
+        [f"{row[0]} - hand", *(f"{float(d) - float(h):+.2f}" for d, h in zip(row[1:], part_rows[0][1:]))]
+        for row in part_rows[1:]
+    ]
     lines.append(format_table(["variant", *PARTS], [*part_rows, *diffs]))
     logged = [(r["logged_step"], r["step"]) for r in runs["ddpkit"]]
     if any(a != b for a, b in logged):

@@ -53,8 +53,21 @@ def run_job(tree: str, variant: str, steps: int, workload: str) -> tuple[float, 
     # The tree first (its ddpkit, its benchmarks); this checkout after it, for this module when the tree predates it.
     path = [str(root), *([str(root / "scripts")] if old_layout else []), str(REPO)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", __spec__.name, "--worker", module, variant, str(steps), workload]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        __spec__.name,
+        "--worker",
+        module,
+        variant,
+        str(steps),
+        workload,
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tree)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -85,8 +98,11 @@ def main(argv: list[str]) -> int:
         for r in range(args.rounds):
             for label, tree, variant in rotated(entries, r):
                 runs[label].append(run_job(tree, variant, args.steps, args.workload))
-                print(f"[trees] round {r + 1}/{args.rounds} {label}: {runs[label][-1][0]:.3f} ms/step", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"[trees] round {r + 1}/{args.rounds} {label}: {runs[label][-1][0]:.3f} ms/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
         ref, rows = runs[entries[0][0]], []
         for label, own in runs.items():
             walls, cpus, digests = zip(*own)
@@ -94,11 +110,25 @@ def main(argv: list[str]) -> int:
             wall, ratio = summary(walls), paired(walls, ref_walls)
             extra_cpu = paired(cpus, ref_cpus, scale=1000, difference=True)
             same = sum(a == b for a, b in zip(digests, ref_digests))
-            rows.append([label, f"{wall.median:.3f}", wall.spread(3), f"{ratio.median:.3f}", ratio.spread(3),
-                         f"{extra_cpu.median:+.1f}", f"{same}/{len(own)}"])
-        print(table(f"{args.workload}: {args.rounds} rounds x {args.steps} steps, each a fresh 2-rank job",
-                    ["entry", "ms/step", "min..max", "x ref", "x ref min..max", "CPU us/step vs ref", "bitwise = ref"],
-                    rows), flush=True)
+            rows.append(
+                [
+                    label,
+                    f"{wall.median:.3f}",
+                    wall.spread(3),
+                    f"{ratio.median:.3f}",
+                    ratio.spread(3),
+                    f"{extra_cpu.median:+.1f}",
+                    f"{same}/{len(own)}",
+                ]
+            )
+        print(
+            table(
+                f"{args.workload}: {args.rounds} rounds x {args.steps} steps, each a fresh 2-rank job",
+                ["entry", "ms/step", "min..max", "x ref", "x ref min..max", "CPU us/step vs ref", "bitwise = ref"],
+                rows,
+            ),
+            flush=True,
+        )
     return 0
 
 

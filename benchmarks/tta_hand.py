@@ -76,8 +76,17 @@ def main(data_path: str, out_dir: str) -> None:
         return True
 
     loader = loader_for(train_set, rank, world_size, batch_size=BATCH)
-    step = train_by_hand(model, loader, rank=rank, world_size=world_size, max_steps=MAX_STEPS, lr=LR, momentum=MOMENTUM,
-                         seed=SEED, on_step=mark)
+    step = train_by_hand(
+        model,
+        loader,
+        rank=rank,
+        world_size=world_size,
+        max_steps=MAX_STEPS,
+        lr=LR,
+        momentum=MOMENTUM,
+        seed=SEED,
+        on_step=mark,
+    )
     if rank == 0:
         torch.save(model.state_dict(), Path(out_dir) / "model.pt")
         marks["saved"] = time.time()

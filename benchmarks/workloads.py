@@ -52,15 +52,39 @@ REPO = Path(__file__).resolve().parents[1]
 #: own fixed cost per step, in microseconds. ``mlp-1`` is the MLP in one process: the loop's cost on a
 #: real model without a peer's scheduling noise (paired ranges of a few us where 2 ranks give 50).
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "step-cost": {"model": "torch.nn:Linear", "kwargs": {"in_features": 16, "out_features": 10}, "shape": [16],
-                  "steps": 1000, "warmup": 100, "nproc": 1},
-    "mlp": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30,
-            "nproc": 2},
-    "mlp-1": {"model": "mlp", "kwargs": {"hidden": [128, 128]}, "shape": [1, 28, 28], "steps": 300, "warmup": 30,
-              "nproc": 1},
+    "step-cost": {
+        "model": "torch.nn:Linear",
+        "kwargs": {"in_features": 16, "out_features": 10},
+        "shape": [16],
+        "steps": 1000,
+        "warmup": 100,
+        "nproc": 1,
+    },
+    "mlp": {
+        "model": "mlp",
+        "kwargs": {"hidden": [128, 128]},
+        "shape": [1, 28, 28],
+        "steps": 300,
+        "warmup": 30,
+        "nproc": 2,
+    },
+    "mlp-1": {
+        "model": "mlp",
+        "kwargs": {"hidden": [128, 128]},
+        "shape": [1, 28, 28],
+        "steps": 300,
+        "warmup": 30,
+        "nproc": 1,
+    },
     "mnist_cnn": {"model": "mnist_cnn", "kwargs": {}, "shape": [1, 28, 28], "steps": 100, "warmup": 10, "nproc": 2},
-    "resnet18": {"model": "resnet18", "kwargs": {"num_classes": 10}, "shape": [3, 32, 32], "steps": 12, "warmup": 3,
-                 "nproc": 2},
+    "resnet18": {
+        "model": "resnet18",
+        "kwargs": {"num_classes": 10},
+        "shape": [3, 32, 32],
+        "steps": 12,
+        "warmup": 3,
+        "nproc": 2,
+    },
 }
 
 
@@ -78,7 +102,13 @@ def build(w: dict[str, Any], steps: int, *, world_size: int | None = None) -> tu
 
 
 def loader_for(
-    train_set: Any, rank: int, world_size: int, *, batch_size: int = BATCH, batched: bool = False, num_workers: int = 0,
+    train_set: Any,
+    rank: int,
+    world_size: int,
+    *,
+    batch_size: int = BATCH,
+    batched: bool = False,
+    num_workers: int = 0,
     pin_memory: bool = False,
 ) -> DataLoader:
     """torch's DistributedSampler and DataLoader; ``batched``: with ddpkit's whole-batch reads (ddpkit.data.batched)."""
@@ -89,9 +119,17 @@ def loader_for(
         from ddpkit.data.batched import batch_reads
 
         train_set, collate = batch_reads(train_set)
-    return DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, generator=torch.Generator(),
-                      collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
+    return DataLoader(
+        train_set,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator(),
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )
 
 
 def trainer_config(
@@ -100,8 +138,11 @@ def trainer_config(
     """The ddpkit config of the same job as the hand-written loop; ``sections`` are merged over the defaults."""
     config = {
         "run": {"name": name, "output_dir": str(output_dir), "seed": SEED},
-        "data": {"name": "synthetic", "batch_size": BATCH,
-                 "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10}},
+        "data": {
+            "name": "synthetic",
+            "batch_size": BATCH,
+            "kwargs": {"size": steps * BATCH * world_size, "shape": w["shape"], "num_classes": 10},
+        },
         "model": {"name": w["model"], "kwargs": w["kwargs"]},
         "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
         "train": {"epochs": 1, "max_steps": steps},
@@ -116,9 +157,21 @@ def trainer_config(
 
 
 def train_by_hand(
-    model: torch.nn.Module, loader: DataLoader, *, rank: int, world_size: int, max_steps: int,
-    on_step: Callable[[int], Any] | None = None, lr: float = LR, momentum: float = MOMENTUM, seed: int = SEED,
-    compiled: bool = False, device: str = "cpu", channels_last: bool = False, bf16: bool = False, checks: bool = False,
+    model: torch.nn.Module,
+    loader: DataLoader,
+    *,
+    rank: int,
+    world_size: int,
+    max_steps: int,
+    on_step: Callable[[int], Any] | None = None,
+    lr: float = LR,
+    momentum: float = MOMENTUM,
+    seed: int = SEED,
+    compiled: bool = False,
+    device: str = "cpu",
+    channels_last: bool = False,
+    bf16: bool = False,
+    checks: bool = False,
 ) -> int:
     """The plain DDP loop users write; returns the number of optimizer steps taken.
 
@@ -193,8 +246,9 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
 def strided_loader(dataset: Any, rank: int, world_size: int, *, batch_size: int = BATCH) -> DataLoader:
     """This rank's strided share of an evaluation set (rank, rank + world_size, ...), in order, with its own
     generator."""
-    return DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size=batch_size,
-                      generator=torch.Generator())
+    return DataLoader(
+        Subset(dataset, range(rank, len(dataset), world_size)), batch_size=batch_size, generator=torch.Generator()
+    )
 
 
 def accuracy(model: torch.nn.Module, val: DataLoader) -> float:

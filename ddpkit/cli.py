@@ -88,32 +88,42 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="ddpkit", description=plain_text(__doc__.split("\n\n")[0]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"exit codes (ddpkit.errors.EXIT_CODES):\n{exit_code_table(indent='  ')}")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit",
+        description=plain_text(__doc__.split("\n\n")[0]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"exit codes (ddpkit.errors.EXIT_CODES):\n{exit_code_table(indent='  ')}",
+    )
     parser.add_argument("-V", "--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, usage=RUN_USAGE,
-                         epilog=RUN_EPILOG)
+    run = sub.add_parser(
+        "run", help=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter, usage=RUN_USAGE, epilog=RUN_EPILOG
+    )
     _add_config_args(run)
     _add_run_args(run)
 
     train = sub.add_parser("train", help="run one training worker (what `ddpkit run` launches)")
     _add_config_args(train)
 
-    config = sub.add_parser("config", usage=CONFIG_USAGE,
-                            help="print the resolved config (file + overrides + defaults), or its JSON Schema")
+    config = sub.add_parser(
+        "config", usage=CONFIG_USAGE, help="print the resolved config (file + overrides + defaults), or its JSON Schema"
+    )
     config.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
-    config.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. optim.lr=0.1 train.epochs=3")
-    config.add_argument("--schema", action="store_true",
-                        help="print the JSON Schema of every config (for editors) instead")
-    config.add_argument("-o", "--output", default=None, metavar="FILE.json",
-                        help="with --schema: write it to this file")
+    config.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=0.1 train.epochs=3"
+    )
+    config.add_argument(
+        "--schema", action="store_true", help="print the JSON Schema of every config (for editors) instead"
+    )
+    config.add_argument(
+        "-o", "--output", default=None, metavar="FILE.json", help="with --schema: write it to this file"
+    )
 
-    export = sub.add_parser("export", help="write a checkpoint's model weights: safetensors (OUT.safetensors) "
-                                           "or a torch state_dict (OUT.pt)")
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model weights: safetensors (OUT.safetensors) or a torch state_dict (OUT.pt)",
+    )
     _add_export_args(export)
 
     commands = {"run": run, "train": train, "config": config, "export": export}
@@ -125,31 +135,51 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 def _add_run_args(run: argparse.ArgumentParser) -> None:
     """``ddpkit run``'s own options (the config arguments come from :func:`_add_config_args`)."""
-    run.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
-                     help="processes per node (default: GPUs per node, or 1 on CPU)")
+    run.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default=None,
+        help="processes per node (default: GPUs per node, or 1 on CPU)",
+    )
     run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic runs (default 1)")
     run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank (static rendezvous)")
     run.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)")
-    run.add_argument("--master-port", "--master_port", type=int, default=None,
-                     help="port on node 0 (default: a free port)")
-    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
-                     help="HOST:PORT of a c10d rendezvous (instead of --master-addr)")
+    run.add_argument(
+        "--master-port", "--master_port", type=int, default=None, help="port on node 0 (default: a free port)"
+    )
+    run.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        help="HOST:PORT of a c10d rendezvous (instead of --master-addr)",
+    )
     run.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="rendezvous id shared by all nodes of one job")
-    run.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                     help="restart the worker group this many times after a failure")
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the worker group this many times after a failure",
+    )
     run.add_argument("--script", default=None, help="run this training script instead of the YAML-driven Trainer")
     run.add_argument("--worker-start", choices=("auto", "fork", "subprocess"), default="auto", help=WORKER_START_HELP)
 
 
 def _add_export_args(export: argparse.ArgumentParser) -> None:
     """``ddpkit export``'s arguments: what to read, where to write, and in which format."""
-    export.add_argument("checkpoint", help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) "
-                                           "or a checkpoint directory (newest valid)")
-    export.add_argument("output", help="where to write the weights; the extension picks the format: "
-                                       ".safetensors, else torch.save's .pt")
-    export.add_argument("--format", choices=("auto", "hf"), default="auto",
-                        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 "
-                             "directory OUTPUT")
+    export.add_argument(
+        "checkpoint",
+        help="a checkpoint (step-*.pt, or a sharded step-*.dcp directory) or a checkpoint directory (newest valid)",
+    )
+    export.add_argument(
+        "output", help="where to write the weights; the extension picks the format: .safetensors, else torch.save's .pt"
+    )
+    export.add_argument(
+        "--format",
+        choices=("auto", "hf"),
+        default="auto",
+        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 directory OUTPUT",
+    )
 
 
 # Commands that parse their own options (main() hands them the rest of argv), with their one-line help.
@@ -237,18 +267,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.goodput.ledger import launch_session
 
     cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
-    device = preflight(nproc=args.nproc_per_node or str(default_nproc()), backend=cfg.dist.backend,
-                       device=cfg.dist.device, precision=cfg.train.precision)
+    device = preflight(
+        nproc=args.nproc_per_node or str(default_nproc()),
+        backend=cfg.dist.backend,
+        device=cfg.dist.device,
+        precision=cfg.train.precision,
+    )
     if args.worker_start == "fork" and device != "cpu":  # a refused launch (exit 2): a retry will not fix it
-        raise ConfigError(f"--worker-start fork: the workers would use {device or 'the devices torchrun counts'}, "
-                          "and CUDA cannot be used in a forked process; use --worker-start subprocess (or auto), "
-                          "or dist.device=cpu")
+        raise ConfigError(
+            f"--worker-start fork: the workers would use {device or 'the devices torchrun counts'}, "
+            "and CUDA cannot be used in a forked process; use --worker-start subprocess (or auto), "
+            "or dist.device=cpu"
+        )
     # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
     grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
     requeue = check_requeue_exit_code(cfg.run.requeue_exit_code)  # what a signal-stopped, saved run exits with
     with launch_session(cfg.output_dir):  # goodput.jsonl: the launcher's start and exit count in the wall time
-        return launch(torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals),
-                      fork=args.worker_start != "subprocess" and device == "cpu", requeue_exit_code=requeue)
+        return launch(
+            torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals),
+            fork=args.worker_start != "subprocess" and device == "cpu",
+            requeue_exit_code=requeue,
+        )
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -313,9 +352,17 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
-    "run": _cmd_run, "train": _cmd_train, "config": _cmd_config, "export": _cmd_export, "bench": _cmd_bench,
-    "plot": _cmd_plot, "runs": _cmd_runs, "goodput": _cmd_goodput, "estimate": _cmd_estimate,
-    "tokenize": _cmd_tokenize, "env": _cmd_env,
+    "run": _cmd_run,
+    "train": _cmd_train,
+    "config": _cmd_config,
+    "export": _cmd_export,
+    "bench": _cmd_bench,
+    "plot": _cmd_plot,
+    "runs": _cmd_runs,
+    "goodput": _cmd_goodput,
+    "estimate": _cmd_estimate,
+    "tokenize": _cmd_tokenize,
+    "env": _cmd_env,
     "generate": _cmd_generate,
 }
 
@@ -329,8 +376,16 @@ def torchrun_args(
     """The ``torchrun`` argument list equivalent to a ``ddpkit run`` invocation."""
     program = [args.script] if args.script else ["-m", "ddpkit", "train"]
     return torchrun_argv(
-        nproc=args.nproc_per_node or str(default_nproc()), program=[*program, args.config, *args.overrides],
-        nnodes=args.nnodes, max_restarts=args.max_restarts, shutdown_timeout=failure_timeout, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id, forward_signals=forward_signals, extra=getattr(args, "torchrun", ()),
+        nproc=args.nproc_per_node or str(default_nproc()),
+        program=[*program, args.config, *args.overrides],
+        nnodes=args.nnodes,
+        max_restarts=args.max_restarts,
+        shutdown_timeout=failure_timeout,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        forward_signals=forward_signals,
+        extra=getattr(args, "torchrun", ()),
     )

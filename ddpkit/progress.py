@@ -30,5 +30,7 @@ class Progress:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore in place: the loop, the reporter and the watchdog all hold this same object."""
         self.step, self.epoch, self.batch_in_epoch = (
-            int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
+            int(state["step"]),
+            int(state["epoch"]),
+            int(state["batch_in_epoch"]),
         )

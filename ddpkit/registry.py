@@ -29,8 +29,15 @@ from ddpkit.config.schema import DataConfig, ModelConfig
 from ddpkit.errors import ConfigError
 
 __all__ = [
-    "Registry", "MODELS", "DATASETS", "OPTIMIZERS", "register_model", "register_dataset", "register_optimizer",
-    "build_model", "build_datasets",
+    "Registry",
+    "MODELS",
+    "DATASETS",
+    "OPTIMIZERS",
+    "register_model",
+    "register_dataset",
+    "register_optimizer",
+    "build_model",
+    "build_datasets",
 ]
 
 

@@ -108,8 +108,14 @@ def _rank_main(
     fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, workdir: str, env: dict[str, str]
 ) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1", **env,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        OMP_NUM_THREADS="1",
+        **env,
     )
     import torch
     import torch.distributed as dist

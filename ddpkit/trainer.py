@@ -132,13 +132,26 @@ class Trainer:
         averages them over the whole validation set exactly, whatever the world size, as ``val_<name>``."""
         return training.steps.validation_step(self.model, batch)
 
-    def on_fit_start(self) -> None: """After setup (and resume), before the first step."""
-    def on_epoch_start(self, epoch: int) -> None: """Before the first batch of ``epoch``."""
-    def on_step_end(self, step: int) -> None: """After optimizer step ``step`` (1-based), every step: no host syncs."""
-    def on_log(self, metrics: dict[str, float]) -> None: """Every ``log_every`` steps, with rank-reduced metrics."""
-    def on_validation_end(self, metrics: dict[str, float]) -> None: """After each validation, with exact metrics."""
-    def on_epoch_end(self, epoch: int) -> None: """After the last batch of ``epoch``."""
-    def on_fit_end(self, metrics: dict[str, float]) -> None: """After training, with the metrics ``fit()`` returns."""
+    def on_fit_start(self) -> None:
+        """After setup (and resume), before the first step."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Before the first batch of ``epoch``."""
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based), every step: no host syncs."""
+
+    def on_log(self, metrics: dict[str, float]) -> None:
+        """Every ``log_every`` steps, with rank-reduced metrics."""
+
+    def on_validation_end(self, metrics: dict[str, float]) -> None:
+        """After each validation, with exact metrics."""
+
+    def on_epoch_end(self, epoch: int) -> None:
+        """After the last batch of ``epoch``."""
+
+    def on_fit_end(self, metrics: dict[str, float]) -> None:
+        """After training, with the metrics ``fit()`` returns."""
 
     @classmethod
     def main(cls, argv: Sequence[str] | None = None, *, defaults: Sequence[str] = ()) -> None:
@@ -166,33 +179,72 @@ class Trainer:
         model = self._build()
         tokens = training.TokenCount.for_run(model, cfg.train, device=self.device, world_size=self.world_size)
         throughput = TokenThroughput.for_run(cfg, rt, model=model, dataset=self.train_loader.dataset, counter=tokens)
-        self.reporter = Reporter(cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events,
-                                 throughput=throughput)  # tokens/s, MFU
+        self.reporter = Reporter(
+            cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events, throughput=throughput
+        )  # tokens/s, MFU
         self.checkpointer = Checkpointer(cfg, runtime=rt, progress=progress, stop=worker.stop, pauses=self.reporter)
-        self.health = training.TrainingHealth(cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress,
-                                              checkpoints=self.checkpointer)  # NaNs, spikes, stragglers, replicas
-        self._step = training.OptimizerStep(model, self.optimizer, self.scheduler, train=cfg.train, tokens=tokens,
-                                            device=self.device, world_size=self.world_size, health=self.health)
-        self._models = training.build_models(model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel,
-                                             exclude=self.reporter.outside_training)  # DDP, then compiled
+        self.health = training.TrainingHealth(
+            cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress, checkpoints=self.checkpointer
+        )  # NaNs, spikes, stragglers, replicas
+        self._step = training.OptimizerStep(
+            model,
+            self.optimizer,
+            self.scheduler,
+            train=cfg.train,
+            tokens=tokens,
+            device=self.device,
+            world_size=self.world_size,
+            health=self.health,
+        )
+        self._models = training.build_models(
+            model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel, exclude=self.reporter.outside_training
+        )  # DDP, then compiled
         self.events.add(self._models, self.reporter, self.checkpointer.mirror)  # on_exit however fit() ends
-        self._evaluation = training.Evaluation(self._models, self.val_loader, device=self.device,  # a long validation
-                                               autocast=self._step.autocast, ticking=worker.watchdog.ticking)  # ticks
+        self._evaluation = training.Evaluation(
+            self._models,
+            self.val_loader,
+            device=self.device,  # a long validation
+            autocast=self._step.autocast,
+            ticking=worker.watchdog.ticking,
+        )  # ticks
         best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
         self._early_stopping = training.EarlyStopping.for_run(cfg, progress=progress)
-        self.checkpointer.register(builtin=dict(  # every part a checkpoint holds, by name, in one call
-            model=model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self._step.scaler,
-            progress=progress, rng=training.RngStreams(rank=self.rank, world_size=self.world_size), best=best,
-            early_stopping=self._early_stopping, health=self.health, sinks=self.reporter.sinks,
-            **data.data_position(self.train_loader),
-        ), user=self.checkpoint_parts())
+        self.checkpointer.register(
+            builtin=dict(  # every part a checkpoint holds, by name, in one call
+                model=model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self._step.scaler,
+                progress=progress,
+                rng=training.RngStreams(rank=self.rank, world_size=self.world_size),
+                best=best,
+                early_stopping=self._early_stopping,
+                health=self.health,
+                sinks=self.reporter.sinks,
+                **data.data_position(self.train_loader),
+            ),
+            user=self.checkpoint_parts(),
+        )
         resumed = worker.ledger.restore(self.checkpointer.resume)  # timed, in goodput.jsonl
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
-        samples = training.TrainingSamples.for_run(cfg, rank=self.rank, model=model,  # train.sample
-                                                   outside=self.reporter.outside_training)
-        self.events.add(Profiler.for_run(cfg, rank=self.rank, device=self.device), worker.watchdog, worker.ledger,
-                        *self.checkpointer.protections(ledger=worker.ledger), self.health.straggler, self.health,
-                        self._early_stopping, best, samples, self)  # the order events reach them: user's hooks last
+        samples = training.TrainingSamples.for_run(
+            cfg,
+            rank=self.rank,
+            model=model,  # train.sample
+            outside=self.reporter.outside_training,
+        )
+        self.events.add(
+            Profiler.for_run(cfg, rank=self.rank, device=self.device),
+            worker.watchdog,
+            worker.ledger,
+            *self.checkpointer.protections(ledger=worker.ledger),
+            self.health.straggler,
+            self.health,
+            self._early_stopping,
+            best,
+            samples,
+            self,
+        )  # the order events reach them: user's hooks last
 
     def _build(self) -> nn.Module:
         """Datasets, model (sharded), loaders, optimizer and schedule; returns the bare model."""
@@ -215,8 +267,13 @@ class Trainer:
 
     def _train_epoch(self) -> None:
         progress, accum, report, events = self.progress, self.config.train.grad_accum_steps, self.reporter, self.events
-        batches, batches_per_epoch = data.epoch_batches(self.train_loader, epoch=progress.epoch, rank=self.rank,
-                                                   consumed=progress.batch_in_epoch, uneven=self.config.data.uneven)
+        batches, batches_per_epoch = data.epoch_batches(
+            self.train_loader,
+            epoch=progress.epoch,
+            rank=self.rank,
+            consumed=progress.batch_in_epoch,
+            uneven=self.config.data.uneven,
+        )
         if progress.batch_in_epoch == 0:
             events.epoch_start(progress.epoch)
         self._models.train.train()
@@ -281,8 +338,11 @@ class Trainer:
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     def _log_training(self) -> None:
-        extra = {**self.health.log_fields(), **self.checkpointer.log_fields(),  # remote uploads: bytes, lag
-                 **data.consumed_tokens(self.train_loader, self.progress.step)}  # a mixture's tokens per source
+        extra = {
+            **self.health.log_fields(),
+            **self.checkpointer.log_fields(),  # remote uploads: bytes, lag
+            **data.consumed_tokens(self.train_loader, self.progress.step),
+        }  # a mixture's tokens per source
         record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=extra)
         self.metrics.update(train_loss=record["train_loss"])
         self.events.log(record)

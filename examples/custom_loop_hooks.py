@@ -59,10 +59,21 @@ class HookedTrainer(ddpkit.Trainer):
             params = sum(p.numel() for p in self.model.parameters())
             log.info(
                 "%s with %d parameters on %d rank(s); stopping at val_accuracy >= %.2f",
-                type(self.unwrapped_model).__name__, params, self.world_size, self.target_accuracy,
+                type(self.unwrapped_model).__name__,
+                params,
+                self.world_size,
+                self.target_accuracy,
             )
-            log.info("%5s %10s %9s %8s %8s %8s %11s", "epoch", "train_loss", "val_loss", "val_acc", "seconds",
-                     "steps/s", "slowest_ms")
+            log.info(
+                "%5s %10s %9s %8s %8s %8s %11s",
+                "epoch",
+                "train_loss",
+                "val_loss",
+                "val_acc",
+                "seconds",
+                "steps/s",
+                "slowest_ms",
+            )
 
     def on_epoch_start(self, epoch: int) -> None:
         self.epoch_started = self.last_step_end = time.perf_counter()
@@ -82,8 +93,13 @@ class HookedTrainer(ddpkit.Trainer):
         seconds = time.perf_counter() - self.epoch_started
         steps = self.progress.step - self.epoch_first_step
         self.rows.append(
-            {"epoch": epoch, "train_loss": self.last_train_loss, "seconds": seconds, "steps_per_s": steps / seconds,
-             "slowest_ms": 1000 * self.slowest_step}
+            {
+                "epoch": epoch,
+                "train_loss": self.last_train_loss,
+                "seconds": seconds,
+                "steps_per_s": steps / seconds,
+                "slowest_ms": 1000 * self.slowest_step,
+            }
         )
 
     def on_validation_end(self, metrics: dict[str, float]) -> None:
@@ -104,8 +120,9 @@ class HookedTrainer(ddpkit.Trainer):
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(self.rows)
-        log.info("stopped after %d steps at val_accuracy %.3f; wrote %s",
-                 metrics["step"], metrics["val_accuracy"], path)
+        log.info(
+            "stopped after %d steps at val_accuracy %.3f; wrote %s", metrics["step"], metrics["val_accuracy"], path
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -113,8 +130,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         description="Trainer hooks for custom logging.", usage="%(prog)s [--target-accuracy X] [key=value ...]"
     )
-    parser.add_argument("--target-accuracy", type=float, default=HookedTrainer.target_accuracy,
-                        help="stop once val_accuracy reaches this")
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=HookedTrainer.target_accuracy,
+        help="stop once val_accuracy reaches this",
+    )
     args, rest = parser.parse_known_args(argv)
     HookedTrainer.target_accuracy = args.target_accuracy
     HookedTrainer.main(rest, defaults=DEFAULTS)  # a key given on the command line replaces its default

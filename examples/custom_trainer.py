@@ -41,5 +41,6 @@ class RegressionTrainer(ddpkit.Trainer):
 
 if __name__ == "__main__":
     # yours replace these
-    RegressionTrainer.main(defaults=["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20",
-                                     "data.batch_size=64"])
+    RegressionTrainer.main(
+        defaults=["run.name=custom_trainer", "optim.lr=0.003", "train.epochs=20", "data.batch_size=64"]
+    )

@@ -35,8 +35,15 @@ except ImportError:
 
 SEQ_LEN = 64
 DEFAULTS = [  # key=value overrides, as on a command line; a key you give replaces its default here
-    "run.name=hf_causal_lm", "data.batch_size=8", "optim.name=adamw", "optim.lr=1e-3", "train.max_steps=30",
-    "train.log_every=10", "train.loss_normalization=tokens", "train.clip_grad_norm=1.0", "checkpoint.every_steps=15",
+    "run.name=hf_causal_lm",
+    "data.batch_size=8",
+    "optim.name=adamw",
+    "optim.lr=1e-3",
+    "train.max_steps=30",
+    "train.log_every=10",
+    "train.loss_normalization=tokens",
+    "train.clip_grad_norm=1.0",
+    "checkpoint.every_steps=15",
 ]
 
 
@@ -63,8 +70,10 @@ def pretrained(directory: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:  # no such directory / no weights; a config that is not a causal LM
         first = str(exc).strip().splitlines()[0]
-        raise ddpkit.errors.ConfigError(f"model.kwargs.pretrained: {directory} is not a local causal LM directory "
-                                        f"(save_pretrained's config.json + weights): {first}") from None
+        raise ddpkit.errors.ConfigError(
+            f"model.kwargs.pretrained: {directory} is not a local causal LM directory "
+            f"(save_pretrained's config.json + weights): {first}"
+        ) from None
 
 
 class CausalLMTrainer(ddpkit.Trainer):

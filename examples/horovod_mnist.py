@@ -62,12 +62,12 @@ DEFAULTS = [
     "run.name=horovod_mnist",
     "run.seed=42",
     "model.name=mnist_cnn",
-    "data.batch_size=64",        # per process, like Horovod's --batch-size
+    "data.batch_size=64",  # per process, like Horovod's --batch-size
     "data.val_batch_size=1000",  # --test-batch-size
-    "optim.lr=0.01",             # before scaling by the number of processes
+    "optim.lr=0.01",  # before scaling by the number of processes
     "optim.momentum=0.5",
-    "train.epochs=10",           # --epochs: about a minute on 2 CPU processes, ~95% accuracy on digits
-    "train.log_every=10",        # --log-interval
+    "train.epochs=10",  # --epochs: about a minute on 2 CPU processes, ~95% accuracy on digits
+    "train.log_every=10",  # --log-interval
     "checkpoint.every_epochs=1",
 ]
 
@@ -85,8 +85,9 @@ class HorovodMnistTrainer(ddpkit.Trainer):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """Horovod's rule: the learning rate grows with the number of processes (the global batch does)."""
         cfg = self.config.optim
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr * self.world_size, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=cfg.lr * self.world_size, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
 
 
 if __name__ == "__main__":

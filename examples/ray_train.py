@@ -33,9 +33,9 @@ class RayReporting(ddpkit.Trainer):
         import ray.train
 
         directory = Path(self.config.checkpoint_dir)
-        checkpoint = ray.train.Checkpoint.from_directory(
-            str(directory)
-        ) if self.rank == 0 and directory.is_dir() else None
+        checkpoint = (
+            ray.train.Checkpoint.from_directory(str(directory)) if self.rank == 0 and directory.is_dir() else None
+        )
         ray.train.report({**metrics, "step": self.progress.step}, checkpoint=checkpoint)
 
 
@@ -56,8 +56,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (ranks)")
     parser.add_argument("--gpu", action="store_true", help="one GPU per worker")
     parser.add_argument("--max-failures", type=int, default=1, help="worker-group restarts Ray allows")
-    parser.add_argument("--storage", default=str(Path("runs/ray").resolve()),
-                        help="Ray's storage_path (its own results)")
+    parser.add_argument(
+        "--storage", default=str(Path("runs/ray").resolve()), help="Ray's storage_path (its own results)"
+    )
     args = parser.parse_args()
     ray.init()
     trainer = TorchTrainer(

@@ -55,8 +55,11 @@ class ImageFolderTrainer(ddpkit.Trainer):
         train, val = imagefolder(**kwargs)
         self.classes = train.classes
         log.info(
-            "%d classes (%s), %d training images, %d validation images", len(self.classes), ", ".join(self.classes[:5]),
-            len(train), len(val) if val else 0
+            "%d classes (%s), %d training images, %d validation images",
+            len(self.classes),
+            ", ".join(self.classes[:5]),
+            len(train),
+            len(val) if val else 0,
         )
         return train, val
 

@@ -76,8 +76,15 @@ def _section(path: str, cls: type, level: int = 2) -> list[str]:
         if inner is not None:
             nested.append((key, inner))
             default = "`null`" if f.default is None else "see below"
-            rows.append(_row(key, "section" + (" or null" if optional(tp) else ""), default, "",
-                             f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)})."))
+            rows.append(
+                _row(
+                    key,
+                    "section" + (" or null" if optional(tp) else ""),
+                    default,
+                    "",
+                    f.metadata["doc"] + f" See [`{key}`](#{_anchor(key)}).",
+                )
+            )
             continue
         rows.append(_row(key, _type_name(tp), _default(f), _allowed(tp, f), f.metadata["doc"]))
         item = typing.get_args(strip_none(tp))[0] if typing.get_origin(strip_none(tp)) is list else None
@@ -104,8 +111,10 @@ def _type_name(tp: Any) -> str:
     inner = strip_none(tp)
     origin = typing.get_origin(inner)
     if origin in (typing.Union, types.UnionType):  # e.g. bool | dict (train.compile)
-        names = [" or ".join(f"`{v}`" for v in typing.get_args(a)) if typing.get_origin(a) is Literal else _type_name(a)
-                 for a in typing.get_args(inner)]
+        names = [
+            " or ".join(f"`{v}`" for v in typing.get_args(a)) if typing.get_origin(a) is Literal else _type_name(a)
+            for a in typing.get_args(inner)
+        ]
         return " or ".join(names) + (" or null" if optional(tp) else "")
     if origin is Literal:
         name = "string"
@@ -153,8 +162,9 @@ def _allowed(tp: Any, f: dataclasses.Field) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare: exit 1 if the file is out of date")
-    parser.add_argument("--output", type=Path, default=OUTPUT,
-                        help=f"where to write (default {OUTPUT.relative_to(REPO)})")
+    parser.add_argument(
+        "--output", type=Path, default=OUTPUT, help=f"where to write (default {OUTPUT.relative_to(REPO)})"
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:

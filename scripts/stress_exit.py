@@ -44,8 +44,13 @@ REPO = Path(__file__).resolve().parents[1]
 ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "Fatal Python error")
 EXPECTED = {"finish": 0, "preempt": 75, "config-error": 2, "hang": 3}
 # The quickstart as a new user runs it (checkpoint every epoch, model.pt at the end), on less data.
-SHORT = ["data.num_workers=0", "data.kwargs.num_train=1024", "data.kwargs.num_val=256", "train.epochs=2",
-         "dist.timeout=120"]
+SHORT = [
+    "data.num_workers=0",
+    "data.kwargs.num_train=1024",
+    "data.kwargs.num_val=256",
+    "train.epochs=2",
+    "dist.timeout=120",
+]
 MODE_ARGS = {
     "finish": [],
     # Long enough to be signalled mid-run; the first logged step says training is under way.
@@ -103,8 +108,16 @@ def _command(mode: str, out: Path, launcher: str) -> list[str]:
     overrides = [f"run.output_dir={out}", *SHORT, *MODE_ARGS[mode]]
     if launcher == "torchrun":  # the same run under plain torchrun: the store lives in torchrun's agent
         script = str(REPO / "examples" / "train.py")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, config,
-                *overrides]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            script,
+            config,
+            *overrides,
+        ]
     return [str(Path(sys.executable).with_name("ddpkit")), "run", config, "--nproc-per-node", "2", *overrides]
 
 
@@ -158,8 +171,13 @@ def run_once(
     started = time.monotonic()
     with open(log, "w") as sink:
         proc = subprocess.Popen(
-            _command(mode, directory / "run", launcher), cwd=directory, env=_env(mode, directory, faulthandler),
-            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_preexec(core=core, cpus=cpus),
+            _command(mode, directory / "run", launcher),
+            cwd=directory,
+            env=_env(mode, directory, faulthandler),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_preexec(core=core, cpus=cpus),
         )
         try:
             if mode == "preempt":
@@ -183,7 +201,10 @@ def _summary(mode: str, results: list[Result], load: Load) -> str:
         codes[str(r.code)] = codes.get(str(r.code), 0) + 1
     failed = sum(r.failed(expected) for r in results)
     rows = [
-        ("mode", mode), ("expected exit", str(expected)), ("runs", str(len(results))), ("failed", str(failed)),
+        ("mode", mode),
+        ("expected exit", str(expected)),
+        ("runs", str(len(results))),
+        ("failed", str(failed)),
         ("wrong exit code", str(sum(r.code != expected for r in results))),
         ("runs with abort text", str(sum(bool(r.aborts) for r in results))),
         ("exit codes seen", ", ".join(f"{c}: {n}" for c, n in sorted(codes.items()))),
@@ -204,8 +225,9 @@ def _spread(samples: list[float]) -> str:
 def _report(i: int, runs: int, result: Result, expected: int, keep: bool) -> None:
     bad = result.failed(expected)
     status = "FAIL" if bad else "ok"
-    print(f"[{i + 1}/{runs}] {status} exit={result.code} {result.seconds:.1f}s load={os.getloadavg()[0]:.2f}",
-          flush=True)
+    print(
+        f"[{i + 1}/{runs}] {status} exit={result.code} {result.seconds:.1f}s load={os.getloadavg()[0]:.2f}", flush=True
+    )
     for line in result.aborts[:5]:
         print(f"    abort: {line}", flush=True)
     if bad and not result.aborts:
@@ -218,16 +240,22 @@ def _report(i: int, runs: int, result: Result, expected: int, keep: bool) -> Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=20, help="launches, back to back (default 20)")
     parser.add_argument("--mode", choices=sorted(EXPECTED), default="finish", help="how each run ends (default finish)")
-    parser.add_argument("--launcher", choices=["ddpkit", "torchrun"], default="ddpkit",
-                        help="`ddpkit run` (default) or plain torchrun with examples/train.py (finish mode only)")
+    parser.add_argument(
+        "--launcher",
+        choices=["ddpkit", "torchrun"],
+        default="ddpkit",
+        help="`ddpkit run` (default) or plain torchrun with examples/train.py (finish mode only)",
+    )
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes running meanwhile (default 2)")
     parser.add_argument("--cpus", default=None, help="pin the runs and the load to these CPUs, e.g. 0 (default: all)")
-    parser.add_argument("--timeout", type=float, default=180.0,
-                        help="seconds before a run counts as stuck and is killed")
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds before a run counts as stuck and is killed"
+    )
     parser.add_argument("--keep", action="store_true", help="keep every run's directory, not only failed ones")
     parser.add_argument("--faulthandler", action="store_true", help="PYTHONFAULTHANDLER=1 in the workers")
     parser.add_argument("--core", action="store_true", help="let the workers dump core into the run's directory")
@@ -245,8 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--launcher torchrun: only --mode finish (torchrun's own exit codes differ from ddpkit run's)")
     try:
         for i in range(args.runs):
-            result = run_once(args.mode, launcher=args.launcher, timeout=args.timeout, faulthandler=args.faulthandler,
-                              core=args.core, cpus=cpus)
+            result = run_once(
+                args.mode,
+                launcher=args.launcher,
+                timeout=args.timeout,
+                faulthandler=args.faulthandler,
+                core=args.core,
+                cpus=cpus,
+            )
             load.sample()
             results.append(result)
             _report(i, args.runs, result, EXPECTED[args.mode], args.keep)

@@ -59,8 +59,11 @@ def arm_checkpoint_crash(save_index: int, point: str) -> None:
 class CrashingTrainer(ddpkit.Trainer):
     def on_step_end(self, step: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if (first_attempt and str(self.rank) == os.environ.get("KILL_RANK")
-                and step == int(os.environ.get("KILL_AT_STEP", -1))):
+        if (
+            first_attempt
+            and str(self.rank) == os.environ.get("KILL_RANK")
+            and step == int(os.environ.get("KILL_AT_STEP", -1))
+        ):
             die()
 
 

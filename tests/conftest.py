@@ -21,9 +21,21 @@ from helpers import cpu_runtime, tiny_config
 from ddpkit.distributed import Runtime
 
 _LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "TORCH_DISTRIBUTED_DEBUG",
-    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_STEP_ID",
+    "SLURM_JOB_ID",
 )
 
 # Every thread ddpkit starts is named "ddpkit-..." (watchdog, watchdog-store, stop-poll, run-lock,
@@ -54,9 +66,11 @@ def thread_police():
         if thread.is_alive():
             leaked.append(f"{thread.name} (daemon={thread.daemon})")
     if leaked:
-        pytest.fail(f"the test left {len(leaked)} ddpkit thread(s) running: {', '.join(leaked)}; "
-                    "close what started them (the Trainer, the watchdog, the writer, the lock) before it ends",
-                    pytrace=False)
+        pytest.fail(
+            f"the test left {len(leaked)} ddpkit thread(s) running: {', '.join(leaked)}; "
+            "close what started them (the Trainer, the watchdog, the writer, the lock) before it ends",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -97,7 +97,11 @@ def run_cli(
     try:
         return subprocess.run(
             [sys.executable, "-m", "ddpkit", *args],
-            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=cwd or REPO,
         )
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-4000:]
@@ -164,11 +168,11 @@ def parse_table(text: str) -> list[dict[str, str]]:
     starts = [0, *ends[:-1]]
 
     def cells(line: str) -> list[str]:
-        return [line[a: b if i < len(ends) - 1 else None].strip() for i, (a, b) in enumerate(zip(starts, ends))]
+        return [line[a : b if i < len(ends) - 1 else None].strip() for i, (a, b) in enumerate(zip(starts, ends))]
 
     header, rows = cells(lines[rule - 1]), []
-    for line in lines[rule + 1:]:
-        if not line.strip() or any(line[end: end + 2].strip() for end in ends[:-1]):
+    for line in lines[rule + 1 :]:
+        if not line.strip() or any(line[end : end + 2].strip() for end in ends[:-1]):
             break
         rows.append(dict(zip(header, cells(line))))
     return rows
@@ -193,7 +197,11 @@ def start_gated_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, dict
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GATE_DIR": str(tmp_path)}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(script), *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while not (tmp_path / "ready.json").exists():

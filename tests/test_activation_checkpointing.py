@@ -1,6 +1,6 @@
 """Activation checkpointing (``train.activation_checkpointing``): same loss and weights, less kept, every mode.
 
-    .venv/bin/pytest tests/test_activation_checkpointing.py -q
+.venv/bin/pytest tests/test_activation_checkpointing.py -q
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def test_named_classes_and_the_errors():
     model = GPT(dim=32, depth=2, heads=2, max_len=16)
     assert apply_activation_checkpointing(model, ["GPTBlock", "CausalSelfAttention"]) == 2  # blocks hold the attention
     assert apply_activation_checkpointing(GPT(dim=32, depth=2, heads=2, max_len=16), False) == 0
-    with pytest.raises(ddpkit.ConfigError, match=r"train.activation_checkpointing: the model has no module of class "
-                       r"Block; "
-                       r"name the block classes to checkpoint, e\.g\. \[.*\] \(its classes: .*GPTBlock"):
+    with pytest.raises(
+        ddpkit.ConfigError,
+        match=r"train.activation_checkpointing: the model has no module of class "
+        r"Block; "
+        r"name the block classes to checkpoint, e\.g\. \[.*\] \(its classes: .*GPTBlock",
+    ):
         apply_activation_checkpointing(model, ["Block"])
 
 

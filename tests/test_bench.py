@@ -77,12 +77,15 @@ def test_table_and_number_formatting():
     [
         (["throughput", "--model", "resnet81"], "did you mean 'resnet18'"),
         (["throughput", "--model", "mlp", "--nproc-per-node", "0,1"], "--nproc-per-node: 0 is out of range"),
-        (["throughput", "--model", "mlp", "--nproc-per-node", "two"],
-         "--nproc-per-node: 'two' is not a comma-separated list"),
+        (
+            ["throughput", "--model", "mlp", "--nproc-per-node", "two"],
+            "--nproc-per-node: 'two' is not a comma-separated list",
+        ),
         (["throughput", "--model", "mlp", "--steps", "0"], "--steps: 0 must be at least 1"),
         (["throughput", "--model", "mlp", "--input-shape", "3,x"], "--input-shape"),
         pytest.param(
-            ["throughput", "--model", "mlp", "--precision", "fp16"], "--precision fp16 needs a CUDA device",
+            ["throughput", "--model", "mlp", "--precision", "fp16"],
+            "--precision fp16 needs a CUDA device",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid on CUDA"),
         ),
         (["allreduce", "--sizes", "1QB..2MB"], "cannot read '1QB' as a size"),
@@ -123,15 +126,32 @@ def test_cli_usage_error_exit_code_and_no_traceback():
 @pytest.mark.multiprocess
 def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
     out = tmp_path / "ar.json"
-    done = run_cli("bench", "allreduce", "--nproc-per-node", "3", "--sizes", "4KB..32KB", "--iters", "3",
-                   "--warmup", "1", "-o", str(out), timeout=180)
+    done = run_cli(
+        "bench",
+        "allreduce",
+        "--nproc-per-node",
+        "3",
+        "--sizes",
+        "4KB..32KB",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "-o",
+        str(out),
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     assert "gloo on cpu, 3 process(es)" in done.stdout and "[allreduce]" in done.stderr  # progress on stderr
     rows = parse_table(done.stdout)
     assert [r["size"] for r in rows] == ["4KB", "8KB", "16KB", "32KB"]
     for row in rows:
         size, time_us, algbw, busbw = (
-            parse_size(row["size"]), float(row["time (us)"]), float(row["algbw (GB/s)"]), float(row["busbw (GB/s)"]))
+            parse_size(row["size"]),
+            float(row["time (us)"]),
+            float(row["algbw (GB/s)"]),
+            float(row["busbw (GB/s)"]),
+        )
         assert int(row["count"]) == size // 4 and row["type"] == "float32" and row["check"] == "ok"
         assert close(algbw, size / (time_us * 1e-6) / 1e9, rel=2e-3)  # printed to 4 significant digits
         assert close(busbw, algbw * 2 * (3 - 1) / 3, rel=2e-3)
@@ -145,9 +165,23 @@ def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
 def test_throughput_table_efficiency_and_plot(tmp_path):
     plot, out = tmp_path / "scaling.png", tmp_path / "tp.json"
     done = run_cli(
-        "bench", "throughput", "--model", "mlp", "--batch-size", "8", "--nproc-per-node", "1,2", "--steps", "4",
-        "--warmup", "1",
-        "--plot", str(plot), "-o", str(out), timeout=240,
+        "bench",
+        "throughput",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "8",
+        "--nproc-per-node",
+        "1,2",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--plot",
+        str(plot),
+        "-o",
+        str(out),
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr
     assert "[throughput] round 1/1: mlp on 2 process(es)" in done.stderr
@@ -160,32 +194,51 @@ def test_throughput_table_efficiency_and_plot(tmp_path):
     assert rows[0]["efficiency"] == "1.000"
     assert float(rows[1]["efficiency"]) == pytest.approx(two / (2 * one), abs=2e-3)
     exact = json.loads(out.read_text())["rows"]
-    assert exact[1]["efficiency"] == pytest.approx(exact[1]["samples_per_s"] / (2 * exact[0]["samples_per_s"]),
-                                                   rel=1e-12)
+    assert exact[1]["efficiency"] == pytest.approx(
+        exact[1]["samples_per_s"] / (2 * exact[0]["samples_per_s"]), rel=1e-12
+    )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {plot}" in done.stdout
 
 
 @pytest.mark.multiprocess
 def test_autotune_reports_every_candidate_and_the_fastest_override(tiny_yaml):
     done = run_cli(
-        "bench", "autotune", str(tiny_yaml), "--steps", "2", "--warmup", "1", "--bucket-caps", "1", "--rounds", "1",
-        "optim.lr=0.05", timeout=240,
+        "bench",
+        "autotune",
+        str(tiny_yaml),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--bucket-caps",
+        "1",
+        "--rounds",
+        "1",
+        "optim.lr=0.05",
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr
     rows = parse_table(done.stdout)
     # Candidates: the given cap and the config's (25) x gradient_as_bucket_view false/true.
     assert [(r["bucket_cap_mb"], r["gradient_as_bucket_view"]) for r in rows] == [
-        ("1", "false"), ("1", "true"), ("25", "false"), ("25", "true")
+        ("1", "false"),
+        ("1", "true"),
+        ("25", "false"),
+        ("25", "true"),
     ]
     assert [r[""] for r in rows].count("fastest") + [r[""] for r in rows].count("fastest, your config") == 1
-    assert "your config" in next(r[""] for r in rows
-                                 if (r["bucket_cap_mb"], r["gradient_as_bucket_view"]) == ("25", "true"))  # the default
+    assert "your config" in next(
+        r[""] for r in rows if (r["bucket_cap_mb"], r["gradient_as_bucket_view"]) == ("25", "true")
+    )  # the default
     best = min(rows, key=lambda r: float(r["ms/step"]))
     assert "fastest" in best[""] and best["vs fastest"] == "1.000"
-    override = re.search(r"^override: (ddp\.bucket_cap_mb=(\S+) ddp\.gradient_as_bucket_view=(true|false))$",
-                         done.stdout, re.M)
-    assert (override
-            and (override.group(2), override.group(3)) == (best["bucket_cap_mb"], best["gradient_as_bucket_view"]))
+    override = re.search(
+        r"^override: (ddp\.bucket_cap_mb=(\S+) ddp\.gradient_as_bucket_view=(true|false))$", done.stdout, re.M
+    )
+    assert override and (override.group(2), override.group(3)) == (
+        best["bucket_cap_mb"],
+        best["gradient_as_bucket_view"],
+    )
     assert "optim.lr=0.05" in done.stdout  # the user's overrides were applied to every run
 
 
@@ -201,5 +254,7 @@ def test_overhead_benchmark_compares_final_weights_across_processes_by_digest():
     assert digest(weights) == digest(same) != digest(nudged)
     result = {"runs": {"hand-written": {"weights": ["a", "b"]}, "ddpkit": {"weights": ["a", "c"]}}}
     bench_overhead.mark_bitwise(result)
-    assert (result["runs"]["ddpkit"]["bitwise"] == [True, False]
-            and result["runs"]["hand-written"]["bitwise"] == [True, True])
+    assert result["runs"]["ddpkit"]["bitwise"] == [True, False] and result["runs"]["hand-written"]["bitwise"] == [
+        True,
+        True,
+    ]

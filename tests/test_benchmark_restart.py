@@ -24,12 +24,31 @@ def test_restart_benchmark_resumes_both_ways_and_its_parts_add_up_to_the_total(t
     out = tmp_path / "restart.json"
     # the stdlib corpus, built once for the three processes
     env = {**os.environ, "DDPKIT_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.restart", "--device", "cpu", "--rounds", "1",
-                           "--every-steps", "2", "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.restart",
+            "--device",
+            "cpu",
+            "--rounds",
+            "1",
+            "--every-steps",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert ("new interpreter: restart request -> first step" in done.stdout
-            and "warm standby / new interpreter, total (paired)" in done.stdout)
+    assert (
+        "new interpreter: restart request -> first step" in done.stdout
+        and "warm standby / new interpreter, total (paired)" in done.stdout
+    )
 
     result = json.loads(out.read_text())
     runs = {run["arm"]: run for run in result["runs"]}
@@ -41,6 +60,8 @@ def test_restart_benchmark_resumes_both_ways_and_its_parts_add_up_to_the_total(t
         assert (parts["imports"] is None) == (arm == "warm standby")  # the standby imported before the request
         assert all(seconds > 0 for seconds in measured.values()), (arm, parts)
         assert math.isclose(sum(v for k, v in measured.items() if k != "total"), parts["total"], abs_tol=1e-6), (
-            arm, parts)
+            arm,
+            parts,
+        )
         assert stamps["resumed_step"] == stamps["restored_step"] == result["checkpoint_step"] >= 2
         assert stamps["step"] == result["checkpoint_step"] + 1

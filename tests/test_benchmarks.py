@@ -38,8 +38,9 @@ def test_every_benchmark_module_imports_and_is_listed_with_its_command(name, wor
 
 
 def test_no_benchmark_edits_sys_path():
-    offenders = [str(p) for d in ("benchmarks", "scripts") for p in (REPO / d).rglob("*.py")
-                 if "sys.path" in p.read_text()]
+    offenders = [
+        str(p) for d in ("benchmarks", "scripts") for p in (REPO / d).rglob("*.py") if "sys.path" in p.read_text()
+    ]
     assert offenders == []
     assert not list((REPO / "scripts").glob("bench*.py"))
 
@@ -52,7 +53,8 @@ def test_weights_digest_is_the_sha256_of_names_and_bytes(workloads):
     renamed = {"c": weights["b"], "w": weights["w"]}
     digest = workloads.weights_digest
     expected = hashlib.sha256(
-        b"b" + bytes(12) + b"w" + torch.arange(6, dtype=torch.float32).numpy().tobytes()).hexdigest()
+        b"b" + bytes(12) + b"w" + torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    ).hexdigest()
     assert digest(weights) == digest(same) == expected
     assert len({digest(weights), digest(nudged), digest(renamed)}) == 3
 
@@ -92,8 +94,9 @@ def test_hand_written_loop_on_one_gloo_rank_is_deterministic_and_stops_on_reques
             seen.append(step)
             return step == stop_at
 
-        steps = workloads.train_by_hand(model, workloads.loader_for(train_set, 0, 1), rank=0, world_size=1,
-                                        max_steps=max_steps, on_step=on_step)
+        steps = workloads.train_by_hand(
+            model, workloads.loader_for(train_set, 0, 1), rank=0, world_size=1, max_steps=max_steps, on_step=on_step
+        )
         return steps, seen, workloads.weights_digest(model.state_dict())
 
     first, again, stopped = run(6), run(6), run(6, stop_at=2)

@@ -28,8 +28,10 @@ def test_the_last_two_boundaries_are_readable_and_a_torn_slot_is_refused(tmp_pat
     slots.write(11, at_k, final=False)  # as step 11's update ends: provisional, then replaced at the boundary
     assert read_boundary(path, 11)[1] is False
     slots.write(11, at_next)
-    assert [(torch.equal(s, want), final) for (s, final), want in [
-        (read_boundary(path, 10), at_k), (read_boundary(path, 11), at_next)]] == [(True, True)] * 2
+    assert [
+        (torch.equal(s, want), final)
+        for (s, final), want in [(read_boundary(path, 10), at_k), (read_boundary(path, 11), at_next)]
+    ] == [(True, True)] * 2
     assert not torch.equal(at_k, at_next)
     assert read_boundary(path, 12) is None and read_boundary(path, 9) is None  # only the steps written
     torch.set_rng_state(read_boundary(path, 10)[0])

@@ -39,8 +39,12 @@ def test_keep_last_prunes_only_after_the_new_one_is_complete(tmp_path):
     for step in (1, 2, 3, 4):
         save_checkpoint(state(step), tmp_path, step=step, keep_last=2)
     assert [c.step for c in list_checkpoints(tmp_path)] == [3, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003.json", "step-000000003.pt",
-                                                          "step-000000004.json", "step-000000004.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000000003.json",
+        "step-000000003.pt",
+        "step-000000004.json",
+        "step-000000004.pt",
+    ]
     save_checkpoint(state(9), tmp_path, step=9, name="best", keep_last=1)
     assert [c.step for c in list_checkpoints(tmp_path)] == [4]  # named checkpoints are never pruned
     assert validate_checkpoint(tmp_path / "best.pt").step == 9
@@ -86,8 +90,9 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     info = save_checkpoint({"model": {}, "payload": Exploit(marker)}, tmp_path, step=1)
     validate_checkpoint(info.path)  # a valid file by size and checksum: the content is the problem
-    with pytest.raises(CheckpointError,
-                       match=r"refusing to load .*could run code when loaded \(it references posix.system\)"):
+    with pytest.raises(
+        CheckpointError, match=r"refusing to load .*could run code when loaded \(it references posix.system\)"
+    ):
         load_checkpoint(info.path)
     assert not marker.exists()
 

@@ -124,8 +124,13 @@ def test_a_run_saves_at_the_logged_intervals(tmp_path, monkeypatch):
     cfg = tiny_config(
         tmp_path,
         train={"epochs": 16},  # 16 steps an epoch: 256 steps
-        checkpoint={"every_steps": "auto", "mtbf_hours": 3e-6, "keep_last": 1000, "resume": "none",
-                    "memory_every_steps": None},
+        checkpoint={
+            "every_steps": "auto",
+            "mtbf_hours": 3e-6,
+            "keep_last": 1000,
+            "resume": "none",
+            "memory_every_steps": None,
+        },
         log={"rank_files": True},
     )
     ddpkit.Trainer(cfg).fit()

@@ -21,13 +21,18 @@ from ddpkit.checkpoint.staging import HostStaging
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def model_state(value: float, *, size: int = 8) -> dict:
-    return {"model": {"w": torch.full((size, size), value), "b": torch.full((size,), value)},
-            "progress": {"step": int(value)}}
+    return {
+        "model": {"w": torch.full((size, size), value), "b": torch.full((size,), value)},
+        "progress": {"step": int(value)},
+    }
 
 
 @pytest.fixture
@@ -106,8 +111,10 @@ def test_every_kind_of_leaf_round_trips_bitwise(tmp_path):
     state = {
         "model": {"bf16": bf16, "int64": int64, "scalar": torch.tensor(0.25), "empty": torch.empty(0, 3)},
         "rng": {"cpu": torch.get_rng_state(), "flags": [True, None, 3, 2.5, "seed"]},
-        "nested": [(1, (wide.t(), {"p": torch.nn.Parameter(torch.ones(2))})),
-                   {"deep": [torch.ones(2, dtype=torch.bool)]}],
+        "nested": [
+            (1, (wide.t(), {"p": torch.nn.Parameter(torch.ones(2))})),
+            {"deep": [torch.ones(2, dtype=torch.bool)]},
+        ],
         "progress": {"step": 3, "name": "x"},
     }
     writer = AsyncCheckpointWriter()
@@ -117,8 +124,13 @@ def test_every_kind_of_leaf_round_trips_bitwise(tmp_path):
     loaded = read(tmp_path, 3)
     for key, tensor in state["model"].items():
         assert same_bits(loaded["model"][key], tensor), key
-    assert (same_bits(loaded["rng"]["cpu"], torch.get_rng_state())
-            and loaded["rng"]["flags"] == [True, None, 3, 2.5, "seed"])
+    assert same_bits(loaded["rng"]["cpu"], torch.get_rng_state()) and loaded["rng"]["flags"] == [
+        True,
+        None,
+        3,
+        2.5,
+        "seed",
+    ]
     assert isinstance(loaded["nested"][0], tuple) and loaded["nested"][0][0] == 1
     view, inner = loaded["nested"][0][1]
     assert torch.equal(view, torch.arange(12.0).reshape(3, 4).t()) and same_bits(inner["p"], torch.ones(2))
@@ -128,8 +140,9 @@ def test_every_kind_of_leaf_round_trips_bitwise(tmp_path):
 
 def test_an_error_in_the_background_is_raised_by_the_next_save_and_then_saving_goes_on(tmp_path, monkeypatch):
     real = files.save_checkpoint
-    monkeypatch.setattr(files, "save_checkpoint",
-                        lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device")))
+    monkeypatch.setattr(
+        files, "save_checkpoint", lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device"))
+    )
     writer = AsyncCheckpointWriter()
     writer.stage_and_submit(model_state(1.0), tmp_path, step=1)
     with pytest.raises(OSError, match="No space left"):

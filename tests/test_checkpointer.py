@@ -1,7 +1,7 @@
 """The checkpointer: what a periodic save costs in collectives, and state a user's subclass adds.
 
-    .venv/bin/pytest -q tests/test_checkpointer.py            # the fast cases
-    .venv/bin/pytest -q -m slow tests/test_checkpointer.py    # a user's parts resumed after a SIGKILL, per mode
+.venv/bin/pytest -q tests/test_checkpointer.py            # the fast cases
+.venv/bin/pytest -q -m slow tests/test_checkpointer.py    # a user's parts resumed after a SIGKILL, per mode
 """
 
 from __future__ import annotations
@@ -22,8 +22,19 @@ from ddpkit.testing import run_on_ranks
 EMA_SCRIPT = REPO / "tests" / "scripts" / "ema_trainer.py"
 #: Every collective ddpkit's code calls through torch.distributed's namespace.
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-    "monitored_barrier", "gather", "gather_object", "scatter", "reduce", "all_to_all", "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "gather_object",
+    "scatter",
+    "reduce",
+    "all_to_all",
+    "reduce_scatter_tensor",
     "all_gather_into_tensor",
 )
 
@@ -124,12 +135,23 @@ def test_user_parts_resume_and_one_missing_from_an_older_checkpoint_is_named(tmp
 
 def _ema_run(out: Path, mode: str, kill: bool) -> Path:
     out.mkdir()
-    cfg = tiny_config(out, parallel={"mode": mode}, train={"epochs": 2},
-                      checkpoint={"every_steps": 3, "memory_every_steps": None})
+    cfg = tiny_config(
+        out, parallel={"mode": mode}, train={"epochs": 2}, checkpoint={"every_steps": 3, "memory_every_steps": None}
+    )
     (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
     env = {"KILL_RANK": "1", "KILL_AT_STEP": "7"} if kill else {}
-    done = run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "1",
-                   "--script", str(EMA_SCRIPT), env=env, timeout=300)
+    done = run_cli(
+        "run",
+        str(out / "exp.yaml"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--script",
+        str(EMA_SCRIPT),
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("resuming from" in done.stderr) == kill, done.stderr[-3000:]
     return Path(cfg["run"]["output_dir"])

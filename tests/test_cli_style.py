@@ -40,8 +40,9 @@ def test_version(capsys):
         assert _main([flag], capsys)[:2] == (0, f"ddpkit {__version__}\n")
 
 
-@pytest.mark.parametrize("command",
-                         [*COMMANDS, "bench throughput", "bench allreduce", "bench autotune", "bench scaling"])
+@pytest.mark.parametrize(
+    "command", [*COMMANDS, "bench throughput", "bench allreduce", "bench autotune", "bench scaling"]
+)
 def test_help_is_plain_text(command, capsys):
     code, out, err = _main([*command.split(), "--help"], capsys)
     assert code == 0 and out.startswith(f"usage: ddpkit {command}")
@@ -49,22 +50,27 @@ def test_help_is_plain_text(command, capsys):
 
 
 def test_plain_text_drops_literals_and_roles():
-    assert (plain_text("The ``ddpkit`` line, :mod:`ddpkit.bench.units` and :func:`~ddpkit.x.y`.")
-            == "The ddpkit line, ddpkit.bench.units and ddpkit.x.y.")
+    assert (
+        plain_text("The ``ddpkit`` line, :mod:`ddpkit.bench.units` and :func:`~ddpkit.x.y`.")
+        == "The ddpkit line, ddpkit.bench.units and ddpkit.x.y."
+    )
 
 
-@pytest.mark.parametrize("argv, expected, message", [
-    (["--nproc", "2"], ["--nproc-per-node", "2"], "--nproc is deprecated"),
-    (["--nproc=2"], ["--nproc-per-node=2"], "--nproc is deprecated"),
-    (["--config", "c.yaml", "a=1"], ["c.yaml", "a=1"], "write CONFIG as the first argument"),
-    (["--config=c.yaml"], ["c.yaml"], "--config is deprecated"),
-    (["--json", "out.json"], ["--output", "out.json"], "--json is deprecated"),
-    (["--start-method", "fork"], ["--worker-start", "fork"], "write --worker-start fork"),
-    (["--start_method=fork"], ["--worker-start=fork"], "--start_method is deprecated"),
-    (["--json"], ["--json"], None),                                   # the new flag
-    (["--json", "optim.lr=1"], ["--json", "optim.lr=1"], None),       # an override after it, not a file
-    (["c.yaml", "--", "--nproc", "2"], ["c.yaml", "--", "--nproc", "2"], None),  # torchrun's, after --
-])
+@pytest.mark.parametrize(
+    "argv, expected, message",
+    [
+        (["--nproc", "2"], ["--nproc-per-node", "2"], "--nproc is deprecated"),
+        (["--nproc=2"], ["--nproc-per-node=2"], "--nproc is deprecated"),
+        (["--config", "c.yaml", "a=1"], ["c.yaml", "a=1"], "write CONFIG as the first argument"),
+        (["--config=c.yaml"], ["c.yaml"], "--config is deprecated"),
+        (["--json", "out.json"], ["--output", "out.json"], "--json is deprecated"),
+        (["--start-method", "fork"], ["--worker-start", "fork"], "write --worker-start fork"),
+        (["--start_method=fork"], ["--worker-start=fork"], "--start_method is deprecated"),
+        (["--json"], ["--json"], None),  # the new flag
+        (["--json", "optim.lr=1"], ["--json", "optim.lr=1"], None),  # an override after it, not a file
+        (["c.yaml", "--", "--nproc", "2"], ["c.yaml", "--", "--nproc", "2"], None),  # torchrun's, after --
+    ],
+)
 def test_old_spellings_are_rewritten_with_one_deprecation_line(argv, expected, message, capsys):
     assert renamed(argv, OLD_SPELLINGS, prog="ddpkit bench") == expected
     err = capsys.readouterr().err
@@ -106,9 +112,22 @@ def test_config_is_positional_everywhere_and_process_counts_are_nproc_per_node(c
     assert "--nproc is deprecated" in err and "unrecognized arguments: --bogus" in err  # --nproc itself was accepted
 
 
-@pytest.mark.parametrize("argv", [["runs", "--bogus"], ["goodput"], ["plot"], ["env", "--bogus"], ["tokenize"],
-                                  ["export", "x"], ["config"], ["bench"], ["bench", "nosuch"], ["bench", "autotune"],
-                                  ["estimate", "c.yaml"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["runs", "--bogus"],
+        ["goodput"],
+        ["plot"],
+        ["env", "--bogus"],
+        ["tokenize"],
+        ["export", "x"],
+        ["config"],
+        ["bench"],
+        ["bench", "nosuch"],
+        ["bench", "autotune"],
+        ["estimate", "c.yaml"],
+    ],
+)
 def test_usage_errors_go_to_stderr_with_exit_code_2(argv, capsys):
     code, out, err = _main(argv, capsys)
     assert code == 2 and out == "" and err.strip(), (code, out, err)
@@ -117,13 +136,39 @@ def test_usage_errors_go_to_stderr_with_exit_code_2(argv, capsys):
 
 @pytest.mark.multiprocess
 def test_bench_json_prints_json_on_stdout_and_output_writes_a_file(tmp_path):
-    done = run_cli("bench", "allreduce", "--nproc-per-node", "2", "--sizes", "4KB", "--iters", "1", "--warmup", "0",
-                   "--json", "-o", str(tmp_path / "ar.json"), timeout=120)
+    done = run_cli(
+        "bench",
+        "allreduce",
+        "--nproc-per-node",
+        "2",
+        "--sizes",
+        "4KB",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        "-o",
+        str(tmp_path / "ar.json"),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)  # nothing else on stdout: the table went to stderr
     assert printed == json.loads((tmp_path / "ar.json").read_text()) and printed[0]["rows"][0]["bytes"] == 4096
     assert "busbw" in done.stderr
-    old = run_cli("bench", "allreduce", "--nproc", "2", "--sizes", "4KB", "--iters", "1", "--warmup", "0", "--json",
-                  str(tmp_path / "old.json"))
+    old = run_cli(
+        "bench",
+        "allreduce",
+        "--nproc",
+        "2",
+        "--sizes",
+        "4KB",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(tmp_path / "old.json"),
+    )
     assert old.returncode == 0 and json.loads((tmp_path / "old.json").read_text())[0]["rows"][0]["bytes"] == 4096
     assert "--nproc is deprecated" in old.stderr and "--json is deprecated" in old.stderr and "busbw" in old.stdout

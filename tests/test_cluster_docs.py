@@ -44,17 +44,25 @@ def operator_env(job: dict, replica_type: str, index: int) -> dict[str, str]:
     container = specs["Master"]["template"]["spec"]["containers"][0]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "pytorchjob-port")
     return {
-        "MASTER_ADDR": f"{job['metadata']['name']}-master-0", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "0",
-        "WORLD_SIZE": str(pods * int(nproc)), "RANK": str(rank),
-        "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": str(rank), "PET_NNODES": str(pods),
+        "MASTER_ADDR": f"{job['metadata']['name']}-master-0",
+        "MASTER_PORT": str(port),
+        "PYTHONUNBUFFERED": "0",
+        "WORLD_SIZE": str(pods * int(nproc)),
+        "RANK": str(rank),
+        "PET_NPROC_PER_NODE": nproc,
+        "PET_NODE_RANK": str(rank),
+        "PET_NNODES": str(pods),
     }
 
 
 def render_pod(job: dict, replica_type: str, index: int, **env_changes: str) -> tuple[list[str], dict[str, str]]:
     """A pod's argv after Kubernetes' $(VAR) expansion, and its environment."""
     container = job["spec"]["pytorchReplicaSpecs"][replica_type]["template"]["spec"]["containers"][0]
-    env = {**{e["name"]: e["value"] for e in container.get("env", [])}, **operator_env(job, replica_type, index),
-           **env_changes}
+    env = {
+        **{e["name"]: e["value"] for e in container.get("env", [])},
+        **operator_env(job, replica_type, index),
+        **env_changes,
+    }
     argv = []
     for arg in [*container["command"], *container.get("args", [])]:
         unknown = [name for name in re.findall(r"\$\((\w+)\)", arg) if name not in env]
@@ -111,8 +119,11 @@ def test_the_two_pods_train_together(tmp_path, tiny_yaml):
         rest = [a for a in argv[3:] if not a.startswith("run.output_dir=")]
         argv = [sys.executable, "-m", "ddpkit", "run", str(config), *rest, f"run.output_dir={out}"]
         full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        procs.append(subprocess.Popen(argv, env=full_env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                argv, env=full_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -136,9 +147,16 @@ def test_torchx_component_renders_a_ddpkit_run_per_node():
     from torchx.specs.file_linter import validate
 
     assert validate(str(COMPONENT), "train") == []  # what `torchx run` checks before it runs a component
-    app = module.train("optim.lr=0.1", "run.name=it's", config="configs/quickstart.yaml", nnodes=3, nproc_per_node=4,
-                       gpu=4, rdzv_port=29411,
-                       env={"NCCL_SOCKET_IFNAME": "eth0"})
+    app = module.train(
+        "optim.lr=0.1",
+        "run.name=it's",
+        config="configs/quickstart.yaml",
+        nnodes=3,
+        nproc_per_node=4,
+        gpu=4,
+        rdzv_port=29411,
+        env={"NCCL_SOCKET_IFNAME": "eth0"},
+    )
     (role,) = app.roles
     assert role.num_replicas == 3 and role.resource.gpu == 4 and role.port_map == {"c10d": 29411}
     assert role.env["NCCL_SOCKET_IFNAME"] == "eth0" and role.entrypoint == "bash"
@@ -146,14 +164,21 @@ def test_torchx_component_renders_a_ddpkit_run_per_node():
     flag, script = values.apply(role).args
     assert flag == "-c"
     assert script.endswith('--rdzv-endpoint "${TORCHX_RANK0_HOST:=localhost}:29411" --rdzv-id ddpkit-abc')
-    shell = subprocess.run(["bash", "-c", f'printf "%s\\n" {script.removeprefix("ddpkit run ")}'],
-                           capture_output=True, text=True,
-                           env={"TORCHX_RANK0_HOST": "node0", "PATH": os.environ["PATH"]})
+    shell = subprocess.run(
+        ["bash", "-c", f'printf "%s\\n" {script.removeprefix("ddpkit run ")}'],
+        capture_output=True,
+        text=True,
+        env={"TORCHX_RANK0_HOST": "node0", "PATH": os.environ["PATH"]},
+    )
     argv = shell.stdout.splitlines()  # what the shell on a node hands to `ddpkit run`
     _, commands = _parser()
     args = commands["run"].parse_intermixed_args(argv)
     assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id) == (
-        "3", "4", "node0:29411", "ddpkit-abc")
+        "3",
+        "4",
+        "node0:29411",
+        "ddpkit-abc",
+    )
     assert args.overrides == ["optim.lr=0.1", "run.name=it's"]  # quoting survives the shell
     load_config(REPO / args.config, args.overrides)
 
@@ -164,13 +189,34 @@ def test_torchx_component_renders_a_ddpkit_run_per_node():
 def test_torchx_local_scheduler_runs_two_nodes(tmp_path, tiny_yaml):
     _component()
     config, out = tiny_yaml, tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     torchx = [sys.executable, "-m", "torchx.cli.main"] if importlib.util.find_spec("torchx.cli.main") else ["torchx"]
     done = subprocess.run(
-        [*torchx, "run", "-s", "local_cwd", "--wait", f"{COMPONENT}:train", "--config", str(config), "--nnodes", "2",
-         "--rdzv_port", str(_free_port()), f"run.output_dir={out}", "log.progress_bar=false"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        [
+            *torchx,
+            "run",
+            "-s",
+            "local_cwd",
+            "--wait",
+            f"{COMPONENT}:train",
+            "--config",
+            str(config),
+            "--nnodes",
+            "2",
+            "--rdzv_port",
+            str(_free_port()),
+            f"run.output_dir={out}",
+            "log.progress_bar=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stdout + done.stderr

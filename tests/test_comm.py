@@ -64,7 +64,7 @@ class _PerStep(ddpkit.Trainer):
         self.per_step, self._seen = [], len(self.calls)
 
     def on_step_end(self, step: int) -> None:
-        self.per_step.append(self.calls[self._seen:])
+        self.per_step.append(self.calls[self._seen :])
         self._seen = len(self.calls)
 
 

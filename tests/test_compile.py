@@ -120,7 +120,9 @@ def test_a_model_compiled_in_build_model_is_compiled_once_in_ddp_order(world_of_
 
 def test_recompiles_are_logged_with_their_reason_and_capped_with_a_clear_error(caplog, world_of_one):
     models = build_models(
-        mlp(), world_of_one, ddp=DDPConfig(),
+        mlp(),
+        world_of_one,
+        ddp=DDPConfig(),
         train=TrainConfig(compile={"backend": "eager", "dynamic": False, "recompile_limit": 2}),
     )
     try:
@@ -228,8 +230,9 @@ def test_kept_host_memory_means_no_page_faults_in_steady_steps():
     import sys
 
     def faults_per_step(mode: str) -> tuple[str, float]:
-        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True,
-                             timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS_PER_STEP, mode], capture_output=True, text=True, timeout=120, check=True
+        )
         applied, faults = out.stdout.split()
         return applied, float(faults)
 
@@ -276,8 +279,9 @@ def test_persistent_workers_keep_per_sample_seeds_across_epochs_and_resume():
 
     env = read_dist_env()
     kwargs = dict(env=env, batch_size=4, seed=3)
-    persistent = build_train_loader(_RandomPerSample(), num_workers=2, persistent_workers=True, prefetch_factor=3,
-                                    **kwargs)
+    persistent = build_train_loader(
+        _RandomPerSample(), num_workers=2, persistent_workers=True, prefetch_factor=3, **kwargs
+    )
     restarted = build_train_loader(_RandomPerSample(), num_workers=1, persistent_workers=False, **kwargs)
     assert persistent.persistent_workers and persistent.prefetch_factor == 3
     a, b = _epochs(persistent, 3), _epochs(restarted, 3)
@@ -327,8 +331,9 @@ def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_
     from ddpkit.testing import run_on_ranks
 
     def config(epochs: int, compile_value) -> dict:
-        return tiny_config(tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value},
-                           checkpoint={"every_epochs": 1})
+        return tiny_config(
+            tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value}, checkpoint={"every_epochs": 1}
+        )
 
     first = run_on_ranks(_fit, world_size=2, args=(config(2, True),), timeout=600)  # Inductor, as users run it
     assert first[0]["metrics"] == first[1]["metrics"] and first[0]["metrics"]["step"] == 16
@@ -341,8 +346,9 @@ def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_
     assert set(saved["model"]) == set(bare.state_dict())
 
     # Compile off, resuming a compiled run; then on again, resuming an eager one (one spawn for both).
-    eager, again = run_on_ranks(_fit_each, world_size=2,
-                                args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300)[0]
+    eager, again = run_on_ranks(
+        _fit_each, world_size=2, args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300
+    )[0]
     assert eager["metrics"]["step"] == 24 and eager["seen"] == [("train", "DistributedDataParallel"), ("val", "MLP")]
     assert again["metrics"]["step"] == 32 and again["seen"] == first[0]["seen"]
     bare.load_state_dict(load_weights(run / "model.pt"))
@@ -366,8 +372,10 @@ def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
 
     from ddpkit.testing import run_on_ranks
 
-    configs = [tiny_config(tmp_path / name, train={"epochs": 1, "grad_accum_steps": 2, "compile": value})
-               for name, value in (("eager", False), ("compiled", {"backend": "aot_eager"}))]
+    configs = [
+        tiny_config(tmp_path / name, train={"epochs": 1, "grad_accum_steps": 2, "compile": value})
+        for name, value in (("eager", False), ("compiled", {"backend": "aot_eager"}))
+    ]
     ranks = run_on_ranks(_accumulated, world_size=2, args=(configs,), timeout=300)
     for eager, compiled in ranks:
         for key, value in eager.items():
@@ -390,8 +398,10 @@ def test_train_compile_takes_true_false_or_a_mapping_and_rejects_the_rest(tiny_c
     with pytest.raises(ConfigError) as info:
         load_config(cfg, ["train.compile.mdoe=default", "train.compile.recompile_limit=0", "data.prefetch_factor=4"])
     message = str(info.value)
-    assert ("train.compile.mdoe: unknown option" in message
-            and "train.compile.recompile_limit: expected an integer >= 1" in message)
+    assert (
+        "train.compile.mdoe: unknown option" in message
+        and "train.compile.recompile_limit: expected an integer >= 1" in message
+    )
     assert "data.prefetch_factor: only used with worker processes" in message
     with pytest.raises(ConfigError, match="train.compile: expected true or false"):
         load_config(cfg, ["train.compile=3"])

@@ -80,8 +80,16 @@ def test_empty_file_is_a_clear_error(tmp_path):
 
 def test_overrides_parse_yaml_scalars_and_win_over_the_file(tmp_path):
     path = write(tmp_path, "optim: {lr: 0.5}\ntrain: {epochs: 4}\n")
-    cfg = load_config(path, ["optim.lr=0.25", "train.max_steps=7", "ddp.static_graph=true",
-                             "model.kwargs.hidden=[8, 8]", "train.clip_grad_norm=null"])
+    cfg = load_config(
+        path,
+        [
+            "optim.lr=0.25",
+            "train.max_steps=7",
+            "ddp.static_graph=true",
+            "model.kwargs.hidden=[8, 8]",
+            "train.clip_grad_norm=null",
+        ],
+    )
     assert cfg.optim.lr == 0.25  # CLI beats file
     assert cfg.train.epochs == 4  # file beats default
     assert cfg.train.max_steps == 7 and cfg.ddp.static_graph is True
@@ -116,8 +124,9 @@ def test_cross_field_checks(tmp_path):
 
 
 def test_dump_roundtrip_and_stable_hash(tmp_path):
-    cfg = load_config({"data": {"name": "digits"},
-                       "checkpoint": {"async": True, "best": {"metric": "val_accuracy", "mode": "max"}}})
+    cfg = load_config(
+        {"data": {"name": "digits"}, "checkpoint": {"async": True, "best": {"metric": "val_accuracy", "mode": "max"}}}
+    )
     text = dump_config(cfg)
     assert "async: true" in text
     again = load_config(yaml.safe_load(text))
@@ -153,8 +162,12 @@ SCIENTIFIC = {"3e-4": 3e-4, "1e-3": 1e-3, "1E5": 1e5, "-2.5e-3": -2.5e-3, "5e+2"
 @pytest.mark.parametrize("text, number", SCIENTIFIC.items())
 def test_scientific_notation_in_a_file_is_a_float(tmp_path, text, number):
     positive = text.lstrip("-")  # the schema's numbers are >= 0; free-form kwargs take any sign
-    cfg = load_config(write(tmp_path, f"optim: {{weight_decay: {positive}}}\nsched: {{min_lr: {positive}}}\n"
-                                      f"model: {{kwargs: {{x: {text}}}}}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            f"optim: {{weight_decay: {positive}}}\nsched: {{min_lr: {positive}}}\nmodel: {{kwargs: {{x: {text}}}}}\n",
+        )
+    )
     assert cfg.optim.weight_decay == abs(number) and isinstance(cfg.optim.weight_decay, float)
     assert cfg.sched.min_lr == abs(number)
     assert cfg.model.kwargs["x"] == number and isinstance(cfg.model.kwargs["x"], float)
@@ -163,8 +176,10 @@ def test_scientific_notation_in_a_file_is_a_float(tmp_path, text, number):
 @pytest.mark.parametrize("text, number", SCIENTIFIC.items())
 def test_scientific_notation_in_an_override_is_a_float(tmp_path, text, number):
     positive = text.lstrip("-")
-    cfg = load_config(write(tmp_path, "optim: {lr: 0.1}\n"),
-                      [f"optim.weight_decay={positive}", "optim.lr=3e-4", f"model.kwargs.x={text}"])
+    cfg = load_config(
+        write(tmp_path, "optim: {lr: 0.1}\n"),
+        [f"optim.weight_decay={positive}", "optim.lr=3e-4", f"model.kwargs.x={text}"],
+    )
     assert cfg.optim.weight_decay == abs(number) and cfg.optim.lr == 3e-4
     assert cfg.model.kwargs["x"] == number
 
@@ -172,8 +187,9 @@ def test_scientific_notation_in_an_override_is_a_float(tmp_path, text, number):
 def test_scientific_notation_spelling_does_not_change_the_config_or_its_hash(tmp_path):
     spelled = load_config(write(tmp_path, "optim: {lr: 3e-4, weight_decay: 1E-2}\n", "a.yaml"))
     decimal = load_config(write(tmp_path, "optim: {lr: 0.0003, weight_decay: 0.01}\n", "a.yaml"))
-    overridden = load_config(write(tmp_path, "optim: {lr: 0.1}\n", "a.yaml"),
-                             ["optim.lr=3.0e-4", "optim.weight_decay=1e-2"])
+    overridden = load_config(
+        write(tmp_path, "optim: {lr: 0.1}\n", "a.yaml"), ["optim.lr=3.0e-4", "optim.weight_decay=1e-2"]
+    )
     assert spelled == decimal == overridden
     assert config_hash(spelled) == config_hash(decimal) == config_hash(overridden)
     reloaded = load_config(write(tmp_path, dump_config(spelled), "a.yaml"))
@@ -189,8 +205,9 @@ def test_scientific_notation_for_int_fields_must_be_whole(tmp_path):
 
 
 def test_scientific_notation_text_stays_text_where_a_string_is_expected(tmp_path):
-    cfg = load_config(write(tmp_path, "run: {name: 1e3}\nmodel: {kwargs: {tag: '2e5', eps: 1e-8}}\n"),
-                      ["run.output_dir=5e2"])
+    cfg = load_config(
+        write(tmp_path, "run: {name: 1e3}\nmodel: {kwargs: {tag: '2e5', eps: 1e-8}}\n"), ["run.output_dir=5e2"]
+    )
     assert cfg.run.name == "1e3" and cfg.run.output_dir == "5e2"
     # quoted stays text; unquoted in free-form kwargs is a number
     assert cfg.model.kwargs == {"tag": "2e5", "eps": 1e-8}

@@ -70,18 +70,24 @@ BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "python_name_tag": (_text("optim:\n  name: !!python/name:os.system\n"), "uses a Python object tag (!!python/...)"),
     "binary_junk": (_bytes(bytes(range(256)) * 8), "is not UTF-8 text (byte 128 is 0x80); save it as UTF-8 YAML"),
     "control_characters": (_bytes(b"\x00\x01\x02\x03run: {}\n"), "is not valid YAML: unacceptable character #x0000"),
-    "latin1_text": (_bytes("run: {name: café}\n".encode("latin-1")),
-                    "is not UTF-8 text (byte 15 is 0xe9); save it as UTF-8 YAML"),
+    "latin1_text": (
+        _bytes("run: {name: café}\n".encode("latin-1")),
+        "is not UTF-8 text (byte 15 is 0xe9); save it as UTF-8 YAML",
+    ),
     "utf16_text": (_bytes("run: {name: x}\n".encode("utf-16")), "is not UTF-8 text (byte 0 is 0xff)"),
     "directory": (_directory, "is a directory; pass a YAML file such as"),
     "missing_file": (lambda tmp: tmp / "nope.yaml", "does not exist; check the path (run from the project root?)"),
     "fifo": (_fifo, "is not a regular file (a pipe, socket or device?); pass a YAML file"),
-    "name_too_long": (lambda tmp: tmp / ("x" * 300 + ".yaml"),
-                      "cannot be read: File name too long; check the path and its permissions"),
+    "name_too_long": (
+        lambda tmp: tmp / ("x" * 300 + ".yaml"),
+        "cannot be read: File name too long; check the path and its permissions",
+    ),
     "empty_file": (_text(""), "is empty; it needs at least one section, e.g. `data: {name: digits}`"),
     "only_comments": (_text("# nothing yet\n\n"), "is empty; it needs at least one section"),
-    "top_level_list": (_text("- run\n- data\n"),
-                       "must hold a mapping of sections (run, data, model, ...), but its top level is a list"),
+    "top_level_list": (
+        _text("- run\n- data\n"),
+        "must hold a mapping of sections (run, data, model, ...), but its top level is a list",
+    ),
     "top_level_string": (_text("just some words\n"), "but its top level is a str"),
     "syntax_error": (_text("run: {name: [}\n"), "is not valid YAML: while parsing a flow node"),
     "alias_bomb": (
@@ -89,21 +95,31 @@ BAD_FILES: dict[str, tuple[Callable[[Path], Path], str]] = {
         "the config holds more than 100000 values (aliases count each "
         "time they are used); a config holds settings, not data",
     ),
-    "nested_far_too_deep": (_text("model: {kwargs: {x: " + "[" * 50_000 + "]" * 50_000 + "}}\n"),
-                            "is nested too deeply to be a config"),
-    "nested_deep": (_text("model: {kwargs: {x: " + "[" * 40 + "]" * 40 + "}}\n"),
-                    "model.kwargs.x...: nested more than 32 levels deep"),
-    "huge_file": (_text("run: {name: " + "x" * (MAX_FILE_BYTES + 10) + "}\n"),
-                  f"is larger than {MAX_FILE_BYTES} bytes; a config should be a small YAML file"),
+    "nested_far_too_deep": (
+        _text("model: {kwargs: {x: " + "[" * 50_000 + "]" * 50_000 + "}}\n"),
+        "is nested too deeply to be a config",
+    ),
+    "nested_deep": (
+        _text("model: {kwargs: {x: " + "[" * 40 + "]" * 40 + "}}\n"),
+        "model.kwargs.x...: nested more than 32 levels deep",
+    ),
+    "huge_file": (
+        _text("run: {name: " + "x" * (MAX_FILE_BYTES + 10) + "}\n"),
+        f"is larger than {MAX_FILE_BYTES} bytes; a config should be a small YAML file",
+    ),
     "integer_beyond_python_limit": (
         _text("run: {seed: " + "9" * 5000 + "}\n"),
         "holds a value YAML cannot convert (Exceeds the limit (4300 digits) for integer string conversion: value has "
         "5000 digits); fix it, or quote it to keep it as a string",
     ),
-    "integer_too_large_for_a_float": (_text("optim: {lr: " + "9" * 400 + "}\n"),
-                                      "optim.lr: expected a finite number, got 99999"),
-    "impossible_date": (_text("run: {name: 2024-02-30}\n"),
-                        "holds a value YAML cannot convert (day is out of range for month)"),
+    "integer_too_large_for_a_float": (
+        _text("optim: {lr: " + "9" * 400 + "}\n"),
+        "optim.lr: expected a finite number, got 99999",
+    ),
+    "impossible_date": (
+        _text("run: {name: 2024-02-30}\n"),
+        "holds a value YAML cannot convert (day is out of range for month)",
+    ),
 }
 
 
@@ -153,8 +169,10 @@ def test_a_config_error_only_the_workers_can_find_exits_2_with_the_message_and_n
     done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "model.kwargs.bogus=1", timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
-    assert ("model.kwargs: got an unexpected keyword argument 'bogus' for model 'mlp'; "
-            "it accepts: in_features, hidden, num_classes" in output)
+    assert (
+        "model.kwargs: got an unexpected keyword argument 'bogus' for model 'mlp'; "
+        "it accepts: in_features, hidden, num_classes" in output
+    )
     # Every rank fails at once; the one whose failure is published last must not read a store
     # that rank 0 took away on exit (TCPStore then prints a C++ stack trace).
     assert "Traceback" not in output and "frame #" not in output and "recvValue failed" not in output, output[-3000:]
@@ -162,9 +180,11 @@ def test_a_config_error_only_the_workers_can_find_exits_2_with_the_message_and_n
 
 # --- overrides ------------------------------------------------------------------------------------------
 
-BILLION_LAUGHS_OVERRIDE = "model.kwargs.x=[&a [1,1,1,1,1,1,1,1,1], " + ", ".join(
-    f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefg", "bcdefgh")
-) + "]"
+BILLION_LAUGHS_OVERRIDE = (
+    "model.kwargs.x=[&a [1,1,1,1,1,1,1,1,1], "
+    + ", ".join(f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefg", "bcdefgh"))
+    + "]"
+)
 
 
 @pytest.mark.parametrize(

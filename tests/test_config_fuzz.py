@@ -28,8 +28,13 @@ VALID: dict[str, Any] = {
     "model": {"name": "mlp", "kwargs": {"in_features": 144, "hidden": [32]}},
     "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
     "sched": {"name": "cosine", "warmup_steps": 10, "min_lr": 0.0},
-    "train": {"epochs": 2, "max_steps": None, "grad_accum_steps": 1, "precision": "fp32",
-              "early_stopping": {"metric": None}},
+    "train": {
+        "epochs": 2,
+        "max_steps": None,
+        "grad_accum_steps": 1,
+        "precision": "fp32",
+        "early_stopping": {"metric": None},
+    },
     "ddp": {"bucket_cap_mb": 25, "find_unused_parameters": False},
     "checkpoint": {"every_epochs": 1, "keep_last": 2, "best": {"metric": "val_loss", "mode": "min"}, "async": False},
     "log": {"progress_bar": False},
@@ -45,8 +50,26 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=40),
     st.binary(max_size=40),
-    st.sampled_from(KNOWN_KEYS + ["auto", "gloo", "nccl", "fp16", "bf16", "1e3", "3e-4", "1E5", "-2.5e-3", "5e+2",
-                                  "0x10", "~", "null", "yes", "no"]),
+    st.sampled_from(
+        KNOWN_KEYS
+        + [
+            "auto",
+            "gloo",
+            "nccl",
+            "fp16",
+            "bf16",
+            "1e3",
+            "3e-4",
+            "1E5",
+            "-2.5e-3",
+            "5e+2",
+            "0x10",
+            "~",
+            "null",
+            "yes",
+            "no",
+        ]
+    ),
 )
 values = st.recursive(
     scalars,
@@ -76,8 +99,9 @@ def mutated_configs(draw) -> dict[str, Any]:
         if action == "set" and existing:
             node[draw(st.sampled_from(existing))] = draw(values)
         elif action == "add":
-            node[draw(st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=10), st.integers(),
-                                st.booleans()))] = draw(values)
+            node[draw(st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=10), st.integers(), st.booleans()))] = (
+                draw(values)
+            )
         elif action == "delete" and existing:
             del node[draw(st.sampled_from(existing))]
         elif action == "nest" and existing:
@@ -90,11 +114,22 @@ override_keys = st.lists(st.sampled_from(KNOWN_KEYS), min_size=1, max_size=4).ma
 override_values = st.one_of(
     st.text(max_size=30),
     values.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()),
-    st.sampled_from([
-        "3e-4", "1E5", "-2.5e-3", "5e+2", "[1e-3, 2e5]", "[", "{a: 1", "&a [*a]",
-        "!!python/object/apply:os.system ['true']", "9" * 5000, "2024-02-30",
-        "- a\n- b",
-    ]),
+    st.sampled_from(
+        [
+            "3e-4",
+            "1E5",
+            "-2.5e-3",
+            "5e+2",
+            "[1e-3, 2e5]",
+            "[",
+            "{a: 1",
+            "&a [*a]",
+            "!!python/object/apply:os.system ['true']",
+            "9" * 5000,
+            "2024-02-30",
+            "- a\n- b",
+        ]
+    ),
 )
 overrides = st.lists(
     st.one_of(st.builds(lambda k, v: f"{k}={v}", override_keys, override_values), st.text(max_size=40)),
@@ -145,7 +180,7 @@ def test_mutated_configs_as_yaml_files(fuzz_file, cfg, extra):
         st.text(max_size=300).map(str.encode),
         # A valid file with bytes spliced in, cut short, or with text inserted.
         st.tuples(st.integers(0, 2000), st.binary(max_size=20)).map(
-            lambda cut: (lambda text: text[: cut[0]] + cut[1] + text[cut[0]:])(yaml.safe_dump(VALID).encode())
+            lambda cut: (lambda text: text[: cut[0]] + cut[1] + text[cut[0] :])(yaml.safe_dump(VALID).encode())
         ),
         st.integers(0, 2000).map(lambda n: yaml.safe_dump(VALID).encode()[:n]),
     )

@@ -34,8 +34,9 @@ def test_a_signed_value_verifies_and_anything_else_does_not():
     assert verify(OTHER, "hb/1", raw) is None  # another job's key
     assert verify(KEY, "hb/0", raw) is None  # moved to another key
     assert verify(KEY, "hb/1", b'{"step": 12}') is None  # no tag
-    assert (verify(KEY, "hb/1", raw[:64]) is None and verify(KEY, "hb/1", b"") is None
-            and verify(KEY, "hb/1", None) is None)
+    assert (
+        verify(KEY, "hb/1", raw[:64]) is None and verify(KEY, "hb/1", b"") is None and verify(KEY, "hb/1", None) is None
+    )
     assert verify(KEY, "x", sign(KEY, "x", "")) == ""
 
 
@@ -48,8 +49,10 @@ def test_a_rejected_message_is_logged_once_per_kind_of_key(caplog):
         assert read_signed(KEY, "alarm", sign(KEY, "alarm", "ok")) == "ok" and read_signed(KEY, "alarm", None) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert ("key 'hb/0', value b'forged by another local process'" in lines[0]
-            and "someone else wrote to the job's store" in lines[0])
+    assert (
+        "key 'hb/0', value b'forged by another local process'" in lines[0]
+        and "someone else wrote to the job's store" in lines[0]
+    )
     assert "key 'alarm'" in lines[1] and KEY.decode() not in "".join(lines)
 
 

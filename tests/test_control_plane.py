@@ -58,8 +58,9 @@ def beat(step: int, *, t: float | None = None, phase: str = "forward") -> dict[s
 def test_the_next_local_rank_leads_when_the_first_stops_and_the_news_reaches_every_rank():
     store = dist.HashStore()
     client = StoreClient(store, 5.0, key=KEY)
-    nodes = [Node(board, client, rank=4 + i, local_world_size=4, nodes=2, interval=0.5)
-             for i, board in enumerate(boards(4))]
+    nodes = [
+        Node(board, client, rank=4 + i, local_world_size=4, nodes=2, interval=0.5) for i, board in enumerate(boards(4))
+    ]
     try:
         for node in nodes:
             node.step(beat(1))
@@ -99,8 +100,15 @@ def roles(world_size: int, tmp_path, monkeypatch) -> dict[str, Watchdog]:
     store, out = dist.HashStore(), {}
     for name, rank in {"rank 0": 0, "leader": 8, "plain": 9}.items():
         heartbeat._generation = 0  # one job: the same key prefix and boards for the three
-        wd = Watchdog(store, rank=rank, world_size=world_size, hang_timeout=60, slow_timeout=60,
-                      log_dir=tmp_path / name, local_world_size=8)
+        wd = Watchdog(
+            store,
+            rank=rank,
+            world_size=world_size,
+            hang_timeout=60,
+            slow_timeout=60,
+            log_dir=tmp_path / name,
+            local_world_size=8,
+        )
         wd.client.key = KEY
         wd._thread = threading.Thread(target=lambda: None)  # the test drives the beats
         out[name] = wd.start()

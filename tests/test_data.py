@@ -128,8 +128,11 @@ def test_tensor_datasets_are_read_a_batch_at_a_time_with_the_same_batches_bit_fo
     from ddpkit.data.batched import TensorBatches
 
     g = torch.Generator().manual_seed(0)
-    dataset = TensorDataset(torch.randn(70, 1, 5, 5, generator=g), torch.randint(0, 10, (70,), generator=g),
-                            torch.rand(70, generator=g).half())
+    dataset = TensorDataset(
+        torch.randn(70, 1, 5, 5, generator=g),
+        torch.randint(0, 10, (70,), generator=g),
+        torch.rand(70, generator=g).half(),
+    )
     env = DistEnv(rank=1, world_size=2)
     loader = build_train_loader(dataset, env=env, batch_size=8, seed=3, drop_last=drop_last)
     assert isinstance(loader.dataset, TensorBatches) and loader.dataset.tensors is dataset.tensors
@@ -142,8 +145,11 @@ def test_tensor_datasets_are_read_a_batch_at_a_time_with_the_same_batches_bit_fo
         for a, b in zip(mine, theirs):
             assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     val = build_val_loader(dataset, env=env, batch_size=16)
-    assert [torch.equal(a[0], b[0])
-            for a, b in zip(val, DataLoader(dataset, batch_size=16, sampler=val.sampler))] == [True, True, True]
+    assert [torch.equal(a[0], b[0]) for a, b in zip(val, DataLoader(dataset, batch_size=16, sampler=val.sampler))] == [
+        True,
+        True,
+        True,
+    ]
 
 
 def test_a_dataset_already_on_an_accelerator_is_gathered_there_never_pinned_nor_forked():

@@ -21,8 +21,9 @@ from ddpkit.errors import CheckpointError
 def test_the_order_records_the_length_and_refuses_another() -> None:
     saved = SampleOrder("randperm", length=256).state_dict()
     assert saved == {"order": "randperm", "length": 256}
-    with pytest.raises(CheckpointError,
-                       match="has 200 samples, but the checkpoint's run trained on 256.*allow_length_change=true"):
+    with pytest.raises(
+        CheckpointError, match="has 200 samples, but the checkpoint's run trained on 256.*allow_length_change=true"
+    ):
         SampleOrder("randperm", length=200).load_state_dict(saved)
     SampleOrder("randperm", length=200, allow_length_change=True).load_state_dict(saved)
     # an older checkpoint: nothing to compare
@@ -43,8 +44,9 @@ def test_a_resume_onto_a_shorter_dataset_is_refused_unless_allowed(tmp_path: Pat
     longer = tiny_config(tmp_path, train={"epochs": 2, "log_every": 4}, checkpoint={"every_steps": 4})
     with pytest.raises(CheckpointError, match="has 240 samples, but the checkpoint's run trained on 256"):
         Shrunk(longer).fit()
-    allowed = tiny_config(tmp_path, train={"epochs": 2, "log_every": 4}, checkpoint={"every_steps": 4},
-                          data={"allow_length_change": True})
+    allowed = tiny_config(
+        tmp_path, train={"epochs": 2, "log_every": 4}, checkpoint={"every_steps": 4}, data={"allow_length_change": True}
+    )
     Shrunk(allowed).fit()
     assert "the training set has 240 samples, the checkpoint's run had 256" in capfd.readouterr().err
     assert torch.load(tmp_path / "run/model.pt", weights_only=True)

@@ -69,11 +69,13 @@ def test_a_full_disk_names_the_checkpoint_the_space_and_the_newest_one(
     assert "\n" not in message
     assert f"could not write checkpoint step-000000003.pt in {tmp_path}: " in message
     assert "it needs about 16.0 KiB" in message and "free)" in message
-    assert ("the newest complete checkpoint is step-000000002.pt" in message
-            and "run the same command to resume" in message)
+    assert (
+        "the newest complete checkpoint is step-000000002.pt" in message and "run the same command to resume" in message
+    )
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"step-00000000{s}.{x}" for s in (1, 2) for x in ("json", "pt")]
+        f"step-00000000{s}.{x}" for s in (1, 2) for x in ("json", "pt")
+    ]
     assert [validate_checkpoint(p).step for p in sorted(tmp_path.glob("*.pt"))] == [1, 2]
 
 
@@ -85,8 +87,9 @@ def test_torchs_own_zip_error_on_a_full_disk_counts_as_no_space(tmp_path: Path, 
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 171776 vs 171704")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(CheckpointError,
-                       match=r"no space left on device \(it needs about 16.0 KiB, 1000 B free\); there is no earlier"):
+    with pytest.raises(
+        CheckpointError, match=r"no space left on device \(it needs about 16.0 KiB, 1000 B free\); there is no earlier"
+    ):
         save_checkpoint(state(1), tmp_path, step=1)
     assert list(tmp_path.iterdir()) == []
 
@@ -129,8 +132,12 @@ def test_foreign_truncated_and_odd_files_in_checkpoints_are_skipped_with_a_warni
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
         latest = find_latest_checkpoint(tmp_path)
     assert latest is not None and latest.step == 2
-    for name in ("step-000000009.pt has no manifest", "step-000000008.pt holds no complete checkpoint",
-                 "step-000000007.json is not a ddpkit manifest", "step-000000006.json is unreadable"):
+    for name in (
+        "step-000000009.pt has no manifest",
+        "step-000000008.pt holds no complete checkpoint",
+        "step-000000007.json is not a ddpkit manifest",
+        "step-000000006.json is unreadable",
+    ):
         assert name in caplog.text
     assert [info.step for info in list_checkpoints(tmp_path)] == [1, 2]
 
@@ -147,7 +154,8 @@ def test_a_failed_sharded_save_removes_its_partial_directory(tmp_path: Path, mon
             )
 
     monkeypatch.setattr(sharded, "_dcp", lambda: FailingDcp())
-    with pytest.raises(CheckpointError,
-                       match=r"could not write checkpoint step-000000005.dcp in .*: no space left on device"):
+    with pytest.raises(
+        CheckpointError, match=r"could not write checkpoint step-000000005.dcp in .*: no space left on device"
+    ):
         sharded.save_sharded({"model": {"w": torch.zeros(4)}}, {"step": 5}, tmp_path, step=5, rank=0)
     assert list(tmp_path.iterdir()) == []

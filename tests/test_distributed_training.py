@@ -31,8 +31,9 @@ def _hand_written_ddp(cfg: dict) -> dict[str, torch.Tensor]:
     train, _ = digits(**cfg["data"]["kwargs"])
     model = DDP(MLP(**cfg["model"]["kwargs"]))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["optim"]["lr"], momentum=cfg["optim"]["momentum"])
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg["run"]["seed"],
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        train, num_replicas=world, rank=rank, shuffle=True, seed=cfg["run"]["seed"], drop_last=True
+    )
     loader = DataLoader(train, batch_size=cfg["data"]["batch_size"], sampler=sampler, drop_last=True)
     for epoch in range(cfg["train"]["epochs"]):
         sampler.set_epoch(epoch)
@@ -125,8 +126,16 @@ def test_ddpkit_run_end_to_end_with_two_processes(tmp_path, tiny_yaml):
 def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_path, tiny_yaml):
     """Issue 28: a finished run aborted at exit when a thread took the GIL during interpreter shutdown."""
     script = str(REPO / "tests" / "scripts" / "exit_threads_trainer.py")
-    done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "--script", script,
-                   env={"EXIT_THREADS_DIR": str(tmp_path)}, timeout=240)
+    done = run_cli(
+        "run",
+        str(tiny_yaml),
+        "--nproc-per-node",
+        "2",
+        "--script",
+        script,
+        env={"EXIT_THREADS_DIR": str(tmp_path)},
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -139,16 +148,37 @@ def test_examples_run_under_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quick = subprocess.run(
-        [*torchrun, "examples/train.py", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'quick'}",
-         "data.kwargs.num_train=512", "data.kwargs.num_val=64", "train.epochs=1", "log.progress_bar=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env=env,
+        [
+            *torchrun,
+            "examples/train.py",
+            "configs/quickstart.yaml",
+            f"run.output_dir={tmp_path / 'quick'}",
+            "data.kwargs.num_train=512",
+            "data.kwargs.num_val=64",
+            "train.epochs=1",
+            "log.progress_bar=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert quick.returncode == 0, quick.stderr[-3000:]
     assert (tmp_path / "quick/model.pt").exists()
     custom = subprocess.run(
-        [*torchrun, "examples/custom_trainer.py", f"run.output_dir={tmp_path / 'custom'}", "train.epochs=2",
-         "log.progress_bar=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env=env,
+        [
+            *torchrun,
+            "examples/custom_trainer.py",
+            f"run.output_dir={tmp_path / 'custom'}",
+            "train.epochs=2",
+            "log.progress_bar=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert custom.returncode == 0, custom.stderr[-3000:]
     assert "val_mse" in custom.stderr

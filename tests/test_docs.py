@@ -42,7 +42,8 @@ def schema_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, datac
 def test_config_reference_matches_the_schema(generator):
     current = (DOCS / "config.md").read_text(encoding="utf-8")
     assert current == generator.render(), (
-        f"docs/config.md is out of date with ddpkit/config/schema.py; regenerate it with: {REGENERATE}")
+        f"docs/config.md is out of date with ddpkit/config/schema.py; regenerate it with: {REGENERATE}"
+    )
 
 
 def test_every_config_field_is_documented_and_listed(generator):

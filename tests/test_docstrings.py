@@ -62,7 +62,8 @@ def _problems(module_name: str) -> list[str]:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
                 imported = importlib.import_module(node.module)
                 problems += [
-                    f"imports {node.module}.{a.name}, which does not exist" for a in node.names
+                    f"imports {node.module}.{a.name}, which does not exist"
+                    for a in node.names
                     if not hasattr(imported, a.name) and not importlib.util.find_spec(f"{node.module}.{a.name}")
                 ]
             elif isinstance(node, ast.Call):
@@ -82,9 +83,15 @@ def _call_problems(call: ast.Call, namespace: dict, classes: list[type]) -> list
             return _signature_problems(getattr(owner, func.attr), call, keywords, shown, bound=True)
         if owner is None:  # an instance in the example: fine if any of the module's classes with that method takes it
             each = [
-                _signature_problems(getattr(c, func.attr), call, keywords, shown,
-                                    bound=not inspect.isfunction(inspect.getattr_static(c, func.attr)))
-                for c in classes if callable(getattr(c, func.attr, None))
+                _signature_problems(
+                    getattr(c, func.attr),
+                    call,
+                    keywords,
+                    shown,
+                    bound=not inspect.isfunction(inspect.getattr_static(c, func.attr)),
+                )
+                for c in classes
+                if callable(getattr(c, func.attr, None))
             ]
             return [] if not each or [] in each else each[0]
     return []

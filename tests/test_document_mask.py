@@ -1,6 +1,6 @@
 """Per-document attention in packed windows (``data.kwargs.document_mask``): the same logits as alone, every kernel.
 
-    .venv/bin/pytest tests/test_document_mask.py -q
+.venv/bin/pytest tests/test_document_mask.py -q
 """
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ def test_the_flex_kernel_agrees_with_the_masked_sdpa():
     x[0, 10], x[1, 3], x[1, 20] = EOT, EOT, EOT
     docs = documents_of(x, eot=EOT)
     q, k, v = (torch.randn(2, 2, 32, 16) for _ in range(3))
-    torch.testing.assert_close(document_attention(q, k, v, docs, kernel="flex"),
-                               document_attention(q, k, v, docs, kernel="sdpa"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        document_attention(q, k, v, docs, kernel="flex"),
+        document_attention(q, k, v, docs, kernel="sdpa"),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_the_tokens_builder_hands_the_setting_to_the_model_and_training_runs(tmp_path):
@@ -70,22 +74,36 @@ def test_the_tokens_builder_hands_the_setting_to_the_model_and_training_runs(tmp
     assert model.documents == {"eot": EOT, "restart_positions": True}
     with pytest.raises(ddpkit.ConfigError, match="data.kwargs.document_mask: Linear has no use_documents"):
         require_vocab_of(torch.nn.Linear(2, 2), train)
-    cfg = {"run": {"output_dir": str(tmp_path / "run")},
-           "data": {"name": "tokens", "batch_size": 4, "kwargs": {"path": str(tmp_path / "t.bin"), "seq_len": 32,
-                                                                  "document_mask": True}},
-           "model": {"name": "gpt", "kwargs": {"dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
-           "train": {"max_steps": 3, "log_every": 1}, "checkpoint": {"every_steps": None},
-           "log": {"progress_bar": False}}
+    cfg = {
+        "run": {"output_dir": str(tmp_path / "run")},
+        "data": {
+            "name": "tokens",
+            "batch_size": 4,
+            "kwargs": {"path": str(tmp_path / "t.bin"), "seq_len": 32, "document_mask": True},
+        },
+        "model": {"name": "gpt", "kwargs": {"dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
+        "train": {"max_steps": 3, "log_every": 1},
+        "checkpoint": {"every_steps": None},
+        "log": {"progress_bar": False},
+    }
     trainer = ddpkit.Trainer(cfg)
     assert np.isfinite(trainer.fit()["train_loss"])
     assert trainer.unwrapped_model.documents == {"eot": EOT, "restart_positions": False}
 
 
 def test_packed_tiny_runs_on_two_ranks(tmp_path):
-    done = run_cli("run", "configs/packed_tiny.yaml", "--nproc-per-node", "2", "train.max_steps=4",
-                   "train.log_every=2",
-                   f"run.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "data.kwargs.seq_len=64",
-                   timeout=300)
+    done = run_cli(
+        "run",
+        "configs/packed_tiny.yaml",
+        "--nproc-per-node",
+        "2",
+        "train.max_steps=4",
+        "train.log_every=2",
+        f"run.output_dir={tmp_path / 'run'}",
+        "log.progress_bar=false",
+        "data.kwargs.seq_len=64",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "activation checkpointing: 4 GPTBlock modules" in done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -8,12 +8,22 @@ from ddpkit import LaunchError
 from ddpkit.distributed.env import DistEnv, first_slurm_host, read_dist_env
 
 TORCHRUN = {
-    "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",
-    "MASTER_ADDR": "node7", "MASTER_PORT": "29400",
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node7",
+    "MASTER_PORT": "29400",
 }
 SRUN = {
-    "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456",
-    "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
 }
 
 
@@ -32,8 +42,14 @@ def test_reads_os_environ_by_default(monkeypatch):
 def test_torchrun_variables():
     env = read_dist_env({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"})
     assert env == DistEnv(
-        rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="node7", master_port=29400,
-        launcher="torchrun", restart_count=2,
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        local_world_size=2,
+        master_addr="node7",
+        master_port=29400,
+        launcher="torchrun",
+        restart_count=2,
     )
     assert not env.is_main and env.world_size > 1
 
@@ -46,8 +62,10 @@ def test_local_world_size_and_group_world_size_are_optional():
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
-        (["WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
-         "RANK, LOCAL_WORLD_SIZE set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"),
+        (
+            ["WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
+            "RANK, LOCAL_WORLD_SIZE set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing",
+        ),
         (["MASTER_PORT"], "set but MASTER_PORT missing"),
         (["RANK"], "set but RANK missing"),
     ],
@@ -70,15 +88,19 @@ def test_a_partial_torchrun_environment_is_refused(drop, message):
         ({"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
         ({"RANK": "4"}, "RANK=4 is not below WORLD_SIZE=4; check the launcher's --nnodes and --nproc-per-node"),
         ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2; check the launcher's --nproc-per-node"),
-        ({"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "1"},
-         "WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3"),
+        (
+            {"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "1"},
+            "WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3",
+        ),
         (
             {"GROUP_WORLD_SIZE": "1"},
             "WORLD_SIZE=4 does not match 1 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node (LOCAL_WORLD_SIZE) = 2: "
             "start every node with the same --nnodes and --nproc-per-node",
         ),
-        ({"GROUP_WORLD_SIZE": "3"},
-         "WORLD_SIZE=4 does not match 3 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node"),
+        (
+            {"GROUP_WORLD_SIZE": "3"},
+            "WORLD_SIZE=4 does not match 3 node(s) (GROUP_WORLD_SIZE) x 2 process(es) per node",
+        ),
     ],
 )
 def test_invalid_torchrun_values_are_refused_with_the_variable_and_value(changes, message):
@@ -90,8 +112,14 @@ def test_invalid_torchrun_values_are_refused_with_the_variable_and_value(changes
 def test_srun_variables():
     env = read_dist_env(SRUN)
     assert env == DistEnv(
-        rank=5, local_rank=1, world_size=8, local_world_size=4, master_addr="gpu07",
-        master_port=15000 + 123456 % 20000, launcher="slurm", restart_count=0,
+        rank=5,
+        local_rank=1,
+        world_size=8,
+        local_world_size=4,
+        master_addr="gpu07",
+        master_port=15000 + 123456 % 20000,
+        launcher="slurm",
+        restart_count=0,
     )
 
 
@@ -128,8 +156,10 @@ def test_torchrun_variables_win_over_slurm():
 
 @pytest.mark.parametrize(
     ("changes", "message"),
-    [({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
-     ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1")]
+    [
+        ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
+        ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0 must be >= 1"),
+    ],
 )
 def test_invalid_slurm_values_are_refused(changes, message):
     with pytest.raises(LaunchError, match=message):

@@ -1,6 +1,6 @@
 """``ddpkit estimate`` against the bytes each rank really holds after training steps in each mode.
 
-    .venv/bin/pytest tests/test_estimate.py -q
+.venv/bin/pytest tests/test_estimate.py -q
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from ddpkit.tools.estimate import estimate
 
 pytestmark = pytest.mark.timeout(300)
+
 
 def _config(tmp_path) -> dict:
     """A small GPT on a token file of 1,025 ids below 64 (64 windows of 16)."""
@@ -71,8 +72,9 @@ def test_the_command_prints_every_mode_and_a_recommendation(tmp_path):
     import yaml
 
     (tmp_path / "lm.yaml").write_text(yaml.safe_dump(_config(tmp_path)))
-    result = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "3", "--memory-per-rank", "0.00015",
-                     timeout=120)
+    result = run_cli(
+        "estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "3", "--memory-per-rank", "0.00015", timeout=120
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[3:6]] == ["ddp", "zero1", "fsdp2"]

@@ -1,6 +1,6 @@
 """The loop's one event path: listeners hear the events they have methods for, in the order added.
 
-    .venv/bin/pytest -q tests/test_events.py
+.venv/bin/pytest -q tests/test_events.py
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class Failing:
 def test_events_reach_listeners_in_order_and_phases_narrow_the_spans(capsys):
     log: list = []
     events = Events()
-    events.add(Recorder("all", log), None, Recorder("data-only", log, phases=("data",)), Failing(),
-               Recorder("last", log))
+    events.add(
+        Recorder("all", log), None, Recorder("data-only", log, phases=("data",)), Failing(), Recorder("last", log)
+    )
     for listener in events.phase_listeners("data"):
         listener("data")
     for listener in events.phase_listeners("forward"):
@@ -47,14 +48,23 @@ def test_events_reach_listeners_in_order_and_phases_narrow_the_spans(capsys):
     events.failure(ValueError("peer died"))  # a failing listener is reported, the next still runs
     events.exit("FAILED")
     assert log == [
-        ("all", "phase", "data"), ("data-only", "phase", "data"), ("last", "phase", "data"),
-        ("all", "phase", "forward"), ("last", "phase", "forward"),
-        ("all", "step", 3), ("data-only", "step", 3), ("last", "step", 3),
-        ("all", "exit", "FAILED"), ("data-only", "exit", "FAILED"), ("last", "exit", "FAILED"),
+        ("all", "phase", "data"),
+        ("data-only", "phase", "data"),
+        ("last", "phase", "data"),
+        ("all", "phase", "forward"),
+        ("last", "phase", "forward"),
+        ("all", "step", 3),
+        ("data-only", "step", 3),
+        ("last", "step", 3),
+        ("all", "exit", "FAILED"),
+        ("data-only", "exit", "FAILED"),
+        ("last", "exit", "FAILED"),
     ]
     err = capsys.readouterr().err
-    assert ("Failing.on_failure failed: RuntimeError: cannot save" in err
-            and "Failing.on_exit failed: OSError: disk full" in err)
+    assert (
+        "Failing.on_failure failed: RuntimeError: cannot save" in err
+        and "Failing.on_exit failed: OSError: disk full" in err
+    )
 
 
 def test_a_phases_attribute_that_is_not_a_tuple_of_names_is_refused():
@@ -79,9 +89,14 @@ def test_a_listener_added_after_a_span_was_used_hears_it_and_the_step_boundary_e
     events.step_start(4)
     events.update_start(4)
     assert log == [
-        ("early", "phase", "data"), ("early", "phase", None),
-        ("early", "phase", "data"), ("late", "phase", "data"), ("early", "phase", None), ("late", "phase", None),
-        ("boundary", "step_start", 4), ("boundary", "update_start", 4),
+        ("early", "phase", "data"),
+        ("early", "phase", None),
+        ("early", "phase", "data"),
+        ("late", "phase", "data"),
+        ("early", "phase", None),
+        ("late", "phase", None),
+        ("boundary", "step_start", 4),
+        ("boundary", "update_start", 4),
     ]
 
 

@@ -46,8 +46,9 @@ def make_image_tree(
         for name, rgb in classes.items():
             (root / split / name).mkdir(parents=True)
             for i in range(count):
-                pixels = (torch.tensor(rgb).view(1, 1, 3)
-                          + torch.randint(-20, 20, (size, size, 3), generator=g)).clamp(0, 255)
+                pixels = (torch.tensor(rgb).view(1, 1, 3) + torch.randint(-20, 20, (size, size, 3), generator=g)).clamp(
+                    0, 255
+                )
                 Image.fromarray(pixels.to(torch.uint8).numpy()).save(root / split / name / f"{i}.png")
 
 
@@ -66,16 +67,36 @@ def example_runs(tmp_path_factory):
     commands = {
         # The docstring's command: torchrun --nproc-per-node=2 examples/horovod_mnist.py
         "horovod_mnist": [
-            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLES / "horovod_mnist.py"),
-            "data.kwargs.num_train=512", "data.kwargs.num_val=100", "train.epochs=2", "train.log_every=2", *quiet,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(EXAMPLES / "horovod_mnist.py"),
+            "data.kwargs.num_train=512",
+            "data.kwargs.num_val=100",
+            "train.epochs=2",
+            "train.log_every=2",
+            *quiet,
         ],
         "resnet_imagefolder": [
-            str(EXAMPLES / "resnet_imagefolder.py"), f"data.kwargs.root={tmp / 'images'}", "data.kwargs.image_size=16",
-            "data.batch_size=4", "train.epochs=2", "train.log_every=1", *quiet,
+            str(EXAMPLES / "resnet_imagefolder.py"),
+            f"data.kwargs.root={tmp / 'images'}",
+            "data.kwargs.image_size=16",
+            "data.batch_size=4",
+            "train.epochs=2",
+            "train.log_every=1",
+            *quiet,
         ],
         "custom_loop_hooks": [
-            str(EXAMPLES / "custom_loop_hooks.py"), "--target-accuracy", "0.0", "model.name=mlp",
-            "data.kwargs.num_train=256", "data.kwargs.num_val=50", "data.batch_size=32", "train.epochs=3", *quiet,
+            str(EXAMPLES / "custom_loop_hooks.py"),
+            "--target-accuracy",
+            "0.0",
+            "model.name=mlp",
+            "data.kwargs.num_train=256",
+            "data.kwargs.num_val=50",
+            "data.batch_size=32",
+            "train.epochs=3",
+            *quiet,
         ],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -83,10 +104,17 @@ def example_runs(tmp_path_factory):
     procs = {}
     for name, args in commands.items():
         out = tmp / name
-        procs[name] = (subprocess.Popen(
-            [sys.executable, *args, f"run.output_dir={out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        ), out)
+        procs[name] = (
+            subprocess.Popen(
+                [sys.executable, *args, f"run.output_dir={out}"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+            out,
+        )
     results = {}
     try:
         for name, (proc, out) in procs.items():
@@ -165,5 +193,7 @@ def test_resnet_demo_tree_has_train_and_val_class_folders(tmp_path):
     example.draw_demo_tree(tmp_path, per_class=2, val_per_class=1)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png")) == [
         f"{split}/{shape}/{i}.png"
-        for split, n in (("train", 2), ("val", 1)) for shape in ("circle", "square", "triangle") for i in range(n)
+        for split, n in (("train", 2), ("val", 1))
+        for shape in ("circle", "square", "triangle")
+        for i in range(n)
     ]

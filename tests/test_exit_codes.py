@@ -36,19 +36,26 @@ def test_the_table_has_one_row_per_code_and_says_what_to_do():
     codes = [code for code, _, _ in EXIT_CODES]
     assert codes == [0, 1, 2, 3, 4, 75, 130] and len(set(codes)) == len(codes)
     assert NO_RETRY == {errors.EXIT_CONFIG, errors.EXIT_UNHEALTHY, errors.EXIT_INTERRUPTED}
-    assert (errors.ConfigError.exit_code, errors.HealthError.exit_code, errors.LaunchError.exit_code,
-            Preempted.exit_code) == (2, 4, 1, 75)
+    assert (
+        errors.ConfigError.exit_code,
+        errors.HealthError.exit_code,
+        errors.LaunchError.exit_code,
+        Preempted.exit_code,
+    ) == (2, 4, 1, 75)
     table = errors.exit_code_table(requeue=138)
     assert "\n    138  stopped by a signal after saving" in table and " 75 " not in table
-    help_text = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--help"], capture_output=True, text=True,
-                               cwd=REPO).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "run", "--help"], capture_output=True, text=True, cwd=REPO
+    ).stdout
     assert errors.exit_code_table(indent="  ") in help_text and "-- TORCHRUN_OPTION" in help_text
 
 
 def test_bad_data_is_refused_with_2_and_a_file_changed_under_the_job_is_worth_a_retry():
     assert errors.DataError("a token id outside the vocabulary").exit_code == errors.EXIT_CONFIG
-    assert (errors.DataError("the token file disappeared after the run started", retryable=True).exit_code
-            == errors.EXIT_FAILURE)
+    assert (
+        errors.DataError("the token file disappeared after the run started", retryable=True).exit_code
+        == errors.EXIT_FAILURE
+    )
     assert errors.DataError.exit_code == errors.EXIT_CONFIG  # the class's default is unchanged by an instance
 
 
@@ -59,16 +66,21 @@ def test_a_token_id_outside_the_vocabulary_ends_ddpkit_run_with_2(tmp_path):
 
     tokens = np.arange(4096, dtype=np.uint16) % 300  # ids up to 299; the model embeds 257
     tokens.tofile(tmp_path / "train.bin")
-    cfg = tiny_config(tmp_path,
-                      data={"name": "tokens", "batch_size": 4,
-                            "kwargs": {"path": str(tmp_path / "train.bin"), "seq_len": 32}},
-                      model={"name": "gpt",
-                             "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
-                      train={"max_steps": 3})
+    cfg = tiny_config(
+        tmp_path,
+        data={"name": "tokens", "batch_size": 4, "kwargs": {"path": str(tmp_path / "train.bin"), "seq_len": 32}},
+        model={"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 1, "heads": 2, "max_len": 32}},
+        train={"max_steps": 3},
+    )
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "run", str(tmp_path / "exp.yaml"), "--nproc-per-node", "1"],
-                          capture_output=True, text=True, cwd=REPO, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "run", str(tmp_path / "exp.yaml"), "--nproc-per-node", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == errors.EXIT_CONFIG, done.stderr[-3000:]
     assert "is outside the model's vocabulary [0, 257)" in done.stderr
 
@@ -129,8 +141,19 @@ def _run_args(*argv: str) -> list[str]:
 
 
 def test_options_after_dashes_reach_torchrun_unchanged_before_the_program():
-    argv = _run_args("configs/quickstart.yaml", "optim.lr=0.1", "--nproc-per-node", "2", "--",
-                     "--local-ranks-filter", "0", "--log-dir", "logs/tr", "--tee", "3")
+    argv = _run_args(
+        "configs/quickstart.yaml",
+        "optim.lr=0.1",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "--local-ranks-filter",
+        "0",
+        "--log-dir",
+        "logs/tr",
+        "--tee",
+        "3",
+    )
     at = argv.index("-m")
     assert argv[at - 6 : at] == ["--local-ranks-filter", "0", "--log-dir", "logs/tr", "--tee", "3"]
     assert argv[at:] == ["-m", "ddpkit", "train", "configs/quickstart.yaml", "optim.lr=0.1"]  # overrides stay ddpkit's
@@ -139,12 +162,27 @@ def test_options_after_dashes_reach_torchrun_unchanged_before_the_program():
 
 
 def test_c10d_rendezvous_options_pass_through():
-    argv = _run_args("configs/quickstart.yaml", "--nnodes", "2", "--rdzv-endpoint", "head:29400", "--",
-                     "--rdzv-conf", "join_timeout=900,read_timeout=120", "--local-addr", "10.0.0.5",
-                     "--monitor-interval", "1")
+    argv = _run_args(
+        "configs/quickstart.yaml",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "head:29400",
+        "--",
+        "--rdzv-conf",
+        "join_timeout=900,read_timeout=120",
+        "--local-addr",
+        "10.0.0.5",
+        "--monitor-interval",
+        "1",
+    )
     parsed = torchrun_adapter.parse(argv)
     assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_conf, parsed.local_addr) == (
-        "c10d", "head:29400", "join_timeout=900,read_timeout=120", "10.0.0.5")
+        "c10d",
+        "head:29400",
+        "join_timeout=900,read_timeout=120",
+        "10.0.0.5",
+    )
     assert parsed.monitor_interval == 1
 
 
@@ -154,16 +192,36 @@ def test_a_typo_after_dashes_gets_torchruns_message_and_exit_2():
     assert info.value.exit_code == 2
     with pytest.raises(ConfigError, match="only options go after `--`"):
         _run_args("configs/quickstart.yaml", "--", "train.py")
-    done = subprocess.run([sys.executable, "-m", "ddpkit", "run", "configs/quickstart.yaml", "--nproc-per-node", "1",
-                           "--", "--local-rank-filter", "0"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "run",
+            "configs/quickstart.yaml",
+            "--nproc-per-node",
+            "1",
+            "--",
+            "--local-rank-filter",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "torchrun: error: unrecognized arguments: --local-rank-filter" in done.stderr
 
 
 def test_torchruns_private_names_are_read_in_one_module():
-    private = ("_option_string_actions", "config_from_args", "torch.distributed.elastic", "torch.distributed.run",
-               "torch.distributed.launcher")
+    private = (
+        "_option_string_actions",
+        "config_from_args",
+        "torch.distributed.elastic",
+        "torch.distributed.run",
+        "torch.distributed.launcher",
+    )
     offenders = []
     for path in (REPO / "ddpkit" / "launch").glob("*.py"):
         if path.name == "torchrun_adapter.py":
@@ -212,14 +270,21 @@ def test_the_trainjob_example_maps_the_table():
     assert by_action == {"FailJob": set(NO_RETRY), "Ignore": {errors.EXIT_PREEMPTED}}
     assert node["template"]["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
     policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
-    assert policy["rules"][0] == {"name": "refusedForGood", "action": "FailJobSet",
-                                  "onJobFailureReasons": ["PodFailurePolicy"]}
+    assert policy["rules"][0] == {
+        "name": "refusedForGood",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+    }
     command = [*job["spec"]["trainer"]["command"], *job["spec"]["trainer"]["args"]]
     assert command[:3] == ["ddpkit", "run", "configs/quickstart.yaml"]
     _, commands = cli._parser()
-    torch_plugin = {"PET_NNODES": "2", "PET_NODE_RANK": "1",
-                    "PET_MASTER_ADDR": "ddpkit-quickstart-node-0-0.ddpkit-quickstart",
-                    "PET_MASTER_PORT": "29400", "PET_NPROC_PER_NODE": "4"}  # what Kubeflow Trainer's torch plugin sets
+    torch_plugin = {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "ddpkit-quickstart-node-0-0.ddpkit-quickstart",
+        "PET_MASTER_PORT": "29400",
+        "PET_NPROC_PER_NODE": "4",
+    }  # what Kubeflow Trainer's torch plugin sets
     for name, value in torch_plugin.items():
         command = [arg.replace(f"$({name})", value) for arg in command]
     assert not any("$(" in arg for arg in command), command
@@ -243,12 +308,19 @@ def test_every_cluster_example_and_the_sbatch_script_name_only_table_codes():
 @pytest.mark.slow
 def test_a_preempted_ddpkit_run_exits_with_run_requeue_exit_code(tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 40, "log_every": 2},
-                                                 run={"requeue_exit_code": 138})))
+    config.write_text(
+        yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 40, "log_every": 2}, run={"requeue_exit_code": 138}))
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"],
-                                cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = Path(tmp_path) / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -270,8 +342,9 @@ def test_a_killed_frozen_rank_counts_with_the_code_its_error_file_records(tmp_pa
     from ddpkit.launch.launcher import _root_cause_code
 
     error_file = tmp_path / "error.json"
-    error_file.write_text(json.dumps({"message": {"message": "hang",
-                                                  "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 1}}}))
+    error_file.write_text(
+        json.dumps({"message": {"message": "hang", "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 1}}})
+    )
 
     class Failed:
         def __init__(self, failure):
@@ -297,8 +370,16 @@ def test_the_summary_shows_a_killed_frozen_rank_with_its_code_whichever_exit_tor
     from ddpkit.launch.launcher import _summary
 
     error_file = tmp_path / "error.json"
-    error_file.write_text(json.dumps({"message": {"message": "hang: no heartbeat: rank 1",
-                                                  "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 7}}}))
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "hang: no heartbeat: rank 1",
+                    "extraInfo": {"timestamp": "1", "exitcode": 3, "pid": 7},
+                }
+            }
+        )
+    )
     killed = ProcessFailure(local_rank=1, pid=7, exitcode=-signal.SIGKILL, error_file=str(error_file))
     reporter = ProcessFailure(local_rank=0, pid=6, exitcode=3, error_file=str(tmp_path / "none.json"))
     summary = _summary(ChildFailedError("run_program", {0: reporter, 1: killed}))

@@ -1,6 +1,6 @@
 """``ddpkit export CHECKPOINT OUT.safetensors``: read back by safetensors itself, equal to model.pt's tensors.
 
-    .venv/bin/pytest -q tests/test_export.py
+.venv/bin/pytest -q tests/test_export.py
 """
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ def test_export_of_a_run_equals_model_pt_in_both_formats(tmp_path):
     run_dir = Path(cfg["run"]["output_dir"])
     final = torch.load(run_dir / "model.pt", weights_only=True)
     done = run_cli("export", str(run_dir / "checkpoints"), str(tmp_path / "out.safetensors"))
-    assert (done.returncode == 0
-            and done.stdout.startswith(f"wrote {tmp_path / 'out.safetensors'}: {len(final)} tensors")), done.stderr
+    assert done.returncode == 0 and done.stdout.startswith(
+        f"wrote {tmp_path / 'out.safetensors'}: {len(final)} tensors"
+    ), done.stderr
     back = safetensors_torch.load_file(tmp_path / "out.safetensors")
-    assert (back.keys() == final.keys()
-            and all(torch.equal(back[k], final[k]) and back[k].dtype == final[k].dtype for k in final))
+    assert back.keys() == final.keys() and all(
+        torch.equal(back[k], final[k]) and back[k].dtype == final[k].dtype for k in final
+    )
     export(run_dir / "checkpoints", tmp_path / "out.pt")
     plain = torch.load(tmp_path / "out.pt", weights_only=True)
     assert plain.keys() == final.keys() and all(torch.equal(plain[k], final[k]) for k in final)

@@ -47,8 +47,9 @@ STARTUP_ALLOWANCE = 90.0  # launcher + two workers importing torch on a busy 2-c
 
 
 def _write_config(tmp_path: Path) -> Path:
-    cfg = tiny_config(tmp_path, dist={"timeout": PG_TIMEOUT, "failure_timeout": FAILURE_TIMEOUT},
-                      checkpoint={"resume": "none"})
+    cfg = tiny_config(
+        tmp_path, dist={"timeout": PG_TIMEOUT, "failure_timeout": FAILURE_TIMEOUT}, checkpoint={"resume": "none"}
+    )
     path = tmp_path / "fault.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -61,22 +62,35 @@ CASES = {
     "data_loading": ({"FAULT_WHERE": "data"}, ["data.num_workers=1"], "injected fault in __getitem__ on rank 1", 1),
     # A non-daemon thread that never ends (a user's uploader) must not keep the failed rank alive.
     "hook_with_lingering_thread": (
-        {"FAULT_WHERE": "hook", "FAULT_THREAD": "1"}, [], "injected fault in on_step_end on rank 1", 1,
+        {"FAULT_WHERE": "hook", "FAULT_THREAD": "1"},
+        [],
+        "injected fault in on_step_end on rank 1",
+        1,
     ),
-    "validation_step": ({"FAULT_WHERE": "validation"}, ["train.eval_every=3"],
-                        "injected fault in validation_step on rank 1", 1),
+    "validation_step": (
+        {"FAULT_WHERE": "validation"},
+        ["train.eval_every=3"],
+        "injected fault in validation_step on rank 1",
+        1,
+    ),
     # Rank 0 alone writes checkpoints; its write raises an error that is not ddpkit's (NotADirectoryError).
     "rank0_save": ({"FAULT_WHERE": "save", "FAULT_RANK": "0"}, ["checkpoint.every_steps=3"], "NotADirectoryError", 0),
     # Rank 0's write meets a full disk: every rank hears it from rank 0 and stops with that one line
     # (no rank is left in a barrier to print torch's "Connection closed by peer"); both fail at once,
     # so torchrun's root cause may name either (None: any).
-    "rank0_disk_full": ({"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"}, ["checkpoint.every_steps=3"],
-                        "no space left on device", None),
+    "rank0_disk_full": (
+        {"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"},
+        ["checkpoint.every_steps=3"],
+        "no space left on device",
+        None,
+    ),
     # The same under checkpoint.async: the background write fails on rank 0; the next save (or the run's end)
     # tells every rank in the save's one broadcast, and each stops with the same one line.
     "rank0_async_disk_full": (
-        {"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"}, ["checkpoint.every_steps=3", "checkpoint.async=true"],
-        "no space left on device", None,
+        {"FAULT_WHERE": "disk_full", "FAULT_RANK": "0"},
+        ["checkpoint.every_steps=3", "checkpoint.async=true"],
+        "no space left on device",
+        None,
     ),
 }
 REAP_GRACE = 3.0  # seconds after the launcher's exit for the kernel to finish off its children
@@ -99,10 +113,25 @@ class Job:
 def _launch(case: str, tmp: Path) -> Job:
     fault_env, overrides, _, _ = CASES[case]
     config = _write_config(tmp)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FAULT_STAMP": str(tmp / "fault-time"),
-           **fault_env}
-    argv = [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2", "--script", str(FAULT_SCRIPT),
-            *overrides]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "FAULT_STAMP": str(tmp / "fault-time"),
+        **fault_env,
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--script",
+        str(FAULT_SCRIPT),
+        *overrides,
+    ]
     with open(tmp / "launcher.log", "w") as log:
         return Job(tmp, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
 
@@ -150,7 +179,8 @@ def test_a_fault_on_one_rank_stops_the_whole_job_quickly_and_cleanly(case, launc
     fault_to_exit = job.exited - float(stamp.read_text())
     print(f"{case}: fault to last exit {fault_to_exit:.2f}s (limit {FAILURE_TIMEOUT:g}s)")
     assert fault_to_exit < FAILURE_TIMEOUT, (
-        f"{case}: {fault_to_exit:.1f}s from the fault to the last exit\n{output[-3000:]}")
+        f"{case}: {fault_to_exit:.1f}s from the fault to the last exit\n{output[-3000:]}"
+    )
     assert not job.survivors, f"processes survived the job by {REAP_GRACE:g}s: {job.survivors}"
     assert job.proc.returncode == 1, output[-3000:]
     assert expected in output

@@ -24,8 +24,17 @@ def _facts(tmp_path: Path, method: str) -> dict[str, dict]:
     out.mkdir()
     config = out / "exp.yaml"
     config.write_text(yaml.safe_dump(tiny_config(out)))
-    proc = run_cli("run", str(config), "--nproc-per-node", "2", "--script", str(SCRIPT), "--worker-start", method,
-                   env={"FACTS_DIR": str(out)})
+    proc = run_cli(
+        "run",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--script",
+        str(SCRIPT),
+        "--worker-start",
+        method,
+        env={"FACTS_DIR": str(out)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("exit*")) == ["exit0", "exit1"], "the script's atexit handlers did not run"
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in ("0", "1")}

@@ -39,11 +39,15 @@ def _record(event: str, t: float, attempt: int, **fields) -> dict:
 def test_the_categories_add_up_to_the_wall_time_and_lost_work_is_what_the_restart_redid(tmp_path, capsys):
     records = [
         _record("launch", 100.0, 0),
-        _record("start", 101.0, 0), _record("restore", 104.0, 0, began=103.5, step=0, source="none"),
-        _record("first_step", 104.5, 0, step=1), _record("checkpoint", 106.5, 0, began=106.0, step=10, kind="disk"),
-        _record("validation", 108.0, 0, began=107.0, step=15), _record("progress", 110.0, 0, step=20),
+        _record("start", 101.0, 0),
+        _record("restore", 104.0, 0, began=103.5, step=0, source="none"),
+        _record("first_step", 104.5, 0, step=1),
+        _record("checkpoint", 106.5, 0, began=106.0, step=10, kind="disk"),
+        _record("validation", 108.0, 0, began=107.0, step=15),
+        _record("progress", 110.0, 0, step=20),
         _record("checkpoint", 110.5, 0, began=110.2, step=20, kind="crash"),  # a survivor saved step 20
-        _record("start", 113.0, 1), _record("restore", 116.0, 1, began=115.0, step=20, source="disk"),
+        _record("start", 113.0, 1),
+        _record("restore", 116.0, 1, began=115.0, step=20, source="disk"),
         _record("first_step", 116.5, 1, step=21),
         _record("end", 120.5, 1, step=30, last_step_t=120.0, status="FINISHED"),
         _record("exit", 121.0, 0),
@@ -59,8 +63,11 @@ def test_the_categories_add_up_to_the_wall_time_and_lost_work_is_what_the_restar
     assert second.seconds["shutdown"] == pytest.approx(1.0)
 
     # Had the restart resumed from step 10 instead, the work from step 10 to 20 was lost.
-    older = [dict(r, step=10) if r["event"] == "restore" and r["attempt"] == 1 else r
-             for r in records if r.get("kind") != "crash"]
+    older = [
+        dict(r, step=10) if r["event"] == "restore" and r["attempt"] == 1 else r
+        for r in records
+        if r.get("kind") != "crash"
+    ]
     lost = analyse(older).attempts[0].seconds["lost"]
     assert lost == pytest.approx(110.0 - 106.0)  # from the step-10 save's start to the last step seen
 
@@ -94,8 +101,9 @@ def test_stale_corrupt_and_older_snapshots_never_win_over_the_disk(tmp_path, mon
     bad.write_bytes(bytes(data))
     assert snapshot.newest_snapshot(config) is None
     save_checkpoint(state, memory, step=12)
-    assert (snapshot.prefer_newer(list_checkpoints(config.checkpoint_dir)[-1], config).path
-            == memory / "step-000000012.pt")
+    assert (
+        snapshot.prefer_newer(list_checkpoints(config.checkpoint_dir)[-1], config).path == memory / "step-000000012.pt"
+    )
     other_run = load_config(tiny_config(tmp_path / "other", checkpoint={"memory_every_steps": 4}))
     assert snapshot.newest_snapshot(other_run) is None  # named by run: another output directory sees none
 
@@ -125,8 +133,11 @@ def test_a_snapshot_that_cannot_be_written_stops_the_snapshots_not_the_training(
     assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [16, 32]
     assert attempts == [2]  # the first failure stops the snapshots: no write attempted after it
     warnings = [line for line in capfd.readouterr().err.splitlines() if "memory snapshots" in line]
-    assert (len(warnings) == 1 and "no space left on device" in warnings[0]
-            and "checkpoint.memory_every_steps: null" in warnings[0])
+    assert (
+        len(warnings) == 1
+        and "no space left on device" in warnings[0]
+        and "checkpoint.memory_every_steps: null" in warnings[0]
+    )
 
 
 def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monkeypatch, capfd):
@@ -146,8 +157,10 @@ def test_a_dev_shm_too_small_for_the_state_is_seen_before_writing(tmp_path, monk
 
 # The digits CNN has dropout: each rank draws its own masks, so a resume is bitwise only if every rank
 # gets its own torch stream back (a crash save reads the dead rank's from its boundary slot file).
-DROPOUT = {"data": {"kwargs": {"num_train": 256, "num_val": 101, "image_size": 16}},
-           "model": {"name": "mnist_cnn", "kwargs": {"image_size": 16}}}
+DROPOUT = {
+    "data": {"kwargs": {"num_train": 256, "num_val": 101, "image_size": 16}},
+    "model": {"name": "mnist_cnn", "kwargs": {"image_size": 16}},
+}
 
 
 def _run(out: Path, env: dict[str, str], **checkpoint) -> tuple[float, object]:
@@ -156,15 +169,27 @@ def _run(out: Path, env: dict[str, str], **checkpoint) -> tuple[float, object]:
     cfg = tiny_config(out, train={"epochs": 2}, checkpoint={"every_epochs": 1, **checkpoint}, **DROPOUT)
     (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
     began = time.time()
-    proc = run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "2", "--script", SCRIPT,
-                   env=env, timeout=280)
+    proc = run_cli(
+        "run",
+        str(out / "exp.yaml"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--script",
+        SCRIPT,
+        env=env,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return time.time() - began, proc
 
 
 def _trained(out: Path, rank: int) -> list[tuple[int, int, str]]:
-    return [(int(a), int(s), f) for a, s, f in (
-        line.split() for line in (out / "run" / f"trained-rank{rank}.log").read_text().splitlines())]
+    return [
+        (int(a), int(s), f)
+        for a, s, f in (line.split() for line in (out / "run" / f"trained-rank{rank}.log").read_text().splitlines())
+    ]
 
 
 def _check_join_up(out: Path, clean: Path, *, resumed_at: int) -> None:

@@ -1,6 +1,6 @@
 """The ``gpt`` model: shapes, causality, tied embeddings, GPT-2's size and initialisation, FLOPs, FSDP2 units, errors.
 
-    .venv/bin/pytest tests/test_gpt.py -q
+.venv/bin/pytest tests/test_gpt.py -q
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def test_gpt2_initialisation_scales_the_residual_projections():
     residual = torch.cat([p.flatten() for b in model.blocks for p in (b.attn.proj.weight, b.proj.weight)])
     other = torch.cat([p.flatten() for b in model.blocks for p in (b.attn.qkv.weight, b.fc.weight)])
     assert residual.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert (other.std().item() == pytest.approx(0.02, rel=0.05)
-            and model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05))
+    assert other.std().item() == pytest.approx(0.02, rel=0.05) and model.embed.weight.std().item() == pytest.approx(
+        0.02, rel=0.05
+    )
     assert all(m.bias.eq(0).all() for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
 
 
@@ -84,8 +85,10 @@ def test_flops_per_token_is_the_palm_formula():
     assert model.flops_per_token() == 6 * n + 12 * 12 * 768 * 1024 == 855_383_040
     assert model.flops_per_token(seq_len=256) == 6 * n + 12 * 12 * 768 * 256
     small = _small()
-    assert (small.flops_per_token(seq_len=10)
-            == 6 * (sum(p.numel() for p in small.parameters()) - 24 * 32) + 12 * 3 * 32 * 10)
+    assert (
+        small.flops_per_token(seq_len=10)
+        == 6 * (sum(p.numel() for p in small.parameters()) - 24 * 32) + 12 * 3 * 32 * 10
+    )
 
 
 def test_fsdp2_default_rule_shards_each_block():
@@ -121,13 +124,17 @@ def test_fsdp2_on_two_ranks_gives_the_bare_models_loss_and_gradients():
 
 
 def test_shape_errors_name_the_key_and_the_fix():
-    with pytest.raises(ConfigError,
-                       match=r"model.kwargs.heads: dim 30 is not divisible by heads 4; "
-                             r"choose heads that divide dim \(e.g. 6, 10, 15, 30\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs.heads: dim 30 is not divisible by heads 4; "
+        r"choose heads that divide dim \(e.g. 6, 10, 15, 30\)",
+    ):
         gpt(dim=30, heads=4)
-    with pytest.raises(ConfigError,
-                       match=r"model.kwargs.max_len: the input has 25 tokens per sequence "
-                             r"but the model's max_len is 24; lower"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs.max_len: the input has 25 tokens per sequence "
+        r"but the model's max_len is 24; lower",
+    ):
         _small()(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ConfigError, match="model.kwargs.preset: unknown preset 'gpt3'; choose one of gpt2"):
         gpt(preset="gpt3")

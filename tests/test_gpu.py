@@ -52,8 +52,9 @@ def test_resume_on_cuda_is_bitwise_equal_to_a_straight_run(tmp_path, precision):
     # train.deterministic: without it cuDNN's convolution backward is not bitwise reproducible at all
     # (an fp32 run resumed here once ended 6e-8 away from the straight one).
     train = {"precision": precision, "deterministic": True}
-    _resumed_equals_straight(tmp_path, _cnn, train, first={"epochs": 1}, whole={"epochs": 2},
-                             checkpoint={"every_epochs": 1})
+    _resumed_equals_straight(
+        tmp_path, _cnn, train, first={"epochs": 1}, whole={"epochs": 2}, checkpoint={"every_epochs": 1}
+    )
 
 
 def _resumed_equals_straight(tmp, build, train: dict, *, first: dict, whole: dict, checkpoint: dict):
@@ -77,8 +78,10 @@ def test_compile_on_cuda(tmp_path):
 @pytest.mark.parametrize("mode", ["zero1", "fsdp2"])
 def test_sharded_modes_on_nccl_save_and_resume(tmp_path, mode):
     _run(tmp_path, _cnn(tmp_path, train={"epochs": 1}, parallel={"mode": mode}))
-    _run(tmp_path,
-         _cnn(tmp_path, train={"epochs": 2}, parallel={"mode": mode}, checkpoint={"every_epochs": 1, "resume": "auto"}))
+    _run(
+        tmp_path,
+        _cnn(tmp_path, train={"epochs": 2}, parallel={"mode": mode}, checkpoint={"every_epochs": 1, "resume": "auto"}),
+    )
     assert all(torch.isfinite(t).all() for t in load_weights(tmp_path / "run" / "model.pt").values())
 
 
@@ -89,11 +92,12 @@ def test_gradient_norm_reads_bucket_views_on_cuda():
     flat = torch.randn(sum(p.numel() for p in params), device="cuda")
     start = 0
     for p in params:
-        p.grad = flat[start:start + p.numel()].view_as(p)
+        p.grad = flat[start : start + p.numel()].view_as(p)
         start += p.numel()
     assert _bucket_buffers([p.grad for p in params]) is not None
-    assert gradient_norm(params).item() == pytest.approx(torch.nn.utils.get_total_norm([p.grad for p in params]).item(),
-                                                         rel=1e-5)
+    assert gradient_norm(params).item() == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in params]).item(), rel=1e-5
+    )
     flat[500] = float("nan")
     assert not torch.isfinite(gradient_norm(params))
 
@@ -107,14 +111,23 @@ def test_nan_on_cuda_is_skipped_or_stops_without_a_host_sync_guard(tmp_path, act
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "3", "HEALTH_NAN_HOW": how}
-    done = run_cli("run", str(path), "--nproc-per-node", "1",
-                   "--script", str(REPO / "tests" / "scripts" / "health_trainer.py"), env=env, timeout=300)
+    done = run_cli(
+        "run",
+        str(path),
+        "--nproc-per-node",
+        "1",
+        "--script",
+        str(REPO / "tests" / "scripts" / "health_trainer.py"),
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == code, done.stderr[-4000:]
     assert "step 3: non-finite" in done.stderr
     files = [tmp_path / "run" / "model.pt", *(tmp_path / "run" / "checkpoints").glob("*.pt")]
     weights = [load_weights(f) for f in files if f.exists()]
-    assert (weights
-            and all(torch.isfinite(t).all() for w in weights for t in w.get("model", w).values() if torch.is_tensor(t)))
+    assert weights and all(
+        torch.isfinite(t).all() for w in weights for t in w.get("model", w).values() if torch.is_tensor(t)
+    )
 
 
 def _lm(tmp, **sections) -> dict:
@@ -126,8 +139,11 @@ def _lm(tmp, **sections) -> dict:
     cfg = tiny_config(
         tmp,
         model={"name": "gpt", "kwargs": {"vocab_size": 97, "dim": 64, "depth": 2, "heads": 2, "max_len": 64}},
-        data={"name": "tokens", "batch_size": 8,
-              "kwargs": {"path": str(tmp / "train.bin"), "val_path": str(tmp / "val.bin"), "seq_len": 64}},
+        data={
+            "name": "tokens",
+            "batch_size": 8,
+            "kwargs": {"path": str(tmp / "train.bin"), "val_path": str(tmp / "val.bin"), "seq_len": 64},
+        },
         optim={"name": "adamw", "lr": 1e-3, "momentum": 0.0},
         dist={"device": "cuda", "timeout": 120},
         checkpoint={"every_steps": 20},
@@ -143,10 +159,16 @@ def test_language_model_on_cuda_resumes_bitwise_with_tokens_weighting(tmp_path, 
     a resume equal to a straight run."""
     import json
 
-    train = {"precision": precision, "deterministic": True, "loss_normalization": "tokens", "log_every": 10,
-             "eval_every": 20}
-    straight = _resumed_equals_straight(tmp_path, _lm, train, first={"max_steps": 20}, whole={"max_steps": 40},
-                                        checkpoint={"every_steps": 20})
+    train = {
+        "precision": precision,
+        "deterministic": True,
+        "loss_normalization": "tokens",
+        "log_every": 10,
+        "eval_every": 20,
+    }
+    straight = _resumed_equals_straight(
+        tmp_path, _lm, train, first={"max_steps": 20}, whole={"max_steps": 40}, checkpoint={"every_steps": 20}
+    )
     records = [json.loads(line) for line in (straight / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["tokens_per_s"] > 0 for r in records if "train_loss" in r)
     assert any("val_ppl" in r for r in records)
@@ -182,8 +204,11 @@ def test_async_save_stages_a_cuda_state_in_reused_pinned_buffers_as_it_was_at_th
         optimizer.zero_grad()
 
     def capture():
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "cuda_rng": torch.cuda.get_rng_state()}
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "cuda_rng": torch.cuda.get_rng_state(),
+        }
 
     writer = files.AsyncCheckpointWriter()
     expected = []
@@ -240,8 +265,12 @@ def test_a_dataset_already_on_the_gpu_is_gathered_there_with_the_default_pin_mem
             self.devices.append(batch[0].device.type)
             return super().training_step(batch)
 
-    cfg = tiny_config(tmp_path, data={"batch_size": 8, "pin_memory": True}, dist={"device": "cuda"},
-                      train={"max_steps": 5, "epochs": None})
+    cfg = tiny_config(
+        tmp_path,
+        data={"batch_size": 8, "pin_memory": True},
+        dist={"device": "cuda"},
+        train={"max_steps": 5, "epochs": None},
+    )
     trainer = OnGpu(cfg)
     metrics = trainer.fit()
     assert OnGpu.devices == ["cuda"] * 5 and trainer.train_loader.pin_memory is False

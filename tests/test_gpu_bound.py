@@ -24,9 +24,27 @@ pytestmark = pytest.mark.timeout(300)
 
 def _bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "runs.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bound", "--tiny", "--device", "cpu", "--rounds", "1",
-                           "--warmup", "2", "--json", str(out), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_bound",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--rounds",
+            "1",
+            "--warmup",
+            "2",
+            "--json",
+            str(out),
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"printed": proc.stdout, **json.loads(out.read_text())}
 

@@ -173,8 +173,12 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
     # With bucket views DDP hands out the very same view objects every step: what lets gradient_norm remember the
     # tiling.
     same = all(a is b for a, b in zip(seen[1], seen[2]))
-    return (_bucket_buffers(grads) is not None, float(gradient_norm(list(model.parameters()))),
-            float(torch.nn.utils.get_total_norm(grads)), same)
+    return (
+        _bucket_buffers(grads) is not None,
+        float(gradient_norm(list(model.parameters()))),
+        float(torch.nn.utils.get_total_norm(grads)),
+        same,
+    )
 
 
 def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkeypatch):
@@ -183,7 +187,7 @@ def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkey
 
     def views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [flat[start:start + n].view(n) for start, n in zip(starts, sizes)]
+        return [flat[start : start + n].view(n) for start, n in zip(starts, sizes)]
 
     flat = torch.arange(10, dtype=torch.float32)
     assert [b.data_ptr() for b in _bucket_buffers(views(flat, [4, 6]))] == [flat.data_ptr()]
@@ -197,8 +201,9 @@ def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkey
     grads = views(flat, [4, 6])
     assert _bucket_buffers(grads)[0] is _bucket_buffers(list(grads))[0] is flat and derived == [2]
     assert _bucket_buffers([grads[0], torch.ones(6)]) is None and derived == [2, 2]
-    assert (_bucket_buffers(views(flat, [4, 5])) is None and _bucket_buffers(grads) is not None
-            and derived == [2, 2, 2, 2])
+    assert (
+        _bucket_buffers(views(flat, [4, 5])) is None and _bucket_buffers(grads) is not None and derived == [2, 2, 2, 2]
+    )
     # Remembered weakly: once the run's gradients and buckets are gone, nothing here keeps them.
     import gc
     import weakref
@@ -222,9 +227,14 @@ def test_nan_gradients_from_a_finite_loss_are_caught_in_the_gradient_norm(tmp_pa
     # Only the gradients tell: the norm, read from DDP's flat buckets (ddp.gradient_as_bucket_view, the
     # default) after the all-reduce, is NaN on every rank; the per-parameter path says the same.
     fault = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "2", "HEALTH_NAN_HOW": "grad"}
-    runs = [(tmp_path / view, fault,
-             {**LOGGED, "train": {"epochs": 1, "log_every": 2}, "ddp": {"gradient_as_bucket_view": view == "view"}})
-            for view in ("view", "copy")]
+    runs = [
+        (
+            tmp_path / view,
+            fault,
+            {**LOGGED, "train": {"epochs": 1, "log_every": 2}, "ddp": {"gradient_as_bucket_view": view == "view"}},
+        )
+        for view in ("view", "copy")
+    ]
     results = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)
     for i, (tmp, _, _) in enumerate(runs):
         assert [r[i]["error"] for r in results] == [None, None]
@@ -244,21 +254,29 @@ def test_stop_and_max_skips_end_the_run_on_every_rank_before_a_bad_update(tmp_pa
     fault = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "2,3,4,5", "HEALTH_NAN_HOW": "add"}
     stop = {**LOGGED, "health": {"nonfinite": "stop"}, "checkpoint": {"every_steps": 1}}
     results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "stop", fault, stop), timeout=120)
-    assert all("step 2: non-finite loss on rank(s) 0" in r["error"] and "health.nonfinite=stop" in r["error"]
-               for r in results)
+    assert all(
+        "step 2: non-finite loss on rank(s) 0" in r["error"] and "health.nonfinite=stop" in r["error"] for r in results
+    )
     assert _all_finite_on_disk(tmp_path / "stop")
     skips = {**LOGGED, "health": {"max_skips": 3}}
     results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "skips", fault, skips), timeout=120)
-    assert all("step 4:" in r["error"] and "3 skipped steps in a row (health.max_skips=3)" in r["error"]
-               for r in results)
+    assert all(
+        "step 4:" in r["error"] and "3 skipped steps in a row (health.max_skips=3)" in r["error"] for r in results
+    )
 
 
 def test_a_loss_spike_is_skipped_or_rolled_back_at_the_same_step_on_every_rank(tmp_path):
     fault = {"HEALTH_SPIKE_STEPS": "20"}
-    skip = {**LOGGED, "train": {"epochs": 3, "log_every": 4},
-            "health": {"spike": {"warmup": 10, "window": 16, "action": "skip"}}}
-    rollback = {**skip, "health": {"spike": {"warmup": 10, "window": 16, "action": "rollback"}},
-                "checkpoint": {"every_steps": 6}}
+    skip = {
+        **LOGGED,
+        "train": {"epochs": 3, "log_every": 4},
+        "health": {"spike": {"warmup": 10, "window": 16, "action": "skip"}},
+    }
+    rollback = {
+        **skip,
+        "health": {"spike": {"warmup": 10, "window": 16, "action": "rollback"}},
+        "checkpoint": {"every_steps": 6},
+    }
     runs = [(tmp_path / "skip", fault, skip), (tmp_path / "rollback", fault, rollback)]
     skipped = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)[0][0]  # rank 0's first fit
     assert "step 20: spike: loss" in _log(tmp_path / "skip")
@@ -276,15 +294,20 @@ def test_non_finite_weights_are_never_written_and_no_good_checkpoint_is_pruned(t
     sections = {**LOGGED, "checkpoint": {"every_steps": 1, "keep_last": 2}}
     results = run_on_ranks(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
     assert all("not writing the checkpoint of step 3" in r["error"] for r in results)  # rank 1's NaN stops both
-    assert (sorted(c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")) == [1, 2]
-            and _all_finite_on_disk(tmp_path))
+    assert sorted(c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")) == [1, 2] and _all_finite_on_disk(
+        tmp_path
+    )
 
 
 @pytest.mark.slow  # two runs in one spawn: about 20 s on the loaded 2-core machine
 def test_a_slowed_rank_is_named_and_a_balanced_run_is_silent(tmp_path):
     straggler = {**LOGGED, "train": {"epochs": 3, "log_every": 8}, "health": {"straggler": {"every": 6, "windows": 2}}}
-    run_on_ranks(_fit, world_size=2,
-                 args=(tmp_path / "slow", {"HEALTH_SLOW_RANK": "1", "HEALTH_SLOW_MS": "15"}, straggler), timeout=120)
+    run_on_ranks(
+        _fit,
+        world_size=2,
+        args=(tmp_path / "slow", {"HEALTH_SLOW_RANK": "1", "HEALTH_SLOW_MS": "15"}, straggler),
+        timeout=120,
+    )
     log = _log(tmp_path / "slow")
     assert "straggler: rank 1 is" in log and "straggler: rank 0" not in log
     assert _records(tmp_path / "slow")[-1]["straggler_rank"] == 1
@@ -310,8 +333,9 @@ def test_ddpkit_run_exit_codes(tmp_path, action, code):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 1}, checkpoint={"every_steps": 2})))
     env = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "3"}
-    done = run_cli("run", str(config), "--nproc-per-node", "2", "--script", str(SCRIPT), f"health.nonfinite={action}",
-                   env=env)
+    done = run_cli(
+        "run", str(config), "--nproc-per-node", "2", "--script", str(SCRIPT), f"health.nonfinite={action}", env=env
+    )
     assert done.returncode == code, done.stderr[-3000:]
     assert "step 3: non-finite loss on rank(s) 1" in done.stderr
     assert _all_finite_on_disk(tmp_path)

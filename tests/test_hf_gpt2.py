@@ -180,9 +180,16 @@ def test_the_finetune_config_run_generate_and_export_from_the_command_line(tmp_p
     save_hf_gpt2(tmp_path / "hf", vocab_size=257, n_positions=64)
     run = tmp_path / "run"
     overrides = [  # the HF directory's own 257 ids (no padding): the whole validation set takes a second
-        f"model.kwargs={{init_from: {tmp_path / 'hf'}}}", "data.kwargs={corpus: stdlib, seq_len: 32}",
-        "data.batch_size=2", "data.val_batch_size=64", "train.max_steps=2", "train.grad_accum_steps=1",
-        "train.precision=fp32", "train.sample=null", f"run.output_dir={run}", "checkpoint.every_steps=2",
+        f"model.kwargs={{init_from: {tmp_path / 'hf'}}}",
+        "data.kwargs={corpus: stdlib, seq_len: 32}",
+        "data.batch_size=2",
+        "data.val_batch_size=64",
+        "train.max_steps=2",
+        "train.grad_accum_steps=1",
+        "train.precision=fp32",
+        "train.sample=null",
+        f"run.output_dir={run}",
+        "checkpoint.every_steps=2",
     ]
     train = run_cli("run", "configs/finetune_gpt2.yaml", "--nproc-per-node", "1", *overrides)
     assert train.returncode == 0, train.stderr[-3000:]

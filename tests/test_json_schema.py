@@ -1,6 +1,6 @@
 """``ddpkit config --schema``: a JSON Schema that accepts every shipped config and refuses a misspelled key.
 
-    .venv/bin/pytest -q tests/test_json_schema.py
+.venv/bin/pytest -q tests/test_json_schema.py
 """
 
 from __future__ import annotations
@@ -37,14 +37,22 @@ def test_a_misspelled_key_a_bad_enum_and_a_range_are_refused(validator):
         return sorted(e.message for e in validator.iter_errors(config))
 
     assert problems({"optim": {"lr": 0.1, "momentun": 0.9}}) == [
-        "Additional properties are not allowed ('momentun' was unexpected)"]
+        "Additional properties are not allowed ('momentun' was unexpected)"
+    ]
     assert problems({"trian": {}}) == ["Additional properties are not allowed ('trian' was unexpected)"]
     assert "'fp8' is not one of ['fp32', 'bf16', 'fp16']" in problems({"train": {"precision": "fp8"}})
     assert problems({"data": {"batch_size": 0}}) == ["0 is less than the minimum of 1"]
     assert problems({"optim": {"lr": 0}}) == ["0 is less than or equal to the minimum of 0"]
-    assert problems({"checkpoint": {"every_steps": "auto", "async": True, "best": None, "save_on_signals": ["SIGTERM"]},
-                     "dist": {"hang_timeout": None},
-                     "train": {"compile": {"mode": "max-autotune"}, "max_steps": 1e5}}) == []
+    assert (
+        problems(
+            {
+                "checkpoint": {"every_steps": "auto", "async": True, "best": None, "save_on_signals": ["SIGTERM"]},
+                "dist": {"hang_timeout": None},
+                "train": {"compile": {"mode": "max-autotune"}, "max_steps": 1e5},
+            }
+        )
+        == []
+    )
 
 
 def test_every_field_has_its_type_default_and_the_docs_description():

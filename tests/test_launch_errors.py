@@ -62,8 +62,15 @@ def test_ddpkit_run_with_a_master_port_in_use(capsys, tiny_yaml, busy_port):
 
 
 def test_a_process_whose_master_port_is_in_use(capsys, monkeypatch, tiny_yaml, busy_port):
-    set_launcher_env(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=busy_port)
+    set_launcher_env(
+        monkeypatch,
+        RANK=0,
+        WORLD_SIZE=1,
+        LOCAL_RANK=0,
+        LOCAL_WORLD_SIZE=1,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=busy_port,
+    )
     code, output = run_main(capsys, "train", str(tiny_yaml))
     assert code == 1
     assert_one_clear_message(
@@ -116,8 +123,15 @@ def test_a_partial_torchrun_environment(capsys, monkeypatch, tiny_yaml, present,
 @pytest.mark.multiprocess
 def test_a_world_size_that_is_not_nodes_times_processes_per_node(tiny_yaml):
     # torchrun sets GROUP_WORLD_SIZE to the number of nodes; 1 node x 2 processes is not a world of 4.
-    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     done = run_cli("train", str(tiny_yaml), env=env, timeout=120)
     assert done.returncode == 1
     assert_one_clear_message(

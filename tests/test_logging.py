@@ -27,8 +27,15 @@ from ddpkit.testing import run_on_ranks
 # tensorboard is the optional `ddpkit[tensorboard]` extra.
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 TRAIN_KEYS = {"step", "epoch", "train_loss", "lr", "samples_per_s", "time"} | {  # and ddpkit.training.health's
-    "grad_norm", "skipped_steps", "nonfinite_steps", "scaler_skips", "spikes", "rollbacks", "divergences",
-    "straggler_rank", "straggler_slowdown",
+    "grad_norm",
+    "skipped_steps",
+    "nonfinite_steps",
+    "scaler_skips",
+    "spikes",
+    "rollbacks",
+    "divergences",
+    "straggler_rank",
+    "straggler_slowdown",
 }
 EVAL_KEYS = {"step", "epoch", "val_loss", "val_accuracy", "time"}
 
@@ -141,8 +148,9 @@ def test_best_checkpoint_holds_the_best_evaluation(logged_run):
 
 def test_best_checkpoint_is_kept_alongside_step_checkpoints(tmp_path):
     cfg = tiny_config(
-        tmp_path, train={"epochs": 1, "log_every": 4, "eval_every": 4},
-        checkpoint={"every_steps": 2, "keep_last": 1, "best": {"metric": "val_loss"}}
+        tmp_path,
+        train={"epochs": 1, "log_every": 4, "eval_every": 4},
+        checkpoint={"every_steps": 2, "keep_last": 1, "best": {"metric": "val_loss"}},
     )
     ddpkit.Trainer(cfg).fit()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))
@@ -155,8 +163,12 @@ def test_early_stopping_stops_every_rank_at_the_same_step(tmp_path):
     # so with patience 2 the run stops at the third evaluation (step 6 of 16).
     cfg = tiny_config(
         tmp_path,
-        train={"epochs": 2, "log_every": 2, "eval_every": 2,
-               "early_stopping": {"metric": "val_loss", "patience": 2, "min_delta": 100.0}},
+        train={
+            "epochs": 2,
+            "log_every": 2,
+            "eval_every": 2,
+            "early_stopping": {"metric": "val_loss", "patience": 2, "min_delta": 100.0},
+        },
         log={"progress_bar": False, "all_ranks": True},
     )
     results = run_on_ranks(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
@@ -183,8 +195,10 @@ def test_early_stopping_target_stops_at_the_first_evaluation_that_reaches_it(tmp
     assert result["step"] == step  # at the evaluation that reached it, not before (earlier ones were below)
     stopped = [(r["step"], r["val_accuracy"]) for r in read_records(tmp_path / "target" / "run") if "val_accuracy" in r]
     assert stopped == curve[: index + 1]
-    assert (f"early stopping: val_accuracy {target:.4f} >= train.early_stopping.target={target:g} "
-            f"(mode max) at step {step}" in result["stderr"])
+    assert (
+        f"early stopping: val_accuracy {target:.4f} >= train.early_stopping.target={target:g} "
+        f"(mode max) at step {step}" in result["stderr"]
+    )
     assert (tmp_path / "target" / "run" / "model.pt").exists()
 
 
@@ -266,9 +280,11 @@ def test_sinks_turn_non_finite_values_into_null(tmp_path):
 def test_missing_tensorboard_is_a_clear_error(tmp_path, monkeypatch):
     # A None entry in sys.modules makes the import raise ImportError, as when the package is absent.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(DdpkitError,
-                       match=r"log.tensorboard=true needs the tensorboard package.*"
-                             r"pip install 'ddpkit\[tensorboard\]'"):
+    with pytest.raises(
+        DdpkitError,
+        match=r"log.tensorboard=true needs the tensorboard package.*"
+        r"pip install 'ddpkit\[tensorboard\]'",
+    ):
         TensorBoardSink(tmp_path / "tensorboard")
     assert not (tmp_path / "tensorboard").exists()
 
@@ -289,4 +305,3 @@ def test_a_failing_tensorboard_writer_is_switched_off_with_a_warning_and_metrics
     assert group.sinks == [] and not sink.required
     warnings = [r.getMessage() for r in caplog.records if "tensorboard" in r.getMessage()]
     assert len(warnings) == 1 and "switched off" in warnings[0] and "No space left" in warnings[0]
-

@@ -50,6 +50,7 @@ def test_best_tracker_min_max_patience_and_off():
 
 
 def test_unknown_metric_names_the_config_key():
-    with pytest.raises(ConfigError,
-                       match=r"checkpoint.best.metric: 'val_f1' is not a validation metric; available: val_loss"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.best.metric: 'val_f1' is not a validation metric; available: val_loss"
+    ):
         BestTracker("val_f1", key="checkpoint.best.metric").update({"val_loss": 1.0})

@@ -38,8 +38,9 @@ def _source(tmp_path: Path, s: int, windows: int, *, dtype: str = "uint16", name
 
 
 def _mixture(tmp_path: Path, sizes=(40, 30, 6), weights=(0.55, 0.3, 0.15), **kwargs):
-    sources = [{"name": f"s{i}", "path": _source(tmp_path, i, n), "weight": w}
-               for i, (n, w) in enumerate(zip(sizes, weights))]
+    sources = [
+        {"name": f"s{i}", "path": _source(tmp_path, i, n), "weight": w} for i, (n, w) in enumerate(zip(sizes, weights))
+    ]
     return tokens(sources=sources, seq_len=SEQ, **kwargs)
 
 
@@ -88,7 +89,7 @@ def test_every_global_batch_holds_each_share_and_a_pass_reads_each_window_once(t
     sizes = (40, 30, 6)
     for s, windows in seen.items():  # pass p over source s: a permutation of its windows, then the next
         for start in range(0, len(windows) - sizes[s] + 1, sizes[s]):
-            assert sorted(windows[start:start + sizes[s]]) == list(range(sizes[s]))
+            assert sorted(windows[start : start + sizes[s]]) == list(range(sizes[s]))
     other = _steps(build_train_loader(train, env=DistEnv(), batch_size=16, seed=4), 40)
     assert other != steps and _steps(build_train_loader(train, env=DistEnv(), batch_size=16, seed=3), 40) == steps
 
@@ -96,9 +97,22 @@ def test_every_global_batch_holds_each_share_and_a_pass_reads_each_window_once(t
 def test_the_same_global_batches_at_any_world_size_and_with_workers(tmp_path):
     train, _ = _mixture(tmp_path)
     one = _steps(build_train_loader(train, env=DistEnv(), batch_size=16, global_batch_size=16, seed=1), 12)
-    per_rank = [_steps(build_train_loader(train, env=DistEnv(rank=r, world_size=2), batch_size=4, global_batch_size=16,
-                                          grad_accum_steps=2, seed=1, num_workers=w), 12, accum=2)
-                for r, w in ((0, 0), (1, 2))]
+    per_rank = [
+        _steps(
+            build_train_loader(
+                train,
+                env=DistEnv(rank=r, world_size=2),
+                batch_size=4,
+                global_batch_size=16,
+                grad_accum_steps=2,
+                seed=1,
+                num_workers=w,
+            ),
+            12,
+            accum=2,
+        )
+        for r, w in ((0, 0), (1, 2))
+    ]
     for k in range(12):
         assert sorted(per_rank[0][k] + per_rank[1][k]) == sorted(one[k])
 
@@ -113,11 +127,15 @@ def test_passes_are_logged_and_a_repeat_is_refused_when_switched_off(tmp_path, c
     train, _ = _mixture(tmp_path, repeat=False)
     plan = build_train_loader(train, env=DistEnv(), batch_size=16, seed=0).dataset
     report_passes(plan, total_steps=1)  # one step reads 2 or 3 of s2's 6 windows: fine
-    with pytest.raises(DataError, match=r"data.kwargs.sources\[2\] \(s2\): the run reads 10 windows of its 6 "
-                       r"\(1.67 passes\) and data.kwargs.repeat is false"):
+    with pytest.raises(
+        DataError,
+        match=r"data.kwargs.sources\[2\] \(s2\): the run reads 10 windows of its 6 "
+        r"\(1.67 passes\) and data.kwargs.repeat is false",
+    ):
         report_passes(plan, total_steps=4)  # 64 windows: s0 35 of 40, s1 19 of 30, s2 10 of 6
     assert consumed_tokens(build_train_loader(train, env=DistEnv(), batch_size=16, seed=0), 5) == {
-        f"tokens/s{i}": int(c) * SEQ for i, c in enumerate(plan.windows_before(5))}
+        f"tokens/s{i}": int(c) * SEQ for i, c in enumerate(plan.windows_before(5))
+    }
 
 
 def test_bad_mixtures_are_one_line_each(tmp_path):
@@ -125,10 +143,14 @@ def test_bad_mixtures_are_one_line_each(tmp_path):
     cases = [
         ([{**good, "weight": 0}], r"data.kwargs.sources: the weights sum to 0.0; give at least one source a positive"),
         ([{**good, "weight": -1}], r"data.kwargs.sources\[0\].weight: expected a number >= 0"),
-        ([good, {"name": "b", "path": str(tmp_path / "nope.bin"), "weight": 1}],
-         r"data.kwargs.sources\[1\] \(b\): no such token file"),
-        ([good, {"name": "b", "path": _source(tmp_path, 1, 5, dtype="uint32"), "weight": 1, "dtype": "uint32"}],
-         r"data.kwargs.sources: the files hold different token dtypes \(a uint16, b uint32\)"),
+        (
+            [good, {"name": "b", "path": str(tmp_path / "nope.bin"), "weight": 1}],
+            r"data.kwargs.sources\[1\] \(b\): no such token file",
+        ),
+        (
+            [good, {"name": "b", "path": _source(tmp_path, 1, 5, dtype="uint32"), "weight": 1, "dtype": "uint32"}],
+            r"data.kwargs.sources: the files hold different token dtypes \(a uint16, b uint32\)",
+        ),
         ([good, {**good, "wieght": 2}], r"data.kwargs.sources\[1\].wieght: unknown key; did you mean 'weight'\?"),
         ([good, good], r"data.kwargs.sources: the name 'a' is used twice"),
     ]
@@ -139,14 +161,21 @@ def test_bad_mixtures_are_one_line_each(tmp_path):
 
 
 def _config(tmp_path: Path, **train) -> dict:
-    sources = [{"name": f"s{i}", "path": _source(tmp_path, i, n), "weight": w}
-               for i, (n, w) in enumerate(((40, 0.5), (30, 0.3), (6, 0.2)))]
-    val = [{"name": "s0", "path": _source(tmp_path, 0, 5, name="v0.bin")},
-           {"name": "s2", "path": _source(tmp_path, 2, 3, name="v2.bin")}]
+    sources = [
+        {"name": f"s{i}", "path": _source(tmp_path, i, n), "weight": w}
+        for i, (n, w) in enumerate(((40, 0.5), (30, 0.3), (6, 0.2)))
+    ]
+    val = [
+        {"name": "s0", "path": _source(tmp_path, 0, 5, name="v0.bin")},
+        {"name": "s2", "path": _source(tmp_path, 2, 3, name="v2.bin")},
+    ]
     return {
         "run": {"name": "mix", "output_dir": str(tmp_path / "run"), "seed": 0},
-        "data": {"name": "tokens", "global_batch_size": 8,
-                 "kwargs": {"seq_len": SEQ, "sources": sources, "val_sources": val}},
+        "data": {
+            "name": "tokens",
+            "global_batch_size": 8,
+            "kwargs": {"seq_len": SEQ, "sources": sources, "val_sources": val},
+        },
         "model": {"name": "gpt", "kwargs": {"vocab_size": 4096, "dim": 32, "depth": 1, "heads": 2, "max_len": SEQ}},
         "optim": {"name": "adamw", "lr": 0.01},
         "train": {"max_steps": 8, "log_every": 1, "eval_every": 4, "loss_normalization": "tokens", **train},
@@ -175,8 +204,19 @@ def _launch(tmp_path: Path, nproc: int, *overrides: str, env: dict | None = None
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = tmp_path / "mix.yaml"
     cfg.write_text(yaml.safe_dump(_config(tmp_path, **train)))
-    done = run_cli("run", str(cfg), "--nproc-per-node", str(nproc), "--max-restarts", "1", "--script",
-                   "tests/scripts/mixture_trainer.py", *overrides, env=env, timeout=300)
+    done = run_cli(
+        "run",
+        str(cfg),
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        "--script",
+        "tests/scripts/mixture_trainer.py",
+        *overrides,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "run"
 
@@ -216,13 +256,27 @@ def test_validation_reports_each_source_and_the_token_weighted_loss(tmp_path):
 def test_mixture_tiny_runs_on_two_ranks(tmp_path):
     from ddpkit.tools.tokenize import tokenize
 
-    made = {"code": ["ddpkit/data/mixture.py", "ddpkit/data/tokens.py"], "docs": ["docs/lm.md"],
-            "configs": ["configs/lm_tiny.yaml"], "code_val": ["tests/test_mixture.py"], "docs_val": ["docs/data.md"]}
+    made = {
+        "code": ["ddpkit/data/mixture.py", "ddpkit/data/tokens.py"],
+        "docs": ["docs/lm.md"],
+        "configs": ["configs/lm_tiny.yaml"],
+        "code_val": ["tests/test_mixture.py"],
+        "docs_val": ["docs/data.md"],
+    }
     for name, inputs in made.items():
         tokenize([str(REPO / i) for i in inputs], str(tmp_path / "data" / "mix" / f"{name}.bin"), progress=False)
-    done = run_cli("run", str(REPO / "configs" / "mixture_tiny.yaml"), "--nproc-per-node", "2", "train.max_steps=4",
-                   "train.eval_every=4", f"run.output_dir={tmp_path / 'run'}", "log.progress_bar=false", cwd=tmp_path,
-                   timeout=300)
+    done = run_cli(
+        "run",
+        str(REPO / "configs" / "mixture_tiny.yaml"),
+        "--nproc-per-node",
+        "2",
+        "train.max_steps=4",
+        "train.eval_every=4",
+        f"run.output_dir={tmp_path / 'run'}",
+        "log.progress_bar=false",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "configs" in done.stderr and "passes, repeated" in done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

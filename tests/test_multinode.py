@@ -34,7 +34,11 @@ def launch(config: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "run", str(config), *args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -77,10 +81,10 @@ def fake_slurm_bin(tmp_path: Path) -> Path:
     scripts = {
         # `scontrol requeue JOB` is recorded; `scontrol show hostnames` lists two nodes.
         "scontrol": 'if [ "$1" = requeue ]; then echo "$@" > "$FAKE_OUT/requeue"; '
-                    'else echo node001; echo node002; fi\n',
+        "else echo node001; echo node002; fi\n",
         # Drop srun's own options, then run the command as each node's task would.
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-                'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit $?; done\n',
+        'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit $?; done\n',
         "ddpkit": 'printf "%s\\n" "$@" > "$FAKE_OUT/node$SLURM_NODEID"\nexit "${FAKE_EXIT:-0}"\n',
     }
     for name, body in scripts.items():
@@ -95,25 +99,47 @@ def test_slurm_script_runs_ddpkit_run_once_per_node_with_its_node_rank(tmp_path)
 
     bin_dir = fake_slurm_bin(tmp_path)
     env = {
-        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(tmp_path),
-        "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2", "NPROC_PER_NODE": "4",
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_OUT": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[001-002]",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_NNODES": "2",
+        "NPROC_PER_NODE": "4",
     }
     script = REPO / "scripts" / "slurm.sbatch"
-    done = subprocess.run(["bash", str(script), "configs/my run.yaml", "optim.lr=0.1"], env=env, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", str(script), "configs/my run.yaml", "optim.lr=0.1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     assert "rendezvous on node001:16234" in done.stdout
 
     for node in (0, 1):
         argv = (tmp_path / f"node{node}").read_text().splitlines()
         assert argv == [
-            "run", "configs/my run.yaml", "optim.lr=0.1", "--nnodes", "2", "--node-rank", str(node),
-            "--master-addr", "node001", "--master-port", "16234", "--nproc-per-node", "4",
+            "run",
+            "configs/my run.yaml",
+            "optim.lr=0.1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "node001",
+            "--master-port",
+            "16234",
+            "--nproc-per-node",
+            "4",
         ]
     # ... and ddpkit's CLI turns node 1's arguments into the matching torchrun arguments.
     args = _parser()[1]["run"].parse_intermixed_args(argv[1:])
-    assert {"--nnodes=2", "--node-rank=1", "--master-addr=node001", "--master-port=16234",
-            "--nproc-per-node=4"} <= set(torchrun_args(args))
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=node001", "--master-port=16234", "--nproc-per-node=4"} <= set(
+        torchrun_args(args)
+    )
 
     usage = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert usage.returncode == 2 and "usage: sbatch scripts/slurm.sbatch CONFIG" in usage.stderr
@@ -122,16 +148,22 @@ def test_slurm_script_runs_ddpkit_run_once_per_node_with_its_node_rank(tmp_path)
 def test_slurm_script_requeues_a_preempted_job_and_passes_other_failures_on(tmp_path):
     bin_dir = fake_slurm_bin(tmp_path)
     env = {
-        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_OUT": str(tmp_path),
-        "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2",
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_OUT": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[001-002]",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_NNODES": "2",
     }
     script = REPO / "scripts" / "slurm.sbatch"
     assert "#SBATCH --signal=USR1@120" in script.read_text() and "#SBATCH --requeue" in script.read_text()
-    preempted = subprocess.run(["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "75"}, capture_output=True,
-                               text=True, timeout=30)
+    preempted = subprocess.run(
+        ["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "75"}, capture_output=True, text=True, timeout=30
+    )
     assert preempted.returncode == 0, preempted.stderr
     assert (tmp_path / "requeue").read_text().split() == ["requeue", "1234"]
     (tmp_path / "requeue").unlink()
-    failed = subprocess.run(["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "1"}, capture_output=True,
-                            text=True, timeout=30)
+    failed = subprocess.run(
+        ["bash", str(script), "c.yaml"], env={**env, "FAKE_EXIT": "1"}, capture_output=True, text=True, timeout=30
+    )
     assert failed.returncode == 1 and not (tmp_path / "requeue").exists()

@@ -78,8 +78,9 @@ def test_index_free_shards_cover_the_epoch_and_resume_at_the_exact_position(drop
     data = Sized(103)
     shards = []
     for rank in range(3):
-        sampler = ResumableDistributedSampler(data, num_replicas=3, rank=rank, seed=1, drop_last=drop_last,
-                                              order="index_free")
+        sampler = ResumableDistributedSampler(
+            data, num_replicas=3, rank=rank, seed=1, drop_last=drop_last, order="index_free"
+        )
         sampler.set_epoch(4)
         shards.append(list(sampler))
         sampler.set_epoch(4, start_index=17)
@@ -94,19 +95,25 @@ def test_global_batches_are_the_same_at_1_2_and_3_ranks_and_resume_mid_epoch():
     def global_order(world: int, start_step: int = 0) -> list[int]:
         per_rank = []
         for rank in range(world):
-            sampler = GlobalBatchSampler(data, global_batch_size=g, rank=rank, world_size=world, grad_accum_steps=2,
-                                         seed=9, order="index_free")
+            sampler = GlobalBatchSampler(
+                data, global_batch_size=g, rank=rank, world_size=world, grad_accum_steps=2, seed=9, order="index_free"
+            )
             sampler.set_epoch(1, start_index=start_step * g // world)
             per_rank.append(list(sampler))
         b = g // (world * 2)  # each rank's micro-batch: step k's global batch is micro-batch 0 of every rank, then 1
         steps = len(per_rank[0]) // (2 * b)
-        return [i for k in range(steps) for a in range(2) for r in range(world)
-                for i in per_rank[r][(2 * k + a) * b:(2 * k + a + 1) * b]]
+        return [
+            i
+            for k in range(steps)
+            for a in range(2)
+            for r in range(world)
+            for i in per_rank[r][(2 * k + a) * b : (2 * k + a + 1) * b]
+        ]
 
     one = global_order(1)
     assert len(one) == 5000 // g * g and len(set(one)) == len(one)
     assert global_order(2) == one and global_order(3) == one
-    assert global_order(2, start_step=100) == one[100 * g:]
+    assert global_order(2, start_step=100) == one[100 * g :]
 
 
 _FIRST_BATCH_AT_A_BILLION = textwrap.dedent("""
@@ -145,8 +152,14 @@ _FIRST_BATCH_AT_A_BILLION = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_a_billion_sample_epoch_starts_within_50_mb_under_an_address_space_limit():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", _FIRST_BATCH_AT_A_BILLION], capture_output=True, text=True,
-                            timeout=100, env=env, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_BATCH_AT_A_BILLION],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     assert len(lines) == 2
@@ -159,8 +172,14 @@ def test_a_billion_sample_epoch_starts_within_50_mb_under_an_address_space_limit
 def test_a_trainer_on_a_billion_samples_takes_steps_and_resumes_mid_epoch_at_the_exact_position(tmp_path):
     def run(out, *stop):
         script = REPO / "tests" / "scripts" / "billion_trainer.py"
-        result = subprocess.run([sys.executable, str(script), str(out), *stop], capture_output=True, text=True,
-                                timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+        result = subprocess.run(
+            [sys.executable, str(script), str(out), *stop],
+            capture_output=True,
+            text=True,
+            timeout=140,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=REPO,
+        )
         return result, (out / "run" / "samples.txt").read_text().splitlines()
 
     full, full_lines = run(tmp_path / "full")
@@ -192,16 +211,21 @@ def test_a_checkpoint_records_the_order_its_run_drew_and_a_resume_that_would_dra
     small, large = order_of(1000), order_of(AUTO_THRESHOLD)
     assert small["data_order"].state_dict() == {"order": "randperm", "length": 1000}
     assert large["data_order"].state_dict() == {"order": "index_free", "length": AUTO_THRESHOLD}
-    with pytest.raises(CheckpointError,
-                       match=r"drew its samples in 'randperm' order, "
-                             r"this one would use 'index_free'.*data\.order=randperm"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"drew its samples in 'randperm' order, "
+        r"this one would use 'index_free'.*data\.order=randperm",
+    ):
         # the set grew past 2^20 under data.order=auto
         large["data_order"].load_state_dict(small["data_order"].state_dict())
     # A checkpoint from before data.order existed drew by randperm: refused only where auto now means another order.
     legacy = {"data": {"name": "synthetic"}}
-    assert (_legacy_order_difference(legacy, small) == []
-            and _legacy_order_difference(legacy, order_of(AUTO_THRESHOLD, "randperm")) == [])
-    assert ("predates it and used 'randperm'; this run would use 'index_free'"
-            in _legacy_order_difference(legacy, large)[0])
+    assert (
+        _legacy_order_difference(legacy, small) == []
+        and _legacy_order_difference(legacy, order_of(AUTO_THRESHOLD, "randperm")) == []
+    )
+    assert (
+        "predates it and used 'randperm'; this run would use 'index_free'" in _legacy_order_difference(legacy, large)[0]
+    )
     # a newer checkpoint: its data_order part decides
     assert _legacy_order_difference({"data": {"order": "auto"}}, large) == []

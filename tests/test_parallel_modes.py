@@ -1,6 +1,6 @@
 """parallel.mode ddp | zero1 | fsdp2: same weights as DDP, refusals by name, bytes per rank, resume across modes.
 
-    .venv/bin/pytest tests/test_parallel_modes.py -q            # add -m slow for the multi-run cases
+.venv/bin/pytest tests/test_parallel_modes.py -q            # add -m slow for the multi-run cases
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ def _cfg(tmp: Path | str, mode: str, **sections) -> dict:
 
 def test_combinations_fsdp2_cannot_run_are_refused_by_name():
     base = {"train": {"epochs": 1}, "parallel": {"mode": "fsdp2"}}
-    for extra, key in [({"ddp": {"comm_hook": "powersgd"}}, "ddp.comm_hook"),
-                       ({"train": {"epochs": 1, "compile": True}}, "train.compile")]:
+    for extra, key in [
+        ({"ddp": {"comm_hook": "powersgd"}}, "ddp.comm_hook"),
+        ({"train": {"epochs": 1, "compile": True}}, "train.compile"),
+    ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
             load_config({**base, **extra})
         assert "parallel.mode" in str(err.value)  # the fix is named too
     with pytest.raises(ConfigError, match="did you mean 'zero1'"):
         load_config({"train": {"epochs": 1}, "parallel": {"mode": "zero"}})
-    assert load_config({"train": {"epochs": 1}, "parallel": {"mode": "zero1"},
-                        "ddp": {"comm_hook": "fp16"}}).parallel.mode == "zero1"
+    assert (
+        load_config({"train": {"epochs": 1}, "parallel": {"mode": "zero1"}, "ddp": {"comm_hook": "fp16"}}).parallel.mode
+        == "zero1"
+    )
 
 
 def test_fsdp_blocks_default_rule_and_named_classes():
@@ -77,8 +81,9 @@ def _three_modes(tmp: str) -> dict:
 @pytest.mark.slow
 def test_zero1_and_fsdp2_train_to_ddp_weights_with_accumulation_and_clipping(tmp_path):
     results = run_on_ranks(_three_modes, 2, args=(str(tmp_path),), timeout=400)
-    weights = {mode: torch.load(tmp_path / mode / "run/model.pt", weights_only=True)
-               for mode in ("ddp", "zero1", "fsdp2")}
+    weights = {
+        mode: torch.load(tmp_path / mode / "run/model.pt", weights_only=True) for mode in ("ddp", "zero1", "fsdp2")
+    }
     count = sum(w.numel() for w in weights["ddp"].values())
     for mode in ("zero1", "fsdp2"):
         assert weights[mode].keys() == weights["ddp"].keys()  # model.pt is the bare model in every mode
@@ -89,15 +94,19 @@ def test_zero1_and_fsdp2_train_to_ddp_weights_with_accumulation_and_clipping(tmp
     held = {mode: [results[r][mode]["held"] for r in (0, 1)] for mode in results[0]}
     # Adam: 2 slots
     assert all(h.parameters == h.gradients == 4 * count and h.optimizer == 8 * count for h in held["ddp"])
-    assert (sum(h.optimizer for h in held["zero1"]) == 8 * count
-            and all(h.parameters == 4 * count for h in held["zero1"]))
-    assert (sum(h.parameters for h in held["fsdp2"]) == 4 * count
-            and sum(h.optimizer for h in held["fsdp2"]) == 8 * count)
+    assert sum(h.optimizer for h in held["zero1"]) == 8 * count and all(
+        h.parameters == 4 * count for h in held["zero1"]
+    )
+    assert (
+        sum(h.parameters for h in held["fsdp2"]) == 4 * count and sum(h.optimizer for h in held["fsdp2"]) == 8 * count
+    )
     # the startup line: what each rank holds, before any state exists
     log = (tmp_path / "fsdp2/run/logs/rank0.log").read_text()
     assert f"{count:,} parameters" in log and "rank 1: parameters" in log
-    assert (f"({held['fsdp2'][0].parameters:,} B)" in log
-            and f"optimizer state {held['fsdp2'][1].optimizer / 1024:.2f} KiB" in log)
+    assert (
+        f"({held['fsdp2'][0].parameters:,} B)" in log
+        and f"optimizer state {held['fsdp2'][1].optimizer / 1024:.2f} KiB" in log
+    )
 
 
 def _train(tmp: str, mode: str, steps: int, crash: str | None = None) -> dict:
@@ -105,10 +114,13 @@ def _train(tmp: str, mode: str, steps: int, crash: str | None = None) -> dict:
 
     if crash is not None:
         _arm_crash(crash)
-    cfg = _cfg(tmp, mode,
-               data={"global_batch_size": 24, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
-               train={"epochs": None, "max_steps": steps, "log_every": 100},
-               checkpoint={"every_steps": 4, "keep_last": 5})
+    cfg = _cfg(
+        tmp,
+        mode,
+        data={"global_batch_size": 24, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
+        train={"epochs": None, "max_steps": steps, "log_every": 100},
+        checkpoint={"every_steps": 4, "keep_last": 5},
+    )
     cfg["data"].pop("batch_size")
     return Trainer(cfg).fit()
 
@@ -122,7 +134,10 @@ def _arm_crash(point: str) -> None:
 
     saves, rank = [0], dist.get_rank()
     real_prepare, real_replace, real_write = (
-        sharded._prepare, sharded.os.replace, filesystem.FileSystemWriter.write_data)
+        sharded._prepare,
+        sharded.os.replace,
+        filesystem.FileSystemWriter.write_data,
+    )
 
     def prepare(*args, **kwargs):
         saves[0] += 1
@@ -158,8 +173,9 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "point"),
-                         [("fsdp2", "mid-write"), ("zero1", "before-rename"), ("fsdp2", "before-manifest")])
+@pytest.mark.parametrize(
+    ("mode", "point"), [("fsdp2", "mid-write"), ("zero1", "before-rename"), ("fsdp2", "before-manifest")]
+)
 def test_a_sharded_save_cut_by_sigkill_leaves_the_previous_one_and_resume_ends_equal(tmp_path, mode, point):
     with pytest.raises(RankFailure, match="exit code -9"):
         run_on_ranks(_train, 2, args=(str(tmp_path / "cut"), mode, 12, point), timeout=300)
@@ -186,19 +202,33 @@ def test_fsdp2_on_two_ranks_resumes_as_ddp_on_one_zero1_on_two_fsdp2_on_three(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "checkpoint", "resumed_from"), [
-    # the newest DCP checkpoint (a lone survivor cannot save shards)
-    ("fsdp2", {"every_steps": 3}, "step-000000006.dcp"),
-    # the whole-state memory snapshot
-    ("zero1", {"every_steps": 100, "every_epochs": None, "memory_every_steps": 3}, "/dev/shm/"),
-])
+@pytest.mark.parametrize(
+    ("mode", "checkpoint", "resumed_from"),
+    [
+        # the newest DCP checkpoint (a lone survivor cannot save shards)
+        ("fsdp2", {"every_steps": 3}, "step-000000006.dcp"),
+        # the whole-state memory snapshot
+        ("zero1", {"every_steps": 100, "every_epochs": None, "memory_every_steps": 3}, "/dev/shm/"),
+    ],
+)
 def test_ddpkit_run_restarts_a_killed_sharded_rank_and_ends_equal(tmp_path, mode, checkpoint, resumed_from):
     def launch(out: Path, env: dict[str, str]):
         out.mkdir()
         cfg = _cfg(out, mode, train={"epochs": 2}, checkpoint=checkpoint)
         (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
-        return run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "2",
-                       "--script", "tests/checkpoint_crash.py", env=env, timeout=300, cwd=REPO)
+        return run_cli(
+            "run",
+            str(out / "exp.yaml"),
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--script",
+            "tests/checkpoint_crash.py",
+            env=env,
+            timeout=300,
+            cwd=REPO,
+        )
 
     killed = launch(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "7"})
     assert killed.returncode == 0, killed.stderr[-3000:]
@@ -217,17 +247,30 @@ def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_samesamples_by_ste
     script = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
     paths = {}
     for name in ("whole", "cut"):
-        cfg = _cfg(tmp_path / name, "fsdp2",
-                   data={"global_batch_size": 24, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
-                   train={"epochs": 2, "log_every": 2}, checkpoint={"every_epochs": None})
+        cfg = _cfg(
+            tmp_path / name,
+            "fsdp2",
+            data={"global_batch_size": 24, "kwargs": {"num_train": 256, "num_val": 101, "image_size": 12}},
+            train={"epochs": 2, "log_every": 2},
+            checkpoint={"every_epochs": None},
+        )
         del cfg["data"]["batch_size"]
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(cfg))
         (tmp_path / f"{name}-samples").mkdir()
 
     def launch(name: str, ranks: int, *overrides: str, env: dict[str, str]):
-        return run_cli("run", str(paths[name]), *overrides, "--nproc-per-node", str(ranks), "--script", script, env=env,
-                       timeout=300)
+        return run_cli(
+            "run",
+            str(paths[name]),
+            *overrides,
+            "--nproc-per-node",
+            str(ranks),
+            "--script",
+            script,
+            env=env,
+            timeout=300,
+        )
 
     assert launch("whole", 2, env={"SAMPLES_DIR": str(tmp_path / "whole-samples")}).returncode == 0
     env = {"SAMPLES_DIR": str(tmp_path / "cut-samples"), "PREEMPT_STEP": "5", "PREEMPT_STAMP": str(tmp_path / "stamp")}
@@ -239,6 +282,7 @@ def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_samesamples_by_ste
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming a parallel.mode=fsdp2 checkpoint (2 rank(s)) as parallel.mode={mode}" in resumed.stderr
     reference, cut = samples_by_step(tmp_path / "whole-samples"), samples_by_step(tmp_path / "cut-samples")
-    assert (sorted(reference) == sorted(cut)
-            and all(cut[s] == reference[s] and len(reference[s]) == 24 for s in reference))
+    assert sorted(reference) == sorted(cut) and all(
+        cut[s] == reference[s] and len(reference[s]) == 24 for s in reference
+    )
     assert _max_diff(_weights(tmp_path / "cut"), _weights(tmp_path / "whole")) <= 1e-5

@@ -18,8 +18,9 @@ from ddpkit.tools.plot import load_metrics, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # matplotlib is the optional `ddpkit[plot]` extra: drawing tests need it, error tests do not.
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="pip install 'ddpkit[plot]'")
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="pip install 'ddpkit[plot]'"
+)
 
 
 def write_run(run_dir: Path, *, steps: int = 20, lr: float = 0.1, extra_lines: str = "") -> Path:
@@ -27,11 +28,20 @@ def write_run(run_dir: Path, *, steps: int = 20, lr: float = 0.1, extra_lines: s
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in range(5, steps + 1, 5):
-        lines.append({"step": step, "epoch": 0, "train_loss": 2.3 / step, "lr": lr, "samples_per_s": 1000.0 + step,
-                      "time": 1.0 + step})
+        lines.append(
+            {
+                "step": step,
+                "epoch": 0,
+                "train_loss": 2.3 / step,
+                "lr": lr,
+                "samples_per_s": 1000.0 + step,
+                "time": 1.0 + step,
+            }
+        )
         if step % 10 == 0:
-            lines.append({"step": step, "epoch": 0, "val_loss": 2.0 / step, "val_accuracy": step / 100,
-                          "time": 1.5 + step})
+            lines.append(
+                {"step": step, "epoch": 0, "val_loss": 2.0 / step, "val_accuracy": step / 100, "time": 1.5 + step}
+            )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + extra_lines)
     return run_dir
 

@@ -41,14 +41,15 @@ def _step_sets(
     data = TensorDataset(torch.arange(length))
     per_rank = []
     for rank in range(world_size):
-        sampler = GlobalBatchSampler(data, global_batch_size=global_batch, rank=rank, world_size=world_size,
-                                     grad_accum_steps=accum, seed=7)
+        sampler = GlobalBatchSampler(
+            data, global_batch_size=global_batch, rank=rank, world_size=world_size, grad_accum_steps=accum, seed=7
+        )
         sampler.set_epoch(epoch, start * sampler.micro_batch * accum)
         per_rank.append(list(sampler))
         assert len(sampler) == len(per_rank[-1])
     steps = len(per_rank[0]) // (global_batch // world_size)
     share = global_batch // world_size
-    return [set().union(*(set(indices[s * share:(s + 1) * share]) for indices in per_rank)) for s in range(steps)]
+    return [set().union(*(set(indices[s * share : (s + 1) * share]) for indices in per_rank)) for s in range(steps)]
 
 
 def test_global_batches_do_not_depend_on_the_world_size_or_accumulation():
@@ -64,9 +65,11 @@ def test_global_batches_do_not_depend_on_the_world_size_or_accumulation():
 def test_per_rank_batch_is_the_share_of_the_global_batch():
     data = load_config({"data": {"global_batch_size": 96}}).data
     assert per_rank_batch_size(data, world_size=4, grad_accum_steps=2) == 12
-    with pytest.raises(ConfigError,
-                       match=r"data.global_batch_size: 96 does not divide into "
-                             r"5 rank\(s\) x 2 .* 10 equal micro-batches"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.global_batch_size: 96 does not divide into "
+        r"5 rank\(s\) x 2 .* 10 equal micro-batches",
+    ):
         per_rank_batch_size(data, world_size=5, grad_accum_steps=2)
     assert per_rank_batch_size(load_config({}).data, world_size=4, grad_accum_steps=2) == 32  # data.batch_size
 
@@ -74,8 +77,9 @@ def test_per_rank_batch_is_the_share_of_the_global_batch():
 def test_config_errors_name_the_keys():
     with pytest.raises(ConfigError, match="data.global_batch_size: set together with data.batch_size"):
         load_config({"data": {"global_batch_size": 64, "batch_size": 8}})
-    with pytest.raises(ConfigError,
-                       match=r"checkpoint.save_on_signals\[1\]: .* got 'SIGTERN' .*did you mean 'SIGTERM'"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.save_on_signals\[1\]: .* got 'SIGTERN' .*did you mean 'SIGTERM'"
+    ):
         load_config({"checkpoint": {"save_on_signals": ["SIGUSR1", "SIGTERN"]}})
     with pytest.raises(ConfigError, match="checkpoint.save_on_signals: expected a list"):
         load_config({"checkpoint": {"save_on_signals": "SIGTERM"}})
@@ -96,8 +100,9 @@ def test_a_saved_global_batch_config_loads_again(tmp_path):
 
 
 def _config(tmp_path: Path, name: str, **sections) -> Path:
-    cfg = tiny_config(tmp_path / name,
-                      **{"train": {"epochs": 3, "log_every": 2}, "checkpoint": {"every_epochs": None}, **sections})
+    cfg = tiny_config(
+        tmp_path / name, **{"train": {"epochs": 3, "log_every": 2}, "checkpoint": {"every_epochs": None}, **sections}
+    )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -108,8 +113,9 @@ def _config(tmp_path: Path, name: str, **sections) -> Path:
 def _run(
     config: Path, *overrides: str, nproc: int = 2, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    return run_cli("run", str(config), *overrides, "--nproc-per-node", str(nproc), "--script", SCRIPT, env=env,
-                   timeout=300)
+    return run_cli(
+        "run", str(config), *overrides, "--nproc-per-node", str(nproc), "--script", SCRIPT, env=env, timeout=300
+    )
 
 
 def _out(config: Path) -> Path:
@@ -127,7 +133,12 @@ def test_sigterm_to_the_launcher_saves_the_agreed_step_and_the_relaunch_is_bitwi
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "run", str(cut), "--nproc-per-node", "2", "--script", SCRIPT],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
@@ -168,8 +179,13 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, where, sign
     assert _run(whole).returncode == 0
     cut = _config(tmp_path, "cut", train=train)
     stamp = tmp_path / "stamp"
-    env = {"PREEMPT_WHERE": where, "PREEMPT_SIGNAL": signal_name, "PREEMPT_RANK": str(rank), "PREEMPT_STEP": "5",
-           "PREEMPT_STAMP": str(stamp)}
+    env = {
+        "PREEMPT_WHERE": where,
+        "PREEMPT_SIGNAL": signal_name,
+        "PREEMPT_RANK": str(rank),
+        "PREEMPT_STEP": "5",
+        "PREEMPT_STAMP": str(stamp),
+    }
     stopped = _run(cut, env=env)
     assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
     assert stamp.exists()
@@ -178,10 +194,14 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, where, sign
     # comes after it, a few steps later at most (the time the other rank takes to notice).
     assert saved is not None and saved.step > (5 if where == "step" else 8), saved
     other = 1 - rank
-    assert (f"ddpkit: stopped (rank {rank}): {signal_name} (received by rank {rank}): "
-            f"step {saved.step} is saved" in stopped.stderr)
-    assert (f"ddpkit: stopped (rank {other}): rank {rank} received {signal_name}: "
-            f"step {saved.step} is saved" in stopped.stderr)
+    assert (
+        f"ddpkit: stopped (rank {rank}): {signal_name} (received by rank {rank}): "
+        f"step {saved.step} is saved" in stopped.stderr
+    )
+    assert (
+        f"ddpkit: stopped (rank {other}): rank {rank} received {signal_name}: "
+        f"step {saved.step} is saved" in stopped.stderr
+    )
     relaunch = _run(cut, env=env)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     assert_bitwise_equal(load_weights(_out(whole) / "model.pt"), load_weights(_out(cut) / "model.pt"))
@@ -204,13 +224,18 @@ def saved_step(config: Path) -> int:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after, accum", [(2, 1, 1), (3, 2, 2)],
+@pytest.mark.parametrize(
+    "before, after, accum",
+    [(2, 1, 1), (3, 2, 2)],
     ids=["2-to-1-ranks", "3-to-2-ranks-accumulating"],
 )
 def test_a_run_preempted_on_n_ranks_resumes_on_m_with_the_same_samples_per_step(tmp_path, before, after, accum):
     # 6 epochs of 10 steps, signalled after step 5: the other ranks notice within a poll or two
-    cfg = tiny_config(tmp_path / "whole", data={"global_batch_size": 24},
-                      train={"epochs": 6, "log_every": 2, "grad_accum_steps": accum})
+    cfg = tiny_config(
+        tmp_path / "whole",
+        data={"global_batch_size": 24},
+        train={"epochs": 6, "log_every": 2, "grad_accum_steps": accum},
+    )
     del cfg["data"]["batch_size"]  # the per-rank share follows from the global batch and the world size
     paths = {}
     for name in ("whole", "cut"):
@@ -261,7 +286,8 @@ def _wait_for_listener(port: int, proc: subprocess.Popen, *, limit: float = 120)
     deadline = time.monotonic() + limit
     while not _listening(port):
         assert proc.poll() is None, (
-            f"exited with {proc.returncode} before listening on {port}:\n{proc.communicate()[0][-3000:]}")
+            f"exited with {proc.returncode} before listening on {port}:\n{proc.communicate()[0][-3000:]}"
+        )
         assert time.monotonic() < deadline, f"nothing listens on port {port} after {limit:g}s"
         time.sleep(0.05)
 
@@ -271,21 +297,39 @@ def _wait_for_listener(port: int, proc: subprocess.Popen, *, limit: float = 120)
 @pytest.mark.timeout(600)  # torchrun's rendezvous waits out a lost node's heartbeats before it restarts
 def test_torchrun_elastic_mode_continues_on_the_node_that_is_left(tmp_path):
     """Two launchers ("nodes") in elastic mode; one dies; the other restarts alone and finishes."""
-    cfg = tiny_config(tmp_path, data={"global_batch_size": 32}, train={"epochs": 20, "log_every": 2},
-                      checkpoint={"every_steps": 4})
+    cfg = tiny_config(
+        tmp_path, data={"global_batch_size": 32}, train={"epochs": 20, "log_every": 2}, checkpoint={"every_steps": 4}
+    )
     del cfg["data"]["batch_size"]
     path = tmp_path / "elastic.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = Path(cfg["run"]["output_dir"])
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    node = [sys.executable, "-m", "ddpkit", "run", str(path), "--nnodes", "1:2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "2"]
-    survivor = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    node = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        str(path),
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "elastic-test",
+        "--max-restarts",
+        "2",
+    ]
+    survivor = subprocess.Popen(
+        node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     _wait_for_listener(port, survivor)  # the survivor hosts the rendezvous store: it must come first
-    doomed = subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    doomed = subprocess.Popen(
+        node, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not list((out / "checkpoints").glob("step-*.json")):
         time.sleep(0.2)

@@ -1,6 +1,6 @@
 """train.profile: torch.profiler traces per rank with ProfilerStep spans and ddpkit's phases.
 
-    .venv/bin/pytest -q tests/test_profiler.py
+.venv/bin/pytest -q tests/test_profiler.py
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ def _train_listening(profiler: Profiler | None, steps: int) -> None:
     """A few DDP steps of a tiny model, each phase delivered to the listeners as the Reporter does."""
     events = Events()
     events.add(profiler)
-    model = (torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2)) if dist.is_initialized()
-             else torch.nn.Linear(8, 2))
+    model = (
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+        if dist.is_initialized()
+        else torch.nn.Linear(8, 2)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def phase(name, work):
@@ -66,8 +69,9 @@ def test_each_of_two_ranks_writes_a_trace_with_profiler_steps_and_the_loops_phas
     traces = run_on_ranks(_profile_two_steps, world_size=2, args=(tmp_path,), timeout=90)
     assert [len(t) for t in traces] == [1, 1]  # repeat=1: one recorded cycle, one file per rank
     files = sorted((tmp_path / PROFILE_DIR).iterdir())
-    assert ([f.name.split(".")[0] for f in files] == ["rank0", "rank1"]
-            and all(f.name.endswith(".pt.trace.json") for f in files))
+    assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"] and all(
+        f.name.endswith(".pt.trace.json") for f in files
+    )
     for trace in files:
         names = _span_names(trace)
         steps = sorted(n for n in names if n.startswith("ProfilerStep#"))
@@ -108,15 +112,18 @@ def test_the_section_defaults_and_ranges():
 def _fit_profiled(tmp: Path) -> list[str]:
     from ddpkit.trainer import Trainer
 
-    cfg = tiny_config(tmp, train={"epochs": 1, "max_steps": 6,
-                                  "profile": {"wait": 1, "warmup": 1, "active": 2, "repeat": 1}})
+    cfg = tiny_config(
+        tmp, train={"epochs": 1, "max_steps": 6, "profile": {"wait": 1, "warmup": 1, "active": 2, "repeat": 1}}
+    )
     Trainer(cfg).fit()
     return sorted(p.name for p in (Path(cfg["run"]["output_dir"]) / PROFILE_DIR).iterdir())
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skipif("profile" not in {f.name for f in dataclasses.fields(TrainConfig)},
-                    reason="train.profile is not wired into the Trainer yet")
+@pytest.mark.skipif(
+    "profile" not in {f.name for f in dataclasses.fields(TrainConfig)},
+    reason="train.profile is not wired into the Trainer yet",
+)
 def test_a_two_rank_fit_with_train_profile_writes_a_trace_per_rank(tmp_path):
     names = run_on_ranks(_fit_profiled, world_size=2, args=(tmp_path,), timeout=90)[0]
     assert [n.split(".")[0] for n in names] == ["rank0", "rank1"]

@@ -32,8 +32,9 @@ def test_plain_lines_have_step_percent_loss_throughput_and_eta():
     for _ in range(3):
         display.update()
     assert len(lines) == 3
-    assert re.fullmatch(r"progress: step 3/10 \(30%\) loss 0\.1235 samples/s 1530 lr 0\.05 eta \d+s",
-                        lines[-1]), lines[-1]
+    assert re.fullmatch(r"progress: step 3/10 \(30%\) loss 0\.1235 samples/s 1530 lr 0\.05 eta \d+s", lines[-1]), lines[
+        -1
+    ]
     for _ in range(7):
         display.update()
     display.close()
@@ -78,7 +79,7 @@ def visible_lines(raw: str) -> list[str]:
                 col = 0
                 continue
             chunk = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", chunk)  # cursor moves and colours: ignored
-            screen[col:col + len(chunk)] = chunk
+            screen[col : col + len(chunk)] = chunk
             col += len(chunk)
         shown.append("".join(screen).rstrip())
     return shown
@@ -107,9 +108,12 @@ def test_format_duration():
 
 
 def _config(tmp_path, **log) -> str:
-    cfg = tiny_config(tmp_path, train={"epochs": 3, "log_every": 4},
-                      data={"kwargs": {"num_train": 768, "num_val": 101, "image_size": 12}},
-                      log={"progress_bar": True, **log})
+    cfg = tiny_config(
+        tmp_path,
+        train={"epochs": 3, "log_every": 4},
+        data={"kwargs": {"num_train": 768, "num_val": 101, "image_size": 12}},
+        log={"progress_bar": True, **log},
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -130,8 +134,9 @@ def test_piped_output_of_a_real_run_has_plain_lines_and_no_carriage_returns(tmp_
     progress = [line for line in out.splitlines() if "progress: " in line]
     assert progress, out[-3000:]
     assert all(re.match(r"\[rank0\] \S+ INFO progress: step \d+/72 \(\d+%\)", line) for line in progress), progress
-    assert re.search(r"progress: step 72/72 \(100%\) loss \S+ grad_norm \S+ samples/s \d+ lr \S+ done in",
-                     progress[-1]), progress[-1]
+    assert re.search(
+        r"progress: step 72/72 \(100%\) loss \S+ grad_norm \S+ samples/s \d+ lr \S+ done in", progress[-1]
+    ), progress[-1]
     assert len(progress) == len(set(progress)) and progress[-1].count("72/72") == 1  # one final line, not two bars
     validations = [line for line in out.splitlines() if "validation:" in line]
     assert len(validations) == 3 and all(line.startswith("[rank0] ") for line in validations), validations
@@ -143,9 +148,15 @@ def test_piped_output_of_a_real_run_has_plain_lines_and_no_carriage_returns(tmp_
 def test_in_a_terminal_log_lines_never_share_a_line_with_the_bar(tmp_path):
     inner = " ".join([sys.executable, "-m", "ddpkit", "run", _config(tmp_path), "--nproc-per-node", "2"])
     typescript = tmp_path / "typescript"
-    done = subprocess.run(["script", "-qfec", f"stty cols 120 rows 40; {inner}", str(typescript)],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300,
-                          env=_env(), cwd=REPO)
+    done = subprocess.run(
+        ["script", "-qfec", f"stty cols 120 rows 40; {inner}", str(typescript)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+        env=_env(),
+        cwd=REPO,
+    )
     raw = typescript.read_bytes().decode(errors="replace")  # bytes: read_text would turn \r into \n
     assert done.returncode == 0, raw[-3000:]
     assert "\r" in raw and "step/s" in raw, "no live bar: the run did not see a terminal"

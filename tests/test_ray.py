@@ -73,8 +73,13 @@ def _user_group_rank(rank: int, world_size: int, store: str, config: str, result
     metrics = trainer.fit()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)  # the user's group still works after fit()
-    facts = {"initialized": dist.is_initialized(), "same_group": dist.group.WORLD is group, "sum": total.item(),
-             "env": (trainer.env.rank, trainer.env.world_size, trainer.env.launcher), "step": metrics["step"]}
+    facts = {
+        "initialized": dist.is_initialized(),
+        "same_group": dist.group.WORLD is group,
+        "sum": total.item(),
+        "env": (trainer.env.rank, trainer.env.world_size, trainer.env.launcher),
+        "step": metrics["step"],
+    }
     Path(results, f"rank{rank}.yaml").write_text(yaml.safe_dump(facts))
     dist.destroy_process_group()
 
@@ -83,8 +88,9 @@ def _user_group_rank(rank: int, world_size: int, store: str, config: str, result
 def test_a_users_own_process_group_is_adopted_and_not_destroyed(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 1})))
-    mp.start_processes(_user_group_rank, args=(2, str(tmp_path / "store"), str(config), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _user_group_rank, args=(2, str(tmp_path / "store"), str(config), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     for rank in (0, 1):
         facts = yaml.safe_load((tmp_path / f"rank{rank}.yaml").read_text())
         assert facts["initialized"] and facts["same_group"] and facts["sum"] == 3.0, facts

@@ -73,10 +73,14 @@ def test_stop_after_any_step_and_resume_gives_bitwise_identical_weights(tmp_path
         # 8 steps per epoch: mid-epoch, the last step of an epoch, mid-epoch in the second epoch.
         ("plain", {}, [3, 8, 13]),
         # Accumulation, a warmup + cosine schedule and clipping must resume exactly too.
-        ("accum",
-         {"train": {"epochs": 2, "grad_accum_steps": 2, "clip_grad_norm": 1.0},
-          "sched": {"name": "cosine", "warmup_steps": 2}},
-         [3]),
+        (
+            "accum",
+            {
+                "train": {"epochs": 2, "grad_accum_steps": 2, "clip_grad_norm": 1.0},
+                "sched": {"name": "cosine", "warmup_steps": 2},
+            },
+            [3],
+        ),
     ]
     results = run_on_ranks(_interrupt_and_resume, world_size=2, args=(tmp_path, variants), timeout=300)
     for name, _, stops in variants:
@@ -87,15 +91,20 @@ def test_stop_after_any_step_and_resume_gives_bitwise_identical_weights(tmp_path
 
 def _crash_script(cfg_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "tests/checkpoint_crash.py", str(cfg_path)], cwd=REPO, capture_output=True, text=True,
-        timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        [sys.executable, "tests/checkpoint_crash.py", str(cfg_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
 
 
 @pytest.mark.parametrize("point", ["mid-file", "before-rename", "before-manifest"])
 def test_killed_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp_path, point):
-    cfg = cnn_config(tmp_path, train={"epochs": 1}, data={"batch_size": 32},
-                     checkpoint={"every_steps": 2, "keep_last": 5})
+    cfg = cnn_config(
+        tmp_path, train={"epochs": 1}, data={"batch_size": 32}, checkpoint={"every_steps": 2, "keep_last": 5}
+    )
     cfg_path = tmp_path / "exp.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     ckpt_dir = tmp_path / "run" / "checkpoints"
@@ -111,8 +120,9 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp
         assert "skipping checkpoint" in resumed.stderr and "has no manifest" in resumed.stderr
     assert not list(ckpt_dir.glob(".*.tmp"))  # the killed write's temporary file was cleaned up
 
-    reference = cnn_config(tmp_path / "ref", train={"epochs": 1}, data={"batch_size": 32},
-                           checkpoint={"every_steps": 2, "keep_last": 5})
+    reference = cnn_config(
+        tmp_path / "ref", train={"epochs": 1}, data={"batch_size": 32}, checkpoint={"every_steps": 2, "keep_last": 5}
+    )
     ddpkit.Trainer(reference).fit()
     assert_bitwise_equal(load_weights(tmp_path / "run/model.pt"), load_weights(tmp_path / "ref/run/model.pt"))
 
@@ -122,10 +132,21 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_equal(tmp_path):
         cfg_path = out / "exp.yaml"
         out.mkdir()
         # crash_save off: this test is about the newest periodic checkpoint (tests/test_goodput.py has the crash save)
-        cfg_path.write_text(yaml.safe_dump(cnn_config(out, train={"epochs": 2},
-                                                      checkpoint={"every_steps": 3, "crash_save": False})))
-        return run_cli("run", str(cfg_path), "--nproc-per-node", "2", "--max-restarts", "2",
-                       "--script", "tests/checkpoint_crash.py", env=env, timeout=180)
+        cfg_path.write_text(
+            yaml.safe_dump(cnn_config(out, train={"epochs": 2}, checkpoint={"every_steps": 3, "crash_save": False}))
+        )
+        return run_cli(
+            "run",
+            str(cfg_path),
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--script",
+            "tests/checkpoint_crash.py",
+            env=env,
+            timeout=180,
+        )
 
     killed = launch(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "7"})
     assert killed.returncode == 0, killed.stderr[-3000:]
@@ -139,8 +160,9 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_equal(tmp_path):
 
 def test_resume_with_a_math_changing_config_is_refused_with_the_differences(tmp_path):
     ddpkit.Trainer(tiny_config(tmp_path, train={"epochs": 1}, checkpoint={"every_epochs": 1})).fit()
-    changed = tiny_config(tmp_path, train={"epochs": 2}, optim={"lr": 0.2}, data={"batch_size": 8},
-                          checkpoint={"every_epochs": 1})
+    changed = tiny_config(
+        tmp_path, train={"epochs": 2}, optim={"lr": 0.2}, data={"batch_size": 8}, checkpoint={"every_epochs": 1}
+    )
     with pytest.raises(CheckpointError) as err:
         ddpkit.Trainer(changed).fit()
     message = str(err.value)
@@ -148,10 +170,15 @@ def test_resume_with_a_math_changing_config_is_refused_with_the_differences(tmp_
     assert "train.epochs" not in message  # training longer is a harmless change
     assert "checkpoint.allow_config_change=true" in message and "checkpoint.resume=none" in message
     # Harmless changes resume; an explicit override resumes anyway.
-    assert ddpkit.Trainer(tiny_config(tmp_path, train={"epochs": 2, "log_every": 1},
-                                      checkpoint={"every_epochs": 1})).fit()["step"] == 32
-    override = tiny_config(tmp_path, train={"epochs": 3}, optim={"lr": 0.2},
-                           checkpoint={"every_epochs": 1, "allow_config_change": True})
+    assert (
+        ddpkit.Trainer(
+            tiny_config(tmp_path, train={"epochs": 2, "log_every": 1}, checkpoint={"every_epochs": 1})
+        ).fit()["step"]
+        == 32
+    )
+    override = tiny_config(
+        tmp_path, train={"epochs": 3}, optim={"lr": 0.2}, checkpoint={"every_epochs": 1, "allow_config_change": True}
+    )
     assert ddpkit.Trainer(override).fit()["step"] == 48
 
 

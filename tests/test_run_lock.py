@@ -27,8 +27,14 @@ from ddpkit.errors import EXIT_CONFIG
 
 def _write_lock(directory: Path, **fields) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    lock = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": None, "since": time.time(),
-            "token": "theirs", **fields}
+    lock = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_ticks": None,
+        "since": time.time(),
+        "token": "theirs",
+        **fields,
+    }
     (directory / LOCK_NAME).write_text(json.dumps(lock))
 
 
@@ -38,8 +44,10 @@ def test_a_second_lock_on_a_live_runs_directory_is_refused_naming_the_holder(tmp
     with pytest.raises(RunDirectoryLocked) as err:
         RunLock(tmp_path).acquire()
     message = str(err.value)
-    assert (f"run directory {tmp_path} is in use by another run "
-            f"(pid {os.getpid()} on {socket.gethostname()}, since " in message)
+    assert (
+        f"run directory {tmp_path} is in use by another run "
+        f"(pid {os.getpid()} on {socket.gethostname()}, since " in message
+    )
     assert "another run.name" in message and "stop that run" in message and "\n" not in message
     assert err.value.exit_code == EXIT_CONFIG
     first.release()
@@ -50,8 +58,9 @@ def test_a_second_lock_on_a_live_runs_directory_is_refused_naming_the_holder(tmp
 
 
 def test_a_dead_or_reused_pid_on_this_host_is_stale_and_taken_over(tmp_path: Path, caplog) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     _write_lock(tmp_path, pid=int(dead))
     lock = RunLock(tmp_path)
     with caplog.at_level("WARNING", logger="ddpkit"):
@@ -99,8 +108,9 @@ def test_an_unreadable_lock_file_counts_as_a_run_starting_there(tmp_path: Path) 
 
 
 def _config(tmp_path: Path) -> Path:
-    cfg = tiny_config(tmp_path, train={"epochs": 300, "log_every": 4},
-                      checkpoint={"every_steps": 16, "keep_last": 1000})
+    cfg = tiny_config(
+        tmp_path, train={"epochs": 300, "log_every": 4}, checkpoint={"every_steps": 16, "keep_last": 1000}
+    )
     path = tmp_path / "lock.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -109,8 +119,9 @@ def _config(tmp_path: Path) -> Path:
 def _start(config: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"]
-    return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
+    return subprocess.Popen(
+        argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 120) -> None:
@@ -122,8 +133,10 @@ def _wait_for(path: Path, proc: subprocess.Popen, limit: float = 120) -> None:
 
 def test_a_folder_that_cannot_be_written_is_named_before_anything_is_created(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a folder")
-    assert (run_lock.cannot_write(tmp_path / "a-file" / "run" / "checkpoints")
-            == f"{tmp_path / 'a-file'} is a file, not a folder")
+    assert (
+        run_lock.cannot_write(tmp_path / "a-file" / "run" / "checkpoints")
+        == f"{tmp_path / 'a-file'} is a file, not a folder"
+    )
     assert run_lock.cannot_write(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
     assert run_lock.cannot_write(tmp_path) is None
 
@@ -138,9 +151,11 @@ def test_a_run_directory_below_a_file_is_refused_at_the_start_with_2(tmp_path: P
     done = run_cli("run", str(config), "--nproc-per-node", "2", f"{key}={tmp_path / 'a-file' / 'sub'}", timeout=120)
     assert done.returncode == EXIT_CONFIG, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("ddpkit: error")]
-    assert lines == [f"ddpkit: error (rank 0): {key}: cannot write to "
-                     f"{tmp_path / 'a-file' / 'sub'}: {tmp_path / 'a-file'} is a file, "
-                     f"not a folder; point {key} at a directory this user can write"], done.stderr[-3000:]
+    assert lines == [
+        f"ddpkit: error (rank 0): {key}: cannot write to "
+        f"{tmp_path / 'a-file' / 'sub'}: {tmp_path / 'a-file'} is a file, "
+        f"not a folder; point {key} at a directory this user can write"
+    ], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "step 1" not in done.stderr
 
 
@@ -159,12 +174,16 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_the_first_is_intac
         first.wait(timeout=300)
     assert second.returncode == EXIT_CONFIG, second.stderr[-2000:]
     lines = [line for line in second.stderr.splitlines() if line.startswith("ddpkit: error")]
-    assert len(lines) == 1 and f"run directory {run_dir} is in use by another run (pid " in lines[0], (
-        second.stderr[-2000:])
+    assert len(lines) == 1 and f"run directory {run_dir} is in use by another run (pid " in lines[0], second.stderr[
+        -2000:
+    ]
     assert took < 60
     assert first.returncode == 0, (tmp_path / "first.log").read_text()[-3000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if '"train_loss"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"train_loss"' in line
+    ]
     assert steps == list(range(4, 300 * 8 + 1, 4))  # one record per logged step, nothing from the second run
     assert [info.step for info in list_checkpoints(run_dir / "checkpoints")] == list(range(16, 300 * 8 + 1, 16))
     assert all(validate_checkpoint(p.with_suffix(".pt")) for p in (run_dir / "checkpoints").glob("*.json"))

@@ -16,12 +16,21 @@ from ddpkit.reporting.sinks import StatusSink
 from ddpkit.tools.runs import find_runs, format_table, main, summarize_run
 
 
-def write_run(root: Path, name: str, records: list[dict], *, status: dict | None = None, best_step: int | None = None,
-              best_metric: str | None = None, model: bool = False) -> Path:
+def write_run(
+    root: Path,
+    name: str,
+    records: list[dict],
+    *,
+    status: dict | None = None,
+    best_step: int | None = None,
+    best_metric: str | None = None,
+    model: bool = False,
+) -> Path:
     run = root / name
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(
-        f"run:\n  name: {name}\ncheckpoint:\n  best:\n    metric: {best_metric}\n    mode: max\n" if best_metric
+        f"run:\n  name: {name}\ncheckpoint:\n  best:\n    metric: {best_metric}\n    mode: max\n"
+        if best_metric
         else f"run:\n  name: {name}\n"
     )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -49,19 +58,39 @@ def test_table_rows_from_each_runs_files(tmp_path, capsys):
         {"step": 40, "epoch": 1, "val_accuracy": 0.8, "val_loss": 0.4, "time": t0 + 10},
     ]
     host = socket.gethostname()
-    write_run(tmp_path, "done", records,
-              status={"status": "FINISHED", "wall_s": 125.0, "attempts": 2, "host": host, "pid": 1},
-              best_step=20, best_metric="val_accuracy")
-    write_run(tmp_path, "killed-hard", records[:1],
-              status={"status": "RUNNING", "wall_s": 3.0, "attempts": 1, "host": host, "pid": dead_pid(),
-                      "attempt_started": time.time()})
+    write_run(
+        tmp_path,
+        "done",
+        records,
+        status={"status": "FINISHED", "wall_s": 125.0, "attempts": 2, "host": host, "pid": 1},
+        best_step=20,
+        best_metric="val_accuracy",
+    )
+    write_run(
+        tmp_path,
+        "killed-hard",
+        records[:1],
+        status={
+            "status": "RUNNING",
+            "wall_s": 3.0,
+            "attempts": 1,
+            "host": host,
+            "pid": dead_pid(),
+            "attempt_started": time.time(),
+        },
+    )
     write_run(tmp_path, "old", records[:2], model=True)
     (tmp_path / "not-a-run").mkdir()
 
     assert [p.name for p in find_runs(tmp_path)] == ["done", "killed-hard", "old"]
     done = summarize_run(tmp_path / "done")
     assert (done.status, done.steps, done.val, done.wall_s, done.attempts) == (
-        "FINISHED", 40, {"val_accuracy": 0.8, "val_loss": 0.4}, 125.0, 2)
+        "FINISHED",
+        40,
+        {"val_accuracy": 0.8, "val_loss": 0.4},
+        125.0,
+        2,
+    )
     assert done.best == "step 20 val_accuracy 0.9000"
     assert summarize_run(tmp_path / "killed-hard").status == "CRASHED"  # RUNNING, but its process is gone
     old = summarize_run(tmp_path / "old")
@@ -71,8 +100,19 @@ def test_table_rows_from_each_runs_files(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "status", "steps", "val_accuracy", "val_loss", "best", "wall", "goodput"]
     # no goodput.jsonl
-    assert lines[1].split() == ["done", "FINISHED", "40", "0.8000", "0.4000", "step", "20", "val_accuracy", "0.9000",
-                                "2m05s", "-"]
+    assert lines[1].split() == [
+        "done",
+        "FINISHED",
+        "40",
+        "0.8000",
+        "0.4000",
+        "step",
+        "20",
+        "val_accuracy",
+        "0.9000",
+        "2m05s",
+        "-",
+    ]
     assert lines[2].split()[:5] == ["killed-hard", "CRASHED", "10", "-", "-"]
     assert lines[3].split() == ["old", "FINISHED", "20", "0.9000", "0.3000", "-", "5s", "-"]
     assert len({line.index("steps") if i == 0 else None for i, line in enumerate(lines)}) == 2  # one header
@@ -97,7 +137,7 @@ def test_errors_are_one_line_with_the_fix(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert main([str(tmp_path)]) == 0
     assert "no runs under" in capsys.readouterr().err
-    assert format_table([]) .startswith("name")
+    assert format_table([]).startswith("name")
 
 
 @pytest.mark.multiprocess
@@ -105,8 +145,11 @@ def test_errors_are_one_line_with_the_fix(tmp_path, capsys):
 def test_ddpkit_runs_after_a_real_run(tmp_path):
     import yaml
 
-    cfg = tiny_config(tmp_path, run={"name": "real", "output_dir": str(tmp_path / "runs" / "real")},
-                      checkpoint={"every_epochs": 1, "best": {"metric": "val_accuracy", "mode": "max"}})
+    cfg = tiny_config(
+        tmp_path,
+        run={"name": "real", "output_dir": str(tmp_path / "runs" / "real")},
+        checkpoint={"every_epochs": 1, "best": {"metric": "val_accuracy", "mode": "max"}},
+    )
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     done = run_cli("run", str(tmp_path / "c.yaml"), "--nproc-per-node", "2")
     assert done.returncode == 0, done.stderr[-3000:]

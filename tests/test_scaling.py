@@ -44,9 +44,16 @@ GB_LINK = Link(bandwidth=1e9, latency=1e-5)  # 1 GB/s, 10 us per step
 
 
 def profile(**fields) -> Profile:
-    base = {"batch_size": 8, "data_s": 0.001, "forward_s": 0.002, "backward_s": 0.0025, "optimizer_s": 0.0005,
-            "local_backward_s": 0.0, "single_step_s": 0.005,
-            "buckets": (Bucket(1_000_000, 0.001), Bucket(1_000_000, 0.002))}
+    base = {
+        "batch_size": 8,
+        "data_s": 0.001,
+        "forward_s": 0.002,
+        "backward_s": 0.0025,
+        "optimizer_s": 0.0005,
+        "local_backward_s": 0.0,
+        "single_step_s": 0.005,
+        "buckets": (Bucket(1_000_000, 0.001), Bucket(1_000_000, 0.002)),
+    }
     return Profile(**{**base, **fields})
 
 
@@ -92,8 +99,11 @@ def test_step_time_is_compute_plus_the_longer_of_backward_and_communication():
     link = Link(bandwidth=1e9, latency=0.0)
     p = predict(profile(), 2, link)
     # data 1 + forward 2 + optimizer 0.5 + max(backward 2.5, comm end 3) = 6.5 ms; 0.5 ms exposed.
-    assert (p.step_s == pytest.approx(0.0065) and p.exposed_comm_s == pytest.approx(0.0005)
-            and p.comm_s == pytest.approx(0.002))
+    assert (
+        p.step_s == pytest.approx(0.0065)
+        and p.exposed_comm_s == pytest.approx(0.0005)
+        and p.comm_s == pytest.approx(0.002)
+    )
     assert p.efficiency == pytest.approx(0.005 / 0.0065) and p.samples_per_s == pytest.approx(2 * 8 / 0.0065)
     hidden = predict(profile(backward_s=0.004), 2, link)  # communication ends before the backward does
     assert hidden.exposed_comm_s == 0 and hidden.step_s == pytest.approx(0.0075)
@@ -108,11 +118,13 @@ def test_the_step_waits_for_the_slowest_rank_read_from_the_profiled_spread():
     # 0.5^(1/n) quantile: 2 ranks 0.7071 -> 10 + 10 * 0.7071 = 17.07 ms, 3 ranks 0.7937 -> 17.94 ms.
     samples = [0.010 + 0.001 * i for i in range(11)]
     assert straggler_s(samples, 1) == 0.0
-    assert straggler_s(samples, 2) == pytest.approx(0.010 * 0.5 ** 0.5 - 0.005)
+    assert straggler_s(samples, 2) == pytest.approx(0.010 * 0.5**0.5 - 0.005)
     assert straggler_s(samples, 3) == pytest.approx(0.010 * 0.5 ** (1 / 3) - 0.005)
     # At 1,024 ranks the quantile is past the largest sample, so the wait stops at max - median.
-    assert (straggler_s(samples, 1024) == pytest.approx(0.010 * 0.5 ** (1 / 1024) - 0.005)
-            and straggler_s(samples, 10**6) <= 0.005)
+    assert (
+        straggler_s(samples, 1024) == pytest.approx(0.010 * 0.5 ** (1 / 1024) - 0.005)
+        and straggler_s(samples, 10**6) <= 0.005
+    )
     assert straggler_s(list(reversed(samples)), 2) == straggler_s(samples, 2)  # order does not matter
     assert straggler_s([0.01], 8) == straggler_s([], 8) == 0.0  # no spread known: no wait
     link = Link(bandwidth=1e9, latency=0.0)
@@ -123,12 +135,20 @@ def test_the_step_waits_for_the_slowest_rank_read_from_the_profiled_spread():
 
 
 def test_buckets_are_packed_in_ready_order_as_ddp_rebuilds_them():
-    params = [Param(512 * 1024, 0.004), Param(MIB, 0.001), Param(MIB, 0.002), Param(3 * MIB, 0.003),
-              Param(100, 0.0035, "float16")]
+    params = [
+        Param(512 * 1024, 0.004),
+        Param(MIB, 0.001),
+        Param(MIB, 0.002),
+        Param(3 * MIB, 0.003),
+        Param(100, 0.0035, "float16"),
+    ]
     # cap 2 MiB: a bucket closes once it holds >= 2 MiB (so the 3 MiB gradient fills one alone); the
     # fp16 gradient gets its own bucket, ready at 3.5 ms but launched only after the bucket before it.
     assert [(b.nbytes, b.ready_s) for b in assign_buckets(params, cap_mb=2)] == [
-        (2 * MIB, 0.002), (3 * MIB, 0.003), (512 * 1024, 0.004), (100, 0.004),
+        (2 * MIB, 0.002),
+        (3 * MIB, 0.003),
+        (512 * 1024, 0.004),
+        (100, 0.004),
     ]
     # torch's default: a 1 MiB first bucket, then 25 MiB.
     assert [b.nbytes for b in assign_buckets(params, cap_mb=None)] == [MIB, 4 * MIB + 512 * 1024, 100]
@@ -146,8 +166,11 @@ def test_best_bucket_cap_trades_overlap_against_latency():
 def test_bandwidth_and_latency_units():
     assert parse_bandwidth("100Gbit") == parse_bandwidth("100Gb") == parse_bandwidth("100GbE") == 12.5e9
     assert parse_bandwidth("12.5GB/s") == parse_bandwidth("12.5GBps") == 12.5e9
-    assert (parse_latency("5us") == pytest.approx(5e-6) and parse_latency("0.5ms") == 5e-4
-            and parse_latency("800ns") == pytest.approx(8e-7))
+    assert (
+        parse_latency("5us") == pytest.approx(5e-6)
+        and parse_latency("0.5ms") == 5e-4
+        and parse_latency("800ns") == pytest.approx(8e-7)
+    )
     for bad in ("fast", "100", "-1Gbit", "0Gbit", "10 Gbit/h"):
         with pytest.raises(BenchUsageError, match="--link") as info:
             parse_bandwidth(bad)
@@ -173,11 +196,16 @@ def test_horovod_resnet101_check_in_the_docs_is_what_the_model_computes():
     assert round(predict(one_bucket, 512, Link(25e9 / 8, 10e-6)).efficiency, 3) == 0.833
     spread = NormalDist(0.618, 0.015 * 0.618)  # the assumed 1.5% step-to-step spread
     jittery = replace(resnet101, step_samples_s=tuple(spread.inv_cdf((i + 0.5) / 1000) for i in range(1000)))
-    assert [round(predict(jittery, n, Link(25e9 / 8, 10e-6)).efficiency, 3)
-            for n in (16, 128, 512)] == [0.937, 0.921, 0.905]
+    assert [round(predict(jittery, n, Link(25e9 / 8, 10e-6)).efficiency, 3) for n in (16, 128, 512)] == [
+        0.937,
+        0.921,
+        0.905,
+    ]
     docs = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
-    assert ("| predicted, ring, 10 us | 0.960 | 0.954 | **0.943** |" in docs
-            and "| published (Horovod) | | | **0.90** |" in docs)
+    assert (
+        "| predicted, ring, 10 us | 0.960 | 0.954 | **0.943** |" in docs
+        and "| published (Horovod) | | | **0.90** |" in docs
+    )
     assert "| predicted, ring, 10 us, 1.5% step spread (**assumed**) | 0.937 | 0.921 | 0.905 |" in docs
 
 
@@ -208,8 +236,11 @@ def test_profile_records_ddps_own_buckets_in_firing_order(tmp_path):
     assert min(prof.data_s, prof.forward_s, prof.optimizer_s, prof.single_step_s) > 0 and prof.local_backward_s == 0
     assert prof.batch_size == 16 and prof.comm_factor == 1.0
     # Every timed iteration's DDP step, sorted: the spread the straggler term reads.
-    assert (len(prof.step_samples_s) == 4 and list(prof.step_samples_s) == sorted(prof.step_samples_s)
-            and prof.step_samples_s[0] > 0)
+    assert (
+        len(prof.step_samples_s) == 4
+        and list(prof.step_samples_s) == sorted(prof.step_samples_s)
+        and prof.step_samples_s[0] > 0
+    )
 
 
 # --- the command line ---------------------------------------------------------------------------
@@ -224,10 +255,13 @@ def _write(tmp_path, cfg) -> str:
 def _allreduce_json(tmp_path) -> str:
     """``ddpkit bench allreduce --json`` output for a link of 0.5 GB/s and 200 us per step."""
     link = Link(bandwidth=0.5e9, latency=2e-4)
-    results = [{"world_size": n,
-                "rows": [{"bytes": b, "time_us": ring_allreduce_s(b, n, link) * 1e6}
-                         for b in (4096, 1 << 20, 16 << 20)]}
-               for n in (2, 3)]
+    results = [
+        {
+            "world_size": n,
+            "rows": [{"bytes": b, "time_us": ring_allreduce_s(b, n, link) * 1e6} for b in (4096, 1 << 20, 16 << 20)],
+        }
+        for n in (2, 3)
+    ]
     path = tmp_path / "allreduce.json"
     path.write_text(json.dumps(results))
     return str(path)
@@ -238,16 +272,43 @@ def _allreduce_json(tmp_path) -> str:
 def test_scaling_end_to_end(tmp_path):
     config = _write(tmp_path, tiny_config(tmp_path, ddp={"bucket_cap_mb": 0.01}))
     out, plot = tmp_path / "scaling.json", tmp_path / "scaling.png"
-    proc = run_cli("bench", "scaling", config, "--predict", "4,64", "--link", "10Gbit", "--latency", "5us",
-                   "--validate", "2", "--iters", "4", "--warmup", "1", "--allreduce-json", _allreduce_json(tmp_path),
-                   "-o", str(out), "--plot", str(plot), "train.log_every=2", timeout=600)
+    proc = run_cli(
+        "bench",
+        "scaling",
+        config,
+        "--predict",
+        "4,64",
+        "--link",
+        "10Gbit",
+        "--latency",
+        "5us",
+        "--validate",
+        "2",
+        "--iters",
+        "4",
+        "--warmup",
+        "1",
+        "--allreduce-json",
+        _allreduce_json(tmp_path),
+        "-o",
+        str(out),
+        "--plot",
+        str(plot),
+        "train.log_every=2",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = parse_table(proc.stdout)
-    assert [(r["link"], r["ranks"]) for r in rows] == [("this machine", "4"), ("this machine", "64"),
-                                                       ("10Gbit/5us", "4"), ("10Gbit/5us", "64")]
+    assert [(r["link"], r["ranks"]) for r in rows] == [
+        ("this machine", "4"),
+        ("this machine", "64"),
+        ("10Gbit/5us", "4"),
+        ("10Gbit/5us", "64"),
+    ]
     for row in rows:  # samples/s = ranks x 16 per rank / step time; efficiency in (0, 1]
-        assert math.isclose(float(row["samples/s"]), int(row["ranks"]) * 16 * 1000 / float(row["ms/step"]),
-                            rel_tol=2e-3)
+        assert math.isclose(
+            float(row["samples/s"]), int(row["ranks"]) * 16 * 1000 / float(row["ms/step"]), rel_tol=2e-3
+        )
         assert 0 < float(row["efficiency"]) <= 1 and 0 < float(row["its efficiency"]) <= 1
     result = json.loads(out.read_text())
     assert len(result["profile"]["step_samples_s"]) == 4  # the one-rank profile's spread, one time per timed iteration
@@ -257,24 +318,27 @@ def test_scaling_end_to_end(tmp_path):
     (check,) = result["validation"]  # a real 2-rank training run next to the prediction from a 2-rank profile
     assert check["ranks"] == 2 and check["measured_ms"] > 0 and check["predicted_ms"] > 0
     assert math.isclose(check["error"], check["predicted_ms"] / check["measured_ms"] - 1)
-    (row,) = parse_table(proc.stdout[proc.stdout.index("validation on this machine"):])
+    (row,) = parse_table(proc.stdout[proc.stdout.index("validation on this machine") :])
     assert row["ranks"] == "2" and row["within 15%"] in ("yes", "NO")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--predict", "0"], "--predict: 0 is out of range"),
-    (["--predict", "8,x"], "--predict"),
-    (["--link", "fast"], "--link: cannot read 'fast'"),
-    (["--link", "10Gbit,100Gbit", "--latency", "1us,2us,3us"], "--latency: give one latency, or one per --link"),
-    (["--latency", "soon", "--link", "10Gbit"], "--latency: cannot read 'soon'"),
-    (["--rounds", "0"], "--rounds: 0 must be at least 1"),
-    (["--allreduce-json", "/nonexistent.json"], "--allreduce-json: /nonexistent.json is not a file"),
-    (["--bucket-caps", "0,5"], "--bucket-caps"),
-    (["ddp.comm_hook=powersgd"], "ddp.comm_hook=powersgd"),
-    (["train.compile=true"], "train.compile: the scaling profile times the eager step"),
-    (["optim.lrr=0.1"], "optim.lrr"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--predict", "0"], "--predict: 0 is out of range"),
+        (["--predict", "8,x"], "--predict"),
+        (["--link", "fast"], "--link: cannot read 'fast'"),
+        (["--link", "10Gbit,100Gbit", "--latency", "1us,2us,3us"], "--latency: give one latency, or one per --link"),
+        (["--latency", "soon", "--link", "10Gbit"], "--latency: cannot read 'soon'"),
+        (["--rounds", "0"], "--rounds: 0 must be at least 1"),
+        (["--allreduce-json", "/nonexistent.json"], "--allreduce-json: /nonexistent.json is not a file"),
+        (["--bucket-caps", "0,5"], "--bucket-caps"),
+        (["ddp.comm_hook=powersgd"], "ddp.comm_hook=powersgd"),
+        (["train.compile=true"], "train.compile: the scaling profile times the eager step"),
+        (["optim.lrr=0.1"], "optim.lrr"),
+    ],
+)
 def test_bad_input_is_a_usage_error_before_any_process_starts(tmp_path, capsys, args, message):
     config = _write(tmp_path, tiny_config(tmp_path))
     assert bench_main(["scaling", config, "--link", "10Gbit", *args]) == 2

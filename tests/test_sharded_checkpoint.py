@@ -1,6 +1,6 @@
 """Sharded DCP checkpoints: written by every rank, committed by rename, resharded across modes and world sizes.
 
-    .venv/bin/pytest tests/test_sharded_checkpoint.py -q
+.venv/bin/pytest tests/test_sharded_checkpoint.py -q
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     good = files.find_latest_checkpoint(tmp_path)
     result = run_cli("export", str(tmp_path), str(tmp_path / "model.pt"), timeout=60)
     assert result.returncode == 0 and "DCP directory" in result.stdout and good.path.name in result.stdout, (
-        result.stderr)
+        result.stderr
+    )
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert exported.keys() == {k.removeprefix("model.") for k in saved if k.startswith("model.")}
     assert all(torch.equal(exported[k], saved[f"model.{k}"]) for k in exported)
@@ -76,8 +77,6 @@ def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     assert manifest["files"]["__1_0.distcp"] > len(b"truncated")
 
 
-
-
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as_zero1(tmp_path, async_save):
     """The fast in-process case: a world of one through the Trainer, both directions of the format
@@ -88,15 +87,20 @@ def test_a_one_process_fsdp2_run_saves_dcp_directories_that_export_and_resume_as
     from ddpkit.checkpoint.sharded import export_model
 
     def cfg(mode, steps):
-        return tiny_config(tmp_path, parallel={"mode": mode},
-                           train={"epochs": None, "max_steps": steps, "log_every": 100},
-                           optim={"name": "adam", "lr": 0.003, "momentum": 0.0},
-                           checkpoint={"every_steps": 3, "async": async_save})
+        return tiny_config(
+            tmp_path,
+            parallel={"mode": mode},
+            train={"epochs": None, "max_steps": steps, "log_every": 100},
+            optim={"name": "adam", "lr": 0.003, "momentum": 0.0},
+            checkpoint={"every_steps": 3, "async": async_save},
+        )
 
     Trainer(cfg("fsdp2", 6)).fit()
     info = files.find_latest_checkpoint(tmp_path / "run/checkpoints")
-    assert (info.path.name == "step-000000006.dcp"
-            and [c.step for c in files.list_checkpoints(info.path.parent)] == [3, 6])
+    assert info.path.name == "step-000000006.dcp" and [c.step for c in files.list_checkpoints(info.path.parent)] == [
+        3,
+        6,
+    ]
     exported, final = export_model(info.path), torch.load(tmp_path / "run/model.pt", weights_only=True)
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     assert Trainer(cfg("zero1", 9)).fit()["step"] == 9  # resumed at 6 in another mode, saved a DCP directory of step 9

@@ -29,8 +29,9 @@ def test_records_arrays_and_tensors_read_back_equal(tmp_path):
     assert len(shared) == 50 and shared[7]["id"] == "r7" and np.array_equal(shared[7]["tokens"], np.arange(7))
     shipped = pickle.loads(pickle.dumps(shared))  # what a spawned worker receives: the path, mapped again
     assert len(pickle.dumps(shared)) < 500 and shipped[49]["id"] == "r49"
-    pair = SharedDataset((torch.arange(20).view(10, 2), np.arange(10.0)), name="pair", env=DistEnv(),
-                         directory=tmp_path)
+    pair = SharedDataset(
+        (torch.arange(20).view(10, 2), np.arange(10.0)), name="pair", env=DistEnv(), directory=tmp_path
+    )
     row, label = pair[3]
     assert torch.equal(row, torch.tensor([6, 7])) and label == 3.0
     with pytest.raises(DataError, match="different lengths"):

@@ -68,8 +68,9 @@ def test_a_checkpoint_holds_exactly_the_registered_names():
 
 def test_a_file_without_the_required_parts_is_refused_with_the_fix():
     with pytest.raises(CheckpointError, match="lacks .*model.*checkpoint.resume=none"):
-        read_checkpoint({"schema": [], "rng": [], "world_size": 1, "config": {}, "config_hash": "", "versions": {}},
-                        path="x.pt")
+        read_checkpoint(
+            {"schema": [], "rng": [], "world_size": 1, "config": {}, "config_hash": "", "versions": {}}, path="x.pt"
+        )
 
 
 def test_a_format_1_checkpoint_reads_into_the_current_layout():
@@ -90,8 +91,11 @@ def test_a_checkpoint_of_the_previous_release_resumes_to_the_same_bits(tmp_path)
     resumed = load_weights(tmp_path / "run" / "model.pt")
     # The same state written in today's format resumes to exactly the same bits on this machine.
     state = read_checkpoint(load_checkpoint(V1_DIR / "step-000000003.pt"), path="v1")
-    meta = {key: value for key, value in json.loads((V1_DIR / "step-000000003.json").read_text()).items()
-            if key in ("epoch", "config_hash", "versions")}
+    meta = {
+        key: value
+        for key, value in json.loads((V1_DIR / "step-000000003.json").read_text()).items()
+        if key in ("epoch", "config_hash", "versions")
+    }
     save_checkpoint(state, tmp_path / "today" / "run" / "checkpoints", step=3, meta=meta)
     ddpkit.Trainer(v1_config(tmp_path / "today")).fit()
     assert_bitwise_equal(resumed, load_weights(tmp_path / "today" / "run" / "model.pt"))
@@ -130,10 +134,14 @@ def test_a_checkpoint_of_the_release_before_the_state_owner_resumes_to_the_same_
     assert [r["step"] for r in records if "train_loss" in r] == [4, 6]  # resumed at step 3
     # The same state re-saved in today's format (rng now a component in the schema) resumes to the same bits.
     state = read_checkpoint(raw, path="v2")
-    meta = {key: value for key, value in json.loads((V2_DIR / "step-000000003.json").read_text()).items()
-            if key in ("epoch", "config_hash", "versions")}
-    save_checkpoint({**state, "schema": [*state["schema"], "rng"]}, tmp_path / "today" / "run" / "checkpoints",
-                    step=3, meta=meta)
+    meta = {
+        key: value
+        for key, value in json.loads((V2_DIR / "step-000000003.json").read_text()).items()
+        if key in ("epoch", "config_hash", "versions")
+    }
+    save_checkpoint(
+        {**state, "schema": [*state["schema"], "rng"]}, tmp_path / "today" / "run" / "checkpoints", step=3, meta=meta
+    )
     ddpkit.Trainer(v1_config(tmp_path / "today")).fit()
     assert_bitwise_equal(resumed, load_weights(tmp_path / "today" / "run" / "model.pt"))
     # the old release's own end (another CPU may round apart)

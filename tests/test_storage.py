@@ -199,8 +199,14 @@ def test_a_run_that_lost_its_lease_cannot_publish_a_checkpoint_that_counts(store
     _publish(store, new_path, epoch=new.epoch, keep_last=1, protected={"step-000000100.pt"})
     with pytest.raises(LeaseLost, match="taken over"):
         _publish(store, late_path, epoch=old.epoch)
-    manifest = {"format": layout.FORMAT, "name": "step-000000300.pt", "step": 300, "epoch": old.epoch,
-                "objects": {}, "local": {}}
+    manifest = {
+        "format": layout.FORMAT,
+        "name": "step-000000300.pt",
+        "step": 300,
+        "epoch": old.epoch,
+        "objects": {},
+        "local": {},
+    }
     store.put_bytes("step-000000300.json", json.dumps(manifest).encode())  # a zombie that skipped the check
     assert not layout.counting(manifest, layout.newest_fence(store))
     assert [c.step for c in layout.find_remote(store)] == [200, 100]  # epoch 1's step 100 was accepted at the takeover

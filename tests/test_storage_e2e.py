@@ -25,16 +25,24 @@ from ddpkit.checkpoint.storage.lease import LOCK_OBJECT
 from ddpkit.checkpoint.storage.store import open_store
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600),
-    pytest.mark.skipif("RemoteMirror" not in Path(checkpointer.__file__).read_text(),
-                       reason="the Checkpointer does not call RemoteMirror yet (docs/storage.md)"),
+    pytest.mark.slow,
+    pytest.mark.multiprocess,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        "RemoteMirror" not in Path(checkpointer.__file__).read_text(),
+        reason="the Checkpointer does not call RemoteMirror yet (docs/storage.md)",
+    ),
 ]
 STEPS_PER_EPOCH, EVERY = 8, 16  # 256 digits, 16 a batch, 2 ranks
 
 
 def _config(directory: Path, url: str | None, mode: str = "ddp") -> Path:
-    cfg = tiny_config(directory, train={"epochs": 40, "log_every": 8}, parallel={"mode": mode},
-                      checkpoint={"every_steps": EVERY, "keep_last": 2, "dir": url})
+    cfg = tiny_config(
+        directory,
+        train={"epochs": 40, "log_every": 8},
+        parallel={"mode": mode},
+        checkpoint={"every_steps": EVERY, "keep_last": 2, "dir": url},
+    )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(cfg))
     return directory / "config.yaml"
@@ -50,12 +58,32 @@ def _run(config: Path) -> subprocess.CompletedProcess:
 def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(mode, s3_url, tmp_path):  # noqa: F811
     store = open_store(s3_url)
     paused = 3 * EVERY + 2  # rank 0 pauses there: step 48's checkpoint is saved and uploading, the run is mid-way
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PAUSE_AT_STEP": str(paused),
-           "PAUSE_DIR": str(tmp_path)}
-    first = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(_config(tmp_path / "first", s3_url, mode)),
-                              "--nproc-per-node", "2", "--script", str(REPO / "tests/scripts/paused_trainer.py")],
-                             cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PAUSE_AT_STEP": str(paused),
+        "PAUSE_DIR": str(tmp_path),
+    }
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "run",
+            str(_config(tmp_path / "first", s3_url, mode)),
+            "--nproc-per-node",
+            "2",
+            "--script",
+            str(REPO / "tests/scripts/paused_trainer.py"),
+        ],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "paused").exists() or not (remote := find_remote(store)) or remote[0].step < 3 * EVERY:

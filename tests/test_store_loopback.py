@@ -76,8 +76,11 @@ def process_tree(root: int) -> set[int]:
 
 def test_one_node_argv_asks_for_the_loopback_rendezvous():
     argv = torchrun_argv(nproc="2", program=["-m", "ddpkit", "train", "x.yaml"])
-    assert ("--rdzv-backend=ddpkit-loopback" in argv and "--rdzv-endpoint=127.0.0.1:0" in argv
-            and "--local-addr=127.0.0.1" in argv)
+    assert (
+        "--rdzv-backend=ddpkit-loopback" in argv
+        and "--rdzv-endpoint=127.0.0.1:0" in argv
+        and "--local-addr=127.0.0.1" in argv
+    )
     assert "--standalone" not in argv
     two_nodes = torchrun_argv(nproc="2", program=["x.py"], nnodes="2", rdzv_endpoint="node0:29400")
     assert "--rdzv-backend=c10d" in two_nodes and not any("loopback" in a or "local-addr" in a for a in two_nodes)

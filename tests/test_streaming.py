@@ -71,14 +71,23 @@ class WorkerAwareStream(IndexStream):
 
 
 def env_of(rank: int, world_size: int) -> DistEnv:
-    return DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                   master_addr="127.0.0.1", master_port=0, launcher="test", restart_count=0)
+    return DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=0,
+        launcher="test",
+        restart_count=0,
+    )
 
 
 def epochs_of(dataset, *, rank=0, world_size=1, batch_size=5, workers=0, accum=1, window=2) -> StreamEpochs:
     env = env_of(rank, world_size)
-    return build_stream_loader(dataset, env=env, batch_size=batch_size, num_workers=workers, accum=accum,
-                               window_steps=window).stream_epochs
+    return build_stream_loader(
+        dataset, env=env, batch_size=batch_size, num_workers=workers, accum=accum, window_steps=window
+    ).stream_epochs
 
 
 def indices(batches) -> list[int]:
@@ -136,8 +145,9 @@ def _uneven_ranks(workers: int, uneven: str = "truncate") -> tuple[int | str, li
 
     env = read_dist_env()
     stream = IndexStream(94, shares=[40, 23, 31])
-    epochs = build_stream_loader(stream, env=env, batch_size=4, num_workers=workers, accum=2, window_steps=1,
-                                 uneven=uneven).stream_epochs
+    epochs = build_stream_loader(
+        stream, env=env, batch_size=4, num_workers=workers, accum=2, window_steps=1, uneven=uneven
+    ).stream_epochs
     epochs.start_epoch(0)
     try:
         got = indices(epochs)
@@ -191,7 +201,8 @@ def test_hf_datasets_from_local_parquet_files_stream_each_row_to_one_rank(tmp_pa
     for part in range(2):
         rows = range(part * 30, part * 30 + 30)
         datasets.Dataset.from_dict({"x": [[float(i)] for i in rows], "idx": list(rows)}).to_parquet(
-            tmp_path / f"{part}.parquet")
+            tmp_path / f"{part}.parquet"
+        )
         files.append(str(tmp_path / f"{part}.parquet"))
     train, _ = hf_datasets(path="parquet", data_files={"train": files}, columns=["x", "idx"])
     seen = []
@@ -218,9 +229,11 @@ def test_missing_shards_and_missing_extras_are_clear_errors(tmp_path, monkeypatc
     two_ranks = {"ranks": [{"epoch": 0, "window_first": 0, "loader": None, "batches_per_epoch": None}] * 2}
     epochs = epochs_of(IndexStream(40))  # one rank resuming what two wrote
     epochs.load_state_dict(two_ranks)
-    with pytest.raises(DataError,
-                       match=r"batch 3 of epoch 0 on 1 ranks: "
-                             r"the checkpoint was written by 2.*checkpoint\.every_epochs"):
+    with pytest.raises(
+        DataError,
+        match=r"batch 3 of epoch 0 on 1 ranks: "
+        r"the checkpoint was written by 2.*checkpoint\.every_epochs",
+    ):
         epochs.start_epoch(0, start_batch=3)
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if torchdata were not installed
     with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[stream\]'"):
@@ -243,15 +256,28 @@ STREAM_SCRIPT = "tests/scripts/stream_trainer.py"
 def _stream_run(out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """2 ranks x 2 workers of tests/scripts/stream_trainer.py: 3 epochs of 8000 digits, checkpoint every 10 steps."""
     cfg = tiny_config(
-        out, data={"batch_size": 32, "num_workers": 2, "kwargs": {"num_train": 8000, "num_val": 500}},
-        model={"name": "mnist_cnn", "kwargs": {}}, optim={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        sched={"name": "cosine", "warmup_steps": 20}, train={"epochs": 3, "max_steps": 372, "log_every": 20},
+        out,
+        data={"batch_size": 32, "num_workers": 2, "kwargs": {"num_train": 8000, "num_val": 500}},
+        model={"name": "mnist_cnn", "kwargs": {}},
+        optim={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        sched={"name": "cosine", "warmup_steps": 20},
+        train={"epochs": 3, "max_steps": 372, "log_every": 20},
         checkpoint={"every_steps": 10},
     )
     out.mkdir()
     (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
-    return run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "1",
-                   "--script", STREAM_SCRIPT, env=env, timeout=540)
+    return run_cli(
+        "run",
+        str(out / "exp.yaml"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--script",
+        STREAM_SCRIPT,
+        env=env,
+        timeout=540,
+    )
 
 
 def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
@@ -277,8 +303,10 @@ def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_ra
         assert len(used) == len(set(used)), clean.stderr[-3000:]
         assert len(used) >= 0.9 * 8000  # 7936: only partial batches were dropped
     assert epochs[0] != epochs[1]  # set_epoch reshuffled the stream
-    assert ("dropped 64 samples" in clean.stderr
-            and "unknown (a stream) steps per epoch, 372 steps in total" in clean.stderr)
+    assert (
+        "dropped 64 samples" in clean.stderr
+        and "unknown (a stream) steps per epoch, 372 steps in total" in clean.stderr
+    )
     records = [json.loads(line) for line in (tmp_path / "clean/run/metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if "val_accuracy" in r][-1]
     assert final["val_accuracy"] >= 0.95 and final["val_index"] == 249.5  # each of 500 validation samples once
@@ -293,7 +321,8 @@ def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_ra
     # An earlier resume means the first attempt ended before step 157 for another reason: show why.
     why = [line for line in killed.stderr.splitlines() if re.search(r"error|Error|exitcode|WARNING", line)]
     assert resumed is not None and 150 <= int(resumed.group(2)) <= 157, (
-        "\n".join(why[:40]) + "\n...\n" + killed.stderr[-3000:])
+        "\n".join(why[:40]) + "\n...\n" + killed.stderr[-3000:]
+    )
     assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))
 
 
@@ -311,19 +340,38 @@ def test_webdataset_and_hf_datasets_by_name_train_on_two_ranks(tmp_path):
 
     shards = tmp_path / "shards"
     written = subprocess.run(
-        [sys.executable, "scripts/write_digits_shards.py", str(shards), "--num-train", "300", "--num-val", "101",
-         "--shards", "5", "--image-size", "12"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "scripts/write_digits_shards.py",
+            str(shards),
+            "--num-train",
+            "300",
+            "--num-val",
+            "101",
+            "--shards",
+            "5",
+            "--image-size",
+            "12",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert written.returncode == 0, written.stderr
     urls = {"urls": str(shards / "train-{000..004}.tar"), "val_urls": str(shards / "val-000.tar")}
     images, labels = make_digits(300, seed=1234, image_size=12)
     datasets.Dataset.from_dict({"image": images.tolist(), "label": labels.tolist()}).to_parquet(
-        tmp_path / "train.parquet")
+        tmp_path / "train.parquet"
+    )
     hf = {"path": "parquet", "data_files": {"train": str(tmp_path / "train.parquet")}, "columns": ["image", "label"]}
     # webdataset: 5 shards of 60 over 2 ranks give one rank 3 shards (180 samples), the other 2 (120):
     # 7 batches of 16 each epoch on both. hf_datasets: one file, split by rows: 150 per rank, 9 batches.
-    for data, steps_per_epoch in (({"name": "webdataset", "kwargs": urls}, 7),
-                                  ({"name": "hf_datasets", "kwargs": hf}, 9)):
+    for data, steps_per_epoch in (
+        ({"name": "webdataset", "kwargs": urls}, 7),
+        ({"name": "hf_datasets", "kwargs": hf}, 9),
+    ):
         results = run_on_ranks(_fit_named_stream, world_size=2, args=(str(tmp_path / data["name"]), data), timeout=240)
         assert results[0] == results[1]  # the same steps and reduced metrics on both ranks
         assert results[0]["epoch"] == 2 and results[0]["step"] == 2 * steps_per_epoch
@@ -336,8 +384,12 @@ def test_a_stream_with_a_schedule_that_needs_a_length_stops_with_a_config_error(
     shards = tmp_path / "shards"
     images, labels = make_digits(64, seed=0, image_size=12)
     write_shards(images, labels, shards, prefix="train", sizes=[64])
-    cfg = tiny_config(tmp_path, data={"name": "webdataset", "kwargs": {"urls": str(shards / "train-000.tar")}},
-                      sched={"name": "cosine"})
-    with pytest.raises(ConfigError,
-                       match=r"train\.max_steps: sched\.name=cosine needs the run's length.*stream without len\(\)"):
+    cfg = tiny_config(
+        tmp_path,
+        data={"name": "webdataset", "kwargs": {"urls": str(shards / "train-000.tar")}},
+        sched={"name": "cosine"},
+    )
+    with pytest.raises(
+        ConfigError, match=r"train\.max_steps: sched\.name=cosine needs the run's length.*stream without len\(\)"
+    ):
         ddpkit.Trainer(cfg).fit()

@@ -43,7 +43,8 @@ def test_nothing_in_tests_edits_sys_path():
     offenders = [
         str(path.relative_to(REPO))
         for path in sorted(TESTS.rglob("*.py"))
-        if path.name not in SYS_PATH_IS_THE_SUBJECT and path != TESTS / "test_suite_shares.py"
+        if path.name not in SYS_PATH_IS_THE_SUBJECT
+        and path != TESTS / "test_suite_shares.py"
         and any(edit in path.read_text() for edit in ("sys.path.insert", "sys.path.append", "syspath_prepend"))
     ]
     assert offenders == [], "use pytest's pythonpath, PYTHONPATH for a subprocess, or helpers.load_script"

@@ -16,7 +16,7 @@ import sys
 import pytest
 from helpers import REPO
 
-LEAKY_AND_TIDY = '''
+LEAKY_AND_TIDY = """
 import threading
 
 
@@ -33,7 +33,7 @@ def test_stops_its_thread_just_before_it_ends():
 
 def test_leaves_a_thread_that_is_not_ddpkits():
     threading.Thread(target=threading.Event().wait, args=(60,), name="someone-else", daemon=True).start()
-'''
+"""
 
 
 @pytest.mark.timeout(120)
@@ -43,7 +43,11 @@ def test_a_test_that_leaves_a_ddpkit_thread_running_fails_and_names_it(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}  # conftest imports helpers
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "3 passed, 1 error" in out, out[-3000:]

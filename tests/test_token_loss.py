@@ -44,8 +44,11 @@ class RaggedTrainer(ddpkit.Trainer):
 
 def _fit(tmp, world_size: int, accum: int, normalization: str, mode: str = "ddp") -> list[torch.Tensor]:
     cfg = {
-        "run": {"name": f"{normalization}-{mode}-{world_size}x{accum}",
-                "output_dir": f"{tmp}/{normalization}-{mode}-{world_size}x{accum}", "seed": 3},
+        "run": {
+            "name": f"{normalization}-{mode}-{world_size}x{accum}",
+            "output_dir": f"{tmp}/{normalization}-{mode}-{world_size}x{accum}",
+            "seed": 3,
+        },
         "data": {"global_batch_size": GLOBAL_BATCH, "order": "index_free"},
         "model": {"name": "gpt", "kwargs": {"vocab_size": 50, "dim": 32, "depth": 2, "heads": 2, "max_len": 16}},
         "optim": {"name": "sgd", "lr": 0.5},
@@ -91,8 +94,9 @@ def test_tokens_under_zero1_and_fsdp2_match_ddp(tmp_path):
 
 
 def test_a_plain_tensor_under_tokens_is_refused_with_the_expected_return():
-    with pytest.raises(ConfigError,
-                       match=r"must return \(loss_sum, n_tokens\).*reduction='sum'\), \(labels != -100\).sum\(\)"):
+    with pytest.raises(
+        ConfigError, match=r"must return \(loss_sum, n_tokens\).*reduction='sum'\), \(labels != -100\).sum\(\)"
+    ):
         split_loss(torch.tensor(1.0), normalization="tokens", owner=RaggedTrainer)
     with pytest.raises(ConfigError, match="needs train.loss_normalization=tokens"):
         split_loss((torch.tensor(1.0), torch.tensor(3)), normalization="mean", owner=RaggedTrainer)

@@ -32,12 +32,16 @@ def test_bytes_round_trip_with_one_eot_between_documents(tmp_path, capsys):
     assert [documents[0], *(d[1:] for d in documents[1:])] == [b"first document", b"second\n", "third, é\n".encode()]
     assert (ids == 256).sum() == 2 and ids[-1] != 256  # between documents, not after the last
     line = capsys.readouterr().out.strip()
-    assert line == (f"ddpkit tokenize: wrote {out}: 3 documents, {ids.size} tokens, {2 * ids.size} bytes, "
-                    "uint16 (vocab 257, end-of-text 256)")
+    assert line == (
+        f"ddpkit tokenize: wrote {out}: 3 documents, {ids.size} tokens, {2 * ids.size} bytes, "
+        "uint16 (vocab 257, end-of-text 256)"
+    )
     assert [p.name for p in out.parent.iterdir()] == ["train.bin"]  # written through a temporary, renamed
     ds = TokenFile(out, seq_len=8, vocab_size=257)  # what training reads
-    assert (bytes(ds[0][0].numpy().astype(np.uint8)) == b"first do"
-            and bytes(ds[0][1].numpy().astype(np.uint8)) == b"irst doc")
+    assert (
+        bytes(ds[0][0].numpy().astype(np.uint8)) == b"first do"
+        and bytes(ds[0][1].numpy().astype(np.uint8)) == b"irst doc"
+    )
 
 
 def test_directories_mean_their_files_sorted(tmp_path):
@@ -75,8 +79,9 @@ def test_the_cli_dispatches_tokenize(tmp_path, capsys):
 
 def _word_tokenizer(tmp_path, eot_name: str | None = "<|endoftext|>"):
     """A real tokenizer.json, trained here: word-level over a tiny vocabulary (no download)."""
-    tokenizers = pytest.importorskip("tokenizers",
-                                     reason="the tokenizers extra is not installed (pip install tokenizers)")
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="the tokenizers extra is not installed (pip install tokenizers)"
+    )
     from tokenizers import models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
@@ -98,8 +103,11 @@ def test_a_local_hugging_face_tokenizer_with_its_endoftext(tmp_path, capsys):
     expected = tok.encode("the cat sat").ids + [eot] + tok.encode("a dog on the mat").ids
     assert np.fromfile(out, dtype=np.uint16).tolist() == expected
     vocab = tok.get_vocab_size()
-    assert capsys.readouterr().out.strip().endswith(
-        f"2 documents, 9 tokens, 18 bytes, uint16 (vocab {vocab}, end-of-text {eot})")
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith(f"2 documents, 9 tokens, 18 bytes, uint16 (vocab {vocab}, end-of-text {eot})")
+    )
 
 
 def test_a_tokenizer_without_an_endoftext_needs_eot(tmp_path):
@@ -126,5 +134,9 @@ def test_a_missing_tokenizers_library_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tokenizers)
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(DataError, match="pip install tokenizers"):
-        tokenize([str(tmp_path / "a.txt")], str(tmp_path / "o.bin"), tokenizer=str(tmp_path / "tokenizer.json"),
-                 progress=False)
+        tokenize(
+            [str(tmp_path / "a.txt")],
+            str(tmp_path / "o.bin"),
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            progress=False,
+        )

@@ -34,7 +34,9 @@ def test_every_window_is_the_file_slice_and_its_shift_by_one(tmp_path, dtype):
         x, y = ds[i]
         start = (i % 100) * 10
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (10,)
-        assert np.array_equal(x.numpy(), ids[start:start + 10]) and np.array_equal(y.numpy(), ids[start + 1:start + 11])
+        assert np.array_equal(x.numpy(), ids[start : start + 10]) and np.array_equal(
+            y.numpy(), ids[start + 1 : start + 11]
+        )
     with pytest.raises(IndexError):
         ds[100]
 
@@ -53,9 +55,11 @@ def test_npy_files_carry_their_own_dtype_and_header(tmp_path):
     assert ds.dtype == np.uint32 and ds.n_tokens == 500 and len(ds) == 499 // 7
     assert ds[3][0].tolist() == list(range(70_021, 70_028)) and ds[3][1][-1].item() == 70_028
     np.save(tmp_path / "f.npy", np.asfortranarray(np.zeros((4, 8), dtype=np.uint16)))
-    with pytest.raises(DataError,
-                       match=r"f\.npy: a \.npy token file must be a 1-D C-order array, "
-                             r"this one has shape \(4, 8\) in Fortran order"):
+    with pytest.raises(
+        DataError,
+        match=r"f\.npy: a \.npy token file must be a 1-D C-order array, "
+        r"this one has shape \(4, 8\) in Fortran order",
+    ):
         TokenFile(tmp_path / "f.npy", seq_len=2)
     np.save(tmp_path / "float.npy", np.zeros(100, dtype=np.float32))
     with pytest.raises(DataError, match="must hold integers, this one holds float32"):
@@ -70,21 +74,27 @@ def test_a_size_that_is_not_whole_tokens_names_the_file_the_bytes_and_the_fix(tm
     with pytest.raises(DataError) as err:
         TokenFile(path, seq_len=8)
     message = str(err.value)
-    assert message == (f"{path}: 1,001 bytes is not a whole number of uint16 tokens (2 bytes each); "
-                       "wrong data.kwargs.dtype, or a truncated file?")
+    assert message == (
+        f"{path}: 1,001 bytes is not a whole number of uint16 tokens (2 bytes each); "
+        "wrong data.kwargs.dtype, or a truncated file?"
+    )
     assert "\n" not in message
 
 
 def test_too_short_missing_and_bad_dtype_are_data_errors_at_start(tmp_path):
-    with pytest.raises(DataError,
-                       match=r"short\.bin: 10 tokens, fewer than seq_len \+ 1 = 11 .*lower data.kwargs.seq_len"):
+    with pytest.raises(
+        DataError, match=r"short\.bin: 10 tokens, fewer than seq_len \+ 1 = 11 .*lower data.kwargs.seq_len"
+    ):
         TokenFile(_bin(tmp_path, range(10), name="short.bin"), seq_len=10)
-    with pytest.raises(DataError,
-                       match=r"no such token file .*nope\.bin; make one with "
-                             r"`ddpkit tokenize INPUT\.\.\. -o .*nope\.bin`"):
+    with pytest.raises(
+        DataError,
+        match=r"no such token file .*nope\.bin; make one with "
+        r"`ddpkit tokenize INPUT\.\.\. -o .*nope\.bin`",
+    ):
         TokenFile(tmp_path / "nope.bin", seq_len=10)
-    with pytest.raises(DataError,
-                       match="data.kwargs.dtype: 'int64' is not a token dtype; choose one of uint16, uint32, int32"):
+    with pytest.raises(
+        DataError, match="data.kwargs.dtype: 'int64' is not a token dtype; choose one of uint16, uint32, int32"
+    ):
         TokenFile(_bin(tmp_path, range(100)), seq_len=10, dtype="int64")
     with pytest.raises(DataError, match="data.kwargs.path: not set"):
         tokens(seq_len=10)
@@ -98,8 +108,10 @@ def test_an_id_outside_the_vocabulary_names_the_file_and_its_absolute_offset(tmp
     assert ds[5][0].max().item() == 50_000  # unchecked until a vocabulary is known
     ds.require_vocab(50_000)
     assert ds[4][0].max().item() == 0  # windows without the bad id still read
-    expected = (rf"{path}: token id 50000 at token offset 537 is outside the model's vocabulary \[0, 50000\); "
-                r".*model.kwargs.vocab_size")
+    expected = (
+        rf"{path}: token id 50000 at token offset 537 is outside the model's vocabulary \[0, 50000\); "
+        r".*model.kwargs.vocab_size"
+    )
     with pytest.raises(DataError, match=expected):
         ds[5]
     negative = np.zeros(30, dtype=np.int32)
@@ -137,22 +149,26 @@ def test_pickles_without_its_descriptor_and_reads_in_a_dataloader_worker(tmp_pat
     loader = DataLoader(ds, batch_size=8, num_workers=1, shuffle=False)
     batches = list(loader)
     assert len(batches) == 32 and batches[0][0].shape == (8, 16) and batches[-1][0].shape == (2, 16)
-    assert np.array_equal(torch.cat([b[0] for b in batches]).flatten().numpy(), ids[:250 * 16])
+    assert np.array_equal(torch.cat([b[0] for b in batches]).flatten().numpy(), ids[: 250 * 16])
 
 
 def test_the_registry_builds_train_and_optional_val(tmp_path):
     train_path, val_path = _bin(tmp_path, range(300)), _bin(tmp_path, range(100), name="val.bin")
     train, val = DATASETS.build("tokens", key="data.name", kwargs={"path": str(train_path), "seq_len": 32})
     assert isinstance(train, TokenFile) and val is None and len(train) == 299 // 32
-    train, val = DATASETS.build("tokens", key="data.name", kwargs={"path": str(train_path), "val_path": str(val_path),
-                                                                   "seq_len": 32, "vocab_size": 300})
+    train, val = DATASETS.build(
+        "tokens",
+        key="data.name",
+        kwargs={"path": str(train_path), "val_path": str(val_path), "seq_len": 32, "vocab_size": 300},
+    )
     assert len(val) == 99 // 32 and val.vocab_size == 300 and val[0][1][-1].item() == 32
 
 
 def test_write_token_file_puts_one_eot_between_documents_atomically(tmp_path):
     out = tmp_path / "sub" / "w.bin"
-    count = write_token_file([[np.array([1, 2]), np.array([3])], [np.array([4])], []], out, dtype="uint16",
-                             eot=BYTE_EOT)
+    count = write_token_file(
+        [[np.array([1, 2]), np.array([3])], [np.array([4])], []], out, dtype="uint16", eot=BYTE_EOT
+    )
     assert count == 6 and np.fromfile(out, dtype=np.uint16).tolist() == [1, 2, 3, 256, 4, 256]
     with pytest.raises(DataError, match="token id 70000 does not fit uint16"):
         write_token_file([[np.array([70_000])]], out, dtype="uint16", eot=256)

@@ -28,8 +28,13 @@ from ddpkit.reporting.trackers import MlflowSink, WandbSink, tracker_sinks
 
 mlflow = pytest.importorskip("mlflow")
 
-CONFIG = {"run": {"name": "exp", "seed": 0}, "optim": {"name": "sgd", "lr": 0.05},
-          "model": {"kwargs": {}, "name": None}, "train": {"epochs": 2}, "data": {"kwargs": {"hidden": [64, 64]}}}
+CONFIG = {
+    "run": {"name": "exp", "seed": 0},
+    "optim": {"name": "sgd", "lr": 0.05},
+    "model": {"kwargs": {}, "name": None},
+    "train": {"epochs": 2},
+    "data": {"kwargs": {"hidden": [64, 64]}},
+}
 
 
 def drive(
@@ -132,8 +137,9 @@ def test_missing_tracker_package_names_the_extra_and_the_key(tmp_path, monkeypat
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("mlflow", "wandb") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "wandb") else real(name, *a)
+    )
     with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[mlflow\]'.*log\.mlflow=false"):
         MlflowSink(tmp_path, experiment="exp")
     with pytest.raises(DdpkitError, match=r"pip install 'ddpkit\[wandb\]'.*log\.wandb=false"):
@@ -159,8 +165,10 @@ def test_mlflow_resumed_run_continues_the_same_run_in_a_sqlite_store(tmp_path, m
     assert run.data.tags["ddpkit_run_key"] == state["run_key"] and run.info.status == "FINISHED"
     assert run.data.params["optim.lr"] == "0.05" and run.data.params["train.epochs"] == "2"
     assert run.data.params["model.name"] == "null" and run.data.params["data.kwargs.hidden"] == "[64, 64]"
-    assert [(m.step, m.value)
-            for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [(4, 0.04), (8, 0.08)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [
+        (4, 0.04),
+        (8, 0.08),
+    ]
     assert {m.step for m in client.get_metric_history(run.info.run_id, "train_loss")} == set(range(1, 9))
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.pt"]
     assert Path(tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in the current directory
@@ -199,15 +207,17 @@ def test_mlflow_down_never_stalls_a_step_and_warns_once(tmp_path, monkeypatch, c
 
         assert _returns(train), "start()/write() waited for the tracker"
         assert _returns(lambda: sink.finish("FINISHED", [])), "finish() waited for the tracker past log.tracker_timeout"
-        gave_up = [r for r in caplog.records
-                   if "mlflow did not finish sending within log.tracker_timeout=3s" in r.getMessage()]
+        gave_up = [
+            r for r in caplog.records if "mlflow did not finish sending within log.tracker_timeout=3s" in r.getMessage()
+        ]
         assert len(gave_up) == 1  # finish() stopped waiting on its timeout: the server had not answered anything
     finally:
         silent.close()  # the connection waiting in its backlog is reset: the tracker's request fails now
 
     def switched_off() -> int:
-        return sum("mlflow failed and is switched off" in r.getMessage() for r in caplog.records
-                   if r.levelname == "WARNING")
+        return sum(
+            "mlflow failed and is switched off" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+        )
 
     deadline = time.monotonic() + 60
     while not switched_off() and time.monotonic() < deadline:
@@ -228,10 +238,25 @@ def mlflow_server(tmp_path):
     port = _free_port()
     log_file = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-         "--artifacts-destination", str(tmp_path / "server-artifacts")],
-        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path}/server.db",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -285,8 +310,8 @@ def wandb_records(path: Path):
         if room < 7:
             pos += room
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        parts += data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE/LAST
             record = wandb_internal_pb2.Record()
@@ -305,8 +330,10 @@ def test_wandb_offline_run_has_config_history_status_and_resumes_the_same_run(tm
     files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{state['run_id']}.wandb" for f in files)  # one W&B run id
     deadline = time.monotonic() + 60  # wandb's service process may still be writing the tail of the last file
-    while (not all(any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)) for f in files)
-            and time.monotonic() < deadline):
+    while (
+        not all(any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)) for f in files)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     history, config, exits, summary, artifacts = [], {}, [], {}, 0
     for path in files:
@@ -337,8 +364,9 @@ def _run(tmp_path: Path, *overrides: str, env: dict | None = None):
 
     config = tmp_path / "c.yaml"
     if not config.exists():
-        cfg = tiny_config(tmp_path, run={"name": "held", "output_dir": str(tmp_path / "run")},
-                          checkpoint={"every_epochs": 1})
+        cfg = tiny_config(
+            tmp_path, run={"name": "held", "output_dir": str(tmp_path / "run")}, checkpoint={"every_epochs": 1}
+        )
         config.write_text(yaml.safe_dump(cfg))
     done = run_cli("run", str(config), "--nproc-per-node", "2", *overrides, timeout=400, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -417,22 +445,33 @@ def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_
     from helpers import REPO, run_cli
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = tiny_config(tmp_path, run={"name": "pre", "output_dir": str(tmp_path / "run")},
-                      train={"epochs": 1000, "log_every": 2}, log={"mlflow": True})
+    cfg = tiny_config(
+        tmp_path,
+        run={"name": "pre", "output_dir": str(tmp_path / "run")},
+        train={"epochs": 1000, "log_every": 2},
+        log={"mlflow": True},
+    )
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": uri}
-    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"],
-                                cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", str(config), "--nproc-per-node", "2"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()
     # Preempted once the tracker is up, as a real preemption (minutes in) would find it: a job
     # killed within seconds of creating a new SQLite store can interrupt MLflow's own schema setup.
     deadline = time.time() + 240
-    while (time.time() < deadline and not any("mlflow: experiment" in line for line in lines)
-            and launcher.poll() is None):
+    while (
+        time.time() < deadline and not any("mlflow: experiment" in line for line in lines) and launcher.poll() is None
+    ):
         time.sleep(0.1)
     launcher.send_signal(signal.SIGTERM)
     launcher.wait(timeout=180)
@@ -443,8 +482,15 @@ def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_
     assert run.info.status == "KILLED"
     stopped_at = max(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
     end = (stopped_at // 8 + 3) * 8  # the relaunch goes on for a few more epochs (8 steps each), not all 1000
-    relaunch = run_cli("run", str(config), "--nproc-per-node", "2", f"train.max_steps={end}",
-                       env={"MLFLOW_TRACKING_URI": uri}, timeout=400)
+    relaunch = run_cli(
+        "run",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        f"train.max_steps={end}",
+        env={"MLFLOW_TRACKING_URI": uri},
+        timeout=400,
+    )
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     client, again = only_run(uri, experiment="pre")
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"

@@ -69,10 +69,15 @@ class Regression(ddpkit.Trainer):
 
 
 def test_subclass_needs_no_model_or_data_config(tmp_path):
-    trainer = Regression({
-        "run": {"output_dir": str(tmp_path)}, "data": {"batch_size": 8}, "train": {"epochs": 20},
-        "log": {"progress_bar": False}, "checkpoint": {"every_epochs": None},
-    })
+    trainer = Regression(
+        {
+            "run": {"output_dir": str(tmp_path)},
+            "data": {"batch_size": 8},
+            "train": {"epochs": 20},
+            "log": {"progress_bar": False},
+            "checkpoint": {"every_epochs": None},
+        }
+    )
     metrics = trainer.fit()
     assert metrics["train_loss"] < 0.05
     assert trainer.device == torch.device("cpu")
@@ -91,16 +96,19 @@ def test_training_step_must_return_a_scalar(tiny_cfg):
             x, y = batch
             return F.cross_entropy(self.model(x), y, reduction="none")
 
-    with pytest.raises(DdpkitError,
-                       match=r"Wrong.training_step must return a scalar loss tensor, got a tensor of shape \(16,\)"):
+    with pytest.raises(
+        DdpkitError, match=r"Wrong.training_step must return a scalar loss tensor, got a tensor of shape \(16,\)"
+    ):
         Wrong(tiny_cfg).fit()
 
 
 def test_precision_fp16_needs_cuda_and_bf16_runs_on_cpu(tmp_path):
     with pytest.raises(ConfigError, match="train.precision=fp16 needs a CUDA device.*use train.precision=bf16 or fp32"):
         ddpkit.Trainer(tiny_config(tmp_path, train={"precision": "fp16"})).fit()
-    runs = {p: ddpkit.Trainer(tiny_config(tmp_path / p, train={"precision": p, "epochs": 1})).fit()
-            for p in ("fp32", "bf16")}
+    runs = {
+        p: ddpkit.Trainer(tiny_config(tmp_path / p, train={"precision": p, "epochs": 1})).fit()
+        for p in ("fp32", "bf16")
+    }
     # bf16 keeps 8 bits of mantissa: after these 16 steps its validation loss is 0.5% from fp32's; allow 2%.
     assert runs["bf16"]["val_loss"] == pytest.approx(runs["fp32"]["val_loss"], rel=0.02)
     assert runs["bf16"]["val_loss"] < math.log(10)  # below chance (10 classes): it trained
@@ -111,8 +119,9 @@ def test_precision_fp16_needs_cuda_and_bf16_runs_on_cpu(tmp_path):
 
 def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
     big = tiny_config(tmp_path / "big", data={"batch_size": 32}, optim={"momentum": 0.0})
-    accum = tiny_config(tmp_path / "acc", data={"batch_size": 16}, optim={"momentum": 0.0},
-                        train={"grad_accum_steps": 2})
+    accum = tiny_config(
+        tmp_path / "acc", data={"batch_size": 16}, optim={"momentum": 0.0}, train={"grad_accum_steps": 2}
+    )
     assert ddpkit.Trainer(big).fit()["step"] == ddpkit.Trainer(accum).fit()["step"] == 16
     a, b = load_weights(tmp_path / "big/run/model.pt"), load_weights(tmp_path / "acc/run/model.pt")
     for key in a:
@@ -120,8 +129,11 @@ def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
 
 
 def test_max_steps_schedule_and_clipping(tmp_path):
-    cfg = tiny_config(tmp_path, train={"epochs": None, "max_steps": 20, "clip_grad_norm": 0.5, "log_every": 5},
-                      sched={"name": "cosine", "warmup_steps": 5})
+    cfg = tiny_config(
+        tmp_path,
+        train={"epochs": None, "max_steps": 20, "clip_grad_norm": 0.5, "log_every": 5},
+        sched={"name": "cosine", "warmup_steps": 5},
+    )
     metrics = ddpkit.Trainer(cfg).fit()
     assert metrics["step"] == 20 and metrics["epoch"] == 1  # 16 steps per epoch: stopped inside epoch 2
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines() if "lr" in line]

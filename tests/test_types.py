@@ -58,12 +58,15 @@ def test_no_collaborator_parameter_is_typed_any():
 
 
 def test_the_walk_sees_any_in_every_spelling():
-    source = '''
+    source = """
 def a(config: Any, *, runtime: typing.Any = None): ...
 def b(state: "Any | None", progress: Optional[Any]): ...
 def c(checkpointer: Union[int, Any], other: Any, config: Config, runtime: "Runtime"): ...
-'''
+"""
     assert [line.split(" ", 1)[1] for line in any_typed_collaborators(source)] == [
-        "a(config: Any)", "a(runtime: typing.Any)", "b(state: 'Any | None')", "b(progress: Optional[Any])",
+        "a(config: Any)",
+        "a(runtime: typing.Any)",
+        "b(state: 'Any | None')",
+        "b(progress: Optional[Any])",
         "c(checkpointer: Union[int, Any])",
     ]

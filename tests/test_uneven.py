@@ -78,8 +78,12 @@ def test_uneven_batch_counts_stop_every_rank_with_the_counts_or_truncate_to_the_
     expected_counts = ", ".join(f"rank {r}: {_batches_of(r)}" for r in range(world_size))
     for rank_result in results:
         kind, message = rank_result["sampler", "error"]
-        assert (kind == "error" and expected_counts in message and "per epoch" in message
-                and "data.uneven=truncate" in message), message
+        assert (
+            kind == "error"
+            and expected_counts in message
+            and "per epoch" in message
+            and "data.uneven=truncate" in message
+        ), message
         kind, message = rank_result["iterable", "error"]
         # the ranks learn of it at the 5th batch: rank 0 has run out, the others have one more
         assert kind == "error" and "rank 0: 4, rank 1: 4 then more" in message, message

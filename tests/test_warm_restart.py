@@ -35,7 +35,11 @@ def test_a_scripts_top_level_imports_are_read_without_running_it(tmp_path):
         "if True:\n    import csv\ndef f():\n    import decimal\nraise SystemExit('never run')\n"
     )
     assert script_imports([str(script), "exp.yaml"]) == [
-        "os", "json", "numpy.linalg", "sklearn.datasets", "sklearn.datasets.make_classification",
+        "os",
+        "json",
+        "numpy.linalg",
+        "sklearn.datasets",
+        "sklearn.datasets.make_classification",
         "sklearn.datasets.load_iris",
     ]  # module level only: not the `if`'s, not the function's, not the relative one
     (tmp_path / "pkg").mkdir()
@@ -69,14 +73,17 @@ def test_preloading_imports_installed_modules_skips_failures_and_honours_the_opt
     assert preload_program([str(script)]) == ["colorsys", "json", "wave"]
 
 
-@pytest.mark.parametrize(("codes", "kind"), [
-    ({0: -15, 1: -9}, "worker killed (SIGKILL)"),
-    ({0: 1, 1: -9}, "worker killed (SIGKILL)"),
-    ({0: -9, 1: -9}, "every worker killed (SIGKILL)"),
-    ({0: 75, 1: -15}, "stop signal"),
-    ({0: 1, 1: -15}, "worker failed (exit 1)"),
-    ({0: -15, 1: -15}, "worker terminated (SIGTERM)"),
-])
+@pytest.mark.parametrize(
+    ("codes", "kind"),
+    [
+        ({0: -15, 1: -9}, "worker killed (SIGKILL)"),
+        ({0: 1, 1: -9}, "worker killed (SIGKILL)"),
+        ({0: -9, 1: -9}, "every worker killed (SIGKILL)"),
+        ({0: 75, 1: -15}, "stop signal"),
+        ({0: 1, 1: -15}, "worker failed (exit 1)"),
+        ({0: -15, 1: -15}, "worker terminated (SIGTERM)"),
+    ],
+)
 def test_a_faults_kind_comes_from_its_workers_exit_codes(codes, kind):
     assert fault_kind(codes, requeue_exit_code=75) == kind
 
@@ -88,16 +95,21 @@ def _record(event: str, t: float, attempt: int, **fields) -> dict:
 def test_each_fault_is_split_from_the_last_step_before_it_to_the_first_step_after_it():
     records = [
         _record("launch", 100.0, 0),
-        _record("start", 101.0, 0), _record("restore", 102.0, 0, began=101.8, step=0, source="none"),
-        _record("first_step", 102.1, 0, step=1), _record("progress", 103.1, 0, step=40),
+        _record("start", 101.0, 0),
+        _record("restore", 102.0, 0, began=101.8, step=0, source="none"),
+        _record("first_step", 102.1, 0, step=1),
+        _record("progress", 103.1, 0, step=40),
         _record("end", 104.0, 0, step=50, last_step_t=103.5, status="FAILED", rank=1),  # the survivor's
         _record(AGENT_EVENT, 103.62, 0, detected=103.52, kind="worker killed (SIGKILL)", codes={"0": -9}, rank=-1),
-        _record("start", 103.65, 1), _record("restore", 103.80, 1, began=103.75, step=50, source="disk"),
-        _record("first_step", 103.81, 1, step=51), _record("progress", 104.9, 1, step=90),  # then every worker dies
+        _record("start", 103.65, 1),
+        _record("restore", 103.80, 1, began=103.75, step=50, source="disk"),
+        _record("first_step", 103.81, 1, step=51),
+        _record("progress", 104.9, 1, step=90),  # then every worker dies
         _record(AGENT_EVENT, 105.3, 1, detected=105.2, kind="every worker killed (SIGKILL)", codes={}, rank=-1),
-        _record("start", 105.4, 2), _record("restore", 105.6, 2, began=105.5, step=80, source="memory"),
-        _record("first_step", 105.7, 2, step=81), _record("end", 106.0, 2, step=100, last_step_t=106.0,
-                                                          status="FINISHED"),
+        _record("start", 105.4, 2),
+        _record("restore", 105.6, 2, began=105.5, step=80, source="memory"),
+        _record("first_step", 105.7, 2, step=81),
+        _record("end", 106.0, 2, step=100, last_step_t=106.0, status="FINISHED"),
     ]
     one, every = fault_costs(records)
     assert (one.attempt, one.kind, one.steps_lost, one.exact) == ("s1#0", "worker killed (SIGKILL)", 0, True)
@@ -130,11 +142,22 @@ def test_the_one_node_rendezvous_completes_each_round_at_once_on_a_fresh_key_spa
 
 def _launch(out: Path, env: dict[str, str]) -> None:
     out.mkdir(parents=True)
-    cfg = tiny_config(out, data={"batch_size": 32}, train={"epochs": 2},
-                      checkpoint={"every_epochs": None, "memory_every_steps": None})
+    cfg = tiny_config(
+        out, data={"batch_size": 32}, train={"epochs": 2}, checkpoint={"every_epochs": None, "memory_every_steps": None}
+    )
     (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
-    proc = run_cli("run", str(out / "exp.yaml"), "--nproc-per-node", "2", "--max-restarts", "1", "--script", SCRIPT,
-                   env={"SKLEARN_SAMPLES": "1200", **env}, timeout=280)
+    proc = run_cli(
+        "run",
+        str(out / "exp.yaml"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--script",
+        SCRIPT,
+        env={"SKLEARN_SAMPLES": "1200", **env},
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

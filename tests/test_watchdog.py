@@ -210,8 +210,16 @@ def test_the_watchdog_reads_where_the_rank_is_from_the_spans_and_pages_the_long_
     from ddpkit.watchdog.heartbeat import Watchdog
 
     events = Events()
-    watchdog = Watchdog(dist.HashStore(), rank=1, world_size=2, hang_timeout=60, slow_timeout=60, log_dir=tmp_path,
-                        step=lambda: 5, position=events.position).start()
+    watchdog = Watchdog(
+        dist.HashStore(),
+        rank=1,
+        world_size=2,
+        hang_timeout=60,
+        slow_timeout=60,
+        log_dir=tmp_path,
+        step=lambda: 5,
+        position=events.position,
+    ).start()
     events.add(watchdog)
     assert events.phase_listeners("forward") == () and watchdog.beat()["phase"] == "setup"
     events.fit_start()
@@ -242,9 +250,16 @@ def test_only_a_frozen_sibling_is_killed_never_another_process():
         os.kill(frozen.pid, signal.SIGSTOP)
         # A rank of the same job: a child of the same parent (here this test, there torchrun's agent).
         killer = subprocess.run(
-            [sys.executable, "-c", "from ddpkit.watchdog.store_io import kill_frozen_sibling as k; "
-             f"print(k({frozen.pid}), k({os.getpid()}))"],
-            capture_output=True, text=True, timeout=60, cwd=REPO,
+            [
+                sys.executable,
+                "-c",
+                "from ddpkit.watchdog.store_io import kill_frozen_sibling as k; "
+                f"print(k({frozen.pid}), k({os.getpid()}))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
         )
         assert killer.stdout.split() == ["True", "False"], killer.stderr  # not its own parent: not a sibling
         assert frozen.wait(timeout=10) == -signal.SIGKILL
@@ -291,8 +306,13 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
 
 
 def test_flight_recorder_is_turned_on_for_cuda_only_and_user_values_win(tmp_path, monkeypatch):
-    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-             "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    names = (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    )
     for name in names:
         monkeypatch.delenv(name, raising=False)
     assert flight_recorder_env(torch.device("cpu"), tmp_path) == {}
@@ -337,8 +357,13 @@ def _config(tmp: Path, **sections) -> Path:
 
 
 def _start(tmp: Path, env: dict[str, str], args: list[str], *, log: str = "launcher.log") -> Job:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HANG_STAMP": str(tmp / "hang-time"),
-                **env}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HANG_STAMP": str(tmp / "hang-time"),
+        **env,
+    }
     argv = [sys.executable, "-m", "ddpkit", "run", *args, "--script", str(HANG_SCRIPT)]
     with open(tmp / log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
@@ -369,8 +394,9 @@ def jobs():
                 pass
 
 
-def run_hang(jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8,
-             nproc: int = 2) -> Job:
+def run_hang(
+    jobs: list[Job], tmp: Path, where: str, *overrides: str, rank: int = 1, hang_timeout: float = 8, nproc: int = 2
+) -> Job:
     argv = [str(_config(tmp)), "--nproc-per-node", str(nproc), f"dist.hang_timeout={hang_timeout}", *overrides]
     job = _start(tmp, {"HANG_WHERE": where, "HANG_RANK": str(rank)}, argv)
     jobs.append(job)
@@ -441,8 +467,13 @@ def test_a_frozen_rank_is_reported_as_silent(jobs, tmp_path):
 def test_long_legitimate_work_is_not_a_hang(jobs, tmp_path):
     """Compile-like first step, slow first batch, slow validation and a slow save: each longer than hang_timeout."""
     env = {"HANG_WHERE": "none", "SLOW": "1", "SLOW_SECONDS": "14"}
-    overrides = ["dist.hang_timeout=6", "train.max_steps=3", "train.epochs=1", "train.eval_every=2",
-                 "checkpoint.every_steps=2"]
+    overrides = [
+        "dist.hang_timeout=6",
+        "train.max_steps=3",
+        "train.epochs=1",
+        "train.eval_every=2",
+        "checkpoint.every_steps=2",
+    ]
     job = _start(tmp_path, env, [str(_config(tmp_path)), "--nproc-per-node", "2", *overrides])
     jobs.append(job)
     _wait(job, STARTUP_ALLOWANCE + 240)

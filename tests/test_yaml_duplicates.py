@@ -48,7 +48,9 @@ def test_nested_and_sequence_duplicates_carry_their_path() -> None:
 def test_merge_keys_and_distinct_keys_are_fine() -> None:
     # Overriding a key brought in by `<<: *anchor` is what a merge is for.
     assert parse_yaml("base: &b {lr: 1, wd: 0}\nfast:\n  <<: *b\n  lr: 2\n") == {
-        "base": {"lr": 1, "wd": 0}, "fast": {"lr": 2, "wd": 0}}
+        "base": {"lr": 1, "wd": 0},
+        "fast": {"lr": 2, "wd": 0},
+    }
     # 1 (an int) and "1" (a string) are different keys.
     assert parse_yaml("m: {1: a, '1': b}") == {"m": {1: "a", "1": "b"}}
 

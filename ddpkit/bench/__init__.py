@@ -54,8 +54,10 @@ def main(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         listing = "\n".join(f"  {name:<11} {text}" for name, text in _COMMANDS.items())
         summary = plain_text(__doc__.split("\n\n")[0])
-        usage = (f"usage: ddpkit bench BENCHMARK [options]\n\n{summary}\n\nbenchmarks:\n{listing}\n\n"
-                 "`ddpkit bench BENCHMARK -h` shows a benchmark's options.")
+        usage = (
+            f"usage: ddpkit bench BENCHMARK [options]\n\n{summary}\n\nbenchmarks:\n{listing}\n\n"
+            "`ddpkit bench BENCHMARK -h` shows a benchmark's options."
+        )
         # asked for help: stdout, exit 0; no benchmark named: exit 2
         print(usage, file=sys.stdout if argv else sys.stderr)
         return EXIT_OK if argv else EXIT_CONFIG
@@ -64,8 +66,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"ddpkit bench: error: unknown benchmark {name!r}; choose from {', '.join(_COMMANDS)}", file=sys.stderr)
         return EXIT_CONFIG
     module = importlib.import_module(f"ddpkit.bench.{name}")
-    parser = argparse.ArgumentParser(prog=f"ddpkit bench {name}", description=plain_text(module.__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"ddpkit bench {name}",
+        description=plain_text(module.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(parser)
     # Intermixed: autotune's key=value overrides may come before, between or after the options.
     args = parser.parse_intermixed_args(renamed(argv[1:], OLD_SPELLINGS, prog=f"ddpkit bench {name}"))

@@ -38,17 +38,25 @@ _ELEMENT_BYTES = 4  # float32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", default="2",
-                        help="ranks on this node (default 2); a list such as 2,4 runs each in turn")
-    parser.add_argument("--sizes", default=None,
-                        help="MIN..MAX (doubling) or a comma list (default "
-                             f"{DEFAULT_SIZES_CPU} on CPU, {DEFAULT_SIZES_GPU} on GPU)")
-    parser.add_argument("--step-factor", type=int, default=2,
-                        help="multiply the size by this in a MIN..MAX range (default 2)")
+    parser.add_argument(
+        "--nproc-per-node", default="2", help="ranks on this node (default 2); a list such as 2,4 runs each in turn"
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help=f"MIN..MAX (doubling) or a comma list (default {DEFAULT_SIZES_CPU} on CPU, {DEFAULT_SIZES_GPU} on GPU)",
+    )
+    parser.add_argument(
+        "--step-factor", type=int, default=2, help="multiply the size by this in a MIN..MAX range (default 2)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size, at most (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
-    parser.add_argument("--time-per-size", type=float, default=0.5,
-                        help="seconds of timed calls per size before --iters is cut (default 0.5)")
+    parser.add_argument(
+        "--time-per-size",
+        type=float,
+        default=0.5,
+        help="seconds of timed calls per size before --iters is cut (default 0.5)",
+    )
     add_output_arguments(parser)
 
 
@@ -62,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     counts = parse_nproc(args.nproc_per_node)
-    sizes = parse_sizes(args.sizes or (DEFAULT_SIZES_GPU if torch.cuda.is_available() else DEFAULT_SIZES_CPU),
-                        factor=args.step_factor)
+    sizes = parse_sizes(
+        args.sizes or (DEFAULT_SIZES_GPU if torch.cuda.is_available() else DEFAULT_SIZES_CPU), factor=args.step_factor
+    )
     if args.iters < 1 or args.warmup < 0 or args.time_per_size <= 0:
         raise BenchUsageError("--iters must be at least 1, --warmup at least 0 and --time-per-size positive")
     bad = [s for s in sizes if s % _ELEMENT_BYTES]
@@ -78,14 +87,28 @@ def run(args: argparse.Namespace) -> int:
         )
         result = run_workers("allreduce", params, nproc=n)
         results.append(result)
-        print(f"allreduce: {result['backend']} on {result['device']}, {n} process(es), float32 sum in place; "
-              f"algbw = size/time, busbw = algbw x 2(n-1)/n = algbw x {bus_factor(n):.4g}; GB = 1e9 bytes")
-        print(format_table(
-            ["size", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "iters", "check"],
-            [[format_bytes(r["bytes"]), str(r["count"]), "float32", fmt(r["time_us"]), fmt(r["algbw_gbps"]),
-              fmt(r["busbw_gbps"]),
-              str(r["iters"]), "ok" if r["correct"] else "WRONG"] for r in result["rows"]],
-        ))
+        print(
+            f"allreduce: {result['backend']} on {result['device']}, {n} process(es), float32 sum in place; "
+            f"algbw = size/time, busbw = algbw x 2(n-1)/n = algbw x {bus_factor(n):.4g}; GB = 1e9 bytes"
+        )
+        print(
+            format_table(
+                ["size", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "iters", "check"],
+                [
+                    [
+                        format_bytes(r["bytes"]),
+                        str(r["count"]),
+                        "float32",
+                        fmt(r["time_us"]),
+                        fmt(r["algbw_gbps"]),
+                        fmt(r["busbw_gbps"]),
+                        str(r["iters"]),
+                        "ok" if r["correct"] else "WRONG",
+                    ]
+                    for r in result["rows"]
+                ],
+            )
+        )
         wrong = [r for r in result["rows"] if not r["correct"]]
         if wrong:
             print(f"error: allreduce returned wrong sums for {len(wrong)} size(s)")
@@ -97,15 +120,20 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
     """On every rank: time the allreduce of each size; return rows (identical on every rank)."""
     rows = []
     for size in params["sizes"]:
-        rows.append(_measure(size, runtime, iters=params["iters"], warmup=params["warmup"],
-                             budget=params["time_per_size"]))
+        rows.append(
+            _measure(size, runtime, iters=params["iters"], warmup=params["warmup"], budget=params["time_per_size"])
+        )
         if runtime.env.rank == 0:
             row = rows[-1]
             progress(
                 f"[allreduce]   {format_bytes(size):>7}: {row['time_us']:10.1f} us  busbw {row['busbw_gbps']:.3f} GB/s"
             )
-    return {"backend": runtime.backend, "device": runtime.device.type, "world_size": runtime.env.world_size,
-            "rows": rows}
+    return {
+        "backend": runtime.backend,
+        "device": runtime.device.type,
+        "world_size": runtime.env.world_size,
+        "rows": rows,
+    }
 
 
 def _measure(size: int, runtime: Runtime, *, iters: int, warmup: int, budget: float) -> dict[str, Any]:
@@ -127,9 +155,14 @@ def _measure(size: int, runtime: Runtime, *, iters: int, warmup: int, budget: fl
     seconds = _max_over_ranks(_timed_calls(tensor, iters, device) / iters, device)
     algbw = size / seconds / 1e9
     return {
-        "bytes": size, "count": count, "iters": iters, "time_us": seconds * 1e6, "algbw_gbps": algbw,
+        "bytes": size,
+        "count": count,
+        "iters": iters,
+        "time_us": seconds * 1e6,
+        "algbw_gbps": algbw,
         # a collective: every rank calls it
-        "busbw_gbps": algbw * bus_factor(n), "correct": _all_ranks_true(correct, device),
+        "busbw_gbps": algbw * bus_factor(n),
+        "correct": _all_ranks_true(correct, device),
     }
 
 

@@ -35,16 +35,22 @@ DEFAULT_BUCKET_CAPS = "1,5,10,25,50,100"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, config_help="your YAML config")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="timed optimizer steps per candidate and round (default 20)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed optimizer steps per candidate and round (default 20)"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
     parser.add_argument("--nproc-per-node", default="2", help="ranks to tune for (default 2; DDP needs at least 2)")
     parser.add_argument(
-        "--bucket-caps", default=DEFAULT_BUCKET_CAPS,
-        help=f"ddp.bucket_cap_mb values to try (default {DEFAULT_BUCKET_CAPS}; your config's value is added)"
+        "--bucket-caps",
+        default=DEFAULT_BUCKET_CAPS,
+        help=f"ddp.bucket_cap_mb values to try (default {DEFAULT_BUCKET_CAPS}; your config's value is added)",
     )
-    parser.add_argument("--bucket-view", choices=["both", "true", "false"], default="both",
-                        help="ddp.gradient_as_bucket_view values to try (default both)")
+    parser.add_argument(
+        "--bucket-view",
+        choices=["both", "true", "false"],
+        default="both",
+        help="ddp.gradient_as_bucket_view values to try (default both)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds; medians are reported (default 2)")
     add_output_arguments(parser)
 
@@ -74,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
         f"{args.warmup}+{args.steps} steps each, on {nproc} processes ..."
     )
     params = {
-        "config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "pairs": pairs,
-        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "config": str(Path(args.config).resolve()),
+        "overrides": list(args.overrides),
+        "pairs": pairs,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
     }
     result = run_workers("autotune", params, nproc=nproc, threads=None)
     _report(args, pairs, result["ms"], current=(config_cap, cfg.ddp.gradient_as_bucket_view), nproc=nproc)
@@ -83,20 +93,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(
-    args: argparse.Namespace, pairs: list[tuple[float, bool]], ms: list[list[float]], *, current: tuple[float, bool],
-    nproc: int
+    args: argparse.Namespace,
+    pairs: list[tuple[float, bool]],
+    ms: list[list[float]],
+    *,
+    current: tuple[float, bool],
+    nproc: int,
 ) -> None:
     """The table of candidates, the fastest one, and the override that selects it (and ``--json`` / ``-o``)."""
     stats = [Stats.of(values) for values in ms]
     best = min(range(len(pairs)), key=lambda i: stats[i].median)
     rows = []
     for i, ((cap, view), s) in enumerate(zip(pairs, stats)):
-        note = ", ".join(filter(None, ["fastest" if i == best else "",
-                                       "your config" if (cap, view) == current else ""]))
-        rows.append([f"{cap:g}", str(view).lower(), fmt(s.median), s.spread(), f"{s.median / stats[best].median:.3f}",
-                     note])
-    print(f"autotune: {args.config}{' ' + ' '.join(args.overrides) if args.overrides else ''}, {nproc} processes, "
-          f"{args.steps} timed steps, median of {args.rounds} round(s)")
+        note = ", ".join(
+            filter(None, ["fastest" if i == best else "", "your config" if (cap, view) == current else ""])
+        )
+        rows.append(
+            [f"{cap:g}", str(view).lower(), fmt(s.median), s.spread(), f"{s.median / stats[best].median:.3f}", note]
+        )
+    print(
+        f"autotune: {args.config}{' ' + ' '.join(args.overrides) if args.overrides else ''}, {nproc} processes, "
+        f"{args.steps} timed steps, median of {args.rounds} round(s)"
+    )
     print(format_table(["bucket_cap_mb", "gradient_as_bucket_view", "ms/step", "min..max", "vs fastest", ""], rows))
     cap, view = pairs[best]
     override = f"ddp.bucket_cap_mb={cap:g} ddp.gradient_as_bucket_view={str(view).lower()}"
@@ -129,7 +147,8 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
                 overrides=[
                     *params["overrides"],
                     *benchmark_overrides(workdir / f"run{i}", steps=params["warmup"] + params["steps"]),
-                    f"ddp.bucket_cap_mb={cap}", f"ddp.gradient_as_bucket_view={str(view).lower()}",
+                    f"ddp.bucket_cap_mb={cap}",
+                    f"ddp.gradient_as_bucket_view={str(view).lower()}",
                 ],
             )
             trainer.fit()

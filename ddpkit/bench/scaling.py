@@ -67,36 +67,79 @@ __all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
 ALLREDUCE_SIZES = "4KB..16MB"
 _PROFILE_TIMEOUT = 900  # seconds for one concurrent profile: generous, for a loaded machine
 #: Variables that would make a profile process join a launched job instead of being a world of one.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                  "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
-                  "SLURM_JOB_ID")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_STEP_ID",
+    "SLURM_JOB_ID",
+)
 DEFAULT_CAPS = "1,2,5,10,25,50,100,200"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, config_help="your YAML config (the model, data, optimizer and ddp section to predict)")
     parser.add_argument("--predict", default="8,64,512,1024", help="world sizes to predict (default 8,64,512,1024)")
-    parser.add_argument("--link", default=None,
-                        help="bus bandwidth per rank, e.g. 100Gbit, 25GbE, 12.5GB/s; a comma list draws one line each")
-    parser.add_argument("--latency", default="5us",
-                        help="latency per allreduce step for --link, e.g. 5us (default), 0.5ms; one, or one per link")
-    parser.add_argument("--algorithm", choices=["ring", "tree", "best"], default="ring",
-                        help="allreduce algorithm (default ring; best = faster per bucket)")
-    parser.add_argument("--bucket-caps", default=DEFAULT_CAPS,
-                        help=f"ddp.bucket_cap_mb values searched for the best (default {DEFAULT_CAPS})")
-    parser.add_argument("--validate", default=None, metavar="N,...",
-                        help="also train at these world sizes here (e.g. 1,2,3) and compare")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="alternated rounds of profile and validation runs; medians reported (default 1)")
-    parser.add_argument("--iters", type=int, default=20,
-                        help="timed profile iterations (default 20); validation runs train this many steps")
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="bus bandwidth per rank, e.g. 100Gbit, 25GbE, 12.5GB/s; a comma list draws one line each",
+    )
+    parser.add_argument(
+        "--latency",
+        default="5us",
+        help="latency per allreduce step for --link, e.g. 5us (default), 0.5ms; one, or one per link",
+    )
+    parser.add_argument(
+        "--algorithm",
+        choices=["ring", "tree", "best"],
+        default="ring",
+        help="allreduce algorithm (default ring; best = faster per bucket)",
+    )
+    parser.add_argument(
+        "--bucket-caps",
+        default=DEFAULT_CAPS,
+        help=f"ddp.bucket_cap_mb values searched for the best (default {DEFAULT_CAPS})",
+    )
+    parser.add_argument(
+        "--validate",
+        default=None,
+        metavar="N,...",
+        help="also train at these world sizes here (e.g. 1,2,3) and compare",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternated rounds of profile and validation runs; medians reported (default 1)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20,
+        help="timed profile iterations (default 20); validation runs train this many steps",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     parser.add_argument(
-        "--allreduce-json", default=None, metavar="FILE",
-        help="fit the local link to this `ddpkit bench allreduce -o FILE.json` output instead of measuring"
+        "--allreduce-json",
+        default=None,
+        metavar="FILE",
+        help="fit the local link to this `ddpkit bench allreduce -o FILE.json` output instead of measuring",
     )
-    parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="plot predicted efficiency vs world size, one line per link (needs ddpkit[plot])")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="plot predicted efficiency vs world size, one line per link (needs ddpkit[plot])",
+    )
     add_output_arguments(parser, what="the profile, links and predictions")
 
 
@@ -113,8 +156,12 @@ def run(args: argparse.Namespace) -> int:
             "--validate: on GPUs only 1 rank can be checked for now (the profiles of N > 1 ranks run as worlds of "
             "one and would all share the first GPU); use --validate 1, or dist.device=cpu to check the CPU"
         )
-    params = {"config": str(Path(args.config).resolve()), "overrides": list(args.overrides), "iters": args.iters,
-              "warmup": args.warmup}
+    params = {
+        "config": str(Path(args.config).resolve()),
+        "overrides": list(args.overrides),
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }
     links = list(given)
     if validate or not given:
         links.insert(0, local_links(_allreduce_points(args.allreduce_json)))
@@ -126,13 +173,22 @@ def run(args: argparse.Namespace) -> int:
     checks = validation_rows(profiles, measured, links[0], algorithm=args.algorithm) if validate else []
     if checks:
         _print_validation(checks, links[0], rounds=args.rounds)
-    emit_results(args, {"profile": asdict(profile), "links": [asdict(link) for link in links], "predictions": rows,
-                        "validation": checks, "measured_ms": {str(n): v for n, v in measured.items()}})
+    emit_results(
+        args,
+        {
+            "profile": asdict(profile),
+            "links": [asdict(link) for link in links],
+            "predictions": rows,
+            "validation": checks,
+            "measured_ms": {str(n): v for n, v in measured.items()},
+        },
+    )
     if args.plot:
         from ddpkit.bench.scaling_plot import plot_efficiency
 
-        plot_efficiency(rows, args.plot,
-                        title=f"{Path(args.config).name}: predicted scaling ({args.algorithm} allreduce)")
+        plot_efficiency(
+            rows, args.plot, title=f"{Path(args.config).name}: predicted scaling ({args.algorithm} allreduce)"
+        )
         print(f"wrote {args.plot}")
     return 0
 
@@ -149,8 +205,10 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[Link], 
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
     if args.allreduce_json and not Path(args.allreduce_json).is_file():
-        raise BenchUsageError(f"--allreduce-json: {args.allreduce_json} is not a file; "
-                              "write one with `ddpkit bench allreduce --nproc-per-node 2,3 -o FILE.json`")
+        raise BenchUsageError(
+            f"--allreduce-json: {args.allreduce_json} is not a file; "
+            "write one with `ddpkit bench allreduce --nproc-per-node 2,3 -o FILE.json`"
+        )
     given: list[Link] = []
     if args.link:
         speeds = [part.strip() for part in args.link.split(",") if part.strip()]
@@ -182,10 +240,11 @@ def _allreduce_points(path: str | None) -> list[tuple[int, int, float]]:
     points = []
     for n in (2, 3):
         progress(f"[scaling] fitting the local link: allreduce on {n} ranks, {ALLREDUCE_SIZES} ...")
-        result = run_workers("allreduce",
-                             {"sizes": parse_sizes(ALLREDUCE_SIZES, factor=4), "iters": 20, "warmup": 3,
-                              "time_per_size": 0.3},
-                             nproc=n)
+        result = run_workers(
+            "allreduce",
+            {"sizes": parse_sizes(ALLREDUCE_SIZES, factor=4), "iters": 20, "warmup": 3, "time_per_size": 0.3},
+            nproc=n,
+        )
         points += [(r["bytes"], n, r["time_us"] * 1e-6) for r in result["rows"]]
     return points
 
@@ -235,11 +294,17 @@ def _profile(params: dict[str, Any], n: int) -> Profile:
         procs, results = [], [Path(tmp) / f"result{i}.json" for i in range(n)]
         for i, result in enumerate(results):
             spec = Path(tmp) / f"spec{i}.json"
-            spec.write_text(json.dumps({"kind": "scaling", "params": {**params, "mode": "profile"},
-                                        "result": str(result), "workdir": tmp}))
+            spec.write_text(
+                json.dumps(
+                    {"kind": "scaling", "params": {**params, "mode": "profile"}, "result": str(result), "workdir": tmp}
+                )
+            )
             env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-            procs.append(subprocess.Popen([sys.executable, "-m", "ddpkit.bench.worker", str(spec)],
-                                          env={**env, "OMP_NUM_THREADS": "1"}))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ddpkit.bench.worker", str(spec)], env={**env, "OMP_NUM_THREADS": "1"}
+                )
+            )
         try:
             codes = [proc.wait(timeout=_PROFILE_TIMEOUT) for proc in procs]
         finally:
@@ -248,8 +313,10 @@ def _profile(params: dict[str, Any], n: int) -> Profile:
                     proc.kill()
         if any(codes) or not all(r.exists() for r in results):
             raise BenchFailed(f"the scaling profile on {n} concurrent processes failed; see their output above")
-        profiles = sorted((profile_from_dict(json.loads(r.read_text())) for r in results),
-                          key=lambda p: statistics.median(p.step_samples_s))
+        profiles = sorted(
+            (profile_from_dict(json.loads(r.read_text())) for r in results),
+            key=lambda p: statistics.median(p.step_samples_s),
+        )
         return replace(profiles[n // 2], step_samples_s=tuple(sorted(s for p in profiles for s in p.step_samples_s)))
 
 
@@ -265,10 +332,19 @@ def prediction_rows(
                 cap, best = best_bucket_cap(profile, n, link, caps_mb=caps, algorithm=algorithm)
             else:
                 cap, best = profile.bucket_cap_mb or 25.0, p
-            rows.append({"link": link.label(), "ranks": n, "ms": p.step_s * 1e3, "samples_per_s": p.samples_per_s,
-                         "efficiency": p.efficiency,
-                         "exposed_ms": p.exposed_comm_s * 1e3, "straggler_ms": p.straggler_s * 1e3, "best_cap": cap,
-                         "best_efficiency": best.efficiency})
+            rows.append(
+                {
+                    "link": link.label(),
+                    "ranks": n,
+                    "ms": p.step_s * 1e3,
+                    "samples_per_s": p.samples_per_s,
+                    "efficiency": p.efficiency,
+                    "exposed_ms": p.exposed_comm_s * 1e3,
+                    "straggler_ms": p.straggler_s * 1e3,
+                    "best_cap": cap,
+                    "best_efficiency": best.efficiency,
+                }
+            )
     return rows
 
 
@@ -280,45 +356,94 @@ def validation_rows(
     for n, values in sorted(measured.items()):
         predicted = statistics.median(predict(p, n, link, algorithm).step_s * 1e3 for p in profiles[n])
         median = statistics.median(values)
-        rows.append({"ranks": n, "predicted_ms": predicted, "measured_ms": median,
-                     "spread": f"{min(values):.2f}..{max(values):.2f}",
-                     "error": predicted / median - 1,
-                     "compute_ms": statistics.median(p.single_step_s * 1e3 for p in profiles[n])})
+        rows.append(
+            {
+                "ranks": n,
+                "predicted_ms": predicted,
+                "measured_ms": median,
+                "spread": f"{min(values):.2f}..{max(values):.2f}",
+                "error": predicted / median - 1,
+                "compute_ms": statistics.median(p.single_step_s * 1e3 for p in profiles[n]),
+            }
+        )
     return rows
 
 
 def _print_predictions(rows: list[dict[str, Any]]) -> None:
-    columns = ["link", "ranks", "ms/step", "samples/s", "efficiency", "exposed comm ms", "slowest-rank wait ms",
-               "best bucket_cap_mb", "its efficiency"]
-    print(format_table(columns, [
-        [r["link"], str(r["ranks"]), fmt(r["ms"]), fmt(r["samples_per_s"]), f"{r['efficiency']:.3f}",
-         fmt(r["exposed_ms"]), fmt(r["straggler_ms"]), f"{r['best_cap']:g}", f"{r['best_efficiency']:.3f}"]
-        for r in rows
-    ]))
+    columns = [
+        "link",
+        "ranks",
+        "ms/step",
+        "samples/s",
+        "efficiency",
+        "exposed comm ms",
+        "slowest-rank wait ms",
+        "best bucket_cap_mb",
+        "its efficiency",
+    ]
+    print(
+        format_table(
+            columns,
+            [
+                [
+                    r["link"],
+                    str(r["ranks"]),
+                    fmt(r["ms"]),
+                    fmt(r["samples_per_s"]),
+                    f"{r['efficiency']:.3f}",
+                    fmt(r["exposed_ms"]),
+                    fmt(r["straggler_ms"]),
+                    f"{r['best_cap']:g}",
+                    f"{r['best_efficiency']:.3f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
 
 
 def _print_validation(checks: list[dict[str, Any]], link: Link, *, rounds: int) -> None:
-    print(f"\nvalidation on this machine ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, "
-          f"link {link.label()} fitted): predicted vs measured ms/step, medians of {rounds} round(s); "
-          "compute profiled on N ranks at once")
+    print(
+        f"\nvalidation on this machine ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, "
+        f"link {link.label()} fitted): predicted vs measured ms/step, medians of {rounds} round(s); "
+        "compute profiled on N ranks at once"
+    )
     columns = ["ranks", "predicted", "measured", "min..max", "error", "within 15%", "bare step on N at once"]
-    print(format_table(columns, [
-        [str(c["ranks"]), fmt(c["predicted_ms"]), fmt(c["measured_ms"]), c["spread"], f"{c['error']:+.1%}",
-         "yes" if abs(c["error"]) <= 0.15 else "NO", fmt(c["compute_ms"])]
-        for c in checks
-    ]))
+    print(
+        format_table(
+            columns,
+            [
+                [
+                    str(c["ranks"]),
+                    fmt(c["predicted_ms"]),
+                    fmt(c["measured_ms"]),
+                    c["spread"],
+                    f"{c['error']:+.1%}",
+                    "yes" if abs(c["error"]) <= 0.15 else "NO",
+                    fmt(c["compute_ms"]),
+                ]
+                for c in checks
+            ],
+        )
+    )
 
 
 def _print_profile(config: str, profile: Profile, cap: float | None, *, rounds: int) -> None:
-    print(f"scaling: {config}, {profile.batch_size} samples per rank per step, "
-          f"bucket_cap_mb={cap if cap is not None else 'default (25, first bucket 1 MiB)'}; "
-          f"one-rank profile (median round of {rounds})")
-    print(f"  one rank, bare model: {profile.single_step_s * 1e3:.3f} ms/step; DDP-wrapped phases: data "
-          f"{profile.data_s * 1e3:.3f} ms, forward {profile.forward_s * 1e3:.3f} ms, backward "
-          f"{profile.backward_s * 1e3:.3f} ms, optimizer {profile.optimizer_s * 1e3:.3f} ms")
+    print(
+        f"scaling: {config}, {profile.batch_size} samples per rank per step, "
+        f"bucket_cap_mb={cap if cap is not None else 'default (25, first bucket 1 MiB)'}; "
+        f"one-rank profile (median round of {rounds})"
+    )
+    print(
+        f"  one rank, bare model: {profile.single_step_s * 1e3:.3f} ms/step; DDP-wrapped phases: data "
+        f"{profile.data_s * 1e3:.3f} ms, forward {profile.forward_s * 1e3:.3f} ms, backward "
+        f"{profile.backward_s * 1e3:.3f} ms, optimizer {profile.optimizer_s * 1e3:.3f} ms"
+    )
     launches = ", ".join(f"{format_bytes(b.nbytes)}@{b.ready_s * 1e3:.2f}ms" for b in profile.buckets)
-    print(f"  {len(profile.buckets)} bucket(s), {format_bytes(profile.grad_bytes)} of gradients, "
-          f"in firing order (size@launch after backward began): {launches}")
+    print(
+        f"  {len(profile.buckets)} bucket(s), {format_bytes(profile.grad_bytes)} of gradients, "
+        f"in firing order (size@launch after backward began): {launches}"
+    )
     if profile.comm_factor != 1:
         print(f"  comm hook: {profile.comm_factor:g} bytes on the wire per gradient byte")
     print()
@@ -326,10 +451,12 @@ def _print_profile(config: str, profile: Profile, cap: float | None, *, rounds: 
 
 def profile_from_dict(data: dict[str, Any]) -> Profile:
     """The :class:`Profile` a worker sent back as JSON."""
-    return replace(Profile(**{**data, "buckets": (), "params": ()}),
-                   buckets=tuple(Bucket(**b) for b in data["buckets"]),
-                   params=tuple(Param(**p) for p in data["params"]),
-                   step_samples_s=tuple(data.get("step_samples_s", ())))
+    return replace(
+        Profile(**{**data, "buckets": (), "params": ()}),
+        buckets=tuple(Bucket(**b) for b in data["buckets"]),
+        params=tuple(Param(**p) for p in data["params"]),
+        step_samples_s=tuple(data.get("step_samples_s", ())),
+    )
 
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
@@ -339,8 +466,14 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
     if params["mode"] == "profile":
         from ddpkit.bench.scaling_profile import measure_profile
 
-        return asdict(measure_profile(load_config(params["config"], params["overrides"]), runtime,
-                                      iters=params["iters"], warmup=params["warmup"]))
+        return asdict(
+            measure_profile(
+                load_config(params["config"], params["overrides"]),
+                runtime,
+                iters=params["iters"],
+                warmup=params["warmup"],
+            )
+        )
     from ddpkit.bench.timed import TimedTrainer, benchmark_overrides, median_step_ms
 
     overrides = [*params["overrides"], *benchmark_overrides(workdir / "run", steps=params["warmup"] + params["iters"])]

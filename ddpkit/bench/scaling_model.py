@@ -131,10 +131,10 @@ class Prediction:
 
     world_size: int
     step_s: float
-    comm_s: float          # sum of the bucket allreduces
+    comm_s: float  # sum of the bucket allreduces
     exposed_comm_s: float  # how much of it the step waits for (not hidden behind backward)
     samples_per_s: float
-    efficiency: float      # single_step_s / step_s
+    efficiency: float  # single_step_s / step_s
     straggler_s: float = 0.0  # the median step's wait for the slowest of the n ranks
 
 
@@ -268,17 +268,32 @@ def predict(
     if n == 1:
         step = profile.single_step_s
         return Prediction(1, step, 0.0, 0.0, profile.batch_size / step, 1.0)
-    end, total = comm_end_s(buckets if buckets is not None else profile.buckets, n, link, algorithm,
-                            comm_factor=profile.comm_factor)
+    end, total = comm_end_s(
+        buckets if buckets is not None else profile.buckets, n, link, algorithm, comm_factor=profile.comm_factor
+    )
     compute = profile.data_s + profile.forward_s + profile.optimizer_s + profile.local_backward_s
     wait = straggler_s(profile.step_samples_s, n)
     step = compute + broadcast_s(profile.buffer_bytes, n, link) + max(profile.backward_s, end) + wait
-    return Prediction(n, step, total, max(0.0, end - profile.backward_s), n * profile.batch_size / step,
-                      profile.single_step_s / step, wait)
+    return Prediction(
+        n,
+        step,
+        total,
+        max(0.0, end - profile.backward_s),
+        n * profile.batch_size / step,
+        profile.single_step_s / step,
+        wait,
+    )
 
 
-def assumed_profile(step_s: float, grad_bytes: int, *, batch_size: int, backward_share: float = 2 / 3,
-                    cap_mb: float | None = None, pieces: int = 200) -> Profile:
+def assumed_profile(
+    step_s: float,
+    grad_bytes: int,
+    *,
+    batch_size: int,
+    backward_share: float = 2 / 3,
+    cap_mb: float | None = None,
+    pieces: int = 200,
+) -> Profile:
     """A profile from published numbers instead of a measurement (what-if studies, published checks).
 
     ``step_s`` is one device's whole step; ``backward_share`` of it is the backward, the rest
@@ -288,17 +303,28 @@ def assumed_profile(step_s: float, grad_bytes: int, *, batch_size: int, backward
     """
     backward = step_s * backward_share
     params = tuple(Param(grad_bytes // pieces, backward * (i + 1) / pieces) for i in range(pieces))
-    return Profile(batch_size=batch_size, data_s=0.0, forward_s=step_s - backward, backward_s=backward, optimizer_s=0.0,
-                   local_backward_s=0.0, single_step_s=step_s, buckets=tuple(assign_buckets(params, cap_mb=cap_mb)),
-                   params=params, bucket_cap_mb=cap_mb)
+    return Profile(
+        batch_size=batch_size,
+        data_s=0.0,
+        forward_s=step_s - backward,
+        backward_s=backward,
+        optimizer_s=0.0,
+        local_backward_s=0.0,
+        single_step_s=step_s,
+        buckets=tuple(assign_buckets(params, cap_mb=cap_mb)),
+        params=params,
+        bucket_cap_mb=cap_mb,
+    )
 
 
 def best_bucket_cap(
     profile: Profile, n: int, link: Link, *, caps_mb: Sequence[float], algorithm: Algorithm = "ring"
 ) -> tuple[float, Prediction]:
     """The ``bucket_cap_mb`` among ``caps_mb`` with the shortest predicted step (needs ``profile.params``)."""
-    options = [(cap, predict(profile, n, link, algorithm, buckets=assign_buckets(profile.params, cap_mb=cap)))
-               for cap in caps_mb]
+    options = [
+        (cap, predict(profile, n, link, algorithm, buckets=assign_buckets(profile.params, cap_mb=cap)))
+        for cap in caps_mb
+    ]
     return min(options, key=lambda option: option[1].step_s)
 
 

@@ -79,6 +79,7 @@ class _Recorder:
     def param_hook(self, index: int) -> Any:
         def ready(_: torch.Tensor) -> None:
             self.params[index] = time.perf_counter() - self.start
+
         return ready
 
 
@@ -90,9 +91,11 @@ def check_profiled_config(cfg: Config) -> None:
             "predict PowerSGD's traffic; override ddp.comm_hook=none"
         )
     if cfg.train.compile is not False:
-        raise BenchUsageError("train.compile: the scaling profile times the eager step (a hook on every gradient); "
-                              "override train.compile=false (compiled compute is usually "
-                              "faster, so the prediction errs on the slow side)")
+        raise BenchUsageError(
+            "train.compile: the scaling profile times the eager step (a hook on every gradient); "
+            "override train.compile=false (compiled compute is usually "
+            "faster, so the prediction errs on the slow side)"
+        )
 
 
 def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -> Profile:
@@ -107,13 +110,21 @@ def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -
         keep_freed_host_memory()
     seed_everything(cfg.run.seed)
     train_set, _ = DATASETS.build(cfg.data.name, key="data.name", kwargs=cfg.data.kwargs)
-    loader = build_train_loader(train_set, env=runtime.env, batch_size=cfg.data.batch_size,
-                                num_workers=cfg.data.num_workers,
-                                shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, seed=cfg.run.seed)
+    loader = build_train_loader(
+        train_set,
+        env=runtime.env,
+        batch_size=cfg.data.batch_size,
+        num_workers=cfg.data.num_workers,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+        seed=cfg.run.seed,
+    )
     bare, unwrapped = (_build_model(cfg, runtime) for _ in range(2))
     wrapped, recorder = _wrap_recorded(cfg, runtime, unwrapped)
-    variants = [(bare, build_optimizer(bare.parameters(), cfg.optim)),
-                (wrapped, build_optimizer(wrapped.parameters(), cfg.optim))]
+    variants = [
+        (bare, build_optimizer(bare.parameters(), cfg.optim)),
+        (wrapped, build_optimizer(wrapped.parameters(), cfg.optim)),
+    ]
     batches, samples = _batches(loader, runtime.device), []
     for i in range(warmup + iters):
         for model, optimizer in variants:
@@ -199,21 +210,36 @@ def _step(
 
 def _summarise(cfg: Config, wrapped: nn.Module, ddp: list[dict[str, Any]], bare: list[dict[str, Any]]) -> Profile:
     """Medians per phase, per bucket and per parameter over the timed iterations; every DDP step's time."""
+
     def median(key: str, rows: list[dict[str, Any]] = ddp) -> float:
         return statistics.median(row[key] for row in rows)
 
     layout = ddp[-1]["buckets"]  # the rebuilt buckets: the same sizes in every timed iteration
-    buckets = tuple(Bucket(size, statistics.median(row["buckets"][i][1] for row in ddp))
-                    for i, (size, _) in enumerate(layout))
+    buckets = tuple(
+        Bucket(size, statistics.median(row["buckets"][i][1] for row in ddp)) for i, (size, _) in enumerate(layout)
+    )
     params = [p for p in wrapped.parameters() if p.requires_grad]
-    ready = [Param(p.numel() * p.element_size(), statistics.median(row["params"].get(i, 0.0) for row in ddp),
-                   str(p.dtype).removeprefix("torch."))
-             for i, p in enumerate(params)]
+    ready = [
+        Param(
+            p.numel() * p.element_size(),
+            statistics.median(row["params"].get(i, 0.0) for row in ddp),
+            str(p.dtype).removeprefix("torch."),
+        )
+        for i, p in enumerate(params)
+    ]
     buffers = sum(b.numel() * b.element_size() for b in wrapped.module.buffers()) if cfg.ddp.broadcast_buffers else 0
     return Profile(
-        batch_size=cfg.data.batch_size * cfg.train.grad_accum_steps, data_s=median("data"), forward_s=median("forward"),
+        batch_size=cfg.data.batch_size * cfg.train.grad_accum_steps,
+        data_s=median("data"),
+        forward_s=median("forward"),
         backward_s=median("backward"),
-        optimizer_s=median("optimizer"), local_backward_s=median("local_backward"), single_step_s=median("step", bare),
-        buckets=buckets, params=tuple(ready), buffer_bytes=buffers, comm_factor=COMM_FACTOR[cfg.ddp.comm_hook],
-        bucket_cap_mb=cfg.ddp.bucket_cap_mb, step_samples_s=tuple(sorted(row["step"] for row in ddp)),
+        optimizer_s=median("optimizer"),
+        local_backward_s=median("local_backward"),
+        single_step_s=median("step", bare),
+        buckets=buckets,
+        params=tuple(ready),
+        buffer_bytes=buffers,
+        comm_factor=COMM_FACTOR[cfg.ddp.comm_hook],
+        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+        step_samples_s=tuple(sorted(row["step"] for row in ddp)),
     )

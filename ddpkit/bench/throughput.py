@@ -37,22 +37,33 @@ _IMAGE_SHAPE = (3, 224, 224)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="a registered model (mlp, mnist_cnn) or any torchvision model (resnet18, ...)")
+    parser.add_argument(
+        "--model", required=True, help="a registered model (mlp, mnist_cnn) or any torchvision model (resnet18, ...)"
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-    parser.add_argument("--nproc-per-node", default="1,2",
-                        help="comma-separated world sizes to run, one node (default 1,2)")
+    parser.add_argument(
+        "--nproc-per-node", default="1,2", help="comma-separated world sizes to run, one node (default 1,2)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                        help="autocast precision (fp16: CUDA only)")
-    parser.add_argument("--input-shape", default=None,
-                        help="per-sample shape, e.g. 3,32,32 (default: 1,28,28 for mlp/mnist_cnn, else 3,224,224)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every world size this many times, alternating; report medians")
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast precision (fp16: CUDA only)"
+    )
+    parser.add_argument(
+        "--input-shape",
+        default=None,
+        help="per-sample shape, e.g. 3,32,32 (default: 1,28,28 for mlp/mnist_cnn, else 3,224,224)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every world size this many times, alternating; report medians"
+    )
     parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank on the CPU (default 1)")
-    parser.add_argument("--plot", default=None, metavar="OUT.png",
-                        help="also plot scaling efficiency vs world size (needs matplotlib: ddpkit[plot])")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="also plot scaling efficiency vs world size (needs matplotlib: ddpkit[plot])",
+    )
     add_output_arguments(parser)
 
 
@@ -61,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
     counts = _check(args)
     shape = _input_shape(args.input_shape, args.model)
     params = {
-        "model": args.model, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-        "precision": args.precision, "shape": list(shape),
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "precision": args.precision,
+        "shape": list(shape),
     }
     runs: dict[int, list[float]] = {n: [] for n in counts}
     for round_index in range(args.rounds):
@@ -76,13 +91,26 @@ def run(args: argparse.Namespace) -> int:
             runs[n].append(result["ms_per_step"])
             progress(f"[throughput]   {n} process(es): {result['ms_per_step']:.2f} ms/step")
     rows = efficiency_rows({n: Stats.of(ms) for n, ms in runs.items()}, batch_size=args.batch_size)
-    print(f"throughput: {args.model}, batch {args.batch_size} per rank, {args.precision}, input "
-          f"{'x'.join(map(str, shape))}, {args.steps} timed steps, median of {args.rounds} round(s)")
-    print(format_table(
-        ["nproc", "global batch", "ms/step", "min..max", "samples/s", "efficiency"],
-        [[str(r["nproc"]), str(r["global_batch"]), fmt(r["ms_per_step"]), r["spread"], fmt(r["samples_per_s"]),
-          "-" if r["efficiency"] is None else f"{r['efficiency']:.3f}"] for r in rows],
-    ))
+    print(
+        f"throughput: {args.model}, batch {args.batch_size} per rank, {args.precision}, input "
+        f"{'x'.join(map(str, shape))}, {args.steps} timed steps, median of {args.rounds} round(s)"
+    )
+    print(
+        format_table(
+            ["nproc", "global batch", "ms/step", "min..max", "samples/s", "efficiency"],
+            [
+                [
+                    str(r["nproc"]),
+                    str(r["global_batch"]),
+                    fmt(r["ms_per_step"]),
+                    r["spread"],
+                    fmt(r["samples_per_s"]),
+                    "-" if r["efficiency"] is None else f"{r['efficiency']:.3f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
     emit_results(args, {"params": params, "rounds": {str(n): ms for n, ms in runs.items()}, "rows": rows})
     if args.plot:
         from ddpkit.bench.plotting import plot_scaling
@@ -98,8 +126,12 @@ def _check(args: argparse.Namespace) -> list[int]:
     from ddpkit.registry import MODELS
 
     counts = parse_nproc(args.nproc_per_node)
-    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--rounds", args.rounds),
-                          ("--threads-per-rank", args.threads_per_rank)):
+    for option, value in (
+        ("--batch-size", args.batch_size),
+        ("--steps", args.steps),
+        ("--rounds", args.rounds),
+        ("--threads-per-rank", args.threads_per_rank),
+    ):
         if value < 1:
             raise BenchUsageError(f"{option}: {value} must be at least 1")
     if args.warmup < 0:
@@ -118,10 +150,15 @@ def efficiency_rows(step_ms: dict[int, Stats], *, batch_size: int) -> list[dict[
     """Per world size: step time, samples/s and ``throughput_N / (N x throughput_1)`` (None without N=1)."""
     rows = []
     for n, stats in sorted(step_ms.items()):
-        rows.append({
-            "nproc": n, "global_batch": n * batch_size, "ms_per_step": stats.median, "spread": stats.spread(),
-            "samples_per_s": n * batch_size * 1000 / stats.median,
-        })
+        rows.append(
+            {
+                "nproc": n,
+                "global_batch": n * batch_size,
+                "ms_per_step": stats.median,
+                "spread": stats.spread(),
+                "samples_per_s": n * batch_size * 1000 / stats.median,
+            }
+        )
     base = next((r["samples_per_s"] for r in rows if r["nproc"] == 1), None)
     for row in rows:
         row["efficiency"] = None if base is None else row["samples_per_s"] / (row["nproc"] * base)
@@ -135,8 +172,11 @@ def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[s
         {
             "run": {"name": "bench-throughput", "seed": 0},
             # Eight batches per rank, reused epoch after epoch: memory stays small for any step count.
-            "data": {"name": "synthetic", "batch_size": batch,
-                     "kwargs": {"size": 8 * batch * runtime.env.world_size, "shape": params["shape"]}},
+            "data": {
+                "name": "synthetic",
+                "batch_size": batch,
+                "kwargs": {"size": 8 * batch * runtime.env.world_size, "shape": params["shape"]},
+            },
             "model": {"name": params["model"]},
             "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
             "train": {"precision": params["precision"]},

@@ -106,7 +106,7 @@ def steady_ms_per_step(stamps: Sequence[float], *, warmup: int) -> float:
 
 def median_step_ms(stamps: Sequence[float], *, warmup: int) -> float:
     """Median milliseconds of the single steps after the warm-up: robust to bursts of other work."""
-    gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
+    gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
     if not gaps:
         raise ValueError("no timed steps after the warm-up")
     return statistics.median(gaps) * 1000

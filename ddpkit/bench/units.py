@@ -17,8 +17,19 @@ from ddpkit.errors import DdpkitError
 
 __all__ = ["BenchUsageError", "parse_size", "parse_sizes", "parse_nproc", "parse_floats", "format_bytes"]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 #: Upper bound on how many sizes one range may expand to (a typo like 1B..1GB:1.001 would hang).
 MAX_SIZES = 64

@@ -32,8 +32,10 @@ def serve(spec_path: str | os.PathLike, workers: Mapping[str, Callable[..., dict
     """Run the worker the spec names on this rank inside one process group; return the exit code."""
     spec = json.loads(Path(spec_path).read_text())
     if spec["kind"] not in workers:
-        print(f"benchmark worker: unknown kind {spec['kind']!r}; this program serves {', '.join(workers)}",
-              file=sys.stderr)
+        print(
+            f"benchmark worker: unknown kind {spec['kind']!r}; this program serves {', '.join(workers)}",
+            file=sys.stderr,
+        )
         return 2
 
     def job() -> None:

@@ -34,8 +34,11 @@ class BestCheckpoint:
         best = config.checkpoint.best
         if best is None:
             return None
-        return cls(BestTracker(best.metric, best.mode, key="checkpoint.best.metric"), checkpointer=checkpointer,
-                   progress=progress)
+        return cls(
+            BestTracker(best.metric, best.mode, key="checkpoint.best.metric"),
+            checkpointer=checkpointer,
+            progress=progress,
+        )
 
     def on_validation_end(self, metrics: dict[str, float]) -> None:
         if self.tracker.update(metrics):

@@ -106,5 +106,7 @@ def read_boundary(path: Path, step: int) -> tuple[torch.Tensor, bool] | None:
     (marker,) = TRAILER.unpack_from(data, start + HEADER.size + capacity)
     if got != step or marker != step or not 0 < length <= capacity:
         return None
-    return (torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8),
-            bool(final))
+    return (
+        torch.frombuffer(bytearray(data[start + HEADER.size : start + HEADER.size + length]), dtype=torch.uint8),
+        bool(final),
+    )

@@ -155,8 +155,11 @@ class Checkpointer:
         self._last_saved_step = self.progress.step
         for name in self.user_parts:
             if state.get(name) is None:
-                log.warning("resuming from %s, which holds no part %r (Trainer.checkpoint_parts): it starts as built",
-                            path, name)
+                log.warning(
+                    "resuming from %s, which holds no part %r (Trainer.checkpoint_parts): it starts as built",
+                    path,
+                    name,
+                )
         log.info("resuming from %s (step %d)", path, self.progress.step)
         return True
 
@@ -233,8 +236,9 @@ class Checkpointer:
         failure = measured = None
         if self.rank == 0:
             ck = self.config.checkpoint
-            kwargs = dict(step=step, name=name, keep_last=ck.keep_last,
-                          meta=manifest_fields(state, epoch=self.progress.epoch))
+            kwargs = dict(
+                step=step, name=name, keep_last=ck.keep_last, meta=manifest_fields(state, epoch=self.progress.epoch)
+            )
             try:
                 if self._writer is not None:  # waits for the previous write: its failure is reported here
                     self._writer.stage_and_submit(state, self.config.checkpoint_dir, **kwargs)
@@ -255,8 +259,9 @@ class Checkpointer:
     def _uploaded(self, step: int, name: str | None, *, suffix: str) -> None:
         """Queue the store's copy of the save just made (``checkpoint.dir`` a URL); returns at once."""
         if self.mirror is not None:
-            self.mirror.saved(ckpt.checkpoint_path(self.config.checkpoint_dir, step=step, name=name, suffix=suffix),
-                              step=step)
+            self.mirror.saved(
+                ckpt.checkpoint_path(self.config.checkpoint_dir, step=step, name=name, suffix=suffix), step=step
+            )
 
     def wait(self) -> None:
         """Block until background saves are on disk (a failed one stops every rank); then, if a signal stopped the

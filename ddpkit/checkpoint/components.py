@@ -29,7 +29,14 @@ from ddpkit.errors import CheckpointError
 from ddpkit.progress import Progress
 
 __all__ = [
-    "StateTree", "Stateful", "Ledger", "Capturer", "Progress", "Components", "read_checkpoint", "METADATA_KEYS",
+    "StateTree",
+    "Stateful",
+    "Ledger",
+    "Capturer",
+    "Progress",
+    "Components",
+    "read_checkpoint",
+    "METADATA_KEYS",
     "REQUIRED_COMPONENTS",
 ]
 
@@ -44,8 +51,15 @@ _FORMAT_1_TOP_LEVEL = ("model", "optimizer", "scheduler", "scaler", "progress")
 
 #: A state dict as torch.save writes it: tensors and plain values, nested in dicts, lists and tuples.
 StateTree = (
-    torch.Tensor | dict[str, "StateTree"] | list["StateTree"] | tuple["StateTree", ...]
-    | int | float | str | bool | None
+    torch.Tensor
+    | dict[str, "StateTree"]
+    | list["StateTree"]
+    | tuple["StateTree", ...]
+    | int
+    | float
+    | str
+    | bool
+    | None
 )
 
 

@@ -188,8 +188,13 @@ class CrashSave(Listener):
             return  # that step is on disk already
         state = self._capture(progress, torch_rng)
         meta = manifest_fields(state, epoch=progress["epoch"], crash_save=True)
-        ckpt.save_checkpoint(state, self.config.checkpoint_dir, step=progress["step"],
-                             keep_last=self.config.checkpoint.keep_last, meta=meta)
+        ckpt.save_checkpoint(
+            state,
+            self.config.checkpoint_dir,
+            step=progress["step"],
+            keep_last=self.config.checkpoint.keep_last,
+            meta=meta,
+        )
         cause = first_line(error)
         log.warning("rank %d saved step %d after %s: %s", self.rank, progress["step"], type(error).__name__, cause)
         if self.ledger is not None:
@@ -226,8 +231,12 @@ class CrashSave(Listener):
                 missing.append(rank)
             streams.append({**mine, "torch": theirs})
         if missing:
-            log.warning("crash save: no torch RNG state of step %d for rank(s) %s; they continue rank %d's stream",
-                        step, missing, self.rank)
+            log.warning(
+                "crash save: no torch RNG state of step %d for rank(s) %s; they continue rank %d's stream",
+                step,
+                missing,
+                self.rank,
+            )
         return streams
 
     def _capture(self, progress: dict[str, int], torch_rng: torch.Tensor) -> dict[str, Any]:

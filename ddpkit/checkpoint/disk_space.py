@@ -73,16 +73,21 @@ def room_check(directory: Path, *, needed: int, what: str) -> None:
     log.warning(
         "ddpkit: %s needs about %s, but only %s is free in %s: free space now, or the save will fail "
         "(the run then stops with the newest complete checkpoint kept)",
-        what, human_bytes(needed), human_bytes(free), directory,
+        what,
+        human_bytes(needed),
+        human_bytes(free),
+        directory,
     )
 
 
-def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int,
-                  newest: Path | None) -> CheckpointError:
+def write_failure(
+    what: str, directory: Path, exc: BaseException, *, needed: int, newest: Path | None
+) -> CheckpointError:
     """The one-line error for a failed checkpoint write (raise it ``from None``)."""
     free = free_bytes(directory)
     no_space = (
-        getattr(exc, "errno", None) in _NO_SPACE or (free is not None and free < needed)
+        getattr(exc, "errno", None) in _NO_SPACE
+        or (free is not None and free < needed)
         # DCP wraps each rank's error
         or any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded"))
     )
@@ -90,7 +95,8 @@ def write_failure(what: str, directory: Path, exc: BaseException, *, needed: int
     room = f"it needs about {human_bytes(needed)}, {human_bytes(free) if free is not None else 'unknown space'} free"
     kept = (
         f"the newest complete checkpoint is {newest.name} (valid, kept); "
-        if newest is not None else "there is no earlier complete checkpoint; "
+        if newest is not None
+        else "there is no earlier complete checkpoint; "
     )
     fix = "free space" if no_space else "fix the cause"
     return CheckpointError(

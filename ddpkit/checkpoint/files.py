@@ -91,8 +91,13 @@ def manifest_path(path: Path) -> Path:
 
 
 def save_checkpoint(
-    state: dict[str, Any], directory: str | os.PathLike, *, step: int, name: str | None = None,
-    keep_last: int | None = None, meta: dict[str, Any] | None = None,
+    state: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    name: str | None = None,
+    keep_last: int | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Write ``state`` crash-safely as ``step-<step>.pt`` (or ``<name>.pt``) plus its manifest.
 
@@ -115,15 +120,21 @@ def save_checkpoint(
     try:
         digest, size = write_atomically(path, lambda f: torch.save(state, f), durable=True)
         manifest = {
-            "format": FORMAT_VERSION, "file": path.name, "bytes": size, "sha256": digest, "step": step,
-            "created": time.time(), **(meta or {}),
+            "format": FORMAT_VERSION,
+            "file": path.name,
+            "bytes": size,
+            "sha256": digest,
+            "step": step,
+            "created": time.time(),
+            **(meta or {}),
         }
         write_atomically(manifest_path(path), json.dumps(manifest, indent=1), durable=True)
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
         path.unlink(missing_ok=True)  # a data file without its manifest is no checkpoint: give its space back
         newest = list_checkpoints(directory)
-        raise write_failure(f"checkpoint {path.name}", directory, exc, needed=needed,
-                            newest=newest[-1].path if newest else None) from None
+        raise write_failure(
+            f"checkpoint {path.name}", directory, exc, needed=needed, newest=newest[-1].path if newest else None
+        ) from None
     if keep_last is not None:
         prune(directory, keep_last)
     return CheckpointInfo(path, manifest)
@@ -134,8 +145,9 @@ def _refuse_shards(state: StateTree) -> None:
     values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
     for value in values:
         if hasattr(value, "full_tensor"):
-            raise CheckpointError("a single-file checkpoint cannot hold FSDP2's DTensor shards; "
-                                  "sharded runs save DCP directories")
+            raise CheckpointError(
+                "a single-file checkpoint cannot hold FSDP2's DTensor shards; sharded runs save DCP directories"
+            )
         _refuse_shards(value)
 
 
@@ -176,18 +188,23 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
     try:
         manifest = json.loads(manifest_path(path).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no manifest {manifest_path(path).name}: "
-                              "the write did not finish") from None
+        raise CheckpointError(
+            f"checkpoint {path} has no manifest {manifest_path(path).name}: the write did not finish"
+        ) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is unreadable: {exc}") from None
-    if (not isinstance(manifest, dict) or not {"bytes", "sha256", "step"} <= manifest.keys()
-            or type(manifest["step"]) is not int):
+    if (
+        not isinstance(manifest, dict)
+        or not {"bytes", "sha256", "step"} <= manifest.keys()
+        or type(manifest["step"]) is not int
+    ):
         raise CheckpointError(f"checkpoint manifest {manifest_path(path)} is not a ddpkit manifest")
     try:
         size = path.stat().st_size if path.is_file() else None
         if size != manifest["bytes"]:
-            raise CheckpointError(f"checkpoint {path} is truncated or altered: {size} bytes, "
-                                  f"manifest says {manifest['bytes']}")
+            raise CheckpointError(
+                f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}"
+            )
         if verify_hash and _sha256(path) != manifest["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
     except OSError as exc:  # unreadable (permissions, a lost mount): not a checkpoint this run can use
@@ -200,16 +217,23 @@ def _validate_dcp(path: Path) -> CheckpointInfo:
     try:
         manifest = json.loads(manifest_path(path).read_text())
     except (OSError, ValueError):
-        raise CheckpointError(f"sharded checkpoint {path} has no readable manifest {manifest_path(path).name}: "
-                              "the save did not finish") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != "dcp" or manifest.get("file") != path.name
-            or type(manifest.get("step")) is not int):
-        raise CheckpointError(f"sharded checkpoint {path}: its manifest {manifest_path(path).name} "
-                              "describes another file")
+        raise CheckpointError(
+            f"sharded checkpoint {path} has no readable manifest {manifest_path(path).name}: the save did not finish"
+        ) from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != "dcp"
+        or manifest.get("file") != path.name
+        or type(manifest.get("step")) is not int
+    ):
+        raise CheckpointError(
+            f"sharded checkpoint {path}: its manifest {manifest_path(path).name} describes another file"
+        )
     for name, size in manifest.get("files", {}).items():
         if not (path / name).is_file() or (path / name).stat().st_size != size:
-            raise CheckpointError(f"sharded checkpoint {path} is incomplete or altered: "
-                                  f"{name} is missing or not {size} bytes")
+            raise CheckpointError(
+                f"sharded checkpoint {path} is incomplete or altered: {name} is missing or not {size} bytes"
+            )
     return CheckpointInfo(path, manifest)
 
 

@@ -118,5 +118,8 @@ class AutoInterval:
         if self.measured and abs(every - self.every) <= CHANGE * self.every:
             return
         self.every, self.measured = every, True
-        log.info(describe(every, since=since, save_seconds=save_seconds, step_seconds=step_seconds,
-                          mtbf_hours=self.mtbf_hours))
+        log.info(
+            describe(
+                every, since=since, save_seconds=save_seconds, step_seconds=step_seconds, mtbf_hours=self.mtbf_hours
+            )
+        )

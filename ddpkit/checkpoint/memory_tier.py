@@ -113,8 +113,9 @@ def remove_stale(directory: Path, disk_step: int) -> None:
 class MemorySnapshots(Listener):
     """Takes a snapshot every ``checkpoint.memory_every_steps`` steps (see the module docstring)."""
 
-    def __init__(self, config: Config, runtime: Runtime, checkpointer: Capturer, *, every: int,
-                 ledger: Ledger | None = None):
+    def __init__(
+        self, config: Config, runtime: Runtime, checkpointer: Capturer, *, every: int, ledger: Ledger | None = None
+    ):
         self.config, self.checkpointer, self.every, self.ledger = config, checkpointer, every, ledger
         self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
@@ -154,8 +155,9 @@ class MemorySnapshots(Listener):
         written."""
         needed = state_bytes(state)
         if (free := short_of_room(SHM, needed=needed)) is not None:
-            return self._stop_writing(f"a snapshot needs about {human_bytes(needed)} and {SHM} has "
-                                      f"{human_bytes(free)} free")
+            return self._stop_writing(
+                f"a snapshot needs about {human_bytes(needed)} and {SHM} has {human_bytes(free)} free"
+            )
         meta = manifest_fields(state, epoch=self.checkpointer.progress.epoch, memory=True)
         try:
             # reused (pinned) host buffers
@@ -171,10 +173,13 @@ class MemorySnapshots(Listener):
         snapshots only."""
         self._failed = True
         cause = str(why).split("; ")[0]  # a failed write's first clause; the rest is a disk checkpoint's resume advice
-        log.warning("memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. "
-                    "Give %s more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) "
-                    "or set checkpoint.memory_every_steps: null",
-                    cause, SHM)
+        log.warning(
+            "memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. "
+            "Give %s more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) "
+            "or set checkpoint.memory_every_steps: null",
+            cause,
+            SHM,
+        )
 
     def _plan(self, step: int) -> None:
         """`auto`'s first interval, counted from the run's start, from an estimated blocking time (one broadcast)."""
@@ -182,8 +187,9 @@ class MemorySnapshots(Listener):
         model = self.checkpointer.components["model"]
         # parameters and up to 2 optimizer states
         state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-        self._adapt(step, blocked=estimated_block(state_bytes), trained=time.perf_counter() - self._last_time,
-                    estimated=True)
+        self._adapt(
+            step, blocked=estimated_block(state_bytes), trained=time.perf_counter() - self._last_time, estimated=True
+        )
 
     def _adapt(self, step: int, *, blocked: float, trained: float, estimated: bool = False) -> None:
         """Space snapshots by Young/Daly from the blocking time just measured, within BUDGET of the training.
@@ -193,12 +199,21 @@ class MemorySnapshots(Listener):
         per_step = max(trained / max(1, step - self._last), 1e-9)  # no early return: every rank must join the broadcast
         period = young_daly_seconds(self.config.checkpoint.mtbf_hours, blocked)
         every, period, blocked, per_step = broadcast_object(
-            (interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step))
+            (interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step)
+        )
         if estimated or abs(every - self.every) > CHANGE * self.every:
-            log.info("memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, "
-                     "checkpoint.mtbf_hours=%g: Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
-                     every, self._last if estimated else step, blocked * 1e3, " (estimated)" if estimated else "",
-                     per_step * 1e3, self.config.checkpoint.mtbf_hours, period, BUDGET * 100)
+            log.info(
+                "memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, "
+                "checkpoint.mtbf_hours=%g: Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
+                every,
+                self._last if estimated else step,
+                blocked * 1e3,
+                " (estimated)" if estimated else "",
+                per_step * 1e3,
+                self.config.checkpoint.mtbf_hours,
+                period,
+                BUDGET * 100,
+            )
             self.every = every
 
     def on_exit(self, status: str) -> None:

@@ -121,16 +121,18 @@ class StopOnSignal:
                 self._previous[number] = signal.signal(number, self._on_signal)
         # Without handlers (a loop in a worker thread) this rank still follows another rank's request.
         if numbers and self._store is not None and world_size > 1:
-            self._thread = threading.Thread(target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._poll, args=(poll_interval,), name="ddpkit-stop-poll", daemon=True
+            )
             self._thread.start()
 
     @classmethod
     def for_run(cls, config: Config, runtime: Runtime, *, key: bytes) -> StopOnSignal:
         """The stop of this run: handlers for ``checkpoint.save_on_signals``, the store's protocol between ranks."""
         env = runtime.env
-        return cls(config.checkpoint.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size,
-                   key=key)
+        return cls(
+            config.checkpoint.save_on_signals, store=runtime.store, rank=env.rank, world_size=env.world_size, key=key
+        )
 
     def __enter__(self) -> StopOnSignal:
         return self

@@ -49,18 +49,25 @@ def choose_checkpoint(config: Config, *, rank: int) -> tuple[str, dict[str, Any]
     return choice, read_checkpoint(read_any(choice), path=choice)  # a file, or a sharded checkpoint's state.pt
 
 
-def check_compatible(state: dict[str, Any], path: str, config: Config, *, world_size: int,
-                     components: Components) -> None:
+def check_compatible(
+    state: dict[str, Any], path: str, config: Config, *, world_size: int, components: Components
+) -> None:
     """Refuse a checkpoint whose run differs in fields that change the math (unless allowed), naming each field."""
     elastic, saved_world_size = config.data.global_batch_size is not None, state["world_size"]
     differences = config_differences(
-        state["config"], config_to_dict(config), saved_world_size=saved_world_size, world_size=world_size,
-        elastic=elastic
+        state["config"],
+        config_to_dict(config),
+        saved_world_size=saved_world_size,
+        world_size=world_size,
+        elastic=elastic,
     )
     if elastic and saved_world_size != world_size and not differences:
         log.info(
             "resuming on %d rank(s) a run checkpointed on %d: same samples per step (data.global_batch_size=%d); "
-            "each rank continues rank 0's random streams", world_size, saved_world_size, config.data.global_batch_size,
+            "each rank continues rank 0's random streams",
+            world_size,
+            saved_world_size,
+            config.data.global_batch_size,
         )
     differences += _legacy_order_difference(state["config"], components)
     if differences and not config.checkpoint.allow_config_change:

@@ -53,8 +53,15 @@ if TYPE_CHECKING:  # annotations only: the store's upload process imports this m
     from ddpkit.distributed.process_group import Runtime
 
 __all__ = [
-    "LOCK_NAME", "REFRESH_S", "STALE_AFTER_S", "RunDirectoryLocked", "LockHolder", "RunLock", "cannot_write",
-    "read_holder", "start_ticks",
+    "LOCK_NAME",
+    "REFRESH_S",
+    "STALE_AFTER_S",
+    "RunDirectoryLocked",
+    "LockHolder",
+    "RunLock",
+    "cannot_write",
+    "read_holder",
+    "start_ticks",
 ]
 
 log = logging.getLogger("ddpkit")
@@ -115,8 +122,14 @@ def read_holder(directory: Path) -> LockHolder | None:
     try:
         age = time.time() - path.stat().st_mtime
         fields = json.loads(path.read_text())
-        return LockHolder(str(fields["host"]), int(fields["pid"]), fields.get("start_ticks"), float(fields["since"]),
-                          str(fields["token"]), age)
+        return LockHolder(
+            str(fields["host"]),
+            int(fields["pid"]),
+            fields.get("start_ticks"),
+            float(fields["since"]),
+            str(fields["token"]),
+            age,
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):  # being written right now, or by a run killed while writing it
@@ -162,8 +175,9 @@ class RunLock:
         None."""
         for key, directory in (("run.output_dir", self.directory), ("checkpoint.dir", self.checkpoint_dir)):
             if directory is not None and (why := cannot_write(directory)):
-                return False, (f"{key}: cannot write to {directory}: {why}; "
-                               f"point {key} at a directory this user can write")
+                return False, (
+                    f"{key}: cannot write to {directory}: {why}; point {key} at a directory this user can write"
+                )
         return None
 
     def __exit__(self, *exc: Any) -> None:
@@ -185,11 +199,13 @@ class RunLock:
                     f"run directory {self.directory} is in use by another run ({holder.describe()}): "
                     "give this run another run.name (or run.output_dir), or stop that run first"
                 )
-            log.warning("ddpkit: taking over the stale lock of %s (%s is no longer running)", self.directory,
-                        holder.describe())
+            log.warning(
+                "ddpkit: taking over the stale lock of %s (%s is no longer running)", self.directory, holder.describe()
+            )
             (self.directory / LOCK_NAME).unlink(missing_ok=True)
-        raise RunDirectoryLocked(f"run directory {self.directory}: could not take its lock {LOCK_NAME}; "
-                                 "is another run starting there?")
+        raise RunDirectoryLocked(
+            f"run directory {self.directory}: could not take its lock {LOCK_NAME}; is another run starting there?"
+        )
 
     def _create(self) -> bool:
         assert self.directory is not None
@@ -197,8 +213,13 @@ class RunLock:
             fd = os.open(self.directory / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        fields = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": start_ticks(os.getpid()),
-                  "since": time.time(), "token": self.token}
+        fields = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "start_ticks": start_ticks(os.getpid()),
+            "since": time.time(),
+            "token": self.token,
+        }
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(fields))
         return True

@@ -49,8 +49,15 @@ from ddpkit.errors import CheckpointError, first_line
 from ddpkit.training.param_groups import merge_to_one_group
 
 __all__ = [
-    "ShardedParts", "save_sharded", "save_sharded_async", "finish_async",
-    "load_sharded", "is_sharded_checkpoint", "export_model", "split_tensors", "merge",
+    "ShardedParts",
+    "save_sharded",
+    "save_sharded_async",
+    "finish_async",
+    "load_sharded",
+    "is_sharded_checkpoint",
+    "export_model",
+    "split_tensors",
+    "merge",
 ]
 
 
@@ -67,6 +74,7 @@ def state_dict_api() -> Any:
     import torch.distributed.checkpoint.state_dict as api
 
     return api
+
 
 log = logging.getLogger("ddpkit")
 
@@ -116,12 +124,16 @@ class ShardedParts:
     def state_dict(self) -> dict[str, Any]:
         api = state_dict_api()
         if not self._zero:
-            return {"model": api.get_model_state_dict(self.model),
-                    "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer)}
+            return {
+                "model": api.get_model_state_dict(self.model),
+                "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer),
+            }
         local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
         groups = [{**_hyper(g), "params": [self._names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
-        return {"model": api.get_model_state_dict(self.model),
-                "optimizer": {"state": local["state"], "param_groups": groups}}
+        return {
+            "model": api.get_model_state_dict(self.model),
+            "optimizer": {"state": local["state"], "param_groups": groups},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         api = state_dict_api()
@@ -136,7 +148,8 @@ class ShardedParts:
             raise CheckpointError(
                 f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this zero1 run's has "
                 f"{len(self.optimizer.param_groups)} (optim.decay / optim.groups); resume with the grouping it was "
-                "written with (optim.decay=all for a checkpoint of an earlier release), or resume under ddp or fsdp2")
+                "written with (optim.decay=all for a checkpoint of an earlier release), or resume under ddp or fsdp2"
+            )
         for zero_group, saved in zip(self.optimizer.param_groups, saved_groups):
             zero_group.update(_hyper(saved))  # ZeRO copies these to its local optimizer at each step
         local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)
@@ -144,7 +157,6 @@ class ShardedParts:
         owned = {name for g in groups for name in g["params"]}
         states = {name: value for name, value in state["optimizer"]["state"].items() if name in owned}
         api.set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
-
 
     def load_full(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
@@ -163,8 +175,9 @@ class ShardedParts:
         names = dict(zip(ids, (self._names[p] for g in self.optimizer.param_groups for p in g["params"])))
         state = {names[i]: value for i, value in optimizer_state["state"].items()}
         groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
-        api.set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups},
-                                     options=whole)
+        api.set_optimizer_state_dict(
+            self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole
+        )
 
 
 def by_position(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -179,8 +192,15 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_sharded(
-    tensors: dict[str, Any], rest: dict[str, Any], directory: str | os.PathLike, *, step: int, rank: int,
-    name: str | None = None, keep_last: int | None = None, meta: dict[str, Any] | None = None,
+    tensors: dict[str, Any],
+    rest: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    rank: int,
+    name: str | None = None,
+    keep_last: int | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Path:
     """Every rank writes its shard of ``tensors``; rank 0 adds ``rest``, commits by rename, writes the manifest last.
 
@@ -197,8 +217,16 @@ def save_sharded(
 
 
 def save_sharded_async(
-    tensors: dict[str, Any], rest: dict[str, Any], directory: str | os.PathLike, *, step: int, rank: int, group: Any,
-    name: str | None = None, keep_last: int | None = None, meta: dict[str, Any] | None = None,
+    tensors: dict[str, Any],
+    rest: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    rank: int,
+    group: Any,
+    name: str | None = None,
+    keep_last: int | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> tuple[Any, Path, Path, dict[str, Any]]:
     """:func:`save_sharded` with DCP's ``async_save`` on ``group``: returns once the tensors are staged to CPU.
 
@@ -236,8 +264,9 @@ def _failed(exc: BaseException, partial: Path, final: Path, *, rank: int, needed
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     newest = list_checkpoints(final.parent)
-    return write_failure(f"checkpoint {final.name}", final.parent, exc, needed=needed,
-                         newest=newest[-1].path if newest else None)
+    return write_failure(
+        f"checkpoint {final.name}", final.parent, exc, needed=needed, newest=newest[-1].path if newest else None
+    )
 
 
 def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tuple[Path, Path]:
@@ -251,8 +280,16 @@ def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tupl
     return final, partial
 
 
-def _finish(partial: Path, final: Path, *, rest: dict[str, Any], step: int, rank: int, keep_last: int | None,
-            meta: dict[str, Any] | None) -> None:
+def _finish(
+    partial: Path,
+    final: Path,
+    *,
+    rest: dict[str, Any],
+    step: int,
+    rank: int,
+    keep_last: int | None,
+    meta: dict[str, Any] | None,
+) -> None:
     if rank != 0:
         return
     save_atomically(rest, partial / REST_FILE)
@@ -270,8 +307,15 @@ def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any
     files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
     os.replace(partial, final)
     fsync_dir(final.parent)
-    manifest = {"format": FORMAT, "file": final.name, "files": files, "bytes": sum(files.values()), "step": step,
-                "created": time.time(), **(meta or {})}
+    manifest = {
+        "format": FORMAT,
+        "file": final.name,
+        "files": files,
+        "bytes": sum(files.values()),
+        "step": step,
+        "created": time.time(),
+        **(meta or {}),
+    }
     write_atomically(manifest_file, json.dumps(manifest, indent=1), durable=True)
 
 
@@ -295,8 +339,12 @@ def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]
         _dcp().load(tensors, checkpoint_id=path)
     except Exception as exc:  # DCP raises CheckpointException with each rank's error
         raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {first_line(exc)}") from None
-    parts.load_state_dict({"model": merge(tensors["model"], rest.get("model", {})),
-                           "optimizer": merge(tensors.get("optimizer", {}), rest.get("optimizer", {}))})
+    parts.load_state_dict(
+        {
+            "model": merge(tensors["model"], rest.get("model", {})),
+            "optimizer": merge(tensors.get("optimizer", {}), rest.get("optimizer", {})),
+        }
+    )
     return rest
 
 

@@ -36,8 +36,16 @@ from ddpkit.config.schema import Config
 from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
 
-__all__ = ["ShardedRun", "ShardedOptimizer", "SHARDED_MODES", "TENSOR_PARTS", "full_capture", "full_model_state",
-           "read_any", "restore_components"]
+__all__ = [
+    "ShardedRun",
+    "ShardedOptimizer",
+    "SHARDED_MODES",
+    "TENSOR_PARTS",
+    "full_capture",
+    "full_model_state",
+    "read_any",
+    "restore_components",
+]
 
 SHARDED_MODES = ("zero1", "fsdp2")
 #: The components DCP holds; everything else is small and goes into state.pt.
@@ -115,12 +123,14 @@ class ShardedOptimizer:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        raise CheckpointError("a zero1/fsdp2 optimizer's state is split over the ranks; it is saved by every rank "
-                              "(DCP), not by one")
+        raise CheckpointError(
+            "a zero1/fsdp2 optimizer's state is split over the ranks; it is saved by every rank (DCP), not by one"
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise CheckpointError("a zero1/fsdp2 optimizer's state is loaded by every rank through "
-                              "ddpkit.checkpoint.sharded_run")
+        raise CheckpointError(
+            "a zero1/fsdp2 optimizer's state is loaded by every rank through ddpkit.checkpoint.sharded_run"
+        )
 
 
 def _parts(components: Components) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -137,8 +147,9 @@ def restore_components(path: str, state: dict[str, Any], components: Components,
     """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded."""
     saved = (state.get("config") or {}).get("parallel", {}).get("mode", "ddp")
     if saved != mode:
-        log.info("resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s",
-                 saved, state["world_size"], mode)
+        log.info(
+            "resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode
+        )
     if mode not in SHARDED_MODES and not sharded.is_sharded_checkpoint(path):
         components.restore(state)  # ddp from a single file: as always
         return
@@ -159,8 +170,9 @@ def full_capture(state: dict[str, Any], components: Components, *, rank: int) ->
         whole = optimizer.state_dict() if rank == 0 else {}
     else:
         api = sharded.state_dict_api()
-        by_name = api.get_optimizer_state_dict(model, optimizer,
-                                               options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
+        by_name = api.get_optimizer_state_dict(
+            model, optimizer, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         whole = sharded.by_position(by_name, model) if rank == 0 else {}
     return {**state, "model": weights, "optimizer": whole, "schema": [*state["schema"], *TENSOR_PARTS]}
 
@@ -171,4 +183,3 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
     api = sharded.state_dict_api()
     return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True))
-

@@ -58,8 +58,13 @@ def to_cpu(state: StateTree) -> StateTree:
 
 def _stageable(tensor: torch.Tensor) -> bool:
     """Whether a copy into a plain dense buffer holds exactly what ``to_cpu`` would."""
-    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized
-            and tensor.device.type in ("cpu", "cuda") and tensor.is_contiguous())
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type in ("cpu", "cuda")
+        and tensor.is_contiguous()
+    )
 
 
 class HostStaging:
@@ -74,7 +79,7 @@ class HostStaging:
         """``state`` with every tensor copied into a host buffer; copies from CUDA are queued, not waited for."""
         self._used, devices = 0, set()
         host = self._walk(state, devices)
-        del self._buffers[self._used:]  # the tree shrank: give the rest back
+        del self._buffers[self._used :]  # the tree shrank: give the rest back
         self._events = [_record_event(device) for device in devices]
         return host
 
@@ -104,7 +109,7 @@ class HostStaging:
             if old.shape == source.shape and old.dtype == source.dtype and (not pin or old.is_pinned()):
                 return old
         new = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
-        self._buffers[index:index + 1] = [new]
+        self._buffers[index : index + 1] = [new]
         return new
 
 

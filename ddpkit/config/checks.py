@@ -1,7 +1,7 @@
 """Checks that involve more than one config field (one field's own range is checked where it is declared).
 
-    problems = cross_field_problems(cfg)   # ["ddp.static_graph: static_graph=true already handles ...", ...]
-    hang_timeout_seconds(cfg.dist)          # dist.hang_timeout resolved: `auto` is 120 s capped at 80% of dist.timeout
+problems = cross_field_problems(cfg)   # ["ddp.static_graph: static_graph=true already handles ...", ...]
+hang_timeout_seconds(cfg.dist)          # dist.hang_timeout resolved: `auto` is 120 s capped at 80% of dist.timeout
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "set ddp.find_unused_parameters=false"
         )
     if cfg.optim.momentum and cfg.optim.name in ("adam", "adamw"):
-        problems.append(
-            f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead"
-        )
+        problems.append(f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead")
     early = cfg.train.early_stopping
     if early.target is not None and early.metric is None:
         problems.append(
@@ -93,7 +91,8 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
         return []
     problems = [
         f"train.compile.{key}: unknown option; use {', '.join(_COMPILE_KEYS)}"
-        for key in value if key not in _COMPILE_KEYS
+        for key in value
+        if key not in _COMPILE_KEYS
     ]
     if value.get("mode") not in (None, *COMPILE_MODES):
         problems.append(f"train.compile.mode: expected one of {', '.join(COMPILE_MODES)}, got {value['mode']!r}")

@@ -22,25 +22,31 @@ __all__ = ["add_config_arguments", "add_output_arguments", "renamed", "plain_tex
 #: Old option -> its new spelling (``""``: the option is dropped and its value stays as the positional CONFIG).
 #: ``--json FILE`` (a value ending in ``.json``) becomes ``--output FILE``; a bare ``--json`` is the new flag.
 OLD_SPELLINGS: Mapping[str, str] = {
-    "--nproc": "--nproc-per-node", "--config": "", "--json": "--output",
-    "--start-method": "--worker-start", "--start_method": "--worker-start",
+    "--nproc": "--nproc-per-node",
+    "--config": "",
+    "--json": "--output",
+    "--start-method": "--worker-start",
+    "--start_method": "--worker-start",
 }
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str = "YAML config file") -> None:
     """CONFIG, then ``key=value`` overrides (parse with ``parse_intermixed_args``: options may sit among them)."""
     parser.add_argument("config", metavar="CONFIG", help=config_help)
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. optim.lr=0.1 train.epochs=3")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=0.1 train.epochs=3"
+    )
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, *, what: str = "the results") -> None:
     """``--json`` (print ``what`` as JSON on stdout, tables go to stderr) and ``-o/--output FILE.json`` (write them
     there)."""
-    parser.add_argument("--json", action="store_true",
-                        help=f"print {what} as JSON on stdout (tables and progress go to stderr)")
-    parser.add_argument("-o", "--output", default=None, metavar="FILE.json",
-                        help=f"also write {what} as JSON to this file")
+    parser.add_argument(
+        "--json", action="store_true", help=f"print {what} as JSON on stdout (tables and progress go to stderr)"
+    )
+    parser.add_argument(
+        "-o", "--output", default=None, metavar="FILE.json", help=f"also write {what} as JSON to this file"
+    )
 
 
 def renamed(argv: Sequence[str], spellings: Mapping[str, str], *, prog: str) -> list[str]:

@@ -25,10 +25,12 @@ __all__ = ["HealthConfig", "SpikeConfig", "StragglerConfig"]
 class SpikeConfig:
     """Loss-spike detection: a loss or gradient norm far above its rolling window."""
 
-    sigma: float = option(6.0,
-                          "A step is a spike when its loss or gradient norm is more than "
-                          "this many standard deviations above the window's mean.",
-                          gt=0)
+    sigma: float = option(
+        6.0,
+        "A step is a spike when its loss or gradient norm is more than "
+        "this many standard deviations above the window's mean.",
+        gt=0,
+    )
     window: int = option(128, "Steps in the rolling window (finite, non-spike steps only).", ge=2)
     warmup: int = option(20, "Steps recorded before any step can count as a spike.", ge=2)
     action: Literal["warn", "skip", "rollback"] = option(
@@ -45,12 +47,13 @@ class StragglerConfig:
 
     every: int = option(50, "Optimizer steps per comparison window (one small all_reduce per window).", ge=2)
     margin: float = option(
-        0.25, "A rank is slow when its median own-work time per step exceeds the other ranks' median by this fraction.",
-        gt=0
+        0.25,
+        "A rank is slow when its median own-work time per step exceeds the other ranks' median by this fraction.",
+        gt=0,
     )
-    windows: int = option(2,
-                          "Consecutive slow windows before the rank is named (filters out a noisy machine's bursts).",
-                          ge=1)
+    windows: int = option(
+        2, "Consecutive slow windows before the rank is named (filters out a noisy machine's bursts).", ge=1
+    )
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,21 @@ class HealthConfig:
         "A non-finite loss or gradient on any rank: `skip` the optimizer and scheduler step on every rank, or `stop` "
         "the run at once (non-zero exit). The log names the step, the rank(s) and the batch's sample indices.",
     )
-    max_skips: int = option(10,
-                            "Consecutive skipped steps (non-finite or spike) after which the run stops with an error.",
-                            ge=1)
+    max_skips: int = option(
+        10, "Consecutive skipped steps (non-finite or spike) after which the run stops with an error.", ge=1
+    )
     spike: SpikeConfig | None = option(
         None,
         "Loss-spike detection (`{sigma, window, warmup, action}`); "
-        "`null`: off (it costs one small all_reduce per step)."
+        "`null`: off (it costs one small all_reduce per step).",
     )
     straggler: StragglerConfig | None = option(factory=StragglerConfig, doc="Straggler detection; `null`: off.")
     check_replicas_every: int | None = option(
-        500, "Optimizer steps between comparisons of an exact fingerprint of every rank's parameters; `null`: off.",
-        ge=1
+        500,
+        "Optimizer steps between comparisons of an exact fingerprint of every rank's parameters; `null`: off.",
+        ge=1,
     )
     on_divergence: Literal["stop", "broadcast"] = option(
         "broadcast",
-        "When a rank's parameters differ from rank 0's: `broadcast` rank 0's weights to every rank, or `stop` the run."
+        "When a rank's parameters differ from rank 0's: `broadcast` rank 0's weights to every rank, or `stop` the run.",
     )

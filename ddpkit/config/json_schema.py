@@ -78,8 +78,12 @@ def _section(cls: type) -> dict[str, Any]:
         properties[key] = {**schema, "description": f.metadata.get("doc", "")}
         if inner is None or f.default is None:
             properties[key]["default"] = _plain(default_value(f))
-    return {"type": "object", "description": " ".join((cls.__doc__ or "").split()), "properties": properties,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "description": " ".join((cls.__doc__ or "").split()),
+        "properties": properties,
+        "additionalProperties": False,
+    }
 
 
 def _value(tp: Any, f: dataclasses.Field) -> dict[str, Any]:

@@ -218,7 +218,7 @@ def _convert_scalar(tp: type, value: Any, path: str, f: dataclasses.Field | None
 
 
 def _unknown_key_message(path: str, valid: list[str], prefix: str) -> str:
-    key = path[len(prefix):]
+    key = path[len(prefix) :]
     hint = _closest(key, valid)
     if hint:
         suggestion = f"did you mean '{prefix}{hint}'?"

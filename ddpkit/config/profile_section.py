@@ -21,13 +21,14 @@ class ProfileConfig:
     `repeat` times."""
 
     wait: int = option(1, "Optimizer steps skipped at the start of each cycle (not recorded).", ge=0)
-    warmup: int = option(1,
-                         "Steps the profiler runs but discards after `wait`, so "
-                         "the recorded steps do not pay its start-up.",
-                         ge=0)
-    active: int = option(3, "Steps recorded per cycle: one trace file per rank and cycle, written when the cycle ends.",
-                         ge=1)
+    warmup: int = option(
+        1, "Steps the profiler runs but discards after `wait`, so the recorded steps do not pay its start-up.", ge=0
+    )
+    active: int = option(
+        3, "Steps recorded per cycle: one trace file per rank and cycle, written when the cycle ends.", ge=1
+    )
     repeat: int = option(
-        1, "Cycles of wait + warmup + active. `0`: cycles until training ends (a trace file per cycle; mind the disk).",
-        ge=0
+        1,
+        "Cycles of wait + warmup + active. `0`: cycles until training ends (a trace file per cycle; mind the disk).",
+        ge=0,
     )

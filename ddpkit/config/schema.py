@@ -36,10 +36,30 @@ from ddpkit.config.train_sections import (
 )
 from ddpkit.config.urls import url_scheme
 
-__all__ = ["Config", "RunConfig", "DistConfig", "ModelConfig", "DataConfig", "OptimConfig", "ParamGroupConfig",
-           "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig", "ParallelConfig", "FSDPConfig",
-           "BestConfig", "CheckpointConfig", "LogConfig", "HealthConfig", "SpikeConfig", "StragglerConfig", "option",
-           "yaml_key", "HANG_TIMEOUT"]
+__all__ = [
+    "Config",
+    "RunConfig",
+    "DistConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "ParamGroupConfig",
+    "SchedConfig",
+    "EarlyStoppingConfig",
+    "TrainConfig",
+    "DDPConfig",
+    "ParallelConfig",
+    "FSDPConfig",
+    "BestConfig",
+    "CheckpointConfig",
+    "LogConfig",
+    "HealthConfig",
+    "SpikeConfig",
+    "StragglerConfig",
+    "option",
+    "yaml_key",
+    "HANG_TIMEOUT",
+]
 
 #: Seconds of `dist.hang_timeout: auto` (its default), capped at 80% of `dist.timeout` where it is used.
 HANG_TIMEOUT = 120.0
@@ -146,8 +166,7 @@ class DataConfig:
     shuffle: bool = option(True, "Shuffle the training set each epoch (seeded by `run.seed` and the epoch).")
     drop_last: bool = option(
         True,
-        "Drop the tail that does not fill a whole batch on every rank, so all ranks run the same "
-        "number of steps.",
+        "Drop the tail that does not fill a whole batch on every rank, so all ranks run the same number of steps.",
     )
     pin_memory: bool = option(
         True, "Pin host memory so host-to-GPU copies run asynchronously (`non_blocking`). Only used on CUDA."

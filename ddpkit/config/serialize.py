@@ -1,9 +1,9 @@
 """A resolved config as plain data: dicts for YAML and JSON, its YAML text, a stable hash, flat keys.
 
-    config_to_dict(cfg)["optim"]["lr"]     # plain dicts keyed by YAML names
-    dump_config(cfg)                        # YAML text that load_config reads back to the same config
-    config_hash(cfg)                        # 16 hex digits, the same on every rank for the same config
-    flatten({"optim": {"lr": 0.1}})         # {"optim.lr": 0.1}: for diffs and trackers' params
+config_to_dict(cfg)["optim"]["lr"]     # plain dicts keyed by YAML names
+dump_config(cfg)                        # YAML text that load_config reads back to the same config
+config_hash(cfg)                        # 16 hex digits, the same on every rank for the same config
+flatten({"optim": {"lr": 0.1}})         # {"optim.lr": 0.1}: for diffs and trackers' params
 """
 
 from __future__ import annotations

@@ -13,8 +13,17 @@ from ddpkit.config.fields import option
 from ddpkit.config.profile_section import ProfileConfig
 from ddpkit.config.sample_section import SampleConfig
 
-__all__ = ["OptimConfig", "ParamGroupConfig", "SchedConfig", "EarlyStoppingConfig", "TrainConfig", "DDPConfig",
-           "COMPILE_TORCH_OPTIONS", "COMPILE_DDPKIT_OPTIONS", "COMPILE_MODES"]
+__all__ = [
+    "OptimConfig",
+    "ParamGroupConfig",
+    "SchedConfig",
+    "EarlyStoppingConfig",
+    "TrainConfig",
+    "DDPConfig",
+    "COMPILE_TORCH_OPTIONS",
+    "COMPILE_DDPKIT_OPTIONS",
+    "COMPILE_MODES",
+]
 
 # The one table of `train.compile` keys: the config checks and ddpkit.training.model_views both read it.
 #: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
@@ -123,6 +132,7 @@ class TrainConfig:
         if self.epochs is not None:
             return self.epochs
         return None if self.max_steps is not None else 1
+
     grad_accum_steps: int = option(
         1, "Micro-batches per optimizer step; the first k-1 run under DDP's `no_sync()`.", ge=1
     )
@@ -146,8 +156,10 @@ class TrainConfig:
         "outside the timed steps (every rank samples: fsdp2's forward is collective). `null`: off.",
     )
     peak_tflops: float | None = option(
-        None, "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "
-        "`null`: looked up from the GPU's name (H100, H200, A100, ...); unknown devices (CPUs) log no `mfu`.", gt=0
+        None,
+        "Peak dense TFLOP/s of one device at the run's precision, for `mfu` (model FLOPs utilisation). "
+        "`null`: looked up from the GPU's name (H100, H200, A100, ...); unknown devices (CPUs) log no `mfu`.",
+        gt=0,
     )
     precision: Literal["fp32", "bf16", "fp16"] = option(
         "fp32", "Autocast precision: `bf16` on CPU or CUDA; `fp16` (with a GradScaler) on CUDA only."

@@ -30,9 +30,20 @@ from typing import Any
 from ddpkit.errors import ConfigError
 
 __all__ = [
-    "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_NODES", "NumberText", "DuplicateKeyError", "parse_yaml",
-    "dump_yaml", "read_yaml", "check_size", "plain_copy", "first_clause",
-    "short_repr", "show", "key_text",
+    "MAX_FILE_BYTES",
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "NumberText",
+    "DuplicateKeyError",
+    "parse_yaml",
+    "dump_yaml",
+    "read_yaml",
+    "check_size",
+    "plain_copy",
+    "first_clause",
+    "short_repr",
+    "show",
+    "key_text",
 ]
 
 # A config is a few kilobytes; these limits turn a pathological file into a clear error
@@ -65,8 +76,9 @@ class DuplicateKeyError(ValueError):
 
     def describe(self) -> str:
         """``"`train` is given twice (lines 1 and 9)"``, one clause per repeated key."""
-        return "; ".join(f"`{path}` is given twice (lines {first} and {second})" for path, first,
-                         second in self.duplicates)
+        return "; ".join(
+            f"`{path}` is given twice (lines {first} and {second})" for path, first, second in self.duplicates
+        )
 
 
 _loader_class = None
@@ -84,8 +96,9 @@ def _config_loader() -> type:
         # Implicit resolvers are tried in order; int and YAML 1.1 float come first, so "3" stays an
         # int and "2.5e-3" a float. A subclass gets its own copy of the resolver table.
         ConfigYamlLoader.add_implicit_resolver(_NUMBER_TEXT_TAG, _NUMBER_WITH_EXPONENT, list("-+0123456789"))
-        ConfigYamlLoader.add_constructor(_NUMBER_TEXT_TAG,
-                                         lambda loader, node: NumberText(loader.construct_scalar(node)))
+        ConfigYamlLoader.add_constructor(
+            _NUMBER_TEXT_TAG, lambda loader, node: NumberText(loader.construct_scalar(node))
+        )
         _loader_class = ConfigYamlLoader
     return _loader_class
 
@@ -207,8 +220,7 @@ def _read_config_text(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); "
-            "save it as UTF-8 YAML"
+            f"config file {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); save it as UTF-8 YAML"
         ) from None
 
 

@@ -25,5 +25,13 @@ from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.data.mixture import consumed_tokens
 from ddpkit.data.tokens import require_vocab_of
 
-__all__ = ["data_position", "epoch_batches", "run_length", "move_to_device", "train_loader_for", "val_loader_for",
-           "require_vocab_of", "consumed_tokens"]
+__all__ = [
+    "data_position",
+    "epoch_batches",
+    "run_length",
+    "move_to_device",
+    "train_loader_for",
+    "val_loader_for",
+    "require_vocab_of",
+    "consumed_tokens",
+]

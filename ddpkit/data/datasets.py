@@ -106,8 +106,9 @@ def synthetic(
     g = torch.Generator().manual_seed(seed)
 
     def make(count: int) -> TensorDataset:
-        return TensorDataset(torch.randn(count, *shape, generator=g),
-                             torch.randint(0, num_classes, (count,), generator=g))
+        return TensorDataset(
+            torch.randn(count, *shape, generator=g), torch.randint(0, num_classes, (count,), generator=g)
+        )
 
     return make(size), (make(val_size) if val_size else None)
 

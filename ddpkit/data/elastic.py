@@ -62,8 +62,16 @@ class GlobalBatchSampler(DistributedSampler):
     allow_length_change = False  # likewise
 
     def __init__(
-        self, dataset: Dataset, *, global_batch_size: int, rank: int, world_size: int, grad_accum_steps: int = 1,
-        shuffle: bool = True, seed: int = 0, order: str = "auto",
+        self,
+        dataset: Dataset,
+        *,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        grad_accum_steps: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        order: str = "auto",
     ):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.order = order  # data.order: see ddpkit.data.order
@@ -93,8 +101,10 @@ class GlobalBatchSampler(DistributedSampler):
         n = len(self.dataset)  # type: ignore[arg-type]
         order = epoch_order(n, seed=self.seed, epoch=self.epoch, kind=self.order, shuffle=self.shuffle)
         steps_per_chunk = max(1, CHUNK // (self.grad_accum_steps * self.micro_batch))
-        chunks = (order.at(self._positions(step, min(step + steps_per_chunk, self.steps_per_epoch))).tolist()
-                  for step in range(self.start_step, self.steps_per_epoch, steps_per_chunk))
+        chunks = (
+            order.at(self._positions(step, min(step + steps_per_chunk, self.steps_per_epoch))).tolist()
+            for step in range(self.start_step, self.steps_per_epoch, steps_per_chunk)
+        )
         return tagged(itertools.chain.from_iterable(chunks), self.epoch, self.tag_epoch)
 
     def _positions(self, first_step: int, stop_step: int) -> np.ndarray:

@@ -28,8 +28,17 @@ from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total
 from ddpkit.data.uneven import agree_on_count, agreed_batches
 from ddpkit.errors import CheckpointError, DataError
 
-__all__ = ["SamplerEpochs", "epochs_of", "start_epoch", "agree_on_batch_count", "exact_batches", "epoch_batches",
-           "run_length", "SampleOrder", "data_position"]
+__all__ = [
+    "SamplerEpochs",
+    "epochs_of",
+    "start_epoch",
+    "agree_on_batch_count",
+    "exact_batches",
+    "epoch_batches",
+    "run_length",
+    "SampleOrder",
+    "data_position",
+]
 
 
 class SamplerEpochs:
@@ -135,8 +144,9 @@ def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
     if length is not None:
         length = agree_on_count(length, epoch=None, uneven=config.data.uneven)
     if length is None:
-        total = stream_total_steps(max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None,
-                                   sched_name=config.sched.name)
+        total = stream_total_steps(
+            max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None, sched_name=config.sched.name
+        )
         return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
     steps_per_epoch = math.ceil(length / train.grad_accum_steps)
     return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
@@ -193,5 +203,7 @@ class SampleOrder:
                 )
             logging.getLogger("ddpkit").warning(
                 "ddpkit: the training set has %d samples, the checkpoint's run had %d; data.allow_length_change=true, "
-                "so the epoch is re-planned for the new length from the same batch", self.length, saved_length,
+                "so the epoch is re-planned for the new length from the same batch",
+                self.length,
+                saved_length,
             )

@@ -40,15 +40,34 @@ from ddpkit.data.streaming import build_stream_loader, build_stream_val_loader, 
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import DataError, DdpkitError
 
-__all__ = ["build_train_loader", "build_val_loader", "train_loader_for", "val_loader_for", "move_to_device",
-           "batch_size_of"]
+__all__ = [
+    "build_train_loader",
+    "build_val_loader",
+    "train_loader_for",
+    "val_loader_for",
+    "move_to_device",
+    "batch_size_of",
+]
 
 
 def build_train_loader(
-    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, shuffle: bool = True,
-    drop_last: bool = True, seed: int = 0, pin_memory: bool = False, persistent_workers: bool = True,
-    prefetch_factor: int | None = None, global_batch_size: int | None = None, grad_accum_steps: int = 1,
-    order: str = "auto", window_steps: int = 8, uneven: str = "error", allow_length_change: bool = False,
+    dataset: Dataset,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    num_workers: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    seed: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    prefetch_factor: int | None = None,
+    global_batch_size: int | None = None,
+    grad_accum_steps: int = 1,
+    order: str = "auto",
+    window_steps: int = 8,
+    uneven: str = "error",
+    allow_length_change: bool = False,
 ) -> DataLoader:
     """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
 
@@ -67,22 +86,43 @@ def build_train_loader(
     """
     if is_stream(dataset):  # an IterableDataset: sharded, batched and made resumable by ddpkit.data.streaming
         return build_stream_loader(
-            dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, seed=seed,
-            prefetch_factor=prefetch_factor, accum=grad_accum_steps, window_steps=window_steps, uneven=uneven,
+            dataset,
+            env=env,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            seed=seed,
+            prefetch_factor=prefetch_factor,
+            accum=grad_accum_steps,
+            window_steps=window_steps,
+            uneven=uneven,
         )
     mixture = is_mixture(dataset)  # it orders its own windows per (seed, epoch): the sampler walks positions in order
     dataset = _planned(dataset, global_batch_size or batch_size * env.world_size * grad_accum_steps, seed=seed)
     sampler = _train_sampler(
-        dataset, env=env, batch_size=batch_size, shuffle=shuffle and not mixture, drop_last=drop_last, seed=seed,
-        global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, order=order,
+        dataset,
+        env=env,
+        batch_size=batch_size,
+        shuffle=shuffle and not mixture,
+        drop_last=drop_last,
+        seed=seed,
+        global_batch_size=global_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        order=order,
     )
     sampler.tag_epoch, sampler.allow_length_change = bool(num_workers) or mixture, allow_length_change
     pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="training")
     data, collate = batch_reads(dataset, num_workers=num_workers)  # a TensorDataset: one gather per batch
     return DataLoader(
-        SampleSeeded(dataset, seed) if num_workers and not mixture else data, batch_size=batch_size, sampler=sampler,
-        num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory, generator=torch.Generator(),
-        collate_fn=collate, **_worker_options(num_workers, persistent_workers, prefetch_factor),
+        SampleSeeded(dataset, seed) if num_workers and not mixture else data,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        generator=torch.Generator(),
+        collate_fn=collate,
+        **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
 
 
@@ -92,8 +132,16 @@ def _planned(dataset: Dataset, global_batch_size: int, *, seed: int) -> Dataset:
 
 
 def _train_sampler(
-    dataset: Dataset, *, env: DistEnv, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
-    global_batch_size: int | None, grad_accum_steps: int, order: str,
+    dataset: Dataset,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    seed: int,
+    global_batch_size: int | None,
+    grad_accum_steps: int,
+    order: str,
 ) -> ResumableDistributedSampler | GlobalBatchSampler:
     """This rank's training order: world-size independent with ``global_batch_size``, else torch's sharding."""
     length = _length(dataset, "training")
@@ -105,30 +153,53 @@ def _train_sampler(
         )
     if global_batch_size is not None:
         return GlobalBatchSampler(
-            dataset, global_batch_size=global_batch_size, rank=env.rank, world_size=env.world_size,
-            grad_accum_steps=grad_accum_steps, shuffle=shuffle, seed=seed, order=order,
+            dataset,
+            global_batch_size=global_batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            grad_accum_steps=grad_accum_steps,
+            shuffle=shuffle,
+            seed=seed,
+            order=order,
         )
     return ResumableDistributedSampler(
-        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        dataset,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
         order=order,
     )
 
 
 def build_val_loader(
-    dataset: Dataset, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
-    persistent_workers: bool = True, prefetch_factor: int | None = None,
+    dataset: Dataset,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    prefetch_factor: int | None = None,
 ) -> DataLoader:
     """An evaluation loader over this rank's exact shard (possibly empty when the set is tiny)."""
     if is_stream(dataset):
-        return build_stream_val_loader(dataset, env=env, batch_size=batch_size, num_workers=num_workers,
-                                       pin_memory=pin_memory)
+        return build_stream_val_loader(
+            dataset, env=env, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory
+        )
     sampler = ExactShardSampler(_length(dataset, "validation"), rank=env.rank, world_size=env.world_size)
     pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="validation")
     data, collate = batch_reads(dataset, num_workers=num_workers)
     return DataLoader(
-        data, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        data,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
         collate_fn=collate,
-        generator=torch.Generator().manual_seed(0), **_worker_options(num_workers, persistent_workers, prefetch_factor),
+        generator=torch.Generator().manual_seed(0),
+        **_worker_options(num_workers, persistent_workers, prefetch_factor),
     )
 
 
@@ -176,14 +247,17 @@ def batch_size_of(batch: Any) -> int:
         return batch_size_of(batch[0])
     if isinstance(batch, dict) and batch:
         return batch_size_of(next(iter(batch.values())))
-    raise DdpkitError(f"cannot tell the batch size of a {type(batch).__name__}; "
-                      "return per-sample (1-D) metrics from validation_step")
+    raise DdpkitError(
+        f"cannot tell the batch size of a {type(batch).__name__}; return per-sample (1-D) metrics from validation_step"
+    )
 
 
 def _length(dataset: Dataset, what: str) -> int:
     if not isinstance(dataset, Sized):
-        raise DataError(f"the {what} dataset {type(dataset).__name__} has no len(); "
-                        "return a map-style Dataset or a torch.utils.data.IterableDataset")
+        raise DataError(
+            f"the {what} dataset {type(dataset).__name__} has no len(); "
+            "return a map-style Dataset or a torch.utils.data.IterableDataset"
+        )
     length = len(dataset)
     if length == 0:
         raise DataError(f"the {what} dataset is empty; check data.name and data.kwargs (e.g. the root path)")
@@ -194,11 +268,22 @@ def train_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: 
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
     cfg, accum = config.data, config.train.grad_accum_steps
     loader = build_train_loader(
-        dataset, env=env, batch_size=per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=accum),
-        num_workers=cfg.num_workers, shuffle=cfg.shuffle, drop_last=cfg.drop_last, seed=config.run.seed,
-        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
-        prefetch_factor=cfg.prefetch_factor, global_batch_size=cfg.global_batch_size, grad_accum_steps=accum,
-        order=cfg.order, window_steps=cfg.stream_window, uneven=cfg.uneven, allow_length_change=cfg.allow_length_change,
+        dataset,
+        env=env,
+        batch_size=per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=accum),
+        num_workers=cfg.num_workers,
+        shuffle=cfg.shuffle,
+        drop_last=cfg.drop_last,
+        seed=config.run.seed,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor,
+        global_batch_size=cfg.global_batch_size,
+        grad_accum_steps=accum,
+        order=cfg.order,
+        window_steps=cfg.stream_window,
+        uneven=cfg.uneven,
+        allow_length_change=cfg.allow_length_change,
     )
     if is_mixture(loader.dataset):  # how often the run reads each source: logged, or refused under repeat: false
         epochs, max_steps = config.train.epochs, config.train.max_steps
@@ -214,7 +299,11 @@ def val_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: to
     cfg = config.data
     per_rank = per_rank_batch_size(cfg, world_size=env.world_size, grad_accum_steps=config.train.grad_accum_steps)
     return build_val_loader(
-        dataset, env=env, batch_size=cfg.val_batch_size or per_rank, num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.persistent_workers,
+        dataset,
+        env=env,
+        batch_size=cfg.val_batch_size or per_rank,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
     )

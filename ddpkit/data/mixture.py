@@ -46,13 +46,22 @@ from ddpkit.data.mixture_schedule import BatchShares
 from ddpkit.data.order import FeistelOrder
 from ddpkit.errors import DataError
 
-__all__ = ["Source", "TokenMixture", "MixtureValidation", "mixture_datasets", "is_mixture", "consumed_tokens",
-           "report_passes"]
+__all__ = [
+    "Source",
+    "TokenMixture",
+    "MixtureValidation",
+    "mixture_datasets",
+    "is_mixture",
+    "consumed_tokens",
+    "report_passes",
+]
 
 log = logging.getLogger("ddpkit")
 _SOURCE_KEYS = ("name", "path", "weight", "dtype")
-_UNPLANNED = ("a TokenMixture is read through ddpkit's training loader (build_train_loader), which plans it for the "
-              "global batch; or call .planned(global_batch_size=..., seed=...) yourself")
+_UNPLANNED = (
+    "a TokenMixture is read through ddpkit's training loader (build_train_loader), which plans it for the "
+    "global batch; or call .planned(global_batch_size=..., seed=...) yourself"
+)
 #: Opens one token file: ``(path, dtype) -> TokenFile`` (:mod:`ddpkit.data.tokens` passes it in).
 OpenFile = Callable[[str, "str | None"], Any]
 
@@ -78,11 +87,14 @@ def parse_sources(raw: Any, *, key: str, open_file: OpenFile, weighted: bool) ->
     dtypes = {s.file.dtype.name for s in sources}
     if len(dtypes) > 1:
         found = ", ".join(f"{s.name} {s.file.dtype.name}" for s in sources)
-        raise DataError(f"{key}: the files hold different token dtypes ({found}); tokenize every source with the same "
-                        "tokenizer and dtype, or set each source's dtype to what its file holds")
+        raise DataError(
+            f"{key}: the files hold different token dtypes ({found}); tokenize every source with the same "
+            "tokenizer and dtype, or set each source's dtype to what its file holds"
+        )
     if weighted and not sum(s.weight for s in sources) > 0:
-        raise DataError(f"{key}: the weights sum to {sum(s.weight for s in sources)}; "
-                        "give at least one source a positive weight")
+        raise DataError(
+            f"{key}: the weights sum to {sum(s.weight for s in sources)}; give at least one source a positive weight"
+        )
     return sources
 
 
@@ -91,8 +103,10 @@ def _source(entry: Any, *, key: str, open_file: OpenFile, weighted: bool) -> Sou
         raise DataError(f"{key}: expected a mapping {{name, path, weight}}, got {entry!r}")
     for unknown in set(entry) - set(_SOURCE_KEYS):
         close = difflib.get_close_matches(unknown, _SOURCE_KEYS, n=1)
-        raise DataError(f"{key}.{unknown}: unknown key{f'; did you mean {close[0]!r}?' if close else ''} "
-                        f"(a source has {', '.join(_SOURCE_KEYS)})")
+        raise DataError(
+            f"{key}.{unknown}: unknown key{f'; did you mean {close[0]!r}?' if close else ''} "
+            f"(a source has {', '.join(_SOURCE_KEYS)})"
+        )
     name, path = entry.get("name"), entry.get("path")
     if not isinstance(name, str) or not name or "/" in name:
         raise DataError(f"{key}.name: expected a name without '/' (it becomes val_loss/<name>), got {name!r}")
@@ -208,17 +222,20 @@ class MixtureValidation(Dataset):
         return x, y, self.sources[source].name
 
 
-def mixture_datasets(sources: Any, val_sources: Any, *, open_file: OpenFile,
-                     repeat: bool = True) -> tuple[TokenMixture, MixtureValidation | None]:
+def mixture_datasets(
+    sources: Any, val_sources: Any, *, open_file: OpenFile, repeat: bool = True
+) -> tuple[TokenMixture, MixtureValidation | None]:
     """``(train, val)`` of the ``tokens`` builder's ``sources`` / ``val_sources`` (val None without them)."""
     if not isinstance(repeat, bool):
         raise DataError(f"data.kwargs.repeat: expected true or false, got {repeat!r}")
-    train = TokenMixture(parse_sources(sources, key="data.kwargs.sources", open_file=open_file, weighted=True),
-                         repeat=repeat)
+    train = TokenMixture(
+        parse_sources(sources, key="data.kwargs.sources", open_file=open_file, weighted=True), repeat=repeat
+    )
     if val_sources is None:
         return train, None
-    return train, MixtureValidation(parse_sources(val_sources, key="data.kwargs.val_sources", open_file=open_file,
-                                                 weighted=False))
+    return train, MixtureValidation(
+        parse_sources(val_sources, key="data.kwargs.val_sources", open_file=open_file, weighted=False)
+    )
 
 
 def is_mixture(dataset: Any) -> bool:
@@ -238,12 +255,19 @@ def report_passes(dataset: Any, *, total_steps: int) -> None:
     over = [i for i, p in enumerate(passes) if p > 1]
     if over and not dataset.repeat:
         i = over[0]
-        raise DataError(f"data.kwargs.sources[{i}] ({dataset.names[i]}): the run reads {int(read[i]):,} windows of its "
-                        f"{int(held[i]):,} ({passes[i]:.2f} passes) and data.kwargs.repeat is false; lower its weight, "
-                        "train fewer steps, add data, or set data.kwargs.repeat=true")
-    log.info("mixture over %d steps: %s", total_steps, ", ".join(
-        f"{name} {int(r):,} windows of {int(h):,} ({p:.2f} passes{', repeated' if p > 1 else ''})"
-        for name, r, h, p in zip(dataset.names, read, held, passes)))
+        raise DataError(
+            f"data.kwargs.sources[{i}] ({dataset.names[i]}): the run reads {int(read[i]):,} windows of its "
+            f"{int(held[i]):,} ({passes[i]:.2f} passes) and data.kwargs.repeat is false; lower its weight, "
+            "train fewer steps, add data, or set data.kwargs.repeat=true"
+        )
+    log.info(
+        "mixture over %d steps: %s",
+        total_steps,
+        ", ".join(
+            f"{name} {int(r):,} windows of {int(h):,} ({p:.2f} passes{', repeated' if p > 1 else ''})"
+            for name, r, h, p in zip(dataset.names, read, held, passes)
+        ),
+    )
 
 
 def consumed_tokens(loader: Any, step: int) -> dict[str, int]:

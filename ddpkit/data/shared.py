@@ -97,8 +97,10 @@ class SharedDataset(Dataset):
             self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         header_at = int.from_bytes(self._map[8:16], "little")
         self.header = pickle.loads(self._map[header_at:])
-        self._arrays = [np.frombuffer(self._map, dtype=dtype, count=int(np.prod(shape)), offset=at).reshape(shape)
-                        for dtype, shape, at in self.header["arrays"]]
+        self._arrays = [
+            np.frombuffer(self._map, dtype=dtype, count=int(np.prod(shape)), offset=at).reshape(shape)
+            for dtype, shape, at in self.header["arrays"]
+        ]
 
     def __len__(self) -> int:
         return self.header["length"]
@@ -133,8 +135,9 @@ def _write_once(data: Any, folder: Path, key: str) -> Path:
 def _segment_key(env: DistEnv, name: str) -> str:
     """This job, attempt and dataset: run id (torchrun's rendezvous id or SLURM's job id) and master port."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "none"
-    safe = "".join(c if c.isalnum() or c in "-_" else "_"
-                   for c in f"{run_id}-{env.master_port}-a{env.restart_count}-{name}")
+    safe = "".join(
+        c if c.isalnum() or c in "-_" else "_" for c in f"{run_id}-{env.master_port}-a{env.restart_count}-{name}"
+    )
     return _PREFIX + safe
 
 
@@ -180,8 +183,12 @@ def _write_arrays(f: Any, data: Any) -> dict[str, Any]:
         arrays.append((array.dtype.str, array.shape, f.tell()))
         f.write(memoryview(array).cast("B"))
     tensors = [isinstance(part, torch.Tensor) for part in parts]
-    return {"kind": "tuple" if isinstance(data, tuple) else "array", "length": len(parts[0]), "arrays": arrays,
-            "tensors": tensors}
+    return {
+        "kind": "tuple" if isinstance(data, tuple) else "array",
+        "length": len(parts[0]),
+        "arrays": arrays,
+        "tensors": tensors,
+    }
 
 
 def _write_records(f: Any, records: Sequence[Any]) -> dict[str, Any]:
@@ -198,8 +205,12 @@ def _write_records(f: Any, records: Sequence[Any]) -> dict[str, Any]:
     f.write(bytes(-f.tell() % 64))
     at = f.tell()
     f.write(offsets.tobytes())
-    return {"kind": "records", "length": len(records), "arrays": [(offsets.dtype.str, offsets.shape, at)],
-            "tensors": [False]}
+    return {
+        "kind": "records",
+        "length": len(records),
+        "arrays": [(offsets.dtype.str, offsets.shape, at)],
+        "tensors": [False],
+    }
 
 
 def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
@@ -210,9 +221,11 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
         if found:
             return max(found, key=lambda p: p.stat().st_mtime)
         time.sleep(0.05)
-    raise DataError(f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within "
-                    f"{timeout:.0f} s; did it fail, or construct the dataset?",
-                    retryable=True)
+    raise DataError(
+        f"SharedDataset: local rank 0 wrote no {folder}/{key}.<pid> within "
+        f"{timeout:.0f} s; did it fail, or construct the dataset?",
+        retryable=True,
+    )
 
 
 def remove_stale_segments(folder: Path) -> list[Path]:
@@ -238,4 +251,3 @@ def _release_freed_memory() -> None:
 def _remove(path: Path, owner: int) -> None:
     if os.getpid() == owner:  # never from a forked child that inherited the handler
         path.unlink(missing_ok=True)
-

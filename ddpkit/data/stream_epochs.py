@@ -102,8 +102,12 @@ class StreamEpochs:
 
         With the Trainer's batch count that is enough to resume exactly.
         """
-        own = {"epoch": self.epoch, "window_first": self._window_first, "loader": self._window_state,
-               "batches_per_epoch": self.batches_per_epoch}
+        own = {
+            "epoch": self.epoch,
+            "window_first": self._window_first,
+            "loader": self._window_state,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
         return {"ranks": all_gather_object(own)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,13 +175,19 @@ class StreamEpochs:
         left += len(more)
         dropped = left * self.stream.batch_size + tails + more_tails
         reads = all_gather_object((done + left, len(more) == self.window, dropped))
-        uneven_stream_end([(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done,
-                          uneven=self.uneven)
+        uneven_stream_end(
+            [(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done, uneven=self.uneven
+        )
         dropped, unread = sum(r[2] for r in reads), any(r[1] for r in reads)
         used = done * self.stream.batch_size * len(reads)
         log.info(
             "streaming: epoch %d ended after %d batches per rank (%d samples used); dropped %s%d samples that could "
-            "not fill a batch or a global step", self.epoch, done, used, "at least " if unread else "", dropped,
+            "not fill a batch or a global step",
+            self.epoch,
+            done,
+            used,
+            "at least " if unread else "",
+            dropped,
         )
         if not done:
             raise DataError(

@@ -53,7 +53,12 @@ class TarShards(IterableDataset):
     ddpkit_splits_workers = True  # see ddpkit.data.streaming: this class does its own worker split
 
     def __init__(
-        self, urls: str | Sequence[str], *, fields: Sequence[str] = ("npy", "cls"), shuffle: bool = True, seed: int = 0,
+        self,
+        urls: str | Sequence[str],
+        *,
+        fields: Sequence[str] = ("npy", "cls"),
+        shuffle: bool = True,
+        seed: int = 0,
         key: str = "data.kwargs.urls",
     ):
         self.urls = _expand(urls, key)
@@ -86,8 +91,9 @@ class TarShards(IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         wds = _require("webdataset", "stream")
         files, offset, step = self._assignment()
-        pipeline = wds.DataPipeline(wds.SimpleShardList(files), wds.tarfile_to_samples(), wds.decode(),
-                                    wds.to_tuple(*self.fields))
+        pipeline = wds.DataPipeline(
+            wds.SimpleShardList(files), wds.tarfile_to_samples(), wds.decode(), wds.to_tuple(*self.fields)
+        )
         for sample in itertools.islice(pipeline, offset, None, step):
             yield tuple(torch.from_numpy(value) if type(value).__module__ == "numpy" else value for value in sample)
 
@@ -111,9 +117,13 @@ def _expand(urls: str | Sequence[str], key: str) -> list[str]:
     return paths
 
 
-def webdataset(urls: str | list[str] = "", val_urls: str | list[str] | None = None,
-               fields: Sequence[str] = ("npy", "cls"),
-               shuffle: bool = True, seed: int = 0) -> tuple[TarShards, TarShards | None]:
+def webdataset(
+    urls: str | list[str] = "",
+    val_urls: str | list[str] | None = None,
+    fields: Sequence[str] = ("npy", "cls"),
+    shuffle: bool = True,
+    seed: int = 0,
+) -> tuple[TarShards, TarShards | None]:
     """Tar shards from ``urls`` (brace patterns like ``train-{000..007}.tar`` or a list) and optional ``val_urls``."""
     train = TarShards(urls, fields=fields, shuffle=shuffle, seed=seed)
     val = TarShards(val_urls, fields=fields, shuffle=False, key="data.kwargs.val_urls") if val_urls else None
@@ -141,10 +151,15 @@ class HFStream(IterableDataset):
             yield tuple(torch.as_tensor(row[c]) for c in self.columns) if self.columns else row
 
 
-def hf_datasets(path: str = "", split: str = "train", val_split: str | None = None, data_files: Any = None,
-                columns: Sequence[
-                    str
-                ] | None = None, shuffle_buffer: int = 0, seed: int = 0) -> tuple[HFStream, HFStream | None]:
+def hf_datasets(
+    path: str = "",
+    split: str = "train",
+    val_split: str | None = None,
+    data_files: Any = None,
+    columns: Sequence[str] | None = None,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+) -> tuple[HFStream, HFStream | None]:
     """``datasets.load_dataset(path, data_files=..., split=..., streaming=True)`` from local files.
 
     ``path``: a local directory of data files, or a file format (``parquet``, ``json``, ``csv``)

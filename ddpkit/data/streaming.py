@@ -43,8 +43,15 @@ from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DdpkitError
 
 __all__ = [
-    "ShardedStream", "StreamEpochs", "shard_stream", "build_stream_loader", "build_stream_val_loader",
-    "stream_total_steps", "stream_epochs_of", "is_stream", "UNKNOWN_LENGTH",
+    "ShardedStream",
+    "StreamEpochs",
+    "shard_stream",
+    "build_stream_loader",
+    "build_stream_val_loader",
+    "stream_total_steps",
+    "stream_epochs_of",
+    "is_stream",
+    "UNKNOWN_LENGTH",
 ]
 
 log = logging.getLogger("ddpkit")
@@ -70,8 +77,16 @@ class ShardedStream(IterableDataset):
     """
 
     def __init__(
-        self, source: Any, *, rank: int, world_size: int, batch_size: int, drop_last: bool = True,
-        split_ranks: bool = True, split_workers: bool = True, collate_fn: Callable[[list], Any] = default_collate,
+        self,
+        source: Any,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool = True,
+        split_ranks: bool = True,
+        split_workers: bool = True,
+        collate_fn: Callable[[list], Any] = default_collate,
         seed: int = 0,
     ):
         self.source, self.rank, self.world_size, self.batch_size, self.seed = source, rank, world_size, batch_size, seed
@@ -146,8 +161,16 @@ def shard_stream(
             f"{type(dataset).__name__} has no shard(rank, world_size): split round-robin over ranks and workers, "
             "so every rank and worker reads the whole stream and keeps its share"
         )
-    return ShardedStream(dataset, rank=rank, world_size=world, batch_size=batch_size, drop_last=drop_last,
-                         split_ranks=split_ranks, split_workers=not splits_workers, seed=seed)
+    return ShardedStream(
+        dataset,
+        rank=rank,
+        world_size=world,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        split_ranks=split_ranks,
+        split_workers=not splits_workers,
+        seed=seed,
+    )
 
 
 def _read_whole(source: Any) -> Iterator[Any]:
@@ -184,8 +207,17 @@ def _note_once(message: str) -> None:
 
 
 def build_stream_loader(
-    dataset: Any, *, env: DistEnv, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
-    accum: int = 1, window_steps: int = 8, uneven: str = "error", **loader_kwargs: Any,
+    dataset: Any,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    seed: int = 0,
+    accum: int = 1,
+    window_steps: int = 8,
+    uneven: str = "error",
+    **loader_kwargs: Any,
 ) -> DataLoader:
     """A resumable training loader over this rank's shard of ``dataset`` (batches made by the stream).
 
@@ -212,8 +244,12 @@ def build_stream_loader(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         loader = StatefulDataLoader(
-            stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(),
-            **loader_kwargs
+            stream,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            generator=torch.Generator(),
+            **loader_kwargs,
         )
     loader.stream_epochs = StreamEpochs(loader, accum=accum, window_steps=window_steps, uneven=uneven)
     return loader

@@ -41,8 +41,18 @@ from ddpkit.data.mixture import mixture_datasets
 from ddpkit.errors import ConfigError, DataError
 from ddpkit.registry import register_dataset
 
-__all__ = ["TokenFile", "tokens", "write_token_file", "stdlib_corpus", "mask_path_of", "require_vocab_of", "DTYPES",
-           "BYTE_EOT", "BYTE_VOCAB", "IGNORE_INDEX"]
+__all__ = [
+    "TokenFile",
+    "tokens",
+    "write_token_file",
+    "stdlib_corpus",
+    "mask_path_of",
+    "require_vocab_of",
+    "DTYPES",
+    "BYTE_EOT",
+    "BYTE_VOCAB",
+    "IGNORE_INDEX",
+]
 
 #: The ``dtype`` values of a raw ``.bin`` file.
 DTYPES = ("uint16", "uint32", "int32")
@@ -59,22 +69,31 @@ _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__
 class TokenFile(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens of one file, as ``(x, y)`` int64 tensors.
 
-        ds = TokenFile("data/train.bin", seq_len=1024)            # raw uint16 ids
-        ds.require_vocab(50304)                                    # ids >= 50304 now raise DataError
-        x, y = ds[0]                                               # x = tokens[0:1024], y = tokens[1:1025]
+    ds = TokenFile("data/train.bin", seq_len=1024)            # raw uint16 ids
+    ds.require_vocab(50304)                                    # ids >= 50304 now raise DataError
+    x, y = ds[0]                                               # x = tokens[0:1024], y = tokens[1:1025]
     """
 
-    def __init__(self, path: str | os.PathLike, *, seq_len: int, dtype: str | None = None,
-                 vocab_size: int | None = None, documents: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        seq_len: int,
+        dtype: str | None = None,
+        vocab_size: int | None = None,
+        documents: dict[str, Any] | None = None,
+    ):
         self.path = str(Path(path).expanduser())
         if not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"data.kwargs.seq_len: expected a positive integer, got {seq_len!r}")
         self.seq_len = seq_len
         self.dtype, self.offset, self.n_tokens = _layout(self.path, dtype)
         if self.n_tokens < seq_len + 1:
-            raise DataError(f"{self.path}: {self.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} "
-                            "(one window and its shifted target); "
-                            f"lower data.kwargs.seq_len or use a longer file")
+            raise DataError(
+                f"{self.path}: {self.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1:,} "
+                "(one window and its shifted target); "
+                f"lower data.kwargs.seq_len or use a longer file"
+            )
         self.vocab_size: int | None = None
         if vocab_size is not None:
             self.require_vocab(vocab_size)
@@ -116,16 +135,21 @@ class TokenFile(Dataset):
         nbytes = count * self.dtype.itemsize
         data = os.pread(self._files()[0], nbytes, self.offset + start * self.dtype.itemsize)
         if len(data) != nbytes:
-            raise DataError(f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; "
-                            "the file shrank since the run started", retryable=True)
+            raise DataError(
+                f"{self.path}: read {len(data)} of {nbytes} bytes at token {start:,}; "
+                "the file shrank since the run started",
+                retryable=True,
+            )
         return np.frombuffer(data, dtype=self.dtype)
 
     def _check_ids(self, window: np.ndarray, start: int) -> None:
         if window.max() >= self.vocab_size or (window.dtype.kind == "i" and window.min() < 0):
             at = int(np.argmax((window >= self.vocab_size) | (window < 0)))
-            raise DataError(f"{self.path}: token id {int(window[at])} at token offset {start + at:,} is outside the "
-                            f"model's vocabulary [0, {self.vocab_size}); the file was made with another tokenizer, "
-                            "or raise model.kwargs.vocab_size")
+            raise DataError(
+                f"{self.path}: token id {int(window[at])} at token offset {start + at:,} is outside the "
+                f"model's vocabulary [0, {self.vocab_size}); the file was made with another tokenizer, "
+                "or raise model.kwargs.vocab_size"
+            )
 
     def _files(self) -> tuple[int, int | None]:
         """``(token file, mask file or None)`` descriptors of this process."""
@@ -163,9 +187,11 @@ def _mask_beside(path: str, n_tokens: int) -> str | None:
     if not mask.is_file():
         return None
     if mask.stat().st_size != n_tokens:
-        raise DataError(f"{mask}: {mask.stat().st_size:,} bytes but {path} holds {n_tokens:,} tokens "
-                        "(one mask byte each); "
-                        f"remake both with `ddpkit tokenize --chat`, or remove the stale mask file")
+        raise DataError(
+            f"{mask}: {mask.stat().st_size:,} bytes but {path} holds {n_tokens:,} tokens "
+            "(one mask byte each); "
+            f"remake both with `ddpkit tokenize --chat`, or remove the stale mask file"
+        )
     return str(mask)
 
 
@@ -174,8 +200,10 @@ def _layout(path: str, dtype: str | None) -> tuple[np.dtype, int, int]:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise DataError(f"no such token file {path}; make one with `ddpkit tokenize INPUT... -o {path}`, "
-                        f"or use data.kwargs.corpus=stdlib for a small built-in corpus") from None
+        raise DataError(
+            f"no such token file {path}; make one with `ddpkit tokenize INPUT... -o {path}`, "
+            f"or use data.kwargs.corpus=stdlib for a small built-in corpus"
+        ) from None
     if path.endswith(".npy"):
         return _npy_layout(path, dtype, size)
     if dtype is None:
@@ -184,8 +212,10 @@ def _layout(path: str, dtype: str | None) -> tuple[np.dtype, int, int]:
         raise DataError(f"data.kwargs.dtype: {dtype!r} is not a token dtype; choose one of {', '.join(DTYPES)}")
     itemsize = np.dtype(dtype).itemsize
     if size % itemsize:
-        raise DataError(f"{path}: {size:,} bytes is not a whole number of {dtype} tokens ({itemsize} bytes each); "
-                        f"wrong data.kwargs.dtype, or a truncated file?")
+        raise DataError(
+            f"{path}: {size:,} bytes is not a whole number of {dtype} tokens ({itemsize} bytes each); "
+            f"wrong data.kwargs.dtype, or a truncated file?"
+        )
     return np.dtype(dtype), 0, size // itemsize
 
 
@@ -198,28 +228,46 @@ def _npy_layout(path: str, dtype: str | None, size: int) -> tuple[np.dtype, int,
             read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             shape, fortran_order, found = read_header(f)
         except ValueError as exc:
-            raise DataError(f"{path}: not a readable .npy file ({exc}); write it with numpy.save, "
-                            "or use a raw .bin") from None
+            raise DataError(
+                f"{path}: not a readable .npy file ({exc}); write it with numpy.save, or use a raw .bin"
+            ) from None
         offset = f.tell()
     if len(shape) != 1 or fortran_order:
-        raise DataError(f"{path}: a .npy token file must be a 1-D C-order array, this one has shape {shape}"
-                        f"{' in Fortran order' if fortran_order else ''}; save tokens.ravel() instead")
+        raise DataError(
+            f"{path}: a .npy token file must be a 1-D C-order array, this one has shape {shape}"
+            f"{' in Fortran order' if fortran_order else ''}; save tokens.ravel() instead"
+        )
     if found.kind not in "iu":
-        raise DataError(f"{path}: a .npy token file must hold integers, this one holds {found}; "
-                        "save token ids as uint16 or uint32")
+        raise DataError(
+            f"{path}: a .npy token file must hold integers, this one holds {found}; save token ids as uint16 or uint32"
+        )
     if dtype is not None and np.dtype(dtype) != found:
-        raise DataError(f"{path}: data.kwargs.dtype is {dtype} but the .npy header says {found}; "
-                        "drop data.kwargs.dtype for .npy files")
+        raise DataError(
+            f"{path}: data.kwargs.dtype is {dtype} but the .npy header says {found}; "
+            "drop data.kwargs.dtype for .npy files"
+        )
     if offset + shape[0] * found.itemsize > size:
-        raise DataError(f"{path}: the header promises {shape[0]:,} {found} tokens but the file has "
-                        f"{size - offset:,} data bytes; a truncated file?")
+        raise DataError(
+            f"{path}: the header promises {shape[0]:,} {found} tokens but the file has "
+            f"{size - offset:,} data bytes; a truncated file?"
+        )
     return found, offset, shape[0]
 
 
-def tokens(path: str | None = None, val_path: str | None = None, seq_len: int = 1024, dtype: str | None = None,
-           vocab_size: int | None = None, corpus: str | None = None, sources: list | None = None,
-           val_sources: list | None = None, repeat: bool = True, document_mask: bool = False,
-           restart_positions: bool = False, eot: int = BYTE_EOT) -> tuple[Dataset, Dataset | None]:
+def tokens(
+    path: str | None = None,
+    val_path: str | None = None,
+    seq_len: int = 1024,
+    dtype: str | None = None,
+    vocab_size: int | None = None,
+    corpus: str | None = None,
+    sources: list | None = None,
+    val_sources: list | None = None,
+    repeat: bool = True,
+    document_mask: bool = False,
+    restart_positions: bool = False,
+    eot: int = BYTE_EOT,
+) -> tuple[Dataset, Dataset | None]:
     """The ``tokens`` dataset builder: ``(train, val)`` windows of ``path`` and ``val_path`` (None without one).
 
     ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached);
@@ -234,30 +282,37 @@ def tokens(path: str | None = None, val_path: str | None = None, seq_len: int = 
 
     if sources is not None:
         if path is not None or val_path is not None or corpus is not None:
-            raise DataError("data.kwargs.sources: give either sources (and val_sources) or path/val_path/corpus, "
-                            "not both")
+            raise DataError(
+                "data.kwargs.sources: give either sources (and val_sources) or path/val_path/corpus, not both"
+            )
         return mixture_datasets(sources, val_sources, open_file=open_file, repeat=repeat)
     if val_sources is not None:
-        raise DataError("data.kwargs.val_sources: validation sources come with training sources; "
-                        "set data.kwargs.sources")
+        raise DataError(
+            "data.kwargs.val_sources: validation sources come with training sources; set data.kwargs.sources"
+        )
     if corpus is not None:
         if corpus != "stdlib":
-            raise DataError(f"data.kwargs.corpus: unknown corpus {corpus!r}; the built-in one is 'stdlib' "
-                            "(or give data.kwargs.path)")
+            raise DataError(
+                f"data.kwargs.corpus: unknown corpus {corpus!r}; the built-in one is 'stdlib' "
+                "(or give data.kwargs.path)"
+            )
         if path is not None or val_path is not None:
             raise DataError("data.kwargs.corpus: give either corpus or path/val_path, not both")
         path, val_path = map(str, stdlib_corpus())
     if path is None:
-        raise DataError("data.kwargs.path: not set; give a token file (make one with `ddpkit tokenize INPUT... "
-                        "-o FILE.bin`) or data.kwargs.corpus=stdlib")
+        raise DataError(
+            "data.kwargs.path: not set; give a token file (make one with `ddpkit tokenize INPUT... "
+            "-o FILE.bin`) or data.kwargs.corpus=stdlib"
+        )
     return open_file(path), (open_file(val_path) if val_path is not None else None)
 
 
 register_dataset("tokens", tokens)
 
 
-def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.PathLike, *, dtype: str,
-                     eot: int) -> int:
+def write_token_file(
+    documents: Iterable[Iterable[np.ndarray]], path: str | os.PathLike, *, dtype: str, eot: int
+) -> int:
     """Write ``documents`` to ``path`` as raw ``dtype`` ids with ``eot`` between them; return the number of tokens.
 
         write_token_file([[np.array([1, 2])], [np.array([3])]], "out.bin", dtype="uint16", eot=256)   # 1 2 256 3
@@ -279,8 +334,10 @@ def write_token_file(documents: Iterable[Iterable[np.ndarray]], path: str | os.P
                     ids = np.asarray(chunk)
                     if ids.size and (int(ids.max()) > limit or int(ids.min()) < 0):
                         bad = int(ids.max()) if int(ids.max()) > limit else int(ids.min())
-                        raise DataError(f"{target}: token id {bad} does not fit {dtype} (0 to {limit}); "
-                                        "write a wider dtype (uint32)")
+                        raise DataError(
+                            f"{target}: token id {bad} does not fit {dtype} (0 to {limit}); "
+                            "write a wider dtype (uint32)"
+                        )
                     out.write(ids.astype(dtype, copy=False).tobytes())
                     count += ids.size
         os.replace(temporary, target)
@@ -313,8 +370,11 @@ def stdlib_corpus(directory: str | os.PathLike | None = None) -> tuple[Path, Pat
 
 def _stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    found = [p for p in root.rglob("*.py") if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1])
-             and not p.name.startswith("_sysconfigdata")]  # the platform's build settings: differ per machine
+    found = [
+        p
+        for p in root.rglob("*.py")
+        if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]) and not p.name.startswith("_sysconfigdata")
+    ]  # the platform's build settings: differ per machine
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -329,14 +389,19 @@ def require_vocab_of(model: object, *datasets: object) -> None:
     With ``data.kwargs.document_mask`` the datasets' end-of-text id and position rule go to the model's
     ``use_documents`` (the one place where the data meets the model before training)."""
     # valid_vocab (gpt's padded vocabulary): the ids past it are padding, never a real token
-    vocab_size = (getattr(model, "valid_vocab", None) or getattr(model, "vocab_size", None)
-                  or getattr(getattr(model, "config", None), "vocab_size", None))
+    vocab_size = (
+        getattr(model, "valid_vocab", None)
+        or getattr(model, "vocab_size", None)
+        or getattr(getattr(model, "config", None), "vocab_size", None)
+    )
     for dataset in datasets:
         if isinstance(vocab_size, int) and callable(getattr(dataset, "require_vocab", None)):
             dataset.require_vocab(vocab_size)
     documents = next((d.documents for d in datasets if getattr(d, "documents", None)), None)
     if documents is not None:  # data.kwargs.document_mask: the model needs the end-of-text id to find documents
         if not callable(getattr(model, "use_documents", None)):
-            raise ConfigError(f"data.kwargs.document_mask: {type(model).__name__} has no use_documents(eot=, "
-                              "restart_positions=) to keep attention inside documents; use model.name=gpt or drop it")
+            raise ConfigError(
+                f"data.kwargs.document_mask: {type(model).__name__} has no use_documents(eot=, "
+                "restart_positions=) to keep attention inside documents; use model.name=gpt or drop it"
+            )
         model.use_documents(**documents)

@@ -31,7 +31,6 @@ __all__ = ["agree_on_count", "agreed_batches", "uneven_stream_end", "grouped", "
 log = logging.getLogger("ddpkit")
 
 
-
 def grouped() -> bool:
     """True inside a process group of more than one rank (a collective is needed and possible)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -68,9 +67,12 @@ def agree_on_count(count: int, *, epoch: int | None, uneven: str = "error") -> i
     if shortest != max(counts):
         if uneven != "truncate":
             raise _uneven_error(counts, epoch=epoch, shortest=shortest)
-        log.warning("data.uneven=truncate: uneven batch counts %s (%s); every rank runs %d",
-                    "per epoch" if epoch is None else f"in epoch {epoch}",
-                    _describe(counts), shortest)
+        log.warning(
+            "data.uneven=truncate: uneven batch counts %s (%s); every rank runs %d",
+            "per epoch" if epoch is None else f"in epoch {epoch}",
+            _describe(counts),
+            shortest,
+        )
     if shortest == 0:
         raise DataError(
             "the training loader yields no batches on some rank "

@@ -30,12 +30,27 @@ __all__ = ["check_ranks_agree", "check_same_run_on_every_rank", "config_differen
 
 #: Config paths (and path prefixes) that may differ between a checkpoint and the resuming run.
 HARMLESS_PREFIXES = (
-    "run.name", "run.output_dir", "dist.", "log.", "checkpoint.", "train.epochs", "train.max_steps",
-    "train.log_every", "train.eval_every", "train.timeline", "train.early_stopping.", "data.num_workers",
-    "data.val_batch_size", "data.pin_memory", "data.persistent_workers", "data.prefetch_factor",
+    "run.name",
+    "run.output_dir",
+    "dist.",
+    "log.",
+    "checkpoint.",
+    "train.epochs",
+    "train.max_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.timeline",
+    "train.early_stopping.",
+    "data.num_workers",
+    "data.val_batch_size",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.prefetch_factor",
     "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
     "data.allow_length_change",  # a permission for this resume (checked by the data order), not part of the math
-    "train.compile", "train.channels_last", "train.keep_host_memory",  # how fast, not what is computed
+    "train.compile",
+    "train.channels_last",
+    "train.keep_host_memory",  # how fast, not what is computed
     "train.deterministic",  # which kernels compute it: the same math, in a fixed order
     "ddp.gradient_as_bucket_view",  # where the gradients live, not their values (the same buckets are all-reduced)
     "health.",  # what to do about a bad step; the steps that are not bad compute the same
@@ -46,15 +61,17 @@ HARMLESS_PREFIXES = (
 def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
     """Stop every rank with the differences if ranks built different configs, models or datasets."""
     shapes = parameter_shapes(model)
-    check_ranks_agree({
-        "config": flatten(config_to_dict(config)),
-        "parameter_count": sum(math.prod(shape) for _, shape in shapes),
-        "parameter_shapes": shapes,
-        "train_dataset_length": len(train_set) if isinstance(train_set, Sized) else None,  # a stream has none
-        "val_dataset_length": len(val_set) if isinstance(val_set, Sized) else None,
-        "ddpkit_version": __version__,
-        "torch_version": str(torch.__version__),
-    })
+    check_ranks_agree(
+        {
+            "config": flatten(config_to_dict(config)),
+            "parameter_count": sum(math.prod(shape) for _, shape in shapes),
+            "parameter_shapes": shapes,
+            "train_dataset_length": len(train_set) if isinstance(train_set, Sized) else None,  # a stream has none
+            "val_dataset_length": len(val_set) if isinstance(val_set, Sized) else None,
+            "ddpkit_version": __version__,
+            "torch_version": str(torch.__version__),
+        }
+    )
 
 
 def check_ranks_agree(fingerprint: dict[str, Any]) -> None:

@@ -121,6 +121,8 @@ def read_signed(key: bytes, name: str, raw: bytes | str | None) -> str | None:
                 "ignored a message in the job's store without a valid ddpkit tag: key %r, value %r (%d bytes); "
                 "someone else wrote to the job's store (docs/troubleshooting.md). "
                 "Later ones of this kind are ignored silently",
-                name, shown[:80], len(shown),
+                name,
+                shown[:80],
+                len(shown),
             )
     return value

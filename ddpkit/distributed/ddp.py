@@ -25,7 +25,8 @@ from ddpkit.distributed.process_group import Runtime
 # torch 2.14 renamed DDP's `broadcast_buffers` to `forward_sync_buffers` (same meaning for
 # forward-time syncing) and warns on the old name; use whichever this torch has.
 _BUFFER_SYNC_ARG = (
-    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else "broadcast_buffers"
 )
 
@@ -113,7 +114,6 @@ def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in unwrap_model(model).named_parameters()]
 
 
-
 def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes a
     wrapped model's own ``state_dict()`` carries, in any nesting: keys the bare network accepts.
@@ -127,6 +127,6 @@ def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
         changed = False
         for prefix in ("_orig_mod.", "module."):
             if all(key.startswith(prefix) for key in cleaned):
-                cleaned = {key[len(prefix):]: value for key, value in cleaned.items()}
+                cleaned = {key[len(prefix) :]: value for key, value in cleaned.items()}
                 changed = True
     return cleaned

@@ -102,8 +102,13 @@ def _from_existing_group() -> DistEnv | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Without LOCAL_RANK, the GPU the user chose for this process (torch.cuda.set_device) is its local rank.
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=max(local_rank + 1, 1),
-                   launcher="existing")
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=max(local_rank + 1, 1),
+        launcher="existing",
+    )
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:

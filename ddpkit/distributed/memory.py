@@ -73,8 +73,12 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankBytes:
     owned = _owned_parameters(optimizer)
     inner = getattr(optimizer, "optim", optimizer)
     if any(inner.state.get(p) for p in owned):
-        state = sum(_nbytes(v) for p in owned for v in inner.state.get(p, {}).values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        state = sum(
+            _nbytes(v)
+            for p in owned
+            for v in inner.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     else:
         slots = optimizer_slots(optimizer)
         state = None if slots is None else slots * sum(_nbytes(p) for p in owned)
@@ -101,8 +105,11 @@ def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: 
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     count = sum(p.numel() for p in model.parameters())
-    lines = [f"rank {r}: parameters {format_bytes(b.parameters)}, gradients {format_bytes(b.gradients)}, "
-             f"optimizer state {format_bytes(b.optimizer)}" for r, b in enumerate(ranks)]
+    lines = [
+        f"rank {r}: parameters {format_bytes(b.parameters)}, gradients {format_bytes(b.gradients)}, "
+        f"optimizer state {format_bytes(b.optimizer)}"
+        for r, b in enumerate(ranks)
+    ]
     log.info("parallel.mode=%s: %s parameters; what each rank holds:\n  %s", mode, f"{count:,}", "\n  ".join(lines))
     return ranks
 

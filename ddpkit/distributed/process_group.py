@@ -193,7 +193,8 @@ def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> d
     wanted = {
         ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # collectives kept per group
         ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
-        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-            os.path.join(os.fspath(trace_dir), "nccl_trace_rank_"),
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(
+            os.fspath(trace_dir), "nccl_trace_rank_"
+        ),
     }
     return {names[0]: value for names, value in wanted.items() if not any(name in os.environ for name in names)}

@@ -72,8 +72,11 @@ def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if env.rank == 0 and not agent_store and is_loopback(env.master_addr):  # ``ddpkit run`` on one node
-        return {"store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout), "rank": 0,
-                "world_size": env.world_size}
+        return {
+            "store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout),
+            "rank": 0,
+            "world_size": env.world_size,
+        }
     store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
     if agent_store:
         store = dist.PrefixStore(f"ddpkit/attempt_{env.restart_count}", store)
@@ -105,8 +108,13 @@ def loopback_store(
         bound = sock.getsockname()[1]
         fd = sock.detach()  # the store owns the socket from here
     return dist.TCPStore(
-        addr, bound, world_size, True, datetime.timedelta(seconds=timeout),
-        wait_for_workers=world_size is not None, master_listen_fd=fd,
+        addr,
+        bound,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout),
+        wait_for_workers=world_size is not None,
+        master_listen_fd=fd,
     )
 
 

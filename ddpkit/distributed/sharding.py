@@ -33,8 +33,16 @@ from ddpkit.distributed.memory import log_rank_bytes
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 
-__all__ = ["shard_model", "shard_optimizer", "wrap_for_mode", "sync_gradients", "full_parameters", "fsdp_blocks",
-           "is_sharded", "gradient_norm"]
+__all__ = [
+    "shard_model",
+    "shard_optimizer",
+    "wrap_for_mode",
+    "sync_gradients",
+    "full_parameters",
+    "fsdp_blocks",
+    "is_sharded",
+    "gradient_norm",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +66,12 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
         fully_shard(block, mesh=mesh, reshard_after_forward=parallel.fsdp.reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # the root keeps its parameters for the backward (FSDP2's rule)
     model._ddpkit_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after validation
-    log.info("fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root", len(blocks), runtime.env.world_size,
-             ", ".join(sorted({type(b).__name__ for b in blocks})) or "none")
+    log.info(
+        "fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root",
+        len(blocks),
+        runtime.env.world_size,
+        ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
+    )
     return model
 
 
@@ -108,8 +120,9 @@ def shard_optimizer(
         from torch.distributed.optim import ZeroRedundancyOptimizer  # here: ddp runs never load it
 
         groups = [dict(group) for group in optimizer.param_groups]
-        zero = ZeroRedundancyOptimizer(groups[0].pop("params"), optimizer_class=type(optimizer),
-                                       **_hyper(optimizer, groups[0]))
+        zero = ZeroRedundancyOptimizer(
+            groups[0].pop("params"), optimizer_class=type(optimizer), **_hyper(optimizer, groups[0])
+        )
         for group in groups[1:]:
             zero.add_param_group(group)
         optimizer = zero
@@ -152,8 +165,10 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
         else:
             squares = torch.stack([torch.dot(b, b) for b in buckets]).sum()
         return squares.sqrt()
-    if grads and grads[0].is_cpu and all(
-        type(g) is torch.Tensor and g.is_cpu and g.dtype == grads[0].dtype for g in grads
+    if (
+        grads
+        and grads[0].is_cpu
+        and all(type(g) is torch.Tensor and g.is_cpu and g.dtype == grads[0].dtype for g in grads)
     ):
         # On the CPU get_total_norm groups the tensors and takes one vector_norm per tensor in
         # Python (60 us a step on the test MLP); _foreach_norm runs the same kernels in one call

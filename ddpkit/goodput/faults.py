@@ -73,8 +73,16 @@ def fault_recorder(output_dir: str | os.PathLike, *, requeue_exit_code: int) -> 
 
     def record(*, detected: float, stopped: float, attempt: int, codes: dict[int, int]) -> None:
         kind = fault_kind(codes, requeue_exit_code=requeue_exit_code)
-        append_event(output_dir, AGENT_EVENT, t=stopped, detected=detected, attempt=attempt, rank=-1, kind=kind,
-                     codes={str(rank): code for rank, code in codes.items()})
+        append_event(
+            output_dir,
+            AGENT_EVENT,
+            t=stopped,
+            detected=detected,
+            attempt=attempt,
+            rank=-1,
+            kind=kind,
+            codes={str(rank): code for rank, code in codes.items()},
+        )
 
     return record
 
@@ -94,8 +102,14 @@ class FaultCost:
         return sum(v for v in self.parts.values() if v is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "kind": self.kind, "steps_lost": self.steps_lost, "exact": self.exact,
-                **self.parts, "total": self.total}
+        return {
+            "attempt": self.attempt,
+            "kind": self.kind,
+            "steps_lost": self.steps_lost,
+            "exact": self.exact,
+            **self.parts,
+            "total": self.total,
+        }
 
 
 def fault_costs(records: list[dict[str, Any]]) -> list[FaultCost]:
@@ -132,8 +146,12 @@ def _cost(failed: Attempt, next_: Attempt, line: dict[str, Any] | None) -> Fault
         marks += [float(line["detected"]), float(line["t"])]
     else:
         marks += [None, None]
-    marks += [float(start["t"]) if start else None, float(restore["began"]) if restore else None,
-              float(restore["t"]) if restore else None, float(first["t"]) if first else None]
+    marks += [
+        float(start["t"]) if start else None,
+        float(restore["began"]) if restore else None,
+        float(restore["t"]) if restore else None,
+        float(first["t"]) if first else None,
+    ]
     parts: dict[str, float | None] = {}
     previous = last_t
     for name, mark in zip(PARTS, marks[1:]):
@@ -152,7 +170,10 @@ def medians(costs: list[FaultCost]) -> dict[str, dict[str, float]]:
     for kind in dict.fromkeys(c.kind for c in costs):
         rows = [c for c in costs if c.kind == kind]
         values = {name: [c.parts[name] for c in rows if c.parts.get(name) is not None] for name in PARTS}
-        out[kind] = {"n": len(rows), **{k: statistics.median(v) for k, v in values.items() if v},
-                     "total": statistics.median(c.total for c in rows),
-                     "steps_lost": statistics.median(c.steps_lost for c in rows)}
+        out[kind] = {
+            "n": len(rows),
+            **{k: statistics.median(v) for k, v in values.items() if v},
+            "total": statistics.median(c.total for c in rows),
+            "steps_lost": statistics.median(c.steps_lost for c in rows),
+        }
     return out

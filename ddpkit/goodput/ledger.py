@@ -43,7 +43,12 @@ from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
 
 __all__ = [
-    "LEDGER_FILE", "SESSION_ENV", "GOODPUT_DIR_ENV", "GoodputLedger", "launch_session", "append_event",
+    "LEDGER_FILE",
+    "SESSION_ENV",
+    "GOODPUT_DIR_ENV",
+    "GoodputLedger",
+    "launch_session",
+    "append_event",
     "process_start_time",
 ]
 
@@ -78,8 +83,14 @@ def _identity() -> tuple[str, int]:
 def append_event(output_dir: str | os.PathLike, event: str, **fields: Any) -> None:
     """Append one ledger line (any process, any rank). Never raises: the ledger must not stop a run."""
     session, attempt = _identity()
-    record = {"event": event, "t": fields.pop("t", None) or time.time(), "session": session, "attempt": attempt,
-              "rank": int(os.environ.get("RANK", "0")), **fields}
+    record = {
+        "event": event,
+        "t": fields.pop("t", None) or time.time(),
+        "session": session,
+        "attempt": attempt,
+        "rank": int(os.environ.get("RANK", "0")),
+        **fields,
+    }
     try:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(output_dir) / LEDGER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -151,7 +162,11 @@ class GoodputLedger:
     attempt's end)."""
 
     def __init__(
-        self, output_dir: str | os.PathLike | None, *, step: Callable[[], int], run_dir: str | os.PathLike = ".",
+        self,
+        output_dir: str | os.PathLike | None,
+        *,
+        step: Callable[[], int],
+        run_dir: str | os.PathLike = ".",
         stop: Stopping | None = None,
     ):
         self.output_dir, self._step, self._dir, self._stop = output_dir, step, run_dir, stop

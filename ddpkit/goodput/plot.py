@@ -15,8 +15,16 @@ from ddpkit.goodput.reading import CATEGORIES, analyse, read_ledger
 
 __all__ = ["plot_goodput"]
 
-_COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "restore": "#17becf", "checkpoint": "#1f77b4",
-           "validation": "#9467bd", "lost": "#d62728", "recovery": "#ff7f0e", "shutdown": "#bcbd22"}
+_COLORS = {
+    "productive": "#2ca02c",
+    "startup": "#7f7f7f",
+    "restore": "#17becf",
+    "checkpoint": "#1f77b4",
+    "validation": "#9467bd",
+    "lost": "#d62728",
+    "recovery": "#ff7f0e",
+    "shutdown": "#bcbd22",
+}
 
 
 def _bars(run_dirs: Sequence[str | Path], names: Sequence[str]) -> list[tuple[str, dict[str, float]]]:
@@ -24,13 +32,19 @@ def _bars(run_dirs: Sequence[str | Path], names: Sequence[str]) -> list[tuple[st
     for run_dir, name in zip(run_dirs, names):
         report = analyse(read_ledger(run_dir))
         bars.append((f"{name}  (goodput {report.goodput:.2f})", {"productive": report.productive_s, **report.badput}))
-        bars += [(f"  attempt {a.attempt} {a.status}", {c: a.seconds.get(c, 0.0) for c in ("productive", *CATEGORIES)})
-                 for a in report.attempts]
+        bars += [
+            (f"  attempt {a.attempt} {a.status}", {c: a.seconds.get(c, 0.0) for c in ("productive", *CATEGORIES)})
+            for a in report.attempts
+        ]
     return bars
 
 
 def plot_goodput(
-    run_dirs: Sequence[str | Path], names: Sequence[str], output: str | Path, *, title: str | None = None,
+    run_dirs: Sequence[str | Path],
+    names: Sequence[str],
+    output: str | Path,
+    *,
+    title: str | None = None,
     dpi: int = 120,
 ) -> Path:
     """Write the breakdown figure to ``output``; DdpkitError without matplotlib or a ledger."""
@@ -39,7 +53,8 @@ def plot_goodput(
         from matplotlib.figure import Figure
     except ImportError:
         raise DdpkitError(
-            "ddpkit plot --goodput needs matplotlib, which is not installed: pip install 'ddpkit[plot]'") from None
+            "ddpkit plot --goodput needs matplotlib, which is not installed: pip install 'ddpkit[plot]'"
+        ) from None
     bars = _bars(run_dirs, names)
     fig = Figure(figsize=(9, 0.45 * len(bars) + 1.6), layout="constrained")
     FigureCanvasAgg(fig)

@@ -88,9 +88,21 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput, "badput": self.badput,
-            "attempts": [{"attempt": a.label, "status": a.status, "restored_step": a.restored_step,
-                          "last_step": a.last_step, "wall_s": a.wall_s, **a.seconds} for a in self.attempts],
+            "wall_s": self.wall_s,
+            "productive_s": self.productive_s,
+            "goodput": self.goodput,
+            "badput": self.badput,
+            "attempts": [
+                {
+                    "attempt": a.label,
+                    "status": a.status,
+                    "restored_step": a.restored_step,
+                    "last_step": a.last_step,
+                    "wall_s": a.wall_s,
+                    **a.seconds,
+                }
+                for a in self.attempts
+            ],
         }
 
 
@@ -119,11 +131,12 @@ def _sessions(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
     for record in records:
         order.setdefault(str(record.get("session")), []).append(record)
     sessions = list(order.items())
+
     def afresh(rs: list[dict[str, Any]]) -> bool:
         return any(r["event"] == "restore" and r.get("attempt") == 0 and r.get("source") == "none" for r in rs)
 
     fresh = [i for i, (_, rs) in enumerate(sessions) if afresh(rs)]
-    return sessions[fresh[-1]:] if fresh else sessions
+    return sessions[fresh[-1] :] if fresh else sessions
 
 
 def _attempts(session: str, records: list[dict[str, Any]]) -> list[Attempt]:
@@ -172,8 +185,10 @@ def _split_attempt(a: Attempt, begin: float, next_restore: int | None) -> float:
     points = step_times(a)
     a.last_step, last_t = max(points)
     last_t = max(t for s, t in points if s == a.last_step)
-    spans = {kind: [(float(r["began"]), float(r["t"])) for r in a.all(event) if r.get("kind") != "crash"]
-             for kind, event in (("checkpoint", "checkpoint"), ("validation", "validation"))}
+    spans = {
+        kind: [(float(r["began"]), float(r["t"])) for r in a.all(event) if r.get("kind") != "crash"]
+        for kind, event in (("checkpoint", "checkpoint"), ("validation", "validation"))
+    }
     kept_to = last_t
     if a.status == "FAILED" and next_restore is not None:
         kept_to = min(max(_time_of_step(points, next_restore), restored), last_t)
@@ -205,7 +220,7 @@ def analyse(records: list[dict[str, Any]]) -> Report:
         for a in atts:
             start = float(a.first("start")["t"]) if a.first("start") else float(a.records[0]["t"])
             gap = max(0.0, start - cursor) if a is not atts[0] else 0.0
-            following = next((r for r in restores[index + 1:] if r is not None), None)
+            following = next((r for r in restores[index + 1 :] if r is not None), None)
             cursor = _split_attempt(a, cursor if a is atts[0] else start, int(following["step"]) if following else None)
             if gap:
                 a.seconds["recovery"] = a.seconds.get("recovery", 0.0) + gap

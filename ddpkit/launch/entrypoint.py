@@ -39,8 +39,9 @@ from ddpkit.watchdog.store_io import terminate, write_error_file
 __all__ = ["run_entrypoint", "run_trainer", "parse_worker_argv"]
 
 
-def parse_worker_argv(argv: Sequence[str] | None = None, *, usage: str = "",
-                      defaults: Sequence[str] = ()) -> tuple[str | None, list[str]]:
+def parse_worker_argv(
+    argv: Sequence[str] | None = None, *, usage: str = "", defaults: Sequence[str] = ()
+) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
 
     A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.

@@ -47,7 +47,11 @@ __all__ = ["launch", "preflight", "torchrun_argv", "default_nproc", "check_port_
 
 
 def preflight(
-    *, nproc: str, backend: str = "auto", device: str = "auto", precision: str = "fp32",
+    *,
+    nproc: str,
+    backend: str = "auto",
+    device: str = "auto",
+    precision: str = "fp32",
     precision_option: str = "train.precision=",
 ) -> str | None:
     """Refuse here, once, what every worker would refuse: NCCL without CUDA, more processes than
@@ -78,9 +82,18 @@ def default_nproc() -> int:
 
 
 def torchrun_argv(
-    *, nproc: str, program: Sequence[str], nnodes: str = "1", max_restarts: int = 0, shutdown_timeout: float = 10.0,
-    node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-    rdzv_endpoint: str | None = None, rdzv_id: str = "ddpkit", forward_signals: Sequence[str] = (),
+    *,
+    nproc: str,
+    program: Sequence[str],
+    nnodes: str = "1",
+    max_restarts: int = 0,
+    shutdown_timeout: float = 10.0,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "ddpkit",
+    forward_signals: Sequence[str] = (),
     extra: Sequence[str] = (),
 ) -> list[str]:
     """torchrun's argument list: on one node, loopback only (:func:`_loopback_rendezvous`); static or c10d
@@ -93,8 +106,12 @@ def torchrun_argv(
     torchrun's own parser (a ConfigError with its message otherwise) and placed after ddpkit's own,
     so that one given twice is the user's.
     """
-    argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
-            f"--monitor-interval={MONITOR_INTERVAL}"]
+    argv = [
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--max-restarts={max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL}",
+    ]
     extra = torchrun_adapter.check_passthrough(extra) if extra else []
     if torchrun_adapter.has_option("--shutdown-timeout"):  # not in torch 2.11 and older, whose agent waits a fixed 30 s
         argv.append(f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}")
@@ -126,9 +143,12 @@ def _loopback_rendezvous(port: int | None) -> list[str]:
     Several nodes listen on every interface: docs/multinode.md, "Open ports"."""
     if port is not None:
         check_port_free("127.0.0.1", port)
-    return [f"--rdzv-backend={torchrun_adapter.LOOPBACK_RDZV}", f"--rdzv-endpoint=127.0.0.1:{port or 0}",
-            f"--rdzv-id={uuid.uuid4()}",
-            "--local-addr=127.0.0.1"]
+    return [
+        f"--rdzv-backend={torchrun_adapter.LOOPBACK_RDZV}",
+        f"--rdzv-endpoint=127.0.0.1:{port or 0}",
+        f"--rdzv-id={uuid.uuid4()}",
+        "--local-addr=127.0.0.1",
+    ]
 
 
 def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: int = EXIT_PREEMPTED) -> int:
@@ -151,14 +171,17 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
     except SignalException as exc:  # the agent forwarded it to the workers and waited for them
         print(
             f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
-            f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.", file=sys.stderr,
+            f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.",
+            file=sys.stderr,
         )
         return requeue_exit_code
     except ChildFailedError as exc:
         _add_unobserved_failures(exc)
         if _stopped_after_saving(exc, requeue_exit_code):
-            print("ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.",
-                  file=sys.stderr)
+            print(
+                "ddpkit run: the workers stopped on a signal after saving; run the same command again to resume.",
+                file=sys.stderr,
+            )
             return requeue_exit_code
         print(f"ddpkit run: the training job failed.\n{_summary(exc)}", file=sys.stderr)
         return _root_cause_code(exc)
@@ -212,8 +235,12 @@ def _run(args: Any, *, fork: bool) -> None:
         return
     from ddpkit.launch.forked import preload, quiet_polling_tracebacks, run_program
 
-    torchrun_adapter.run(args, fork=True, entrypoint=run_program,
-                         before_fork=lambda program: (preload(program), quiet_polling_tracebacks()))
+    torchrun_adapter.run(
+        args,
+        fork=True,
+        entrypoint=run_program,
+        before_fork=lambda program: (preload(program), quiet_polling_tracebacks()),
+    )
 
 
 def _stopped_after_saving(exc: Any, requeue_exit_code: int = EXIT_PREEMPTED) -> bool:
@@ -250,7 +277,8 @@ def _add_unobserved_failures(exc: Any) -> None:
                 info = _extra_info(file)
                 code = int(info.get("exitcode", EXIT_FAILURE))
                 recorded[rank - failure.local_rank + int(local)] = torchrun_adapter.process_failure(
-                    local_rank=int(local), pid=int(info.get("pid", 0)), exitcode=code, error_file=str(file))
+                    local_rank=int(local), pid=int(info.get("pid", 0)), exitcode=code, error_file=str(file)
+                )
 
 
 def _extra_info(error_file: Path) -> dict[str, Any]:

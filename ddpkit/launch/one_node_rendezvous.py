@@ -34,8 +34,15 @@ class OneNodeRendezvous:
     ``info(store, local_addr)``: the round's ``RendezvousInfo`` (rank 0 of 1 on ``store``, the workers' store
     on a free port of ``local_addr``)."""
 
-    def __init__(self, store: Store, *, run_id: str, backend: str, info: Callable[[Store, str], Any],
-                 local_addr: str = "127.0.0.1"):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        run_id: str,
+        backend: str,
+        info: Callable[[Store, str], Any],
+        local_addr: str = "127.0.0.1",
+    ):
         self._store, self._run_id, self._backend, self._addr = store, run_id, backend, local_addr
         self._info, self._round, self._closed = info, 0, False
 

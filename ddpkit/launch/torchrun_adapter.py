@@ -148,8 +148,9 @@ def _loopback_handler(params: Any) -> Any:
     timeout = float(params.get_as_int("read_timeout", 60) or 60)
     store = loopback_store(int(port or 0), timeout=timeout, addr=host or "127.0.0.1")
     # torch's launcher checks that the handler's backend has the name it asked for
-    return OneNodeRendezvous(store, run_id=params.run_id, backend=LOOPBACK_RDZV, info=round_info,
-                             local_addr=params.local_addr or host)
+    return OneNodeRendezvous(
+        store, run_id=params.run_id, backend=LOOPBACK_RDZV, info=round_info, local_addr=params.local_addr or host
+    )
 
 
 def round_info(store: Any, local_addr: str) -> Any:

@@ -135,8 +135,13 @@ def preload_program(program: list[str]) -> list[str]:
         done.append(name)
     started = [thread.name for thread in threading.enumerate() if thread not in threads_before]
     if started:
-        logger.warning("ddpkit run: importing %s in the launcher started thread(s) %s, which forked workers do not "
-                       "inherit; if a worker hangs, set %s=off", ", ".join(done), ", ".join(started), PRELOAD_ENV)
+        logger.warning(
+            "ddpkit run: importing %s in the launcher started thread(s) %s, which forked workers do not "
+            "inherit; if a worker hangs, set %s=off",
+            ", ".join(done),
+            ", ".join(started),
+            PRELOAD_ENV,
+        )
     return done
 
 

@@ -61,8 +61,9 @@ class ProgressDisplay:
         if enabled and (self._stream.isatty() if terminal is None else terminal):
             from tqdm.auto import tqdm  # lazy: keeps `import ddpkit` fast
 
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0,
-                             file=self._stream)
+            self._bar = tqdm(
+                total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, file=self._stream
+            )
             console_through(self)  # ddpkit's log lines now go through write(), above the bar
 
     @property
@@ -107,8 +108,11 @@ class ProgressDisplay:
         """``step 120/900 (13%) loss 0.4512 samples/s 1530 lr 0.05 eta 3m14s`` (``step 120`` when the total is
         unknown)."""
         total = self.total
-        parts = [f"step {self.step}/{total} ({100.0 * self.step / max(total, 1):.0f}%)" if total is not None
-                 else f"step {self.step}"]
+        parts = [
+            f"step {self.step}/{total} ({100.0 * self.step / max(total, 1):.0f}%)"
+            if total is not None
+            else f"step {self.step}"
+        ]
         parts += [f"{k} {_short(v)}" for k, v in self._values.items()]
         done, elapsed = self.step - self._initial, time.monotonic() - self._started
         if total is None or self.step >= total:

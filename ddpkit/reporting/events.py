@@ -127,8 +127,10 @@ class Events:
                 continue
             phases = getattr(listener, "phases", None)
             if phases is not None and not (isinstance(phases, tuple) and all(isinstance(p, str) for p in phases)):
-                raise TypeError(f"{type(listener).__name__}.phases must be a tuple of span names "
-                                f"(the spans its on_phase hears), got {phases!r}")
+                raise TypeError(
+                    f"{type(listener).__name__}.phases must be a tuple of span names "
+                    f"(the spans its on_phase hears), got {phases!r}"
+                )
             self.listeners.append(listener)
             for event in EVENTS:
                 method = getattr(listener, event, None)
@@ -146,8 +148,11 @@ class Events:
 
     def phase_listeners(self, name: str) -> tuple[Callable[[str | None], None], ...]:
         """The ``on_phase`` methods that hear spans called ``name`` (a listener's ``phases`` narrows them)."""
-        return tuple(method for method in self._calls["on_phase"]
-                     if name in (getattr(method.__self__, "phases", None) or (name,)))
+        return tuple(
+            method
+            for method in self._calls["on_phase"]
+            if name in (getattr(method.__self__, "phases", None) or (name,))
+        )
 
     def fit_start(self) -> None:
         self.position.phase = "loop"  # setup is over: between spans the loop runs its hooks and logging

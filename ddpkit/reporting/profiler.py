@@ -42,15 +42,25 @@ class Profiler:
     """One rank's torch.profiler over a run: a listener of :class:`ddpkit.reporting.events.Events`."""
 
     def __init__(
-        self, *, wait: int, warmup: int, active: int, repeat: int, trace_dir: str | os.PathLike, rank: int,
-        cuda: bool = False
+        self,
+        *,
+        wait: int,
+        warmup: int,
+        active: int,
+        repeat: int,
+        trace_dir: str | os.PathLike,
+        rank: int,
+        cuda: bool = False,
     ):
         self.trace_dir, self.rank = Path(trace_dir), rank
         self._total = (wait + warmup + active) * repeat  # steps until the last cycle is written; 0: never ends
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self._prof = profile(activities=activities,
-                             schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
-                             on_trace_ready=self._write, record_shapes=False)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+            on_trace_ready=self._write,
+            record_shapes=False,
+        )
         self._ranges: list[AbstractContextManager[Any]] = []
         self._steps, self._running = 0, False
         self.traces: list[Path] = []  # the files written so far
@@ -61,8 +71,15 @@ class Profiler:
         section = config.train.profile
         if section is None:
             return None
-        return cls(wait=section.wait, warmup=section.warmup, active=section.active, repeat=section.repeat,
-                   trace_dir=Path(config.output_dir) / PROFILE_DIR, rank=rank, cuda=device.type == "cuda")
+        return cls(
+            wait=section.wait,
+            warmup=section.warmup,
+            active=section.active,
+            repeat=section.repeat,
+            trace_dir=Path(config.output_dir) / PROFILE_DIR,
+            rank=rank,
+            cuda=device.type == "cuda",
+        )
 
     # --- listener methods (ddpkit.reporting.events) ---------------------------------------------
 

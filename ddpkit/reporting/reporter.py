@@ -69,14 +69,21 @@ class Reporter:
     """Console progress display, metric sinks, step log, timeline and throughput of one run, on one rank."""
 
     def __init__(
-        self, config: Config, *, runtime: Runtime, total_steps: int, progress: Progress, events: Events,
+        self,
+        config: Config,
+        *,
+        runtime: Runtime,
+        total_steps: int,
+        progress: Progress,
+        events: Events,
         throughput: TokenThroughput | None = None,
     ):
         cfg, rank = config, runtime.env.rank
         self.config, self.runtime, self.total_steps, self.is_main = config, runtime, int(total_steps), rank == 0
         self.output_dir = Path(config.output_dir)
-        self.per_rank_batch = per_rank_batch_size(cfg.data, world_size=runtime.env.world_size,
-                                                  grad_accum_steps=cfg.train.grad_accum_steps)
+        self.per_rank_batch = per_rank_batch_size(
+            cfg.data, world_size=runtime.env.world_size, grad_accum_steps=cfg.train.grad_accum_steps
+        )
         self.samples_per_step = self.per_rank_batch * cfg.train.grad_accum_steps * runtime.env.world_size
         self.timeline = Timeline(enabled=cfg.train.timeline, rank=rank, device=runtime.device)
         self.step_log = StepLog(self.output_dir / "logs" / f"steps-rank{rank}.log" if cfg.dist.debug else None)
@@ -85,8 +92,12 @@ class Reporter:
         self.sinks = SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
         known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
-        self.console = ProgressDisplay(total=int(total_steps) if known else None, initial=progress.step,
-                                       enabled=self._show_bar, every=cfg.log.progress_every)
+        self.console = ProgressDisplay(
+            total=int(total_steps) if known else None,
+            initial=progress.step,
+            enabled=self._show_bar,
+            every=cfg.log.progress_every,
+        )
         self._window_start, self._window_step = time.perf_counter(), progress.step
         self._outside = 0  # depth of outside_training spans
         self.events = events
@@ -135,13 +146,20 @@ class Reporter:
         log.info(
             "world_size=%d backend=%s device=%s launcher=%s | "
             "per-rank batch %d x %d ranks x %d accumulation = global batch %d",
-            world_size, rt.backend, rt.device, rt.env.launcher, self.per_rank_batch, world_size,
-            cfg.train.grad_accum_steps, self.samples_per_step,
+            world_size,
+            rt.backend,
+            rt.device,
+            rt.env.launcher,
+            self.per_rank_batch,
+            world_size,
+            cfg.train.grad_accum_steps,
+            self.samples_per_step,
         )
         log.info(
             "%s steps per epoch, %s steps in total%s; writing to %s",
             *(n if n < UNKNOWN_LENGTH else "unknown (a stream)" for n in (steps_per_epoch, self.total_steps)),
-            f", resuming at step {step}" if step else "", self.output_dir,
+            f", resuming at step {step}" if step else "",
+            self.output_dir,
         )
 
     def add_loss(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -179,14 +197,25 @@ class Reporter:
         norm = record.get(logs.GRAD_NORM, math.nan)
         self._window_start, self._window_step = now, step
         self.sinks.write(record)
-        rate = ({"tokens/s": round(record["tokens_per_s"])} if "tokens_per_s" in record
-                else {"samples/s": round(record[logs.SAMPLES_PER_S])})
+        rate = (
+            {"tokens/s": round(record["tokens_per_s"])}
+            if "tokens_per_s" in record
+            else {"samples/s": round(record[logs.SAMPLES_PER_S])}
+        )
         self.console.show({"loss": loss, "grad_norm": norm, **rate, "lr": lr})
         if not self._show_bar:
-            (unit, value), = rate.items()
-            log.info("step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f %s%s",
-                     step, progress.epoch, loss, norm, lr, value, unit,
-                     f" mfu {record['mfu']:.1%}" if "mfu" in record else "")
+            ((unit, value),) = rate.items()
+            log.info(
+                "step %d epoch %d loss %.4f grad_norm %.4g lr %.3g %.0f %s%s",
+                step,
+                progress.epoch,
+                loss,
+                norm,
+                lr,
+                value,
+                unit,
+                f" mfu {record['mfu']:.1%}" if "mfu" in record else "",
+            )
         return record
 
     def validation(self, progress: Progress, metrics: dict[str, float]) -> dict[str, float]:

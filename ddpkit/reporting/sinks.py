@@ -118,9 +118,14 @@ class SinkGroup:
                 raise
             # Any exception at all: a tracker's client can raise anything, and no metric is
             # worth the run. metrics.jsonl still has every record.
-            log.warning("metric sink %r failed in %s() and is switched off for "
-                        "this run (metrics.jsonl keeps every record): %s: %s",
-                        sink.name, method, type(exc).__name__, exc)
+            log.warning(
+                "metric sink %r failed in %s() and is switched off for "
+                "this run (metrics.jsonl keeps every record): %s: %s",
+                sink.name,
+                method,
+                type(exc).__name__,
+                exc,
+            )
             if sink in self.sinks:
                 self.sinks.remove(sink)
             return None
@@ -137,8 +142,13 @@ def build_sinks(config: Config, *, append: bool, extra: Iterable[Sink] = ()) -> 
     if config.log.mlflow or config.log.wandb:  # mlflow and wandb themselves are imported only inside the tracker sinks
         from ddpkit.reporting.trackers import tracker_sinks  # here: runs without trackers never load the adapters
 
-        sinks += tracker_sinks(mlflow=config.log.mlflow, wandb=config.log.wandb, output_dir=config.output_dir,
-                               run_name=config.run.name, timeout=config.log.tracker_timeout)
+        sinks += tracker_sinks(
+            mlflow=config.log.mlflow,
+            wandb=config.log.wandb,
+            output_dir=config.output_dir,
+            run_name=config.run.name,
+            timeout=config.log.tracker_timeout,
+        )
     return SinkGroup([*sinks, *extra])
 
 
@@ -176,8 +186,10 @@ class TensorBoardSink(Sink):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise DdpkitError("log.tensorboard=true needs the tensorboard package, which is not installed: "
-                              "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)") from None
+            raise DdpkitError(
+                "log.tensorboard=true needs the tensorboard package, which is not installed: "
+                "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)"
+            ) from None
         self._open, self.log_dir, self._writer = SummaryWriter, Path(log_dir), None
 
     def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
@@ -215,17 +227,28 @@ class StatusSink(Sink):
         self._carried = float((resumed or {}).get("wall_s", 0.0))
         attempts = int((resumed or {}).get("attempts", 0)) + 1
         first = (resumed or {}).get("started", time.time())
-        self._state = {"status": "RUNNING", "started": first, "attempt_started": time.time(), "ended": None,
-                       "attempts": attempts, "step": 0, "wall_s": self._carried, "host": socket.gethostname(),
-                       "pid": os.getpid()}
+        self._state = {
+            "status": "RUNNING",
+            "started": first,
+            "attempt_started": time.time(),
+            "ended": None,
+            "attempts": attempts,
+            "step": 0,
+            "wall_s": self._carried,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
         self._save()
 
     def write(self, record: dict[str, Any]) -> None:
         self._state["step"] = record.get("step", self._state.get("step", 0))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"wall_s": self._wall(), "attempts": self._state.get("attempts", 1),
-                "started": self._state.get("started")}
+        return {
+            "wall_s": self._wall(),
+            "attempts": self._state.get("attempts", 1),
+            "started": self._state.get("started"),
+        }
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
         self._state.update(status=status, ended=time.time(), wall_s=self._wall())

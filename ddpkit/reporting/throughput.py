@@ -35,6 +35,7 @@ class TokenTotal(Protocol):
 
     def read_total(self) -> float: ...
 
+
 #: Dense (no sparsity) peak TFLOP/s per GPU by name fragment: bf16 / fp16 tensor cores, and fp32
 #: without TF32 (vendors' data sheets; SXM parts). The first fragment found in the device name wins.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -69,16 +70,26 @@ class TokenThroughput:
     """Turns a window of training (samples, seconds) into ``tokens_per_s`` and, when it can, ``mfu``."""
 
     def __init__(
-        self, *, tokens_per_sample: int | None = None, counted: Callable[[], float] | None = None,
-        flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1,
+        self,
+        *,
+        tokens_per_sample: int | None = None,
+        counted: Callable[[], float] | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        world_size: int = 1,
     ):
         self.tokens_per_sample, self.counted = tokens_per_sample, counted
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
 
     @classmethod
     def for_run(
-        cls, config: Config, runtime: Runtime, *, model: torch.nn.Module, dataset: Any,
-        counter: TokenTotal | None = None
+        cls,
+        config: Config,
+        runtime: Runtime,
+        *,
+        model: torch.nn.Module,
+        dataset: Any,
+        counter: TokenTotal | None = None,
     ) -> TokenThroughput:
         """What ``config`` and the built ``model`` / ``dataset`` tell: tokens per sample (the dataset's
         ``seq_len``), FLOPs per token (the model's ``flops_per_token()``), the device's peak; ``counter``:
@@ -86,7 +97,9 @@ class TokenThroughput:
         counted = counter.read_total if counter is not None else None
         tokens_per_sample, flops = getattr(dataset, "seq_len", None), getattr(model, "flops_per_token", None)
         return cls(
-            tokens_per_sample=tokens_per_sample, counted=counted, world_size=runtime.env.world_size,
+            tokens_per_sample=tokens_per_sample,
+            counted=counted,
+            world_size=runtime.env.world_size,
             flops_per_token=(flops(tokens_per_sample) if tokens_per_sample else flops()) if callable(flops) else None,
             peak_flops=peak_flops(runtime.device, config.train.precision, configured_tflops=config.train.peak_tflops),
         )

@@ -72,8 +72,15 @@ class Timeline:
             trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
             trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}})
             trace.extend(
-                {"name": name, "cat": "train", "ph": "X", "pid": 0, "tid": rank,
-                 "ts": (begin - start) / 1000, "dur": (end - begin) / 1000}
+                {
+                    "name": name,
+                    "cat": "train",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": (begin - start) / 1000,
+                    "dur": (end - begin) / 1000,
+                }
                 for name, begin, end in events
             )
         path = Path(path)

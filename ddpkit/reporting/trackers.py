@@ -57,8 +57,10 @@ def _require(module: str, *, extra: str, key: str) -> None:
     # Only look for it here: importing mlflow or wandb takes seconds, which the background
     # thread pays instead of the training loop.
     if importlib.util.find_spec(module) is None:
-        raise DdpkitError(f"{key}=true needs the {module} package, which is not installed: "
-                          f"pip install 'ddpkit[{extra}]' (or set {key}=false)")
+        raise DdpkitError(
+            f"{key}=true needs the {module} package, which is not installed: "
+            f"pip install 'ddpkit[{extra}]' (or set {key}=false)"
+        )
 
 
 _STOP = object()  # _Background's last item: its thread returns
@@ -99,9 +101,11 @@ class _Background:
             pass
         finished = self.failed or done.wait(timeout)
         if not finished and not self.failed:
-            log.warning("%s did not finish sending within log.tracker_timeout=%gs; "
-                        "training ends without waiting longer",
-                        self.name, timeout)
+            log.warning(
+                "%s did not finish sending within log.tracker_timeout=%gs; training ends without waiting longer",
+                self.name,
+                timeout,
+            )
         return finished
 
     def close(self, timeout: float) -> None:
@@ -129,14 +133,20 @@ class _Background:
                 fn(*args)
             except Exception as exc:  # a tracker client may raise anything; none of it may reach training
                 self.failed = True
-                log.warning("%s failed and is switched off for the rest of this "
-                            "run; training and metrics.jsonl go on: %s: %s",
-                            self.name, type(exc).__name__, first_line(exc))
+                log.warning(
+                    "%s failed and is switched off for the rest of this run; training and metrics.jsonl go on: %s: %s",
+                    self.name,
+                    type(exc).__name__,
+                    first_line(exc),
+                )
 
 
 def _metrics_of(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class MlflowSink(Sink):
@@ -209,8 +219,11 @@ class MlflowSink(Sink):
         experiment_id = self._experiment_id(client)
         run = _find_run(client, experiment_id, self.run_id, self.run_key)
         if run is None and self.run_id is not None:
-            log.warning("mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run", self.run_id,
-                        self.tracking_uri)
+            log.warning(
+                "mlflow run %s (from the checkpoint) is not in %s; starting a new mlflow run",
+                self.run_id,
+                self.tracking_uri,
+            )
         if run is None:
             tags = {_RUN_KEY_TAG: self.run_key, "ddpkit.output_dir": str(self.output_dir)}
             run = client.create_run(experiment_id, run_name=self.output_dir.name, tags=tags)
@@ -247,7 +260,7 @@ class MlflowSink(Sink):
             log.info("mlflow: params keep their first value on resume; changed now: %s", ", ".join(changed))
         new = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
         for i in range(0, len(new), 100):  # log_batch takes at most 100 params
-            client.log_batch(self.run_id, params=new[i:i + 100])
+            client.log_batch(self.run_id, params=new[i : i + 100])
 
     def _flush(self) -> None:
         from mlflow.entities import Metric
@@ -256,7 +269,7 @@ class MlflowSink(Sink):
             pending, self._pending, self._flush_queued = self._pending, [], False
         metrics = [Metric(*values) for values in pending]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
 
 _RUN_KEY_TAG = "ddpkit_run_key"
@@ -321,8 +334,16 @@ class WandbSink(Sink):
 
         # console="off": wandb would otherwise wrap sys.stderr, under the progress bar.
         settings = wandb.Settings(console="off", init_timeout=max(self.timeout, 1.0), silent=True)
-        self._run = wandb.init(project=self.project, id=self.run_id, resume="allow", name=self.output_dir.name,
-                               dir=str(self.output_dir), config=params, settings=settings, reinit="create_new")
+        self._run = wandb.init(
+            project=self.project,
+            id=self.run_id,
+            resume="allow",
+            name=self.output_dir.name,
+            dir=str(self.output_dir),
+            config=params,
+            settings=settings,
+            reinit="create_new",
+        )
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
         log.info("wandb: project %r, run %s (%s)", self.project, self.run_id, self._run.settings.mode)

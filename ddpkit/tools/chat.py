@@ -73,10 +73,12 @@ class ChatSummary:
 
     def line(self) -> str:
         skipped = f"; skipped {self.skipped:,} bad lines" if self.skipped else ""
-        return (f"ddpkit tokenize: wrote {self.path} and {mask_path_of(self.path)}: "
-                f"{self.conversations:,} conversations, "
-                f"{self.tokens:,} tokens ({self.trained:,} trained), {self.dtype} (vocab {self.vocab_size:,}, "
-                f"end-of-text {self.eot}){skipped}")
+        return (
+            f"ddpkit tokenize: wrote {self.path} and {mask_path_of(self.path)}: "
+            f"{self.conversations:,} conversations, "
+            f"{self.tokens:,} tokens ({self.trained:,} trained), {self.dtype} (vocab {self.vocab_size:,}, "
+            f"end-of-text {self.eot}){skipped}"
+        )
 
 
 def byte_template(messages: list[dict]) -> Rendered:
@@ -99,23 +101,26 @@ def conversation_of(record: object, where: str) -> list[dict]:
     if isinstance(record, dict) and "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}}")
+            raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}}')
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise DataError(f"{where}: messages[{i}] has no role; give each message a \"role\" and a \"content\"")
+                raise DataError(f'{where}: messages[{i}] has no role; give each message a "role" and a "content"')
             if not isinstance(message.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] ({message['role']}) has no text \"content\"")
+                raise DataError(f'{where}: messages[{i}] ({message["role"]}) has no text "content"')
         if not any(m["role"] == "assistant" and m["content"] for m in messages):
-            raise DataError(f"{where}: no assistant turn to train on; a conversation needs a non-empty "
-                            "assistant message")
+            raise DataError(
+                f"{where}: no assistant turn to train on; a conversation needs a non-empty assistant message"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if isinstance(record, dict) and "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)) or not completion:
-            raise DataError(f"{where}: \"prompt\" and \"completion\" must be strings, the completion non-empty")
-        return [{"role": "user", "content": prompt, "_raw": True},
-                {"role": "assistant", "content": completion, "_raw": True}]
-    raise DataError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\", \"completion\"}}")
+            raise DataError(f'{where}: "prompt" and "completion" must be strings, the completion non-empty')
+        return [
+            {"role": "user", "content": prompt, "_raw": True},
+            {"role": "assistant", "content": completion, "_raw": True},
+        ]
+    raise DataError(f'{where}: expected {{"messages": [...]}} or {{"prompt", "completion"}}')
 
 
 def _records(path: Path, skip_bad: bool, skipped: list[str]) -> Iterator[list[dict]]:
@@ -136,8 +141,9 @@ def _records(path: Path, skip_bad: bool, skipped: list[str]) -> Iterator[list[di
                 skipped.append(str(exc))
 
 
-def tokenize_chat(path: str, output: str, *, template: Template, vocab_size: int, eot: int = BYTE_EOT,
-                  skip_bad: bool = False) -> ChatSummary:
+def tokenize_chat(
+    path: str, output: str, *, template: Template, vocab_size: int, eot: int = BYTE_EOT, skip_bad: bool = False
+) -> ChatSummary:
     """Render every conversation of ``path`` with ``template`` into ``output`` and its mask file."""
     source = Path(path).expanduser()
     if not source.is_file():
@@ -187,12 +193,16 @@ def hf_template(directory: str, eot: int | None) -> tuple[Template, int, int]:
         raise DataError("--chat with --tokenizer DIR needs transformers: pip install 'ddpkit[transformers]'") from None
     folder = Path(directory).expanduser()
     if not folder.is_dir():
-        raise DataError(f"--tokenizer {folder}: with --chat, give a local tokenizer directory (tokenizer.json and "
-                        "tokenizer_config.json with a chat_template); ddpkit never downloads one")
+        raise DataError(
+            f"--tokenizer {folder}: with --chat, give a local tokenizer directory (tokenizer.json and "
+            "tokenizer_config.json with a chat_template); ddpkit never downloads one"
+        )
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if not getattr(tok, "chat_template", None):
-        raise DataError(f"--tokenizer {folder}: the tokenizer has no chat_template; use one that has, or drop "
-                        "--tokenizer for the built-in byte template")
+        raise DataError(
+            f"--tokenizer {folder}: the tokenizer has no chat_template; use one that has, or drop "
+            "--tokenizer for the built-in byte template"
+        )
     eot = tok.eos_token_id if eot is None else eot
     if eot is None:
         raise DataError(f"--tokenizer {folder}: no eos_token; name the end-of-text id with --eot ID")
@@ -204,9 +214,14 @@ def hf_template(directory: str, eot: int | None) -> tuple[Template, int, int]:
             learn = np.array([False] * len(prompt) + [True] * len(completion))
             return np.array(prompt + completion, dtype=np.int64), learn
         text = tok.apply_chat_template(messages, tokenize=False)
-        spans = [(len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0,
-                  len(tok.apply_chat_template(messages[:i + 1], tokenize=False)))
-                 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        spans = [
+            (
+                len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0,
+                len(tok.apply_chat_template(messages[: i + 1], tokenize=False)),
+            )
+            for i, m in enumerate(messages)
+            if m["role"] == "assistant"
+        ]
         encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.array([start for start, _ in encoded["offset_mapping"]])
         learn = np.zeros(len(starts), dtype=bool)

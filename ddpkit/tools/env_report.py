@@ -30,13 +30,31 @@ __all__ = ["environment", "format_environment", "main", "EXTRAS"]
 
 #: Optional packages ddpkit uses (import and distribution names are the same) -> the extra that installs them.
 EXTRAS = {
-    "tensorboard": "tensorboard", "matplotlib": "plot", "torchdata": "stream", "webdataset": "stream", "datasets": "hf",
-    "mlflow": "mlflow", "wandb": "wandb", "tokenizers": "tokenizers", "safetensors": "safetensors",
+    "tensorboard": "tensorboard",
+    "matplotlib": "plot",
+    "torchdata": "stream",
+    "webdataset": "stream",
+    "datasets": "hf",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
 }
 # Variables that change a run: torchrun's and torchelastic's, SLURM's, the communication libraries'.
-_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-              "MASTER_PORT",
-              "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "DDPKIT_CACHE_DIR")
+_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "GLOO_SOCKET_IFNAME",
+    "DDPKIT_CACHE_DIR",
+)
 _PREFIXES = ("TORCHELASTIC_", "SLURM_", "NCCL_", "TORCH_", "PYTORCH_")
 # Never printed, whatever their prefix: a report is pasted into public issues.
 _SECRET_HINTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
@@ -52,11 +70,17 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpus": {"total": os.cpu_count(),
-                 "usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()},
+        "cpus": {
+            "total": os.cpu_count(),
+            "usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        },
         "cuda": _cuda(torch),
-        "distributed": {"available": dist.is_available(), "gloo": dist.is_available() and dist.is_gloo_available(),
-                        "nccl": dist.is_available() and dist.is_nccl_available(), "nccl_version": _nccl_version(torch)},
+        "distributed": {
+            "available": dist.is_available(),
+            "gloo": dist.is_available() and dist.is_gloo_available(),
+            "nccl": dist.is_available() and dist.is_nccl_available(),
+            "nccl_version": _nccl_version(torch),
+        },
         "extras": {name: _installed(name) for name in EXTRAS},
         "variables": variables(os.environ),
     }
@@ -64,8 +88,11 @@ def environment() -> dict[str, Any]:
 
 def variables(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     """The run-relevant variables of ``environ``, sorted; anything that looks like a credential is left out."""
-    chosen = {k: v for k, v in environ.items()
-              if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)}
+    chosen = {
+        k: v
+        for k, v in environ.items()
+        if (k in _VARIABLES or k.startswith(_PREFIXES)) and not any(h in k for h in _SECRET_HINTS)
+    }
     return dict(sorted(chosen.items()))
 
 
@@ -101,13 +128,23 @@ def format_environment(env: dict[str, Any]) -> str:
     """The aligned text ``ddpkit env`` prints."""
     cuda, comm = env["cuda"], env["distributed"]
     rows = [
-        ("ddpkit", env["ddpkit"]), ("torch", env["torch"]), ("python", env["python"]), ("platform", env["platform"]),
+        ("ddpkit", env["ddpkit"]),
+        ("torch", env["torch"]),
+        ("python", env["python"]),
+        ("platform", env["platform"]),
         ("CPUs", f"{env['cpus']['usable']} usable of {env['cpus']['total']}"),
-        ("CUDA", f"{'available' if cuda['available'] else 'not available'} "
-                 f"(torch built with CUDA {cuda['version'] or 'none'})"),
-        ("cuDNN", cuda["cudnn"] or "-"), ("GPUs", ", ".join(cuda["gpus"]) or "none"),
-        ("NCCL", f"{'available' if comm['nccl'] else 'not available'}"
-                 + (f" {comm['nccl_version']}" if comm["nccl_version"] else "")),
+        (
+            "CUDA",
+            f"{'available' if cuda['available'] else 'not available'} "
+            f"(torch built with CUDA {cuda['version'] or 'none'})",
+        ),
+        ("cuDNN", cuda["cudnn"] or "-"),
+        ("GPUs", ", ".join(cuda["gpus"]) or "none"),
+        (
+            "NCCL",
+            f"{'available' if comm['nccl'] else 'not available'}"
+            + (f" {comm['nccl_version']}" if comm["nccl_version"] else ""),
+        ),
         ("Gloo", "available" if comm["gloo"] else "not available"),
     ]
     lines = [f"{name:<10} {value}" for name, value in rows]
@@ -119,8 +156,9 @@ def format_environment(env: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``ddpkit env [--json]``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="ddpkit env",
-                                     description="Versions, devices, variables and extras, to paste into a bug report.")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit env", description="Versions, devices, variables and extras, to paste into a bug report."
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args(argv)
     env = environment()

@@ -61,8 +61,10 @@ class Estimate:
         shapes = [tuple(p.shape) for p in params]
         slots = self.slots if self.slots is not None else 2  # an unknown optimizer: Adam's two, said in the output
         self.per_mode: dict[str, RankBytes] = {
-            mode: max(mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size),
-                      key=lambda b: b.total)
+            mode: max(
+                mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size),
+                key=lambda b: b.total,
+            )
             for mode in modes
         }
         self.activations = _activation_bytes(model, cfg, nproc)
@@ -117,16 +119,20 @@ def _fmt(n: int | None) -> str:
 
 def recommendation(est: Estimate, budget: int) -> str:
     """One line: the first mode, cheapest in communication first, whose total fits in ``budget``."""
-    reasons = {"ddp": "the fastest mode: one all-reduce per step",
-               "zero1": "DDP's communication plus one broadcast of the updated parameters; 1/N of the optimizer state",
-               "fsdp2": "1/N of parameters, gradients and optimizer state; "
-               "all-gathers per block in forward and backward, a reduce-scatter of the gradients"}
+    reasons = {
+        "ddp": "the fastest mode: one all-reduce per step",
+        "zero1": "DDP's communication plus one broadcast of the updated parameters; 1/N of the optimizer state",
+        "fsdp2": "1/N of parameters, gradients and optimizer state; "
+        "all-gathers per block in forward and backward, a reduce-scatter of the gradients",
+    }
     for mode in est.per_mode:
         if est.total(mode) <= budget:
             return f"{mode}: {_fmt(est.total(mode))} per rank fits in {_fmt(budget)} ({reasons[mode]})"
     best = min(est.per_mode, key=est.total)
-    return (f"none fits in {_fmt(budget)} per rank; {best} needs {_fmt(est.total(best))}: "
-            "use more ranks, a smaller batch or bf16")
+    return (
+        f"none fits in {_fmt(budget)} per rank; {best} needs {_fmt(est.total(best))}: "
+        "use more ranks, a smaller batch or bf16"
+    )
 
 
 def report(est: Estimate, budget: int) -> str:
@@ -141,8 +147,10 @@ def report(est: Estimate, budget: int) -> str:
         f"{'total per rank':>15}",
     ]
     for mode, b in est.per_mode.items():
-        lines.append(f"{mode:<6} {_fmt(b.parameters):>11} {_fmt(b.gradients):>11} {_fmt(b.optimizer):>11} "
-                     f"{_fmt(est.activations):>12} {_fmt(est.total(mode)):>15}")
+        lines.append(
+            f"{mode:<6} {_fmt(b.parameters):>11} {_fmt(b.gradients):>11} {_fmt(b.optimizer):>11} "
+            f"{_fmt(est.activations):>12} {_fmt(est.total(mode)):>15}"
+        )
     lines.append(f"recommendation: {recommendation(est, budget)}")
     return "\n".join(lines)
 
@@ -161,16 +169,19 @@ def estimate(
 def main(argv: Sequence[str]) -> int:
     """``ddpkit estimate CONFIG [key=value ...] --nproc-per-node N [--mode M] [--memory-per-rank GiB]``; returns the
     exit code."""
-    parser = argparse.ArgumentParser(prog="ddpkit estimate",
-                                     description="Per-rank bytes of each parallel.mode, "
-                                                 "from the model on the meta device.")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit estimate", description="Per-rank bytes of each parallel.mode, from the model on the meta device."
+    )
     add_config_arguments(parser)
-    parser.add_argument("--nproc-per-node", type=int, required=True,
-                        help="number of ranks (processes) to estimate for, on one node")
-    parser.add_argument("--mode", choices=MODES, action="append",
-                        help="only this mode (repeatable; default: all three)")
-    parser.add_argument("--memory-per-rank", type=float, default=None,
-                        help="GiB available to each rank (default: detected)")
+    parser.add_argument(
+        "--nproc-per-node", type=int, required=True, help="number of ranks (processes) to estimate for, on one node"
+    )
+    parser.add_argument(
+        "--mode", choices=MODES, action="append", help="only this mode (repeatable; default: all three)"
+    )
+    parser.add_argument(
+        "--memory-per-rank", type=float, default=None, help="GiB available to each rank (default: detected)"
+    )
     try:
         args = parser.parse_intermixed_args(renamed(argv, OLD_SPELLINGS, prog="ddpkit estimate"))
     except SystemExit as exc:

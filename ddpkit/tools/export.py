@@ -58,13 +58,17 @@ def save_safetensors(
     try:
         from safetensors.torch import save
     except ImportError:
-        raise DdpkitError(f"writing {output} needs the safetensors package, which is not installed: "
-                          "pip install 'ddpkit[safetensors]' (or export to a .pt file)") from None
+        raise DdpkitError(
+            f"writing {output} needs the safetensors package, which is not installed: "
+            "pip install 'ddpkit[safetensors]' (or export to a .pt file)"
+        ) from None
     tensors, seen = {}, set()
     for key, value in weights.items():
         if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"the model's state_dict entry {key!r} is a {type(value).__name__}, not a tensor; "
-                                  "safetensors holds tensors only: export to a .pt file instead")
+            raise CheckpointError(
+                f"the model's state_dict entry {key!r} is a {type(value).__name__}, not a tensor; "
+                "safetensors holds tensors only: export to a .pt file instead"
+            )
         tensor = value.detach().cpu()
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
         if storage in seen or not tensor.is_contiguous():  # a tied weight's second name, or a strided view

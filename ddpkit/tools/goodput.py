@@ -76,14 +76,18 @@ def format_report(report: Report, faults: Sequence[FaultCost] = ()) -> str:
 def _table(rows: list[list[str]], *, left: int) -> list[str]:
     """Aligned columns: the first ``left`` to the left, the rest to the right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-            for row in rows]
+    return [
+        "  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="ddpkit goodput", description="Where a run's wall time went: productive training and badput by category, "
-        "and what each fault cost.")
+        prog="ddpkit goodput",
+        description="Where a run's wall time went: productive training and badput by category, "
+        "and what each fault cost.",
+    )
     parser.add_argument("run_dir", help="a run's output directory (holding goodput.jsonl)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     try:

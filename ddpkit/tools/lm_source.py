@@ -46,8 +46,10 @@ def read_model(path: str | os.PathLike) -> ModelSpec:
     """The model of a run directory (``model.pt`` + ``config.yaml``; else its newest checkpoint) or a checkpoint."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"{path}: no such run directory or checkpoint; give a run's output_dir (e.g. runs/lm_tiny), "
-                          "a checkpoint file or a checkpoint directory")
+        raise ConfigError(
+            f"{path}: no such run directory or checkpoint; give a run's output_dir (e.g. runs/lm_tiny), "
+            "a checkpoint file or a checkpoint directory"
+        )
     if path.is_dir() and (path / "model.pt").is_file() and (path / "config.yaml").is_file():
         section = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("model") or {}
         return _spec(section, load_checkpoint(path / "model.pt"), str(path / "model.pt"))

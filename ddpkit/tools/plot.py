@@ -140,14 +140,17 @@ def plot_runs(runs: Sequence[RunMetrics], output: str | Path, *, title: str | No
         ax.set_xlabel("optimizer step")
         ax.grid(True, alpha=0.3)
         ax.ticklabel_format(axis="x", style="plain")
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     # The run legend heads the figure; a title, if any, heads the legend (a separate suptitle
     # would overlap it under the constrained layout).
     fig.legend(
         handles=[_run_handle(color, run.name) for color, run in zip(colors, runs)],
-        loc="outside upper center", ncols=min(len(runs), 4), frameon=False,
-        title=title, title_fontproperties={"size": "large", "weight": "bold"},
+        loc="outside upper center",
+        ncols=min(len(runs), 4),
+        frameon=False,
+        title=title,
+        title_fontproperties={"size": "large", "weight": "bold"},
     )
     output = Path(output)
     try:
@@ -188,8 +191,9 @@ def _panels(runs: Sequence[RunMetrics]) -> list[Any]:
     for metric in sorted({m for run in runs for m in run.val_metrics()}):
         label = metric.removeprefix(VAL_PREFIX).replace("_", " ")
         percent = "accuracy" in metric  # ddpkit's accuracies are fractions of samples
-        panels.append(_single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o",
-                              percent=percent))
+        panels.append(
+            _single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o", percent=percent)
+        )
     if has(LR):
         panels.append(_single(LR, _LR, scientific=True))
     if has(SAMPLES_PER_S):
@@ -213,8 +217,13 @@ def _draw_loss(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
 
 
 def _single(
-    key: str, labels: tuple[str, str], *, marker: str | None = None, scientific: bool = False, from_zero: bool = False,
-    percent: bool = False
+    key: str,
+    labels: tuple[str, str],
+    *,
+    marker: str | None = None,
+    scientific: bool = False,
+    from_zero: bool = False,
+    percent: bool = False,
 ) -> Any:
     def draw(ax: Any, runs: Sequence[RunMetrics], colors: list[str]) -> None:
         for run, color in zip(runs, colors):
@@ -258,17 +267,25 @@ def _parser() -> argparse.ArgumentParser:
         prog="ddpkit plot",
         description="Plot loss, validation metrics, learning rate and throughput of one or more runs against the step.",
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="a run's output_dir (holding metrics.jsonl), or a metrics .jsonl file")
     parser.add_argument(
-        "-o", "--output", default=None,
-        help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several"
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="a run's output_dir (holding metrics.jsonl), or a metrics .jsonl file",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="image to write (.png, .svg, .pdf); default RUN_DIR/metrics.png for one run, ./metrics.png for several",
     )
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument("--dpi", type=int, default=120, help="resolution of raster output (default 120)")
-    parser.add_argument("--goodput", action="store_true",
-                        help="draw where the wall time went (goodput.jsonl) instead; "
-                             "default output RUN_DIR/goodput.png")
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="draw where the wall time went (goodput.jsonl) instead; default output RUN_DIR/goodput.png",
+    )
     return parser
 
 
@@ -291,10 +308,12 @@ def _plot(args: argparse.Namespace) -> int:
     runs = [load_metrics(path, name=name) for path, name in zip(args.runs, names)]
     for run in runs:
         if run.skipped_lines:
-            print(f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}",
-                  file=sys.stderr)
-    output = args.output or (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir()
-                             else Path("metrics.png"))
+            print(
+                f"ddpkit plot: warning: skipped {run.skipped_lines} unreadable line(s) in {run.path}", file=sys.stderr
+            )
+    output = args.output or (
+        Path(args.runs[0]) / "metrics.png" if len(runs) == 1 and Path(args.runs[0]).is_dir() else Path("metrics.png")
+    )
     written = plot_runs(runs, output, title=args.title, dpi=args.dpi)
     print(f"wrote {written}")
     return 0

@@ -162,13 +162,15 @@ def format_table(rows: Sequence[RunSummary]) -> str:
         wall = format_duration(row.wall_s) if row.wall_s is not None else "-"
         values = [_number(row.val.get(m)) for m in metrics]
         goodput = "-" if row.goodput is None else f"{row.goodput:.2f}"
-        lines.append([row.name, row.status, "-" if row.steps is None else str(row.steps), *values, row.best, wall,
-                      goodput])
+        lines.append(
+            [row.name, row.status, "-" if row.steps is None else str(row.steps), *values, row.best, wall, goodput]
+        )
     numeric = {2, *range(3, 3 + len(metrics)), len(header) - 1}
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
-        "  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
-                  for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+        "  ".join(
+            cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))
+        ).rstrip()
         for line in lines
     )
 
@@ -181,11 +183,15 @@ def _number(value: float | None) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """``ddpkit runs [DIR] [--json]``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="ddpkit runs",
-                                     description="A table of the runs under DIR (default "
-                                                 "runs/), read from each run's own files.")
-    parser.add_argument("directory", nargs="?", default="runs",
-                        help="a directory of run directories, or one run directory (default: runs)")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit runs", description="A table of the runs under DIR (default runs/), read from each run's own files."
+    )
+    parser.add_argument(
+        "directory",
+        nargs="?",
+        default="runs",
+        help="a directory of run directories, or one run directory (default: runs)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     try:
         args = parser.parse_args(list(argv))

@@ -50,17 +50,21 @@ class Summary:
 
     def line(self) -> str:
         size = self.tokens * np.dtype(self.dtype).itemsize
-        return (f"ddpkit tokenize: wrote {self.path}: {self.documents:,} documents, {self.tokens:,} tokens, "
-                f"{size:,} bytes, "
-                f"{self.dtype} (vocab {self.vocab_size:,}, end-of-text {self.eot})")
+        return (
+            f"ddpkit tokenize: wrote {self.path}: {self.documents:,} documents, {self.tokens:,} tokens, "
+            f"{size:,} bytes, "
+            f"{self.dtype} (vocab {self.vocab_size:,}, end-of-text {self.eot})"
+        )
 
 
-def tokenize(inputs: Sequence[str], output: str, *, tokenizer: str | None = None, eot: int | None = None,
-             progress: bool = True) -> Summary:
+def tokenize(
+    inputs: Sequence[str], output: str, *, tokenizer: str | None = None, eot: int | None = None, progress: bool = True
+) -> Summary:
     """Tokenize ``inputs`` (files, or directories of files) into ``output``; see the module docstring."""
     if Path(output).suffix == ".npy":
-        raise DataError(f"-o {output}: ddpkit tokenize writes raw token files; "
-                        f"name it {Path(output).with_suffix('.bin')}")
+        raise DataError(
+            f"-o {output}: ddpkit tokenize writes raw token files; name it {Path(output).with_suffix('.bin')}"
+        )
     files = input_files(inputs)
     encode, vocab_size, eot = _byte_encoder(eot) if tokenizer is None else _hf_encoder(tokenizer, eot)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
@@ -95,8 +99,9 @@ Encode = Callable[[Path, Callable[[int], object]], Iterator[np.ndarray]]
 def _byte_encoder(eot: int | None) -> tuple[Encode, int, int]:
     eot = BYTE_EOT if eot is None else eot
     if eot < 256:
-        raise DataError(f"--eot {eot}: in byte mode ids 0-255 are the bytes; the end-of-text id must be 256 or more "
-                        "(default 256)")
+        raise DataError(
+            f"--eot {eot}: in byte mode ids 0-255 are the bytes; the end-of-text id must be 256 or more (default 256)"
+        )
 
     def encode(file: Path, advance: Callable[[int], object]) -> Iterator[np.ndarray]:
         with open(file, "rb") as f:
@@ -111,8 +116,10 @@ def _hf_encoder(tokenizer_json: str, eot: int | None) -> tuple[Encode, int, int]
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise DataError("--tokenizer needs the Hugging Face tokenizers library: pip install tokenizers "
-                        "(or pip install 'ddpkit[tokenizers]')") from None
+        raise DataError(
+            "--tokenizer needs the Hugging Face tokenizers library: pip install tokenizers "
+            "(or pip install 'ddpkit[tokenizers]')"
+        ) from None
     path = Path(tokenizer_json).expanduser()
     if not path.is_file():
         raise DataError(f"--tokenizer {path}: no such file; give a local tokenizer.json (ddpkit never downloads one)")
@@ -121,11 +128,13 @@ def _hf_encoder(tokenizer_json: str, eot: int | None) -> tuple[Encode, int, int]
     if eot is None:
         eot = next((tok.token_to_id(name) for name in _EOT_NAMES if tok.token_to_id(name) is not None), None)
         if eot is None:
-            raise DataError(f"--tokenizer {path}: no {' or '.join(_EOT_NAMES)} token; "
-                            "name the end-of-text id with --eot ID")
+            raise DataError(
+                f"--tokenizer {path}: no {' or '.join(_EOT_NAMES)} token; name the end-of-text id with --eot ID"
+            )
     if not 0 <= eot < vocab_size:
-        raise DataError(f"--eot {eot}: outside the tokenizer's vocabulary (0 to {vocab_size - 1}); "
-                        "give an id the tokenizer has")
+        raise DataError(
+            f"--eot {eot}: outside the tokenizer's vocabulary (0 to {vocab_size - 1}); give an id the tokenizer has"
+        )
 
     def encode(file: Path, advance: Callable[[int], object]) -> Iterator[np.ndarray]:
         try:
@@ -146,24 +155,37 @@ def _chat(args: argparse.Namespace) -> ChatSummary:
         template, (_, vocab_size, eot) = byte_template, _byte_encoder(args.eot)
     else:
         template, vocab_size, eot = hf_template(args.tokenizer, args.eot)
-    return tokenize_chat(args.chat, args.output, template=template, vocab_size=vocab_size, eot=eot,
-                         skip_bad=args.skip_bad)
+    return tokenize_chat(
+        args.chat, args.output, template=template, vocab_size=vocab_size, eot=eot, skip_bad=args.skip_bad
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpkit tokenize",
-                                     description="Text files (or chat lines) to a token file for data: {name: tokens}.")
-    parser.add_argument("inputs", nargs="*", metavar="INPUT",
-                        help="text files (one document each) or directories of them")
+    parser = argparse.ArgumentParser(
+        prog="ddpkit tokenize", description="Text files (or chat lines) to a token file for data: {name: tokens}."
+    )
+    parser.add_argument(
+        "inputs", nargs="*", metavar="INPUT", help="text files (one document each) or directories of them"
+    )
     parser.add_argument("-o", "--output", required=True, metavar="FILE.bin", help="the token file to write")
-    parser.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
-                        help="a local Hugging Face tokenizer (default: bytes, vocab 257); with --chat, its directory")
-    parser.add_argument("--eot", type=int, default=None, metavar="ID",
-                        help="the end-of-text id written between documents")
-    parser.add_argument("--chat", default=None, metavar="FILE.jsonl",
-                        help="chat or prompt/completion lines: also writes FILE.mask, 1 for the trained tokens")
-    parser.add_argument("--skip-bad", action="store_true",
-                        help="with --chat: skip and count bad lines instead of stopping")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="tokenizer.json",
+        help="a local Hugging Face tokenizer (default: bytes, vocab 257); with --chat, its directory",
+    )
+    parser.add_argument(
+        "--eot", type=int, default=None, metavar="ID", help="the end-of-text id written between documents"
+    )
+    parser.add_argument(
+        "--chat",
+        default=None,
+        metavar="FILE.jsonl",
+        help="chat or prompt/completion lines: also writes FILE.mask, 1 for the trained tokens",
+    )
+    parser.add_argument(
+        "--skip-bad", action="store_true", help="with --chat: skip and count bad lines instead of stopping"
+    )
     try:
         args = parser.parse_args(list(argv or []))
     except SystemExit as exc:  # argparse already printed usage or help

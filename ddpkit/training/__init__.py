@@ -33,7 +33,20 @@ from ddpkit.training.samples import TrainingSamples
 from ddpkit.training.token_loss import TokenCount
 
 __all__ = [
-    "Evaluation", "TrainingHealth", "evaluate", "Models", "build_models", "sync_gradients", "unwrap_model",
-    "OptimizerStep", "build_optimizer", "build_scheduler", "RngStreams", "steps", "EarlyStopping", "seed_for_setup",
-    "TokenCount", "TrainingSamples",
+    "Evaluation",
+    "TrainingHealth",
+    "evaluate",
+    "Models",
+    "build_models",
+    "sync_gradients",
+    "unwrap_model",
+    "OptimizerStep",
+    "build_optimizer",
+    "build_scheduler",
+    "RngStreams",
+    "steps",
+    "EarlyStopping",
+    "seed_for_setup",
+    "TokenCount",
+    "TrainingSamples",
 ]

@@ -64,14 +64,19 @@ def apply_activation_checkpointing(model: nn.Module, setting: bool | Sequence[st
     if not chosen:
         classes = sorted({_class_name(m) for m in model.modules()})
         repeated = [_class_name(c[0]) for c in model.modules() if isinstance(c, nn.ModuleList) and len(c)]
-        raise ConfigError(f"train.activation_checkpointing: the model has no module of class "
-                          f"{', '.join(sorted(names))}; name the block classes to checkpoint, e.g. "
-                          f"[{(repeated or classes)[0]}] (its classes: {', '.join(classes)})")
+        raise ConfigError(
+            f"train.activation_checkpointing: the model has no module of class "
+            f"{', '.join(sorted(names))}; name the block classes to checkpoint, e.g. "
+            f"[{(repeated or classes)[0]}] (its classes: {', '.join(classes)})"
+        )
     for module in chosen:
         if getattr(module.__dict__.get("forward"), "__func__", None) is not _checkpointed_forward:  # once only
             module.forward = types.MethodType(_checkpointed_forward, module)  # deepcopy rebinds it to the copy
-    log.info("activation checkpointing: %d %s modules recompute their activations in the backward pass",
-             len(chosen), "/".join(sorted({type(m).__name__ for m in chosen})))
+    log.info(
+        "activation checkpointing: %d %s modules recompute their activations in the backward pass",
+        len(chosen),
+        "/".join(sorted({type(m).__name__ for m in chosen})),
+    )
     return len(chosen)
 
 

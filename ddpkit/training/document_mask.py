@@ -76,8 +76,15 @@ def documents_of(tokens: torch.Tensor, *, eot: int, restart_positions: bool = Fa
     return Documents(tokens, eot=eot, restart_positions=restart_positions)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, *,
-                       dropout: float = 0.0, kernel: str = "auto") -> torch.Tensor:
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents,
+    *,
+    dropout: float = 0.0,
+    kernel: str = "auto",
+) -> torch.Tensor:
     """Attention of ``q, k, v`` ``[B, heads, T, head_dim]`` within each document, causally.
 
     ``kernel``: ``auto`` (FlexAttention on a GPU when torch has it, else SDPA with a mask), ``flex`` or ``sdpa``.

@@ -30,7 +30,11 @@ class EarlyStopping:
         self._progress = progress
         early = self.settings = config.train.early_stopping
         self.tracker = BestTracker(
-            early.metric, early.mode, patience=early.patience, min_delta=early.min_delta, target=early.target,
+            early.metric,
+            early.mode,
+            patience=early.patience,
+            min_delta=early.min_delta,
+            target=early.target,
             key="train.early_stopping.metric",
         )
         self.triggered = False
@@ -43,8 +47,15 @@ class EarlyStopping:
         tracker, early = self.tracker, self.settings
         tracker.update(metrics)
         if tracker.reached:
-            log.info("early stopping: %s %.4f %s train.early_stopping.target=%g (mode %s) at step %d", early.metric,
-                     tracker.last, "<=" if early.mode == "min" else ">=", early.target, early.mode, self._progress.step)
+            log.info(
+                "early stopping: %s %.4f %s train.early_stopping.target=%g (mode %s) at step %d",
+                early.metric,
+                tracker.last,
+                "<=" if early.mode == "min" else ">=",
+                early.target,
+                early.mode,
+                self._progress.step,
+            )
             self.triggered = True
         elif tracker.exhausted:
             log.info("early stopping: %s has not improved for %d evaluations", early.metric, early.patience)

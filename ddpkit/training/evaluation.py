@@ -28,7 +28,12 @@ class Evaluation:
     """The loop's validations of one run, on one rank."""
 
     def __init__(
-        self, models: Models, loader: Any, *, device: torch.device, autocast: Callable[[], Any],
+        self,
+        models: Models,
+        loader: Any,
+        *,
+        device: torch.device,
+        autocast: Callable[[], Any],
         ticking: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
     ):
         self.models, self.loader, self.device, self.autocast, self.ticking = models, loader, device, autocast, ticking
@@ -46,7 +51,8 @@ class Evaluation:
         self.active = True
         try:
             with self.models.for_evaluation():  # fsdp2: parameters gathered once, no collective per batch
-                return evaluate(self.models.bare, self.loader, self.ticking(step), device=self.device,
-                                autocast=self.autocast)
+                return evaluate(
+                    self.models.bare, self.loader, self.ticking(step), device=self.device, autocast=self.autocast
+                )
         finally:
             self.active = False

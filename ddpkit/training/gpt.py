@@ -97,8 +97,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)  # a residual projection: GPT-2 scales its initial weights
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
         if cache is not None:
@@ -123,8 +124,9 @@ class GPTBlock(nn.Module):
         self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x), cache, documents))
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)), approximate=self.approximate)))
 

@@ -59,7 +59,13 @@ class TrainingHealth:
     """The ``health`` section's checks for one run, on one rank; every decision is the same on every rank."""
 
     def __init__(
-        self, config: Config, *, runtime: Runtime, model: torch.nn.Module, loader: Any, progress: Progress,
+        self,
+        config: Config,
+        *,
+        runtime: Runtime,
+        model: torch.nn.Module,
+        loader: Any,
+        progress: Progress,
         checkpoints: Rollback | None = None,
     ):
         """``checkpoints`` (the run's :class:`ddpkit.checkpoint.checkpointer.Checkpointer`): what
@@ -67,15 +73,27 @@ class TrainingHealth:
         h, env = config.health, runtime.env
         self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
         self.loader, self.progress = loader, progress
-        self.counts = {"skipped_steps": 0, "nonfinite_steps": 0, "scaler_skips": 0, "spikes": 0, "rollbacks": 0,
-                       "divergences": 0}
+        self.counts = {
+            "skipped_steps": 0,
+            "nonfinite_steps": 0,
+            "scaler_skips": 0,
+            "spikes": 0,
+            "rollbacks": 0,
+            "divergences": 0,
+        }
         self._checkpoints = checkpoints
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
         self._norms: list[float] = []  # healthy steps' norms since the last record
         self._in_a_row = 0
         spike = h.spike
-        self.spikes = ({name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup)
-                        for name in ("loss", GRAD_NORM)} if spike else {})
+        self.spikes = (
+            {
+                name: SpikeDetector(sigma=spike.sigma, window=spike.window, warmup=spike.warmup)
+                for name in ("loss", GRAD_NORM)
+            }
+            if spike
+            else {}
+        )
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
         if self.straggler is None and self.replicas is None:
             self.on_step_end = None  # nothing to check after a step: the events skip a None (no call a step)
@@ -120,10 +138,16 @@ class TrainingHealth:
             self.counts["scaler_skips"] += 1  # fp16 overflow: the GradScaler skips the step and lowers its scale
             return True
         self.counts["nonfinite_steps"] += 1
-        where = f"non-finite loss on rank(s) {', '.join(map(str, ranks))}" if ranks else (
-            "non-finite gradients after the all-reduce (the loss was finite on every rank)")
-        samples = "".join(f"; rank {r}'s batch had samples {_short(ix)} of epoch {self.progress.epoch}"
-                          for r, (b, ix) in enumerate(reports) if b and ix)
+        where = (
+            f"non-finite loss on rank(s) {', '.join(map(str, ranks))}"
+            if ranks
+            else ("non-finite gradients after the all-reduce (the loss was finite on every rank)")
+        )
+        samples = "".join(
+            f"; rank {r}'s batch had samples {_short(ix)} of epoch {self.progress.epoch}"
+            for r, (b, ix) in enumerate(reports)
+            if b and ix
+        )
         if self.cfg.nonfinite == "stop":
             raise HealthError(
                 f"step {step}: {where}{samples}; stopped (health.nonfinite=stop) before the update, so the weights and "
@@ -136,8 +160,11 @@ class TrainingHealth:
         """Check the step's mean loss (one all_reduce) and norm against their windows; True to skip the update."""
         total = torch.stack(losses).float().mean().reshape(1) if losses else torch.zeros(1, device=self.device)
         values = {"loss": all_reduce_sum(total).item() / self.world_size, GRAD_NORM: norm}
-        spiked = [f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})"
-                  for name, v in values.items() if self.spikes[name].is_spike(v)]
+        spiked = [
+            f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})"
+            for name, v in values.items()
+            if self.spikes[name].is_spike(v)
+        ]
         if not spiked:
             for name, v in values.items():
                 self.spikes[name].add(v)
@@ -149,8 +176,9 @@ class TrainingHealth:
             return False
         if action == "rollback" and self._checkpoints is not None and self._checkpoints.rollback():
             self.counts["rollbacks"] += 1
-            what += ("; rolled back to the newest valid checkpoint's weights and optimizer, "
-                     "and going on past these batches")
+            what += (
+                "; rolled back to the newest valid checkpoint's weights and optimizer, and going on past these batches"
+            )
         self._skip(step, what)
         return True
 
@@ -164,8 +192,13 @@ class TrainingHealth:
                 f"(health.max_skips={self.cfg.max_skips}): stopping. The checkpoints on disk are from before the "
                 "trouble; lower the learning rate or look at the data, or raise health.max_skips."
             )
-        self._say("step %d: %s; skipped the optimizer and scheduler step on every rank (%d in a row, at most %d)",
-                  step, why, self._in_a_row, self.cfg.max_skips)
+        self._say(
+            "step %d: %s; skipped the optimizer and scheduler step on every rank (%d in a row, at most %d)",
+            step,
+            why,
+            self._in_a_row,
+            self.cfg.max_skips,
+        )
         return False
 
     def _say(self, fmt: str, *args: Any) -> None:
@@ -189,8 +222,9 @@ class TrainingHealth:
         fields.update(self.counts)
         if self.straggler is not None:
             named = self.straggler.named
-            fields.update(straggler_rank=named[0] if named else -1,
-                          straggler_slowdown=round(named[1], 3) if named else 0.0)
+            fields.update(
+                straggler_rank=named[0] if named else -1, straggler_slowdown=round(named[1], 3) if named else 0.0
+            )
         return fields
 
     def state_dict(self) -> dict[str, Any]:
@@ -208,22 +242,25 @@ class TrainingHealth:
             self.straggler.close()
 
 
-def _rank_checks(config: Config, *, runtime: Runtime,
-                 model: torch.nn.Module) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
+def _rank_checks(
+    config: Config, *, runtime: Runtime, model: torch.nn.Module
+) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
     """The checks that compare ranks (none in a world of one)."""
     h, env = config.health, runtime.env
     if env.world_size == 1:
         return None, None
     straggler = None
     if h.straggler:
-        straggler = StragglerWatch(h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size,
-                                   device=runtime.device)
+        straggler = StragglerWatch(
+            h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device
+        )
     # fsdp2 shards the parameters: nothing to compare
     replicated = getattr(getattr(config, "parallel", None), "mode", "ddp") != "fsdp2"
     replicas = None
     if h.check_replicas_every and replicated:
-        replicas = ReplicaCheck(model, rank=env.rank, world_size=env.world_size, device=runtime.device,
-                                on_divergence=h.on_divergence)
+        replicas = ReplicaCheck(
+            model, rank=env.rank, world_size=env.world_size, device=runtime.device, on_divergence=h.on_divergence
+        )
     return straggler, replicas
 
 

@@ -83,7 +83,7 @@ def slower_ranks(times: list[float], *, margin: float, floor: float = 0.0) -> li
     """
     slow = []
     for rank, own in enumerate(times):
-        others = times[:rank] + times[rank + 1:]
+        others = times[:rank] + times[rank + 1 :]
         if not others:
             continue
         reference = statistics.median(others)
@@ -107,7 +107,8 @@ def sample_indices(loader: Any, *, epoch: int, first_batch: int, count: int) -> 
             setattr(replay, name, start)
     replay.epoch = epoch
     try:
-        return [int(i) for i in itertools.islice(iter(replay), first_batch * batch_size,
-                                                 (first_batch + count) * batch_size)]
+        return [
+            int(i) for i in itertools.islice(iter(replay), first_batch * batch_size, (first_batch + count) * batch_size)
+        ]
     except Exception:  # a sampler that cannot be replayed: the log goes without indices, training goes on
         return None

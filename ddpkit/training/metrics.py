@@ -19,8 +19,12 @@ __all__ = ["ExactMeans", "BestTracker", "evaluate"]
 
 
 def evaluate(
-    model: torch.nn.Module, loader: Any, step: Callable[[Any], Mapping[str, torch.Tensor]], *, device: torch.device,
-    autocast: Callable[[], Any]
+    model: torch.nn.Module,
+    loader: Any,
+    step: Callable[[Any], Mapping[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    autocast: Callable[[], Any],
 ) -> dict[str, float]:
     """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
 
@@ -82,8 +86,14 @@ class BestTracker:
     """
 
     def __init__(
-        self, metric: str | None, mode: str = "min", *, patience: int | None = None, min_delta: float = 0.0,
-        target: float | None = None, key: str = "metric",
+        self,
+        metric: str | None,
+        mode: str = "min",
+        *,
+        patience: int | None = None,
+        min_delta: float = 0.0,
+        target: float | None = None,
+        key: str = "metric",
     ):
         self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
         self.target, self.key = target, key

@@ -52,8 +52,14 @@ from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
 __all__ = [
-    "CompileError", "Models", "build_models", "compile_settings", "CompileWatch", "DDPKIT_OPTIONS",
-    "sync_gradients", "unwrap_model",
+    "CompileError",
+    "Models",
+    "build_models",
+    "compile_settings",
+    "CompileWatch",
+    "DDPKIT_OPTIONS",
+    "sync_gradients",
+    "unwrap_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,7 +119,12 @@ class Models:
 
 
 def build_models(
-    model: nn.Module, runtime: Runtime, *, ddp: DDPConfig, train: TrainConfig, parallel: ParallelConfig | None = None,
+    model: nn.Module,
+    runtime: Runtime,
+    *,
+    ddp: DDPConfig,
+    train: TrainConfig,
+    parallel: ParallelConfig | None = None,
     exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Models:
     """``model`` on the runtime's device, in channels_last if asked, DDP-wrapped, then compiled if asked.
@@ -238,8 +249,10 @@ class CompileWatch:
         self._callbacks.register_start_callback(self._started)
         self._callbacks.register_end_callback(self._ended)
         config = torch._dynamo.config
-        self._saved = {"recompile_limit": config.recompile_limit,
-                       "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit}
+        self._saved = {
+            "recompile_limit": config.recompile_limit,
+            "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit,
+        }
         config.recompile_limit, config.fail_on_recompile_limit_hit = recompile_limit, True
         self._reasons = _RecompileReasons(self.recompiles, recompile_limit)
 
@@ -258,8 +271,12 @@ class CompileWatch:
         elapsed = time.perf_counter() - started
         self.seconds += elapsed
         self.compilations += 1
-        log.info("torch.compile: compiled %s in %.1f s (%.1f s compiling in total, left out of samples/s)",
-                 _frame_name(args), elapsed, self.seconds)
+        log.info(
+            "torch.compile: compiled %s in %.1f s (%.1f s compiling in total, left out of samples/s)",
+            _frame_name(args),
+            elapsed,
+            self.seconds,
+        )
 
     def close(self) -> None:
         """Remove the callbacks and the recompile log handler; restore Dynamo's settings."""
@@ -300,8 +317,12 @@ class _RecompileReasons(logging.Handler):
         reason = " ".join(line.strip() for line in message.splitlines()[2:]) or message
         self.into.append(reason)
         _LAST_REASON[0] = reason
-        log.info("torch.compile: recompile %d (at most %d compiled versions per function): %s", len(self.into),
-                 self.limit, reason)
+        log.info(
+            "torch.compile: recompile %d (at most %d compiled versions per function): %s",
+            len(self.into),
+            self.limit,
+            reason,
+        )
 
     def close(self) -> None:
         self._logger.removeHandler(self)

@@ -1,9 +1,9 @@
 """Built-in models, registered by name. Every ``torchvision.models`` builder is available too.
 
-    model: {name: mnist_cnn}                                  # the classic MNIST CNN
-    model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
-    model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
-    model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt; data: tokens)
+model: {name: mnist_cnn}                                  # the classic MNIST CNN
+model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
+model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
+model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt; data: tokens)
 """
 
 from __future__ import annotations

@@ -70,8 +70,13 @@ def build_optimizer(model: torch.nn.Module | Iterable[Any], cfg: OptimConfig) ->
     plain = plain and groups[0]["weight_decay"] == cfg.weight_decay
     builder = OPTIMIZERS.get(cfg.name, key="optim.name")
     try:
-        optimizer = builder(groups[0]["params"] if plain else groups, lr=cfg.lr, momentum=cfg.momentum,
-                            weight_decay=cfg.weight_decay, **cfg.kwargs)
+        optimizer = builder(
+            groups[0]["params"] if plain else groups,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            **cfg.kwargs,
+        )
     except TypeError as exc:  # an unknown keyword in optim.kwargs
         raise ConfigError(f"optim.kwargs: {exc} (optimizer {cfg.name!r})") from None
     except ValueError as exc:  # torch's own range checks, e.g. "Invalid beta parameter"
@@ -130,8 +135,16 @@ class OptimizerStep:
     """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, train: TrainConfig,
-        device: torch.device, world_size: int = 1, tokens: TokenCount | None = None, health: StepHealth | None = None,
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        train: TrainConfig,
+        device: torch.device,
+        world_size: int = 1,
+        tokens: TokenCount | None = None,
+        health: StepHealth | None = None,
     ):
         check_precision(train.precision, device)
         self.optimizer, self.scheduler = optimizer, scheduler

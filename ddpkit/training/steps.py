@@ -25,8 +25,9 @@ __all__ = ["training_step", "validation_step", "IGNORE_INDEX"]
 IGNORE_INDEX = -100
 
 
-def training_step(model: torch.nn.Module, batch: Any, *,
-                  normalization: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def training_step(
+    model: torch.nn.Module, batch: Any, *, normalization: str
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch ``(x, y)``: its mean, or ``(sum, count)`` under ``normalization="tokens"``."""
     x, y = batch
     logits = model(x)

@@ -48,8 +48,13 @@ class StragglerWatch:
     """Per-step own-work times on this rank; a comparison across ranks every ``cfg.every`` steps."""
 
     def __init__(
-        self, cfg: StragglerConfig, *, parameters: Iterable[torch.nn.Parameter], rank: int, world_size: int,
-        device: torch.device
+        self,
+        cfg: StragglerConfig,
+        *,
+        parameters: Iterable[torch.nn.Parameter],
+        rank: int,
+        world_size: int,
+        device: torch.device,
     ):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self._started = self._data_end = self._grad_ready = 0.0
@@ -111,11 +116,14 @@ class StragglerWatch:
         self._slow_windows = [self._slow_windows[r] + 1 if r in slow else 0 for r in range(self.world_size)]
         named = [(r, slow[r]) for r in range(self.world_size) if self._slow_windows[r] >= self.cfg.windows]
         self.named = max(named, key=lambda item: item[1]) if named else None
-        return "; ".join(
-            f"straggler: rank {r} is {fraction:.0%} slower than the median rank over the last {window} steps "
-            f"(data {rows[r][1] * 1e3:.1f} ms, compute {rows[r][2] * 1e3:.1f} ms per step)"
-            for r, fraction in named
-        ) or None
+        return (
+            "; ".join(
+                f"straggler: rank {r} is {fraction:.0%} slower than the median rank over the last {window} steps "
+                f"(data {rows[r][1] * 1e3:.1f} ms, compute {rows[r][2] * 1e3:.1f} ms per step)"
+                for r, fraction in named
+            )
+            or None
+        )
 
     def close(self) -> None:
         """Remove the gradient hooks."""

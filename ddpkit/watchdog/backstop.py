@@ -62,8 +62,10 @@ def open_backstop(log_dir: Path, *, rank: int, hang_timeout: float, step: int) -
         backstop.arm()  # now: a rank that freezes before the watchdog thread's first heartbeat has a dump too
         return backstop
     except (OSError, ValueError) as exc:
-        print(f"ddpkit: rank {rank}: no faulthandler backstop ({exc}); a rank frozen in C code will have no stack",
-              file=sys.stderr)
+        print(
+            f"ddpkit: rank {rank}: no faulthandler backstop ({exc}); a rank frozen in C code will have no stack",
+            file=sys.stderr,
+        )
         return NO_BACKSTOP
 
 

@@ -80,9 +80,20 @@ class Watchdog:
 
     enabled = True
 
-    def __init__(self, store: Any, *, rank: int, world_size: int, hang_timeout: float, slow_timeout: float,
-                 log_dir: Path, step: Callable[[], int] = lambda: 0, local_world_size: int = 1,
-                 key: bytes | None = None, position: Position | None = None):
+    def __init__(
+        self,
+        store: Any,
+        *,
+        rank: int,
+        world_size: int,
+        hang_timeout: float,
+        slow_timeout: float,
+        log_dir: Path,
+        step: Callable[[], int] = lambda: 0,
+        local_world_size: int = 1,
+        key: bytes | None = None,
+        position: Position | None = None,
+    ):
         global _generation
         _generation += 1
         prefix = f"ddpkit/watchdog/{_generation}"
@@ -108,8 +119,15 @@ class Watchdog:
         self._monitor = Monitor(self)
 
     @classmethod
-    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int], key: bytes | None = None,
-                position: Position | None = None) -> Watchdog | _Off:
+    def for_run(
+        cls,
+        config: Config,
+        runtime: Runtime,
+        *,
+        step: Callable[[], int],
+        key: bytes | None = None,
+        position: Position | None = None,
+    ) -> Watchdog | _Off:
         """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store); ``key``: the job's
         (the worker's), which tags what it writes and must tag what it reads (ddpkit.distributed.control_auth);
         ``position``: the events' (where the training thread is)."""
@@ -117,9 +135,18 @@ class Watchdog:
         if hang is None or runtime.env.world_size == 1 or runtime.store is None:
             return _Off()
         slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
-        return cls(runtime.store, rank=runtime.env.rank, world_size=runtime.env.world_size, hang_timeout=hang,
-                   slow_timeout=slow, log_dir=Path(config.output_dir) / "logs", step=step,
-                   local_world_size=runtime.env.local_world_size, key=key, position=position)
+        return cls(
+            runtime.store,
+            rank=runtime.env.rank,
+            world_size=runtime.env.world_size,
+            hang_timeout=hang,
+            slow_timeout=slow,
+            log_dir=Path(config.output_dir) / "logs",
+            step=step,
+            local_world_size=runtime.env.local_world_size,
+            key=key,
+            position=position,
+        )
 
     # --- the training thread's side: attribute writes only -----------------------------------
 
@@ -169,8 +196,9 @@ class Watchdog:
         local = self.local_world_size
         name = board_name(self.client.key, self._prefix, node=self.rank // local)
         board = NodeBoard.open(name, slots=local, index=self.rank % local)
-        self.node = Node(board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes,
-                         interval=INTERVAL)
+        self.node = Node(
+            board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes, interval=INTERVAL
+        )
         with contextlib.suppress(StoreDown):  # a first beat now: a rank frozen before the thread's first is still named
             self._publish()
             if self.rank == 0:  # the keys rank 0 reads exist from the start
@@ -193,8 +221,12 @@ class Watchdog:
             return
         self.position = Position("done", self.position.edges)  # the events' own is left as it is
         self._stopped.set()
-        if (error is None and not self.handling_hang and self._thread.is_alive()
-                and self._thread is not threading.current_thread()):
+        if (
+            error is None
+            and not self.handling_hang
+            and self._thread.is_alive()
+            and self._thread is not threading.current_thread()
+        ):
             self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
         try:
             if error is not None and not self.handling_hang:
@@ -235,8 +267,11 @@ class Watchdog:
                 if time.monotonic() - store_ok > self.hang_timeout and not self._stopped.is_set():
                     return self._alone(problem, time.time() - (time.monotonic() - store_ok))
             except Exception as exc:  # a bug here must never take the training run down
-                print(f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
     def beat(self) -> dict[str, Any]:
@@ -254,9 +289,18 @@ class Watchdog:
         self._seq += 1
         first_batch = phase == "data" and local[0] == self._first_step
         self.last_beat = {
-            "rank": self.rank, "seq": self._seq, "step": local[0], "phase": phase, "ticks": local[2],
-            "phase_ticks": local[3], "novel": self._novel, "since": self._since, "host": self._host,
-            "pid": os.getpid(), "slow": phase in SLOW_PHASES or first_batch, "t": time.time(),
+            "rank": self.rank,
+            "seq": self._seq,
+            "step": local[0],
+            "phase": phase,
+            "ticks": local[2],
+            "phase_ticks": local[3],
+            "novel": self._novel,
+            "since": self._since,
+            "host": self._host,
+            "pid": os.getpid(),
+            "slow": phase in SLOW_PHASES or first_batch,
+            "t": time.time(),
         }
         return self.last_beat
 
@@ -321,10 +365,14 @@ class _Off:
     enabled = False
 
     def tick(self) -> None: ...  # no on_phase: as a listener it hears nothing, so Reporter.span stays free
-    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]: return fn
-    def start(self) -> _Off: return self
+    def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+    def start(self) -> _Off:
+        return self
 
     def stop(self, error: BaseException | None = None) -> None: ...
+
     __enter__ = start
 
     def __exit__(self, *exc: object) -> None: ...

@@ -70,8 +70,9 @@ class Monitor:
             for key, value in zip(keys, wd.client("multi_get", keys)):
                 if value is not None and value != self.values.get(key):  # None: no valid tag
                     self.values[key] = value
-                    self.last_progress, self.slow_seen = (now, self.slow_seen) if key == "progress" else (
-                        self.last_progress, now)
+                    self.last_progress, self.slow_seen = (
+                        (now, self.slow_seen) if key == "progress" else (self.last_progress, now)
+                    )
         limit = wd.slow_timeout if now - self.slow_seen <= SLOW_FRESH else wd.hang_timeout
         if now - self.last_progress > limit:
             self._declare(now - self.last_progress, limit)
@@ -109,11 +110,15 @@ class Monitor:
             time.sleep(0.25)
         fallback = {"summary": f"hang declared by rank {alarm['by']}", "stuck": [], "since": time.time()}
         info = news.get("done") or fallback
-        print(f"ddpkit: rank {wd.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr,
-              flush=True)
+        print(
+            f"ddpkit: rank {wd.rank}: stopping: {info['summary']}; report: {alarm['path']}", file=sys.stderr, flush=True
+        )
         stuck = wd.rank in info["stuck"]
-        write_error_file(f"{info['summary']} (report: {alarm['path']})", when=info["since"] if stuck else time.time(),
-                         code=HANG_EXIT_CODE)
+        write_error_file(
+            f"{info['summary']} (report: {alarm['path']})",
+            when=info["since"] if stuck else time.time(),
+            code=HANG_EXIT_CODE,
+        )
         wd._try(lambda: wd.client("add", "exited", 1))
         terminate(HANG_EXIT_CODE)
 
@@ -206,8 +211,9 @@ class Monitor:
             time.sleep(0.2)
         return stacks
 
-    def _kill_frozen(self, silent: list[int], beats: dict[int, dict[str, Any]], summary: str,
-                     hang_start: float) -> None:
+    def _kill_frozen(
+        self, silent: list[int], beats: dict[int, dict[str, Any]], summary: str, hang_start: float
+    ) -> None:
         """Frozen ranks of this node would hold the job until the agent's SIGKILL (30 s after its SIGTERM): kill
         them now, each with its torchrun error file written for it (the hang's summary, dated to its start)."""
         node = self.wd.node
@@ -220,8 +226,9 @@ class Monitor:
             if kill_frozen_sibling(int(beat["pid"])):
                 print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
 
-    def _last_words(self, silent: dict[int, float], stacks: dict[int, str],
-                    beats: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    def _last_words(
+        self, silent: dict[int, float], stacks: dict[int, str], beats: dict[int, dict[str, Any]]
+    ) -> dict[int, dict[str, Any]]:
         """The beats, with each silent rank's own record (:mod:`ddpkit.watchdog.backstop`) of where it stopped, to
         the step (its last beat may be many steps older); its faulthandler dump goes in ``stacks``."""
         beats, here = dict(beats), socket.gethostname()
@@ -234,8 +241,10 @@ class Monitor:
                 continue
             step, phase, dump = found
             beats[rank] = {**beat, "step": max(step, int(beat.get("step", 0))), "phase": phase}
-            stacks[rank] = dump or ("(no stacks received from this rank, and faulthandler's timer did not fire in it: "
-                                    "stopped by a signal, or gone)")
+            stacks[rank] = dump or (
+                "(no stacks received from this rank, and faulthandler's timer did not fire in it: "
+                "stopped by a signal, or gone)"
+            )
         return beats
 
 
@@ -257,6 +266,7 @@ def report_alone(wd: Any, problem: str, since: float) -> None:
         if index != node.local and beat and beat.get("pid") and time.time() - beat.get("t", 0.0) > LEADER_STALE:
             write_error_file(summary, when=since, code=HANG_EXIT_CODE, local_rank=index, pid=int(beat["pid"]))
             if kill_frozen_sibling(int(beat["pid"])):
-                print(f"ddpkit: killed frozen rank {node.first + index} (pid {beat['pid']})", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"ddpkit: killed frozen rank {node.first + index} (pid {beat['pid']})", file=sys.stderr, flush=True
+                )
     terminate(HANG_EXIT_CODE)

@@ -42,8 +42,9 @@ SETS_PER_SECOND = 12_500  # beyond this many nodes' progress sets a second, each
 class Node:
     """This rank's side of its node; see the module docstring."""
 
-    def __init__(self, board: NodeBoard, client: StoreClient, *, rank: int, local_world_size: int, nodes: int,
-                 interval: float):
+    def __init__(
+        self, board: NodeBoard, client: StoreClient, *, rank: int, local_world_size: int, nodes: int, interval: float
+    ):
         self.board, self.client = board, client
         self.local, self.size, self.node = rank % local_world_size, local_world_size, rank // local_world_size
         self.first = rank - self.local
@@ -116,8 +117,9 @@ class Node:
         self.progressed, self.slow = progressed, slow
         return beats, silent
 
-    def publish(self, beats: dict[int, dict[str, Any]], silent: dict[int, float], now: float,
-                handling: str | None) -> None:
+    def publish(
+        self, beats: dict[int, dict[str, Any]], silent: dict[int, float], now: float, handling: str | None
+    ) -> None:
         """The node's sets and, on its turn, its poll; then the relay to its node-mates."""
         self.turn += 1
         tag = f"{self.node}:{self.turn}"
@@ -135,8 +137,9 @@ class Node:
             self.board.relay(self._for_mates(self.news))
             self._relayed = dict(self.news)
 
-    def record(self, beats: dict[int, dict[str, Any]], silent: dict[int, float], now: float,
-               handling: str | None) -> None:
+    def record(
+        self, beats: dict[int, dict[str, Any]], silent: dict[int, float], now: float, handling: str | None
+    ) -> None:
         record = {"node": self.node, "host": self.host, "t": now, "alarm": handling, "beats": beats, "silent": silent}
         self.client("set", f"node/{self.node}", json.dumps(record, separators=(",", ":")))
         self._record_at, self._recorded_for = now, handling

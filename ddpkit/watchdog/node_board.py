@@ -48,8 +48,16 @@ def board_name(key: bytes, prefix: str, *, node: int) -> str:
     and the node: two "nodes" on one host (loopback tests) get two boards.
     """
     env = os.environ
-    seen = "|".join([prefix, env.get("TORCHELASTIC_RUN_ID", ""), env.get("TORCHELASTIC_RESTART_COUNT", "0"),
-                     env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), str(node)])
+    seen = "|".join(
+        [
+            prefix,
+            env.get("TORCHELASTIC_RUN_ID", ""),
+            env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            env.get("MASTER_ADDR", ""),
+            env.get("MASTER_PORT", ""),
+            str(node),
+        ]
+    )
     return f"ddpkit-watchdog-{hashlib.sha256(key + b'|' + seen.encode()).hexdigest()[:24]}"
 
 

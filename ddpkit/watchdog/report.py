@@ -25,8 +25,16 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASE_ORDER", "SLOW_PHASES", "Verdict", "classify", "format_report", "summary_line", "thread_stacks",
-           "stack_signature"]
+__all__ = [
+    "PHASE_ORDER",
+    "SLOW_PHASES",
+    "Verdict",
+    "classify",
+    "format_report",
+    "summary_line",
+    "thread_stacks",
+    "stack_signature",
+]
 NAMED = 8  # ranks of each kind named in the summary line (100,000 waiting ranks do not fit in one)
 SECTIONS = 64  # ranks with a stack section even without stacks; beyond, only those whose stacks came
 
@@ -34,8 +42,17 @@ SECTIONS = 64  # ranks with a stack section even without stacks; beyond, only th
 #: hooks, validation and checkpoint of step s come before the data, forward and backward of step
 #: s + 1. ``loop`` is the loop's own code between spans (hooks, logging), ``setup`` before the first step.
 PHASE_ORDER = {
-    "setup": -1, "loop": 0, "hook": 0, "evaluation": 1, "validation": 1, "checkpoint": 2,
-    "compile": 3, "data": 3, "forward": 4, "backward": 5, "optimizer": 6,
+    "setup": -1,
+    "loop": 0,
+    "hook": 0,
+    "evaluation": 1,
+    "validation": 1,
+    "checkpoint": 2,
+    "compile": 3,
+    "data": 3,
+    "forward": 4,
+    "backward": 5,
+    "optimizer": 6,
 }
 #: Phases in which a rank that reached them waits for the others inside a collective.
 COLLECTIVE_PHASES = frozenset({"backward", "barrier"})
@@ -61,8 +78,11 @@ def _position(beat: dict[str, Any]) -> tuple[int, int, int]:
 
 def classify(beats: dict[int, dict[str, Any] | None], silent: dict[int, float]) -> Verdict:
     """Split ranks into stuck, waiting and silent (no heartbeat since ``silent[rank]``, a wall time)."""
-    live = {rank: beat for rank, beat in beats.items()
-            if beat is not None and rank not in silent and beat.get("phase") != "done"}
+    live = {
+        rank: beat
+        for rank, beat in beats.items()
+        if beat is not None and rank not in silent and beat.get("phase") != "done"
+    }
     verdict = Verdict(silent=sorted(silent))
     if not live:
         return verdict
@@ -94,8 +114,9 @@ def _named(items: list[str], total: int) -> str:
     return ", ".join(items) + (f" and {total - len(items)} more" if total > len(items) else "")
 
 
-def summary_line(verdict: Verdict, beats: dict[int, dict[str, Any] | None], silent: dict[int, float], *,
-                 stalled_for: float) -> str:
+def summary_line(
+    verdict: Verdict, beats: dict[int, dict[str, Any] | None], silent: dict[int, float], *, stalled_for: float
+) -> str:
     """One line naming the suspects first: stuck ranks, else ranks with no heartbeat (the first few of each)."""
     parts = []
     if verdict.stuck:

@@ -29,8 +29,16 @@ from ddpkit.distributed.control_auth import job_key, read_signed, sign
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import exit_now, first_line
 
-__all__ = ["StoreClient", "StoreDown", "own_client", "write_text", "write_error_file", "kill_frozen_sibling",
-           "process_gone", "terminate"]
+__all__ = [
+    "StoreClient",
+    "StoreDown",
+    "own_client",
+    "write_text",
+    "write_error_file",
+    "kill_frozen_sibling",
+    "process_gone",
+    "terminate",
+]
 
 
 class StoreDown(RuntimeError):

@@ -65,8 +65,11 @@ class EmaTrainer(ddpkit.Trainer):
         self.ema.update(self.unwrapped_model)
         self.counter.value += 1
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if (first_attempt and str(self.rank) == os.environ.get("KILL_RANK")
-                and str(step) == os.environ.get("KILL_AT_STEP")):
+        if (
+            first_attempt
+            and str(self.rank) == os.environ.get("KILL_RANK")
+            and str(step) == os.environ.get("KILL_AT_STEP")
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_fit_end(self, metrics: dict[str, float]) -> None:

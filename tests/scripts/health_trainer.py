@@ -34,12 +34,19 @@ class HealthTrainer(ddpkit.Trainer):
         super().__init__(*args, **kwargs)
         env = os.environ
         self.nan_rank, self.nan_steps, self.nan_how = (
-            int(env.get("HEALTH_NAN_RANK", "-1")), _steps("HEALTH_NAN_STEPS"), env.get("HEALTH_NAN_HOW", "add"))
+            int(env.get("HEALTH_NAN_RANK", "-1")),
+            _steps("HEALTH_NAN_STEPS"),
+            env.get("HEALTH_NAN_HOW", "add"),
+        )
         self.spike_steps = _steps("HEALTH_SPIKE_STEPS")
         self.slow_rank, self.slow_s = (
-            int(env.get("HEALTH_SLOW_RANK", "-1")), float(env.get("HEALTH_SLOW_MS", "0")) / 1000)
+            int(env.get("HEALTH_SLOW_RANK", "-1")),
+            float(env.get("HEALTH_SLOW_MS", "0")) / 1000,
+        )
         self.perturb_rank, self.perturb_step = (
-            int(env.get("HEALTH_PERTURB_RANK", "-1")), int(env.get("HEALTH_PERTURB_STEP", "0")))
+            int(env.get("HEALTH_PERTURB_RANK", "-1")),
+            int(env.get("HEALTH_PERTURB_STEP", "0")),
+        )
         self.perturb_nan = env.get("HEALTH_PERTURB_NAN") == "1"
         self._poisoned_step = -1
 

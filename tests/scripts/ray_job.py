@@ -38,13 +38,21 @@ class Recorded(RayReporting):
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    overrides = [f"run.output_dir={OUT / 'run'}", "data.kwargs.num_train=2560", "data.kwargs.num_val=256",
-                 "train.epochs=2", "log.progress_bar=false", "train.log_every=5"]
+    overrides = [
+        f"run.output_dir={OUT / 'run'}",
+        "data.kwargs.num_train=2560",
+        "data.kwargs.num_val=256",
+        "train.epochs=2",
+        "log.progress_bar=false",
+        "train.log_every=5",
+    ]
     ray.init(num_cpus=2, include_dashboard=False)
     result = TorchTrainer(
         train_loop,
         train_loop_config={
-            "config": str(REPO / "configs" / "quickstart.yaml"), "overrides": overrides, "trainer_class": Recorded,
+            "config": str(REPO / "configs" / "quickstart.yaml"),
+            "overrides": overrides,
+            "trainer_class": Recorded,
         },
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(OUT / "ray"), name="job", failure_config=FailureConfig(max_failures=1)),

@@ -30,8 +30,9 @@ SAMPLES, FEATURES, CLASSES = int(os.environ.get("SKLEARN_SAMPLES", "20000")), 64
 
 
 def _build() -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = make_classification(n_samples=SAMPLES, n_features=FEATURES, n_informative=32, n_classes=CLASSES,
-                               random_state=0)
+    x, y = make_classification(
+        n_samples=SAMPLES, n_features=FEATURES, n_informative=32, n_classes=CLASSES, random_state=0
+    )
     return torch.tensor(StandardScaler().fit_transform(x), dtype=torch.float32), torch.tensor(y)
 
 

@@ -39,8 +39,11 @@ class DigitStream(IterableDataset):
 
     def __iter__(self):
         n = len(self.labels)
-        order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
-                 if self.shuffle else torch.arange(n))
+        order = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+            if self.shuffle
+            else torch.arange(n)
+        )
         for index in order.tolist():
             yield self.images[index], self.labels[index], index
 
@@ -66,8 +69,11 @@ class StreamTrainer(ddpkit.Trainer):
 
     def on_step_end(self, step: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if (first_attempt and str(self.rank) == os.environ.get("KILL_RANK")
-                and step == int(os.environ.get("KILL_AT_STEP", "-1"))):
+        if (
+            first_attempt
+            and str(self.rank) == os.environ.get("KILL_RANK")
+            and step == int(os.environ.get("KILL_AT_STEP", "-1"))
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -257,12 +257,20 @@ class RemoteMirror:
         self._count(answers)
         undone = [job.get("path", "") for job in left]
         if undone:
-            log.warning("ddpkit: %d upload(s) to %s not finished within %.0f s, kept only locally: %s",
-                        len(undone), self.store.url, deadline_s, ", ".join(undone))
+            log.warning(
+                "ddpkit: %d upload(s) to %s not finished within %.0f s, kept only locally: %s",
+                len(undone),
+                self.store.url,
+                deadline_s,
+                ", ".join(undone),
+            )
         elif self._failures and not self._told:
             self._told = True
-            log.warning("ddpkit: %d upload(s) to %s failed during the run (see the warnings above)",
-                        self._failures, self.store.url)
+            log.warning(
+                "ddpkit: %d upload(s) to %s failed during the run (see the warnings above)",
+                self._failures,
+                self.store.url,
+            )
         return undone
 
     def on_exit(self, status: str = "finished", *, deadline_s: float | None = None) -> list[str]:

@@ -71,8 +71,9 @@ def permanent(exc: BaseException) -> bool:
     return any(needle in text for needles, _ in _CAUSES[:4] for needle in needles)
 
 
-def with_retries(call: Callable[[], T], store: Store, *, attempts: int = START_ATTEMPTS,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
+def with_retries(
+    call: Callable[[], T], store: Store, *, attempts: int = START_ATTEMPTS, sleep: Callable[[float], None] = time.sleep
+) -> T:
     """``call()``, tried again on a new client (1, 2, 4 s apart) while the store fails transiently."""
     for attempt in range(1, attempts + 1):
         try:

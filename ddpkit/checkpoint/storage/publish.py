@@ -21,8 +21,15 @@ from ddpkit.checkpoint.storage.store import Store
 from ddpkit.errors import CheckpointError
 
 __all__ = [
-    "publish_checkpoint", "publish_file", "newer_committed", "NotRetried", "LeaseLost", "LocalSaveFailed", "Superseded",
-    "PART_WAIT_S", "COMMIT_WAIT_S",
+    "publish_checkpoint",
+    "publish_file",
+    "newer_committed",
+    "NotRetried",
+    "LeaseLost",
+    "LocalSaveFailed",
+    "Superseded",
+    "PART_WAIT_S",
+    "COMMIT_WAIT_S",
 ]
 
 #: Seconds node 0's upload waits for the other nodes' shards of a sharded checkpoint.
@@ -86,8 +93,15 @@ def _commit(store: Store, path: Path, objects: dict[str, Any], *, step: int, epo
     if path.suffix == ".dcp":
         local["files"] = {key.split("/", 1)[1]: spec["bytes"] for key, spec in objects.items()}
     _check_lease(store, epoch)
-    manifest = {"format": FORMAT, "name": path.name, "step": step, "epoch": epoch, "created": time.time(),
-                "objects": objects, "local": local}
+    manifest = {
+        "format": FORMAT,
+        "name": path.name,
+        "step": step,
+        "epoch": epoch,
+        "created": time.time(),
+        "objects": objects,
+        "local": local,
+    }
     store.put_bytes(manifest_name(path.name), json.dumps(manifest, indent=1).encode(), create=create)
 
 

@@ -134,8 +134,11 @@ class Worker:
             held = renew(self.store, lease)
         except Exception as exc:  # a store that is away for a while: warned once; the lease lives until LEASE_S
             if not self.renew_failing:
-                print(f"ddpkit: warning: cannot renew the lock on {self.store.url}: {first_line(exc)}; retrying",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"ddpkit: warning: cannot renew the lock on {self.store.url}: {first_line(exc)}; retrying",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.renew_failing = True
             return True
         if self.renew_failing:
