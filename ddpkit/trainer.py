@@ -51,11 +51,16 @@ class Trainer:
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *, overrides: Sequence[str] = ()):
-        self.config: Config = load_config(config, overrides)  # a Config is re-validated too
         self.env: DistEnv = read_dist_env()
+        # A Config is re-validated too; rank 0 alone names the overrides a later one replaced.
+        self.config: Config = load_config(config, overrides, log_replaced=self.env.rank == 0)
+        # Seeded now, not only in fit(): a module a subclass builds after super().__init__() (an EMA copy,
+        # an auxiliary head) gets the same weights in every launch and on every rank (torch 2.14 seeds each
+        # process at random). fit() seeds again before its own build.
+        training.seed_for_setup(self.config.run.seed, deterministic=self.config.train.deterministic)
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
-        self.events = Events()  # the loop's one ordered list of listeners; _attach fills it, this Trainer last
+        self.events = Events()  # the loop's one ordered list of listeners; setup fills it, this Trainer last
         self.metrics: dict[str, float] = {}
         self.worker: Worker | None = None  # this and the rest: built by fit(), in _setup's order
         self.train_loader: DataLoader | None = None

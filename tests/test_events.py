@@ -119,3 +119,19 @@ def test_a_listener_base_documents_every_event_and_costs_nothing_for_what_it_doe
     assert events.phase_listeners("data") == ()  # the base's on_phase is not called: no cost on the step path
     assert {"on_step_start", "on_update_start", "on_exit", "on_phase"} <= set(EVENTS)
     assert all(getattr(Listener, event).__doc__ for event in EVENTS), "every event has a docstring on Listener"
+
+
+def test_a_method_named_like_a_hook_that_names_no_event_is_refused_with_the_closest_event():
+    class Misspelt:
+        on_divergence = "warn"  # an on_ attribute that is not a method: not a hook, left alone
+
+        def on_step_ned(self, step): ...
+
+    with pytest.raises(TypeError, match=r"Misspelt\.on_step_ned names no event.*did you mean 'on_step_end'\?"):
+        Events().add(Misspelt())
+
+    class Unlike:
+        def on_everything(self): ...
+
+    with pytest.raises(TypeError, match=r"Unlike\.on_everything names no event.*the events are on_phase, "):
+        Events().add(Unlike())

@@ -12,17 +12,15 @@
 
 A listener is any object; it receives the events it has a method for, and no others. :class:`Listener`
 documents every event with a no-op method; subclassing it is optional, and a method it does not override
-costs nothing (only overridden methods are collected). The Trainer adds itself last, so a user's ``on_*``
-hooks run after ddpkit's own listeners have seen the same event; ``on_exit(status)`` is the one teardown
-every run component gets, in the list's order.
+is never called. A method whose name starts with ``on_`` but names no event is refused when the listener
+is added, with the closest event's name: a misspelt hook would otherwise never run. The Trainer adds itself
+last, so a user's ``on_*`` hooks run after ddpkit's own listeners have seen the same event;
+``on_exit(status)`` is the one teardown every run component gets, in the list's order.
 
-As detectron2's ``TrainerBase`` runs its hooks: one list, one order (the Trainer's ``_attach`` adds every
-listener in one call). The bound methods are collected once per event when a listener is added, a
-method whose body is only a docstring (or ``pass``) left out, so an empty hook costs nothing; the three
-events of every step are bound to the cheapest callable (nothing, the one listener's method, or a loop),
-so delivering one on the step path is one call. A failing ``on_failure`` or
-``on_exit`` is printed and the next listener still runs: the original failure is what the user
-must see, and every listener must get its chance to clean up.
+As detectron2's ``TrainerBase`` runs its hooks: one list, one order (the Trainer adds each listener as its
+setup builds it, itself last), and each event a plain loop over the methods collected when a listener was
+added. A failing ``on_failure`` or ``on_exit`` is printed and the next listener still runs: the original
+failure is what the user must see, and every listener must get its chance to clean up.
 
 Where the training thread is needs no listener: the spans write it into :attr:`Events.position` as they
 start and end (two attribute writes and a count, no call), and a thread that wants it reads it there. The
@@ -31,9 +29,9 @@ hang watchdog does, twice a second; hearing every span edge instead cost it 8 ca
 
 from __future__ import annotations
 
+import difflib
 import sys
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Events", "EVENTS", "Listener", "PhaseSpan", "Position"]
@@ -95,7 +93,8 @@ class Position:
     __slots__ = ("phase", "edges")
 
     def __init__(self, phase: str = "setup", edges: int = 0):
-        self.phase, self.edges = phase, edges
+        self.phase = phase
+        self.edges = edges
 
 
 class Events:
@@ -105,19 +104,9 @@ class Events:
         #: Written by the spans on the training thread; read by other threads (see the module docstring).
         self.position = Position()
         self.listeners: list[Any] = []
-        self._calls: dict[str, tuple[Callable[..., Any], ...]] = dict.fromkeys(EVENTS, ())
-        self._phases: dict[str, PhaseSpan] = {}  # one reusable span per name; emptied when a listener joins
-        #: The spans built so far, read-only (the Reporter's step path looks a span up here before asking phase()).
-        self.phases: Mapping[str, PhaseSpan] = MappingProxyType(self._phases)
-        self._bind_step_events()
-
-    def _bind_step_events(self) -> None:
-        """The three events of every optimizer step as the cheapest callable: nothing to call, the one
-        listener's own method, or a loop over several (the step path pays one call, not a loop in a method)."""
-        #: ``step_start(step)``, ``update_start(step)``, ``step_end(step)``: see :class:`Listener`.
-        self.step_start = _deliverer(self._calls["on_step_start"])
-        self.update_start = _deliverer(self._calls["on_update_start"])
-        self.step_end = _deliverer(self._calls["on_step_end"])
+        self._hooks: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
+        # One reusable span per name, emptied when a listener joins: a span built before would not call it.
+        self._spans: dict[str, PhaseSpan] = {}
 
     def add(self, *listeners: Any) -> None:
         """Append ``listeners`` (None is skipped: a subsystem that is off); each receives the events it has methods
@@ -125,59 +114,56 @@ class Events:
         for listener in listeners:
             if listener is None:
                 continue
-            phases = getattr(listener, "phases", None)
-            if phases is not None and not (isinstance(phases, tuple) and all(isinstance(p, str) for p in phases)):
-                raise TypeError(
-                    f"{type(listener).__name__}.phases must be a tuple of span names "
-                    f"(the spans its on_phase hears), got {phases!r}"
-                )
+            _check_listener(listener)
             self.listeners.append(listener)
-            for event in EVENTS:
-                method = getattr(listener, event, None)
-                if callable(method) and not _does_nothing(method):
-                    self._calls[event] += (method,)
-        self._phases.clear()  # a span built before this listener joined would not call it
-        self._bind_step_events()
+            for event, hooks in self._hooks.items():
+                hook = getattr(listener, event, None)
+                if callable(hook) and getattr(hook, "__func__", None) is not vars(Listener)[event]:
+                    hooks.append(hook)
+        self._spans.clear()
 
     def phase(self, name: str) -> PhaseSpan:
         """The context that tells the ``on_phase`` listeners of span ``name`` that it starts and ends (reused)."""
-        span = self._phases.get(name)
+        span = self._spans.get(name)
         if span is None:
-            span = self._phases[name] = PhaseSpan(name, self.phase_listeners(name), self.position)
+            span = PhaseSpan(name, self.phase_listeners(name), self.position)
+            self._spans[name] = span
         return span
 
     def phase_listeners(self, name: str) -> tuple[Callable[[str | None], None], ...]:
         """The ``on_phase`` methods that hear spans called ``name`` (a listener's ``phases`` narrows them)."""
         return tuple(
-            method
-            for method in self._calls["on_phase"]
-            if name in (getattr(method.__self__, "phases", None) or (name,))
+            hook for hook in self._hooks["on_phase"] if name in (getattr(hook.__self__, "phases", None) or (name,))
         )
 
     def fit_start(self) -> None:
-        self.position.phase = "loop"  # setup is over: between spans the loop runs its hooks and logging
-        for call in self._calls["on_fit_start"]:
-            call()
+        # Setup is over: between spans the loop runs its hooks and logging.
+        self.position.phase = "loop"
+        self._deliver("on_fit_start")
 
     def epoch_start(self, epoch: int) -> None:
-        for call in self._calls["on_epoch_start"]:
-            call(epoch)
+        self._deliver("on_epoch_start", epoch)
+
+    def step_start(self, step: int) -> None:
+        self._deliver("on_step_start", step)
+
+    def update_start(self, step: int) -> None:
+        self._deliver("on_update_start", step)
+
+    def step_end(self, step: int) -> None:
+        self._deliver("on_step_end", step)
 
     def log(self, record: dict[str, Any]) -> None:
-        for call in self._calls["on_log"]:
-            call(record)
+        self._deliver("on_log", record)
 
     def validation_end(self, metrics: dict[str, float]) -> None:
-        for call in self._calls["on_validation_end"]:
-            call(metrics)
+        self._deliver("on_validation_end", metrics)
 
     def epoch_end(self, epoch: int) -> None:
-        for call in self._calls["on_epoch_end"]:
-            call(epoch)
+        self._deliver("on_epoch_end", epoch)
 
     def fit_end(self, metrics: dict[str, float]) -> None:
-        for call in self._calls["on_fit_end"]:
-            call(metrics)
+        self._deliver("on_fit_end", metrics)
 
     def failure(self, error: BaseException) -> None:
         """fit() failed with ``error``: every ``on_failure``, each guarded (see the module docstring)."""
@@ -187,48 +173,30 @@ class Events:
         """The attempt ended with ``status`` (FINISHED, STOPPED or FAILED): every ``on_exit``, each guarded."""
         self._each_guarded("on_exit", status)
 
+    def _deliver(self, event: str, *arguments: Any) -> None:
+        for hook in self._hooks[event]:
+            hook(*arguments)
+
     def _each_guarded(self, event: str, argument: Any) -> None:
-        for call in self._calls[event]:
+        for hook in self._hooks[event]:
             try:
-                call(argument)
+                hook(argument)
             except Exception as problem:
-                name = getattr(call, "__qualname__", call)
+                name = getattr(hook, "__qualname__", hook)
                 print(f"ddpkit: {name} failed: {type(problem).__name__}: {problem}", file=sys.stderr, flush=True)
 
 
-def _nobody(step: int) -> None:
-    """A step event no listener hears."""
-
-
-def _deliverer(calls: tuple[Callable[[int], None], ...]) -> Callable[[int], None]:
-    if not calls:
-        return _nobody
-    if len(calls) == 1:
-        return calls[0]
-
-    def deliver(step: int) -> None:
-        for call in calls:
-            call(step)
-
-    return deliver
-
-
-def _docstring_only() -> None:
-    """A body that is a docstring and nothing else."""
-
-
-def _empty() -> None:
-    pass
-
-
-_NOTHING = {_docstring_only.__code__.co_code, _empty.__code__.co_code}
-
-
-def _does_nothing(method: Callable[..., Any]) -> bool:
-    """Whether ``method``'s body is only a docstring or ``pass`` (:class:`Listener`'s, the Trainer's hooks a
-    subclass did not override): never called, so a no-op hook costs the step path nothing."""
-    code = getattr(getattr(method, "__func__", method), "__code__", None)
-    return code is not None and code.co_code in _NOTHING
+def _check_listener(listener: Any) -> None:
+    """Refuse a ``phases`` that is not a tuple of span names, and an ``on_*`` method that names no event."""
+    kind = type(listener).__name__
+    phases = getattr(listener, "phases", None)
+    if phases is not None and not (isinstance(phases, tuple) and all(isinstance(p, str) for p in phases)):
+        raise TypeError(f"{kind}.phases must be a tuple of span names (the spans its on_phase hears), got {phases!r}")
+    for name in dir(listener):
+        if name.startswith("on_") and name not in EVENTS and callable(getattr(listener, name, None)):
+            close = difflib.get_close_matches(name, EVENTS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the events are {', '.join(EVENTS)}"
+            raise TypeError(f"{kind}.{name} names no event, so it would never be called: {hint}")
 
 
 class PhaseSpan:
@@ -238,11 +206,16 @@ class PhaseSpan:
     __slots__ = ("name", "listeners", "position", "outer")
 
     def __init__(self, name: str, listeners: tuple[Callable[[str | None], None], ...], position: Position):
-        self.name, self.listeners, self.position, self.outer = name, listeners, position, ""
+        self.name = name
+        self.listeners = listeners
+        self.position = position
+        # The span this one runs inside: the phase again at its end.
+        self.outer = ""
 
     def __enter__(self) -> None:
         position = self.position
-        self.outer, position.phase = position.phase, self.name  # the span this one runs inside, back at its end
+        self.outer = position.phase
+        position.phase = self.name
         position.edges += 1
         for listener in self.listeners:
             listener(self.name)

@@ -112,7 +112,7 @@ class Reporter:
         Called several times per step: with the timeline off it is the events' reused span of that name, whose
         enter and exit call its listeners (with none, a loop over nothing: as cheap as a null context).
         """
-        span = self.events.phases.get(name) or self.events.phase(name)  # reused: no object, no call per span
+        span = self.events.phase(name)
         if self.timeline.enabled:
             return _WatchedSpan(self.timeline.span(name), span)
         return span
