@@ -15,8 +15,9 @@ from helpers import tiny_config
 import ddpkit
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint import interval
-from ddpkit.checkpoint.interval import AutoInterval, describe, interval_steps, young_daly_seconds
+from ddpkit.checkpoint.interval import AutoInterval, YoungDaly, describe, interval_steps, young_daly_seconds
 from ddpkit.config.loader import load_config
+from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import ConfigError
 from ddpkit.testing import run_on_ranks
 
@@ -48,6 +49,11 @@ def test_the_log_line_names_the_interval_and_its_inputs():
     assert CHOICE.search(line).groups() == ("340", "100")
 
 
+def _saved(auto: AutoInterval, *, blocked: float, since: int) -> None:
+    """What the checkpointer does after a save: rank 0's measurement, broadcast (with the save's outcome), adopted."""
+    auto.adopt(broadcast_object(auto.measurement(blocked)), since=since)
+
+
 def _timed(auto: AutoInterval, step_seconds: list[float]) -> AutoInterval:
     auto._step_times.extend(step_seconds)  # what tick() records, without waiting for it
     return auto
@@ -57,17 +63,25 @@ def test_first_guess_then_measured_then_only_changes_beyond_a_fifth():
     auto = AutoInterval(mtbf_hours=1.0)
     assert auto.every == interval.FIRST_EVERY and not auto.measured
     assert not auto.due(interval.FIRST_EVERY - 1) and auto.due(interval.FIRST_EVERY)
-    auto.saved(blocked=0.5, since=1)  # no step timed yet: nothing to convert with
+    _saved(auto, blocked=0.5, since=1)  # no step timed yet: nothing to convert with
     assert auto.every == interval.FIRST_EVERY and not auto.measured
     _timed(auto, [0.1, 0.1, 9.0])  # median: an evaluation's long step does not count
-    auto.saved(blocked=0.5, since=100)
+    _saved(auto, blocked=0.5, since=100)
     expected = interval_steps(young_daly_seconds(1.0, 0.5), 0.1)  # sqrt(3600) = 60 s -> 600 steps
     assert auto.measured and auto.every == expected == 600
     _timed(auto, [0.1, 0.1])
-    auto.saved(blocked=0.6, since=700)  # 657 steps: within 20% of 600, kept
+    _saved(auto, blocked=0.6, since=700)  # 657 steps: within 20% of 600, kept
     assert auto.every == 600
-    auto.saved(blocked=2.0, since=1300)  # 1200 steps: a real change
+    _saved(auto, blocked=2.0, since=1300)  # 1200 steps: a real change
     assert auto.every == 1200
+
+
+def test_the_planner_keeps_saves_within_a_budget_whatever_the_mtbf():
+    """The memory snapshots' use: with an MTBF of 3.6 s, Young/Daly says every 0.27 s; 1% of the time says 1 s."""
+    plan = YoungDaly(0.001, every=20, budget=0.01)
+    assert plan.period(0.01) == pytest.approx(math.sqrt(2 * 3.6 * 0.01))
+    assert plan.update(blocked=0.01, step_seconds=0.01) and plan.every == 100 and plan.planned
+    assert not plan.update(blocked=0.011, step_seconds=0.01) and plan.every == 100  # 110: within a fifth
 
 
 def test_a_save_step_is_not_a_step_time():
@@ -75,7 +89,7 @@ def test_a_save_step_is_not_a_step_time():
     auto.tick()
     auto.tick()
     assert len(auto._step_times) == 1
-    auto.saved(blocked=0.0, since=2)
+    _saved(auto, blocked=0.0, since=2)
     auto.tick()  # the step that carried the save: only starts the clock again
     assert len(auto._step_times) == 1
 
@@ -106,9 +120,9 @@ def _choose_on_each_rank(mtbf_hours: float) -> tuple[int, int]:
 
     rank = dist.get_rank()
     auto = _timed(AutoInterval(mtbf_hours=mtbf_hours), [0.01 * (rank + 1)] * 3)  # each rank measures differently
-    auto.saved(blocked=0.1 * (rank + 1), since=100)
+    _saved(auto, blocked=0.1 * (rank + 1), since=100)
     first = auto.every
-    auto.saved(blocked=10.0 * (rank + 1), since=200)
+    _saved(auto, blocked=10.0 * (rank + 1), since=200)
     return first, auto.every
 
 

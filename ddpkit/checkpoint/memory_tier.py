@@ -15,9 +15,9 @@ checkpoints (temporary file, rename, manifest with size and SHA-256 last) into
 ``/dev/shm/ddpkit-<run>/``. ``/dev/shm`` is memory: the copy outlives the processes, not the
 host (or a reboot), which is what disk checkpoints are for.
 
-``memory_every_steps: auto`` (the default) spaces snapshots as ``checkpoint.every_steps: auto``
-spaces disk checkpoints (:mod:`ddpkit.checkpoint.interval`): every
-``sqrt(2 * checkpoint.mtbf_hours * T_block)`` seconds of training (Young/Daly; ``T_block``: how
+``memory_every_steps: auto`` (the default) spaces snapshots with the planner that spaces disk checkpoints
+under ``checkpoint.every_steps: auto`` (:class:`ddpkit.checkpoint.interval.YoungDaly`): every
+``sqrt(2 * checkpoint.mtbf_hours * T_block)`` seconds of training (Young 1974; Daly 2006; ``T_block``: how
 long one snapshot blocks training), and never so often that snapshots block more than 1% of it.
 A snapshot blocking 8 ms with the default MTBF of 24 h comes every 37 s (0.02% of the time). A job
 that fails often says so with a small ``checkpoint.mtbf_hours`` and gets snapshots that often.
@@ -47,7 +47,7 @@ from typing import Any
 from ddpkit.checkpoint import files as ckpt
 from ddpkit.checkpoint.components import Capturer, Ledger
 from ddpkit.checkpoint.disk_space import human_bytes, short_of_room, state_bytes
-from ddpkit.checkpoint.interval import CHANGE, interval_steps, young_daly_seconds
+from ddpkit.checkpoint.interval import YoungDaly
 from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import broadcast_object
@@ -116,7 +116,11 @@ class MemorySnapshots(Listener):
     def __init__(
         self, config: Config, runtime: Runtime, checkpointer: Capturer, *, every: int, ledger: Ledger | None = None
     ):
-        self.config, self.checkpointer, self.every, self.ledger = config, checkpointer, every, ledger
+        self.config = config
+        self.checkpointer = checkpointer
+        self.ledger = ledger
+        # `auto`'s planner; a number given is its first guess and is never re-planned.
+        self.interval = YoungDaly(config.checkpoint.mtbf_hours, every=every, budget=BUDGET)
         self.is_main, self.adaptive = runtime.env.rank == 0, False
         self.directory = snapshot_dir(config)
         self._writer = ckpt.AsyncCheckpointWriter()
@@ -135,6 +139,11 @@ class MemorySnapshots(Listener):
         snapshots = cls(config, runtime, checkpointer, every=PLAN_STEP if every == "auto" else every, ledger=ledger)
         snapshots.adaptive = snapshots.unplanned = every == "auto"
         return snapshots
+
+    @property
+    def every(self) -> int:
+        """Steps between two snapshots: ``checkpoint.memory_every_steps``, or `auto`'s interval in force."""
+        return self.interval.every
 
     def on_step_start(self, step: int) -> None:
         if step - self._last >= self.every:  # a step boundary after `every` updates (steps since the last)
@@ -194,27 +203,24 @@ class MemorySnapshots(Listener):
     def _adapt(self, step: int, *, blocked: float, trained: float, estimated: bool = False) -> None:
         """Space snapshots by Young/Daly from the blocking time just measured, within BUDGET of the training.
 
-        Rank 0's measurement decides and is broadcast, so every rank takes the next snapshot (a
-        collective) at the same step."""
-        per_step = max(trained / max(1, step - self._last), 1e-9)  # no early return: every rank must join the broadcast
-        period = young_daly_seconds(self.config.checkpoint.mtbf_hours, blocked)
-        every, period, blocked, per_step = broadcast_object(
-            (interval_steps(max(period, blocked / BUDGET), per_step), period, blocked, per_step)
-        )
-        if estimated or abs(every - self.every) > CHANGE * self.every:
+        Rank 0's measurement decides and is broadcast, so every rank plans the same interval and takes the
+        next snapshot (a collective) at the same step."""
+        # No early return: every rank must join the broadcast.
+        per_step = max(trained / max(1, step - self._last), 1e-9)
+        blocked, per_step = broadcast_object((blocked, per_step))
+        if self.interval.update(blocked=blocked, step_seconds=per_step):
             log.info(
                 "memory snapshots: every %d steps from step %d (one blocks %.1f ms%s, a step takes %.2f ms, "
                 "checkpoint.mtbf_hours=%g: Young/Daly sqrt(2*MTBF*T_block) = %.3g s; at most %.0f%% blocked)",
-                every,
+                self.every,
                 self._last if estimated else step,
                 blocked * 1e3,
                 " (estimated)" if estimated else "",
                 per_step * 1e3,
                 self.config.checkpoint.mtbf_hours,
-                period,
+                self.interval.period(blocked),
                 BUDGET * 100,
             )
-            self.every = every
 
     def on_exit(self, status: str) -> None:
         """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
