@@ -52,7 +52,7 @@ class Trainer:
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *, overrides: Sequence[str] = ()):
         self.env: DistEnv = read_dist_env()
-        # A Config is re-validated too; rank 0 alone names the overrides a later one replaced.
+        # A Config is re-validated too; rank 0 alone names the overrides a later one replaced (once a launch).
         self.config: Config = load_config(config, overrides, log_replaced=self.env.rank == 0)
         # Seeded now, not only in fit(): a module a subclass builds after super().__init__() (an EMA copy,
         # an auxiliary head) gets the same weights in every launch and on every rank (torch 2.14 seeds each

@@ -42,7 +42,12 @@ ddpkit run configs/quickstart.yaml --nproc-per-node 2 optim.lr=0.1 train.epochs=
 ddpkit config configs/quickstart.yaml optim.lr=0.1     # print the resolved config
 ```
 
-Precedence: command-line overrides > YAML file > these defaults. Unknown keys are rejected
+Precedence: command-line overrides > YAML file > these defaults. Overrides apply in order and
+the last one wins, as in Hydra (`... train.epochs=6 train.epochs=40` trains 40 epochs; a warning line
+names the key and both overrides); a section given whole (`optim={{name: adam}}`) is set
+whole. `~key` puts a key the file sets back to its default (`optim.name=adamw ~optim.momentum`
+when the file has SGD with momentum; `key=null` is no default for a number). Duplicate keys
+inside one YAML file are refused, naming both lines. Unknown keys are rejected
 with the closest valid key suggested; wrong types and out-of-range values are reported with
 the key, the value and what is expected, all problems in one message. The resolved config is
 written to `<output_dir>/config.yaml` at start and stored in every checkpoint.

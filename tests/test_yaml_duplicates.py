@@ -1,5 +1,6 @@
-"""Keys given twice are refused, naming both places: in a YAML file (both line numbers) and in
-``key=value`` overrides (both positions). PyYAML alone keeps the last and drops the first silently.
+"""Keys given twice in a YAML file are refused, naming both line numbers (PyYAML alone keeps the last and drops
+the first silently), and so are keys given twice inside one override's value. Command-line overrides are ordered
+and the last one wins (Hydra's rule): tests/test_override_habits.py.
 
     pytest -q tests/test_yaml_duplicates.py
 """
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from ddpkit.config import load_config
-from ddpkit.config.overrides import repeated_overrides
 from ddpkit.config.yaml_text import DuplicateKeyError, parse_yaml
 from ddpkit.errors import ConfigError
 
@@ -63,16 +63,6 @@ def test_an_alias_bomb_is_walked_once_per_node() -> None:
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8)
     )
     parse_yaml(bomb)  # would take minutes if aliases were expanded here
-
-
-def test_overrides_repeating_a_key_are_refused_with_both_positions() -> None:
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["optim.lr=0.1", "train.epochs=2", "optim.lr=0.2"])
-    assert "override 1 ('optim.lr=0.1') and override 3 ('optim.lr=0.2') both set optim.lr" in str(err.value)
-    # A whole section and a key inside it: one of them would be lost.
-    assert repeated_overrides(["optim={lr: 1}", "optim.lr=2"]) != []
-    assert repeated_overrides(["optim.lr=2", "optim={lr: 1}"]) != []
-    assert repeated_overrides(["optim.lr=1", "optim.momentum=0.5", "optim.kwargs.a=1", "optim.kwargs.b=2"]) == []
 
 
 def test_an_override_value_with_a_key_twice_is_refused() -> None:

@@ -41,7 +41,11 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "set ddp.find_unused_parameters=false"
         )
     if cfg.optim.momentum and cfg.optim.name in ("adam", "adamw"):
-        problems.append(f"optim.momentum: {cfg.optim.name} has no momentum argument; set optim.kwargs.betas instead")
+        problems.append(
+            f"optim.momentum: {cfg.optim.momentum:g} is set, but {cfg.optim.name} has no momentum argument; "
+            "set optim.kwargs.betas instead, and drop momentum from the file or add ~optim.momentum on the command "
+            "line (back to its default)"
+        )
     early = cfg.train.early_stopping
     if early.target is not None and early.metric is None:
         problems.append(

@@ -7,7 +7,8 @@ Rules, in the order they apply:
 1. The file is read safely (:mod:`ddpkit.config.yaml_text`: a regular UTF-8 file of at most 1 MiB,
    ``yaml.safe_load`` only, no alias bombs).
 2. Overrides (:mod:`ddpkit.config.overrides`) are ``dotted.key=value``; the value is parsed as a
-   YAML scalar. Precedence: overrides > file > defaults.
+   YAML scalar. Precedence: overrides > file > defaults. They apply in order and the last one wins
+   (one warning line names each one replaced); ``~dotted.key`` puts a key back to its default.
 3. Keys are checked against the schema (here): an unknown key is reported with its full path and
    the closest valid key; a wrong type or out-of-range value with its path, the value and what is
    expected. All problems are collected and reported together in one :class:`ConfigError`.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddpkit.config.checks import cross_field_problems
-from ddpkit.config.overrides import apply_overrides
+from ddpkit.config.overrides import UNSET, apply_overrides, log_replaced_overrides
 from ddpkit.config.schema import Config, yaml_key
 from ddpkit.config.serialize import as_written
 from ddpkit.config.yaml_text import NumberText, check_size, key_text, plain_copy, read_yaml, short_repr, show
@@ -43,13 +44,18 @@ MAX_PROBLEMS_SHOWN = 30
 def load_config(
     source: str | os.PathLike | Mapping[str, Any] | Config | None = None,
     overrides: Sequence[str] = (),
+    *,
+    log_replaced: bool = False,
 ) -> Config:
     """Load and validate a config.
 
     Args:
         source: a YAML file path, a mapping with the same layout, an existing ``Config``
             (overrides are applied on top of it) or ``None`` for all defaults.
-        overrides: ``dotted.key=value`` strings; values are parsed as YAML scalars.
+        overrides: ``dotted.key=value`` strings, values parsed as YAML scalars, and ``~dotted.key``
+            (the key back to its default); applied in order, the last one wins.
+        log_replaced: log one warning line per override a later one replaces. The Trainer's rank 0
+            does, so a launch says it once (the launcher's own check and the other ranks stay quiet).
 
     Raises:
         ConfigError: naming every problem found (file, keys, values) in one message.
@@ -60,9 +66,12 @@ def load_config(
     # billions of values ("billion laughs"), and a dict given in code may even contain itself.
     check_size(raw, problems)
     if not problems:
-        raw = plain_copy(raw)  # our own copy; aliased parts become independent, so an override changes one place
-        apply_overrides(raw, overrides, problems)  # a key given twice is refused, naming both
-        check_size(raw, problems)  # override values are YAML too
+        # Our own copy: aliased parts become independent, so an override changes one place.
+        raw = plain_copy(raw)
+        not_set = apply_overrides(raw, overrides, problems)
+        problems.extend(_unset_key_problems(not_set))
+        # Override values are YAML too.
+        check_size(raw, problems)
     if not problems:
         cfg = _build(Config, raw, "", problems)
         if not problems:
@@ -72,6 +81,8 @@ def load_config(
     if problems:
         where = origin + (f" with overrides [{', '.join(short_repr(o) for o in overrides)}]" if overrides else "")
         raise ConfigError(_format_problems(where, problems))
+    if log_replaced:
+        log_replaced_overrides(overrides)
     return cfg
 
 
@@ -93,9 +104,45 @@ def _given_together(cfg: Config, raw: dict[str, Any]) -> list[str]:
     if cfg.data.global_batch_size is not None and "batch_size" in data:
         return [
             "data.global_batch_size: set together with data.batch_size; give one of them "
-            "(global_batch_size derives the per-rank batch from the world size)"
+            "(global_batch_size derives the per-rank batch from the world size); to drop the file's "
+            f"data.batch_size, add {UNSET}data.batch_size on the command line"
         ]
     return []
+
+
+def _unset_key_problems(not_set: list[list[str]]) -> list[str]:
+    """``~key`` overrides whose key nothing set: fine for a key of the schema (it is at its default), a
+    problem naming the closest valid key otherwise. Below a free-form mapping (``optim.kwargs``) any key is fine."""
+    problems = []
+    for keys in not_set:
+        cls: Any = Config
+        for depth, key in enumerate(keys):
+            prefix = "".join(f"{k}." for k in keys[:depth])
+            fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
+            if key not in fields:
+                problems.append(_unknown_key_message(f"{UNSET}{prefix}{key}", list(fields), f"{UNSET}{prefix}"))
+                break
+            cls = _section_type(typing.get_type_hints(cls)[fields[key].name])
+            if cls is None:
+                if depth + 1 < len(keys):
+                    problems.append(
+                        f"{UNSET}{'.'.join(keys)}: {prefix}{key} is a value, not a section; write {UNSET}{prefix}{key}"
+                    )
+                break
+            if cls is dict:
+                break
+    return problems
+
+
+def _section_type(tp: Any) -> Any:
+    """A field's section dataclass, ``dict`` for a free-form mapping, or None for a value (nullable or not)."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    for arg in [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]:
+        if dataclasses.is_dataclass(arg):
+            return arg
+        if (typing.get_origin(arg) or arg) is dict:
+            return dict
+    return None
 
 
 def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
@@ -207,7 +254,9 @@ def _convert_scalar(tp: type, value: Any, path: str, f: dataclasses.Field | None
     else:  # pragma: no cover - the schema only uses the types above
         raise AssertionError(f"unsupported config type {tp} at {path}")
     if not ok:
-        problems.append(f"{path}: expected {expected}, got {show(value)}")
+        # `key=null` is how a user tries to undo a file's setting; say what does.
+        undo = f"; to put it back to its default, write {UNSET}{path}" if value is None and f is not None else ""
+        problems.append(f"{path}: expected {expected}, got {show(value)}{undo}")
         return value
     meta = f.metadata if f is not None else {}
     if meta.get("ge") is not None and value < meta["ge"]:

@@ -77,7 +77,9 @@ class RunConfig:
     seed: int = option(
         0,
         "Seed for model init, data order and per-rank randomness. Same seed + same world size gives "
-        "bitwise-equal weights.",
+        "bitwise-equal weights. Every generator is seeded with it when the Trainer is constructed, so a module "
+        "a subclass builds in its own `__init__` after `super().__init__()` (an EMA copy, an auxiliary head) is "
+        "the same in every launch and on every rank, and again in `fit()` before the model is built.",
         ge=0,
     )
     requeue_exit_code: int = option(
