@@ -7,6 +7,7 @@
         ...
 
 - ``env``: :class:`DistEnv`, the immutable reading of the environment.
+- ``launcher_env``: the launchers whose variables are not torchrun's: MPI, LSF's jsrun, Kubeflow's ``PET_*``.
 - ``process_group``: backend and device choice, the group's creation and teardown (:class:`Runtime`).
 - ``rendezvous``: how the ranks meet: the store for each launcher, and the one-line error when they cannot.
 - ``collectives``: barrier, sum, gather and broadcast that are safe at any world size, with no group too.

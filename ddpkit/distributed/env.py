@@ -1,13 +1,21 @@
 """Read the launcher's environment variables once into an immutable :class:`DistEnv`.
 
-Three ways a process can be started, checked in this order:
+The ways a process can be started, checked in this order:
 
 * ``torchrun`` (or ``ddpkit run``, which uses torch's launcher) sets ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. They must all be
   present or all absent: a half-set environment is a launch mistake and gets a clear error, as
   does a ``WORLD_SIZE`` other than nodes (``GROUP_WORLD_SIZE``) x ``LOCAL_WORLD_SIZE``.
+  One exception: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` with neither local
+  variable (``launcher="env"``) is one process per host, or per set of visible GPUs: what a
+  PyTorchJob pod running plain ``python`` and dask-pytorch-ddp set (local rank 0 of 1).
+* ``mpirun`` (Open MPI, MVAPICH, MPICH, Intel MPI) and LSF's ``jsrun``: their own variables
+  (``OMPI_COMM_WORLD_*``, ``PMI_RANK`` ..., ``JSM_NAMESPACE_*``), read by
+  :mod:`ddpkit.distributed.launcher_env`, with 127.0.0.1 and an agreed port on one node.
 * ``srun`` (SLURM, one task per GPU) sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``;
   the master address is the first host of ``SLURM_STEP_NODELIST`` unless ``MASTER_ADDR`` is set.
+* Kubeflow's ``PET_*`` variables (a TrainJob's pod) without torchrun's are refused with the fix:
+  each pod would otherwise train alone.
 * Nothing set, but this process already has a default process group (the user called
   ``torch.distributed.init_process_group`` with an explicit rank and world size before building the
   Trainer): that group's rank and world size (``launcher="existing"``). The group is adopted as it is
@@ -16,7 +24,8 @@ Three ways a process can be started, checked in this order:
 
 Ray Train's ``TorchTrainer`` sets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and creates the group before the training
-function runs, so a Trainer there reads as ``launcher="torchrun"`` and adopts Ray's group (docs/ray.md).
+function runs, so a Trainer there reads as ``launcher="torchrun"`` and adopts Ray's group (docs/ray.md);
+so does Spark's ``TorchDistributor``, which starts torchrun in every barrier task (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -26,11 +35,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ddpkit.distributed.launcher_env import check_kubeflow_env, read_mpi_env
+from ddpkit.distributed.launcher_env import env_int as _int
 from ddpkit.errors import LaunchError
 
 __all__ = ["DistEnv", "read_dist_env", "TORCHRUN_VARS"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torch's env:// rendezvous needs these four; without the local two, one process per host (launcher="env").
+GLOBAL_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,8 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    #: ``"torchrun"`` (also Ray Train), ``"slurm"``, ``"existing"`` (a group the user created, no launcher
+    #: ``"torchrun"`` (also Ray Train, Spark's TorchDistributor), ``"env"`` (torchrun's global variables
+    #: only), ``"mpi"``, ``"lsf"`` (jsrun), ``"slurm"``, ``"existing"`` (a group the user created, no launcher
     #: variables) or ``"none"`` (a single process started by hand).
     launcher: str = "none"
     #: How many times torchrun has restarted the worker group (``TORCHELASTIC_RESTART_COUNT``).
@@ -60,7 +74,8 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
     Args:
         environ: the variables to read: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) or,
-            inside ``srun`` without them, SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``, ...).
+            without them, an MPI launcher's or jsrun's (:mod:`ddpkit.distributed.launcher_env`), or
+            inside ``srun`` SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``, ...).
             By default ``os.environ``, and then a process group that already exists counts too.
 
     Returns:
@@ -68,14 +83,24 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         (only when ``environ`` is not given), else a world of one (rank 0 of 1).
 
     Raises:
-        LaunchError: some but not all torchrun variables are set, or a value is not a valid number.
+        LaunchError: some but not all of a launcher's variables are set, a value is not a valid number,
+            a Kubeflow pod runs without torchrun, or an MPI job across nodes has no ``MASTER_ADDR``.
     """
     environ = os.environ if environ is None else environ
-    if _inside_srun(environ) and not any(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        # Under srun, MASTER_ADDR / MASTER_PORT alone (exported by many job scripts) only choose
-        # the rendezvous address; they are not half of a torchrun environment.
-        return _from_slurm(environ)
+    ranked = any(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if not ranked:
+        # Under mpirun, jsrun or srun, MASTER_ADDR / MASTER_PORT alone (exported by many job scripts)
+        # only choose the rendezvous address; they are not half of a torchrun environment.
+        mpi = read_mpi_env(environ)
+        if mpi is not None:
+            return DistEnv(**mpi)
+        if _inside_srun(environ):
+            return _from_slurm(environ)
+    if "LOCAL_RANK" not in environ:
+        check_kubeflow_env(environ)
     present = [name for name in TORCHRUN_VARS if name in environ]
+    if all(name in environ for name in GLOBAL_VARS) and not {"LOCAL_RANK", "LOCAL_WORLD_SIZE"} & set(environ):
+        return _from_torchrun({**environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, launcher="env")
     # LOCAL_WORLD_SIZE is optional: older launchers and torch.multiprocessing users omit it.
     required = [name for name in TORCHRUN_VARS if name != "LOCAL_WORLD_SIZE"]
     if present and any(name not in environ for name in required):
@@ -111,7 +136,7 @@ def _from_existing_group() -> DistEnv | None:
     )
 
 
-def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
+def _from_torchrun(environ: Mapping[str, str], *, launcher: str = "torchrun") -> DistEnv:
     world_size = _int(environ, "WORLD_SIZE", minimum=1)
     rank = _int(environ, "RANK", minimum=0)
     local_rank = _int(environ, "LOCAL_RANK", minimum=0)
@@ -146,7 +171,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"],
         master_port=_int(environ, "MASTER_PORT", minimum=0),
-        launcher="torchrun",
+        launcher=launcher,
         restart_count=(
             _int(environ, "TORCHELASTIC_RESTART_COUNT", minimum=0) if "TORCHELASTIC_RESTART_COUNT" in environ else 0
         ),
@@ -189,16 +214,3 @@ def first_slurm_host(nodelist: str) -> str:
     if not ranges:
         return prefix
     return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def _int(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
-    text = environ[name]
-    try:
-        value = int(text)
-    except ValueError:
-        raise LaunchError(
-            f"environment variable {name}={text!r} is not an integer; check how the job was launched"
-        ) from None
-    if value < minimum:
-        raise LaunchError(f"environment variable {name}={value} must be >= {minimum}; check how the job was launched")
-    return value
