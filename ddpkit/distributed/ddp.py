@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.config.schema import DDPConfig
+from ddpkit.distributed.bucket_layout import pin_bucket_layout
 from ddpkit.distributed.process_group import Runtime
 
 # torch 2.14 renamed DDP's `broadcast_buffers` to `forward_sync_buffers` (same meaning for
@@ -54,7 +55,10 @@ def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig) -> nn.Mod
         gradient_as_bucket_view=options.gradient_as_bucket_view,
         **{_BUFFER_SYNC_ARG: options.broadcast_buffers},
     )
-    _register_comm_hook(ddp, options)
+    # One bucket layout from the first step on, so a resume beyond 2 ranks adds in the same order
+    # (ddpkit.distributed.bucket_layout); PowerSGD and find_unused_parameters go through torch as they are.
+    if pin_bucket_layout(ddp, options) is None:
+        _register_comm_hook(ddp, options)
     return ddp
 
 
