@@ -69,22 +69,16 @@ def build_train_loader(
     uneven: str = "error",
     allow_length_change: bool = False,
 ) -> DataLoader:
-    """A training loader whose sampler shards ``dataset`` over ``env.world_size`` ranks.
-
-    With ``global_batch_size`` the order is the same at any world size (:mod:`ddpkit.data.elastic`) and
-    ``batch_size`` is this rank's share of it. ``order``: ``data.order``. ``allow_length_change``:
-    ``data.allow_length_change`` (a resume may re-plan the epoch of a dataset whose length changed).
-
-    With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no restart cost
-    per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``. A mixture of token files
-    (:mod:`ddpkit.data.mixture`) is planned for the global batch and read in order.
+    """A training loader that shards ``dataset`` over ``env.world_size`` ranks.
 
     An ``IterableDataset`` becomes a stream loader (:func:`~ddpkit.data.streaming.build_stream_loader`,
-    which takes ``grad_accum_steps``, ``window_steps`` and ``uneven``).
+    which takes ``grad_accum_steps``, ``window_steps`` and ``uneven``); any other dataset gets a sampler
+    and a ``DataLoader`` (:func:`_map_style_loader` says what the other options do).
 
     Raises DataError when the dataset is empty, or too small to give every rank one full batch.
     """
-    if is_stream(dataset):  # an IterableDataset: sharded, batched and made resumable by ddpkit.data.streaming
+    # An IterableDataset: sharded, batched and made resumable by ddpkit.data.streaming.
+    if is_stream(dataset):
         return build_stream_loader(
             dataset,
             env=env,
@@ -97,7 +91,53 @@ def build_train_loader(
             window_steps=window_steps,
             uneven=uneven,
         )
-    mixture = is_mixture(dataset)  # it orders its own windows per (seed, epoch): the sampler walks positions in order
+    return _map_style_loader(
+        dataset,
+        env=env,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=seed,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        global_batch_size=global_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        order=order,
+        allow_length_change=allow_length_change,
+    )
+
+
+def _map_style_loader(
+    dataset: Dataset,
+    *,
+    env: DistEnv,
+    batch_size: int,
+    num_workers: int,
+    shuffle: bool,
+    drop_last: bool,
+    seed: int,
+    pin_memory: bool,
+    persistent_workers: bool,
+    prefetch_factor: int | None,
+    global_batch_size: int | None,
+    grad_accum_steps: int,
+    order: str,
+    allow_length_change: bool,
+) -> DataLoader:
+    """A map-style dataset's training loader: this rank's sampler and a ``DataLoader`` over it.
+
+    With ``global_batch_size`` the order is the same at any world size (:mod:`ddpkit.data.elastic`) and
+    ``batch_size`` is this rank's share of it. ``order``: ``data.order``. ``allow_length_change``:
+    ``data.allow_length_change`` (a resume may re-plan the epoch of a dataset whose length changed).
+
+    With ``num_workers > 0`` the workers persist across epochs (``persistent_workers``): no restart cost
+    per epoch, and the per-sample seeds still follow ``(seed, epoch, index)``. A mixture of token files
+    (:mod:`ddpkit.data.mixture`) is planned for the global batch and read in order.
+    """
+    # A mixture orders its own windows per (seed, epoch): the sampler walks positions in order.
+    mixture = is_mixture(dataset)
     dataset = _planned(dataset, global_batch_size or batch_size * env.world_size * grad_accum_steps, seed=seed)
     sampler = _train_sampler(
         dataset,
@@ -110,9 +150,11 @@ def build_train_loader(
         grad_accum_steps=grad_accum_steps,
         order=order,
     )
-    sampler.tag_epoch, sampler.allow_length_change = bool(num_workers) or mixture, allow_length_change
+    sampler.tag_epoch = bool(num_workers) or mixture
+    sampler.allow_length_change = allow_length_change
     pin_memory = _pin_memory(dataset, pin_memory, num_workers=num_workers, what="training")
-    data, collate = batch_reads(dataset, num_workers=num_workers)  # a TensorDataset: one gather per batch
+    # A TensorDataset read in the main process: one gather per batch.
+    data, collate = batch_reads(dataset, num_workers=num_workers)
     return DataLoader(
         SampleSeeded(dataset, seed) if num_workers and not mixture else data,
         batch_size=batch_size,
