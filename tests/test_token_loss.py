@@ -1,4 +1,4 @@
-"""Loss weighted by tokens: the same global batch split into ranks and micro-batches in different
+"""Loss weighted by tokens: the same global batch split into ranks (1, 2 and 3) and micro-batches in different
 ways ends with the same weights under ``train.loss_normalization: tokens`` (and not under ``mean``),
 on real Gloo ranks; a plain tensor under ``tokens`` is refused with the expected return shown.
 
@@ -17,7 +17,8 @@ from ddpkit.training.token_loss import TokenCount, split_loss
 
 pytestmark = pytest.mark.timeout(240)
 
-GLOBAL_BATCH = 8
+# 12: split over 1, 2, 3 and 4 ranks, with and without accumulation.
+GLOBAL_BATCH = 12
 
 
 class RaggedSequences(torch.utils.data.Dataset):
@@ -79,8 +80,11 @@ def test_any_split_of_the_global_batch_gives_the_same_update_under_tokens_and_no
     one_by_one = _fit_on(tmp_path, 1, 1, "tokens")
     two_by_two = _fit_on(tmp_path, 2, 2, "tokens")
     one_by_four = _fit_on(tmp_path, 1, 4, "tokens")
+    # 3 ranks: a sum over ranks that is not a + b (2 ranks add in either order alike).
+    three_by_two = _fit_on(tmp_path, 3, 2, "tokens")
     assert _max_difference(one_by_one, two_by_two) < 1e-5
     assert _max_difference(one_by_one, one_by_four) < 1e-5
+    assert _max_difference(one_by_one, three_by_two) < 1e-5
     mean_whole, mean_split = _fit_on(tmp_path, 1, 1, "mean"), _fit_on(tmp_path, 1, 4, "mean")
     assert _max_difference(mean_whole, mean_split) > 1e-3  # mean of means weights a short sequence's tokens more
 
