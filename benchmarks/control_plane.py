@@ -39,6 +39,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.progress import Progress
+
 BEFORE = "99b7f7eb5a68a31fb2057590fcaccfbf157d5138"  # the last commit of the per-rank heartbeat scheme
 PREFIX = "ddpkit/watchdog/1"
 INTERVAL, WARMUP = 0.5, 4.0
@@ -101,8 +103,13 @@ def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, re
         return call(self, method, *rest)
 
     StoreClient._call = counted
-    extra = {} if scheme == "before" else {"local_world_size": args["rpn"]}
-    progress = {"step": 0}
+    progress = Progress()
+    # The scheme before read the step through a callable; today's watchdog holds the loop's counter.
+    extra = (
+        {"step": lambda: progress.step}
+        if scheme == "before"
+        else {"local_world_size": args["rpn"], "progress": progress}
+    )
     wd = heartbeat.Watchdog(
         _store(args["port"]),
         rank=rank,
@@ -110,7 +117,6 @@ def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, re
         hang_timeout=args["hang"],
         slow_timeout=args["hang"],
         log_dir=Path(out).parent / f"logs-{rank}",
-        step=lambda: progress["step"],
         **extra,
     ).start()
     wd.on_phase("data")
@@ -119,7 +125,7 @@ def _role(scheme: str, rank: int, args: dict[str, Any], out: str, clock: Any, re
     while clock[0] == 0 or time.time() < clock[0]:  # the hang's time, once every process is ready
         for phase in ("forward", "backward", None, None):
             wd.on_phase(phase)
-        progress["step"] += 1
+        progress.step += 1
         now = time.time()
         if not measured and clock[0] and now >= clock[0] - args["window"] - 0.5:
             measured = {"cpu": _thread_cpu(("ddpkit-watchdog",)), "ops": ops[0], "t": now}

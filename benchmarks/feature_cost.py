@@ -222,7 +222,7 @@ def watchdog(args: argparse.Namespace) -> str:
             hang_timeout=1e6,
             slow_timeout=1e6,
             log_dir=Path(tmp),
-            step=lambda: 0,
+            progress=Progress(),
         )
         listening.add(dog)
         times: dict[str, list[float]] = {"off": [], "on": []}
@@ -246,7 +246,7 @@ SPANS = ("data", None, "forward", None, "backward", None, "optimizer", None)
 
 
 def _listeners(progress: Progress) -> list:
-    ledger = GoodputLedger(None, step=lambda: progress.step)
+    ledger = GoodputLedger(None, progress=progress)
     crash = CrashSave.__new__(CrashSave)
     crash.state, crash.boundary, crash._clean = SimpleNamespace(progress=progress), None, True
     crash._updating, crash._updated_rng = False, None

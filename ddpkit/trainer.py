@@ -165,7 +165,7 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train as configured and return the final metrics (identical on every rank)."""
-        with worker_scope(self.config, self.env, self.events, step=lambda: self.progress.step) as self.worker:
+        with worker_scope(self.config, self.env, self.events, progress=self.progress) as self.worker:
             self._setup()
             self.events.fit_start()
             while not self._finished():

@@ -39,6 +39,7 @@ from helpers import REPO, cpu_runtime, processes_mentioning, tiny_config
 from ddpkit import ConfigError, load_config
 from ddpkit.distributed.control_auth import verify
 from ddpkit.distributed.process_group import flight_recorder_env
+from ddpkit.progress import Progress
 from ddpkit.reporting.events import Events
 from ddpkit.watchdog.backstop import Backstop, read_backstop
 from ddpkit.watchdog.report import classify, summary_line, thread_stacks
@@ -217,7 +218,7 @@ def test_the_watchdog_reads_where_the_rank_is_from_the_spans_and_pages_the_long_
         hang_timeout=60,
         slow_timeout=60,
         log_dir=tmp_path,
-        step=lambda: 5,
+        progress=Progress(step=5),
         position=events.position,
     ).start()
     events.add(watchdog)
@@ -292,14 +293,16 @@ def test_watchdog_is_off_for_a_world_of_one_and_when_disabled(tmp_path):
     from ddpkit.watchdog.heartbeat import Watchdog
 
     single = cpu_runtime(world_size=1, store=dist.HashStore())
-    assert not Watchdog.for_run(load_config({}), single, step=lambda: 0).enabled
+    assert not Watchdog.for_run(load_config({}), single, progress=Progress()).enabled
     pair = cpu_runtime(world_size=2, store=dist.HashStore())
-    assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, step=lambda: 0).enabled
-    on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, step=lambda: 0)
+    assert not Watchdog.for_run(load_config({}, ["dist.hang_timeout=null"]), pair, progress=Progress()).enabled
+    on = Watchdog.for_run(load_config({}, ["dist.timeout=60"]), pair, progress=Progress())
     assert on.enabled and on.hang_timeout == 48 and on.slow_timeout == 54  # 80% and 90% of dist.timeout
-    explicit = Watchdog.for_run(load_config({}, ["dist.timeout=140", "dist.hang_timeout=120"]), pair, step=lambda: 0)
+    explicit = Watchdog.for_run(
+        load_config({}, ["dist.timeout=140", "dist.hang_timeout=120"]), pair, progress=Progress()
+    )
     assert explicit.hang_timeout == 120  # given explicitly (and below dist.timeout): used as given, never capped
-    auto = Watchdog.for_run(load_config({}, ["dist.timeout=140"]), pair, step=lambda: 0)
+    auto = Watchdog.for_run(load_config({}, ["dist.timeout=140"]), pair, progress=Progress())
     assert auto.hang_timeout == 112  # auto: 120 s capped at 80% of dist.timeout
     for watchdog in (on, explicit, auto):
         watchdog.stop()  # never started: ends its store client's thread

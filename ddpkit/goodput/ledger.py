@@ -1,6 +1,6 @@
 """The goodput ledger: each attempt appends the moments that decide where a run's time went.
 
-    with GoodputLedger.for_run(config, runtime, step=lambda: trainer.progress.step) as ledger:
+    with GoodputLedger.for_run(config, runtime, progress=trainer.progress, stop=stop) as ledger:
         ...                                   # build, then restore:
         resumed = ledger.restore(state.resume)  # timed; records the step training resumes at
         events.add(ledger)                    # on_step_end: steps; on_phase: checkpoint and validation spans
@@ -41,6 +41,7 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import proc_stat
 from ddpkit.errors import EXIT_PREEMPTED
+from ddpkit.progress import Progress
 
 __all__ = [
     "LEDGER_FILE",
@@ -165,11 +166,11 @@ class GoodputLedger:
         self,
         output_dir: str | os.PathLike | None,
         *,
-        step: Callable[[], int],
+        progress: Progress,
         run_dir: str | os.PathLike = ".",
         stop: Stopping | None = None,
     ):
-        self.output_dir, self._step, self._dir, self._stop = output_dir, step, run_dir, stop
+        self.output_dir, self.progress, self._dir, self._stop = output_dir, progress, run_dir, stop
         self._span: list[str] = []
         self._began: dict[str, float] = {}
         self._first_done = False
@@ -177,11 +178,11 @@ class GoodputLedger:
         self.last_step, self.last_step_time = 0, time.time()
 
     @classmethod
-    def for_run(cls, config: Config, runtime: Runtime, *, step: Callable[[], int], stop: Stopping) -> GoodputLedger:
+    def for_run(cls, config: Config, runtime: Runtime, *, progress: Progress, stop: Stopping) -> GoodputLedger:
         """The ledger of this attempt: a writing one on rank 0, a silent one elsewhere (``stop``: the run's stop on
         a signal, whose ``stopped`` makes a run that ends without an error end STOPPED)."""
         output_dir = config.output_dir if runtime.env.rank == 0 else None
-        return cls(output_dir, step=step, run_dir=config.output_dir, stop=stop)
+        return cls(output_dir, progress=progress, run_dir=config.output_dir, stop=stop)
 
     def _write(self, event: str, **fields: Any) -> None:
         if self.output_dir is not None:
@@ -211,7 +212,7 @@ class GoodputLedger:
         began = time.time()
         resumed = resume()
         source = resumed if isinstance(resumed, str) else ("disk" if resumed else "none")
-        self.last_step, self.last_step_time = self._step(), time.time()
+        self.last_step, self.last_step_time = self.progress.step, time.time()
         self._write("restore", began=began, step=self.last_step, source=source)
         return resumed
 
@@ -235,9 +236,9 @@ class GoodputLedger:
             return
         ended = self._span.pop() if self._span else None
         if ended == "checkpoint":
-            self.checkpoint(began=self._began.pop("checkpoint", time.time()), step=self._step(), kind="disk")
+            self.checkpoint(began=self._began.pop("checkpoint", time.time()), step=self.progress.step, kind="disk")
         elif ended == "evaluation":
-            self._write("validation", began=self._began.pop("evaluation", time.time()), step=self._step())
+            self._write("validation", began=self._began.pop("evaluation", time.time()), step=self.progress.step)
 
     def on_step_end(self, step: int) -> None:
         """Step ``step`` is done: the first one and a progress mark about once a second go to the ledger."""

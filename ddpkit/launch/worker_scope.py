@@ -1,7 +1,7 @@
 """What a worker holds for one ``fit()``: its process group, the run directory's lock, the stop on a signal,
 its hang watchdog and its goodput ledger.
 
-    with worker_scope(config, env, events, step=lambda: progress.step) as worker:
+    with worker_scope(config, env, events, progress=progress) as worker:
         worker.runtime        # the process group is up: device, backend, store (ddpkit.distributed)
         worker.stop           # checkpoint.save_on_signals: handlers, the agreed stop step, worker.stop.stopped
         worker.watchdog       # heartbeats through the store; reads the phase from events.position
@@ -36,6 +36,7 @@ from ddpkit.distributed.control_auth import agree_job_key
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime, group_options, process_group
 from ddpkit.goodput.ledger import GoodputLedger
+from ddpkit.progress import Progress
 from ddpkit.reporting.events import Events
 from ddpkit.watchdog.heartbeat import Watchdog
 
@@ -61,17 +62,18 @@ class Worker:
 
 
 @contextlib.contextmanager
-def worker_scope(config: Config, env: DistEnv, events: Events, *, step: Callable[[], int]) -> Iterator[Worker]:
-    """Open the process group, the lock, the stop, the watchdog and the ledger for ``config`` (``step``: the last
-    completed step); on the way out tell ``events`` how the attempt ended, while all of them are still open."""
+def worker_scope(config: Config, env: DistEnv, events: Events, *, progress: Progress) -> Iterator[Worker]:
+    """Open the process group, the lock, the stop, the watchdog and the ledger for ``config`` (``progress``: the
+    loop's counter, whose step is the last completed one); on the way out tell ``events`` how the attempt ended,
+    while all of them are still open."""
     group = process_group(env, **group_options(config), trace_dir=Path(config.output_dir) / "logs")
     with group as runtime:
         key = agree_job_key()  # a collective, once the group is up: before anything uses the store
         with (
             RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
             StopOnSignal.for_run(config, runtime, key=key) as stop,
-            Watchdog.for_run(config, runtime, step=step, key=key, position=events.position) as watchdog,
-            GoodputLedger.for_run(config, runtime, step=step, stop=stop) as ledger,
+            Watchdog.for_run(config, runtime, progress=progress, key=key, position=events.position) as watchdog,
+            GoodputLedger.for_run(config, runtime, progress=progress, stop=stop) as ledger,
         ):
             worker = Worker(config, runtime, key, stop, watchdog, ledger)
             try:

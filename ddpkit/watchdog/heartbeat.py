@@ -1,6 +1,6 @@
 """A hang watchdog on every rank: names the stuck rank with its Python stacks, then stops the job.
 
-    with Watchdog.for_run(config, runtime, step=lambda: progress.step, key=key, position=events.position) as watchdog:
+    with Watchdog.for_run(config, runtime, progress=progress, key=key, position=events.position) as watchdog:
         events.add(watchdog)          # on_phase: the long spans only (checkpoint, ...); the phase: events.position
         Evaluation(models, loader, device=device, autocast=autocast, ticking=watchdog.ticking)  # each batch: progress
 
@@ -55,6 +55,7 @@ from ddpkit.config.checks import hang_timeout_seconds
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import EXIT_FAILURE, first_line
+from ddpkit.progress import Progress
 from ddpkit.reporting.events import Position
 from ddpkit.watchdog.backstop import NO_BACKSTOP, open_backstop
 from ddpkit.watchdog.failure import announce
@@ -89,7 +90,7 @@ class Watchdog:
         hang_timeout: float,
         slow_timeout: float,
         log_dir: Path,
-        step: Callable[[], int] = lambda: 0,
+        progress: Progress | None = None,
         local_world_size: int = 1,
         key: bytes | None = None,
         position: Position | None = None,
@@ -98,7 +99,9 @@ class Watchdog:
         _generation += 1
         prefix = f"ddpkit/watchdog/{_generation}"
         self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE, key=key)
-        self.rank, self.world_size, self.log_dir, self._step = rank, world_size, Path(log_dir), step
+        self.rank, self.world_size, self.log_dir = rank, world_size, Path(log_dir)
+        # The loop's counter: its step is read from this thread in each heartbeat.
+        self.progress = progress if progress is not None else Progress()
         self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
         # Written by the training thread, read by the watchdog thread: where it is (the events' spans write it)
         self.position = position if position is not None else Position()
@@ -124,7 +127,7 @@ class Watchdog:
         config: Config,
         runtime: Runtime,
         *,
-        step: Callable[[], int],
+        progress: Progress,
         key: bytes | None = None,
         position: Position | None = None,
     ) -> Watchdog | _Off:
@@ -142,7 +145,7 @@ class Watchdog:
             hang_timeout=hang,
             slow_timeout=slow,
             log_dir=Path(config.output_dir) / "logs",
-            step=step,
+            progress=progress,
             local_world_size=runtime.env.local_world_size,
             key=key,
             position=position,
@@ -160,7 +163,7 @@ class Watchdog:
             self.backstop.at_phase(name)  # a GIL-frozen rank's page: this phase, or "loop" once a step ends (at_step)
 
     def on_fit_start(self) -> None:
-        self._first_step = self._step()  # the step resumed from
+        self._first_step = self.progress.step  # the step resumed from
         self.backstop.at_step(self._first_step)
 
     def on_step_end(self, step: int) -> None:
@@ -192,7 +195,9 @@ class Watchdog:
     def start(self) -> Watchdog:
         global _current
         _current = self
-        self.backstop = open_backstop(self.log_dir, rank=self.rank, hang_timeout=self.hang_timeout, step=self._step())
+        self.backstop = open_backstop(
+            self.log_dir, rank=self.rank, hang_timeout=self.hang_timeout, step=self.progress.step
+        )
         local = self.local_world_size
         name = board_name(self.client.key, self._prefix, node=self.rank // local)
         board = NodeBoard.open(name, slots=local, index=self.rank % local)
@@ -278,7 +283,7 @@ class Watchdog:
         """This rank's heartbeat, read from the training thread's attributes (watchdog thread)."""
         position = self.position
         phase = position.phase
-        local = (self._step(), phase, position.edges + self.ticks, self.phase_ticks)
+        local = (self.progress.step, phase, position.edges + self.ticks, self.phase_ticks)
         if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it)
             self._last_local, self._since, self._seen_stacks = local, time.time(), set()
         else:
