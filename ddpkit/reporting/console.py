@@ -50,21 +50,26 @@ class ProgressDisplay:
         """``total`` None: unknown (a stream); ``terminal`` defaults to ``stream.isatty()``; ``emit`` prints a
         plain progress line (default: an INFO line on the ``ddpkit`` logger, so it has the log's prefix and
         lands in ``log.rank_files`` too)."""
-        self.total, self.step, self.every = total, initial, every
+        self.total = total
+        self.step = initial
+        self.every = every
         self._stream = stream if stream is not None else sys.stderr
         self._enabled = enabled
         self._values: dict[str, Any] = {}
         self._bar: Any = None
         self._emit = emit or (lambda line: _log.info("%s", line))
         self._started = self._last_line = time.monotonic()
-        self._initial, self._last_step = initial, initial
+        self._initial = initial
+        self._last_step = initial
         if enabled and (self._stream.isatty() if terminal is None else terminal):
-            from tqdm.auto import tqdm  # lazy: keeps `import ddpkit` fast
+            # Imported here, not at the top: keeps `import ddpkit` fast
+            from tqdm.auto import tqdm
 
             self._bar = tqdm(
                 total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, file=self._stream
             )
-            console_through(self)  # ddpkit's log lines now go through write(), above the bar
+            # From here on ddpkit's log lines go through write(), above the bar
+            console_through(self)
 
     @property
     def plain(self) -> bool:
@@ -89,7 +94,8 @@ class ProgressDisplay:
         """Print one log line without breaking the bar (``file`` defaults to the display's stream)."""
         out = file or self._stream
         if self._bar is not None:
-            self._bar.write(line, file=out)  # tqdm clears the bar, prints, redraws below
+            # tqdm clears the bar, prints, redraws below
+            self._bar.write(line, file=out)
         else:
             out.write(line + "\n")
             out.flush()
@@ -114,7 +120,8 @@ class ProgressDisplay:
             else f"step {self.step}"
         ]
         parts += [f"{k} {_short(v)}" for k, v in self._values.items()]
-        done, elapsed = self.step - self._initial, time.monotonic() - self._started
+        done = self.step - self._initial
+        elapsed = time.monotonic() - self._started
         if total is None or self.step >= total:
             parts.append(f"{'done in' if total is not None else 'for'} {format_duration(elapsed)}")
         elif done > 0:
@@ -122,7 +129,8 @@ class ProgressDisplay:
         return " ".join(parts)
 
     def _plain_line(self) -> None:
-        self._last_line, self._last_step = time.monotonic(), self.step
+        self._last_line = time.monotonic()
+        self._last_step = self.step
         self._emit(f"progress: {self.status_line()}")
 
 

@@ -33,9 +33,14 @@ log = logging.getLogger("ddpkit")
 # records hold step, epoch, train_loss, lr, samples_per_s, time; evaluation records hold step,
 # epoch, val_<metric>..., time.
 METRICS_FILE = "metrics.jsonl"
-STEP, EPOCH, TIME = "step", "epoch", "time"
-TRAIN_LOSS, LR, SAMPLES_PER_S = "train_loss", "lr", "samples_per_s"
-GRAD_NORM = "grad_norm"  # written by ddpkit.training.health with the skip and spike counters
+STEP = "step"
+EPOCH = "epoch"
+TIME = "time"
+TRAIN_LOSS = "train_loss"
+LR = "lr"
+SAMPLES_PER_S = "samples_per_s"
+#: Written by ddpkit.training.health with the skip and spike counters
+GRAD_NORM = "grad_norm"
 VAL_PREFIX = "val_"
 
 
@@ -51,7 +56,8 @@ def setup_logging(rank: int, *, all_ranks: bool = False, log_dir: str | Path | N
         log.removeHandler(handler)
         handler.close()
     level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
-    log.setLevel(logging.INFO if log_dir is not None else level)  # the rank file keeps every rank's INFO lines
+    # INFO on every rank when there is a rank file: it keeps every rank's INFO lines
+    log.setLevel(logging.INFO if log_dir is not None else level)
     # Forwarded by a handler rather than by `propagate`, so the root sees this rank's `level` only, not the
     # file's INFO; propagate stays off, so nothing is delivered twice.
     log.propagate = False
@@ -103,7 +109,8 @@ class _ConsoleHandler(logging.StreamHandler):
             return
         try:
             display.write(self.format(record), file=sys.stderr)
-        except Exception:  # logging must never raise into the training loop
+        except Exception:
+            # Logging must never raise into the training loop
             self.handleError(record)
 
 

@@ -52,8 +52,10 @@ class Profiler:
         rank: int,
         cuda: bool = False,
     ):
-        self.trace_dir, self.rank = Path(trace_dir), rank
-        self._total = (wait + warmup + active) * repeat  # steps until the last cycle is written; 0: never ends
+        self.trace_dir = Path(trace_dir)
+        self.rank = rank
+        # Steps until the last cycle is written; 0: never ends
+        self._total = (wait + warmup + active) * repeat
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof = profile(
             activities=activities,
@@ -62,8 +64,10 @@ class Profiler:
             record_shapes=False,
         )
         self._ranges: list[AbstractContextManager[Any]] = []
-        self._steps, self._running = 0, False
-        self.traces: list[Path] = []  # the files written so far
+        self._steps = 0
+        self._running = False
+        #: The trace files written so far.
+        self.traces: list[Path] = []
 
     @classmethod
     def for_run(cls, config: Config, *, rank: int, device: torch.device) -> Profiler | None:

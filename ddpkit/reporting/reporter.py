@@ -60,8 +60,10 @@ def start_logging(config: Config, *, rank: int) -> None:
     setup_logging(rank, all_ranks=config.log.all_ranks, log_dir=log_dir)
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-        text, path = dump_config(config), output_dir / "config.yaml"
-        if not path.is_file() or path.read_text() != text:  # a restart of the same run: no second durable write
+        text = dump_config(config)
+        path = output_dir / "config.yaml"
+        # A restart of the same run: no second durable write
+        if not path.is_file() or path.read_text() != text:
             write_atomically(path, text, durable=True)
 
 
@@ -78,8 +80,12 @@ class Reporter:
         events: Events,
         throughput: TokenThroughput | None = None,
     ):
-        cfg, rank = config, runtime.env.rank
-        self.config, self.runtime, self.total_steps, self.is_main = config, runtime, int(total_steps), rank == 0
+        cfg = config
+        rank = runtime.env.rank
+        self.config = config
+        self.runtime = runtime
+        self.total_steps = int(total_steps)
+        self.is_main = rank == 0
         self.output_dir = Path(config.output_dir)
         self.per_rank_batch = per_rank_batch_size(
             cfg.data, world_size=runtime.env.world_size, grad_accum_steps=cfg.train.grad_accum_steps
@@ -91,17 +97,21 @@ class Reporter:
         # The checkpointer saves and restores their state (a tracker's run id) through this group.
         self.sinks = SinkGroup([])
         self._show_bar = self.is_main and cfg.log.progress_bar
-        known = total_steps < UNKNOWN_LENGTH  # a stream without len() and without train.max_steps: no total
+        # A stream without len() and without train.max_steps: no total
+        known = total_steps < UNKNOWN_LENGTH
         self.console = ProgressDisplay(
             total=int(total_steps) if known else None,
             initial=progress.step,
             enabled=self._show_bar,
             every=cfg.log.progress_every,
         )
-        self._window_start, self._window_step = time.perf_counter(), progress.step
-        self._outside = 0  # depth of outside_training spans
+        self._window_start = time.perf_counter()
+        self._window_step = progress.step
+        #: How many outside_training spans are open (nested ones inside the outer one's time).
+        self._outside = 0
         self.events = events
-        self.throughput = throughput or TokenThroughput()  # tokens_per_s and mfu, for runs that train on tokens
+        # tokens_per_s and mfu, for runs that train on tokens
+        self.throughput = throughput or TokenThroughput()
         self._loss = RunningMean(runtime.device)
 
     # --- phases and time ---------------------------------------------------------------------
@@ -127,7 +137,8 @@ class Reporter:
                 yield
         finally:
             self._outside -= 1
-        if not self._outside:  # a nested one (a compile during evaluation) is inside the outer one's time
+        # Only the outermost: a nested one (a compile during evaluation) is inside the outer one's time
+        if not self._outside:
             self._window_start += time.perf_counter() - started
 
     def note(self, fmt: str, *args: Any) -> None:
@@ -138,10 +149,12 @@ class Reporter:
 
     def start(self, *, steps_per_epoch: int, step: int, resumed: bool) -> None:
         """Open rank 0's sinks (a resumed run appends to ``metrics.jsonl``), then the run's opening lines."""
-        cfg, rt = self.config, self.runtime
+        cfg = self.config
+        rt = self.runtime
         if self.is_main:
             self.sinks.extend(build_sinks(cfg, append=resumed))
-        self.sinks.start(config_to_dict(cfg))  # the resumed checkpoint's sink states are in
+        # After resume: the checkpoint's sink states are loaded, so a tracker continues its run
+        self.sinks.start(config_to_dict(cfg))
         world_size = rt.env.world_size
         log.info(
             "world_size=%d backend=%s device=%s launcher=%s | "
@@ -181,9 +194,11 @@ class Reporter:
 
         ``extra``: more fields of the record, the same on every rank (the health metrics: ``grad_norm``, ...).
         """
-        now, step = time.perf_counter(), progress.step
+        now = time.perf_counter()
+        step = progress.step
         loss = self._loss.read()
-        samples, seconds = (step - self._window_step) * self.samples_per_step, now - self._window_start
+        samples = (step - self._window_step) * self.samples_per_step
+        seconds = now - self._window_start
         record = {
             logs.STEP: step,
             logs.EPOCH: progress.epoch,
@@ -195,7 +210,8 @@ class Reporter:
             logs.TIME: time.time(),
         }
         norm = record.get(logs.GRAD_NORM, math.nan)
-        self._window_start, self._window_step = now, step
+        self._window_start = now
+        self._window_step = step
         self.sinks.write(record)
         rate = (
             {"tokens/s": round(record["tokens_per_s"])}
@@ -222,7 +238,8 @@ class Reporter:
         """Record exact validation metrics (already prefixed ``val_``); return them, with ``val_ppl``
         (the exponential of the token-weighted ``val_loss``) added for runs that train on tokens."""
         if self.throughput.enabled and "val_loss" in metrics:
-            metrics = {**metrics, "val_ppl": math.exp(min(metrics["val_loss"], 700.0))}  # exp(710) overflows a float
+            # exp(710) overflows a float
+            metrics = {**metrics, "val_ppl": math.exp(min(metrics["val_loss"], 700.0))}
         self.sinks.write({logs.STEP: progress.step, logs.EPOCH: progress.epoch, **metrics, logs.TIME: time.time()})
         log.info("step %d validation: %s", progress.step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
@@ -246,7 +263,8 @@ class _WatchedSpan:
     __slots__ = ("inner", "phase")
 
     def __init__(self, inner: contextlib.AbstractContextManager[Any], phase: PhaseSpan):
-        self.inner, self.phase = inner, phase
+        self.inner = inner
+        self.phase = phase
 
     def __enter__(self) -> None:
         self.phase.__enter__()

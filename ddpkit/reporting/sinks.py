@@ -57,7 +57,8 @@ class SinkGroup:
     def __init__(self, sinks: Iterable[Sink]):
         self.sinks = list(sinks)
         self._resumed: dict[str, dict[str, Any]] = {}
-        self._config: dict[str, Any] | None = None  # set by start()
+        #: The run's config, set by start().
+        self._config: dict[str, Any] | None = None
         names = [s.name for s in self.sinks]
         assert len(set(names)) == len(names), f"sink names must be unique, got {names}"
 
@@ -73,7 +74,8 @@ class SinkGroup:
 
     def start(self, config: dict[str, Any], *, resumed: Mapping[str, dict[str, Any]] | None = None) -> None:
         """Start every sink; ``resumed`` defaults to what ``load_state_dict`` was given."""
-        self._config, resumed = config, (self._resumed if resumed is None else resumed)
+        self._config = config
+        resumed = self._resumed if resumed is None else resumed
         for sink in list(self.sinks):
             self._start(sink, resumed.get(sink.name))
 
@@ -88,7 +90,8 @@ class SinkGroup:
         """The sink's state from the resumed checkpoint (if any), then ``start``."""
         if resumed is not None:
             self._call(sink, "load_state_dict", resumed)
-        if sink in self.sinks:  # a failed optional sink was dropped
+        # A failed optional sink was dropped
+        if sink in self.sinks:
             self._call(sink, "start", self._config, resumed=resumed)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -106,7 +109,8 @@ class SinkGroup:
     def finish(self, status: str, artifacts: list[Path]) -> None:
         """Tell every sink how the run ended; a second call does nothing (the run ended once)."""
         assert status in STATUSES, status
-        sinks, self.sinks = self.sinks, []
+        sinks = self.sinks
+        self.sinks = []
         for sink in sinks:
             self._call(sink, "finish", status, artifacts)
 
@@ -139,8 +143,10 @@ def build_sinks(config: Config, *, append: bool, extra: Iterable[Sink] = ()) -> 
     sinks: list[Sink] = [MetricsFileSink(config.output_dir, append=append), StatusSink(config.output_dir)]
     if config.log.tensorboard:
         sinks.append(TensorBoardSink(Path(config.output_dir) / "tensorboard"))
-    if config.log.mlflow or config.log.wandb:  # mlflow and wandb themselves are imported only inside the tracker sinks
-        from ddpkit.reporting.trackers import tracker_sinks  # here: runs without trackers never load the adapters
+    # mlflow and wandb themselves are imported only inside the tracker sinks
+    if config.log.mlflow or config.log.wandb:
+        # Imported here, so runs without trackers never load the adapters
+        from ddpkit.reporting.trackers import tracker_sinks
 
         sinks += tracker_sinks(
             mlflow=config.log.mlflow,
@@ -190,7 +196,9 @@ class TensorBoardSink(Sink):
                 "log.tensorboard=true needs the tensorboard package, which is not installed: "
                 "pip install 'ddpkit[tensorboard]' (or set log.tensorboard=false)"
             ) from None
-        self._open, self.log_dir, self._writer = SummaryWriter, Path(log_dir), None
+        self._open = SummaryWriter
+        self.log_dir = Path(log_dir)
+        self._writer = None
 
     def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
         self._writer = self._open(log_dir=str(self.log_dir))
@@ -259,7 +267,8 @@ class StatusSink(Sink):
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path, json.dumps(self._state, indent=1) + "\n")  # a reader never sees half a file
+        # A reader never sees half a file
+        write_atomically(self.path, json.dumps(self._state, indent=1) + "\n")
 
 
 def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -78,8 +78,11 @@ class TokenThroughput:
         peak_flops: float | None = None,
         world_size: int = 1,
     ):
-        self.tokens_per_sample, self.counted = tokens_per_sample, counted
-        self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
+        self.tokens_per_sample = tokens_per_sample
+        self.counted = counted
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.world_size = world_size
 
     @classmethod
     def for_run(
@@ -95,7 +98,8 @@ class TokenThroughput:
         ``seq_len``), FLOPs per token (the model's ``flops_per_token()``), the device's peak; ``counter``:
         the step's token count under ``loss_normalization: tokens`` (its ``read_total``), or None."""
         counted = counter.read_total if counter is not None else None
-        tokens_per_sample, flops = getattr(dataset, "seq_len", None), getattr(model, "flops_per_token", None)
+        tokens_per_sample = getattr(dataset, "seq_len", None)
+        flops = getattr(model, "flops_per_token", None)
         return cls(
             tokens_per_sample=tokens_per_sample,
             counted=counted,

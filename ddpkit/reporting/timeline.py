@@ -34,7 +34,8 @@ class _Span:
     __slots__ = ("timeline", "name", "start")
 
     def __init__(self, timeline: Timeline, name: str):
-        self.timeline, self.name = timeline, name
+        self.timeline = timeline
+        self.name = name
 
     def __enter__(self) -> None:
         self.start = time.time_ns()
@@ -49,7 +50,9 @@ class Timeline:
     """Records named spans on this rank; :meth:`write` merges all ranks into one trace file."""
 
     def __init__(self, *, enabled: bool, rank: int, device: torch.device, max_events: int = 200_000):
-        self.enabled, self.rank, self.max_events = enabled, rank, max_events
+        self.enabled = enabled
+        self.rank = rank
+        self.max_events = max_events
         self.cuda = device.type == "cuda"
         self.events: list[tuple[str, int, int]] = []
 

@@ -63,7 +63,8 @@ def _require(module: str, *, extra: str, key: str) -> None:
         )
 
 
-_STOP = object()  # _Background's last item: its thread returns
+#: _Background's last item: its thread returns
+_STOP = object()
 
 
 class _Background:
@@ -76,7 +77,8 @@ class _Background:
     def __init__(self, name: str, *, max_pending: int = 10_000):
         self.name = name
         self.failed = False
-        self.started = False  # set by the sink's start(): finish() without it has nothing to end
+        # Set by the sink's start(): finish() without it has nothing to end
+        self.started = False
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._warned_full = False
         self._thread = threading.Thread(target=self._run, name=f"ddpkit-{name}", daemon=True)
@@ -87,7 +89,8 @@ class _Background:
             return
         try:
             self._queue.put_nowait((fn, args))
-        except queue.Full:  # the tracker cannot keep up: drop, never block a training step
+        except queue.Full:
+            # The tracker cannot keep up: drop, never block a training step
             if not self._warned_full:
                 self._warned_full = True
                 log.warning("%s is falling behind; dropping its updates (metrics.jsonl keeps every record)", self.name)
@@ -96,7 +99,8 @@ class _Background:
         """Wait until everything submitted has run, at most ``timeout`` seconds; True if it has."""
         done = threading.Event()
         try:
-            self._queue.put((None, (done,)), timeout=timeout)  # a marker: set once everything before it ran
+            # A marker: set once everything before it ran
+            self._queue.put((None, (done,)), timeout=timeout)
         except queue.Full:
             pass
         finished = self.failed or done.wait(timeout)
@@ -114,7 +118,8 @@ class _Background:
         drained = self.drain(timeout)
         try:
             self._queue.put_nowait((_STOP, ()))
-        except queue.Full:  # 10,000 calls pending behind a stuck one: the daemon thread stays, idle
+        except queue.Full:
+            # 10,000 calls pending behind a stuck one: the daemon thread stays, idle
             return
         if drained:
             self._thread.join(timeout)
@@ -124,14 +129,16 @@ class _Background:
             fn, args = self._queue.get()
             if fn is _STOP:
                 return
-            if fn is None:  # drain()'s marker
+            # drain()'s marker: everything queued before it has run
+            if fn is None:
                 args[0].set()
                 continue
             if self.failed:
                 continue
             try:
                 fn(*args)
-            except Exception as exc:  # a tracker client may raise anything; none of it may reach training
+            except Exception as exc:
+                # A tracker client may raise anything; none of it may reach training
                 self.failed = True
                 log.warning(
                     "%s failed and is switched off for the rest of this run; training and metrics.jsonl go on: %s: %s",
@@ -175,13 +182,15 @@ class MlflowSink(Sink):
         self._pending: list[Any] = []
         self._flush_queued = False
         self._lock = threading.Lock()
-        self.run_key = uuid.uuid4().hex  # tags the MLflow run, so a resume finds it before its id is known
+        # Tags the MLflow run, so a resume finds it before its id is known
+        self.run_key = uuid.uuid4().hex
         self._bg = _Background("mlflow")
 
     def start(self, config: dict[str, Any], *, resumed: dict[str, Any] | None) -> None:
         resumed = resumed or {}
         if resumed.get("tracking_uri") == self.tracking_uri:
-            self.run_id, self.run_key = resumed.get("run_id"), resumed.get("run_key") or self.run_key
+            self.run_id = resumed.get("run_id")
+            self.run_key = resumed.get("run_key") or self.run_key
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._bg.started = True
         self._bg.submit(self._open, flatten_config(config))
@@ -192,7 +201,8 @@ class MlflowSink(Sink):
         with self._lock:
             self._pending.extend(metrics)
             if self._flush_queued:
-                return  # the queued flush will take these too: one log_batch for a backlog
+                # The queued flush will take these too: one log_batch for a backlog
+                return
             self._flush_queued = True
         self._bg.submit(self._flush)
 
@@ -214,7 +224,8 @@ class MlflowSink(Sink):
     def _open(self, params: dict[str, Any]) -> None:
         from mlflow.tracking import MlflowClient
 
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its INFO chatter in the run's output
+        # Not its INFO chatter in the run's output
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
         self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
         run = _find_run(client, experiment_id, self.run_id, self.run_key)
@@ -245,7 +256,8 @@ class MlflowSink(Sink):
         location = (Path(db).resolve().parent / "mlartifacts").as_uri() if db else None
         try:
             return client.create_experiment(self.experiment, artifact_location=location)
-        except MlflowException:  # created meanwhile by another run sharing the store
+        except MlflowException:
+            # Created meanwhile by another run sharing the store
             return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _log_params(self, client: Any, run: Any, config: dict[str, Any]) -> None:
@@ -259,16 +271,20 @@ class MlflowSink(Sink):
         if changed:
             log.info("mlflow: params keep their first value on resume; changed now: %s", ", ".join(changed))
         new = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
-        for i in range(0, len(new), 100):  # log_batch takes at most 100 params
+        # log_batch takes at most 100 params
+        for i in range(0, len(new), 100):
             client.log_batch(self.run_id, params=new[i : i + 100])
 
     def _flush(self) -> None:
         from mlflow.entities import Metric
 
         with self._lock:
-            pending, self._pending, self._flush_queued = self._pending, [], False
+            pending = self._pending
+            self._pending = []
+            self._flush_queued = False
         metrics = [Metric(*values) for values in pending]
-        for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
+        # log_batch takes at most 1000 metrics
+        for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
 
@@ -360,5 +376,6 @@ class WandbSink(Sink):
             self._run.log_artifact(artifact)
         self._run.summary["status"] = status
         if status == "KILLED":
-            self._run.mark_preempting()  # W&B shows it as preempted, to be resumed
+            # W&B shows it as preempted, to be resumed
+            self._run.mark_preempting()
         self._run.finish(exit_code=0 if status == "FINISHED" else 1)
