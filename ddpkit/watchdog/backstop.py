@@ -39,9 +39,14 @@ from pathlib import Path
 
 __all__ = ["Backstop", "NO_BACKSTOP", "open_backstop", "read_backstop", "backstop_path", "backstop_after"]
 
-_HEAD = 80  # the mapped first line: "ddpkit: step <12 digits> phase <16 chars> armed <unix time>" padded, then "\n"
-_STEP, _PHASE, _ARMED = slice(13, 25), slice(32, 48), slice(55, 65)
-_STEP_IN_LOOP = slice(_STEP.start, _PHASE.stop)  # the step, " phase ", the phase
+#: Bytes of the mapped first line: "ddpkit: step <12 digits> phase <16 chars> armed <unix time>" padded, then "\n"
+_HEAD = 80
+#: Where the step, the phase and the time it was armed sit in that line.
+_STEP = slice(13, 25)
+_PHASE = slice(32, 48)
+_ARMED = slice(55, 65)
+#: The step, " phase ", the phase: what a step's end rewrites in one slice
+_STEP_IN_LOOP = slice(_STEP.start, _PHASE.stop)
 _LINE = re.compile(rb"ddpkit: step +(\d+) phase (\S+) +armed +(\d+) *\n")
 
 
@@ -59,7 +64,8 @@ def open_backstop(log_dir: Path, *, rank: int, hang_timeout: float, step: int) -
     """This rank's backstop, or one that does nothing when its file cannot be made (a read-only directory)."""
     try:
         backstop = Backstop.open(log_dir, rank=rank, after=backstop_after(hang_timeout), step=step)
-        backstop.arm()  # now: a rank that freezes before the watchdog thread's first heartbeat has a dump too
+        # Armed now, not at the first heartbeat: a rank that freezes before it has a dump too
+        backstop.arm()
         return backstop
     except (OSError, ValueError) as exc:
         print(
@@ -73,9 +79,14 @@ class Backstop:
     """One rank's faulthandler timer and position page; see the module docstring."""
 
     def __init__(self, fd: int, page: mmap.mmap, path: Path, after: float):
-        self.fd, self.page, self.path, self.after = fd, page, path, after
+        self.fd = fd
+        self.page = page
+        self.path = path
+        self.after = after
         self._phases: dict[str, bytes] = {}
-        self._lock, self._closed = threading.Lock(), False  # arm (watchdog thread) and close (training thread) may race
+        # Arm (watchdog thread) and close (training thread) may race
+        self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def open(cls, log_dir: Path, *, rank: int, after: float, step: int) -> Backstop:
@@ -84,14 +95,16 @@ class Backstop:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, (b"ddpkit: step %12d phase %-16s armed %10d" % (step, b"setup", 0)).ljust(_HEAD - 1) + b"\n")
         page = mmap.mmap(fd, _HEAD)
-        os.lseek(fd, _HEAD, os.SEEK_SET)  # faulthandler writes after the first line
+        # faulthandler writes after the first line
+        os.lseek(fd, _HEAD, os.SEEK_SET)
         return cls(fd, page, path, after)
 
     # --- the training thread: slice writes into the mapped page, no system call ----------------------
 
     def at_step(self, step: int) -> None:
         """Step ``step`` ended (or was resumed from): the page says that step, in the loop's own code."""
-        self.page[_STEP_IN_LOOP] = b"%12d phase loop            " % step  # one write: the step and "loop"
+        # One write: the step and "loop"
+        self.page[_STEP_IN_LOOP] = b"%12d phase loop            " % step
 
     def at_phase(self, phase: str) -> None:
         padded = self._phases.get(phase)
@@ -106,11 +119,14 @@ class Backstop:
         with self._lock:
             if self._closed:
                 return
-            faulthandler.cancel_dump_traceback_later()  # waits for a dump in progress to finish
-            if os.fstat(self.fd).st_size > _HEAD:  # it fired, yet the watchdog runs again: not frozen after all
+            # Waits for a dump in progress to finish
+            faulthandler.cancel_dump_traceback_later()
+            # It fired, yet the watchdog runs again: not frozen after all
+            if os.fstat(self.fd).st_size > _HEAD:
                 os.ftruncate(self.fd, _HEAD)
                 os.lseek(self.fd, _HEAD, os.SEEK_SET)
-            self.page[_ARMED] = b"%10d" % int(time.time())  # "armed <wall time>": when the heartbeats last ran
+            # "armed <wall time>": when the heartbeats last ran
+            self.page[_ARMED] = b"%10d" % int(time.time())
             faulthandler.dump_traceback_later(self.after, repeat=False, file=self.fd, exit=False)
 
     def close(self) -> None:
@@ -122,7 +138,8 @@ class Backstop:
             faulthandler.cancel_dump_traceback_later()
             with contextlib.suppress(OSError):
                 self.path.unlink()
-            os.close(self.fd)  # the page stays mapped: the training thread may still write to it, harmlessly
+            # The page stays mapped: the training thread may still write to it, harmlessly
+            os.close(self.fd)
 
 
 class _NoBackstop:
@@ -151,7 +168,8 @@ def read_backstop(log_dir: Path, rank: int) -> tuple[int, str, str] | None:
     if dump:
         armed = int(match.group(3))
         late = f"; its watchdog last ran at {time.strftime('%H:%M:%S', time.localtime(armed))}" if armed else ""
-        first, _, rest = dump.partition("\n")  # faulthandler's "Timeout (0:00:08)!"
+        # faulthandler's "Timeout (0:00:08)!"
+        first, _, rest = dump.partition("\n")
         dump = (
             f"(written by faulthandler on rank {rank} itself: {first.strip()} its Python threads were frozen, "
             f"e.g. by a C call holding the GIL{late})\n{rest}"

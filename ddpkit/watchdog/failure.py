@@ -26,17 +26,21 @@ def _failed_done(wd: Any) -> Callable[[], Any]:
 
 def announce(wd: Any, wait: float) -> None:
     """The body of :func:`ddpkit.watchdog.heartbeat.announce_failure` for the watchdog ``wd``."""
-    if wd.handling_hang:  # this rank's error is a consequence of the hang being reported (a peer exited)
-        time.sleep(GATHER_WAIT + 20)  # the watchdog thread writes the report and ends the process meanwhile
+    # This rank's error is a consequence of the hang being reported (a peer exited)
+    if wd.handling_hang:
+        # The watchdog thread writes the report and ends the process meanwhile
+        time.sleep(GATHER_WAIT + 20)
         return
     deadline = time.monotonic() + wait
-    if not wd.published_failure:  # another rank's alarm came first (this rank's error is probably its consequence)
+    # Another rank's alarm came first (this rank's error is probably its consequence)
+    if not wd.published_failure:
         # Rank 0 may host the store: stay until the publisher has stopped reading it, or its
         # store client prints a C++ stack trace ("recvValue failed") for a store that went away.
         while wd.rank == 0 and time.monotonic() < deadline and wd._try(_failed_done(wd)) is None:
             time.sleep(0.05)
         return
-    peers = [beat["pid"] for beat in wd.node.mates() if beat.get("pid")]  # a node-mate that is gone never reads it
+    # A node-mate that is gone never reads it
+    peers = [beat["pid"] for beat in wd.node.mates() if beat.get("pid")]
     while time.monotonic() < deadline:
         seen = wd._try(lambda: wd.client("add", "failed_seen", 0))
         if seen is None or seen + sum(map(process_gone, peers)) >= wd.world_size - 1:

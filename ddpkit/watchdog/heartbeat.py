@@ -67,13 +67,20 @@ from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, termina
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
 
-FAILED_PEER_EXIT_CODE = EXIT_FAILURE  #: exit code of a rank stopped because another rank failed (1)
-INTERVAL = 0.5  # seconds between heartbeats
-STORE_DEADLINE = 5.0  # a store call with no answer by then counts as "the store is not responding"
-JOIN_WAIT = 2 * STORE_DEADLINE + INTERVAL  # stop(): the thread's last round of store calls, each within the deadline
-FAILURE_GRACE = 3.0  # on the failed rank's host: let torchrun stop its node-mates first
-_generation = 0  # watchdogs started in this process: a fresh key prefix for each fit() of a group
-_current: Watchdog | None = None  # the running watchdog, for announce_failure()
+#: Exit code of a rank stopped because another rank failed (1)
+FAILED_PEER_EXIT_CODE = EXIT_FAILURE
+#: Seconds between heartbeats
+INTERVAL = 0.5
+#: A store call with no answer by then counts as "the store is not responding"
+STORE_DEADLINE = 5.0
+#: stop(): the thread's last round of store calls, each within the deadline
+JOIN_WAIT = 2 * STORE_DEADLINE + INTERVAL
+#: On the failed rank's host: let torchrun stop its node-mates first
+FAILURE_GRACE = 3.0
+#: Watchdogs started in this process: a fresh key prefix for each fit() of a group
+_generation = 0
+#: The running watchdog, for announce_failure()
+_current: Watchdog | None = None
 
 
 class Watchdog:
@@ -99,26 +106,41 @@ class Watchdog:
         _generation += 1
         prefix = f"ddpkit/watchdog/{_generation}"
         self.client = StoreClient(dist.PrefixStore(prefix, own_client(store)), STORE_DEADLINE, key=key)
-        self.rank, self.world_size, self.log_dir = rank, world_size, Path(log_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.log_dir = Path(log_dir)
         # The loop's counter: its step is read from this thread in each heartbeat.
         self.progress = progress if progress is not None else Progress()
-        self.hang_timeout, self.slow_timeout = hang_timeout, max(slow_timeout, hang_timeout)
+        self.hang_timeout = hang_timeout
+        self.slow_timeout = max(slow_timeout, hang_timeout)
         # Written by the training thread, read by the watchdog thread: where it is (the events' spans write it)
         self.position = position if position is not None else Position()
-        self.ticks = self.phase_ticks = 0  # progress inside a phase (tick(), ticking()): validation batches
-        self._first_step: int | None = None  # the step fit() started from: its data phase may be slow
+        # Progress inside a phase, counted by tick() and ticking(): validation batches
+        self.ticks = 0
+        self.phase_ticks = 0
+        # The step fit() started from: its data phase may be slow
+        self._first_step: int | None = None
         self.backstop: Any = NO_BACKSTOP
         self._stopped = threading.Event()
-        self.handling_hang = self.published_failure = False
-        self._seen_lock, self._counted_failure = threading.Lock(), False  # see _count_failure_seen
+        self.handling_hang = False
+        self.published_failure = False
+        # See _count_failure_seen
+        self._seen_lock = threading.Lock()
+        self._counted_failure = False
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
-        self._host, self._seq, self._novel, self._seen_stacks = socket.gethostname(), 0, 0, set()
+        self._host = socket.gethostname()
+        self._seq = 0
+        self._novel = 0
+        self._seen_stacks = set()
         self._last_local: tuple[Any, ...] = ()
         self._since = time.time()
         self.last_beat: dict[str, Any] = {}
         local = local_world_size if local_world_size > 0 and world_size % local_world_size == 0 else 1
-        self.local_world_size, self.nodes, self._prefix = local, world_size // local, prefix
-        self.node: Node  # start() opens the node's board: a watchdog never started leaves nothing in /dev/shm
+        self.local_world_size = local
+        self.nodes = world_size // local
+        self._prefix = prefix
+        # start() opens the node's board: a watchdog never started leaves nothing in /dev/shm
+        self.node: Node
         self._monitor = Monitor(self)
 
     @classmethod
@@ -134,7 +156,8 @@ class Watchdog:
         """The watchdog ``config.dist`` asks for, or a no-op one (off, a world of one, no store); ``key``: the job's
         (the worker's), which tags what it writes and must tag what it reads (ddpkit.distributed.control_auth);
         ``position``: the events' (where the training thread is)."""
-        d, hang = config.dist, hang_timeout_seconds(config.dist)
+        d = config.dist
+        hang = hang_timeout_seconds(config.dist)
         if hang is None or runtime.env.world_size == 1 or runtime.store is None:
             return _Off()
         slow = d.slow_phase_timeout if d.slow_phase_timeout is not None else 0.9 * d.timeout
@@ -153,21 +176,27 @@ class Watchdog:
 
     # --- the training thread's side: attribute writes only -----------------------------------
 
-    #: The spans :meth:`on_phase` hears: the long ones, not the step's (the phase itself is read from ``position``).
-    phases = ("checkpoint", "evaluation", "compile", "sample")  # sample: train.sample's generation
+    #: The spans :meth:`on_phase` hears: the long ones, not the step's (the phase itself is read from ``position``);
+    #: "sample" is train.sample's generation.
+    phases = ("checkpoint", "evaluation", "compile", "sample")
 
     def on_phase(self, name: str | None) -> None:
         """One of :attr:`phases` starts (its name) or ends (None)."""
         if name is not None:
-            self.phase_ticks = 0  # validation batches counted from here
-            self.backstop.at_phase(name)  # a GIL-frozen rank's page: this phase, or "loop" once a step ends (at_step)
+            # Validation batches counted from here
+            self.phase_ticks = 0
+            # A GIL-frozen rank's page: this phase, or "loop" once a step ends (at_step)
+            self.backstop.at_phase(name)
 
     def on_fit_start(self) -> None:
-        self._first_step = self.progress.step  # the step resumed from
+        # The step resumed from: its first batch may be slow
+        self._first_step = self.progress.step
         self.backstop.at_step(self._first_step)
 
     def on_step_end(self, step: int) -> None:
-        self.backstop.at_step(step)  # and "loop"; heartbeats go twice a second: a hundred steps may pass between two
+        # The page says this step and "loop" in one write: heartbeats go twice a second, and a hundred steps may
+        # pass between two
+        self.backstop.at_step(step)
 
     def tick(self) -> None:
         """Progress inside a phase (one validation batch): a long validation is not a hang."""
@@ -204,9 +233,11 @@ class Watchdog:
         self.node = Node(
             board, self.client, rank=self.rank, local_world_size=local, nodes=self.nodes, interval=INTERVAL
         )
-        with contextlib.suppress(StoreDown):  # a first beat now: a rank frozen before the thread's first is still named
+        # A first beat now: a rank frozen before the thread's first is still named
+        with contextlib.suppress(StoreDown):
             self._publish()
-            if self.rank == 0:  # the keys rank 0 reads exist from the start
+            # The keys rank 0 reads exist from the start
+            if self.rank == 0:
                 self.client("set", "progress", "start")
                 self.client("set", "slow", "start")
         self._thread.start()
@@ -220,11 +251,13 @@ class Watchdog:
         the group and then the interpreter go (see :class:`StoreClient`). After a failure the
         process exits at once; the client stays open for :func:`announce_failure`, which closes it.
         """
-        if not hasattr(self, "node"):  # never started: only the store client's thread to end
+        # Never started: only the store client's thread to end
+        if not hasattr(self, "node"):
             return self.client.close()
         if self._stopped.is_set():
             return
-        self.position = Position("done", self.position.edges)  # the events' own is left as it is
+        # A new object: the events' own position is left as it is
+        self.position = Position("done", self.position.edges)
         self._stopped.set()
         if (
             error is None
@@ -232,20 +265,25 @@ class Watchdog:
             and self._thread.is_alive()
             and self._thread is not threading.current_thread()
         ):
-            self._thread.join(JOIN_WAIT)  # its last round of store calls (a thread reporting a hang ends the process)
+            # Its last round of store calls (a thread reporting a hang ends the process)
+            self._thread.join(JOIN_WAIT)
         try:
             if error is not None and not self.handling_hang:
                 message = f"{type(error).__name__}: {first_line(error)}"
                 alarm = {"kind": "failed", "rank": self.rank, "host": self._host, "message": message}
                 mine = json.dumps(alarm)
                 self.published_failure = self.client("compare_set", "alarm", "", mine).decode() == mine
-                if not self.published_failure:  # another rank failed first: this rank has seen its failure
+                # Another rank failed first: this rank has seen its failure
+                if not self.published_failure:
                     self._count_failure_seen()
             else:
-                self._publish()  # phase "done": not counted as silent, and no longer leading its node
+                # Phase "done": not counted as silent, and no longer leading its node
+                self._publish()
         except StoreDown:
-            pass  # the store is gone: the job is ending anyway
-        self.backstop.close()  # nothing stays armed after fit()
+            # The store is gone: the job is ending anyway
+            pass
+        # Nothing stays armed after fit()
+        self.backstop.close()
         self.node.board.close()
         if error is None:
             self.client.close()
@@ -253,12 +291,15 @@ class Watchdog:
     # --- the watchdog thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        store_ok, problem = time.monotonic(), ""
+        store_ok = time.monotonic()
+        problem = ""
         while not self._stopped.wait(INTERVAL):
             try:
-                self.backstop.arm()  # its timer fires only if this thread stops running
+                # Its timer fires only if this thread stops running
+                self.backstop.arm()
                 news = self.node.step(self.beat())
-                if self.node.took_over_at is not None:  # the store was last heard of when the old leader last beat
+                # The store was last heard of when the old leader last beat
+                if self.node.took_over_at is not None:
                     store_ok = min(store_ok, time.monotonic() - max(0.0, time.time() - self.node.took_over_at))
                     self.node.took_over_at = None
                 if news.get("alone"):
@@ -266,12 +307,15 @@ class Watchdog:
                 if news.get("alarm"):
                     return self._respond(news["alarm"])
                 self._monitor.check()
-                store_ok, problem = time.monotonic(), ""
+                store_ok = time.monotonic()
+                problem = ""
             except StoreDown as exc:
-                problem = problem or str(exc)  # the first symptom says most
+                # The first symptom says most
+                problem = problem or str(exc)
                 if time.monotonic() - store_ok > self.hang_timeout and not self._stopped.is_set():
                     return self._alone(problem, time.time() - (time.monotonic() - store_ok))
-            except Exception as exc:  # a bug here must never take the training run down
+            except Exception as exc:
+                # A bug here must never take the training run down
                 print(
                     f"ddpkit: watchdog on rank {self.rank} stopped: {type(exc).__name__}: {exc}",
                     file=sys.stderr,
@@ -284,12 +328,16 @@ class Watchdog:
         position = self.position
         phase = position.phase
         local = (self.progress.step, phase, position.edges + self.ticks, self.phase_ticks)
-        if local != self._last_local:  # visible progress: no need to walk the stacks (a training step changes it)
-            self._last_local, self._since, self._seen_stacks = local, time.time(), set()
+        # Visible progress: no need to walk the stacks (a training step changes it)
+        if local != self._last_local:
+            self._last_local = local
+            self._since = time.time()
+            self._seen_stacks = set()
         else:
             signature = stack_signature()
             if signature not in self._seen_stacks and len(self._seen_stacks) < 10_000:
-                self._novel += len(self._seen_stacks) > 0  # the first signature after a change is the baseline
+                # The first signature after a change is the baseline
+                self._novel += len(self._seen_stacks) > 0
                 self._seen_stacks.add(signature)
         self._seq += 1
         first_batch = phase == "data" and local[0] == self._first_step
@@ -321,22 +369,27 @@ class Watchdog:
     def _respond(self, alarm: dict[str, Any]) -> None:
         if self._stopped.is_set():
             return
-        self.node.news["alarm"] = alarm  # for the node-mates, if this rank leads
+        # Relayed to the node-mates, if this rank leads
+        self.node.news["alarm"] = alarm
         if alarm["kind"] == "failed":
             return self._peer_failed(alarm)
-        self.handling_hang = True  # from here this thread ends the process; the main thread must not race it
-        self.backstop.close()  # this rank is live and tells its node so: no dump meanwhile
+        # From here this thread ends the process; the main thread must not race it
+        self.handling_hang = True
+        # This rank is live and tells its node so: no dump meanwhile
+        self.backstop.close()
         if alarm["by"] == self.rank:
             return self._monitor.report(alarm)
         self._monitor.serve(alarm)
 
     def _peer_failed(self, alarm: dict[str, Any]) -> None:
-        self.node.step(self.beat())  # relay the failure to the node-mates before this thread waits
+        # Relay the failure to the node-mates before this thread waits
+        self.node.step(self.beat())
         self._try(self._count_failure_seen)
         # On the failed rank's node torchrun's agent stops this rank itself (its summary then names
         # the failed rank first); elsewhere no agent knows, so go now.
         if self._stopped.wait(FAILURE_GRACE if alarm["host"] == self._host else 0.0):
-            return  # this rank is ending by itself (its own error, or torchrun stopped it)
+            # This rank is ending by itself (its own error, or torchrun stopped it)
+            return
         message = f"rank {alarm['rank']} (host {alarm['host']}) failed: {alarm['message']}"
         print(f"ddpkit: rank {self.rank}: stopping because {message}", file=sys.stderr, flush=True)
         write_error_file(f"stopped because {message}", when=time.time() + 1, code=FAILED_PEER_EXIT_CODE)
@@ -354,7 +407,8 @@ class Watchdog:
         that leads its node tells its node-mates first, which do the same."""
         if self.node.leading:
             self.node.news["alone"] = {"problem": problem, "since": since}
-            self._try(lambda: self.node.step(self.beat()))  # no store call reaches the store, the relay goes out
+            # No store call reaches the store, but the relay through the node's board goes out
+            self._try(lambda: self.node.step(self.beat()))
         report_alone(self, problem, since)
 
     def _try(self, call: Callable[[], Any]) -> Any:
@@ -365,11 +419,13 @@ class Watchdog:
 
 
 class _Off:
-    """The watchdog when it is off: same methods, no thread, nothing published."""
+    """The watchdog when it is off: same methods, no thread, nothing published; no ``on_phase``, so as a listener
+    it hears nothing and Reporter.span stays free."""
 
     enabled = False
 
-    def tick(self) -> None: ...  # no on_phase: as a listener it hears nothing, so Reporter.span stays free
+    def tick(self) -> None: ...
+
     def ticking(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 

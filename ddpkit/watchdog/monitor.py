@@ -29,11 +29,17 @@ from ddpkit.watchdog.store_io import StoreDown, kill_frozen_sibling, terminate, 
 
 __all__ = ["Monitor", "HANG_EXIT_CODE", "SILENT_AFTER", "deputy_rank", "report_alone"]
 
-HANG_EXIT_CODE = EXIT_HANG  #: every rank's exit code when the watchdog stops a hung job (3)
-GATHER_WAIT = 6.0  # how long the reporting rank waits for the nodes' records, then for the stacks
-SLOW_FRESH = 2.0  # a ``slow`` set this recently means a live rank is in a slow phase (leaders set it each beat)
-ALL_STACKS = SECTIONS  # up to this many live ranks, the report has every rank's stacks; beyond, the suspects'
-WANT_STUCK, WANT_WAITING = 48, 16  # beyond: the stacks of this many stuck and waiting ranks
+#: Every rank's exit code when the watchdog stops a hung job (3)
+HANG_EXIT_CODE = EXIT_HANG
+#: How long the reporting rank waits for the nodes' records, then for the stacks
+GATHER_WAIT = 6.0
+#: A ``slow`` set this recently means a live rank is in a slow phase (leaders set it each beat)
+SLOW_FRESH = 2.0
+#: Up to this many live ranks, the report has every rank's stacks; beyond, the suspects'
+ALL_STACKS = SECTIONS
+#: Beyond ALL_STACKS live ranks, the stacks of this many stuck ranks and of this many waiting ones
+WANT_STUCK = 48
+WANT_WAITING = 16
 
 
 def deputy_rank(world_size: int, local_world_size: int) -> int:
@@ -59,16 +65,20 @@ class Monitor:
             self._watch_judge()
 
     def _judge(self) -> None:
-        wd, now = self.wd, time.monotonic()
-        wd.client("set", "judge", json.dumps(wd.last_beat))  # for the deputy
+        wd = self.wd
+        now = time.monotonic()
+        # Rank 0's own record, which the deputy watches
+        wd.client("set", "judge", json.dumps(wd.last_beat))
         if wd.node.progressed:
             self.last_progress = now
         if wd.node.slow:
             self.slow_seen = now
         keys = ["progress", "slow"]
-        if wd.client("check", keys):  # multi_get would wait for a missing key
+        # multi_get would wait for a missing key
+        if wd.client("check", keys):
             for key, value in zip(keys, wd.client("multi_get", keys)):
-                if value is not None and value != self.values.get(key):  # None: no valid tag
+                # None: no valid tag
+                if value is not None and value != self.values.get(key):
                     self.values[key] = value
                     self.last_progress, self.slow_seen = (
                         (now, self.slow_seen) if key == "progress" else (self.last_progress, now)
@@ -78,13 +88,16 @@ class Monitor:
             self._declare(now - self.last_progress, limit)
 
     def _watch_judge(self) -> None:
-        raw, now = self.wd.client.get_if_set("judge"), time.monotonic()
+        raw = self.wd.client.get_if_set("judge")
+        now = time.monotonic()
         beat = json.loads(raw) if raw else {}
         if beat.get("seq") is not None and beat.get("seq") != self.judge.get("seq"):
-            self.judge, self.judge_at = beat, now
+            self.judge = beat
+            self.judge_at = now
         limit = self.wd.slow_timeout if self.judge.get("slow", True) else self.wd.hang_timeout
         if self.judge.get("phase") != "done" and now - self.judge_at > limit:
-            self._declare(now - self.judge_at, limit)  # rank 0 is frozen or gone: this rank reports
+            # Rank 0 is frozen or gone: this rank reports
+            self._declare(now - self.judge_at, limit)
 
     def _declare(self, stalled: float, limit: float) -> None:
         """Raise the alarm (the first one wins) and answer whichever alarm won."""
@@ -130,7 +143,8 @@ class Monitor:
         wd.node.news["want"] = want
         wd._try(lambda: wd.client("set", "want", json.dumps(want)))
         stacks = self._gather(want, alarm["path"])
-        if len(stacks) < len(want):  # a rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
+        # A rank that sent no stacks may have gone stale meanwhile: frozen, not waiting
+        if len(stacks) < len(want):
             beats, silent = self._collect(alarm["path"], wait=False)
         beats = self._last_words(silent, stacks, beats)
         verdict = classify(beats, silent)
@@ -147,20 +161,26 @@ class Monitor:
         wd.node.news["done"] = done
         wd._try(lambda: wd.client("set", "done", json.dumps(done)))
         live = len([r for r, b in beats.items() if r not in silent and b.get("phase") != "done"])
-        deadline = time.monotonic() + 3  # let the others exit first: torchrun names the earliest failure
+        # Let the others exit first: torchrun names the earliest failure
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline and int(wd._try(lambda: wd.client("add", "exited", 0)) or 0) < live - 1:
-            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm["path"]))  # the node-mates hear "done"
+            # The node-mates hear "done"
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm["path"]))
             time.sleep(0.1)
-        self._kill_frozen(verdict.silent, beats, f"{summary} (report: {path})", hang_start)  # last: after the 3s
+        # Last, once the others had their 3 s to exit
+        self._kill_frozen(verdict.silent, beats, f"{summary} (report: {path})", hang_start)
         terminate(HANG_EXIT_CODE)
 
     def _collect(self, alarm_id: str, *, wait: bool) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
         """Every rank's last beat and the silent ranks (-> wall time of their last beat), from the nodes' records;
         with ``wait``, for up to ``GATHER_WAIT`` seconds until every node has answered this alarm."""
-        wd, records = self.wd, {}
-        deadline = time.monotonic() + (GATHER_WAIT + wd.node.poll_period if wait else 0.0)  # nodes poll every period
+        wd = self.wd
+        records = {}
+        # Nodes poll once a poll period: wait that much longer
+        deadline = time.monotonic() + (GATHER_WAIT + wd.node.poll_period if wait else 0.0)
         while True:
-            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # this rank's node answers too
+            # This rank's node answers too
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))
             missing = [n for n in range(wd.nodes) if (records.get(n) or {}).get("alarm") != alarm_id]
             records.update(self._read_records(missing))
             if time.monotonic() >= deadline or all((records.get(n) or {}).get("alarm") == alarm_id for n in missing):
@@ -172,7 +192,8 @@ class Monitor:
             record = records.get(n) or {"t": wd.node.started, "beats": {}, "silent": {}}
             beats.update({int(r): b for r, b in record["beats"].items()})
             silent.update({int(r): t for r, t in record["silent"].items()})
-            if record.get("alarm") != alarm_id:  # the whole node is silent: lost, or its leader frozen with the store
+            # The whole node is silent: lost, or its leader frozen with the store
+            if record.get("alarm") != alarm_id:
                 for rank in range(n * wd.local_world_size, (n + 1) * wd.local_world_size):
                     if (beats.get(rank) or {}).get("phase") != "done":
                         silent.setdefault(rank, min(record["t"], (beats.get(rank) or {}).get("t", record["t"])))
@@ -182,7 +203,8 @@ class Monitor:
         wd = self.wd
         keys = [f"node/{n}" for n in nodes]
         try:
-            if keys and wd.client("check", keys):  # all there: one round trip (multi_get waits for missing keys)
+            # All there: one round trip (multi_get waits for missing keys)
+            if keys and wd.client("check", keys):
                 values = wd.client("multi_get", keys)
             else:
                 values = [(raw.encode() if (raw := wd.client.get_if_set(k)) else None) for k in keys]
@@ -199,12 +221,15 @@ class Monitor:
 
     def _gather(self, want: list[int], alarm_id: str) -> dict[int, str]:
         """The stacks the ``want`` ranks post, for up to ``GATHER_WAIT`` seconds (this rank's own at once)."""
-        wd, stacks = self.wd, {}
+        wd = self.wd
+        stacks = {}
         if wd.rank in want:
             stacks[wd.rank] = thread_stacks()
-        deadline = time.monotonic() + GATHER_WAIT + wd.node.poll_period  # the leaders poll ``want`` every period
+        # The leaders poll ``want`` every period
+        deadline = time.monotonic() + GATHER_WAIT + wd.node.poll_period
         while time.monotonic() < deadline and len(stacks) < len(want):
-            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))  # relays ``want`` to this node's mates
+            # Relays ``want`` to this node's mates
+            wd._try(lambda: wd.node.step(wd.beat(), handling=alarm_id))
             for rank in want:
                 if rank not in stacks and (text := wd._try(lambda r=rank: wd.client.get_if_set(f"stacks/{r}"))):
                     stacks[rank] = text
@@ -221,7 +246,8 @@ class Monitor:
             beat = beats.get(rank) or {}
             if not node.first <= rank < node.first + node.size or not beat.get("pid"):
                 continue
-            local_rank = rank - node.first  # a node's ranks are contiguous under torchrun
+            # A node's ranks are contiguous under torchrun
+            local_rank = rank - node.first
             write_error_file(summary, when=hang_start, code=HANG_EXIT_CODE, local_rank=local_rank, pid=int(beat["pid"]))
             if kill_frozen_sibling(int(beat["pid"])):
                 print(f"ddpkit: killed frozen rank {rank} (pid {beat['pid']})", file=sys.stderr, flush=True)
@@ -231,9 +257,11 @@ class Monitor:
     ) -> dict[int, dict[str, Any]]:
         """The beats, with each silent rank's own record (:mod:`ddpkit.watchdog.backstop`) of where it stopped, to
         the step (its last beat may be many steps older); its faulthandler dump goes in ``stacks``."""
-        beats, here = dict(beats), socket.gethostname()
+        beats = dict(beats)
+        here = socket.gethostname()
         for rank in silent:
-            beat, found = beats.get(rank) or {}, read_backstop(self.wd.log_dir, rank)
+            beat = beats.get(rank) or {}
+            found = read_backstop(self.wd.log_dir, rank)
             if found is None:
                 elsewhere = f" (look on its host, {beat['host']})" if beat.get("host", here) != here else ""
                 where = backstop_path(self.wd.log_dir, rank)
@@ -261,7 +289,8 @@ def report_alone(wd: Any, problem: str, since: float) -> None:
     path = write_text(path, text)
     print(f"ddpkit: rank {wd.rank}: stopping: {summary}; report: {path}", file=sys.stderr, flush=True)
     write_error_file(summary, when=time.time(), code=HANG_EXIT_CODE)
-    node = wd.node  # a node-mate frozen with the store (rank 0 hosting it, SIGSTOPped) would hold the job 30 s more
+    # A node-mate frozen with the store (rank 0 hosting it, SIGSTOPped) would hold the job 30 s more
+    node = wd.node
     for index, beat in enumerate(node.board.read(i) for i in range(node.size)):
         if index != node.local and beat and beat.get("pid") and time.time() - beat.get("t", 0.0) > LEADER_STALE:
             write_error_file(summary, when=since, code=HANG_EXIT_CODE, local_rank=index, pid=int(beat["pid"]))

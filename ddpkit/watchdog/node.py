@@ -32,11 +32,16 @@ from ddpkit.watchdog.store_io import StoreClient
 
 __all__ = ["Node", "LEADER_STALE", "SILENT_AFTER", "RECORD_EVERY", "POLLS_PER_SECOND", "SETS_PER_SECOND"]
 
-LEADER_STALE = 3.0  # seconds without a beat before the next local rank leads the node
-SILENT_AFTER = 10.0  # a beat older than this: the rank is frozen, stopped or gone
-RECORD_EVERY = 5.0  # seconds between a node's records while nothing is wrong
-POLLS_PER_SECOND = 2500  # round trips to the store for all leaders' polls together (it takes ~45,000 on 2 cores)
-SETS_PER_SECOND = 12_500  # beyond this many nodes' progress sets a second, each node sets every other beat
+#: Seconds without a beat before the next local rank leads the node
+LEADER_STALE = 3.0
+#: A beat older than this: the rank is frozen, stopped or gone
+SILENT_AFTER = 10.0
+#: Seconds between a node's records while nothing is wrong
+RECORD_EVERY = 5.0
+#: Round trips to the store for all leaders' polls together (it takes ~45,000 on 2 cores)
+POLLS_PER_SECOND = 2500
+#: Beyond this many nodes' progress sets a second, each node sets every other beat
+SETS_PER_SECOND = 12_500
 
 
 class Node:
@@ -45,24 +50,35 @@ class Node:
     def __init__(
         self, board: NodeBoard, client: StoreClient, *, rank: int, local_world_size: int, nodes: int, interval: float
     ):
-        self.board, self.client = board, client
-        self.local, self.size, self.node = rank % local_world_size, local_world_size, rank // local_world_size
+        self.board = board
+        self.client = client
+        self.local = rank % local_world_size
+        self.size = local_world_size
+        self.node = rank // local_world_size
         self.first = rank - self.local
-        self.poll_every = max(1, math.ceil(nodes / (POLLS_PER_SECOND * interval)))  # heartbeats between polls
-        self.poll_period = self.poll_every * interval  # seconds for news in the store to reach every node
+        # Heartbeats between polls
+        self.poll_every = max(1, math.ceil(nodes / (POLLS_PER_SECOND * interval)))
+        # Seconds for news in the store to reach every node
+        self.poll_period = self.poll_every * interval
         # Every other beat at most: in step with the others, some node sets it every beat anyway; a node that
         # progresses alone (a long load while the others wait) is then seen a beat late, within the 2 s allowed.
         self.set_every = 2 if nodes > SETS_PER_SECOND * interval else 1
-        self._pending = False  # progress seen since this node last set ``progress``
+        # Progress seen since this node last set ``progress``
+        self._pending = False
         self.turn = 0
         self.leading = False
-        self.took_over_at: float | None = None  # wall time the previous leader last beat, when this rank took over
-        self.progressed = self.slow = False
-        self.news: dict[str, Any] = {}  # what this rank relays while it leads: alarm, want, done, alone
-        self.host, self.started = socket.gethostname(), time.time()
+        # Wall time the previous leader last beat, when this rank took over
+        self.took_over_at: float | None = None
+        self.progressed = False
+        self.slow = False
+        # What this rank relays while it leads: alarm, want, done, alone
+        self.news: dict[str, Any] = {}
+        self.host = socket.gethostname()
+        self.started = time.time()
         self._marks: dict[int, tuple[Any, ...]] = {}
         self._record_at = 0.0
-        self._recorded_for: str | None = None  # the hang the last record answered
+        # The hang the last record answered
+        self._recorded_for: str | None = None
         self._relayed: dict[str, Any] | None = None
 
     def leader(self, now: float) -> int:
@@ -80,15 +96,19 @@ class Node:
         now = time.time()
         leader = self.leader(now)
         if leader != self.local:
-            self.leading, self.progressed, self.slow = False, False, False
+            self.leading = False
+            self.progressed = False
+            self.slow = False
             return self.board.relayed(leader)
         if not self.leading:
             self.leading = True
-            self._marks.clear()  # the first survey is the baseline
+            # The first survey is the baseline
+            self._marks.clear()
             earlier = [b.get("t", self.started) for i in range(self.local) if (b := self.board.read(i))]
             self.took_over_at = max(earlier) if earlier else None
             inherited: dict[str, Any] = {}
-            for index in range(self.local):  # what the previous leader had relayed is not news to the mates
+            # What the previous leader had relayed is not news to the mates
+            for index in range(self.local):
                 inherited.update(self.board.relayed(index))
             self.news = {**inherited, **self.news}
         beats, silent = self.survey(now)
@@ -97,9 +117,13 @@ class Node:
 
     def survey(self, now: float) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
         """The node's beats, and its silent ranks -> the wall time of their last beat; sets progressed and slow."""
-        beats, silent, progressed, slow = {}, {}, False, False
+        beats = {}
+        silent = {}
+        progressed = False
+        slow = False
         for index in range(self.size):
-            rank, beat = self.first + index, self.board.read(index)
+            rank = self.first + index
+            beat = self.board.read(index)
             if beat is None:
                 if now - self.started > SILENT_AFTER:
                     silent[rank] = self.started
@@ -114,7 +138,8 @@ class Node:
             progressed |= self._marks.get(index) != mark
             self._marks[index] = mark
             slow |= bool(beat.get("slow"))
-        self.progressed, self.slow = progressed, slow
+        self.progressed = progressed
+        self.slow = slow
         return beats, silent
 
     def publish(
@@ -142,7 +167,8 @@ class Node:
     ) -> None:
         record = {"node": self.node, "host": self.host, "t": now, "alarm": handling, "beats": beats, "silent": silent}
         self.client("set", f"node/{self.node}", json.dumps(record, separators=(",", ":")))
-        self._record_at, self._recorded_for = now, handling
+        self._record_at = now
+        self._recorded_for = handling
 
     def poll(self, handling: str | None) -> None:
         """Read what the store has for this node: an alarm; while a hang is reported, whose stacks and the end."""

@@ -35,9 +35,11 @@ from typing import Any
 
 __all__ = ["NodeBoard", "board_name", "SLOT_BYTES"]
 
-SLOT_BYTES = 4096  # per local rank: a beat area, then a relay area
+#: Per local rank: a beat area, then a relay area
+SLOT_BYTES = 4096
 _BEAT_BYTES = 1024
-_HEADER = struct.Struct("<QII")  # sequence, payload length, crc32 of the payload
+#: Sequence, payload length, crc32 of the payload
+_HEADER = struct.Struct("<QII")
 
 
 def board_name(key: bytes, prefix: str, *, node: int) -> str:
@@ -70,9 +72,14 @@ class NodeBoard:
     """The mapped file of one node; see the module docstring."""
 
     def __init__(self, page: mmap.mmap, path: Path, *, slots: int, index: int):
-        self.page, self.path, self.slots, self.index = page, path, slots, index
-        self._seq = self._relay_seq = 0
-        self._cache: dict[int, Any] = {}  # offset -> (sequence, value): a torn read keeps the last good value
+        self.page = page
+        self.path = path
+        self.slots = slots
+        self.index = index
+        self._seq = 0
+        self._relay_seq = 0
+        # Offset -> (sequence, value): a torn read keeps the last good value
+        self._cache: dict[int, Any] = {}
         self._unlinked = False
 
     @classmethod
@@ -82,7 +89,8 @@ class NodeBoard:
         try:
             size = slots * SLOT_BYTES
             if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)  # every rank may do it: the same size, zeros
+                # Every rank may do it: the same size, zeros
+                os.ftruncate(fd, size)
             page = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -103,7 +111,8 @@ class NodeBoard:
             return cached[1] if cached else None
         data = self.page[offset + _HEADER.size : offset + _HEADER.size + length]
         if zlib.crc32(data) != crc:
-            return cached[1] if cached else None  # caught mid-write: next time
+            # Caught mid-write: the last good value now, the new one next time
+            return cached[1] if cached else None
         try:
             value = json.loads(data)
         except ValueError:

@@ -35,8 +35,10 @@ __all__ = [
     "thread_stacks",
     "stack_signature",
 ]
-NAMED = 8  # ranks of each kind named in the summary line (100,000 waiting ranks do not fit in one)
-SECTIONS = 64  # ranks with a stack section even without stacks; beyond, only those whose stacks came
+#: Ranks of each kind named in the summary line (100,000 waiting ranks do not fit in one)
+NAMED = 8
+#: Ranks with a stack section even without stacks; beyond, only those whose stacks came
+SECTIONS = 64
 
 #: Where each phase falls in an optimizer step. After ``optimizer`` the step count goes up, so the
 #: hooks, validation and checkpoint of step s come before the data, forward and backward of step
@@ -89,11 +91,14 @@ def classify(beats: dict[int, dict[str, Any] | None], silent: dict[int, float]) 
     furthest = max(_position(beat) for beat in live.values())
     behind = sorted(rank for rank, beat in live.items() if _position(beat) < furthest)
     if behind:
-        verdict.stuck, verdict.waiting = behind, sorted(set(live) - set(behind))
+        verdict.stuck = behind
+        verdict.waiting = sorted(set(live) - set(behind))
     elif silent or any(beat.get("phase") in COLLECTIVE_PHASES for beat in live.values()):
-        verdict.waiting = sorted(live)  # everyone is in the same collective, waiting for someone
+        # Everyone is in the same collective, waiting for someone
+        verdict.waiting = sorted(live)
     else:
-        verdict.stuck = sorted(live)  # everyone is in the same non-collective phase: all stuck there
+        # Everyone is in the same non-collective phase: all stuck there
+        verdict.stuck = sorted(live)
     return verdict
 
 
@@ -161,7 +166,8 @@ def format_report(
         lines.append(f"silent   rank {rank}: no heartbeat since {_clock(silent[rank])}{last} (frozen, stopped or gone)")
     ranks = [*verdict.stuck, *verdict.waiting, *verdict.silent]
     shown = ranks if len(ranks) <= SECTIONS else [r for r in ranks if r in stacks]
-    stuck, waiting = set(verdict.stuck), set(verdict.waiting)
+    stuck = set(verdict.stuck)
+    waiting = set(verdict.waiting)
     for rank in shown:
         label = "stuck" if rank in stuck else "waiting" if rank in waiting else "no heartbeat"
         text = stacks.get(rank, "(no stacks received from this rank)").rstrip()

@@ -54,8 +54,10 @@ class StoreClient:
     """
 
     def __init__(self, store: Any, deadline: float, *, key: bytes | None = None):
-        self.store, self.deadline = store, deadline
-        self.key = key if key is not None else job_key()  # read once: the tag of every value set and read
+        self.store = store
+        self.deadline = deadline
+        # Read once: the tag of every value set and read
+        self.key = key if key is not None else job_key()
         self._requests: list[tuple[Callable[..., Any], tuple[Any, ...], list[Any], threading.Event]] = []
         self._wake = threading.Condition()
         self._idle = threading.Event()
@@ -70,13 +72,16 @@ class StoreClient:
                 while not self._requests and not self._closed:
                     self._wake.wait()
                 if not self._requests:
-                    return  # closed, nothing left to send
+                    # Closed, nothing left to send
+                    return
                 fn, args, box, done = self._requests.pop(0)
             try:
                 box.append((True, fn(*args)))
-            except Exception as exc:  # DistStoreError, connection reset, ...
+            except Exception as exc:
+                # DistStoreError, connection reset, ...: handed back to the caller
                 box.append((False, exc))
-            self._idle.set()  # before done: the caller's next call must find the line free
+            # Before done: the caller's next call must find the line free
+            self._idle.set()
             done.set()
 
     def __call__(self, method: str, *args: Any) -> Any:
@@ -109,7 +114,8 @@ class StoreClient:
         assert expected == "", "the watchdog only claims keys that do not exist yet"
         signed = sign(self.key, name, desired)
         current = self._call("compare_set", name, "", signed)
-        for _ in range(3):  # someone who keeps writing there gets no more tries than this
+        # Someone who keeps writing there gets no more tries than this
+        for _ in range(3):
             if (value := self._verified(name, current)) is not None:
                 return value
             current = self._call("compare_set", name, current, signed)
@@ -179,7 +185,8 @@ def write_error_file(
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    if local_rank is not None:  # torchrun's attempt_N/<local_rank>/error.json
+    # torchrun's attempt_N/<local_rank>/error.json
+    if local_rank is not None:
         path = str(Path(path).parent.parent / str(local_rank) / Path(path).name)
     info = {"py_callstack": message, "timestamp": str(int(when)), "exitcode": code, "pid": pid or os.getpid()}
     payload = {"message": {"message": message, "extraInfo": info}}
