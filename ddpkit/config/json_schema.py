@@ -89,7 +89,8 @@ def _section(cls: type) -> dict[str, Any]:
 def _value(tp: Any, f: dataclasses.Field) -> dict[str, Any]:
     """The schema of a non-section type (None already taken out)."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):  # e.g. int | Literal["auto"], bool | dict
+    # A union (int | Literal["auto"], bool | dict): the value may be any of its members.
+    if origin in (typing.Union, types.UnionType):
         return {"anyOf": [_value(member, f) for member in typing.get_args(tp)]}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}
@@ -97,7 +98,8 @@ def _value(tp: Any, f: dataclasses.Field) -> dict[str, Any]:
         return {"type": "array", "items": _value(typing.get_args(tp)[0], f)}
     if origin is dict or tp is dict:
         return {"type": "object"}
-    if dataclasses.is_dataclass(tp):  # the items of a list of mappings (optim.groups)
+    # The items of a list of mappings (optim.groups) are sections of their own.
+    if dataclasses.is_dataclass(tp):
         return _section(tp)
     schema: dict[str, Any] = {"type": _JSON_TYPES[tp]}
     if tp in (int, float):

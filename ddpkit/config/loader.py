@@ -162,17 +162,20 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
         values[f.name] = _convert(hints[f.name], value, f"{path}{key}", f, problems)
     try:
         return cls(**values)
-    except TypeError:  # only reachable when a problem was already recorded
+    except TypeError:
+        # Only reachable when a problem was already recorded.
         return None
 
 
 def _convert(tp: Any, value: Any, path: str, f: dataclasses.Field | None, problems: list[str]) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        if len(inner) > 1:  # e.g. `bool | dict[str, Any]` (train.compile): the first type the value has
+        # More than one type, e.g. `bool | dict[str, Any]` (train.compile): the first type the value has.
+        if len(inner) > 1:
             inner = [next((a for a in inner if _fits(a, value)), inner[0])]
         return _convert(inner[0], value, path, f, problems)
     if dataclasses.is_dataclass(tp):
@@ -296,13 +299,15 @@ def _closest_anywhere(word: str) -> str | None:
 def _finite(number: int | float) -> bool:
     try:
         return math.isfinite(number)
-    except OverflowError:  # an int too large for a float
+    except OverflowError:
+        # An int too large for a float has no finite float value.
         return False
 
 
 def _format_problems(where: str, problems: list[str]) -> str:
     count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
     shown = [f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN]]
-    if len(problems) > MAX_PROBLEMS_SHOWN:  # a wrong file (data, not a config) would print thousands of lines
+    # A wrong file (data, not a config) would print thousands of lines.
+    if len(problems) > MAX_PROBLEMS_SHOWN:
         shown.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
     return f"invalid config {where}: {count}\n" + "\n".join(shown)

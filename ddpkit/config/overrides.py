@@ -96,7 +96,8 @@ def apply_override(raw: dict[str, Any], text: str, problems: list[str]) -> None:
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
         if child is None:
-            child = node[key] = {}
+            child = {}
+            node[key] = child
         if not isinstance(child, dict):
             path = ".".join(keys[: depth + 1])
             problems.append(

@@ -88,7 +88,8 @@ def _config_loader() -> type:
     """PyYAML's SafeLoader plus the YAML 1.2 exponent rule (built once, on first use)."""
     global _loader_class
     if _loader_class is None:
-        import yaml  # imported here, not at the top: keeps `import ddpkit` fast
+        # Imported here, not at the top: keeps `import ddpkit` fast.
+        import yaml
 
         class ConfigYamlLoader(yaml.SafeLoader):
             pass
@@ -110,7 +111,8 @@ def parse_yaml(text: str) -> Any:
     """
     loader = _config_loader()(text)
     try:
-        node = loader.get_single_node()  # the node graph, before any value exists (what yaml.load does)
+        # The node graph, before any value exists (what yaml.load does).
+        node = loader.get_single_node()
         if node is None:
             return None
         duplicates = _duplicate_keys(node)
@@ -177,7 +179,8 @@ def dump_yaml(data: Any) -> str:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path`` with :func:`parse_yaml`, turning every failure into a ConfigError."""
-    import yaml  # imported here, not at the top: keeps `import ddpkit` fast
+    # Imported here, not at the top: keeps `import ddpkit` fast.
+    import yaml
 
     text = _read_config_text(path)
     try:
@@ -305,7 +308,8 @@ def short_repr(value: Any) -> str:
     """``repr(value)``, at most 60 characters (and an int too long for ``repr`` is described instead)."""
     try:
         text = repr(value)
-    except ValueError:  # int beyond sys.get_int_max_str_digits()
+    except ValueError:
+        # An int beyond sys.get_int_max_str_digits().
         text = f"<an integer of {value.bit_length()} bits>"
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -39,15 +39,18 @@ class TensorBatches(Dataset):
     """A ``TensorDataset`` that also reads whole batches (``__getitems__``), as ``default_collate`` would make them."""
 
     def __init__(self, dataset: TensorDataset):
-        self.dataset, self.tensors = dataset, dataset.tensors
-        self.device = resident_device(dataset)  # kept on the GPU: the index goes there, the gather runs there
+        self.dataset = dataset
+        self.tensors = dataset.tensors
+        # Kept on the GPU: the index goes there, the gather runs there.
+        self.device = resident_device(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:
         """The wrapped dataset's own attributes (a subclass's ``seq_len``, say) read through the wrapper."""
-        if name == "dataset":  # not set yet (unpickling): no recursion
+        # Not set yet while unpickling: raising here keeps __getattr__ from recursing.
+        if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -67,7 +70,8 @@ def _index_tensor(indices: Sequence[int]) -> torch.Tensor:
     """``indices`` as an int64 tensor: through an ``array`` where they are ints (1.4 us for 64, torch.as_tensor 7.5)."""
     try:
         return torch.frombuffer(array.array("q", indices), dtype=torch.int64)
-    except (TypeError, OverflowError, ValueError):  # not plain ints (e.g. tensors), or an empty batch
+    except (TypeError, OverflowError, ValueError):
+        # Not plain ints (e.g. tensors), or an empty batch.
         return torch.as_tensor(indices, dtype=torch.int64)
 
 

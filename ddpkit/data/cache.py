@@ -47,7 +47,8 @@ def cached_tensors(key: str, build: Callable[[], tuple[torch.Tensor, ...]]) -> t
             # mmap: the tensors are the page cache's pages, copied only where written (a private mapping), so a
             # restart reads back a dataset the previous attempt cached in milliseconds, whatever its size.
             return tuple(torch.load(path, weights_only=True, mmap=True))
-        except Exception as exc:  # a truncated or foreign file: rebuild it
+        except Exception as exc:
+            # A truncated or foreign file: rebuild it.
             logger.debug("rebuilding %s: %s", path, exc)
     tensors = build()
     if path is not None:

@@ -58,13 +58,16 @@ def make_digits(n: int, *, seed: int, image_size: int = 28, noise: float = 0.2) 
         return low + (high - low) * torch.rand(n, generator=g)
 
     labels = torch.randint(0, 10, (n,), generator=g)
-    height = uniform(0.5, 0.8) * image_size  # glyph height in pixels
-    angle, shear = uniform(-0.3, 0.3), uniform(-0.3, 0.3)
+    # The glyph's height, in pixels.
+    height = uniform(0.5, 0.8) * image_size
+    angle = uniform(-0.3, 0.3)
+    shear = uniform(-0.3, 0.3)
     shift = torch.stack([uniform(-0.2, 0.2), uniform(-0.2, 0.2)], dim=1)
     # affine_grid maps output coordinates to input coordinates, both normalised to [-1, 1].
     # One glyph pixel should cover height/7 output pixels; the padded glyph is 7 wide and 9 tall.
     scale = torch.stack([image_size / height, 7 * image_size / (9 * height)], dim=1)
-    cos, sin = torch.cos(angle), torch.sin(angle)
+    cos = torch.cos(angle)
+    sin = torch.sin(angle)
     rotate_shear = torch.stack([torch.stack([cos, -sin + shear * cos], 1), torch.stack([sin, cos + shear * sin], 1)], 1)
     linear = scale.unsqueeze(2) * rotate_shear
     offset = -(linear @ shift.unsqueeze(2))
@@ -141,7 +144,8 @@ def _local_torchvision(name: str, root: str | None, layout: str, **kwargs: Any) 
             cls(str(path), train=True, download=False, transform=transform, **kwargs),
             cls(str(path), train=False, download=False, transform=transform, **kwargs),
         )
-    except RuntimeError as exc:  # torchvision: "Dataset not found. You can use download=True ..."
+    except RuntimeError as exc:
+        # torchvision's "Dataset not found. You can use download=True ...": ddpkit says where the files go.
         raise DataError(
             f"data.kwargs.root: {name} files not found under {path} ({exc}). ddpkit never downloads at run time: "
             f"put the files at {path}/{layout}, or use data.name=digits for the embedded dataset."

@@ -58,8 +58,10 @@ class GlobalBatchSampler(DistributedSampler):
     :func:`ddpkit.data.epochs.start_epoch` passes it), which must fall on an optimizer-step boundary.
     """
 
-    tag_epoch = False  # see ddpkit.data.samplers.ResumableDistributedSampler
-    allow_length_change = False  # likewise
+    #: As on :class:`ddpkit.data.samplers.ResumableDistributedSampler`, which says what each does.
+    tag_epoch = False
+    #: Likewise.
+    allow_length_change = False
 
     def __init__(
         self,
@@ -74,8 +76,10 @@ class GlobalBatchSampler(DistributedSampler):
         order: str = "auto",
     ):
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.order = order  # data.order: see ddpkit.data.order
-        self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
+        # data.order: see ddpkit.data.order.
+        self.order = order
+        self.global_batch_size = global_batch_size
+        self.grad_accum_steps = grad_accum_steps
         self.micro_batch = global_batch_size // (world_size * grad_accum_steps)
         self.steps_per_epoch = len(dataset) // global_batch_size  # type: ignore[arg-type]
         if self.steps_per_epoch == 0:
@@ -109,7 +113,8 @@ class GlobalBatchSampler(DistributedSampler):
 
     def _positions(self, first_step: int, stop_step: int) -> np.ndarray:
         """This rank's positions in steps ``[first_step, stop_step)``: step, micro-batch, then sample order."""
-        b, world = self.micro_batch, self.num_replicas
+        b = self.micro_batch
+        world = self.num_replicas
         steps = np.arange(first_step, stop_step).reshape(-1, 1, 1) * self.global_batch_size
         micro = (np.arange(self.grad_accum_steps).reshape(1, -1, 1) * world + self.rank) * b
         return (steps + micro + np.arange(b).reshape(1, 1, -1)).reshape(-1)

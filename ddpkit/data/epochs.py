@@ -52,11 +52,13 @@ class SamplerEpochs:
         """Batches per epoch from here on (``len(loader)``), or None for a loader without ``len()``."""
         try:
             return len(self.loader)
-        except TypeError:  # a DataLoader over an IterableDataset without __len__
+        except TypeError:
+            # A DataLoader over an IterableDataset without __len__.
             return None
 
     def start_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
-        loader, sampler = self.loader, self.loader.sampler
+        loader = self.loader
+        sampler = self.loader.sampler
         if isinstance(sampler, (ResumableDistributedSampler, GlobalBatchSampler)):
             sampler.set_epoch(epoch, start_batch * (loader.batch_size or 1))
         elif isinstance(sampler, DistributedSampler) or hasattr(sampler, "set_epoch"):
@@ -66,7 +68,8 @@ class SamplerEpochs:
                     "Use ddpkit.data.samplers.ResumableDistributedSampler or checkpoint only at epoch ends."
                 )
             sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        if isinstance(loader.dataset, SampleSeeded):  # workers seed each sample from (seed, epoch, index)
+        # Workers seed each sample from (seed, epoch, index).
+        if isinstance(loader.dataset, SampleSeeded):
             loader.dataset.epoch = epoch
         if loader.generator is not None:
             seed = sampler.seed if isinstance(sampler, DistributedSampler) else 0
@@ -77,7 +80,8 @@ class SamplerEpochs:
         return UNKNOWN_LENGTH if length is None else agree_on_count(consumed + length, epoch=epoch, uneven=uneven)
 
     def batches(self, *, count: int, rank: int, epoch: int, consumed: int, uneven: str) -> Iterator[Any]:
-        if count == UNKNOWN_LENGTH:  # no len(): the ranks agree batch by batch
+        # No len(): the ranks agree batch by batch.
+        if count == UNKNOWN_LENGTH:
             yield from agreed_batches(iter(self.loader), epoch=epoch, uneven=uneven)
             return
         batches = iter(self.loader)
@@ -140,7 +144,8 @@ def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
     ``train.max_steps`` alone is the length however many epochs it spans; ``train.epochs`` alone, or neither
     (one epoch), is whole epochs; both: whichever ends first (``TrainConfig.epoch_limit``).
     """
-    train, length = config.train, epochs_of(loader).length
+    train = config.train
+    length = epochs_of(loader).length
     if length is not None:
         length = agree_on_count(length, epoch=None, uneven=config.data.uneven)
     if length is None:
@@ -180,7 +185,9 @@ class SampleOrder:
     order, and a warning says so). Checkpoints from before the length was recorded are not checked."""
 
     def __init__(self, resolved: str, *, length: int | None = None, allow_length_change: bool = False):
-        self.resolved, self.length, self.allow_length_change = resolved, length, allow_length_change
+        self.resolved = resolved
+        self.length = length
+        self.allow_length_change = allow_length_change
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": self.resolved} if self.length is None else {"order": self.resolved, "length": self.length}

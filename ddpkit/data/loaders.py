@@ -308,7 +308,8 @@ def _length(dataset: Dataset, what: str) -> int:
 
 def train_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: torch.device) -> DataLoader:
     """The Trainer's default training loader: :func:`build_train_loader` with the config's ``data`` options."""
-    cfg, accum = config.data, config.train.grad_accum_steps
+    cfg = config.data
+    accum = config.train.grad_accum_steps
     loader = build_train_loader(
         dataset,
         env=env,
@@ -327,8 +328,10 @@ def train_loader_for(dataset: Dataset, config: Config, *, env: DistEnv, device: 
         uneven=cfg.uneven,
         allow_length_change=cfg.allow_length_change,
     )
-    if is_mixture(loader.dataset):  # how often the run reads each source: logged, or refused under repeat: false
-        epochs, max_steps = config.train.epochs, config.train.max_steps
+    # How often the run reads each source: logged, or refused under repeat: false.
+    if is_mixture(loader.dataset):
+        epochs = config.train.epochs
+        max_steps = config.train.max_steps
         steps = loader.dataset.steps_per_epoch * (epochs or 1)
         if max_steps is not None:
             steps = max_steps if epochs is None else min(steps, max_steps)

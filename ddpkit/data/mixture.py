@@ -72,7 +72,8 @@ class Source:
 
     name: str
     weight: float
-    file: Any  # a TokenFile: len(), [window] -> (x, y), n_tokens, seq_len, dtype, require_vocab
+    # A TokenFile: len(), [window] -> (x, y), n_tokens, seq_len, dtype, require_vocab.
+    file: Any
 
 
 def parse_sources(raw: Any, *, key: str, open_file: OpenFile, weighted: bool) -> list[Source]:
@@ -107,7 +108,8 @@ def _source(entry: Any, *, key: str, open_file: OpenFile, weighted: bool) -> Sou
             f"{key}.{unknown}: unknown key{f'; did you mean {close[0]!r}?' if close else ''} "
             f"(a source has {', '.join(_SOURCE_KEYS)})"
         )
-    name, path = entry.get("name"), entry.get("path")
+    name = entry.get("name")
+    path = entry.get("path")
     if not isinstance(name, str) or not name or "/" in name:
         raise DataError(f"{key}.name: expected a name without '/' (it becomes val_loss/<name>), got {name!r}")
     if not isinstance(path, str) or not path:
@@ -130,13 +132,16 @@ class TokenMixture(Dataset):
     """
 
     def __init__(self, sources: Sequence[Source], *, repeat: bool = True):
-        self.sources, self.repeat = list(sources), repeat
+        self.sources = list(sources)
+        self.repeat = repeat
         self.names = [s.name for s in self.sources]
         self.seq_len: int = self.sources[0].file.seq_len
-        self.documents = self.sources[0].file.documents  # data.kwargs.document_mask, shared by every source
+        # data.kwargs.document_mask, shared by every source.
+        self.documents = self.sources[0].file.documents
         self.schedule: BatchShares | None = None
         self.seed = 0
-        self._cache: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # the last batch's layout
+        # The last batch's layout.
+        self._cache: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def windows(self) -> np.ndarray:
@@ -154,7 +159,8 @@ class TokenMixture(Dataset):
         """This mixture, read in global batches of ``global_batch_size`` windows in the order of ``seed``."""
         plan = copy.copy(self)
         plan.schedule = BatchShares([s.weight for s in self.sources], global_batch_size=global_batch_size, seed=seed)
-        plan.seed, plan._cache = seed, None
+        plan.seed = seed
+        plan._cache = None
         return plan
 
     def require_vocab(self, vocab_size: int) -> None:
@@ -176,17 +182,21 @@ class TokenMixture(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, position = key if isinstance(key, tuple) else (0, key)
         g = self.schedule.global_batch_size if self.schedule is not None else 1
-        batch, slot = epoch * self.steps_per_epoch + position // g, position % g
+        batch = epoch * self.steps_per_epoch + position // g
+        slot = position % g
         first, sources, within = self._layout(batch)
         source = int(sources[slot])
-        read = int(first[source] + within[slot])  # how many windows of this source came before this one
+        # How many windows of this source came before this one.
+        read = int(first[source] + within[slot])
         n = len(self.sources[source].file)
         passes, offset = divmod(read, n)
-        order = FeistelOrder(n, seed=self.seed, epoch=passes * len(self.sources) + source)  # a new order each pass
+        # A new order each pass.
+        order = FeistelOrder(n, seed=self.seed, epoch=passes * len(self.sources) + source)
         return self.sources[source].file[int(order.at(np.array([offset]))[0])]
 
     def _layout(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._cache is None or self._cache[0] != batch:  # the slots of one batch are read together: compute once
+        # The slots of one batch are read together: compute once.
+        if self._cache is None or self._cache[0] != batch:
             assert self.schedule is not None, "read through ddpkit's training loader, which plans the mixture"
             self._cache = (batch, self.schedule.before(batch), *self.schedule.layout(batch))
         return self._cache[1], self._cache[2], self._cache[3]
@@ -250,7 +260,8 @@ def report_passes(dataset: Any, *, total_steps: int) -> None:
     """
     if not is_mixture(dataset) or dataset.schedule is None:
         return
-    read, held = dataset.windows_before(total_steps), dataset.windows
+    read = dataset.windows_before(total_steps)
+    held = dataset.windows
     passes = read / np.maximum(held, 1)
     over = [i for i, p in enumerate(passes) if p > 1]
     if over and not dataset.repeat:

@@ -34,8 +34,10 @@ import numpy as np
 
 __all__ = ["BatchShares", "floor_sum"]
 
-_P = 1 << 64  # the resolution of theta: the shares' fractional parts are rounded to multiples of 2**-64
-_A = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd: the Weyl step that visits the circle most evenly
+# The resolution of theta: the shares' fractional parts are rounded to multiples of 2**-64.
+_P = 1 << 64
+# 2**64 / golden ratio, odd: the Weyl step that visits the circle most evenly.
+_A = 0x9E3779B97F4A7C15
 
 
 def floor_sum(n: int, m: int, a: int, b: int) -> int:
@@ -61,12 +63,15 @@ class BatchShares:
     """Per-batch window counts of each source for weights ``weights`` and global batches of ``global_batch_size``."""
 
     def __init__(self, weights: Sequence[float | int | Fraction], *, global_batch_size: int, seed: int):
-        exact = [Fraction(w).limit_denominator(10**9) for w in weights]  # 0.7 means 7/10, not its nearest double
+        # 0.7 means 7/10, not its nearest double.
+        exact = [Fraction(w).limit_denominator(10**9) for w in weights]
         total = sum(exact)
         shares = [global_batch_size * w / total for w in exact]
         self.base = np.array([floor(g) for g in shares], dtype=np.int64)
-        running, self._edges = Fraction(0), [0]
-        for g in shares:  # each source's stretch of [0, R), in units of 2**-64
+        running = Fraction(0)
+        self._edges = [0]
+        # Each source's stretch of [0, R), in units of 2**-64.
+        for g in shares:
             running += g - floor(g)
             self._edges.append(round(running * _P))
         self.global_batch_size = global_batch_size
@@ -76,7 +81,8 @@ class BatchShares:
         """``sum(floor((A*j + offset - edge) / P) for j < k)``: the shifted lattice-point count."""
         if k <= 0:
             return 0
-        shift = -((self._offset - edge) // _P)  # whole turns that make the constant term non-negative
+        # Whole turns that make the constant term non-negative.
+        shift = -((self._offset - edge) // _P)
         return floor_sum(k, _P, _A, self._offset - edge + shift * _P) - shift * k
 
     def before(self, k: int) -> np.ndarray:

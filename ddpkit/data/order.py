@@ -40,8 +40,10 @@ __all__ = ["AUTO_THRESHOLD", "FeistelOrder", "RandpermOrder", "IdentityOrder", "
 AUTO_THRESHOLD = 1 << 20
 
 _ROUNDS = 6
-_GOLDEN, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -63,12 +65,15 @@ class FeistelOrder:
 
     def __init__(self, n: int, *, seed: int, epoch: int):
         self.n = n
-        half_bits = max(1, ((n - 1).bit_length() + 1) // 2)  # 2 * half_bits bits cover [0, n)
-        self._bits, self._mask = np.uint64(half_bits), np.uint64((1 << half_bits) - 1)
+        # 2 * half_bits bits cover [0, n).
+        half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self._bits = np.uint64(half_bits)
+        self._mask = np.uint64((1 << half_bits) - 1)
         self._keys = _round_keys(seed, epoch)
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> self._bits, x & self._mask
+        left = x >> self._bits
+        right = x & self._mask
         for key in self._keys:
             left, right = right, left ^ (_mix(right ^ key) & self._mask)
         return (left << self._bits) | right
@@ -77,7 +82,8 @@ class FeistelOrder:
         """The indices at ``positions`` (an int array, each in ``[0, n)``), as int64."""
         out = self._encrypt(np.asarray(positions, dtype=np.uint64))
         outside = out >= self.n
-        while outside.any():  # cycle-walking: re-encrypt what fell in [n, 2**bits) until it lands inside
+        # Cycle-walking: re-encrypt what fell in [n, 2**bits) until it lands inside.
+        while outside.any():
             out[outside] = self._encrypt(out[outside])
             outside = out >= self.n
         return out.astype(np.int64)

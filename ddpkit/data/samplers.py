@@ -55,7 +55,8 @@ class ResumableDistributedSampler(DistributedSampler):
     allow_length_change = False
 
     def __init__(self, dataset: Dataset, *args: Any, order: str = "auto", **kwargs: Any):
-        super().__init__(dataset, *args, **kwargs)  # DistributedSampler's own arguments, unchanged
+        # DistributedSampler's own arguments, unchanged.
+        super().__init__(dataset, *args, **kwargs)
         self.order = order
 
     def set_epoch(self, epoch: int, start_index: int = 0) -> None:
@@ -68,12 +69,14 @@ class ResumableDistributedSampler(DistributedSampler):
         return tagged(itertools.chain.from_iterable(self._chunks()), self.epoch, self.tag_epoch)
 
     def _chunks(self) -> Iterator[list[int]]:
-        n, world = len(self.dataset), self.num_replicas  # type: ignore[arg-type]
+        n = len(self.dataset)  # type: ignore[arg-type]
+        world = self.num_replicas
         order = epoch_order(n, seed=self.seed, epoch=self.epoch, kind=self.order, shuffle=self.shuffle)
         first = self.rank + self.start_index * world
         for low in range(first, self.total_size, CHUNK * world):
             positions = np.arange(low, min(low + CHUNK * world, self.total_size), world)
-            yield order.at(positions % n).tolist()  # % n: the padding wraps around, as in DistributedSampler
+            # % n: the padding wraps around, as in DistributedSampler.
+            yield order.at(positions % n).tolist()
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index
@@ -96,14 +99,17 @@ class SampleSeeded(Dataset):
     """Seeds the worker's RNGs from ``(seed, epoch, index)`` before loading each sample."""
 
     def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
         epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
-        if get_worker_info() is not None:  # only inside worker processes: never touch the main RNG
+        # Only inside worker processes: never touch the main RNG.
+        if get_worker_info() is not None:
             sample_seed = hash((self.seed, epoch, index)) & 0xFFFF_FFFF
             # The CPU generator only: what torch.manual_seed sets for the CPU, without also seeding
             # every accelerator backend, which costs up to milliseconds per call (per sample here).

@@ -51,7 +51,8 @@ from ddpkit.errors import DataError
 
 __all__ = ["SharedDataset", "shared_dir", "remove_stale_segments"]
 
-_MAGIC, _PREFIX = b"DDPKSHM1", "ddpkit-shared-"
+_MAGIC = b"DDPKSHM1"
+_PREFIX = "ddpkit-shared-"
 
 
 def shared_dir() -> Path:
@@ -80,15 +81,18 @@ class SharedDataset(Dataset):
         self, data: Any, *, name: str = "data", env: DistEnv | None = None, directory: str | os.PathLike | None = None
     ):
         env = env or read_dist_env()
-        folder, key = Path(directory) if directory else shared_dir(), _segment_key(env, name)
+        folder = Path(directory) if directory else shared_dir()
+        key = _segment_key(env, name)
         self.path: Path | None = None
         if env.local_rank == 0:
             self.path = _write_once(data, folder, key)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # After the writes: every rank learns its host's segment from its local rank 0 (never another job's)
-            host, written = socket.gethostname(), all_gather_object((socket.gethostname(), self.path))
+            host = socket.gethostname()
+            written = all_gather_object((socket.gethostname(), self.path))
             self.path = next(path for on, path in written if on == host and path is not None)
-        elif self.path is None:  # no process group: local rank 0's file appears, complete, by rename
+        elif self.path is None:
+            # No process group: local rank 0's file appears, complete, by rename.
             self.path = _find(folder, key)
         self._open()
 
@@ -107,14 +111,17 @@ class SharedDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         if self.header["kind"] == "records":
-            start, stop = self._arrays[0][index], self._arrays[0][index + 1]
+            start = self._arrays[0][index]
+            stop = self._arrays[0][index + 1]
             return pickle.loads(self._map[start:stop])
-        rows = [np.array(array[index]) for array in self._arrays]  # a copy: the map is read-only
+        # A copy: the map is read-only.
+        rows = [np.array(array[index]) for array in self._arrays]
         rows = [torch.from_numpy(row) if tensor else row for row, tensor in zip(rows, self.header["tensors"])]
         return tuple(rows) if self.header["kind"] == "tuple" else rows[0]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}  # a spawned worker maps the same file again instead of copying it
+        # A spawned worker maps the same file again instead of copying it.
+        return {"path": self.path}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
@@ -126,9 +133,11 @@ def _write_once(data: Any, folder: Path, key: str) -> Path:
     remove_stale_segments(folder)
     path = _write(data() if callable(data) else data, folder / f"{key}.{os.getpid()}")
     if callable(data):
-        _release_freed_memory()  # the records it built are garbage now: give their pages back
-    atexit.register(_remove, path, os.getpid())  # a torchrun worker exits through atexit
-    mp_util.Finalize(None, _remove, args=(path, os.getpid()), exitpriority=0)  # a multiprocessing child through these
+        # The records it built are garbage now: give their pages back.
+        _release_freed_memory()
+    # Removed at exit: a torchrun worker exits through atexit, a multiprocessing child through Finalize.
+    atexit.register(_remove, path, os.getpid())
+    mp_util.Finalize(None, _remove, args=(path, os.getpid()), exitpriority=0)
     return path
 
 
@@ -153,7 +162,8 @@ def _write(data: Any, path: Path) -> Path:
         f.write(header_at.to_bytes(8, "little"))
 
     try:
-        write_atomically(path, write)  # shared memory: no fsync, it does not outlive the host
+        # Shared memory: no fsync, it does not outlive the host.
+        write_atomically(path, write)
     except OSError as error:
         raise DataError(
             f"SharedDataset: cannot write the shared copy to {path.parent} ({error}). Point DDPKIT_SHARED_DIR "
@@ -179,7 +189,8 @@ def _write_arrays(f: Any, data: Any) -> dict[str, Any]:
     arrays = []
     for part in parts:
         array = np.ascontiguousarray(part.numpy() if isinstance(part, torch.Tensor) else part)
-        f.write(bytes(-f.tell() % 64))  # aligned, so each dtype can be viewed in place
+        # Aligned, so each dtype can be viewed in place.
+        f.write(bytes(-f.tell() % 64))
         arrays.append((array.dtype.str, array.shape, f.tell()))
         f.write(memoryview(array).cast("B"))
     tensors = [isinstance(part, torch.Tensor) for part in parts]
@@ -217,7 +228,8 @@ def _find(folder: Path, key: str, timeout: float = 300.0) -> Path:
     """Local rank 0's segment (waited for when there is no process group to wait with)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = list(folder.glob(f"{key}.*"))  # a segment being written is hidden (.NAME.PID.tmp) until renamed
+        # A segment being written is hidden (.NAME.PID.tmp) until renamed.
+        found = list(folder.glob(f"{key}.*"))
         if found:
             return max(found, key=lambda p: p.stat().st_mtime)
         time.sleep(0.05)
@@ -244,10 +256,12 @@ def _release_freed_memory() -> None:
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the pages are reused by later allocations instead
+    except (OSError, AttributeError):
+        # Not glibc: the pages are reused by later allocations instead.
         pass
 
 
 def _remove(path: Path, owner: int) -> None:
-    if os.getpid() == owner:  # never from a forked child that inherited the handler
+    # Never from a forked child that inherited the handler.
+    if os.getpid() == owner:
         path.unlink(missing_ok=True)

@@ -59,10 +59,15 @@ class StreamEpochs:
     length = None
 
     def __init__(self, loader: DataLoader, *, accum: int = 1, window_steps: int = 8, uneven: str = "error"):
-        self.loader, self.accum, self.window_steps, self.uneven = loader, accum, window_steps, uneven
+        self.loader = loader
+        self.accum = accum
+        self.window_steps = window_steps
+        self.uneven = uneven
         self.batches_per_epoch: int | None = None
-        self.epoch, self._skip = 0, 0
-        self._window_first, self._window_state = 0, None
+        self.epoch = 0
+        self._skip = 0
+        self._window_first = 0
+        self._window_state = None
         self._saved: dict[str, Any] | None = None
 
     @property
@@ -76,12 +81,16 @@ class StreamEpochs:
 
     def start_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
         """Prepare ``epoch``; ``start_batch`` > 0 continues a checkpointed epoch after that many batches."""
-        self.epoch, self._skip, self._window_first, self._window_state = epoch, start_batch, 0, None
+        self.epoch = epoch
+        self._skip = start_batch
+        self._window_first = 0
+        self._window_state = None
         self.stream.set_epoch(epoch)
         if self.loader.generator is not None:
             # worker seeds: a function of the epoch
             self.loader.generator.manual_seed(self.stream.seed * 1_000_003 + epoch)
-        saved, self._saved = self._saved, None
+        saved = self._saved
+        self._saved = None
         if start_batch and saved is not None and saved.get("saved_ranks"):
             raise DataError(
                 f"cannot resume the training stream at batch {start_batch} of "
@@ -90,7 +99,8 @@ class StreamEpochs:
                 f"{saved['saved_ranks']} ranks, or from a checkpoint taken at an epoch's end (checkpoint.every_epochs)."
             )
         if start_batch and saved is not None and saved["epoch"] == epoch and saved["window_first"] <= start_batch:
-            self._window_first, self._window_state = saved["window_first"], saved["loader"]
+            self._window_first = saved["window_first"]
+            self._window_state = saved["loader"]
             self._skip = start_batch - saved["window_first"]
         if self._window_state is not None:
             self.loader.load_state_dict(self._window_state)
@@ -116,7 +126,8 @@ class StreamEpochs:
         if len(ranks) == self.stream.world_size:
             self._saved = dict(ranks[self.stream.rank])
             self.batches_per_epoch = self._saved.get("batches_per_epoch")
-        elif ranks:  # another world size: only a resume at an epoch's start can work
+        elif ranks:
+            # Another world size: only a resume at an epoch's start can work.
             self._saved = {"epoch": None, "saved_ranks": len(ranks)}
 
     def agree_on_count(self, *, epoch: int, consumed: int, uneven: str) -> int:
@@ -129,10 +140,13 @@ class StreamEpochs:
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
-        done, first = self._window_first, True
+        done = self._window_first
+        first = True
         while True:
-            if not first:  # the position after the last window's reads: where a resume re-reads from
-                self._window_first, self._window_state = done, copy.deepcopy(self.loader.state_dict())
+            # The position after the last window's reads: where a resume re-reads from.
+            if not first:
+                self._window_first = done
+                self._window_state = copy.deepcopy(self.loader.state_dict())
             window, tails = self._read(batches, self.window)
             agreed = self._agree(len(window))
             for batch in window[:agreed]:
@@ -148,7 +162,8 @@ class StreamEpochs:
 
     def _read(self, batches: Iterator[Any], count: int) -> tuple[list[Any], int]:
         """Up to ``count`` batches, and the samples of partial batches the workers dropped meanwhile."""
-        window, tails = [], 0
+        window = []
+        tails = 0
         while len(window) < count:
             item = next(batches, None)
             if item is None:
@@ -178,7 +193,8 @@ class StreamEpochs:
         uneven_stream_end(
             [(count, unread) for count, unread, _ in reads], epoch=self.epoch, ended_at=done, uneven=self.uneven
         )
-        dropped, unread = sum(r[2] for r in reads), any(r[1] for r in reads)
+        dropped = sum(r[2] for r in reads)
+        unread = any(r[1] for r in reads)
         used = done * self.stream.batch_size * len(reads)
         log.info(
             "streaming: epoch %d ended after %d batches per rank (%d samples used); dropped %s%d samples that could "

@@ -50,7 +50,8 @@ class TarShards(IterableDataset):
     ``shuffle`` the shard order is reshuffled per epoch from ``(seed, epoch)``, the same on every rank.
     """
 
-    ddpkit_splits_workers = True  # see ddpkit.data.streaming: this class does its own worker split
+    # See ddpkit.data.streaming: this class does its own worker split.
+    ddpkit_splits_workers = True
 
     def __init__(
         self,
@@ -62,13 +63,18 @@ class TarShards(IterableDataset):
         key: str = "data.kwargs.urls",
     ):
         self.urls = _expand(urls, key)
-        self.fields, self.shuffle, self.seed = tuple(fields), shuffle, seed
-        self.rank, self.world_size, self.epoch = 0, 1, 0
+        self.fields = tuple(fields)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = 0
+        self.world_size = 1
+        self.epoch = 0
 
     def shard(self, rank: int, world_size: int) -> TarShards:
         """This rank's view (called once by ddpkit on each rank)."""
         view = copy.copy(self)
-        view.rank, view.world_size = rank, world_size
+        view.rank = rank
+        view.world_size = world_size
         return view
 
     def set_epoch(self, epoch: int) -> None:
@@ -81,7 +87,8 @@ class TarShards(IterableDataset):
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(files)
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slot, slots = self.rank * workers + worker, self.world_size * workers
+        slot = self.rank * workers + worker
+        slots = self.world_size * workers
         if len(files) >= slots:
             return files[slot::slots], 0, 1
         if len(files) >= self.world_size:
@@ -133,10 +140,12 @@ def webdataset(
 class HFStream(IterableDataset):
     """A Hugging Face streaming ``IterableDataset`` whose rows become tuples of tensors (``columns``)."""
 
-    ddpkit_splits_workers = True  # datasets splits its shards over DataLoader workers itself
+    # datasets splits its shards over DataLoader workers itself.
+    ddpkit_splits_workers = True
 
     def __init__(self, dataset: Any, columns: Sequence[str] | None):
-        self.dataset, self.columns = dataset, tuple(columns) if columns else None
+        self.dataset = dataset
+        self.columns = tuple(columns) if columns else None
 
     def shard(self, rank: int, world_size: int) -> HFStream:
         from datasets.distributed import split_dataset_by_node

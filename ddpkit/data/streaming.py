@@ -35,7 +35,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils.data._utils.worker as _worker_state  # get_worker_info()'s global; see _read_whole
+
+# Private, for get_worker_info()'s global, which _read_whole hides from a source that splits itself.
+import torch.utils.data._utils.worker as _worker_state
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from ddpkit.data.stream_epochs import StreamEpochs, Tail
@@ -89,10 +91,18 @@ class ShardedStream(IterableDataset):
         collate_fn: Callable[[list], Any] = default_collate,
         seed: int = 0,
     ):
-        self.source, self.rank, self.world_size, self.batch_size, self.seed = source, rank, world_size, batch_size, seed
-        self.drop_last, self.split_ranks, self.split_workers = drop_last, split_ranks, split_workers
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.drop_last = drop_last
+        self.split_ranks = split_ranks
+        self.split_workers = split_workers
         self.collate_fn = collate_fn
-        self.epoch, self._yielded, self._ended = 0, 0, False
+        self.epoch = 0
+        self._yielded = 0
+        self._ended = False
         self._resume: dict[str, Any] | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -115,8 +125,10 @@ class ShardedStream(IterableDataset):
         return (self.rank if self.split_ranks else 0) * workers + worker, ranks * workers
 
     def __iter__(self) -> Iterator[Any]:
-        resume, self._resume = self._resume or {"batches": 0, "ended": False}, None
-        self._yielded, self._ended = resume["batches"], resume["ended"]
+        resume = self._resume or {"batches": 0, "ended": False}
+        self._resume = None
+        self._yielded = resume["batches"]
+        self._ended = resume["ended"]
         if self._ended:
             return
         slot, slots = self._slot()
@@ -130,9 +142,11 @@ class ShardedStream(IterableDataset):
                 if batch:
                     yield Tail(len(batch)) if self.drop_last else self.collate_fn(batch)
                 return
-            if number < skip:  # resume: what earlier batches used is read again but not collated
+            # Resume: what earlier batches used is read again but not collated.
+            if number < skip:
                 continue
-            self._yielded = number + 1  # counted before the yield: the state read after this batch includes it
+            # Counted before the yield: the state read after this batch includes it.
+            self._yielded = number + 1
             yield self.collate_fn(batch)
 
 
@@ -140,21 +154,28 @@ def shard_stream(
     dataset: Any, *, env: DistEnv, batch_size: int, drop_last: bool = True, seed: int = 0
 ) -> ShardedStream:
     """Shard ``dataset`` over ranks its own way if it has one, else round-robin; see the module doc."""
-    rank, world = env.rank, env.world_size
+    rank = env.rank
+    world = env.world_size
     module = type(dataset).__module__.split(".")[0]
     splits_workers = bool(getattr(dataset, SPLITS_WORKERS, False))
-    if module == "datasets" and hasattr(dataset, "n_shards"):  # Hugging Face datasets, streaming
+    # Hugging Face datasets, streaming.
+    if module == "datasets" and hasattr(dataset, "n_shards"):
         from datasets.distributed import split_dataset_by_node
 
-        dataset, split_ranks, splits_workers = split_dataset_by_node(dataset, rank=rank, world_size=world), False, True
-    elif module == "webdataset":  # its nodesplitter / workersplitter (as the user built it) decide
-        split_ranks, splits_workers = False, True
+        dataset = split_dataset_by_node(dataset, rank=rank, world_size=world)
+        split_ranks = False
+        splits_workers = True
+    elif module == "webdataset":
+        # Its nodesplitter / workersplitter (as the user built it) decide.
+        split_ranks = False
+        splits_workers = True
         _note_once(
             f"{type(dataset).__name__}: sharded by its own nodesplitter and workersplitter (give it wds.split_by_node)"
         )
     elif callable(getattr(dataset, "shard", None)):
         sharded = dataset.shard(rank, world)
-        dataset, split_ranks = (dataset if sharded is None else sharded), False
+        dataset = dataset if sharded is None else sharded
+        split_ranks = False
     else:
         split_ranks = world > 1
         _note_once(
@@ -239,7 +260,8 @@ def build_stream_loader(
             "data.name."
         ) from None
     stream = shard_stream(dataset, env=env, batch_size=batch_size, drop_last=True, seed=seed)
-    loader_kwargs.pop("persistent_workers", None)  # a fresh worker per epoch sees set_epoch's epoch
+    # A fresh worker per epoch sees set_epoch's epoch.
+    loader_kwargs.pop("persistent_workers", None)
     # torchdata 0.11 calls torch.set_vital, deprecated in newer torch: not the user's concern
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")

@@ -49,7 +49,8 @@ class TextCodec:
             ) from None
         try:
             tok = Tokenizer.from_file(str(tokenizer_json))
-        except Exception as exc:  # the library raises its own Exception type for a missing or malformed file
+        except Exception as exc:
+            # The library raises its own Exception type for a missing or malformed file.
             raise ConfigError(
                 f"{option} {tokenizer_json}: cannot read it as a Hugging Face tokenizer.json ({exc})"
             ) from None
@@ -84,7 +85,9 @@ class TextStream:
     sequence and returning what was added (a token may change how the ones before it read)."""
 
     def __init__(self, codec: TextCodec):
-        self._codec, self._ids, self._shown = codec, [], ""
+        self._codec = codec
+        self._ids = []
+        self._shown = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token: int) -> str:
@@ -92,9 +95,11 @@ class TextStream:
             return self._utf8.decode(bytes([token])) if token < 256 else ""
         self._ids.append(token)
         text = self._codec.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
+        # An incomplete character: wait for the next token.
+        if text.endswith("\ufffd"):
             return ""
-        new, self._shown = text[len(self._shown) :], text
+        new = text[len(self._shown) :]
+        self._shown = text
         return new
 
     def finish(self) -> str:

@@ -125,9 +125,12 @@ class TokenFile(Dataset):
         if self.vocab_size is not None:
             self._check_ids(window, start)
         both = torch.from_numpy(window.astype(np.int64))
-        x, y = both[:-1], both[1:]
-        if self.mask_path is not None:  # a chat file: targets outside the trainable turns carry no loss
-            trained = os.pread(self._files()[1], self.seq_len, start + 1)  # one byte per token; y starts one later
+        x = both[:-1]
+        y = both[1:]
+        # A chat file: targets outside the trainable turns carry no loss.
+        if self.mask_path is not None:
+            # One byte per token; y starts one later.
+            trained = os.pread(self._files()[1], self.seq_len, start + 1)
             y = y.masked_fill(torch.frombuffer(bytearray(trained), dtype=torch.uint8) == 0, IGNORE_INDEX)
         return x, y
 
@@ -153,7 +156,8 @@ class TokenFile(Dataset):
 
     def _files(self) -> tuple[int, int | None]:
         """``(token file, mask file or None)`` descriptors of this process."""
-        if self._pid != os.getpid():  # first read in this process (a forked DataLoader worker?): its own descriptors
+        # First read in this process (a forked DataLoader worker?): its own descriptors.
+        if self._pid != os.getpid():
             try:
                 self._fd = os.open(self.path, os.O_RDONLY)
                 self._mask_fd = os.open(self.mask_path, os.O_RDONLY) if self.mask_path is not None else None
@@ -166,7 +170,8 @@ class TokenFile(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fd": None, "_mask_fd": None, "_pid": None}
 
-    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:  # bound early: at exit the os module may be gone
+    # The defaults bind os's functions early: at exit the os module may be gone.
+    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:
         if getattr(self, "_pid", None) == _getpid():
             for fd in (self._fd, self._mask_fd):
                 if fd is not None:
@@ -323,7 +328,9 @@ def write_token_file(
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    count, limit, separator = 0, np.iinfo(dtype).max, np.array([eot], dtype=dtype).tobytes()
+    count = 0
+    limit = np.iinfo(dtype).max
+    separator = np.array([eot], dtype=dtype).tobytes()
     try:
         with os.fdopen(fd, "wb") as out:
             for i, document in enumerate(documents):
@@ -359,7 +366,8 @@ def stdlib_corpus(directory: str | os.PathLike | None = None) -> tuple[Path, Pat
     """
     base = Path(directory) if directory is not None else (cache_dir() or Path(tempfile.gettempdir()) / "ddpkit")
     folder = base / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-bytes-{_CORPUS_VERSION}"
-    train, val = folder / "train.bin", folder / "val.bin"
+    train = folder / "train.bin"
+    val = folder / "val.bin"
     if not (train.is_file() and val.is_file()):
         files = _stdlib_sources()
         for target, held_out in ((train, False), (val, True)):
@@ -373,8 +381,9 @@ def _stdlib_sources() -> list[Path]:
     found = [
         p
         for p in root.rglob("*.py")
+        # _sysconfigdata: the platform's build settings, which differ per machine.
         if not _SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]) and not p.name.startswith("_sysconfigdata")
-    ]  # the platform's build settings: differ per machine
+    ]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -398,7 +407,8 @@ def require_vocab_of(model: object, *datasets: object) -> None:
         if isinstance(vocab_size, int) and callable(getattr(dataset, "require_vocab", None)):
             dataset.require_vocab(vocab_size)
     documents = next((d.documents for d in datasets if getattr(d, "documents", None)), None)
-    if documents is not None:  # data.kwargs.document_mask: the model needs the end-of-text id to find documents
+    # data.kwargs.document_mask: the model needs the end-of-text id to find documents.
+    if documents is not None:
         if not callable(getattr(model, "use_documents", None)):
             raise ConfigError(
                 f"data.kwargs.document_mask: {type(model).__name__} has no use_documents(eot=, "
