@@ -140,7 +140,9 @@ def _estimated_step(a: Attempt, step: int, last_t: float, until: float) -> int:
 
 def _cost(failed: Attempt, next_: Attempt, line: dict[str, Any] | None) -> FaultCost:
     step, last_t, exact = _last_step(failed)
-    start, restore, first = next_.first("start"), next_.first("restore"), next_.first("first_step")
+    start = next_.first("start")
+    restore = next_.first("restore")
+    first = next_.first("first_step")
     marks: list[float | None] = [last_t]
     if line is not None:
         marks += [float(line["detected"]), float(line["t"])]
@@ -158,7 +160,8 @@ def _cost(failed: Attempt, next_: Attempt, line: dict[str, Any] | None) -> Fault
         parts[name] = None if mark is None else max(0.0, mark - previous)
         previous = previous if mark is None else mark
     kind = line["kind"] if line is not None else ("stop signal" if failed.status == "STOPPED" else "worker failed")
-    if not exact and line is not None:  # every worker died: their last step lies between that record and the agent's
+    # Every worker died: their last step lies between that record and the agent's
+    if not exact and line is not None:
         step = _estimated_step(failed, step, last_t, float(line["detected"]))
     lost = max(0, step - int(restore["step"])) if restore else 0
     return FaultCost(attempt=failed.label, kind=kind, steps_lost=lost, exact=exact, parts=parts)

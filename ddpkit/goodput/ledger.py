@@ -54,10 +54,14 @@ __all__ = [
 ]
 
 LEDGER_FILE = "goodput.jsonl"
-SESSION_ENV = "DDPKIT_GOODPUT_SESSION"  # set by `ddpkit run`; every attempt it launches shares it
-GOODPUT_DIR_ENV = "DDPKIT_GOODPUT_DIR"  # set by `ddpkit run`: the run's output directory
-PROGRESS_INTERVAL = 1.0  # seconds between "progress" lines: the resolution of "progress lost to faults"
-_IMPORTED = time.time()  # the trainer imports torch before this module: the end of the import cost
+#: Set by `ddpkit run`; every attempt it launches shares it
+SESSION_ENV = "DDPKIT_GOODPUT_SESSION"
+#: Set by `ddpkit run`: the run's output directory
+GOODPUT_DIR_ENV = "DDPKIT_GOODPUT_DIR"
+#: Seconds between "progress" lines: the resolution of "progress lost to faults"
+PROGRESS_INTERVAL = 1.0
+#: The trainer imports torch before this module: the end of the import cost
+_IMPORTED = time.time()
 
 
 def process_start_time(pid: int | str = "self") -> float:
@@ -67,7 +71,8 @@ def process_start_time(pid: int | str = "self") -> float:
     kernel's record is the only honest start of an attempt.
     """
     try:
-        ticks = int(proc_stat(pid)[19])  # type: ignore[index]  # None (no /proc): TypeError, below
+        # None (no /proc) raises TypeError, handled below
+        ticks = int(proc_stat(pid)[19])  # type: ignore[index]
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         # The age from uptime (10 ms resolution), not /proc/stat's btime (whole seconds).
@@ -131,14 +136,16 @@ def _watch_exit(output_dir: str | os.PathLike) -> None:
         quiet = subprocess.DEVNULL
         subprocess.Popen(argv, stdin=quiet, stdout=quiet, stderr=quiet, start_new_session=True)
     except OSError:
-        pass  # the exit line written below is then the session's end
+        # The exit line written below is then the session's end
+        pass
 
 
 @contextlib.contextmanager
 def launch_session(output_dir: str | os.PathLike) -> Iterator[None]:
     """``ddpkit run``'s share: its own start and exit, and a session id its workers inherit."""
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex[:12])
-    os.environ[GOODPUT_DIR_ENV] = str(output_dir)  # where the launcher's agent writes its fault lines (launch.launcher)
+    # Where the launcher's agent writes its fault lines (launch.launcher)
+    os.environ[GOODPUT_DIR_ENV] = str(output_dir)
     append_event(output_dir, "launch", t=process_start_time())
     _watch_exit(output_dir)
     code: Any = "error"
@@ -170,12 +177,16 @@ class GoodputLedger:
         run_dir: str | os.PathLike = ".",
         stop: Stopping | None = None,
     ):
-        self.output_dir, self.progress, self._dir, self._stop = output_dir, progress, run_dir, stop
+        self.output_dir = output_dir
+        self.progress = progress
+        self._dir = run_dir
+        self._stop = stop
         self._span: list[str] = []
         self._began: dict[str, float] = {}
         self._first_done = False
         self._next_progress = 0.0
-        self.last_step, self.last_step_time = 0, time.time()
+        self.last_step = 0
+        self.last_step_time = time.time()
 
     @classmethod
     def for_run(cls, config: Config, runtime: Runtime, *, progress: Progress, stop: Stopping) -> GoodputLedger:
@@ -189,7 +200,8 @@ class GoodputLedger:
             append_event(self.output_dir, event, **fields)
 
     def __enter__(self) -> GoodputLedger:
-        began = process_start_time()  # forked from `ddpkit run`, a worker starts with torch imported: no import cost
+        # Forked from `ddpkit run`, a worker starts with torch imported: no import cost
+        began = process_start_time()
         self._write("start", t=began, imported=max(_IMPORTED, began), ready=time.time(), pid=os.getpid())
         return self
 
@@ -204,7 +216,8 @@ class GoodputLedger:
         fields = {"step": self.last_step, "last_step_t": self.last_step_time, "status": status}
         if self.output_dir is not None:
             append_event(self.output_dir, "end", **fields)
-        elif status == "FAILED":  # every rank's: the last step before a fault, whichever rank died (goodput.faults)
+        elif status == "FAILED":
+            # Every rank writes it: the last step before a fault, whichever rank died (goodput.faults)
             append_event(self._dir, "end", **fields)
 
     def restore(self, resume: Callable[[], Any]) -> Any:
@@ -212,7 +225,8 @@ class GoodputLedger:
         began = time.time()
         resumed = resume()
         source = resumed if isinstance(resumed, str) else ("disk" if resumed else "none")
-        self.last_step, self.last_step_time = self.progress.step, time.time()
+        self.last_step = self.progress.step
+        self.last_step_time = time.time()
         self._write("restore", began=began, step=self.last_step, source=source)
         return resumed
 
@@ -243,7 +257,8 @@ class GoodputLedger:
     def on_step_end(self, step: int) -> None:
         """Step ``step`` is done: the first one and a progress mark about once a second go to the ledger."""
         now = time.time()
-        self.last_step, self.last_step_time = step, now
+        self.last_step = step
+        self.last_step_time = now
         if not self._first_done:
             self._first_done = True
             self._write("first_step", step=self.last_step)

@@ -142,7 +142,8 @@ def _sessions(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
 def _attempts(session: str, records: list[dict[str, Any]]) -> list[Attempt]:
     by_number: dict[int, Attempt] = {}
     for record in records:
-        if record["event"] not in ("launch", "exit", "gone", "agent_fault"):  # the launcher's, not an attempt's
+        # The launcher's records, not an attempt's
+        if record["event"] not in ("launch", "exit", "gone", "agent_fault"):
             number = int(record.get("attempt", 0))
             by_number.setdefault(number, Attempt(session, number)).records.append(record)
     return [by_number[n] for n in sorted(by_number)]
@@ -165,7 +166,8 @@ def _time_of_step(points: list[tuple[int, float]], step: int) -> float:
         return points[0][1]
     if not after:
         return points[-1][1]
-    (s0, t0), (s1, t1) = before[-1], after[0]
+    s0, t0 = before[-1]
+    s1, t1 = after[0]
     return t0 if s1 == s0 else t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
 
@@ -175,13 +177,16 @@ def _overlap(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
 
 def _split_attempt(a: Attempt, begin: float, next_restore: int | None) -> float:
     """Fill ``a.seconds`` for [begin, end of attempt]; return the attempt's end time."""
-    end_rec, restore = a.first("end"), a.first("restore")
+    end_rec = a.first("end")
+    restore = a.first("restore")
     a.status = end_rec["status"] if end_rec else "FAILED"
     end = max(float(r["t"]) for r in a.records)
-    if restore is None:  # died while starting: all of it was start-up
+    # Died while starting: all of it was start-up
+    if restore is None:
         a.seconds = {"startup": end - begin}
         return end
-    a.restored_step, restored = int(restore["step"]), float(restore["t"])
+    a.restored_step = int(restore["step"])
+    restored = float(restore["t"])
     points = step_times(a)
     a.last_step, last_t = max(points)
     last_t = max(t for s, t in points if s == a.last_step)
@@ -211,7 +216,8 @@ def analyse(records: list[dict[str, Any]]) -> Report:
     if not flat:
         raise DdpkitError("the goodput ledger holds no attempt of a training run yet")
     restores = [a.first("restore") for a in flat]
-    wall, total = 0.0, {}
+    wall = 0.0
+    total = {}
     index = 0
     for _, rs, atts in attempts:
         launch = next((float(r["t"]) for r in rs if r["event"] == "launch"), None)
