@@ -70,7 +70,8 @@ def run_trainer(cls: Any, config: str | None, overrides: Sequence[str] = ()) -> 
 
     def fit() -> None:
         trainer = cls(config, overrides=overrides)
-        requeue = check_requeue_exit_code(trainer.config.run.requeue_exit_code)  # refused now, not at the preemption
+        # Refused now, not at the preemption
+        requeue = check_requeue_exit_code(trainer.config.run.requeue_exit_code)
         try:
             trainer.fit()
         except Preempted as exc:
@@ -108,7 +109,8 @@ def run_entrypoint(fn: Callable[[], Any]) -> int:
     except Exception:
         if not peers:
             raise
-        sys.excepthook(*sys.exc_info())  # what the interpreter would print on its way out
+        # What the interpreter would print on its way out
+        sys.excepthook(*sys.exc_info())
         code = EXIT_FAILURE
     if code and peers:
         _exit_now(code)
@@ -123,12 +125,15 @@ def _on_failure(exc: Exception, *, peers: bool) -> int:
         # ("Failed to parse reply file") instead of its error. What is left to do is
         # short and the agent's SIGKILL after --shutdown-timeout still bounds it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if peers and not isinstance(exc, Preempted):  # a signal-stopped run has saved; nobody failed
+    # A signal-stopped run has saved; nobody failed
+    if peers and not isinstance(exc, Preempted):
         from ddpkit.watchdog.heartbeat import announce_failure
 
-        announce_failure()  # fit() told the store why it failed: let ranks on other nodes read it first
+        # fit() told the store why it failed: let ranks on other nodes read it first
+        announce_failure()
     if not isinstance(exc, DdpkitError):
-        raise exc  # record() writes the traceback to torchrun's error file
+        # record() writes the traceback to torchrun's error file
+        raise exc
     code = report_error(exc, command="ddpkit", rank=os.environ.get("RANK", "?") if peers else None)
     # torchrun's summary: what failed, no traceback
     write_error_file(f"{type(exc).__name__}: {exc}", when=time.time(), code=code)
@@ -139,7 +144,8 @@ def _has_peers() -> bool:
     """True when this process is one rank of a job of several (torchrun or srun variables)."""
     try:
         return read_dist_env().world_size > 1
-    except LaunchError:  # a broken launch environment: no group was ever formed
+    except LaunchError:
+        # A broken launch environment: no group was ever formed
         return False
 
 

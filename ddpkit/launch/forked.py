@@ -109,7 +109,8 @@ def quiet_polling_tracebacks() -> None:
 
     def drop_traceback(record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("failed (exitcode"):
-            record.exc_info, record.exc_text = None, None
+            record.exc_info = None
+            record.exc_text = None
         return True
 
     logging.getLogger(POLLING_LOGGER).addFilter(drop_traceback)
@@ -129,13 +130,16 @@ def run_program(program: list[str]) -> None:
     sys.argv = [target, *args]
     try:
         if is_module:
-            sys.path.insert(0, os.getcwd())  # what `python -m` puts first
+            # What `python -m` puts first
+            sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # what `python SCRIPT` puts first
+            # What `python SCRIPT` puts first
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     finally:
-        atexit._run_exitfuncs()  # the program's own exit handlers: a forked process leaves with os._exit
+        # The program's own exit handlers: a forked process leaves with os._exit
+        atexit._run_exitfuncs()
 
 
 def _show_in_ps(argv: list[str]) -> None:
@@ -149,7 +153,8 @@ def _show_in_ps(argv: list[str]) -> None:
     try:
         fields = proc_stat("self")
         # fields 48 and 49 of proc(5), counted after the name
-        start, end = int(fields[45]), int(fields[46])  # type: ignore[index]
+        start = int(fields[45])  # type: ignore[index]
+        end = int(fields[46])  # type: ignore[index]
         text = b"\0".join(os.fsencode(arg) for arg in argv)[: end - start - 1]
         with open("/proc/self/mem", "r+b", buffering=0) as mem:
             mem.seek(start)
@@ -164,18 +169,22 @@ def _forget_the_launcher() -> None:
         handler = signal.getsignal(sig)
         if callable(handler) and handler is not signal.default_int_handler:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    atexit._clear()  # the launcher's exit handlers are the launcher's
+    # The launcher's exit handlers are the launcher's
+    atexit._clear()
     threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:  # torch read them when the launcher imported it, not now
+    # torch read them when the launcher imported it, not now
+    if threads and threads.isdigit() and int(threads) > 0:
         import torch
 
         torch.set_num_threads(int(threads))
-    for stream in (sys.stdout, sys.stderr):  # `python -u`: a rank's lines appear as they are written
+    # `python -u`: a rank's lines appear as they are written
+    for stream in (sys.stdout, sys.stderr):
         try:
             stream.reconfigure(line_buffering=True)
         except (AttributeError, ValueError):
             pass
-    try:  # `ps`, `pgrep` and `top` show the interpreter's name, not the launcher thread's "pt_elastic"
+    # `ps`, `pgrep` and `top` show the interpreter's name, not the launcher thread's "pt_elastic"
+    try:
         with open("/proc/self/comm", "w") as f:
             f.write(os.path.basename(sys.executable)[:15])
     except OSError:

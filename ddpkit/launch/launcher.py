@@ -61,13 +61,16 @@ def preflight(
     from ddpkit.distributed.process_group import resolve_backend, resolve_device
     from ddpkit.training.precision import check_precision
 
-    if not nproc.isdigit():  # torchrun's "gpu", "cpu", "auto" count the devices themselves
+    # torchrun's "gpu", "cpu", "auto" count the devices themselves
+    if not nproc.isdigit():
         return None
     n = int(nproc)
-    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)  # needs the most GPUs
+    # The last rank needs the most GPUs
+    last = DistEnv(rank=n - 1, local_rank=n - 1, world_size=n, local_world_size=n)
     try:
         torch_device = resolve_device(last, device)
-    except LaunchError as exc:  # more processes than GPUs: a refused launch, which a retry will not fix (exit 2)
+    except LaunchError as exc:
+        # More processes than GPUs: a refused launch, which a retry will not fix (exit 2)
         raise ConfigError(str(exc)) from None
     resolve_backend(backend, torch_device)
     check_precision(precision, torch_device, option=precision_option)
@@ -113,10 +116,12 @@ def torchrun_argv(
         f"--monitor-interval={MONITOR_INTERVAL}",
     ]
     extra = torchrun_adapter.check_passthrough(extra) if extra else []
-    if torchrun_adapter.has_option("--shutdown-timeout"):  # not in torch 2.11 and older, whose agent waits a fixed 30 s
+    # Not in torch 2.11 and older, whose agent waits a fixed 30 s
+    if torchrun_adapter.has_option("--shutdown-timeout"):
         argv.append(f"--shutdown-timeout={max(1, math.ceil(shutdown_timeout))}")
     signals = [name for name in forward_signals if name not in _TORCHRUN_SIGNALS]
-    if signals and torchrun_adapter.has_option("--signals-to-handle"):  # newer than torch 2.6
+    # Newer than torch 2.6
+    if signals and torchrun_adapter.has_option("--signals-to-handle"):
         argv.append(f"--signals-to-handle={','.join([*_TORCHRUN_SIGNALS, *signals])}")
     if rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
@@ -168,7 +173,8 @@ def launch(torchrun_argv: list[str], *, fork: bool = False, requeue_exit_code: i
     try:
         with _fault_log(requeue_exit_code):
             _run(args, fork=fork and hasattr(os, "fork"))
-    except SignalException as exc:  # the agent forwarded it to the workers and waited for them
+    except SignalException as exc:
+        # The agent forwarded it to the workers and waited for them
         print(
             f"ddpkit run: stopped by {signal.Signals(exc.sigval).name}: the workers were asked to save the step they "
             f"agree on (checkpoint.save_on_signals) and exit. Run the same command again to resume.",
@@ -207,7 +213,8 @@ def _loopback_only() -> None:
     """A one-node job: the rendezvous backend that listens on loopback, and Gloo's and NCCL's sockets
     on the loopback interface too (they would take the host name's address), unless the user chose one."""
     torchrun_adapter.register_loopback_rendezvous()
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a shared store would be torch's, on every interface
+    # A shared store would be torch's, on every interface
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     loopback = next((name for name in names if name.startswith("lo")), None)
     if loopback is not None:
@@ -272,7 +279,8 @@ def _add_unobserved_failures(exc: Any) -> None:
             continue
         known = {f.local_rank for f in recorded.values()}
         for other in sorted(path.parent.parent.iterdir(), key=lambda p: p.name):
-            local, file = other.name, other / path.name
+            local = other.name
+            file = other / path.name
             if local.isdigit() and int(local) not in known and file.is_file():
                 info = _extra_info(file)
                 code = int(info.get("exitcode", EXIT_FAILURE))

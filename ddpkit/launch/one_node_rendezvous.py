@@ -43,15 +43,21 @@ class OneNodeRendezvous:
         info: Callable[[Store, str], Any],
         local_addr: str = "127.0.0.1",
     ):
-        self._store, self._run_id, self._backend, self._addr = store, run_id, backend, local_addr
-        self._info, self._round, self._closed = info, 0, False
+        self._store = store
+        self._run_id = run_id
+        self._backend = backend
+        self._addr = local_addr
+        self._info = info
+        self._round = 0
+        self._closed = False
 
     def get_backend(self) -> str:
         return self._backend
 
     @property
     def use_agent_store(self) -> bool:
-        return False  # the workers' rank 0 hosts their store, as with torch's c10d handler and its store unshared
+        # The workers' rank 0 hosts their store, as with torch's c10d handler and its store unshared
+        return False
 
     def next_rendezvous(self) -> Any:
         """A new round: rank 0 of 1 on a fresh key space; ``MASTER_PORT`` a free port on ``local_addr``."""
@@ -65,7 +71,8 @@ class OneNodeRendezvous:
         self._closed = True
 
     def num_nodes_waiting(self) -> int:
-        return 0  # no other node can join a one-node job: the agent's monitor asks this on every tick
+        # No other node can join a one-node job: the agent's monitor asks this on every tick
+        return 0
 
     def get_run_id(self) -> str:
         return self._run_id

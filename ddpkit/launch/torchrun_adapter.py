@@ -79,7 +79,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def has_option(option: str) -> bool:
     """Whether this torch's launcher takes ``option`` (its flags grew across the torch releases ddpkit supports)."""
-    return option in _parser()._option_string_actions  # private: the parser's table of option strings
+    # Private: the parser's table of option strings
+    return option in _parser()._option_string_actions
 
 
 class _Refused(Exception):
@@ -99,7 +100,8 @@ def check_passthrough(options: Sequence[str]) -> list[str]:
     def refuse(message: str) -> None:
         raise _Refused(message)
 
-    parser.error = refuse  # type: ignore[method-assign]  # argparse would print the usage and exit
+    # argparse would print the usage and exit
+    parser.error = refuse  # type: ignore[method-assign]
     try:
         parsed = parser.parse_args([*options, "PROGRAM"])
     except _Refused as exc:
@@ -125,11 +127,15 @@ def run(args: argparse.Namespace, *, fork: bool, entrypoint: Any = None, before_
     if not fork:
         torchrun(args)
         return
-    if args.standalone:  # what torchrun's run() does for --standalone: c10d rendezvous on a free local port
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    # What torchrun's run() does for --standalone: c10d rendezvous on a free local port
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
-    config, _, _ = config_from_args(args)  # not public API: torchrun's own translation of its options
+    # Not public API: torchrun's own translation of its options
+    config, _, _ = config_from_args(args)
     config.start_method = "fork"
     # what `python -u` would run
     program = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
@@ -167,7 +173,8 @@ def register_loopback_rendezvous() -> None:
     would listen on every interface and sleep up to 0.3 s on the first restart)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)  # the same creator again is a no-op
+    # The same creator again is a no-op
+    rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)
 
 
 #: ``listener(detected=, stopped=, attempt=, codes=)``: the agent saw a worker of ``attempt`` fail at
@@ -192,7 +199,8 @@ def observe_faults(listener: FaultListener) -> Iterator[None]:
         began = time.time()
         result = original(self, timeout, period)
         if result is not None and result.is_failed():
-            try:  # a record of the fault must never stop the agent's restart
+            # A record of the fault must never stop the agent's restart
+            try:
                 attempt = int(self.envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if self.envs else 0
                 listener(detected=began, stopped=time.time(), attempt=attempt, codes=_exit_codes(self, result))
             except Exception as exc:  # noqa: BLE001

@@ -39,8 +39,10 @@ from pathlib import Path
 
 __all__ = ["PRELOAD_ENV", "script_imports", "preload_program", "installed"]
 
-PRELOAD_ENV = "DDPKIT_PRELOAD"  #: off: nothing beyond torch and ddpkit; mod1,mod2: these too
-_MARKER = "DDPKIT_PRELOAD"  # a script's own top-level `DDPKIT_PRELOAD = False` opts it out
+#: Its value: ``off`` preloads nothing beyond torch and ddpkit, ``mod1,mod2`` these modules too
+PRELOAD_ENV = "DDPKIT_PRELOAD"
+#: A script's own top-level `DDPKIT_PRELOAD = False` opts it out
+_MARKER = "DDPKIT_PRELOAD"
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def script_imports(program: list[str]) -> list[str]:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module != "__future__":
             names.append(node.module)
-            names += [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"]  # maybe submodules
+            # Each imported name may be a submodule too
+            names += [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"]
     return list(dict.fromkeys(names))
 
 
@@ -126,10 +129,12 @@ def preload_program(program: list[str]) -> list[str]:
             continue
         parent, _, attr = name.rpartition(".")
         if parent in sys.modules and not _may_be_submodule(sys.modules[parent], attr):
-            continue  # `from module import function`: nothing more to import
+            # `from module import function`: nothing more to import
+            continue
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001  # the worker imports it again and reports the error as it would
+        except Exception as exc:  # noqa: BLE001
+            # The worker imports it again and reports the error as it would
             logger.debug("not preloading %s: %s", name, exc)
             continue
         done.append(name)
@@ -147,5 +152,6 @@ def preload_program(program: list[str]) -> list[str]:
 
 def _may_be_submodule(parent: object, attr: str) -> bool:
     if not hasattr(parent, "__path__"):
-        return False  # a plain module: `attr` is one of its names
+        # A plain module: `attr` is one of its names
+        return False
     return not hasattr(parent, attr) or inspect.ismodule(getattr(parent, attr))

@@ -68,9 +68,11 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, progress: Prog
     while all of them are still open."""
     group = process_group(env, **group_options(config), trace_dir=Path(config.output_dir) / "logs")
     with group as runtime:
-        key = agree_job_key()  # a collective, once the group is up: before anything uses the store
+        # A collective, once the group is up: before anything uses the store
+        key = agree_job_key()
         with (
-            RunLock.for_run(config, runtime),  # one writer per run directory: nothing is written before it
+            # One writer per run directory: nothing is written before it
+            RunLock.for_run(config, runtime),
             StopOnSignal.for_run(config, runtime, key=key) as stop,
             Watchdog.for_run(config, runtime, progress=progress, key=key, position=events.position) as watchdog,
             GoodputLedger.for_run(config, runtime, progress=progress, stop=stop) as ledger,
@@ -79,7 +81,8 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, progress: Prog
             try:
                 yield worker
             except BaseException as error:
-                if isinstance(error, Exception):  # not Ctrl-C: nothing to save for a user who asked to stop
+                # Not Ctrl-C: nothing to save for a user who asked to stop
+                if isinstance(error, Exception):
                     events.failure(error)
                 events.exit(ledger.status_of(error))
                 raise
