@@ -76,6 +76,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(renamed(argv[1:], OLD_SPELLINGS, prog=f"ddpkit bench {name}"))
     if not args.json:
         return exit_code_of(lambda: module.run(args), command=f"ddpkit bench {name}")
-    args.json_stdout = sys.stdout  # report.emit_results prints the JSON there; the tables go to stderr
+    # report.emit_results prints the JSON there; the tables go to stderr
+    args.json_stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
         return exit_code_of(lambda: module.run(args), command=f"ddpkit bench {name}")

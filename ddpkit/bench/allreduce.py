@@ -34,7 +34,8 @@ __all__ = ["add_arguments", "run", "worker", "bus_factor"]
 
 DEFAULT_SIZES_CPU = "1KB..64MB"
 DEFAULT_SIZES_GPU = "1KB..256MB"
-_ELEMENT_BYTES = 4  # float32
+#: Bytes per element: the benchmark sends float32
+_ELEMENT_BYTES = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +141,8 @@ def _measure(size: int, runtime: Runtime, *, iters: int, warmup: int, budget: fl
     import torch
     import torch.distributed as dist
 
-    n, device = runtime.env.world_size, runtime.device
+    n = runtime.env.world_size
+    device = runtime.device
     count = size // _ELEMENT_BYTES
     tensor = torch.full((count,), float(runtime.env.rank + 1), dtype=torch.float32, device=device)
     dist.all_reduce(tensor)

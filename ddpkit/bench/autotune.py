@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     """Validate, run every candidate in one launched job, print the table and the best override."""
     from ddpkit.config.loader import load_config
 
-    cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
+    # A bad config fails here, before any process starts
+    cfg = load_config(args.config, args.overrides)
     (nproc,) = _one(parse_nproc(args.nproc_per_node, minimum=2), "--nproc-per-node")
     for option, value in (("--steps", args.steps), ("--rounds", args.rounds)):
         if value < 1:
@@ -134,7 +135,8 @@ def _report(
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
     """On every rank: train each candidate ``rounds`` times, alternating; return ms/step lists."""
-    pairs, rounds = [tuple(p) for p in params["pairs"]], params["rounds"]
+    pairs = [tuple(p) for p in params["pairs"]]
+    rounds = params["rounds"]
     ms: list[list[float]] = [[] for _ in pairs]
     for round_index in range(rounds):
         order = list(range(len(pairs)))

@@ -41,7 +41,8 @@ def run_workers(
     from ddpkit.launch.launcher import launch, torchrun_argv
 
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-bench-{kind}-") as tmp:
-        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec = Path(tmp) / "spec.json"
+        result = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"kind": kind, "params": params, "result": str(result), "workdir": tmp}))
         argv = torchrun_argv(nproc=str(nproc), program=[*(entry or ["-m", "ddpkit.bench.worker"]), str(spec)])
         with _env(OMP_NUM_THREADS=str(threads) if threads else None):

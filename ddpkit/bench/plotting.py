@@ -22,7 +22,8 @@ def require_matplotlib() -> Any:
         raise BenchUsageError(
             "--plot needs matplotlib, which is not installed: pip install 'ddpkit[plot]' (or leave out --plot)"
         ) from None
-    matplotlib.use("Agg")  # write files; never try to open a window
+    # Write files; never try to open a window
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

@@ -65,7 +65,8 @@ from ddpkit.distributed.process_group import Runtime
 __all__ = ["add_arguments", "local_links", "profile_from_dict", "run", "worker"]
 
 ALLREDUCE_SIZES = "4KB..16MB"
-_PROFILE_TIMEOUT = 900  # seconds for one concurrent profile: generous, for a loaded machine
+#: Seconds for one concurrent profile: generous, for a loaded machine
+_PROFILE_TIMEOUT = 900
 #: Variables that would make a profile process join a launched job instead of being a world of one.
 _LAUNCHER_VARS = (
     "RANK",
@@ -148,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.bench.scaling_profile import check_profiled_config
     from ddpkit.config.loader import load_config
 
-    cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
+    # A bad config fails here, before any process starts
+    cfg = load_config(args.config, args.overrides)
     world_sizes, validate, given, caps = _check(args)
     check_profiled_config(cfg)
     if max(validate, default=1) > 1 and cfg.dist.device != "cpu" and torch.cuda.is_available():
@@ -166,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if validate or not given:
         links.insert(0, local_links(_allreduce_points(args.allreduce_json)))
     profiles, measured = _measure(params, validate, rounds=args.rounds)
-    profile = sorted(profiles[1], key=lambda p: p.single_step_s)[len(profiles[1]) // 2]  # the median round's
+    # The median round's profile
+    profile = sorted(profiles[1], key=lambda p: p.single_step_s)[len(profiles[1]) // 2]
     _print_profile(args.config, profile, cfg.ddp.bucket_cap_mb, rounds=args.rounds)
     rows = prediction_rows(profile, links, world_sizes, algorithm=args.algorithm, caps=caps)
     _print_predictions(rows)
@@ -291,7 +294,8 @@ def _profile(params: dict[str, Any], n: int) -> Profile:
     if n == 1:
         return profile_from_dict(run_workers("scaling", {**params, "mode": "profile"}, nproc=1))
     with tempfile.TemporaryDirectory(prefix="ddpkit-bench-scaling-") as tmp:
-        procs, results = [], [Path(tmp) / f"result{i}.json" for i in range(n)]
+        procs = []
+        results = [Path(tmp) / f"result{i}.json" for i in range(n)]
         for i, result in enumerate(results):
             spec = Path(tmp) / f"spec{i}.json"
             spec.write_text(
@@ -331,7 +335,8 @@ def prediction_rows(
             if n > 1:
                 cap, best = best_bucket_cap(profile, n, link, caps_mb=caps, algorithm=algorithm)
             else:
-                cap, best = profile.bucket_cap_mb or 25.0, p
+                cap = profile.bucket_cap_mb or 25.0
+                best = p
             rows.append(
                 {
                     "link": link.label(),

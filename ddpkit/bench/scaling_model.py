@@ -118,7 +118,8 @@ class Profile:
     buffer_bytes: int = 0
     comm_factor: float = 1.0
     bucket_cap_mb: float | None = None
-    step_samples_s: tuple[float, ...] = ()  # the DDP-wrapped step's time in each timed iteration, sorted
+    #: The DDP-wrapped step's time in each timed iteration, sorted.
+    step_samples_s: tuple[float, ...] = ()
 
     @property
     def grad_bytes(self) -> int:
@@ -131,11 +132,15 @@ class Prediction:
 
     world_size: int
     step_s: float
-    comm_s: float  # sum of the bucket allreduces
-    exposed_comm_s: float  # how much of it the step waits for (not hidden behind backward)
+    #: Sum of the bucket allreduces.
+    comm_s: float
+    #: How much of it the step waits for (not hidden behind backward).
+    exposed_comm_s: float
     samples_per_s: float
-    efficiency: float  # single_step_s / step_s
-    straggler_s: float = 0.0  # the median step's wait for the slowest of the n ranks
+    #: single_step_s / step_s.
+    efficiency: float
+    #: The median step's wait for the slowest of the n ranks.
+    straggler_s: float = 0.0
 
 
 def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
@@ -179,15 +184,18 @@ def fit_link(points: Sequence[tuple[int, int, float]], *, name: str = "fitted") 
     s11 = sum(x1 * x1 for x1, _ in rows)
     s12 = sum(x1 * x2 for x1, x2 in rows)
     s22 = sum(x2 * x2 for _, x2 in rows)
-    r1, r2 = sum(x1 for x1, _ in rows), sum(x2 for _, x2 in rows)
+    r1 = sum(x1 for x1, _ in rows)
+    r2 = sum(x2 for _, x2 in rows)
     det = s11 * s22 - s12 * s12
     if len(rows) < 2 or det <= 1e-12 * s11 * s22:
         raise BenchUsageError(
             "the allreduce measurement needs at least two different "
             "message sizes on 2+ ranks to fit latency and bandwidth"
         )
-    alpha, beta = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if beta <= 0:  # timings too noisy to show a bandwidth: fall back to the largest message's busbw
+    alpha = (r1 * s22 - r2 * s12) / det
+    beta = (s11 * r2 - s12 * r1) / det
+    # Timings too noisy to show a bandwidth: fall back to the largest message's busbw
+    if beta <= 0:
         b, n, t = max(points, key=lambda p: p[0])
         beta = t / (2 * (n - 1) / n * b)
     return Link(bandwidth=1 / beta, latency=max(alpha, 0.0), name=name)
@@ -203,7 +211,8 @@ def assign_buckets(params: Sequence[Param], *, cap_mb: float | None) -> list[Buc
     """
     cap = int((DEFAULT_BUCKET_CAP_MB if cap_mb is None else cap_mb) * MIB)
     limits = [DEFAULT_FIRST_BUCKET_BYTES if cap_mb is None else cap, cap]
-    open_buckets: dict[str, list[float]] = {}  # dtype -> [bytes, ready_s, limit index]
+    # Dtype -> [bytes, ready_s, limit index]
+    open_buckets: dict[str, list[float]] = {}
     closed: list[tuple[float, float]] = []
     for p in sorted(params, key=lambda q: q.ready_s):
         bucket = open_buckets.setdefault(p.dtype, [0, 0.0, 0])
@@ -213,7 +222,8 @@ def assign_buckets(params: Sequence[Param], *, cap_mb: float | None) -> list[Buc
             closed.append((bucket[0], bucket[1]))
             open_buckets[p.dtype] = [0, 0.0, bucket[2] + 1]
     closed.extend((b[0], b[1]) for b in open_buckets.values() if b[0])
-    launched, out = 0.0, []
+    launched = 0.0
+    out = []
     for nbytes, ready in closed:
         launched = max(launched, ready)
         out.append(Bucket(int(nbytes), launched))
@@ -228,7 +238,8 @@ def comm_end_s(
     Bucket ``i`` starts at ``max(ready_i, end_{i-1})``: DDP launches buckets in order and the
     collectives of one process group run one after another.
     """
-    end = total = 0.0
+    end = 0.0
+    total = 0.0
     for bucket in buckets:
         cost = allreduce_s(bucket.nbytes * comm_factor, n, link, algorithm)
         end = max(end, bucket.ready_s) + cost
@@ -342,8 +353,11 @@ def parse_bandwidth(text: str, *, option: str = "--link") -> float:
             f"{option}: cannot read {text!r} as a positive bandwidth; write e.g. "
             "100Gbit, 25GbE or 12.5GB/s (decimal units; b = bits, B = bytes)"
         )
-    number, prefix, unit = float(match.group(1)), match.group(2).lower(), match.group(3)
-    in_bytes = unit == "B"  # GB/s; everything else (bit, b, bE as in GbE) counts bits
+    number = float(match.group(1))
+    prefix = match.group(2).lower()
+    unit = match.group(3)
+    # GB/s; everything else (bit, b, bE as in GbE) counts bits
+    in_bytes = unit == "B"
     return number * _SCALE[prefix] / (1 if in_bytes else 8)
 
 

@@ -67,13 +67,16 @@ class _Recorder:
         self.params: dict[int, float] = {}
 
     def begin(self) -> None:
-        self.start, self.buckets, self.params = time.perf_counter(), [], {}
+        self.start = time.perf_counter()
+        self.buckets = []
+        self.params = {}
 
     def hook(self, bucket: Any) -> torch.futures.Future:
         buffer = bucket.buffer()
         self.buckets.append((buffer.numel() * buffer.element_size(), time.perf_counter() - self.start))
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result(buffer)  # no communication: only compute is timed; the model adds the allreduce
+        # No communication: only compute is timed; the model adds the allreduce
+        future.set_result(buffer)
         return future
 
     def param_hook(self, index: int) -> Any:
@@ -106,7 +109,8 @@ def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -
     """
     check_profiled_config(cfg)
     check_precision(cfg.train.precision, runtime.device)
-    if cfg.train.keep_host_memory:  # as the Trainer does: without it a CPU step here measured 1.4x slower
+    # As the Trainer does: without it a CPU step here measured 1.4x slower
+    if cfg.train.keep_host_memory:
         keep_freed_host_memory()
     seed_everything(cfg.run.seed)
     train_set, _ = DATASETS.build(cfg.data.name, key="data.name", kwargs=cfg.data.kwargs)
@@ -125,7 +129,8 @@ def measure_profile(cfg: Config, runtime: Runtime, *, iters: int, warmup: int) -
         (bare, build_optimizer(bare.parameters(), cfg.optim)),
         (wrapped, build_optimizer(wrapped.parameters(), cfg.optim)),
     ]
-    batches, samples = _batches(loader, runtime.device), []
+    batches = _batches(loader, runtime.device)
+    samples = []
     for i in range(warmup + iters):
         for model, optimizer in variants:
             sample = _step(cfg, model, optimizer, batches, recorder if model is wrapped else None)
@@ -152,7 +157,8 @@ def _wrap_recorded(cfg: Config, runtime: Runtime, model: nn.Module) -> tuple[nn.
 
     Buffers are not broadcast at each forward here: the model adds that broadcast's cost itself.
     """
-    if runtime.env.world_size == 1:  # wrap_model leaves a world of one unwrapped; DDP works on it all the same
+    # wrap_model leaves a world of one unwrapped; DDP works on it all the same
+    if runtime.env.world_size == 1:
         runtime = dataclasses.replace(runtime, env=dataclasses.replace(runtime.env, world_size=2))
     wrapped = wrap_model(model, runtime, dataclasses.replace(cfg.ddp, comm_hook="none", broadcast_buffers=False))
     recorder = _Recorder()
@@ -177,7 +183,8 @@ def _step(
     cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any], recorder: _Recorder | None
 ) -> dict[str, Any]:
     """One optimizer step (``grad_accum_steps`` micro-steps, the last one synchronising); phase times."""
-    accum, times = cfg.train.grad_accum_steps, {"data": 0.0, "forward": 0.0, "local_backward": 0.0, "backward": 0.0}
+    accum = cfg.train.grad_accum_steps
+    times = {"data": 0.0, "forward": 0.0, "local_backward": 0.0, "backward": 0.0}
     start = time.perf_counter()
     for micro in range(accum):
         last = micro == accum - 1
@@ -202,9 +209,11 @@ def _step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     end = time.perf_counter()
-    times["optimizer"], times["step"] = end - t4, end - start
+    times["optimizer"] = end - t4
+    times["step"] = end - start
     if recorder is not None:
-        times["buckets"], times["params"] = list(recorder.buckets), dict(recorder.params)
+        times["buckets"] = list(recorder.buckets)
+        times["params"] = dict(recorder.params)
     return times
 
 
@@ -214,7 +223,8 @@ def _summarise(cfg: Config, wrapped: nn.Module, ddp: list[dict[str, Any]], bare:
     def median(key: str, rows: list[dict[str, Any]] = ddp) -> float:
         return statistics.median(row[key] for row in rows)
 
-    layout = ddp[-1]["buckets"]  # the rebuilt buckets: the same sizes in every timed iteration
+    # The rebuilt buckets: the same sizes in every timed iteration
+    layout = ddp[-1]["buckets"]
     buckets = tuple(
         Bucket(size, statistics.median(row["buckets"][i][1] for row in ddp)) for i, (size, _) in enumerate(layout)
     )

@@ -136,7 +136,8 @@ def _check(args: argparse.Namespace) -> list[int]:
             raise BenchUsageError(f"{option}: {value} must be at least 1")
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup: {args.warmup} must be 0 or more")
-    MODELS.get(args.model, key="--model")  # unknown names fail now, with a suggestion, not in N workers
+    # Unknown names fail now, with a suggestion, not in N workers
+    MODELS.get(args.model, key="--model")
     # the checks of `ddpkit run`
     preflight(nproc=str(counts[-1]), precision=args.precision, precision_option="--precision ")
     if args.plot:
@@ -167,7 +168,9 @@ def efficiency_rows(step_ms: dict[int, Stats], *, batch_size: int) -> list[dict[
 
 def worker(params: dict[str, Any], *, runtime: Runtime, workdir: Path) -> dict[str, Any]:
     """On every rank: train on synthetic data for warmup + steps; return the timing (rank 0's is kept)."""
-    batch, warmup, steps = params["batch_size"], params["warmup"], params["steps"]
+    batch = params["batch_size"]
+    warmup = params["warmup"]
+    steps = params["steps"]
     trainer = TimedTrainer(
         {
             "run": {"name": "bench-throughput", "seed": 0},

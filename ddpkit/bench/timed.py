@@ -48,8 +48,9 @@ class TimedTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # Benchmark output is the benchmark's table and progress, not each run's INFO lines.
-        logging.getLogger("ddpkit").addFilter(_warnings_and_up)  # added once, however many runs
+        # Benchmark output is the benchmark's table and progress, not each run's INFO lines; logging adds the
+        # filter once, however many runs.
+        logging.getLogger("ddpkit").addFilter(_warnings_and_up)
         self.clock = StepClock()
 
     @property

@@ -61,7 +61,8 @@ def parse_sizes(text: str, *, factor: int = 2, option: str = "--sizes") -> list[
         raise BenchUsageError(f"--step-factor: {factor} must be at least 2")
     if ".." in text:
         low_text, _, high_text = text.partition("..")
-        low, high = parse_size(low_text, option=option), parse_size(high_text, option=option)
+        low = parse_size(low_text, option=option)
+        high = parse_size(high_text, option=option)
         if low > high:
             raise BenchUsageError(f"{option}: {text!r} runs backwards; write the smaller size first, e.g. 1KB..256MB")
         sizes = [low]
