@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import REPO, load_script, run_cli
+from hf_tiny import fine_tune
 
 from ddpkit.data.tokens import require_vocab_of
 from ddpkit.data.tokens import tokens as token_datasets
@@ -87,8 +88,10 @@ def test_mistakes_are_one_line_naming_the_file_or_key(tmp_path):
         gpt(init_from=str(tmp_path / "empty"))
     llama = tmp_path / "llama"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ConfigError, match=r"is a 'llama' model, not GPT-2.*examples/hf_causal_lm.py"):
+    (llama / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(
+        ConfigError, match=r"is a .bert. model; the gpt model loads gpt2, llama.*examples/hf_causal_lm.py"
+    ):
         gpt(init_from=str(llama))
     save_hf_gpt2(tmp_path / "gpt2")
     with pytest.raises(
@@ -126,31 +129,12 @@ def test_export_of_an_unchanged_model_gives_back_the_directory_bit_for_bit(tmp_p
     assert all(torch.equal(theirs[k], ours[k]) for k in ours if not k.endswith(".attn.bias"))
 
 
-def _fine_tune(directory: str, out: str, mode: str) -> dict[str, float]:
-    """Rank r of a 2-rank run: 3 steps of the GPT-2 in ``directory`` on the stdlib bytes."""
-    import ddpkit
-
-    return ddpkit.Trainer(
-        {
-            "run": {"output_dir": out, "seed": 0},
-            "log": {"progress_bar": False},
-            "dist": {"timeout": 60},
-            "model": {"name": "gpt", "kwargs": {"init_from": directory}},
-            "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
-            "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1},
-            "parallel": {"mode": mode},
-            "train": {"max_steps": 3, "eval_every": 100},
-            "checkpoint": {"every_steps": 3},
-        }
-    ).fit()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_hugging_face_to_ddpkit_fine_tuned_on_two_ranks_and_back(tmp_path, mode):
     reference = save_hf_gpt2(tmp_path / "hf", vocab_size=257)
-    run_on_ranks(_fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode), timeout=240)
+    run_on_ranks(fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode), timeout=240)
     model, _ = load_model(tmp_path / "run")
     x = tokens(vocab=257)
     for source in (

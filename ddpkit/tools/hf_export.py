@@ -1,44 +1,91 @@
-"""``ddpkit export RUN_OR_CHECKPOINT OUT_DIR --format hf``: a ``gpt`` model as a Hugging Face GPT-2 directory.
+"""``ddpkit export RUN_OR_CHECKPOINT OUT_DIR --format hf``: a ``gpt`` model as a Hugging Face directory.
 
     $ ddpkit export runs/ft out/gpt2-ft --format hf          # a run: its model.pt (else its newest checkpoint)
     $ ddpkit export runs/ft/checkpoints/step-400.dcp out/ft --format hf   # an fsdp2 checkpoint, shards joined
-    >>> GPT2LMHeadModel.from_pretrained("out/gpt2-ft")       # the same logits as the ddpkit model
+    >>> AutoModelForCausalLM.from_pretrained("out/ft")        # the same logits as the ddpkit model
 
-OUT_DIR gets ``config.json`` (``model_type: gpt2``; shape, ``activation_function`` and the real
-vocabulary: a padded one is cut back to ``valid_vocab`` ids) and ``model.safetensors`` (the names
-``GPT2LMHeadModel`` uses, ``Conv1D`` weights transposed back, the tied output layer stored once),
-each written atomically. A directory ``init_from`` loaded comes back out equal, bit for bit.
+GPT-2 (``arch: gpt2``) becomes a ``GPT2LMHeadModel`` directory (``Conv1D`` weights transposed back,
+the tied output layer stored once); the Llama family (``arch: llama``) a ``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM`` one, by the model's ``family``
+(the ``model_type`` of the directory it was loaded from), a tied head left out as
+``save_pretrained`` leaves it out. OUT_DIR gets ``config.json`` (the real vocabulary: a padded one is
+cut back to ``valid_vocab`` ids) and ``model.safetensors``, each written atomically, and the
+tokenizer's files (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ...)
+copied from ``init_from`` when it has them, so the directory is complete for transformers, vLLM or
+TRL. A directory ``init_from`` loaded comes back out with its weights equal, bit for bit.
+
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError
 from ddpkit.tools.export import save_safetensors
-from ddpkit.tools.lm_source import read_model
-from ddpkit.training.gpt import gpt_kwargs
-from ddpkit.training.hf_gpt2 import hf_config, to_hf
+from ddpkit.tools.lm_source import ModelSpec, read_model
+from ddpkit.training import hf_gpt2, hf_llama
+from ddpkit.training.gpt import resolve
+from ddpkit.training.hf_files import TOKENIZER_FILES
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "write_hf_directory"]
+
+#: config.json keys copied from ``init_from``'s own config.json: the special tokens generation stops at.
+_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_hf(source: str | os.PathLike, output: str | os.PathLike) -> str:
-    """Write the ``gpt`` model of ``source`` (a run directory or a checkpoint) as a GPT-2 directory; say what."""
+    """Write the ``gpt`` model of ``source`` (a run directory or a checkpoint) as a Hugging Face directory; say what."""
     spec = read_model(source)
     if spec.name != "gpt":
         raise CheckpointError(
-            f"{spec.source}: --format hf writes ddpkit's gpt model as GPT-2, but this run's model is "
-            f"{spec.name!r}; export it as .safetensors or .pt instead"
+            f"{spec.source}: --format hf writes ddpkit's gpt model (GPT-2 or the Llama family), but this run's "
+            f"model is {spec.name!r}; export it as .safetensors or .pt instead"
         )
-    kwargs = gpt_kwargs(**spec.kwargs)
-    output = Path(output)
+    return write_hf_directory(spec, spec.weights, Path(output))
+
+
+def write_hf_directory(spec: ModelSpec, weights: dict[str, Any], output: Path) -> str:
+    """``config.json``, ``model.safetensors`` and the tokenizer's files of the ``gpt`` model ``spec`` in ``output``."""
+    arch, kwargs = resolve(spec.kwargs)
+    if arch == "llama":
+        tensors, config = hf_llama.to_hf(weights, kwargs), hf_llama.hf_config(kwargs)
+        shape = f"{hf_llama.ARCHITECTURES[kwargs['family']]} {kwargs['depth']} x {kwargs['dim']}"
+    else:
+        tensors, config = hf_gpt2.to_hf(weights, kwargs), hf_gpt2.hf_config(kwargs)
+        shape = f"GPT-2 {kwargs['depth']} x {kwargs['dim']}"
+    init_from = spec.kwargs.get("init_from")
+    config.update(_special_tokens(init_from))
     output.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf(spec.weights, kwargs)
     save_safetensors(tensors, output / "model.safetensors", metadata={"source": spec.source})
-    write_atomically(output / "config.json", json.dumps(hf_config(kwargs), indent=2) + "\n", durable=True)
-    shape = f"GPT-2 {kwargs['depth']} x {kwargs['dim']}"
-    return f"wrote {output}: config.json + model.safetensors ({len(tensors)} tensors, {shape}) from {spec.source}"
+    write_atomically(output / "config.json", json.dumps(config, indent=2) + "\n", durable=True)
+    copied = _copy_tokenizer(init_from, output)
+    extra = f" + {len(copied)} tokenizer files" if copied else ""
+    return (
+        f"wrote {output}: config.json + model.safetensors ({len(tensors)} tensors, {shape}){extra} from {spec.source}"
+    )
+
+
+def _special_tokens(init_from: str | None) -> dict[str, Any]:
+    """The special-token ids of ``init_from``'s config.json, when it is there to read."""
+    path = Path(init_from) / "config.json" if init_from else None
+    if path is None or not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {key: config[key] for key in _SPECIAL_TOKEN_KEYS if key in config}
+
+
+def _copy_tokenizer(init_from: str | None, output: Path) -> list[str]:
+    """Copy the tokenizer's files of ``init_from`` (those it has) into ``output``; their names."""
+    if not init_from or Path(init_from).resolve() == output.resolve():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(init_from) / name).is_file():
+            shutil.copyfile(Path(init_from) / name, output / name)
+            copied.append(name)
+    return copied

@@ -27,7 +27,7 @@ from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.registry import build_model
 from ddpkit.tools.export import model_weights
-from ddpkit.training.gpt import GPT, gpt_kwargs
+from ddpkit.training.gpt import build_gpt
 
 __all__ = ["ModelSpec", "read_model", "load_model", "build_bare"]
 
@@ -70,7 +70,7 @@ def _spec(section: dict[str, Any], weights: dict[str, Any], source: str) -> Mode
 def build_bare(spec: ModelSpec) -> torch.nn.Module:
     """The model of ``spec`` built with its initial weights (``gpt``: without reading ``init_from``'s weights)."""
     if spec.name == "gpt":
-        return GPT(**gpt_kwargs(**spec.kwargs))
+        return build_gpt(spec.kwargs, weights=False)
     return build_model(ModelConfig(name=spec.name, kwargs=spec.kwargs))
 
 

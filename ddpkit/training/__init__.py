@@ -6,7 +6,9 @@
 - ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
 - ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache;
-  ``hf_gpt2``: Hugging Face GPT-2 directories in (``init_from``) and out (``ddpkit export --format hf``);
+  ``llama``: the Llama family in the same builder (``arch: llama``: RMSNorm, ``rope``, SwiGLU, grouped-query
+  ``attention`` and its cache, shared with ``gpt``); ``hf_gpt2`` / ``hf_llama`` (on ``hf_files``): Hugging Face
+  directories in (``init_from``) and out (``ddpkit export --format hf``);
   ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
   ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard);
   ``document_mask``: attention inside each document of a packed window (``data.kwargs.document_mask``);

@@ -36,7 +36,7 @@ __all__ = ["apply_activation_checkpointing", "DEFAULT_BLOCKS"]
 
 log = logging.getLogger("ddpkit")
 #: What ``activation_checkpointing: true`` checkpoints in a model that is not a Hugging Face one.
-DEFAULT_BLOCKS = ("GPTBlock",)
+DEFAULT_BLOCKS = ("GPTBlock", "LlamaBlock")
 
 
 def apply_activation_checkpointing(model: nn.Module, setting: bool | Sequence[str] | None) -> int:

@@ -22,7 +22,7 @@ the embeddings and the final LayerNorm (``parallel.fsdp.blocks: [GPTBlock]`` say
 
 from __future__ import annotations
 
-import math
+import inspect
 from typing import Any
 
 import torch
@@ -31,8 +31,12 @@ from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.registry import register_model
-from ddpkit.training.document_mask import Documents, document_attention, documents_of
+from ddpkit.training import hf_llama
+from ddpkit.training.attention import KVCache, LayerCache, causal_attention, init_weights
+from ddpkit.training.document_mask import Documents, documents_of
+from ddpkit.training.hf_files import check_against, family_of
 from ddpkit.training.hf_gpt2 import read_config, read_weights
+from ddpkit.training.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 
 __all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTIVATIONS", "gpt", "gpt_kwargs"]
 
@@ -40,52 +44,12 @@ __all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTI
 PRESETS = {
     "gpt2": {"vocab_size": 50304, "dim": 768, "depth": 12, "heads": 12, "max_len": 1024},
 }
+#: The two families of the ``gpt`` builder (``model.kwargs.arch``).
+ARCHS = ("gpt2", "llama")
 #: The shape without a preset: a small byte-level model (ddpkit's byte tokens and stdlib corpus have 257 ids).
 DEFAULTS = {"vocab_size": 257, "dim": 256, "depth": 4, "heads": 4, "max_len": 256}
 #: ``activation`` names -> ``F.gelu``'s ``approximate``: exact GELU, or the tanh approximation GPT-2 was trained with.
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
-
-
-class LayerCache:
-    """One block's keys and values ``[B, heads, max_len, head_dim]``, filled up to ``length``."""
-
-    def __init__(self, shape: tuple[int, ...], *, device: torch.device, dtype: torch.dtype):
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store the new ``k``, ``v`` after the cached ones; causal attention of ``q`` over all of them."""
-        start, end = self.length, self.length + q.shape[2]
-        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
-        self.length = end
-        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        if start == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-        # query i sits at position start + i and sees the keys up to it (all of them for one new token)
-        mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
-
-class KVCache:
-    """Every block's :class:`LayerCache` for ``batch`` sequences of up to the model's ``max_len`` tokens.
-
-    cache = KVCache(model, batch=1)
-    logits = model(prompt, cache=cache)           # the prompt's keys and values are kept
-    logits = model(next_token[:, None], cache=cache)   # one token: attends to the prompt and itself
-    """
-
-    def __init__(self, model: GPT, *, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
-        weight = model.embed.weight
-        shape = (batch, model.heads, model.max_len, model.dim // model.heads)
-        self.layers = [
-            LayerCache(shape, device=device or weight.device, dtype=dtype or weight.dtype) for _ in range(model.depth)
-        ]
-
-    @property
-    def length(self) -> int:
-        """Tokens cached so far: the position of the next token."""
-        return self.layers[0].length
 
 
 class CausalSelfAttention(nn.Module):
@@ -102,14 +66,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        if cache is not None:
-            y = cache.attend(q, k, v)
-        elif documents is not None:  # data.kwargs.document_mask: attention stays inside each packed document
-            y = document_attention(q, k, v, documents, dropout=self.dropout if self.training else 0.0)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-            )
+        dropout = self.dropout if self.training else 0.0
+        y = causal_attention(q, k, v, cache=cache, documents=documents, dropout=dropout)
         return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
 
 
@@ -155,6 +113,8 @@ class GPT(nn.Module):
         _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
         _check_options(activation, valid_vocab, vocab_size)
         self.vocab_size, self.dim, self.depth, self.heads, self.max_len = vocab_size, dim, depth, heads, max_len
+        # what the KV cache reads: every head has its own keys and values
+        self.kv_heads, self.head_dim = heads, dim // heads
         self.activation = activation
         #: Ids from here up are padding: their logits are -inf (None: every id is real).
         self.valid_vocab = valid_vocab if valid_vocab is not None and valid_vocab < vocab_size else None
@@ -164,23 +124,13 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied: one [vocab, dim] matrix reads tokens in and scores them out
-        self._init_weights()
+        # GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to it)
+        init_weights(self, residuals=[p for block in self.blocks for p in (block.attn.proj, block.proj)], depth=depth)
         self.documents: dict[str, Any] | None = None  # use_documents: per-document attention and positions
 
     def use_documents(self, *, eot: int, restart_positions: bool = False) -> None:
         """Attend within the documents ``eot`` separates (``data.kwargs.document_mask``; training.document_mask)."""
         self.documents = {"eot": eot, "restart_positions": restart_positions}
-
-    def _init_weights(self) -> None:
-        """GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to it)."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            for projection in (block.attn.proj, block.proj):
-                nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.depth))
 
     def forward(self, x: torch.Tensor, *, cache: KVCache | None = None) -> torch.Tensor:
         """Next-token logits ``[B, T, vocab_size]``; with ``cache``, ``x`` continues the cached tokens."""
@@ -267,61 +217,90 @@ def gpt_kwargs(
 ) -> dict[str, Any]:
     """:class:`GPT`'s keyword arguments for the ``gpt`` builder's: a preset's shape (or :data:`DEFAULTS`), or the shape
     of the GPT-2 directory ``init_from``, with the explicit kwargs on top (a contradiction is refused by name)."""
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(
-            f"model.kwargs.preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, "
-            "or give the shape's kwargs"
-        )
+    arch_of(preset, init_from, "gpt2")
     given = dict(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, activation=activation)
     given = {k: v for k, v in given.items() if v is not None}
     if init_from is None:
         base = {**DEFAULTS, "activation": "gelu", **(PRESETS[preset] if preset else {})}
         return {**base, **given, "dropout": dropout, "valid_vocab": valid_vocab}
-    if preset is not None:
-        raise ConfigError(
-            "model.kwargs.preset: give either preset or init_from (whose config.json is the shape), not both"
-        )
     shape = read_config(init_from)
-    _check_against(shape, given, source=f"{init_from}/config.json")
+    check_against(shape, given, source=f"{init_from}/config.json")
     return {**shape, **given, "dropout": dropout, "valid_vocab": shape["vocab_size"]}
 
 
-def _check_against(shape: dict[str, Any], given: dict[str, Any], *, source: str) -> None:
-    """Explicit kwargs must agree with a pretrained shape: equal, or a larger (padded) vocabulary, a shorter context."""
-    rules = {
-        "vocab_size": ("at least", lambda ours, theirs: ours >= theirs),
-        "max_len": ("at most", lambda ours, theirs: ours <= theirs),
-    }
-    for key, value in given.items():
-        rule, allowed = rules.get(key, ("equal to", lambda ours, theirs: ours == theirs))
-        if not allowed(value, shape[key]):
+def arch_of(preset: str | None = None, init_from: str | None = None, arch: str | None = None) -> str:
+    """Which model the ``gpt`` kwargs describe: ``gpt2`` (GPT-2, the default) or ``llama`` (the Llama family),
+    from ``arch``, else the preset's family, else the ``model_type`` of ``init_from``'s config.json."""
+    if arch is not None and arch not in ARCHS:
+        raise ConfigError(f"model.kwargs.arch: {arch!r} is not one of {', '.join(ARCHS)}")
+    if preset is not None and init_from is not None:
+        raise ConfigError(
+            "model.kwargs.preset: give either preset or init_from (whose config.json is the shape), not both"
+        )
+    found = None
+    if preset is not None:
+        if preset not in PRESETS and preset not in LLAMA_PRESETS:
             raise ConfigError(
-                f"model.kwargs.{key}: {value!r} contradicts {source}, whose model has {shape[key]!r} "
-                f"(it must be {rule} that); drop model.kwargs.{key}"
+                f"model.kwargs.preset: unknown preset {preset!r}; choose one of "
+                f"{', '.join([*PRESETS, *LLAMA_PRESETS])}, or give the shape's kwargs"
             )
+        found = "gpt2" if preset in PRESETS else "llama"
+    elif init_from is not None:
+        family = family_of(init_from)
+        if family != "gpt2" and family not in FAMILIES:
+            raise ConfigError(
+                f"model.kwargs.init_from: {init_from}/config.json is a {family!r} model; the gpt model loads "
+                f"gpt2, {', '.join(FAMILIES)} (SmolLM2 is a llama); train other causal LMs with "
+                "examples/hf_causal_lm.py"
+            )
+        found = "gpt2" if family == "gpt2" else "llama"
+    if arch is not None and found is not None and arch != found:
+        source = f"preset {preset}" if preset is not None else f"{init_from}/config.json"
+        raise ConfigError(f"model.kwargs.arch: {arch!r} contradicts {source}, which is a {found} model; drop arch")
+    return arch or found or "gpt2"
 
 
-def gpt(
-    preset: str | None = None,
-    vocab_size: int | None = None,
-    dim: int | None = None,
-    depth: int | None = None,
-    heads: int | None = None,
-    max_len: int | None = None,
-    dropout: float = 0.0,
-    activation: str | None = None,
-    valid_vocab: int | None = None,
-    init_from: str | None = None,
-) -> GPT:
-    """The ``gpt`` builder: the shape of :func:`gpt_kwargs`; with ``init_from``, the GPT-2 directory's weights."""
-    model = GPT(
-        **gpt_kwargs(preset, vocab_size, dim, depth, heads, max_len, dropout, activation, valid_vocab, init_from)
-    )
+def resolve(kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(arch, kwargs)``: the ``gpt`` kwargs of a config resolved to :class:`GPT`'s or :class:`LlamaShape`'s."""
+    kwargs = dict(kwargs)
+    arch = arch_of(kwargs.get("preset"), kwargs.get("init_from"), kwargs.pop("arch", None))
+    if arch == "llama":
+        return arch, llama_kwargs(**kwargs)
+    accepted = list(inspect.signature(gpt_kwargs).parameters)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        llama = unknown[0] in LlamaShape.__dataclass_fields__
+        fix = "; it is an option of the Llama family: add model.kwargs.arch: llama" if llama else ""
+        raise ConfigError(
+            f"model.kwargs: unexpected keyword argument {unknown[0]!r} for model 'gpt'; it accepts: "
+            f"{', '.join(accepted)}, arch (arch: gpt2){fix}"
+        )
+    return arch, gpt_kwargs(**kwargs)
+
+
+def build_gpt(kwargs: dict[str, Any], *, weights: bool = True) -> GPT | Llama:
+    """The model of the ``gpt`` kwargs; with ``weights`` and ``init_from``, the directory's weights loaded."""
+    arch, resolved = resolve(kwargs)
+    init_from = kwargs.get("init_from") if weights else None
+    if arch == "llama":
+        model = Llama(LlamaShape(**resolved))
+        if init_from is not None:
+            names = list(model.state_dict())
+            tensors = hf_llama.read_weights(init_from, names=names, vocab_size=model.vocab_size, tied=resolved["tied"])
+            model.load_state_dict(tensors)
+        return model
+    model = GPT(**resolved)
     if init_from is not None:
         model.load_state_dict(
             read_weights(init_from, vocab_size=model.vocab_size, max_len=model.max_len, depth=model.depth)
         )
     return model
+
+
+def gpt(preset: str | None = None, **kwargs: Any) -> GPT | Llama:
+    """The ``gpt`` builder: GPT-2 (:class:`GPT`) or the Llama family (:class:`Llama`: ``arch: llama``, one of
+    :data:`LLAMA_PRESETS`, or an ``init_from`` directory of that family), with ``init_from``'s weights."""
+    return build_gpt({"preset": preset, **kwargs})
 
 
 register_model("gpt", gpt)

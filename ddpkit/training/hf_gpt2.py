@@ -22,7 +22,6 @@ builder (:mod:`ddpkit.training.gpt`) calls it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.training.hf_files import read_hf_config, safetensors_torch, weight_files
 
 __all__ = [
     "read_config",
@@ -77,17 +77,9 @@ _FIXED = {
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The ``gpt`` kwargs (vocab_size, dim, depth, heads, max_len, activation) of the GPT-2 in ``directory``."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"model.kwargs.init_from: {directory} has no config.json; give a directory written by "
-            "save_pretrained (config.json + model.safetensors), e.g. a local copy of the gpt2 model"
-        )
-    config = json.loads(path.read_text())
+    config = read_hf_config(directory)
     if config.get("model_type") != "gpt2":
-        raise ConfigError(
-            f"model.kwargs.init_from: {path} is a {config.get('model_type')!r} model, not GPT-2 (model_type 'gpt2'); "
-            "the gpt model loads GPT-2 checkpoints only; train other causal LMs with examples/hf_causal_lm.py"
-        )
+        raise ConfigError(f"model.kwargs.init_from: {path} is a {config.get('model_type')!r} model, not GPT-2")
     activation = ACTIVATION_OF_HF.get(config.get("activation_function", "gelu_new"))
     if activation is None:
         raise ConfigError(
@@ -115,7 +107,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 def read_weights(directory: str | os.PathLike, *, vocab_size: int, max_len: int, depth: int) -> dict[str, torch.Tensor]:
     """The directory's weights under the ``gpt`` model's names (``head.weight`` tied), padded or cropped to shape."""
-    hf = {key.removeprefix("transformer."): value for key, value in _weight_files(Path(directory)).items()}
+    hf = {key.removeprefix("transformer."): value for key, value in weight_files(Path(directory)).items()}
     out = {}
     for ours, (theirs, transposed) in _each_name(depth):
         if theirs not in hf:
@@ -132,34 +124,6 @@ def read_weights(directory: str | os.PathLike, *, vocab_size: int, max_len: int,
     out["pos.weight"] = pos[:max_len].clone()
     out["head.weight"] = out["embed.weight"]
     return out
-
-
-def _weight_files(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` (or its shards) or ``pytorch_model.bin``."""
-    index = directory / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    if all((directory / name).is_file() for name in files):
-        load_file = safetensors_torch(f"reading {directory / files[0]}").load_file
-        return {key: value for name in files for key, value in load_file(directory / name).items()}
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise CheckpointError(
-        f"model.kwargs.init_from: {directory} has a config.json but no weights (model.safetensors or "
-        "pytorch_model.bin); copy the weight file next to it"
-    )
-
-
-def safetensors_torch(purpose: str) -> Any:
-    """``safetensors.torch``, imported on first use; one line naming the extra when it is missing."""
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise ConfigError(
-            f"{purpose} needs the safetensors package, which is not installed: pip install 'ddpkit[safetensors]'"
-        ) from None
-    return safetensors.torch
 
 
 def _each_name(depth: int) -> list[tuple[str, tuple[str, bool]]]:

@@ -1,0 +1,99 @@
+"""The files of a Hugging Face model directory, as ``save_pretrained`` writes them: ``config.json`` and the weights.
+
+    config = read_hf_config("models/Qwen2.5-0.5B")          # the parsed config.json (a ConfigError if absent)
+    tensors = weight_files(Path("models/Qwen2.5-0.5B"))      # every tensor, whatever the layout of the files
+    family_of("models/gpt2")                                 # its model_type: "gpt2", "llama", "qwen2", ...
+
+The weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json``
+(``save_pretrained(max_shard_size=...)``), or ``pytorch_model.bin`` (read with ``weights_only=True``).
+Nothing is downloaded, and ``transformers`` is not needed: only ``safetensors`` for safetensors files.
+The readers of each family (:mod:`ddpkit.training.hf_gpt2`, :mod:`ddpkit.training.hf_llama`) rename
+what these return.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import CheckpointError, ConfigError
+
+__all__ = ["read_hf_config", "family_of", "weight_files", "safetensors_torch", "check_against", "TOKENIZER_FILES"]
+
+#: Files of a tokenizer that travel with a model directory (copied by ``ddpkit export --format hf``).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """``directory/config.json``, parsed; a ConfigError naming ``model.kwargs.init_from`` when there is none."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"model.kwargs.init_from: {directory} has no config.json; give a directory written by "
+            "save_pretrained (config.json + model.safetensors), e.g. a local copy of the model"
+        )
+    return json.loads(path.read_text())
+
+
+def family_of(directory: str | os.PathLike) -> str | None:
+    """The ``model_type`` of the directory's config.json (None when it names none)."""
+    return read_hf_config(directory).get("model_type")
+
+
+def weight_files(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` (or its shards) or ``pytorch_model.bin``, under the files' names."""
+    index = directory / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
+    if all((directory / name).is_file() for name in files):
+        load_file = safetensors_torch(f"reading {directory / files[0]}").load_file
+        return {key: value for name in files for key, value in load_file(directory / name).items()}
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    missing = next(name for name in files if not (directory / name).is_file())
+    raise CheckpointError(
+        f"model.kwargs.init_from: {directory} has a config.json but no weights ({missing} or pytorch_model.bin); "
+        "copy the weight files next to it"
+    )
+
+
+def safetensors_torch(purpose: str) -> Any:
+    """``safetensors.torch``, imported on first use; one line naming the extra when it is missing."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ConfigError(
+            f"{purpose} needs the safetensors package, which is not installed: pip install 'ddpkit[safetensors]'"
+        ) from None
+    return safetensors.torch
+
+
+def check_against(shape: dict[str, Any], given: dict[str, Any], *, source: str) -> None:
+    """Explicit kwargs must agree with a pretrained shape: equal, or a larger (padded) vocabulary, a shorter context."""
+    rules = {
+        "vocab_size": ("at least", lambda ours, theirs: ours >= theirs),
+        "max_len": ("at most", lambda ours, theirs: ours <= theirs),
+    }
+    for key, value in given.items():
+        if key not in shape:
+            continue
+        rule, allowed = rules.get(key, ("equal to", lambda ours, theirs: ours == theirs))
+        if not allowed(value, shape[key]):
+            raise ConfigError(
+                f"model.kwargs.{key}: {value!r} contradicts {source}, whose model has {shape[key]!r} "
+                f"(it must be {rule} that); drop model.kwargs.{key}"
+            )
