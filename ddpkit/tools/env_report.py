@@ -109,7 +109,8 @@ def _nccl_version(torch: Any) -> str | None:
         return None
     try:
         version = torch.cuda.nccl.version()
-    except Exception:  # a build without NCCL
+    except Exception:
+        # A build without NCCL
         return None
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
@@ -126,7 +127,8 @@ def _installed(distribution: str) -> str | None:
 
 def format_environment(env: dict[str, Any]) -> str:
     """The aligned text ``ddpkit env`` prints."""
-    cuda, comm = env["cuda"], env["distributed"]
+    cuda = env["cuda"]
+    comm = env["distributed"]
     rows = [
         ("ddpkit", env["ddpkit"]),
         ("torch", env["torch"]),

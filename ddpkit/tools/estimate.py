@@ -59,7 +59,8 @@ class Estimate:
         self.element_size = params[0].element_size() if params else 4
         self.slots = optimizer_slots(optimizer)
         shapes = [tuple(p.shape) for p in params]
-        slots = self.slots if self.slots is not None else 2  # an unknown optimizer: Adam's two, said in the output
+        # An unknown optimizer: Adam's two, said in the output
+        slots = self.slots if self.slots is not None else 2
         self.per_mode: dict[str, RankBytes] = {
             mode: max(
                 mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size),
@@ -68,7 +69,9 @@ class Estimate:
             for mode in modes
         }
         self.activations = _activation_bytes(model, cfg, nproc)
-        self.nproc, self.model_name, self.optim_name = nproc, cfg.model.name, cfg.optim.name
+        self.nproc = nproc
+        self.model_name = cfg.model.name
+        self.optim_name = cfg.optim.name
 
     def total(self, mode: str) -> int:
         return self.per_mode[mode].total + (self.activations or 0)
@@ -86,7 +89,8 @@ def _activation_bytes(model: torch.nn.Module, cfg: Config, nproc: int) -> int | 
         train_set, _ = registry.build_datasets(cfg.data)
         sample = train_set[0][0] if isinstance(train_set[0], (tuple, list)) else train_set[0]
         batch = torch.empty((_per_rank_batch(cfg, nproc), *sample.shape), dtype=sample.dtype, device="meta")
-    except Exception:  # a dataset that needs files or a network: activations stay unknown
+    except Exception:
+        # A dataset that needs files or a network: activations stay unknown
         return None
     total = [0]
 

@@ -92,12 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     try:
         args = parser.parse_args(list(argv or []))
-    except SystemExit as exc:  # argparse already printed usage or help
+    except SystemExit as exc:
+        # argparse already printed usage or help
         return int(exc.code or 0)
 
     def run() -> int:
         records = read_ledger(args.run_dir)
-        report, faults = analyse(records), fault_costs(records)
+        report = analyse(records)
+        faults = fault_costs(records)
         as_json = {**report.to_dict(), "faults": [cost.to_dict() for cost in faults]}
         print(json.dumps(as_json, indent=1) if args.json else format_report(report, faults))
         return 0

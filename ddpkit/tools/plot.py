@@ -156,7 +156,8 @@ def plot_runs(runs: Sequence[RunMetrics], output: str | Path, *, title: str | No
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(output, dpi=dpi)
-    except ValueError as exc:  # matplotlib: "Format 'xyz' is not supported ..."
+    except ValueError as exc:
+        # matplotlib: "Format 'xyz' is not supported ..."
         raise DdpkitError(f"cannot write {output}: {exc}; use a .png, .svg or .pdf name") from None
     except OSError as exc:
         raise DdpkitError(f"cannot write {output}: {exc.strerror or exc}") from None
@@ -190,7 +191,8 @@ def _panels(runs: Sequence[RunMetrics]) -> list[Any]:
         panels.append(_draw_loss)
     for metric in sorted({m for run in runs for m in run.val_metrics()}):
         label = metric.removeprefix(VAL_PREFIX).replace("_", " ")
-        percent = "accuracy" in metric  # ddpkit's accuracies are fractions of samples
+        # ddpkit's accuracies are fractions of samples
+        percent = "accuracy" in metric
         panels.append(
             _single(metric, (f"{label} (%)" if percent else label, f"Validation {label}"), marker="o", percent=percent)
         )
@@ -293,14 +295,16 @@ def main(argv: Sequence[str]) -> int:
     """``ddpkit plot``: returns 0 on success, 1 on a user error (message on stderr), 2 on bad usage."""
     try:
         args = _parser().parse_args(list(argv))
-    except SystemExit as exc:  # argparse already printed usage or help
+    except SystemExit as exc:
+        # argparse already printed usage or help
         return int(exc.code or 0)
     return exit_code_of(lambda: _plot(args), command="ddpkit plot")
 
 
 def _plot(args: argparse.Namespace) -> int:
     names = _unique_names([Path(p) for p in args.runs])
-    if args.goodput:  # one stacked bar per run and per attempt (ddpkit.goodput.plot)
+    # One stacked bar per run and per attempt (ddpkit.goodput.plot)
+    if args.goodput:
         single = len(args.runs) == 1 and Path(args.runs[0]).is_dir()
         output = args.output or (Path(args.runs[0]) / "goodput.png" if single else "goodput.png")
         print(f"wrote {plot_goodput(args.runs, names, output, title=args.title)}")

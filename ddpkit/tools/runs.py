@@ -54,7 +54,8 @@ class RunSummary:
     best: str = "-"
     wall_s: float | None = None
     attempts: int | None = None
-    goodput: float | None = None  # productive / wall time, from goodput.jsonl (ddpkit goodput)
+    #: Productive / wall time, from goodput.jsonl (ddpkit goodput).
+    goodput: float | None = None
 
 
 def find_runs(directory: str | os.PathLike) -> list[Path]:
@@ -83,7 +84,8 @@ def summarize_run(run_dir: str | os.PathLike) -> RunSummary:
     row.goodput = _goodput(run_dir)
     status = read_status(run_dir)
     if status is not None:
-        row.status, row.attempts = _status_word(status), status.get("attempts")
+        row.status = _status_word(status)
+        row.attempts = status.get("attempts")
         row.wall_s = status.get("wall_s")
         if status.get("status") == "RUNNING" and row.wall_s is not None:
             row.wall_s += max(0.0, time.time() - status.get("attempt_started", time.time()))
@@ -97,7 +99,8 @@ def summarize_run(run_dir: str | os.PathLike) -> RunSummary:
 def _goodput(run_dir: Path) -> float | None:
     try:
         return analyse(read_ledger(run_dir)).goodput
-    except DdpkitError:  # no ledger (an older run), or nothing in it yet
+    except DdpkitError:
+        # No ledger (an older run), or nothing in it yet
         return None
 
 
@@ -106,7 +109,8 @@ def _series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         return {}
     try:
         return load_metrics(run_dir).series
-    except DdpkitError:  # an empty or unreadable metrics.jsonl: show the run anyway
+    except DdpkitError:
+        # An empty or unreadable metrics.jsonl: show the run anyway
         return {}
 
 
@@ -195,7 +199,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     try:
         args = parser.parse_args(list(argv))
-    except SystemExit as exc:  # argparse already printed usage or help
+    except SystemExit as exc:
+        # argparse already printed usage or help
         return int(exc.code or 0)
     return exit_code_of(lambda: _show(args), command="ddpkit runs")
 

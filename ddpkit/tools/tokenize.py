@@ -33,7 +33,8 @@ from ddpkit.tools.chat import ChatSummary, byte_template, hf_template, tokenize_
 
 __all__ = ["main", "tokenize", "input_files", "Summary"]
 
-_CHUNK = 16 << 20  # bytes per read in byte mode: a large document never sits in memory whole
+#: Bytes per read in byte mode: a large document never sits in memory whole
+_CHUNK = 16 << 20
 _EOT_NAMES = ("<|endoftext|>", "</s>")
 
 
@@ -152,7 +153,8 @@ def _chat(args: argparse.Namespace) -> ChatSummary:
     if args.inputs:
         raise DataError(f"--chat {args.chat}: give the chat file alone, not also INPUT files ({args.inputs[0]})")
     if args.tokenizer is None:
-        template, (_, vocab_size, eot) = byte_template, _byte_encoder(args.eot)
+        template = byte_template
+        _, vocab_size, eot = _byte_encoder(args.eot)
     else:
         template, vocab_size, eot = hf_template(args.tokenizer, args.eot)
     return tokenize_chat(
@@ -188,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args = parser.parse_args(list(argv or []))
-    except SystemExit as exc:  # argparse already printed usage or help
+    except SystemExit as exc:
+        # argparse already printed usage or help
         return int(exc.code or 0)
 
     def run() -> int:
