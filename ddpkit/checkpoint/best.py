@@ -27,7 +27,9 @@ class BestCheckpoint:
     """A listener that saves the checkpoint named "best" when the tracked metric improves."""
 
     def __init__(self, tracker: BestTracker, *, checkpointer: Checkpointer, progress: Progress):
-        self.tracker, self._checkpointer, self._progress = tracker, checkpointer, progress
+        self.tracker = tracker
+        self._checkpointer = checkpointer
+        self._progress = progress
 
     @classmethod
     def for_run(cls, config: Config, *, checkpointer: Checkpointer, progress: Progress) -> BestCheckpoint | None:

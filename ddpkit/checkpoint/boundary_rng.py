@@ -31,8 +31,10 @@ import torch
 
 __all__ = ["BoundarySlots", "read_boundary", "slot_offset", "HEADER", "TRAILER"]
 
-HEADER = struct.Struct("<qqq")  # step, length, final (1: the boundary's state; 0: as the update ended)
-TRAILER = struct.Struct("<q")  # marker: the step, written last; -1 while the slot is being written
+#: Step, length, final (1: the boundary's state; 0: as the update ended)
+HEADER = struct.Struct("<qqq")
+#: Marker: the step, written last; -1 while the slot is being written
+TRAILER = struct.Struct("<q")
 
 
 def slot_offset(slot: int, capacity: int) -> int:
@@ -44,7 +46,8 @@ class BoundarySlots:
     """The writer side: one rank's file, mapped once; ``write`` is the only per-step call."""
 
     def __init__(self, path: Path, capacity: int):
-        self.path, self.capacity = path, capacity
+        self.path = path
+        self.capacity = capacity
         size = slot_offset(2, capacity)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -56,7 +59,8 @@ class BoundarySlots:
         # Per slot: the addresses of the header words, the payload and the marker, computed once.
         self._slots = [self._addresses(base + slot_offset(s, capacity)) for s in (0, 1)]
         for slot in self._slots:
-            slot[-1].value = -1  # the file starts as zeros, which would read as a valid step 0
+            # The file starts as zeros, which would read as a valid step 0
+            slot[-1].value = -1
 
     def _addresses(self, start: int) -> tuple[ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, int, ctypes.c_int64]:
         step, length, final = (ctypes.c_int64.from_address(start + 8 * i) for i in range(3))
@@ -75,12 +79,16 @@ class BoundarySlots:
         """Publish ``state`` (a contiguous uint8 CPU tensor, as torch.get_rng_state() returns) as step ``step``'s."""
         n = state.numel()
         step_at, length_at, final_at, payload_at, marker_at = self._slots[step & 1]
-        marker_at.value = -1  # first: from here on a reader refuses this slot until the marker is back
+        # First: from here on a reader refuses this slot until the marker is back
+        marker_at.value = -1
         if n > self.capacity:
             return
-        step_at.value, length_at.value, final_at.value = step, n, final
+        step_at.value = step
+        length_at.value = n
+        final_at.value = final
         ctypes.memmove(payload_at, state.data_ptr(), n)
-        marker_at.value = step  # last
+        # The marker last: a reader takes the slot only once the state is whole
+        marker_at.value = step
 
     def close(self) -> None:
         """Drop the mapping (the file stays until unlinked)."""
@@ -88,14 +96,16 @@ class BoundarySlots:
         try:
             self._map.close()
         except BufferError:
-            pass  # a ctypes view still alive somewhere: the mapping goes with the process
+            # A ctypes view still alive somewhere: the mapping goes with the process
+            pass
 
 
 def read_boundary(path: Path, step: int) -> tuple[torch.Tensor, bool] | None:
     """The torch RNG state a rank published for ``step`` and whether it is final; None: no file, no such slot,
     or a torn one."""
     try:
-        data = path.read_bytes()  # one read: a copy the writer can no longer change
+        # One read: a copy the writer can no longer change
+        data = path.read_bytes()
     except OSError:
         return None
     capacity = len(data) // 2 - HEADER.size - TRAILER.size

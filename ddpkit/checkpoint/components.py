@@ -137,7 +137,8 @@ class Components:
 
 def read_checkpoint(raw: dict[str, Any], *, path: str) -> dict[str, Any]:
     """A loaded checkpoint file in the current layout (format 1 files are converted), or a CheckpointError."""
-    if "schema" not in raw and "components" in raw:  # format 1, written by releases before this layout
+    # Format 1, written by releases before this layout
+    if "schema" not in raw and "components" in raw:
         raw = _from_format_1(raw)
     missing = [key for key in (*METADATA_KEYS, *REQUIRED_COMPONENTS) if key not in raw]
     if missing:

@@ -31,7 +31,8 @@ __all__ = ["state_bytes", "free_bytes", "short_of_room", "room_check", "write_fa
 log = logging.getLogger("ddpkit")
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
-_SLACK = 1.05  # torch.save's zip framing and pickled structure on top of the tensors' bytes
+#: torch.save's zip framing and pickled structure on top of the tensors' bytes
+_SLACK = 1.05
 _warned: set[str] = set()
 
 
@@ -39,7 +40,8 @@ def state_bytes(state: StateTree) -> int:
     """The bytes of every tensor in ``state`` (nested dicts, lists, tuples): what a save writes, give or take its
     framing."""
     if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state  # a DTensor: this rank's shard
+        # A DTensor: this rank's shard
+        local = state.to_local() if hasattr(state, "to_local") else state
         return local.untyped_storage().nbytes() if local.device.type != "meta" else 0
     if isinstance(state, dict):
         return sum(state_bytes(v) for v in state.values())

@@ -64,7 +64,8 @@ __all__ = [
 log = logging.getLogger("ddpkit")
 
 FORMAT_VERSION = 1
-_STEP_FILE = re.compile(r"^step-(\d{9})\.(?:pt|dcp)$")  # .dcp: a sharded checkpoint directory (checkpoint/sharded.py)
+#: .dcp: a sharded checkpoint directory (checkpoint/sharded.py)
+_STEP_FILE = re.compile(r"^step-(\d{9})\.(?:pt|dcp)$")
 _HASH_CHUNK = 1 << 22
 
 
@@ -113,7 +114,8 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
     path = checkpoint_path(directory, step=step, name=name)
-    needed = state_bytes(state)  # the tensors' bytes: no directory scan on the save path
+    # The tensors' bytes: no directory scan on the save path
+    needed = state_bytes(state)
     room_check(directory, needed=needed, what=f"checkpoint {path.name}")
     # Invalidate any previous checkpoint under this name before its data file is replaced.
     manifest_path(path).unlink(missing_ok=True)
@@ -129,8 +131,10 @@ def save_checkpoint(
             **(meta or {}),
         }
         write_atomically(manifest_path(path), json.dumps(manifest, indent=1), durable=True)
-    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
-        path.unlink(missing_ok=True)  # a data file without its manifest is no checkpoint: give its space back
+    except (OSError, RuntimeError) as exc:
+        # torch's zip writer reports a full disk as a RuntimeError
+        # A data file without its manifest is no checkpoint: give its space back
+        path.unlink(missing_ok=True)
         newest = list_checkpoints(directory)
         raise write_failure(
             f"checkpoint {path.name}", directory, exc, needed=needed, newest=newest[-1].path if newest else None
@@ -165,7 +169,8 @@ def remove_stale_temporaries(directory: Path) -> None:
 def prune(directory: Path, keep_last: int) -> None:
     """Remove all but the newest ``keep_last`` valid ``step-*`` checkpoints (manifest first)."""
     for info in list_checkpoints(directory)[:-keep_last]:
-        manifest_path(info.path).unlink(missing_ok=True)  # from here on the data file counts as invalid
+        # From here on the data file counts as invalid
+        manifest_path(info.path).unlink(missing_ok=True)
         shutil.rmtree(info.path, ignore_errors=True) if info.path.is_dir() else info.path.unlink(missing_ok=True)
 
 
@@ -207,7 +212,8 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
             )
         if verify_hash and _sha256(path) != manifest["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
-    except OSError as exc:  # unreadable (permissions, a lost mount): not a checkpoint this run can use
+    except OSError as exc:
+        # Unreadable (permissions, a lost mount): not a checkpoint this run can use
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
     return CheckpointInfo(path, manifest)
 
@@ -327,14 +333,18 @@ class AsyncCheckpointWriter:
 
     def stage_and_submit(self, state: dict[str, Any], directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write the state as it is now, in the background; training may change ``state`` as soon as this returns."""
-        self.wait()  # before the copy: the previous save may still be reading these buffers
-        staging, host = self._staging, self._staging.copy(state)
+        # Before the copy: the previous save may still be reading these buffers
+        self.wait()
+        staging = self._staging
+        host = self._staging.copy(state)
 
         def run() -> None:
             try:
-                staging.synchronize()  # the copies queued on the GPU have landed
+                # The copies queued on the GPU have landed
+                staging.synchronize()
                 save_checkpoint(host, directory, **kwargs)
-            except BaseException as exc:  # re-raised on the training thread by wait()
+            except BaseException as exc:
+                # Re-raised on the training thread by wait()
                 self._error = exc
 
         self._thread = threading.Thread(target=run, name="ddpkit-checkpoint", daemon=False)
@@ -346,5 +356,6 @@ class AsyncCheckpointWriter:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
+            error = self._error
+            self._error = None
             raise error

@@ -60,8 +60,10 @@ __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer",
 
 SHM = Path("/dev/shm")
 KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
-BUDGET = 0.01  # `auto`: a snapshot may block at most this fraction of the training time between two (whatever the MTBF)
-PLAN_STEP = 20  # `auto`: the step at which the first interval is planned (the step time is known by then)
+#: `auto`: a snapshot may block at most this fraction of the training time between two (whatever the MTBF).
+BUDGET = 0.01
+#: `auto`: the step at which the first interval is planned (the step time is known by then).
+PLAN_STEP = 20
 
 
 def estimated_block(state_bytes: int) -> float:

@@ -23,9 +23,11 @@ __all__ = ["save_model"]
 def save_model(model: torch.nn.Module, path: Path, *, rank: int) -> None:
     """The bare ``model``'s whole weights to ``path`` on rank 0 (every rank calls it: FSDP2 gathers)."""
     weights = full_model_state(model)
-    weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}  # loads on any machine
+    # On the CPU, so the file loads on any machine
+    weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
     if rank != 0:
         return
-    require_finite(model, what=str(path), collective=False)  # rank 0 alone writes it
+    # Rank 0 alone checks and writes the file
+    require_finite(model, what=str(path), collective=False)
     ckpt.save_atomically(weights, path)
     log.info("saved %s", path)

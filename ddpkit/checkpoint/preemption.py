@@ -101,22 +101,33 @@ class StopOnSignal:
     def __init__(
         self, names: Sequence[str], *, store: Any, rank: int, world_size: int, key: bytes, poll_interval: float = 0.1
     ):
-        self.rank, self.world_size = rank, world_size
-        self.requested = False  # read by the training thread every step: keep it a plain attribute
-        self.received: str | None = None  # the signal this process got, if any
+        self.rank = rank
+        self.world_size = world_size
+        # Read by the training thread every step: keep it a plain attribute
+        self.requested = False
+        # The signal this process got, if any
+        self.received: str | None = None
         self.stop_step: int | None = None
-        self.stopped = False  # True from the optimizer step every rank agreed to stop at
-        self._preempted: Preempted | None = None  # the stop, once announced on every rank
+        # True from the optimizer step every rank agreed to stop at
+        self.stopped = False
+        # The stop, once announced on every rank
+        self._preempted: Preempted | None = None
         self._store = _prefixed(store, "ddpkit/stop")
-        self._key = key  # the job's key (ddpkit.distributed.control_auth): tags what this rank writes and reads
-        self._pid, self._proposed, self._published = os.getpid(), False, False
-        self._proposal = ""  # the step this rank proposed, once it has
-        self._request_text: str | None = None  # "rank 1 received SIGTERM", read with the proposals
+        # The job's key (ddpkit.distributed.control_auth): tags what this rank writes and reads
+        self._key = key
+        self._pid = os.getpid()
+        self._proposed = False
+        self._published = False
+        # The step this rank proposed, once it has
+        self._proposal = ""
+        # "rank 1 received SIGTERM", read with the proposals
+        self._request_text: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         numbers = signal_numbers(names)
-        if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set handlers
+        # Python only lets the main thread set handlers
+        if threading.current_thread() is threading.main_thread():
             for number in numbers:
                 self._previous[number] = signal.signal(number, self._on_signal)
         # Without handlers (a loop in a worker thread) this rank still follows another rank's request.
@@ -164,11 +175,13 @@ class StopOnSignal:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:
-            return  # a forked DataLoader worker: its parent decides when to stop
+            # A forked DataLoader worker: its parent decides when to stop
+            return
         name = signal.Signals(signum).name
         if self.received is not None:
             raise Preempted(f"a second {name} arrived while stopping: stopped at once, without saving this step")
-        self.received, self.requested = name, True
+        self.received = name
+        self.requested = True
 
     def _poll(self, interval: float) -> None:
         """Publish this rank's signal; notice another rank's. Ends on close() or a lost store."""
@@ -178,7 +191,8 @@ class StopOnSignal:
                     self._publish()
                 elif not self.requested and self._store.check([_REQUEST]) and self._read(_REQUEST) is not None:
                     self.requested = True
-        except Exception:  # the group is going away (a peer failed, or the run ended): nothing to stop
+        except Exception:
+            # The group is going away (a peer failed, or the run ended): nothing to stop
             return
 
     def _publish(self) -> None:
@@ -216,7 +230,8 @@ class StopOnSignal:
             # all ranks are alive: rank 0 (and the store) may be gone later.
             request, *proposals = (self._read(name, raw) for name, raw in zip(names, self._store.multi_get(names)))
             if any(value is None for value in proposals):
-                return False  # overwritten by someone else: its rank writes it again at its next step boundary
+                # Overwritten by someone else: its rank writes it again at its next step boundary
+                return False
             self._request_text = request or "a signal on another rank"
             self.stop_step = max(int(value) for value in proposals) + 1
         return step >= self.stop_step
@@ -231,7 +246,8 @@ class StopOnSignal:
         """Stop the polling thread and put the previous handlers back."""
         self._closed.set()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)  # not mid-call into the store when the group is destroyed
+            # Not mid-call into the store when the group is destroyed
+            self._thread.join(timeout=2.0)
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()

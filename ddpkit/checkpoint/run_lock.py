@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.distributed.processes import is_alive, proc_stat
 from ddpkit.errors import EXIT_CONFIG, ConfigError, DdpkitError
 
-if TYPE_CHECKING:  # annotations only: the store's upload process imports this module without torch
+# Annotations only: the store's upload process imports this module without torch
+if TYPE_CHECKING:
     from ddpkit.config.schema import Config
     from ddpkit.distributed.process_group import Runtime
 
@@ -85,10 +86,13 @@ class LockHolder:
 
     host: str
     pid: int
-    start_ticks: str | None  # the pid's start time in /proc (clock ticks since boot): defeats pid reuse
-    since: float  # when it took the lock (Unix time)
+    #: The pid's start time in /proc (clock ticks since boot): defeats pid reuse.
+    start_ticks: str | None
+    #: When it took the lock (Unix time).
+    since: float
     token: str
-    age_s: float  # seconds since the file was last refreshed
+    #: Seconds since the file was last refreshed.
+    age_s: float
 
     def alive(self) -> bool:
         if self.host == socket.gethostname():
@@ -118,7 +122,8 @@ def cannot_write(directory: Path) -> str | None:
 def read_holder(directory: Path) -> LockHolder | None:
     """The holder named in ``directory``'s lock file, or None without one (an unreadable file: a holder of
     unknown pid)."""
-    path, age = directory / LOCK_NAME, 0.0
+    path = directory / LOCK_NAME
+    age = 0.0
     try:
         age = time.time() - path.stat().st_mtime
         fields = json.loads(path.read_text())
@@ -132,7 +137,8 @@ def read_holder(directory: Path) -> LockHolder | None:
         )
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):  # being written right now, or by a run killed while writing it
+    except (OSError, ValueError, KeyError, TypeError):
+        # Being written right now, or by a run killed while writing it
         return LockHolder("", 0, None, time.time() - age, "", age)
 
 
@@ -140,7 +146,9 @@ class RunLock:
     """The run directory's lock for one ``fit()`` (see the module docstring); a context manager on every rank."""
 
     def __init__(self, directory: Path | None, *, checkpoint_dir: Path | None = None):
-        self.directory, self.checkpoint_dir, self.token = directory, checkpoint_dir, secrets.token_hex(8)
+        self.directory = directory
+        self.checkpoint_dir = checkpoint_dir
+        self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -153,7 +161,8 @@ class RunLock:
         return cls(Path(config.output_dir), checkpoint_dir=Path(config.checkpoint_dir))
 
     def __enter__(self) -> RunLock:
-        refusal: tuple[bool, str] | None = None  # (locked by another run, message)
+        # Why this rank cannot go on: (locked by another run, message)
+        refusal: tuple[bool, str] | None = None
         if self.directory is not None and (refusal := self._unwritable()) is None:
             try:
                 self.acquire()
@@ -162,11 +171,13 @@ class RunLock:
         # Imported here: the store's upload process renews its lease through this module's helpers without torch.
         from ddpkit.distributed.collectives import broadcast_object
 
-        refusal = broadcast_object(refusal)  # no rank writes before rank 0 holds the lock
+        # No rank writes before rank 0 holds the lock
+        refusal = broadcast_object(refusal)
         if refusal is not None:
             locked, message = refusal
             error = RunDirectoryLocked(message) if locked else ConfigError(message)
-            error.reported = self.directory is None  # rank 0 prints the one line; the others exit quietly
+            # Rank 0 prints the one line; the others exit quietly
+            error.reported = self.directory is None
             raise error
         return self
 
@@ -187,13 +198,15 @@ class RunLock:
         """Create the lock file (taking over a stale one), or raise :class:`RunDirectoryLocked` naming the holder."""
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):  # a takeover may race with another run's: try again, then refuse
+        # A takeover may race with another run's: try again, then refuse
+        for _ in range(3):
             if self._create():
                 self._start_refreshing()
                 return
             holder = read_holder(self.directory)
             if holder is None:
-                continue  # released meanwhile
+                # Released meanwhile
+                continue
             if holder.alive():
                 raise RunDirectoryLocked(
                     f"run directory {self.directory} is in use by another run ({holder.describe()}): "
@@ -233,7 +246,8 @@ class RunLock:
         while not self._stop.wait(REFRESH_S):
             try:
                 os.utime(self.directory / LOCK_NAME)
-            except OSError:  # removed by hand, or the filesystem is gone: the run goes on
+            except OSError:
+                # Removed by hand, or the filesystem is gone: the run goes on
                 pass
 
     def release(self) -> None:

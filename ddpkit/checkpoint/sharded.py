@@ -89,7 +89,8 @@ def split_tensors(tree: Any) -> tuple[Any, Any]:
         return tree, None
     if not isinstance(tree, dict):
         return None, tree
-    tensors, rest = {}, {}
+    tensors = {}
+    rest = {}
     for key, value in tree.items():
         t, r = split_tensors(value)
         if t is not None and not (isinstance(t, dict) and not t):
@@ -117,8 +118,10 @@ class ShardedParts:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        self._zero = hasattr(optimizer, "consolidate_state_dict")  # ZeroRedundancyOptimizer
+        self.model = model
+        self.optimizer = optimizer
+        # Only a ZeroRedundancyOptimizer consolidates its state
+        self._zero = hasattr(optimizer, "consolidate_state_dict")
         self._names = {p: name for name, p in model.named_parameters()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -128,7 +131,8 @@ class ShardedParts:
                 "model": api.get_model_state_dict(self.model),
                 "optimizer": api.get_optimizer_state_dict(self.model, self.optimizer),
             }
-        local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)  # the FQNs this rank owns
+        # The FQNs this rank owns
+        local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)
         groups = [{**_hyper(g), "params": [self._names[p] for p in g["params"]]} for g in self.optimizer.param_groups]
         return {
             "model": api.get_model_state_dict(self.model),
@@ -139,19 +143,22 @@ class ShardedParts:
         api = state_dict_api()
         api.set_model_state_dict(self.model, state["model"])
         if not self._zero:
-            if len(state["optimizer"]["param_groups"]) == 1:  # an earlier release's one group: resume it as trained
+            # An earlier release's one group: resume it as trained
+            if len(state["optimizer"]["param_groups"]) == 1:
                 merge_to_one_group(self.optimizer, list(self.model.parameters()))
             api.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             return
         saved_groups = state["optimizer"]["param_groups"]
-        if len(saved_groups) != len(self.optimizer.param_groups):  # ZeRO partitions by group: no regrouping
+        # ZeRO partitions by group: no regrouping
+        if len(saved_groups) != len(self.optimizer.param_groups):
             raise CheckpointError(
                 f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this zero1 run's has "
                 f"{len(self.optimizer.param_groups)} (optim.decay / optim.groups); resume with the grouping it was "
                 "written with (optim.decay=all for a checkpoint of an earlier release), or resume under ddp or fsdp2"
             )
         for zero_group, saved in zip(self.optimizer.param_groups, saved_groups):
-            zero_group.update(_hyper(saved))  # ZeRO copies these to its local optimizer at each step
+            # ZeRO copies these to its local optimizer at each step
+            zero_group.update(_hyper(saved))
         local = api.get_optimizer_state_dict(self.model, self.optimizer.optim)
         groups = [{**_hyper(saved), "params": g["params"]} for g, saved in zip(local["param_groups"], saved_groups)]
         owned = {name for g in groups for name in g["params"]}
@@ -211,7 +218,8 @@ def save_sharded(
     try:
         _dcp().save(tensors, checkpoint_id=partial)
         _finish(partial, final, rest=rest, step=step, rank=rank, keep_last=keep_last, meta=meta)
-    except Exception as exc:  # DCP's CheckpointException carries every rank's error
+    except Exception as exc:
+        # DCP's CheckpointException carries every rank's error
         raise _failed(exc, partial, final, rank=rank, needed=needed) from None
     return final
 
@@ -242,7 +250,8 @@ def finish_async(pending: tuple[Any, Path, Path, dict[str, Any]]) -> None:
     future, partial, final, kwargs = pending
     needed = kwargs.pop("needed", 0)
     try:
-        future.result()  # on rank 0 this returns after every rank's shard and the metadata are written
+        # On rank 0 this returns after every rank's shard and the metadata are written
+        future.result()
         _finish(partial, final, **kwargs)
     except Exception as exc:
         raise _failed(exc, partial, final, rank=kwargs["rank"], needed=needed) from None
@@ -274,9 +283,11 @@ def _prepare(directory: Path, *, step: int, name: str | None, rank: int) -> tupl
     partial = directory / f".{final.name}.partial"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob(".*.partial"):  # a save killed earlier
+        # A save killed earlier
+        for stale in directory.glob(".*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()  # nobody writes into a directory rank 0 is still clearing
+    # Nobody writes into a directory rank 0 is still clearing
+    _barrier()
     return final, partial
 
 
@@ -301,7 +312,8 @@ def _finish(
 def commit_sharded(partial: Path, final: Path, *, step: int, meta: dict[str, Any] | None = None) -> None:
     """Rank 0, after DCP finished: rename the directory into place, then write the manifest (last)."""
     manifest_file = final.with_suffix(".json")
-    manifest_file.unlink(missing_ok=True)  # a checkpoint under this name stops counting before it is replaced
+    # A checkpoint under this name stops counting before it is replaced
+    manifest_file.unlink(missing_ok=True)
     if final.exists():
         shutil.rmtree(final)
     files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
@@ -334,10 +346,12 @@ def load_sharded(path: str | os.PathLike, parts: ShardedParts) -> dict[str, Any]
     """Load ``path`` (any mode, any world size) into ``parts``; return the rest of the state (every rank)."""
     path = Path(path)
     rest = load_checkpoint(path / REST_FILE)
-    tensors, _ = split_tensors(parts.state_dict())  # this layout's tensors: DCP fills them in place
+    # This layout's tensors: DCP fills them in place
+    tensors, _ = split_tensors(parts.state_dict())
     try:
         _dcp().load(tensors, checkpoint_id=path)
-    except Exception as exc:  # DCP raises CheckpointException with each rank's error
+    except Exception as exc:
+        # DCP raises CheckpointException with each rank's error
         raise CheckpointError(f"cannot load the sharded checkpoint {path} into this model: {first_line(exc)}") from None
     parts.load_state_dict(
         {

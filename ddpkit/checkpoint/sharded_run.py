@@ -56,8 +56,11 @@ class ShardedRun:
     """The sharded save path of one run (zero1 / fsdp2)."""
 
     def __init__(self, components: Components, *, rank: int, async_save: bool):
-        self.components, self.rank, self.async_save = components, rank, async_save
-        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None  # an async save not yet committed
+        self.components = components
+        self.rank = rank
+        self.async_save = async_save
+        # An async save not yet committed
+        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
         self._group = None
 
     @classmethod
@@ -73,7 +76,8 @@ class ShardedRun:
         parts = sharded.ShardedParts(*_parts(self.components))
         tensors, rest = sharded.split_tensors(parts.state_dict())
         small = capture(exclude=TENSOR_PARTS)
-        small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})  # the non-tensor leaves (param groups)
+        # The non-tensor leaves (param groups)
+        small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})
         small["schema"] = [*small["schema"], *TENSOR_PARTS]
         meta = manifest_fields(small, epoch=small["progress"]["epoch"])
         kwargs = dict(step=step, rank=self.rank, name=name, keep_last=keep_last, meta=meta)
@@ -86,13 +90,15 @@ class ShardedRun:
         import torch.distributed as dist
 
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")  # every rank creates it at the same (first) save
+            # Every rank creates it at the same (first) save
+            self._group = dist.new_group(backend="gloo")
         return self._group
 
     def wait(self) -> None:
         """Finish an async save: wait for every rank's shards, then commit it (rank 0)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
+            pending = self._pending
+            self._pending = None
             sharded.finish_async(pending)
 
     @staticmethod
@@ -151,7 +157,8 @@ def restore_components(path: str, state: dict[str, Any], components: Components,
             "resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode
         )
     if mode not in SHARDED_MODES and not sharded.is_sharded_checkpoint(path):
-        components.restore(state)  # ddp from a single file: as always
+        # ddp from a single file: as always
+        components.restore(state)
         return
     components.restore({**state, "schema": [name for name in state["schema"] if name not in TENSOR_PARTS]})
     ShardedRun.restore(path, state, components)
@@ -165,7 +172,8 @@ def full_capture(state: dict[str, Any], components: Components, *, rank: int) ->
     """
     model, optimizer = _parts(components)
     weights = full_model_state(model)
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1
+    # ZeRO-1 (a ZeroRedundancyOptimizer): its state gathered on rank 0 first
+    if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)
         whole = optimizer.state_dict() if rank == 0 else {}
     else:

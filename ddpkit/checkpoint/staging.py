@@ -71,15 +71,18 @@ class HostStaging:
     """Reusable host buffers that a state tree is copied into (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []  # in the order copy() meets the tensors
+        # In the order copy() meets the tensors
+        self._buffers: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event] = []
         self._used = 0
 
     def copy(self, state: StateTree) -> StateTree:
         """``state`` with every tensor copied into a host buffer; copies from CUDA are queued, not waited for."""
-        self._used, devices = 0, set()
+        self._used = 0
+        devices = set()
         host = self._walk(state, devices)
-        del self._buffers[self._used :]  # the tree shrank: give the rest back
+        # The tree shrank: give the rest back
+        del self._buffers[self._used :]
         self._events = [_record_event(device) for device in devices]
         return host
 
@@ -103,7 +106,9 @@ class HostStaging:
 
     def _buffer(self, source: torch.Tensor) -> torch.Tensor:
         """The next buffer, reused when it fits ``source`` (a CUDA source needs a pinned one), else a new one."""
-        index, self._used, pin = self._used, self._used + 1, source.is_cuda
+        index = self._used
+        self._used = self._used + 1
+        pin = source.is_cuda
         if index < len(self._buffers):
             old = self._buffers[index]
             if old.shape == source.shape and old.dtype == source.dtype and (not pin or old.is_pinned()):
