@@ -45,7 +45,8 @@ log = logging.getLogger("ddpkit")
 FORMAT = "ddpkit-remote-1"
 FENCE_PREFIX = ".ddpkit/epoch-"
 _MANIFEST = re.compile(r"^step-\d{9}\.json$")
-_ANY = re.compile(r"^step-(\d{9})[./]")  # any object of a step: data or manifest
+#: Any object of a step: data or manifest
+_ANY = re.compile(r"^step-(\d{9})[./]")
 _FENCE = re.compile(r"^\.ddpkit/epoch-(\d{9})\.json$")
 
 
@@ -76,7 +77,8 @@ def newest_fence(store: Store, listing: dict[str, int] | None = None) -> dict[st
             try:
                 return json.loads(data)
             except ValueError:
-                continue  # a fence being written right now by a racing run: the older one still rules
+                # A fence being written right now by a racing run: the older one still rules
+                continue
     return None
 
 
@@ -173,11 +175,13 @@ def retire(store: Store, *, keep_last: int, protected: set[str], epoch: int | No
     valid = _manifests(store, listing, fence)
     if not valid:
         return []
-    keep = {c.name[:14] for c in valid[:keep_last]} | {name[:14] for name in protected}  # "step-000001200"
+    # A checkpoint's first 14 characters name its step: "step-000001200"
+    keep = {c.name[:14] for c in valid[:keep_last]} | {name[:14] for name in protected}
     newest = valid[0].step
     stale = [key for key in listing if (m := _ANY.match(key)) and int(m.group(1)) < newest and key[:14] not in keep]
     manifests = [key for key in stale if key.endswith(".json") and "/" not in key]
-    store.delete(manifests)  # first: from here on they no longer count
+    # First: from here on they no longer count
+    store.delete(manifests)
     store.delete([key for key in stale if key not in manifests])
     return sorted({key[:14] for key in manifests})
 

@@ -62,7 +62,8 @@ def acquire(store: Store, *, attempts: int = 3) -> Lease:
         holder = _read(store)
         verdict = _alive(store, holder) if holder is not None else "gone"
         if verdict == "changed":
-            continue  # released or taken by another run while we watched: judge the new holder
+            # Released or taken by another run while we watched: judge the new holder
+            continue
         if verdict == "alive":
             raise RunDirectoryLocked(
                 f"checkpoint.dir={store.url} is in use by another run (pid {holder.get('pid')} on "
@@ -71,7 +72,8 @@ def acquire(store: Store, *, attempts: int = 3) -> Lease:
             )
         fence = newest_fence(store)
         epoch = (fence or {}).get("epoch", 0) + 1
-        accepted = [c.name for c in find_remote(store)]  # what counts now keeps counting under the new epoch
+        # What counts now keeps counting under the new epoch
+        accepted = [c.name for c in find_remote(store)]
         try:
             store.put_bytes(
                 f"{FENCE_PREFIX}{epoch:09d}.json",
@@ -79,7 +81,8 @@ def acquire(store: Store, *, attempts: int = 3) -> Lease:
                 create=True,
             )
         except FileExistsError:
-            continue  # another run took this epoch a moment ago: look again
+            # Another run took this epoch a moment ago: look again
+            continue
         if holder is not None:
             log.warning(
                 "ddpkit: taking over the lock of %s from pid %s on %s, which is no longer running",
@@ -128,7 +131,8 @@ def _read(store: Store) -> dict | None:
     try:
         holder = json.loads(data)
     except ValueError:
-        return {}  # unreadable: treated as a holder that never renews, taken over after LEASE_S
+        # Unreadable: treated as a holder that never renews, taken over after LEASE_S
+        return {}
     return holder if isinstance(holder, dict) else {}
 
 

@@ -59,9 +59,13 @@ class RemoteMirror:
         lease: Lease | None,
         sharded: bool = False,
     ):
-        self.store, self.env, self.output_dir, self.lease = store, env, output_dir, lease
+        self.store = store
+        self.env = env
+        self.output_dir = output_dir
+        self.lease = lease
         nodes = max(1, env.world_size // max(1, env.local_world_size))
-        self._node, self._nodes = env.rank // max(1, env.local_world_size), nodes if sharded else 1
+        self._node = env.rank // max(1, env.local_world_size)
+        self._nodes = nodes if sharded else 1
         self._uploads = Uploader(
             {
                 "url": store.url,
@@ -73,7 +77,8 @@ class RemoteMirror:
         )
         self._saved_step = self._remote_step = -1
         self._seconds = 0.0
-        self._bytes = self._failures = 0
+        self._bytes = 0
+        self._failures = 0
         self._told = False
         #: The local staging folder (``config.checkpoint_dir``), looked at once more at the end.
         self.staging: Path | None = None
@@ -92,7 +97,8 @@ class RemoteMirror:
         if url is None:
             return None
         env = runtime.env
-        store, problem = None, None
+        store = None
+        problem = None
         if env.local_rank == 0 or env.rank == 0:
             try:
                 store = probe_store(
@@ -112,11 +118,13 @@ class RemoteMirror:
             sharded=config.parallel.mode in ("zero1", "fsdp2"),
         )
         mirror.staging = Path(config.checkpoint_dir)
-        slow = config.dist.slow_phase_timeout or 0.9 * config.dist.timeout  # the watchdog's limit for a checkpoint
+        # The watchdog's limit for a checkpoint: the waits for uploads below stay within it
+        slow = config.dist.slow_phase_timeout or 0.9 * config.dist.timeout
         mirror.deadline_s = min(EXIT_DEADLINE_S, 0.8 * slow)
         mirror.exit_deadline_s = min(mirror.deadline_s, 0.5 * (hang_timeout_seconds(config.dist) or EXIT_DEADLINE_S))
         if env.rank == 0:
-            mirror._uploads.start()  # renews the lock from now on
+            # Renews the lock from now on
+            mirror._uploads.start()
         return mirror
 
     # --- resume ---------------------------------------------------------------------------------
@@ -142,7 +150,8 @@ class RemoteMirror:
         local = find_latest_checkpoint(local_dir)
         for remote in with_retries(self._remote_checkpoints, self.store):
             if local is not None and local.step >= remote.step:
-                return None  # this disk already has it, or something newer
+                # This disk already has it, or something newer
+                return None
             try:
                 path = with_retries(lambda: download(self.store, remote, local_dir), self.store)
             except CheckpointError as exc:
@@ -204,7 +213,8 @@ class RemoteMirror:
         """A checkpoint written without :meth:`saved` (the crash save of a dead peer's last step) goes up too."""
         if self.staging is None:
             return
-        local = [c for c in list_checkpoints(self.staging) if c.path.suffix == ".pt"]  # sizes checked, no hashing
+        # Listed with their sizes checked, without hashing them
+        local = [c for c in list_checkpoints(self.staging) if c.path.suffix == ".pt"]
         if local and local[-1].step > self._saved_step:
             self.saved(local[-1].path, step=local[-1].step)
 
@@ -284,14 +294,17 @@ class RemoteMirror:
         if self.lease is not None and not left:
             try:
                 release(self.store, self.lease)
-            except Exception as exc:  # the lease simply expires
+            except Exception as exc:
+                # The lease simply expires
                 log.warning("ddpkit: could not release the lock on %s (run %s): %s", self.store.url, status, why(exc))
         return left
 
 
 def _take_lock(store: Store, *, rank: int) -> Lease | None:
     """Rank 0 takes the store's lock; every rank learns a refusal (one broadcast) and raises it."""
-    lease, refusal = None, None  # refusal: (held by another run, the line that says so)
+    # Refusal: (held by another run, the line that says so)
+    lease = None
+    refusal = None
     if rank == 0:
         if not store.conditional:
             log.warning(
@@ -303,7 +316,8 @@ def _take_lock(store: Store, *, rank: int) -> Lease | None:
             lease = with_retries(lambda: acquire(store), store)
         except RunDirectoryLocked as exc:
             refusal = (True, str(exc))
-        except Exception as exc:  # the store failed every try: every rank must hear it, not wait in the broadcast
+        except Exception as exc:
+            # The store failed every try: every rank must hear it, not wait in the broadcast
             refusal = (False, f"checkpoint.dir={store.url}: cannot take the run lock there: {why(exc)}")
     locked, message = broadcast_object(refusal) or (True, None)
     _raise_first([message], rank=rank, kind=RunDirectoryLocked if locked else CheckpointError)
@@ -316,7 +330,8 @@ def _step_of(path: Path) -> int:
         return int(match.group(1))
     import json
 
-    return int(json.loads(path.with_suffix(".json").read_text())["step"])  # a named checkpoint ("best")
+    # A named checkpoint ("best") has no step in its name: its manifest says it
+    return int(json.loads(path.with_suffix(".json").read_text())["step"])
 
 
 def _raise_first(problems: list[str | None], *, rank: int, kind: type[DdpkitError]) -> None:

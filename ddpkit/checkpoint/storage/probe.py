@@ -78,7 +78,8 @@ def with_retries(
     for attempt in range(1, attempts + 1):
         try:
             return call()
-        except (FileExistsError, DdpkitError):  # answers (a refused create, a corrupt checkpoint, a held lock)
+        except (FileExistsError, DdpkitError):
+            # Answers (a refused create, a corrupt checkpoint, a held lock)
             raise
         except Exception as exc:
             if attempt == attempts or permanent(exc):
@@ -117,10 +118,12 @@ def _probe(store: Store, name: str) -> bool:
 
 
 def _refuses_second_create(store: Store, name: str) -> bool:
-    try:  # the same name again, create-only: a store with conditional writes refuses it
+    # The same name again, create-only: a store with conditional writes refuses it
+    try:
         store.put_bytes(name, b"second", create=True)
     except FileExistsError:
         return True
-    except Exception:  # a store that rejects the header itself: no conditional writes
+    except Exception:
+        # A store that rejects the header itself: no conditional writes
         return False
     return False

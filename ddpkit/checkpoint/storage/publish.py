@@ -65,14 +65,18 @@ def publish_checkpoint(
     FileNotFoundError when the local checkpoint is gone, and the store's own errors otherwise.
     """
     path = Path(job["path"])
-    name, node, nodes = path.name, job.get("node", 0), job.get("nodes", 1)
+    name = path.name
+    node = job.get("node", 0)
+    nodes = job.get("nodes", 1)
     if node == 0:
         _wait_committed(path, job["step"])
     create = name.startswith("step-")
     if node == 0 and store.get_bytes(manifest_name(name)) is not None:
         if name in protected:
-            return {"name": name, "step": job["step"], "bytes": 0}  # the one this run resumed from: there already
-        store.delete([manifest_name(name)])  # an older save under this name stops counting before its data changes
+            # The one this run resumed from: there already
+            return {"name": name, "step": job["step"], "bytes": 0}
+        # An older save under this name stops counting before its data changes
+        store.delete([manifest_name(name)])
     objects = _send(store, path, node=node, nodes=nodes, ranks=job.get("ranks", ()))
     if node != 0:
         store.put_bytes(f".ddpkit/parts/{name}/node-{node:05d}.json", json.dumps(objects).encode())
@@ -132,10 +136,12 @@ def _wait_committed(path: Path, step: int) -> None:
             if manifest.get("step") == step and manifest.get("file") == path.name:
                 return
         except (OSError, ValueError):
-            pass  # not written yet, or being written
+            # Not written yet, or being written
+            pass
         if time.monotonic() > deadline:
             raise LocalSaveFailed(f"{path}: the local save of step {step} did not complete in {COMMIT_WAIT_S:.0f} s")
-        if newer_committed(path, step):  # pruned after a newer save, or its write failed and a later one did not
+        # Pruned after a newer save, or its write failed and a later one did not
+        if newer_committed(path, step):
             raise Superseded(f"{path}: no longer on this disk (a newer checkpoint replaced it); not uploaded")
         time.sleep(0.2)
 
@@ -147,7 +153,8 @@ def newer_committed(path: Path, step: int) -> bool:
     try:
         names = [f.name for f in path.parent.iterdir()]
     except OSError:
-        return True  # the folder itself is gone
+        # The folder itself is gone
+        return True
     return any(_STEP_MANIFEST.match(name) and int(name[5:14]) > step for name in names)
 
 
@@ -156,7 +163,8 @@ def _send(store: Store, path: Path, *, node: int, nodes: int, ranks: Any) -> dic
     if path.suffix != ".dcp":
         sha, size = store.put_file(path, path.name)
         return {path.name: {"bytes": size, "sha256": sha}}
-    folder = path if path.is_dir() else path.with_name(f".{path.name}.partial")  # a node whose rank 0 is elsewhere
+    # A node whose rank 0 is elsewhere
+    folder = path if path.is_dir() else path.with_name(f".{path.name}.partial")
     if not folder.is_dir():
         raise FileNotFoundError(f"{path}: no such sharded checkpoint on this node")
     mine = {int(r) for r in ranks}

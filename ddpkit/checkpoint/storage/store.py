@@ -57,7 +57,8 @@ class Store:
     """The objects under one URL; names are relative to it (``step-000000100.pt``, ``.ddpkit/lock.json``)."""
 
     def __init__(self, url: str, options: dict[str, Any] | None = None, *, fs: Any = None):
-        self.url, self.options = url.rstrip("/"), dict(options or {})
+        self.url = url.rstrip("/")
+        self.options = dict(options or {})
         self.scheme = url_scheme(url) or "file"
         self.fs = fs if fs is not None else _filesystem(self.scheme, self.options, self.url)
         self.root = self.fs._strip_protocol(self.url).rstrip("/")
@@ -73,7 +74,8 @@ class Store:
 
     def put_file(self, local: str | os.PathLike, name: str) -> tuple[str, int]:
         """Upload ``local`` as ``name``, streaming; returns the SHA-256 and size of exactly the bytes sent."""
-        sha, size = hashlib.sha256(), 0
+        sha = hashlib.sha256()
+        size = 0
         self._parents(name)
         with open(local, "rb") as src, self.fs.open(self.key(name), "wb") as dst:
             while chunk := src.read(CHUNK):
@@ -87,7 +89,8 @@ class Store:
         self._parents(name)
         if not create:
             self.fs.pipe_file(self.key(name), data)
-        elif self.scheme == "file":  # O_EXCL: atomic on a local or NFS filesystem, where fsspec only checks first
+        elif self.scheme == "file":
+            # O_EXCL: atomic on a local or NFS filesystem, where fsspec only checks first
             fd = os.open(self.key(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -98,7 +101,8 @@ class Store:
                 self.fs.pipe_file(self.key(name), data, **kwargs)
             except FileExistsError:
                 raise
-            except Exception as exc:  # each SDK says "exists" its own way: Azure's ResourceExistsError, HTTP 412
+            except Exception as exc:
+                # Each SDK says "exists" its own way: Azure's ResourceExistsError, HTTP 412
                 if type(exc).__name__ in _EXISTS or "412" in str(exc) or "PreconditionFailed" in str(exc):
                     raise FileExistsError(f"{self.url}/{name} exists") from exc
                 raise
@@ -112,7 +116,8 @@ class Store:
 
     def get_file(self, name: str, local: Path) -> tuple[str, int]:
         """Download ``name`` to ``local``; returns the SHA-256 and size of what arrived."""
-        sha, size = hashlib.sha256(), 0
+        sha = hashlib.sha256()
+        size = 0
         with self.fs.open(self.key(name), "rb") as src, open(local, "wb") as dst:
             while chunk := src.read(CHUNK):
                 sha.update(chunk)
@@ -143,7 +148,8 @@ class Store:
                 pass
 
     def _parents(self, name: str) -> None:
-        if self.scheme == "file":  # object stores have no folders; a local one needs them
+        # Object stores have no folders; a local one needs them
+        if self.scheme == "file":
             Path(self.key(name)).parent.mkdir(parents=True, exist_ok=True)
 
 

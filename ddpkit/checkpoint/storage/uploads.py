@@ -41,16 +41,19 @@ class Uploader:
 
     def __init__(self, spec: dict[str, Any]):
         self.spec = spec
-        self.pending: dict[int, dict[str, Any]] = {}  # seq -> job, until answered
+        # seq -> job, until answered
+        self.pending: dict[int, dict[str, Any]] = {}
         self._proc: subprocess.Popen | None = None
-        self._seq, self._buffer = 0, b""
+        self._seq = 0
+        self._buffer = b""
 
     def start(self) -> None:
         """Start the process now (it renews the lock from then on); otherwise the first submit does."""
         if self._proc is not None:
             return
         env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[3])  # a checkout that is not installed works too
+        # A checkout that is not installed works too
+        package_root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         self._proc = subprocess.Popen(
@@ -66,7 +69,8 @@ class Uploader:
     def submit(self, job: dict[str, Any]) -> None:
         """Queue ``job``; returns at once. A process that died is started again (and its lost jobs reported failed)."""
         if self._proc is not None and self._proc.poll() is not None:
-            self._proc = None  # died (killed, out of memory): what it had not answered is lost
+            # Died (killed, out of memory): what it had not answered is lost
+            self._proc = None
         self.start()
         self._seq += 1
         job = {**job, "seq": self._seq}
@@ -94,15 +98,18 @@ class Uploader:
         if self._proc is None:
             return [], []
         try:
-            self._proc.stdin.close()  # end of jobs: the process finishes its queue and exits
+            # End of jobs: the process finishes its queue and exits
+            self._proc.stdin.close()
         except OSError:
             pass
-        answers, end = [], time.monotonic() + deadline_s
+        answers = []
+        end = time.monotonic() + deadline_s
         while self._proc.poll() is None and time.monotonic() < end:
             answers += self.answers()
             time.sleep(0.05)
         if self._proc.poll() is None:
-            self._proc.kill()  # past the deadline: what is still uploading stays local
+            # Past the deadline: what is still uploading stays local
+            self._proc.kill()
         self._proc.wait()
         answers += self.answers()
         left = list(self.pending.values())
@@ -116,5 +123,6 @@ class Uploader:
         try:
             self._proc.stdin.write((json.dumps(message) + "\n").encode())
             self._proc.stdin.flush()
-        except BrokenPipeError:  # the process just died; the next submit starts another
+        except BrokenPipeError:
+            # The process just died; the next submit starts another
             pass

@@ -61,7 +61,10 @@ class Worker:
         keep_last: int | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self.store, self.epoch, self.keep_last, self.sleep = store, epoch, keep_last, sleep
+        self.store = store
+        self.epoch = epoch
+        self.keep_last = keep_last
+        self.sleep = sleep
         self.protected: set[str] = set()
         self.renew_failing = False
 
@@ -70,7 +73,9 @@ class Worker:
         if job["op"] == "protect":
             self.protected.add(job["name"])
             return None
-        started, error, attempts = time.monotonic(), None, 0
+        started = time.monotonic()
+        error = None
+        attempts = 0
         for attempts in range(1, ATTEMPTS + 1):
             try:
                 if job["op"] == "checkpoint":
@@ -80,17 +85,21 @@ class Worker:
                 else:
                     done = publish_file(self.store, job)
                 return {"seq": job.get("seq"), "ok": True, "seconds": round(time.monotonic() - started, 3), **done}
-            except Superseded:  # pruned locally once a newer checkpoint was saved: that one goes up instead
+            except Superseded:
+                # Pruned locally once a newer checkpoint was saved: that one goes up instead
                 return {"seq": job.get("seq"), "ok": True, "skipped": True, "step": job.get("step"), "bytes": 0}
-            except NotRetried as exc:  # the lock was lost, or the local save never completed
+            except NotRetried as exc:
+                # The lock was lost, or the local save never completed
                 return self._failed(job, exc, attempts, started)
-            except FileNotFoundError as exc:  # the local file is gone (pruned mid-upload), or the store has no bucket
+            except FileNotFoundError as exc:
+                # The local file is gone (pruned mid-upload), or the store has no bucket
                 if job["op"] == "checkpoint" and newer_committed(Path(job["path"]), job["step"]):
                     return {"seq": job.get("seq"), "ok": True, "skipped": True, "step": job.get("step"), "bytes": 0}
                 if job["op"] != "checkpoint" or not os.path.exists(job["path"]):
                     return self._failed(job, exc, attempts, started)
                 error = exc
-            except Exception as exc:  # throttling, timeouts, expired credentials, a server that went away
+            except Exception as exc:
+                # Throttling, timeouts, expired credentials, a server that went away
                 error = exc
             if attempts < ATTEMPTS and time.monotonic() - started < RETRY_S:
                 self.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (attempts - 1)))
@@ -101,7 +110,8 @@ class Worker:
 
     def _rebuild(self) -> None:
         try:
-            self.store.rebuild()  # new client: credentials read again
+            # New client: credentials read again
+            self.store.rebuild()
         except Exception as exc:
             print(
                 f"ddpkit: upload: cannot rebuild the {self.store.scheme} client: {first_line(exc)}",
@@ -132,7 +142,8 @@ class Worker:
         """One renewal of the store's lock; False when it is lost (then warned about once, by the caller)."""
         try:
             held = renew(self.store, lease)
-        except Exception as exc:  # a store that is away for a while: warned once; the lease lives until LEASE_S
+        except Exception as exc:
+            # A store that is away for a while: warned once; the lease lives until LEASE_S
             if not self.renew_failing:
                 print(
                     f"ddpkit: warning: cannot renew the lock on {self.store.url}: {first_line(exc)}; retrying",
@@ -163,7 +174,8 @@ def _read_jobs(jobs: queue.Queue) -> None:
     for line in sys.stdin:
         if line.strip():
             jobs.put(json.loads(line))
-    jobs.put({"op": "exit"})  # the parent closed the pipe: finish the queue, then stop
+    # The parent closed the pipe: finish the queue, then stop
+    jobs.put({"op": "exit"})
 
 
 def _renewing(worker: Worker, lease: Lease, stop: threading.Event) -> None:
@@ -179,10 +191,12 @@ def _renewing(worker: Worker, lease: Lease, stop: threading.Event) -> None:
 
 
 def main() -> None:
-    out = os.fdopen(os.dup(1), "w")  # answers only; anything a library prints goes to stderr
+    # Answers only; anything a library prints goes to stderr
+    out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     try:
-        os.nice(10)  # the training process comes first for the CPU (hashing, TLS, the client's own work)
+        # The training process comes first for the CPU (hashing, TLS, the client's own work)
+        os.nice(10)
     except OSError:
         pass
     spec = json.loads(sys.stdin.readline())
@@ -195,13 +209,17 @@ def main() -> None:
     stop = threading.Event()
     if lease is not None:
         threading.Thread(target=_renewing, args=(worker, lease, stop), name="ddpkit-lease", daemon=True).start()
-    parent, backlog, exiting = spec["ppid"], [], False
+    parent = spec["ppid"]
+    backlog = []
+    exiting = False
     while not (exiting and not backlog):
         if os.getppid() != parent:
-            return  # the trainer is gone (killed): stop, and stop renewing its lock
+            # The trainer is gone (killed): stop, and stop renewing its lock
+            return
         try:
             backlog.append(jobs.get(timeout=0.0 if backlog else 1.0))
-            continue  # gather everything queued before choosing
+            # Gather everything queued before choosing
+            continue
         except queue.Empty:
             pass
         exiting = exiting or any(j["op"] == "exit" for j in backlog)
@@ -213,7 +231,8 @@ def main() -> None:
                 + "\n"
             )
         if run:
-            job, backlog = run[0], run[1:]
+            job = run[0]
+            backlog = run[1:]
             if (answer := worker.handle(job)) is not None:
                 out.write(json.dumps(answer) + "\n")
         out.flush()
