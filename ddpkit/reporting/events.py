@@ -145,13 +145,16 @@ class Events:
         self._deliver("on_epoch_start", epoch)
 
     def step_start(self, step: int) -> None:
-        self._deliver("on_step_start", step)
+        for hook in self._hooks["on_step_start"]:
+            hook(step)
 
     def update_start(self, step: int) -> None:
-        self._deliver("on_update_start", step)
+        for hook in self._hooks["on_update_start"]:
+            hook(step)
 
     def step_end(self, step: int) -> None:
-        self._deliver("on_step_end", step)
+        for hook in self._hooks["on_step_end"]:
+            hook(step)
 
     def log(self, record: dict[str, Any]) -> None:
         self._deliver("on_log", record)
