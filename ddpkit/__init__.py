@@ -17,6 +17,7 @@ against this order, collapsed to packages):
 
     __main__.py              ``python -m ddpkit``
     cli.py                   the ``ddpkit`` command line: parses argv, calls one of the rows below
+    spark/                   ``ddpkit.spark.run`` / ``ddpkit spark``: a run as Spark barrier stages, restarted, resumed
     tools/, bench/           commands that read finished runs or plan one
                              (runs, plot, goodput, estimate); ``ddpkit bench``
     trainer.py               ``Trainer``: build, register, attach; the loop on one screen; overridable steps
