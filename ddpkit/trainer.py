@@ -4,8 +4,9 @@ Trainer composes small modules, each called in one line: see the map of folders 
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import data, registry, training
 from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful, save_model
+from ddpkit.config.layout import check_layout, with_microbatches
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
 from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer
+from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.worker_scope import Worker, worker_scope
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput, start_logging
+from ddpkit.reporting.log import log
 
 __all__ = ["Trainer"]
 
@@ -58,6 +62,8 @@ class Trainer:
         # an auxiliary head) gets the same weights in every launch and on every rank (torch 2.14 seeds each
         # process at random). fit() seeds again before its own build.
         training.seed_for_setup(self.config.run.seed, deterministic=self.config.train.deterministic)
+        # The layout's degrees against this launch's world size, before any process group exists.
+        check_layout(self.config.parallel, world_size=self.env.world_size)
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
         self.events = Events()  # the loop's one ordered list of listeners; setup fills it, this Trainer last
@@ -71,7 +77,12 @@ class Trainer:
         self.reporter: Reporter | None = None
         self.checkpointer: Checkpointer | None = None
         self.health: training.TrainingHealth | None = None
-        self._step = self._models = self._evaluation = self._early_stopping = None
+        self._update: training.OptimizerStep | None = None
+        self._step: training.TrainStep | None = None
+        self._models = self._evaluation = self._early_stopping = None
+        self._pipeline: training.Pipeline | None = None
+        #: The parallel layout (degrees, mesh, groups): built by fit() once the process group exists.
+        self.layout: ParallelLayout | None = None
         self._stop_requested = False
 
     rank = property(lambda self: self.env.rank, doc="This process's global rank (0 .. world_size - 1).")
@@ -116,12 +127,25 @@ class Trainer:
         return training.build_scheduler(optimizer, self.config.sched, total_steps=total_steps)
 
     def build_train_loader(self, dataset: Dataset) -> DataLoader:
-        """The training loader: ``DistributedSampler`` sharding, per-rank batch size from config."""
-        return data.train_loader_for(dataset, self.config, env=self.env, device=self.device)
+        """The training loader: ``DistributedSampler`` sharding over the data-parallel replicas, per-replica batch
+        size from config."""
+        return data.train_loader_for(dataset, self.data_config, env=self.data_env, device=self.device)
 
     def build_val_loader(self, dataset: Dataset) -> DataLoader:
         """The validation loader: exact, duplicate-free shards."""
-        return data.val_loader_for(dataset, self.config, env=self.env, device=self.device)
+        return data.val_loader_for(dataset, self.data_config, env=self.data_env, device=self.device)
+
+    def pipeline_stages(self, model: nn.Module, stages: int) -> list[nn.Module] | None:
+        """Under ``parallel.pipeline``: the ``stages`` stage modules of ``model``, in order, each a module whose
+        forward takes the previous stage's output. None (the default): ddpkit's own models cut themselves, and
+        ``parallel.split_points`` cuts a model whose top-level children run in order."""
+        return None
+
+    def pipeline_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        """Under a pipeline the model is never whole on one rank, so the loss runs on the last stage, per
+        microbatch: cross-entropy of ``output`` against ``target``, as the default ``training_step`` computes it
+        (a mean, or the sum over the tokens under ``train.loss_normalization: tokens``)."""
+        return training.steps.loss_of_output(output, target, normalization=self.config.train.loss_normalization)
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """Your own parts of every checkpoint, by name (an EMA model: anything with state_dict / load_state_dict)."""
@@ -178,66 +202,22 @@ class Trainer:
 
     def _setup(self) -> None:
         """Build (the same on every rank), register what a checkpoint holds, resume once, attach the listeners."""
-        cfg, worker, rt, progress = self.config, self.worker, self.worker.runtime, self.progress
+        cfg, worker, progress = self.config, self.worker, self.progress
         start_logging(cfg, rank=self.rank)
-        training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)  # the same weights everywhere
+        # the same weights everywhere
+        training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)
+        self.layout = ParallelLayout.build(cfg.parallel, worker.runtime)
         model = self._build()
-        tokens = training.TokenCount.for_run(model, cfg.train, device=self.device, world_size=self.world_size)
-        throughput = TokenThroughput.for_run(cfg, rt, model=model, dataset=self.train_loader.dataset, counter=tokens)
-        self.reporter = Reporter(
-            cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events, throughput=throughput
-        )  # tokens/s, MFU
-        self.checkpointer = Checkpointer(cfg, runtime=rt, progress=progress, stop=worker.stop, pauses=self.reporter)
-        self.health = training.TrainingHealth(
-            cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress, checkpoints=self.checkpointer
-        )  # NaNs, spikes, stragglers, replicas
-        self._step = training.OptimizerStep(
-            model,
-            self.optimizer,
-            self.scheduler,
-            train=cfg.train,
-            tokens=tokens,
-            device=self.device,
-            world_size=self.world_size,
-            health=self.health,
-        )
-        self._models = training.build_models(
-            model, rt, ddp=cfg.ddp, train=cfg.train, parallel=cfg.parallel, exclude=self.reporter.outside_training
-        )  # DDP, then compiled
-        self.events.add(self._models, self.reporter, self.checkpointer.mirror)  # on_exit however fit() ends
-        self._evaluation = training.Evaluation(
-            self._models,
-            self.val_loader,
-            device=self.device,  # a long validation
-            autocast=self._step.autocast,
-            ticking=worker.watchdog.ticking,
-        )  # ticks
-        best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
-        self._early_stopping = training.EarlyStopping.for_run(cfg, progress=progress)
-        self.checkpointer.register(
-            builtin=dict(  # every part a checkpoint holds, by name, in one call
-                model=model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self._step.scaler,
-                progress=progress,
-                rng=training.RngStreams(rank=self.rank, world_size=self.world_size),
-                best=best,
-                early_stopping=self._early_stopping,
-                health=self.health,
-                sinks=self.reporter.sinks,
-                **data.data_position(self.train_loader),
-            ),
-            user=self.checkpoint_parts(),
-        )
-        resumed = worker.ledger.restore(self.checkpointer.resume)  # timed, in goodput.jsonl
+        self._build_step(model)
+        self._register(model)
+        # timed, in goodput.jsonl
+        resumed = worker.ledger.restore(self.checkpointer.resume)
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
+        # train.sample
         samples = training.TrainingSamples.for_run(
-            cfg,
-            rank=self.rank,
-            model=model,  # train.sample
-            outside=self.reporter.outside_training,
+            cfg, rank=self.rank, model=model, outside=self.reporter.outside_training
         )
+        # The order events reach them: the user's hooks last.
         self.events.add(
             Profiler.for_run(cfg, rank=self.rank, device=self.device),
             worker.watchdog,
@@ -246,24 +226,156 @@ class Trainer:
             self.health.straggler,
             self.health,
             self._early_stopping,
-            best,
+            self._best,
             samples,
             self,
-        )  # the order events reach them: user's hooks last
+        )
+
+    def _build_step(self, model: nn.Module) -> None:
+        """The collaborators of a step: the token count, reporter, checkpointer and health; then the update."""
+        cfg, rt, progress, layout = self.config, self.worker.runtime, self.progress, self.layout
+        tokens = training.TokenCount.for_run(
+            model, cfg.train, device=self.device, world_size=layout.dp, group=layout.dp_group
+        )
+        # tokens/s, MFU
+        throughput = TokenThroughput.for_run(cfg, rt, model=model, dataset=self.train_loader.dataset, counter=tokens)
+        self.reporter = Reporter(
+            cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events, throughput=throughput
+        )
+        self.checkpointer = Checkpointer(
+            cfg, runtime=rt, layout=layout, progress=progress, stop=self.worker.stop, pauses=self.reporter
+        )
+        # NaNs, spikes, stragglers, replicas
+        self.health = training.TrainingHealth(
+            cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress, checkpoints=self.checkpointer
+        )
+        self._build_update(model, tokens)
+
+    def _build_update(self, model: nn.Module, tokens: training.TokenCount | None) -> None:
+        """The update, the model views, the step object the loop asks for each step, and the validation."""
+        cfg, rt, progress, layout = self.config, self.worker.runtime, self.progress, self.layout
+        pipeline = self._pipeline
+        self._update = training.OptimizerStep(
+            model,
+            self.optimizer,
+            self.scheduler,
+            train=cfg.train,
+            tokens=tokens,
+            device=self.device,
+            world_size=layout.dp,
+            health=self.health,
+            stages=pipeline and layout.pp_group,
+            counted=pipeline and pipeline.norm_parameters,
+        )
+        # DDP, then compiled; a pipeline's stages are wrapped already
+        self._models = training.build_models(
+            model,
+            rt,
+            ddp=cfg.ddp,
+            train=cfg.train,
+            parallel=cfg.parallel,
+            exclude=self.reporter.outside_training,
+            pipelined=pipeline is not None,
+        )
+        # on_exit however fit() ends
+        self.events.add(self._models, self.reporter, self.checkpointer.mirror)
+        reporting = training.StepReporting(self.reporter, self.events, progress)
+        self._step = training.build_train_step(
+            self._update,
+            self._models.train,
+            pipeline,
+            loss=self.training_step,
+            owner=type(self),
+            reporting=reporting,
+            device=self.device,
+            accum=cfg.train.grad_accum_steps,
+        )
+        # a long validation ticks the watchdog
+        self._evaluation = training.Evaluation(
+            self._models,
+            self.val_loader,
+            device=self.device,
+            autocast=self._update.autocast,
+            ticking=self.worker.watchdog.ticking,
+        )
+
+    def _register(self, model: nn.Module) -> None:
+        """Every part a checkpoint holds, by name, in one call."""
+        cfg, progress = self.config, self.progress
+        self._best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
+        self._early_stopping = training.EarlyStopping.for_run(cfg, progress=progress)
+        self.checkpointer.register(
+            builtin=dict(
+                model=model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self._update.scaler,
+                progress=progress,
+                rng=training.RngStreams(rank=self.rank, world_size=self.world_size),
+                best=self._best,
+                early_stopping=self._early_stopping,
+                health=self.health,
+                sinks=self.reporter.sinks,
+                **data.data_position(self.train_loader),
+            ),
+            user=self.checkpoint_parts(),
+        )
 
     def _build(self) -> nn.Module:
-        """Datasets, model (sharded), loaders, optimizer and schedule; returns the bare model."""
-        cfg = self.config
+        """Datasets, model (sharded, or this rank's pipeline stages), loaders, optimizer and schedule; returns the
+        bare model (under a pipeline: the parts this rank holds, under the whole model's names)."""
+        cfg, layout = self.config, self.layout
         train_set, val_set = self.build_datasets()
-        model = shard_model(self.build_model(), self.runtime, cfg.parallel, precision=cfg.train.precision)  # fsdp2
-        check_same_run_on_every_rank(cfg, model, train_set, val_set)  # first: any later failure would say less
-        data.require_vocab_of(model, train_set, val_set)  # a token id the model cannot embed: its file and offset
+        whole = self.build_model()
+        # First: any later failure would say less.
+        check_same_run_on_every_rank(cfg, whole, train_set, val_set)
+        # A token id the model cannot embed: its file and offset.
+        data.require_vocab_of(whole, train_set, val_set)
+        model = self._place(whole)
         self.train_loader = self.build_train_loader(train_set)
-        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._steps_per_epoch, self.total_steps = data.run_length(self.train_loader, cfg)
-        self.optimizer = shard_optimizer(self.build_optimizer(model), cfg.parallel, model=model)  # zero1: ZeRO
+        self.val_loader = self._val_loader(val_set)
+        self._steps_per_epoch, self.total_steps = data.run_length(
+            self.train_loader, self.data_config, short_steps=self._pipeline is None
+        )
+        # zero1: ZeRO over the data-parallel replicas
+        optimizer = self.build_optimizer(model)
+        self.optimizer = shard_optimizer(optimizer, cfg.parallel, model=model, group=layout.dp_group)
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
         return model
+
+    def _place(self, whole: nn.Module) -> nn.Module:
+        """fsdp2: the model sharded; a pipeline: this rank's stages (the rest let go); else the model as built."""
+        cfg = self.config
+        if self.layout.pp == 1:
+            return shard_model(whole, self.runtime, cfg.parallel, precision=cfg.train.precision)
+        training.refuse_training_step_override(type(self), Trainer)
+        self._pipeline = training.build_pipeline(
+            whole, self.layout, cfg, self.runtime, split=self.pipeline_stages, loss=self.pipeline_loss
+        )
+        return self._pipeline.held
+
+    def _val_loader(self, dataset: Dataset | None) -> DataLoader | None:
+        if dataset is None:
+            return None
+        if self._pipeline is not None:
+            log.info("validation is skipped under a pipeline (parallel.pipeline > 1): not supported by ddpkit yet")
+            return None
+        return self.build_val_loader(dataset)
+
+    @property
+    def data_config(self) -> Config:
+        """The config the data sees: under a pipeline, its M microbatches per step are the accumulation."""
+        if self.layout is None or self.layout.pp == 1:
+            return self.config
+        return with_microbatches(self.config, self._pipeline.microbatches)
+
+    @property
+    def data_env(self) -> DistEnv:
+        """The environment the samplers shard by: the data-parallel coordinate (every stage of a pipeline reads
+        the same batches), which is the rank and world size without one."""
+        if self.layout is None or self.layout.pp == 1:
+            return self.env
+        return dataclasses.replace(self.env, rank=self.layout.dp_rank, world_size=self.layout.dp)
 
     def _finished(self) -> bool:
         epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping
@@ -271,11 +383,11 @@ class Trainer:
         return stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
 
     def _train_epoch(self) -> None:
-        progress, accum, report, events = self.progress, self.config.train.grad_accum_steps, self.reporter, self.events
+        progress, events, step = self.progress, self.events, self._step
         batches, batches_per_epoch = data.epoch_batches(
             self.train_loader,
             epoch=progress.epoch,
-            rank=self.rank,
+            rank=self.data_env.rank,
             consumed=progress.batch_in_epoch,
             uneven=self.config.data.uneven,
         )
@@ -283,34 +395,33 @@ class Trainer:
             events.epoch_start(progress.epoch)
         self._models.train.train()
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
-            if progress.batch_in_epoch % accum == 0:
-                events.step_start(progress.step)  # the step boundary: steps 1..step are complete
-            with report.span("data"):
-                batch = next(batches, None)
-            if batch is None:  # a stream ended, at this same batch on every rank (ddpkit.data.streaming)
+            count = min(step.batches_per_step, batches_per_epoch - progress.batch_in_epoch)
+            if count < step.batches_per_step and not step.takes_short_steps:
+                # A pipeline schedule needs all M microbatches: the epoch's shorter tail is left out.
+                progress.batch_in_epoch = batches_per_epoch
+                break
+            # the step boundary: steps 1..step are complete
+            events.step_start(progress.step)
+            if step.run(self._fetch(batches, count), count=count) < count:
+                # a stream ended, at this same batch on every rank (ddpkit.data.streaming)
                 batches_per_epoch = progress.batch_in_epoch
                 break
-            progress.batch_in_epoch += 1
-            boundary = progress.batch_in_epoch % accum == 0 or progress.batch_in_epoch == batches_per_epoch
-            self._micro_step(batch, sync=boundary)
-            if boundary:
-                events.update_start(progress.step)
-                with report.span("optimizer"):
-                    self._step.step()
-                progress.step += 1
-                self._after_step()
+            progress.step += 1
+            self._after_step()
         if progress.batch_in_epoch >= batches_per_epoch:
-            progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+            progress.epoch += 1
+            progress.batch_in_epoch = 0
             self._after_epoch(progress.epoch - 1)
 
-    def _micro_step(self, batch: Any, *, sync: bool) -> None:
-        batch = data.move_to_device(batch, self.device)
-        with training.sync_gradients(self._models.train, sync=sync):
-            with self.reporter.span("forward"), self._step.autocast():
-                loss, tokens = self._step.loss_of(self.training_step(batch), owner=type(self))
-            self.reporter.add_loss(loss, tokens)
-            with self.reporter.span("backward"):
-                self._step.backward(loss, tokens)
+    def _fetch(self, batches: Iterator[Any], count: int) -> Iterator[Any]:
+        """Up to ``count`` batches of this epoch, each read under the ``data`` span and counted as consumed."""
+        for _ in range(count):
+            with self.reporter.span("data"):
+                batch = next(batches, None)
+            if batch is None:
+                return
+            self.progress.batch_in_epoch += 1
+            yield batch
 
     def _after_step(self) -> None:
         step, train = self.progress.step, self.config.train
@@ -338,7 +449,15 @@ class Trainer:
         self.checkpointer.wait()
         self.reporter.write_timeline()
         if not stopped:
-            save_model(self._models.bare, self.output_dir / "model.pt", rank=self.rank)  # fsdp2 gathers first
+            # fsdp2 gathers first; a pipeline's stages send their parts to rank 0
+            stages = self.layout.pp_group if self._pipeline is not None else None
+            save_model(
+                self._models.bare,
+                self.output_dir / "model.pt",
+                rank=self.rank,
+                stages=stages,
+                replica=self.layout.dp_rank,
+            )
         self.worker.barrier("end of training", note=self.reporter.note)
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 

@@ -48,6 +48,7 @@ from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, Sharde
 from ddpkit.checkpoint.storage import RemoteMirror
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object
+from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError, ConfigError, HealthError
 from ddpkit.progress import Progress
@@ -67,15 +68,27 @@ class Pauses(Protocol):
 class Checkpointer:
     """Owns the run's checkpointed parts: when to save, writing, resuming, waiting (see the module docstring)."""
 
-    def __init__(self, config: Config, *, runtime: Runtime, progress: Progress, stop: StopOnSignal, pauses: Pauses):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        runtime: Runtime,
+        progress: Progress,
+        stop: StopOnSignal,
+        pauses: Pauses,
+        layout: ParallelLayout | None = None,
+    ):
         self.config, self.runtime, self.progress = config, runtime, progress
+        #: How the state is spread: DCP directories when it is sharded or cut into pipeline stages.
+        self.layout = layout or ParallelLayout.data_parallel(config.parallel.mode, runtime.env)
         self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
         ck = config.checkpoint
         self.components = Components()
         self.user_parts: tuple[str, ...] = ()
         self._stop, self._pauses = stop, pauses
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
-        self._sharded = ShardedRun.for_config(config, self.components, rank=self.rank)  # zero1 / fsdp2: DCP
+        # zero1 / fsdp2 / pipelines: DCP
+        self._sharded = ShardedRun.for_layout(self.layout, config, self.components, rank=self.rank)
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
         self._last_saved_step = -1
@@ -129,6 +142,12 @@ class Checkpointer:
         last completed step, and memory snapshots every K steps. (The store's :attr:`mirror` is a listener of
         its own, added as soon as the checkpointer exists: its on_exit uploads model.pt and frees the lock.)"""
         config, runtime = self.config, self.runtime
+        if self.layout.pp > 1:
+            log.info(
+                "the crash save and memory snapshots are off under a pipeline: a lone survivor holds one stage, not "
+                "the model; a restart resumes from the newest checkpoint (checkpoint.every_steps)"
+            )
+            return []
         crash_save = CrashSave.arm(config, runtime, self, ledger=ledger)
         return [crash_save, MemorySnapshots.arm(config, runtime, self, ledger=ledger)]
 
@@ -151,7 +170,10 @@ class Checkpointer:
         if self.mirror is not None:
             self.mirror.protect(path)  # never deleted from the store while this run goes on
         check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
-        restore_components(path, state, self.components, mode=self.config.parallel.mode)  # any format into any layout
+        # any format into any layout
+        restore_components(
+            path, state, self.components, mode=self.config.parallel.mode, spread=self._sharded is not None
+        )
         self._last_saved_step = self.progress.step
         for name in self.user_parts:
             if state.get(name) is None:

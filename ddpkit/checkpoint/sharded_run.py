@@ -1,7 +1,7 @@
-"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2, and resumes sharded checkpoints in
+"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2 and under a pipeline, and resumes sharded checkpoints in
 any mode.
 
-    run = ShardedRun.for_config(config, components, rank=rank)   # None in ddp mode (single files)
+    run = ShardedRun.for_layout(layout, config, components, rank=rank)   # None in ddp mode (single files)
     run.save(checkpointer.capture, directory, step=..., name=..., keep_last=...)   # every rank
     state = ShardedRun.read(path)                  # the small state: what components.restore takes
     ShardedRun.restore(path, state, components)    # model + optimizer, every rank, any layout
@@ -64,8 +64,9 @@ class ShardedRun:
         self._group = None
 
     @classmethod
-    def for_config(cls, config: Config, components: Components, *, rank: int) -> ShardedRun | None:
-        if config.parallel.mode not in SHARDED_MODES:
+    def for_layout(cls, layout: Any, config: Config, components: Components, *, rank: int) -> ShardedRun | None:
+        """The sharded save path where the layout spreads the state (zero1, fsdp2, pipelines); None otherwise."""
+        if not layout.sharded_checkpoints:
             return None
         return cls(components, rank=rank, async_save=config.checkpoint.async_save)
 
@@ -149,14 +150,19 @@ def read_any(path: str) -> dict[str, Any]:
     return ShardedRun.read(path) if sharded.is_sharded_checkpoint(path) else ckpt.load_checkpoint(path)
 
 
-def restore_components(path: str, state: dict[str, Any], components: Components, *, mode: str) -> None:
-    """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded."""
+def restore_components(
+    path: str, state: dict[str, Any], components: Components, *, mode: str, spread: bool | None = None
+) -> None:
+    """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded
+    (``spread``: this run's layout spreads the state; None: by ``mode``)."""
     saved = (state.get("config") or {}).get("parallel", {}).get("mode", "ddp")
     if saved != mode:
         log.info(
             "resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode
         )
-    if mode not in SHARDED_MODES and not sharded.is_sharded_checkpoint(path):
+    if spread is None:
+        spread = mode in SHARDED_MODES
+    if not spread and not sharded.is_sharded_checkpoint(path):
         # ddp from a single file: as always
         components.restore(state)
         return

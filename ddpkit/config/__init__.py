@@ -7,6 +7,8 @@
   the frozen dataclasses, one documented field each (``fields``).
 - ``yaml_text``: safe YAML reading and writing; ``overrides``: ``dotted.key=value``.
 - ``loader``: raw input -> a validated :class:`Config` (unknown keys get the closest valid one).
+- ``layout``: the parallel layout's degrees (pipeline stages, microbatches) checked against the world size before
+  any process group exists.
 - ``checks``: rules that span several fields; ``serialize``: dicts, YAML text, the config hash.
 - ``urls``: which values are object-storage URLs (``checkpoint.dir: s3://...``), and their checks.
 - ``json_schema``: the config as a JSON Schema, for editors (``ddpkit config --schema``); ``cli_args``: the

@@ -50,3 +50,32 @@ class ParallelConfig:
         "`fsdp2` write sharded checkpoints (a DCP directory) that resume in any mode on any number of ranks.",
     )
     fsdp: FSDPConfig = option(factory=FSDPConfig, doc="FSDP2 options (`parallel.mode: fsdp2`).")
+    pipeline: int = option(
+        1,
+        "Pipeline stages P: the model is cut into P stages, each on its own rank (torch.distributed.pipelining); the "
+        "data-parallel degree becomes world_size / P, held by `mode` (docs/modes.md#pipelines). `1`: no pipeline.",
+        ge=1,
+    )
+    microbatches: int | None = option(
+        None,
+        "Microbatches M per optimizer step on each pipeline (they replace `train.grad_accum_steps`): each replica's "
+        "share of the batch is split into M; `null`: 2 x `pipeline` (at least 2).",
+        ge=1,
+    )
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"] = option(
+        "1f1b",
+        "Pipeline schedule: `gpipe` (all forwards, then all backwards: holds M microbatches' activations), `1f1b` "
+        "(at most P - stage), `interleaved_1f1b` and `looped_bfs` (`stages_per_rank` stages on each rank).",
+    )
+    stages_per_rank: int = option(
+        1,
+        "Stages V each rank holds (the model is cut into P x V stages): 2 or more for `interleaved_1f1b` and "
+        "`looped_bfs`, 1 for `gpipe` and `1f1b`.",
+        ge=1,
+    )
+    split_points: list[str] | None = option(
+        None,
+        "A user model's pipeline cut, by the names of its top-level children where a new stage starts (`[layer3]`; "
+        "the children must run in order). `null`: ddpkit's own models cut themselves by blocks, balanced by "
+        "parameters; another model needs these or a `pipeline_stages(model, stages)` Trainer method.",
+    )

@@ -137,12 +137,13 @@ def epoch_batches(
     return exact_batches(loader, count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven), count
 
 
-def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
+def run_length(loader: DataLoader, config: Config, *, short_steps: bool = True) -> tuple[int, int]:
     """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where the loader cannot say.
 
     The ranks agree on the epoch length first (``data.uneven``), so every rank's schedule has the same length.
     ``train.max_steps`` alone is the length however many epochs it spans; ``train.epochs`` alone, or neither
     (one epoch), is whole epochs; both: whichever ends first (``TrainConfig.epoch_limit``).
+    ``short_steps``: whether an epoch's last step may take fewer than ``grad_accum_steps`` batches.
     """
     train = config.train
     length = epochs_of(loader).length
@@ -153,7 +154,11 @@ def run_length(loader: DataLoader, config: Config) -> tuple[int, int]:
             max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None, sched_name=config.sched.name
         )
         return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
-    steps_per_epoch = math.ceil(length / train.grad_accum_steps)
+    # An epoch's last step may take fewer batches (accumulation); a pipeline's needs them all (short_steps=False).
+    if short_steps:
+        steps_per_epoch = math.ceil(length / train.grad_accum_steps)
+    else:
+        steps_per_epoch = length // train.grad_accum_steps
     return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
 
 

@@ -13,6 +13,7 @@
 - ``collectives``: barrier, sum, gather and broadcast that are safe at any world size, with no group too.
 - ``ddp``: DistributedDataParallel with the config's options, and unwrapping for saving.
 - ``bucket_layout``: DDP's gradient buckets in one layout from the first step on, so a resume on 3+ ranks is bitwise.
+- ``layout``: the parallel layout as one value (dp, pp degrees, this rank's coordinates, one DeviceMesh).
 - ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
 - ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.
 - ``processes``: processes on this host, from ``/proc`` (alive, parent, start time).

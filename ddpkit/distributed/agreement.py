@@ -58,6 +58,17 @@ HARMLESS_PREFIXES = (
 )
 
 
+def _as_accumulation(flat: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's M microbatches are its accumulation (the same samples, the same sums): compared as
+    ``train.grad_accum_steps``, so a checkpoint of P stages x M microbatches resumes in a world of one with
+    M-way accumulation, and back."""
+    stages = flat.get("parallel.pipeline", 1)
+    if stages == 1:
+        return flat
+    microbatches = flat.get("parallel.microbatches") or max(2, 2 * stages)
+    return {**flat, "train.grad_accum_steps": microbatches}
+
+
 def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
     """Stop every rank with the differences if ranks built different configs, models or datasets."""
     shapes = parameter_shapes(model)
@@ -117,7 +128,9 @@ def config_differences(
     config lacks was added to ddpkit after the checkpoint was written; it counts as its default,
     which a new field keeps at the earlier behaviour, so checkpoints of earlier releases resume.
     """
-    old, new, defaults = flatten(saved), flatten(current), flatten(config_to_dict(Config()))
+    defaults = flatten(config_to_dict(Config()))
+    old = _as_accumulation(flatten(saved))
+    new = _as_accumulation(flatten(current))
     differences = []
     for path in sorted(old.keys() | new.keys()):
         if path.startswith(HARMLESS_PREFIXES):

@@ -35,10 +35,10 @@ def barrier(*, debug: bool = False, timeout: float | None = None) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over ranks in place and return it."""
+def all_reduce_sum(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` (None: every rank) in place and return it."""
     if _active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 

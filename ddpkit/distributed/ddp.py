@@ -16,6 +16,7 @@ import contextlib
 import inspect
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,21 +35,24 @@ _BUFFER_SYNC_ARG = (
 __all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
 
 
-def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig) -> nn.Module:
-    """Move ``model`` to the runtime's device and wrap it in DDP when there is more than one rank.
+def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig, *, group: Any = None) -> nn.Module:
+    """Move ``model`` to the runtime's device and wrap it in DDP when there is more than one replica.
 
-    At world size 1 the bare model is returned: DDP would only add overhead. ``device_ids`` is
+    ``group``: the data-parallel replicas' process group (a pipeline stage's); None: every rank.
+    With one replica the bare model is returned: DDP would only add overhead. ``device_ids`` is
     passed only on CUDA (DDP rejects it for CPU modules).
     """
-    if options.sync_batchnorm and runtime.env.world_size > 1:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    replicas = runtime.env.world_size if group is None else dist.get_world_size(group)
+    if options.sync_batchnorm and replicas > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     model = model.to(runtime.device)
-    if runtime.env.world_size == 1:
+    if replicas == 1:
         return model
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     ddp = DDP(
         model,
         device_ids=device_ids,
+        process_group=group,
         bucket_cap_mb=options.bucket_cap_mb,
         find_unused_parameters=options.find_unused_parameters,
         static_graph=options.static_graph,

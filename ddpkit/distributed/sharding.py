@@ -109,10 +109,11 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 def shard_optimizer(
-    optimizer: torch.optim.Optimizer, parallel: ParallelConfig, *, model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer, parallel: ParallelConfig, *, model: nn.Module | None = None, group: Any = None
 ) -> torch.optim.Optimizer:
     """``zero1``: the same optimizer class and groups inside ``ZeroRedundancyOptimizer``; else ``optimizer``.
 
+    ``group``: the data-parallel replicas' process group (a pipeline's); None: every rank.
     With ``model``, every rank's parameter, gradient and optimizer-state bytes are then logged
     (:func:`ddpkit.distributed.memory.log_rank_bytes`, a collective): the layout is final here.
     """
@@ -121,7 +122,10 @@ def shard_optimizer(
 
         groups = [dict(group) for group in optimizer.param_groups]
         zero = ZeroRedundancyOptimizer(
-            groups[0].pop("params"), optimizer_class=type(optimizer), **_hyper(optimizer, groups[0])
+            groups[0].pop("params"),
+            optimizer_class=type(optimizer),
+            process_group=group,
+            **_hyper(optimizer, groups[0]),
         )
         for group in groups[1:]:
             zero.add_param_group(group)
@@ -148,12 +152,18 @@ def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parall
     return ddp.wrap_model(model, runtime, options)
 
 
-def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None) -> torch.Tensor:
+def gradient_norm(
+    parameters: list[torch.Tensor], max_norm: float | None = None, *, stages: Any = None, counted: Any = None
+) -> torch.Tensor:
     """The global L2 norm of the gradients (clipped to ``max_norm`` when given), the same in every mode.
 
     FSDP2's gradients are DTensor shards whose norm is a partial value per rank; it is made whole
     (one all-reduce) before clipping, as torchtitan does, or each rank would clip by its own shard.
+    ``stages``: a pipeline's process group, whose ranks each hold some of the parameters: the squares of the
+    ``counted`` parameters (a tied matrix once) are summed over it, and every stage clips by that one norm.
     """
+    if stages is not None:
+        return _pipeline_norm(parameters, counted, max_norm, stages)
     grads = [p.grad for p in parameters if p.grad is not None]
     if max_norm is None and (buckets := _bucket_buffers(grads)) is not None:
         # The same values read as DDP's flat buckets (``ddp.gradient_as_bucket_view``): one dot product
@@ -178,6 +188,22 @@ def gradient_norm(parameters: list[torch.Tensor], max_norm: float | None = None)
         total = torch.nn.utils.get_total_norm(grads)
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def _pipeline_norm(
+    parameters: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float | None, stages: Any
+) -> torch.Tensor:
+    grads = [p.grad for p in counted if p.grad is not None]
+    if grads:
+        squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) ** 2
+    else:
+        squares = torch.zeros((), device=parameters[0].device if parameters else None)
+    # Each stage holds some of the parameters: the squares add up over the pipeline.
+    torch.distributed.all_reduce(squares, group=stages)
+    total = squares.sqrt()
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total

@@ -20,6 +20,9 @@
 - ``health`` / ``health_checks`` / ``straggler`` / ``replicas``: training health: non-finite
   losses and gradients, loss spikes, slow ranks, replicas that drifted apart.
 - ``rng``: seeding, and capturing / restoring every generator.
+- ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
+  ``pipeline_step`` / ``pipeline_split``: a pipeline schedule as the step, over a model cut into stages;
+  ``step_builder``: which of the two a run trains with.
 """
 
 # What the Trainer composes, importable from the package.
@@ -30,9 +33,12 @@ from ddpkit.training.health import TrainingHealth
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
+from ddpkit.training.pipeline_step import Pipeline, build_pipeline
 from ddpkit.training.rng import RngStreams, seed_for_setup
 from ddpkit.training.samples import TrainingSamples
+from ddpkit.training.step_builder import build_train_step, refuse_training_step_override
 from ddpkit.training.token_loss import TokenCount
+from ddpkit.training.train_step import AccumulationStep, StepReporting, TrainStep
 
 __all__ = [
     "Evaluation",
@@ -51,4 +57,11 @@ __all__ = [
     "seed_for_setup",
     "TokenCount",
     "TrainingSamples",
+    "AccumulationStep",
+    "StepReporting",
+    "TrainStep",
+    "Pipeline",
+    "build_pipeline",
+    "build_train_step",
+    "refuse_training_step_override",
 ]

@@ -254,8 +254,9 @@ def _rank_checks(
         straggler = StragglerWatch(
             h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device
         )
-    # fsdp2 shards the parameters: nothing to compare
-    replicated = getattr(getattr(config, "parallel", None), "mode", "ddp") != "fsdp2"
+    # fsdp2 shards the parameters and a pipeline's stages hold different ones: nothing to compare rank by rank
+    parallel = getattr(config, "parallel", None)
+    replicated = getattr(parallel, "mode", "ddp") != "fsdp2" and getattr(parallel, "pipeline", 1) == 1
     replicas = None
     if h.check_replicas_every and replicated:
         replicas = ReplicaCheck(

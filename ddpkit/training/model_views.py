@@ -126,15 +126,21 @@ def build_models(
     train: TrainConfig,
     parallel: ParallelConfig | None = None,
     exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
+    pipelined: bool = False,
 ) -> Models:
     """``model`` on the runtime's device, in channels_last if asked, DDP-wrapped, then compiled if asked.
 
     Also keeps freed host memory in the process (``train.keep_host_memory``, see ddpkit.training.allocator).
+    ``pipelined``: ``model`` is a pipeline's parts, each stage already wrapped (ddpkit.training.pipeline_step):
+    every view is the model as it is.
 
     ``exclude(name)`` is a context for work left out of samples/s; each compilation runs inside it.
     """
     if train.keep_host_memory:
         keep_freed_host_memory()
+    if pipelined:
+        apply_activation_checkpointing(model, train.activation_checkpointing)
+        return Models(train=model, eval=model, bare=model)
     apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)  # before DDP and compile
     settings = compile_settings(train.compile)
     if settings is not None and hasattr(model, "_orig_mod"):  # build_model compiled it: recompile in DDP's order

@@ -131,7 +131,8 @@ class OptimizerStep:
 
     ``tokens``: under ``loss_normalization: tokens``, the step's token count (:meth:`TokenCount.for_run`; built here
     when not given). ``health``: sees each loss before backward and the gradient norm before the update, and may
-    skip the update.
+    skip the update. ``stages`` / ``counted``: under a pipeline, its process group and the parameters whose
+    gradients the norm counts (:func:`ddpkit.distributed.sharding.gradient_norm`).
     """
 
     def __init__(
@@ -145,6 +146,8 @@ class OptimizerStep:
         world_size: int = 1,
         tokens: TokenCount | None = None,
         health: StepHealth | None = None,
+        stages: Any = None,
+        counted: list[torch.Tensor] | None = None,
     ):
         check_precision(train.precision, device)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -159,6 +162,9 @@ class OptimizerStep:
             tokens = TokenCount.for_run(model, train, device=device, world_size=world_size)
         self.tokens = tokens
         self.health = health
+        #: A pipeline's process group and the parameters whose gradients count in its norm (a tied one once).
+        self._stages = stages
+        self._counted = counted
 
     def autocast(self) -> Any:
         """The context for forward passes (a reusable no-op in fp32, made once)."""
@@ -205,4 +211,5 @@ class OptimizerStep:
             return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        return gradient_norm(self._parameters, self._clip or None)  # FSDP2's shards: one global norm
+        # FSDP2's shards and a pipeline's stages: one global norm
+        return gradient_norm(self._parameters, self._clip or None, stages=self._stages, counted=self._counted)

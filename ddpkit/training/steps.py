@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-__all__ = ["training_step", "validation_step", "IGNORE_INDEX"]
+__all__ = ["training_step", "validation_step", "loss_of_output", "IGNORE_INDEX"]
 
 #: Targets with this value carry no loss (padding, prompt tokens): torch's default ``ignore_index``.
 IGNORE_INDEX = -100
@@ -31,6 +31,19 @@ def training_step(
     """The loss of one micro-batch ``(x, y)``: its mean, or ``(sum, count)`` under ``normalization="tokens"``."""
     x, y = batch
     logits = model(x)
+    return _cross_entropy(logits, y, normalization=normalization)
+
+
+def loss_of_output(output: torch.Tensor, target: torch.Tensor, *, normalization: str) -> torch.Tensor:
+    """A pipeline's last stage: the loss of one microbatch's ``output`` (the mean, or the token sum under
+    ``tokens``, whose count the pipeline step takes from the targets itself)."""
+    loss = _cross_entropy(output, target, normalization=normalization)
+    return loss[0] if isinstance(loss, tuple) else loss
+
+
+def _cross_entropy(
+    logits: torch.Tensor, y: torch.Tensor, *, normalization: str
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if logits.dim() == 3:  # [B, T, V]: every position predicts the next token
         logits, y = logits.flatten(0, 1), y.flatten()
     if normalization == "tokens":

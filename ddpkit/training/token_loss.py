@@ -57,19 +57,26 @@ def split_loss(result: Any, *, normalization: str, owner: type) -> tuple[torch.T
 class TokenCount:
     """The tokens of the current optimizer step on this rank, and the gradient scaling they decide."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter], *, world_size: int, device: torch.device):
-        self._parameters, self._world_size = parameters, world_size
+    def __init__(
+        self, parameters: list[torch.nn.Parameter], *, world_size: int, device: torch.device, group: Any = None
+    ):
+        self._parameters = parameters
+        #: The data-parallel replicas: their count and group (None: every rank). A pipeline's stages are not
+        #: replicas: each of them counts the same batch.
+        self._world_size = world_size
+        self._group = group
         self._step = torch.zeros((), dtype=torch.float64, device=device)  # this rank, this step
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # every rank, since the last read
 
     @classmethod
     def for_run(
-        cls, model: torch.nn.Module, train: TrainConfig, *, device: torch.device, world_size: int
+        cls, model: torch.nn.Module, train: TrainConfig, *, device: torch.device, world_size: int, group: Any = None
     ) -> TokenCount | None:
-        """The count of a run with ``train.loss_normalization: tokens``; None under ``mean``."""
+        """The count of a run with ``train.loss_normalization: tokens``; None under ``mean``. ``world_size`` and
+        ``group``: the data-parallel replicas'."""
         if train.loss_normalization != "tokens":
             return None
-        return cls(list(model.parameters()), world_size=world_size, device=device)
+        return cls(list(model.parameters()), world_size=world_size, device=device, group=group)
 
     def add(self, n_tokens: torch.Tensor) -> None:
         """One micro-batch's token count (a device add, no sync)."""
@@ -77,7 +84,7 @@ class TokenCount:
 
     def scale_gradients(self) -> None:
         """Make the accumulated gradients those of ``sum of losses / global token count`` (one all-reduce)."""
-        count = all_reduce_sum(self._step.clone())
+        count = all_reduce_sum(self._step.clone(), group=self._group)
         self._step.zero_()
         self.total += count
         grads = [p.grad for p in self._parameters if p.grad is not None]

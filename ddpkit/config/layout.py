@@ -1,0 +1,134 @@
+"""The parallel layout's degrees, checked before any process group exists.
+
+    problems = pipeline_problems(cfg)              # what no world size can fix (with cross_field_problems)
+    check_layout(cfg.parallel, world_size=8)       # ConfigError naming the valid layouts of 8 ranks
+
+A layout is the degrees of the three ways of spreading a model: data parallel (dp, held by
+``parallel.mode``), pipeline (pp, ``parallel.pipeline``) and tensor (tp, 1 until tensor parallelism
+lands). ``dp = world_size / (pp * tp)``. torchtitan checks the same arithmetic in its
+``ParallelDims``; here it runs in the Trainer's constructor, from the environment the launcher set,
+so a layout that cannot work stops with one message instead of a hang in the first send.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ddpkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddpkit.config.parallel import ParallelConfig
+    from ddpkit.config.schema import Config
+
+__all__ = [
+    "pipeline_problems",
+    "layout_problems",
+    "check_layout",
+    "microbatches_of",
+    "with_microbatches",
+    "INTERLEAVED",
+]
+
+#: Schedules that hold several stages on each rank (``parallel.stages_per_rank`` >= 2).
+INTERLEAVED = ("interleaved_1f1b", "looped_bfs")
+
+
+def microbatches_of(parallel: ParallelConfig) -> int:
+    """M: ``parallel.microbatches``, or twice the number of stages (a bubble of at most a third)."""
+    if parallel.microbatches is not None:
+        return parallel.microbatches
+    return max(2, 2 * parallel.pipeline)
+
+
+def with_microbatches(cfg: Config, microbatches: int) -> Config:
+    """``cfg`` as the data sees it under a pipeline: each replica's batch split into ``microbatches``, exactly as
+    ``train.grad_accum_steps`` splits it (so a pipeline reads the samples an accumulating world of one reads)."""
+    train = dataclasses.replace(cfg.train, grad_accum_steps=microbatches)
+    return dataclasses.replace(cfg, train=train)
+
+
+def pipeline_problems(cfg: Config) -> list[str]:
+    """The pipeline options that cannot work whatever the world size, each naming the fix."""
+    parallel = cfg.parallel
+    problems = []
+    if parallel.pipeline == 1:
+        if parallel.microbatches is not None:
+            problems.append(
+                "parallel.microbatches: only with parallel.pipeline > 1; without a pipeline use train.grad_accum_steps"
+            )
+        return problems
+    interleaved = parallel.schedule in INTERLEAVED
+    if interleaved and parallel.stages_per_rank < 2:
+        problems.append(
+            f"parallel.stages_per_rank: schedule {parallel.schedule} holds several stages on each rank; set "
+            "parallel.stages_per_rank=2 (or more), or parallel.schedule=1f1b"
+        )
+    if not interleaved and parallel.stages_per_rank != 1:
+        problems.append(
+            f"parallel.stages_per_rank: schedule {parallel.schedule} runs one stage on each rank; set "
+            "parallel.stages_per_rank=1, or parallel.schedule=interleaved_1f1b"
+        )
+    if cfg.train.grad_accum_steps > 1:
+        problems.append(
+            "train.grad_accum_steps: a pipeline's microbatches are its accumulation; set train.grad_accum_steps=1 "
+            f"and parallel.microbatches={cfg.train.grad_accum_steps}"
+        )
+    problems += _unsupported_with_a_pipeline(cfg)
+    return problems
+
+
+def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
+    problems = []
+    if cfg.parallel.mode == "fsdp2":
+        problems.append(
+            "parallel.mode: fsdp2 inside a pipeline is not supported by ddpkit yet; use parallel.mode=ddp or zero1 "
+            "with parallel.pipeline > 1"
+        )
+    if cfg.train.compile is not False:
+        problems.append("train.compile: not wired for pipeline stages yet; set train.compile=false")
+    if cfg.train.precision == "fp16":
+        problems.append(
+            "train.precision: fp16's GradScaler would need one scale agreed across stages; use train.precision=bf16"
+        )
+    if cfg.ddp.comm_hook == "powersgd":
+        problems.append("ddp.comm_hook: powersgd is not supported inside a pipeline; set ddp.comm_hook=none")
+    return problems
+
+
+def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
+    """What this layout cannot do on ``world_size`` ranks (P not dividing it, too few microbatches)."""
+    stages = parallel.pipeline
+    if stages == 1:
+        return []
+    problems = []
+    if world_size % stages:
+        problems.append(
+            f"parallel.pipeline: {stages} stages do not divide the world size {world_size}; "
+            f"valid on {world_size} ranks: {_valid_layouts(world_size)}"
+        )
+        return problems
+    microbatches = microbatches_of(parallel)
+    if parallel.schedule != "gpipe" and microbatches < stages:
+        problems.append(
+            f"parallel.microbatches: {parallel.schedule} needs at least as many microbatches as stages ({stages}), "
+            f"got {microbatches}; set parallel.microbatches={2 * stages} (or parallel.schedule=gpipe)"
+        )
+    if parallel.schedule in INTERLEAVED and microbatches % stages:
+        problems.append(
+            f"parallel.microbatches: {parallel.schedule} runs microbatches in rounds of {stages}; "
+            f"set a multiple of {stages} (got {microbatches})"
+        )
+    return problems
+
+
+def check_layout(parallel: ParallelConfig, *, world_size: int) -> None:
+    """Raise ConfigError with every problem of this layout on ``world_size`` ranks (see :func:`layout_problems`)."""
+    problems = layout_problems(parallel, world_size=world_size)
+    if problems:
+        raise ConfigError("the parallel layout cannot run:\n  " + "\n  ".join(problems))
+
+
+def _valid_layouts(world_size: int) -> str:
+    choices = [p for p in range(1, world_size + 1) if world_size % p == 0]
+    return ", ".join(f"pipeline={p} (data-parallel {world_size // p})" for p in choices)

@@ -1,0 +1,237 @@
+"""A model cut into pipeline stages, each keeping the whole model's parameter names.
+
+    stages = split_model(model, stages=4)                  # ddpkit's gpt / llama: by blocks, balanced
+    stages = split_model(model, stages=2, split_points=["layer3"])   # a model whose children run in order
+    stage = stages[rank]; stage(h) -> the next stage's input (the last stage's output: the logits)
+
+Why the names matter: a checkpoint is keyed by parameter name, so a stage that keeps ``blocks.7.attn.qkv.weight``
+under that very name saves into, and resumes from, the same keys as a world of one (and as any other cut). The
+blocks of a stage therefore sit in an ``nn.ModuleDict`` keyed ``"7"``, where an ``nn.ModuleList`` would renumber
+them from 0; the embeddings stay ``embed`` / ``pos`` on the first stage, the final norm and ``head`` on the last.
+
+A tied output layer (GPT-2's ``head.weight is embed.weight``) lives on the first stage and on the last: the last
+stage keeps ``embed`` too (not called there), so the shared matrix has one name, ``embed.weight``, on both, and
+:class:`TiedWeights` sums its two gradients before each update (Megatron-LM's embedding group).
+
+Balance: blocks are cut where the running parameter count crosses each stage's share, the embeddings counted on the
+first stage and the head on the last (torchtitan splits by layer count; by parameters the first and last stages,
+which carry the vocabulary, get fewer blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import ConfigError
+
+__all__ = ["split_model", "cut_blocks", "stage_blocks", "TiedWeights", "tied_weight", "HeldParts"]
+
+# The parts of ddpkit's language models around their blocks, by model class: read before the blocks on the first
+# stage, after them on the last; "every" parts (RoPE's tables) on every stage.
+_FAMILIES = {
+    "GPT": {"first": ("embed", "pos", "drop"), "every": (), "last": ("ln_f", "head")},
+    "Llama": {"first": ("embed", "drop"), "every": ("rope",), "last": ("norm", "head")},
+}
+
+
+def split_model(model: nn.Module, *, stages: int, split_points: Sequence[str] | None = None) -> list[nn.Module]:
+    """All ``stages`` stage modules of ``model`` (each rank then keeps its own); their parameters are ``model``'s."""
+    if split_points is not None:
+        return _split_children(model, stages, list(split_points))
+    family = _FAMILIES.get(type(model).__name__)
+    if family is None:
+        raise ConfigError(
+            f"parallel.pipeline: ddpkit cannot cut a {type(model).__name__} into stages by itself; set "
+            "parallel.split_points to the names of its top-level children where a stage starts (children "
+            f"{', '.join(name for name, _ in model.named_children())}), or override the Trainer's "
+            "pipeline_stages(model, stages)"
+        )
+    if getattr(model, "documents", None):
+        raise ConfigError(
+            "data.kwargs.document_mask: the document mask is built from the token ids, which only the first pipeline "
+            "stage holds; turn it off or set parallel.pipeline=1"
+        )
+    ranges = cut_blocks(model, stages, family)
+    return [LanguageModelStage(model, family, blocks, index, stages) for index, blocks in enumerate(ranges)]
+
+
+def cut_blocks(model: nn.Module, stages: int, family: dict[str, tuple[str, ...]]) -> list[range]:
+    """The blocks of each stage: contiguous, at least one each, cut by the running parameter count."""
+    depth = len(model.blocks)
+    if stages > depth:
+        raise ConfigError(
+            f"parallel.pipeline: {stages} stages (x parallel.stages_per_rank) but the model has {depth} blocks; "
+            f"use at most {depth} stages"
+        )
+    first = _count(model, family["first"])
+    last = _count(model, family["last"], skip_tied=model)
+    costs = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    share = (first + sum(costs) + last) / stages
+    bounds = [0]
+    running = first
+    for index, cost in enumerate(costs):
+        running += cost
+        # keep one block for each stage still to come
+        room = depth - (index + 1) >= stages - len(bounds)
+        if len(bounds) < stages and running >= share * len(bounds) and room:
+            bounds.append(index + 1)
+    while len(bounds) < stages:
+        bounds.append(depth - (stages - len(bounds)))
+    bounds.append(depth)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def stage_blocks(stage: nn.Module) -> list[str]:
+    """The block names a stage holds, for the log: ``["0", "1"]``."""
+    blocks = getattr(stage, "blocks", None)
+    return list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else []
+
+
+def _count(model: nn.Module, names: tuple[str, ...], *, skip_tied: nn.Module | None = None) -> int:
+    seen = set()
+    if skip_tied is not None and getattr(model, "embed", None) is not None:
+        seen = {id(p) for p in model.embed.parameters()}
+    total = 0
+    for name in names:
+        for p in getattr(model, name).parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+class LanguageModelStage(nn.Module):
+    """Stage ``index`` of ``stages`` of a gpt / llama model: its blocks, and the embeddings or the head."""
+
+    def __init__(self, model: nn.Module, family: dict, blocks: range, index: int, stages: int):
+        super().__init__()
+        self.is_first = index == 0
+        self.is_last = index == stages - 1
+        self.family = type(model).__name__
+        self.valid_vocab = getattr(model, "valid_vocab", None)
+        tied = getattr(model, "head", None) is not None and model.head.weight is model.embed.weight
+        wanted = set(family["every"])
+        if self.is_first:
+            wanted |= set(family["first"])
+        if self.is_last:
+            wanted |= set(family["last"])
+            # the shared matrix keeps its first name, embed.weight, on the last stage too
+            if tied:
+                wanted.add("embed")
+        # In the model's own order, so the parameter names and their order are the model's.
+        for name, child in model.named_children():
+            if name == "blocks":
+                self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+            elif name in wanted:
+                self.add_module(name, child)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            h = self._embed(h)
+        rope = self._rope(h) if self.family == "Llama" else None
+        for block in self.blocks.values():
+            h = block(h, rope, None, None) if rope is not None else block(h, None, None)
+        if self.is_last:
+            h = self._logits(h)
+        return h
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.family == "GPT":
+            positions = torch.arange(x.shape[1], device=x.device)
+            return self.drop(self.embed(x) + self.pos(positions))
+        return self.drop(self.embed(x))
+
+    def _rope(self, h: torch.Tensor) -> Any:
+        positions = torch.arange(h.shape[1], device=h.device)
+        return self.rope(positions, dtype=h.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.ln_f if self.family == "GPT" else self.norm
+        logits = self.head(norm(h))
+        if self.valid_vocab is not None:
+            # padded ids: probability 0, no gradient, the loss unchanged
+            logits[..., self.valid_vocab :] = float("-inf")
+        return logits
+
+
+class ChildrenStage(nn.Module):
+    """Some top-level children of a user's model, applied in order, under their own names."""
+
+    def __init__(self, children: list[tuple[str, nn.Module]]):
+        super().__init__()
+        for name, child in children:
+            self.add_module(name, child)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for child in self.children():
+            h = child(h)
+        return h
+
+
+def _split_children(model: nn.Module, stages: int, split_points: list[str]) -> list[nn.Module]:
+    children = list(model.named_children())
+    names = [name for name, _ in children]
+    unknown = [point for point in split_points if point not in names]
+    if unknown:
+        raise ConfigError(
+            f"parallel.split_points: {', '.join(unknown)} is not a top-level child of {type(model).__name__}; "
+            f"its children are {', '.join(names)}"
+        )
+    starts = sorted(names.index(point) for point in split_points)
+    if len(starts) != stages - 1 or 0 in starts:
+        raise ConfigError(
+            f"parallel.split_points: {stages} stages need {stages - 1} split point(s) after the first child, "
+            f"got {split_points}"
+        )
+    bounds = [0, *starts, len(children)]
+    return [ChildrenStage(children[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+class TiedWeights:
+    """A tied matrix's gradients summed over the two stages that hold it (the first and the last), before the update.
+
+    Both stages then apply the same update to the same values, so the copies stay equal bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor | None, group: Any):
+        self.weight = weight
+        self.group = group
+
+    def reduce(self) -> None:
+        """One all-reduce of the shared matrix's gradient between its two stages; nothing where it is not tied."""
+        if self.group is None or self.weight is None:
+            return
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        torch.distributed.all_reduce(self.weight.grad, group=self.group)
+
+
+def tied_weight(stage: nn.Module) -> torch.Tensor | None:
+    """The matrix a last stage shares with the first (its ``embed`` kept beside ``head``), else None."""
+    if not getattr(stage, "is_last", False) or getattr(stage, "embed", None) is None:
+        return None
+    head = getattr(stage, "head", None)
+    return stage.embed.weight if head is not None and head.weight is stage.embed.weight else None
+
+
+class HeldParts(nn.Module):
+    """Every part the local stages hold, under the whole model's names: what this rank saves, trains and counts.
+
+    One ``blocks`` ModuleDict gathers the blocks of all local stages (interleaved schedules hold several).
+    """
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        blocks = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == "blocks":
+                    blocks.update(child)
+                elif not hasattr(self, name):
+                    self.add_module(name, child)
+        if len(blocks):
+            self.blocks = blocks

@@ -1,0 +1,221 @@
+"""A pipeline schedule as the Trainer's step object: M microbatches through P stages, then the update.
+
+    pipeline = build_pipeline(model, layout, cfg, runtime, split=trainer.pipeline_stages)   # every rank
+    step = PipelineStep(pipeline, update=optimizer_step, loss=trainer.pipeline_loss, ...)
+    step.run(batches, count=M)      # the schedule runs every forward and backward; then clip, step, zero
+
+Everything that moves activations or gradients between stages is torch's own
+(``torch.distributed.pipelining``: ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``); ddpkit cuts the model (:mod:`ddpkit.training.pipeline_split`),
+feeds the schedule the microbatches the data-parallel accumulation would have used (pre-split, so no chunking
+rule of the schedule changes a sample), and runs the same update as every other step.
+
+Exact like accumulation: with ``loss_normalization: mean`` the loss is each microbatch's mean and the schedule
+divides the gradients by M (``scale_grads``), as accumulation divides each loss by M; under ``tokens`` the loss is a
+sum, the schedule does not scale, and the token count, taken from the targets of the batch before the forward and
+summed over the data-parallel group (not over the stages: every stage of a pipeline sees the same batch), decides
+the factor. torchtitan#2972 multiplies the gradients by the token count once too often; here the count is applied
+once, in :class:`ddpkit.training.token_loss.TokenCount`.
+
+Data parallelism inside: each stage is wrapped in DDP over the data-parallel group (``ddp``, ``zero1``); torch's
+stage runs ``no_sync`` for all microbatches but the last itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.config.layout import INTERLEAVED, microbatches_of
+from ddpkit.config.schema import Config
+from ddpkit.distributed import ddp as ddp_wrap
+from ddpkit.distributed.layout import ParallelLayout
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.reporting.log import log
+from ddpkit.training.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
+from ddpkit.training.train_step import StepReporting
+
+__all__ = ["Pipeline", "build_pipeline", "PipelineStep", "bubble_fraction"]
+
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+}
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle share of a GPipe / 1F1B step in theory: (P - 1) / (M + P - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its stage modules, what they hold, torch's stages and schedule."""
+
+    stages: list[nn.Module]
+    held: nn.Module
+    wrapped: list[nn.Module]
+    schedule: Any
+    microbatches: int
+    first: bool
+    last: bool
+    tied: TiedWeights
+    #: The parameters whose gradients count in the norm: the tied matrix once (on the first stage).
+    norm_parameters: list[torch.Tensor]
+
+
+def build_pipeline(
+    model: nn.Module,
+    layout: ParallelLayout,
+    config: Config,
+    runtime: Runtime,
+    *,
+    split: Callable[[nn.Module, int], list[nn.Module]] | None,
+    loss: Callable[[torch.Tensor, Any], torch.Tensor],
+) -> Pipeline:
+    """Cut ``model`` (built whole, the same on every rank), keep this rank's stages, wrap and schedule them."""
+    from torch.distributed import pipelining
+
+    parallel = config.parallel
+    per_rank = parallel.stages_per_rank
+    total = layout.pp * per_rank
+    # The Trainer's pipeline_stages(model, stages) first; None: ddpkit's own cut.
+    every = split(model, total) if split is not None else None
+    if every is None:
+        every = split_model(model, stages=total, split_points=parallel.split_points)
+    if len(every) != total:
+        raise ValueError(f"the pipeline needs {total} stage modules, got {len(every)}")
+    # Stage i + P * v on pipeline rank i: the looped layout the interleaved schedules expect.
+    ids = [layout.pp_rank + layout.pp * v for v in range(per_rank)]
+    local = [every[i].to(runtime.device) for i in ids]
+    wrapped = [_data_parallel(stage, layout, config, runtime) for stage in local]
+    torch_stages = [
+        pipelining.PipelineStage(module, i, total, runtime.device, group=layout.pp_group)
+        for module, i in zip(wrapped, ids)
+    ]
+    microbatches = microbatches_of(parallel)
+    schedule_class = getattr(pipelining, _SCHEDULES[parallel.schedule])
+    scale = config.train.loss_normalization != "tokens"
+    argument = torch_stages if parallel.schedule in INTERLEAVED else torch_stages[0]
+    schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=loss, scale_grads=scale)
+    held = HeldParts(local)
+    tied = TiedWeights(_shared_weight(local, every), _tied_group(layout, every))
+    first = 0 in ids
+    last = total - 1 in ids
+    skip = {id(tied.weight)} if tied.weight is not None and not first else set()
+    norm_parameters = [p for p in held.parameters() if id(p) not in skip]
+    _log_layout(layout, every, ids, microbatches, parallel.schedule)
+    return Pipeline(local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters)
+
+
+def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime) -> nn.Module:
+    """A stage in DDP over its data-parallel replicas (ddp, zero1), or as it is with one replica."""
+    if layout.dp == 1:
+        return stage
+    return ddp_wrap.wrap_model(stage, runtime, config.ddp, group=layout.dp_group)
+
+
+def _shared_weight(local: list[nn.Module], every: list[nn.Module]) -> torch.Tensor | None:
+    """The tied matrix where this rank holds it (its first or last stage), when the model ties its head."""
+    if tied_weight(every[-1]) is None:
+        return None
+    for stage in local:
+        if getattr(stage, "embed", None) is not None:
+            return stage.embed.weight
+    return None
+
+
+def _tied_group(layout: ParallelLayout, every: list[nn.Module]) -> Any:
+    """The group of this replica's first and last stage ranks when the model ties its head; else None."""
+    if tied_weight(every[-1]) is None:
+        return None
+    groups = {}
+    # Every rank creates every replica's group, in the same order (new_group is a collective).
+    for replica in range(layout.dp):
+        ranks = [replica, (layout.pp - 1) * layout.dp + replica]
+        groups[replica] = dist.new_group(ranks)
+    in_pair = layout.pp_rank in (0, layout.pp - 1)
+    return groups[layout.dp_rank] if in_pair else None
+
+
+def _log_layout(layout: ParallelLayout, every: list[nn.Module], ids: list[int], microbatches: int, name: str) -> None:
+    placement = "; ".join(
+        f"stage {i}: blocks {','.join(stage_blocks(stage)) or '-'}"
+        + (" + embeddings" if getattr(stage, "is_first", False) else "")
+        + (" + head" if getattr(stage, "is_last", False) else "")
+        for i, stage in enumerate(every)
+    )
+    if name in INTERLEAVED:
+        theory = "interleaved"
+    else:
+        theory = f"{bubble_fraction(len(every), microbatches):.0%} in theory"
+    log.info(
+        "pipeline: %s; schedule %s, %d microbatches (bubble %s); %s; this rank holds stage(s) %s",
+        layout.describe(),
+        name,
+        microbatches,
+        theory,
+        placement,
+        ", ".join(map(str, ids)),
+    )
+
+
+class PipelineStep:
+    """One optimizer step: the schedule over M microbatches, the tied gradients summed, then the shared update."""
+
+    takes_short_steps = False
+
+    def __init__(self, pipeline: Pipeline, *, update: Any, reporting: StepReporting, device: torch.device):
+        self.pipeline = pipeline
+        self.update = update
+        self.reporting = reporting
+        self.device = device
+        self.batches_per_step = pipeline.microbatches
+        self._zero = torch.zeros((), device=device)
+
+    def run(self, batches: Iterator[Any], *, count: int) -> int:
+        """Take ``count`` (= M) microbatches, run the schedule and the update; return how many were taken."""
+        from ddpkit.data import move_to_device
+
+        microbatches = [move_to_device(batch, self.device) for batch in batches]
+        if len(microbatches) < self.batches_per_step:
+            return len(microbatches)
+        pipeline = self.pipeline
+        reporter = self.reporting.reporter
+        targets = [batch[1] for batch in microbatches]
+        tokens = self.update.tokens
+        if tokens is not None:
+            tokens.add(sum((target != -100).sum() for target in targets))
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        if pipeline.first:
+            kwargs["arg_mbs"] = [(batch[0],) for batch in microbatches]
+        losses: list[torch.Tensor] = []
+        if pipeline.last:
+            kwargs["target_mbs"] = targets
+            kwargs["losses"] = losses
+        # Forwards and backwards interleave under 1F1B: one span for the schedule's whole run.
+        with reporter.span("forward"), self.update.autocast():
+            pipeline.schedule.step(**kwargs)
+        self._report(losses, targets)
+        pipeline.tied.reduce()
+        self.reporting.events.update_start(self.reporting.progress.step)
+        with reporter.span("optimizer"):
+            self.update.step()
+        return len(microbatches)
+
+    def _report(self, losses: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        reporter = self.reporting.reporter
+        by_tokens = self.update.tokens is not None
+        if not losses:
+            # Not the last stage: a zero of weight zero keeps every rank's running mean in step.
+            reporter.add_loss(self._zero, self._zero)
+            return
+        for loss, target in zip(losses, targets):
+            reporter.add_loss(loss, (target != -100).sum() if by_tokens else torch.ones((), device=self.device))

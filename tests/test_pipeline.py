@@ -1,0 +1,195 @@
+"""Pipeline parallelism (``parallel.pipeline``) on real Gloo ranks: P stages x M microbatches against a world of
+one accumulating the same M microbatches, a user model cut by module names, checkpoints across layouts, and the
+layouts that cannot work.
+
+    .venv/bin/pytest -q tests/test_pipeline.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, load_weights
+from test_token_loss import RaggedSequences
+from torch import nn
+
+import ddpkit
+from ddpkit.config.layout import check_layout, layout_problems
+from ddpkit.config.loader import load_config
+from ddpkit.errors import ConfigError
+from ddpkit.testing import run_on_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class RaggedTrainer(ddpkit.Trainer):
+    def build_datasets(self):
+        return RaggedSequences(n=64), None
+
+
+def _config(out: Path, *, pipeline: int, microbatches: int, **extra) -> dict:
+    """A tiny tied GPT on ragged token sequences, global batch 8: P stages x M microbatches, or M-way accumulation."""
+    parallel = {"pipeline": pipeline, **extra.pop("parallel", {})}
+    train = {"max_steps": 4, "log_every": 2, **extra.pop("train", {})}
+    if pipeline > 1:
+        parallel["microbatches"] = microbatches
+    else:
+        train["grad_accum_steps"] = microbatches
+    return {
+        "run": {"name": "pp", "output_dir": str(out), "seed": 3},
+        "data": {"global_batch_size": 8, "order": "index_free"},
+        "model": {"name": "gpt", "kwargs": {"vocab_size": 50, "dim": 32, "depth": 4, "heads": 2, "max_len": 16}},
+        "optim": {"name": "sgd", "lr": 0.5},
+        "train": train,
+        "parallel": parallel,
+        "checkpoint": {"every_epochs": None, **extra.pop("checkpoint", {})},
+        "log": {"progress_bar": False},
+        **extra,
+    }
+
+
+def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
+    trainer = trainer_class(cfg)
+    metrics = trainer.fit()
+    return {"metrics": metrics, "weights": {k: v.clone() for k, v in trainer._models.bare.state_dict().items()}}
+
+
+def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every stage's parameters, by the whole model's names."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        merged.update(result["weights"])
+    return merged
+
+
+def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in a)
+
+
+def _schedules_against_accumulation(tmp: Path) -> dict:
+    out = {}
+    for name, parallel in {
+        "gpipe": {"schedule": "gpipe"},
+        "1f1b": {"schedule": "1f1b"},
+        "interleaved": {"schedule": "interleaved_1f1b", "stages_per_rank": 2},
+    }.items():
+        out[name] = _fit(_config(tmp / name, pipeline=2, microbatches=4, parallel=parallel))
+    out["tokens"] = _fit(_config(tmp / "tokens", pipeline=2, microbatches=4, train={"loss_normalization": "tokens"}))
+    return out
+
+
+def _one(cfg: dict) -> dict:
+    return _fit(cfg)
+
+
+@pytest.mark.multiprocess
+def test_two_stages_match_a_world_of_one_accumulating_the_same_microbatches(tmp_path):
+    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    tokens_cfg = _config(tmp_path / "one-tokens", pipeline=1, microbatches=4, train={"loss_normalization": "tokens"})
+    by_tokens = run_on_ranks(_one, 1, args=(tokens_cfg,), timeout=120)[0]
+    results = run_on_ranks(_schedules_against_accumulation, 2, args=(tmp_path,), timeout=240)
+    for name in ("gpipe", "1f1b", "interleaved", "tokens"):
+        expected = by_tokens if name == "tokens" else reference
+        stages = [result[name] for result in results]
+        # Not bitwise: the tied embedding's two gradients (first and last stage) are added in another order
+        # than one process's autograd adds them (docs/modes.md#pipelines).
+        assert _relative(_merged(stages), expected["weights"]) < 1e-6, name
+        for stage in stages:
+            loss = stage["metrics"]["train_loss"]
+            assert loss == pytest.approx(expected["metrics"]["train_loss"], rel=1e-6), name
+            assert stage["metrics"]["step"] == 4
+
+
+class Mlp(ddpkit.Trainer):
+    """A user's model: an nn.Sequential cut by module names (untied: the same arithmetic as one process)."""
+
+    def build_model(self):
+        layers = [nn.Linear(144, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)]
+        return nn.Sequential(nn.Flatten(), *layers)
+
+
+def _mlp_config(out: Path, *, pipeline: int) -> dict:
+    cfg = {
+        "run": {"name": "mlp", "output_dir": str(out), "seed": 0},
+        "data": {"name": "digits", "global_batch_size": 32, "kwargs": {"num_train": 256, "image_size": 12}},
+        "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "train": {"max_steps": 6, "log_every": 3},
+        "checkpoint": {"every_epochs": None, "every_steps": 3},
+        "log": {"progress_bar": False},
+    }
+    if pipeline > 1:
+        cfg["parallel"] = {"pipeline": 2, "microbatches": 4, "split_points": ["3"], "schedule": "gpipe"}
+    else:
+        cfg["train"]["grad_accum_steps"] = 4
+    return cfg
+
+
+def _fit_mlp(cfg: dict) -> dict:
+    return _fit(cfg, Mlp)
+
+
+@pytest.mark.multiprocess
+def test_a_user_model_cut_by_module_names_trains_bitwise_like_one_process_and_writes_the_whole_model(tmp_path):
+    one = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "one", pipeline=1),), timeout=120)[0]
+    stages = run_on_ranks(_fit_mlp, 2, args=(_mlp_config(tmp_path / "pp", pipeline=2),), timeout=120)
+    assert set(stages[0]["weights"]) == {"1.weight", "1.bias"}
+    assert_bitwise_equal(_merged(stages), one["weights"])
+    # model.pt holds the whole model under its own names, whatever the layout
+    assert_bitwise_equal(load_weights(tmp_path / "pp/model.pt"), load_weights(tmp_path / "one/model.pt"))
+    # the checkpoints are DCP directories every stage wrote its part of
+    assert (tmp_path / "pp/checkpoints/step-000000006.dcp").is_dir()
+
+
+def _resume_pp_then_one(tmp: Path) -> dict:
+    cfg = _mlp_config(tmp / "pp", pipeline=2)
+    cfg["train"]["max_steps"] = 3
+    return _fit(cfg, Mlp)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_checkpoint_resumes_in_a_world_of_one_with_the_same_samples(tmp_path):
+    straight = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
+    run_on_ranks(_resume_pp_then_one, 2, args=(tmp_path,), timeout=120)
+    # The same run directory, now a world of one with 4-way accumulation: steps 4..6 from the pp2 checkpoint.
+    cfg = _mlp_config(tmp_path / "pp", pipeline=1)
+    resumed = run_on_ranks(_fit_mlp, 1, args=(cfg,), timeout=120)[0]
+    assert resumed["metrics"]["step"] == 6
+    assert_bitwise_equal(resumed["weights"], straight["weights"])
+
+
+def test_layouts_that_cannot_work_are_refused_before_any_group_naming_the_valid_ones():
+    cfg = load_config({"parallel": {"pipeline": 3}})
+    with pytest.raises(ConfigError, match=r"3 stages do not divide the world size 4; valid on 4 ranks: pipeline=1"):
+        check_layout(cfg.parallel, world_size=4)
+    few = load_config({"parallel": {"pipeline": 4, "microbatches": 2}})
+    assert "1f1b needs at least as many microbatches as stages (4)" in layout_problems(few.parallel, world_size=4)[0]
+    with pytest.raises(ConfigError, match="set train.grad_accum_steps=1 and parallel.microbatches=4"):
+        load_config({"parallel": {"pipeline": 2}, "train": {"grad_accum_steps": 4}})
+    with pytest.raises(ConfigError, match="parallel.stages_per_rank=2"):
+        load_config({"parallel": {"pipeline": 2, "schedule": "interleaved_1f1b"}})
+    with pytest.raises(ConfigError, match="only with parallel.pipeline > 1"):
+        load_config({"parallel": {"microbatches": 4}})
+    with pytest.raises(ConfigError, match="fsdp2 inside a pipeline"):
+        load_config({"parallel": {"pipeline": 2, "mode": "fsdp2"}})
+
+
+class OwnStep(RaggedTrainer):
+    def training_step(self, batch):
+        return super().training_step(batch)
+
+
+def _own_step(cfg: dict) -> str:
+    try:
+        OwnStep(cfg).fit()
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_subclass_overriding_training_step_is_told_to_override_pipeline_loss(tmp_path):
+    messages = run_on_ranks(_own_step, 2, args=(_config(tmp_path, pipeline=2, microbatches=2),), timeout=120)
+    assert all("override pipeline_loss(output, target) instead" in message for message in messages)
