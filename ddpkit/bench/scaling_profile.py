@@ -160,7 +160,9 @@ def _wrap_recorded(cfg: Config, runtime: Runtime, model: nn.Module) -> tuple[nn.
     # wrap_model leaves a world of one unwrapped; DDP works on it all the same
     if runtime.env.world_size == 1:
         runtime = dataclasses.replace(runtime, env=dataclasses.replace(runtime.env, world_size=2))
-    wrapped = wrap_model(model, runtime, dataclasses.replace(cfg.ddp, comm_hook="none", broadcast_buffers=False))
+    options = dataclasses.replace(cfg.ddp, comm_hook="none", broadcast_buffers=False)
+    # unpinned: the recording hook below is the only communication hook
+    wrapped = wrap_model(model, runtime, options, pinned=False)
     recorder = _Recorder()
     # A lambda: DDP checks a hook's annotations, which postponed annotations turn into strings.
     wrapped.register_comm_hook(None, lambda state, bucket: recorder.hook(bucket))

@@ -35,10 +35,14 @@ _BUFFER_SYNC_ARG = (
 __all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
 
 
-def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig, *, group: Any = None) -> nn.Module:
+def wrap_model(
+    model: nn.Module, runtime: Runtime, options: DDPConfig, *, group: Any = None, pinned: bool = True
+) -> nn.Module:
     """Move ``model`` to the runtime's device and wrap it in DDP when there is more than one replica.
 
-    ``group``: the data-parallel replicas' process group (a pipeline stage's); None: every rank.
+    ``group``: the data-parallel replicas' process group (a pipeline stage's); None: every rank. ``pinned``: the
+    bucket layout pinned for bitwise resume (``ddpkit.distributed.bucket_layout``); False leaves the model free
+    for a communication hook of the caller's own (``ddp.comm_hook`` is then not registered either).
     With one replica the bare model is returned: DDP would only add overhead. ``device_ids`` is
     passed only on CUDA (DDP rejects it for CPU modules).
     """
@@ -61,6 +65,8 @@ def wrap_model(model: nn.Module, runtime: Runtime, options: DDPConfig, *, group:
     )
     # One bucket layout from the first step on, so a resume beyond 2 ranks adds in the same order
     # (ddpkit.distributed.bucket_layout); PowerSGD and find_unused_parameters go through torch as they are.
+    if not pinned:
+        return ddp
     if pin_bucket_layout(ddp, options) is None:
         _register_comm_hook(ddp, options)
     return ddp
