@@ -7,6 +7,7 @@ No process group: each launcher's variables are given as a mapping, as the launc
 from __future__ import annotations
 
 import pytest
+from helpers import REPO
 
 from ddpkit import LaunchError
 from ddpkit.distributed.env import DistEnv, read_dist_env
@@ -196,3 +197,10 @@ def test_dask_pytorch_ddp_sets_global_variables_only_one_process_per_host():
     # one of the four missing is still half a torchrun environment
     with pytest.raises(LaunchError, match="RANK, WORLD_SIZE, MASTER_ADDR set but LOCAL_RANK, MASTER_PORT missing"):
         read_dist_env({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "10.0.0.4"})
+
+
+def test_the_trainjob_example_says_the_port_its_command_uses():
+    text = (REPO / "examples" / "cluster" / "trainjob.yaml").read_text()
+    assert "--master-port=$(PET_MASTER_PORT)" in text
+    assert "The port the code uses: PET_MASTER_PORT (29400) on node 0" in text
+    assert "every TCP port" in text  # Gloo's and NCCL's own connections

@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_bitwise_equal, load_weights
+import yaml
+from helpers import REPO, assert_bitwise_equal, load_weights, tiny_config
 
 from ddpkit.errors import LaunchError
 
 TRAIN = REPO / "examples" / "train.py"
+RECORDING = REPO / "tests" / "scripts" / "recording_trainer.py"
 MPIRUN = shutil.which("mpirun")
 pytestmark = [
     pytest.mark.multiprocess,
@@ -49,6 +51,32 @@ def test_mpirun_trains_one_job_bitwise_equal_to_torchrun(tmp_path, tiny_yaml):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     reference = _run([*torchrun, str(TRAIN), str(tiny_yaml), f"run.output_dir={tmp_path / 'torchrun'}"])
     assert reference.returncode == 0, (reference.stdout + reference.stderr)[-4000:]
+    assert_bitwise_equal(load_weights(tmp_path / "mpi" / "model.pt"), load_weights(tmp_path / "torchrun" / "model.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_killed_under_mpirun_costs_no_step_when_the_command_runs_again(tmp_path):
+    """mpirun restarts nothing: the survivors save the last completed step before mpirun ends them, and the
+    same command, run again, resumes there and ends bitwise equal to an uninterrupted torchrun."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 3, "log_every": 4})))
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    program = (sys.executable, str(RECORDING), str(config), f"run.output_dir={tmp_path / 'mpi'}")
+    env = {"STEPS_DIR": str(steps), "KILL_STEP": "7"}
+    killed = _mpirun(3, *program, options=("-x", "STEPS_DIR", "-x", "KILL_STEP"), env=env)
+    assert killed.returncode != 0 and (steps / "killed").exists(), (killed.stdout + killed.stderr)[-4000:]
+    assert "rank 0 saved step 7 after" in killed.stderr
+    again = _mpirun(3, *program, options=("-x", "STEPS_DIR"), env={"STEPS_DIR": str(steps)})
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "resuming from" in again.stderr and "step-000000007.pt" in again.stderr
+    for rank in range(3):
+        trained = [int(line.split()[1]) for line in (steps / f"steps-rank{rank}.txt").read_text().splitlines()]
+        assert trained == list(range(1, 16)), f"rank {rank} trained {trained}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    reference = _run([*torchrun, str(TRAIN), str(config), f"run.output_dir={tmp_path / 'torchrun'}"])
+    assert reference.returncode == 0, reference.stderr[-4000:]
     assert_bitwise_equal(load_weights(tmp_path / "mpi" / "model.pt"), load_weights(tmp_path / "torchrun" / "model.pt"))
 
 

@@ -6,7 +6,7 @@ In one session on MASTER (``local-cluster[2,2,1024]``: two executors of two task
 
 1. Spark's own ``TorchDistributor(..., local_mode=False, use_gpu=False).run("examples/train.py", CONFIG, ...)``
    into OUT/distributor: the script unchanged;
-2. ``ddpkit.spark.run("tests/scripts/spark_trainer.py", CONFIG, ..., max_restarts=1)`` into OUT/restarted,
+2. ``ddpkit.spark.run("tests/scripts/recording_trainer.py", CONFIG, ..., max_restarts=1)`` into OUT/restarted,
    rank 1 SIGKILLing itself after step 7 the first time (the first attempt fails, the second resumes);
 3. ``ddpkit.spark.run("examples/train.py", CONFIG, "optim.lr=-1", max_restarts=2)``: refused on every rank,
    so not retried.
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     steps = OUT / "steps"
     steps.mkdir(parents=True, exist_ok=True)
     metrics = ddpkit.spark.run(
-        str(REPO / "tests" / "scripts" / "spark_trainer.py"),
+        str(REPO / "tests" / "scripts" / "recording_trainer.py"),
         CONFIG,
         f"run.output_dir={OUT / 'restarted'}",
         num_processes=WORLD,

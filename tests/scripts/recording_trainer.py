@@ -1,6 +1,6 @@
-"""The quickstart Trainer, recording every step; what tests/scripts/spark_job.py runs on each Spark rank.
+"""The YAML-driven Trainer, recording every step: each rank of tests/scripts/spark_job.py and tests/test_engines_mpi.py.
 
-    python tests/scripts/spark_trainer.py CONFIG [key=value ...]     # STEPS_DIR=DIR [KILL_STEP=K]
+    python tests/scripts/recording_trainer.py CONFIG [key=value ...]     # STEPS_DIR=DIR [KILL_STEP=K]
 
 Each rank appends "pid step" to $STEPS_DIR/steps-rank<r>.txt after every optimizer step. With
 KILL_STEP, rank 1 SIGKILLs itself after that step the first time ($STEPS_DIR/killed marks it):
