@@ -11,7 +11,8 @@
     ddpkit config --schema [-o FILE.json]    # the config's JSON Schema, for editors (yaml-language-server)
     ddpkit export CHECKPOINT OUT.safetensors # model weights for inference: safetensors,
                                              # or a torch state_dict for OUT.pt
-    ddpkit export RUN_OR_CHECKPOINT DIR --format hf   # a gpt model as a Hugging Face GPT-2 directory
+    ddpkit export RUN_OR_CHECKPOINT DIR --format hf   # a gpt model as a Hugging Face directory (--merge: LoRA)
+    ddpkit export RUN_OR_CHECKPOINT DIR --format peft # a LoRA run's adapter, for peft.PeftModel.from_pretrained
     ddpkit generate RUN_OR_CHECKPOINT --prompt TEXT    # sample text from a trained language model, streamed
     ddpkit bench {throughput,allreduce,autotune,scaling} ...
     ddpkit plot RUN_DIR [RUN_DIR ...] [-o out.png]
@@ -177,10 +178,12 @@ def _add_export_args(export: argparse.ArgumentParser) -> None:
     )
     export.add_argument(
         "--format",
-        choices=("auto", "hf"),
+        choices=("auto", "hf", "peft"),
         default="auto",
-        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face GPT-2 directory OUTPUT",
+        help="hf: a gpt model (from a run directory or checkpoint) as a Hugging Face directory OUTPUT; "
+        "peft: a LoRA run's adapter as peft's adapter_model.safetensors + adapter_config.json",
     )
+    export.add_argument("--merge", action="store_true", help="with --format hf: a LoRA adapter merged into its base")
 
 
 # Commands that parse their own options (main() hands them the rest of argv), with their one-line help.
@@ -295,10 +298,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ddpkit.tools.export import export
 
-    if args.format == "hf":
-        from ddpkit.tools.hf_export import export_hf
+    if args.format in ("hf", "peft"):
+        from ddpkit.tools.hf_export import export_hf, export_peft
 
-        print(export_hf(args.checkpoint, args.output))
+        if args.format == "peft":
+            print(export_peft(args.checkpoint, args.output))
+        else:
+            print(export_hf(args.checkpoint, args.output, merge=args.merge))
         return EXIT_OK
 
     print(export(args.checkpoint, args.output))

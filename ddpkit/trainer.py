@@ -326,7 +326,7 @@ class Trainer:
         bare model (under a pipeline: the parts this rank holds, under the whole model's names)."""
         cfg, layout = self.config, self.layout
         train_set, val_set = self.build_datasets()
-        whole = self.build_model()
+        whole = training.apply_lora(self.build_model(), cfg.model)
         # First: any later failure would say less.
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.

@@ -140,3 +140,42 @@ def fine_tune(directory: str, out: str, mode: str, train: dict[str, Any] | None 
             "checkpoint": {"every_steps": 3},
         }
     ).fit()
+
+
+def token_files(directory: Path | str, *, vocab: int = 300, train: int = 8192, val: int = 512) -> dict[str, str]:
+    """Random token files ``train.bin`` / ``val.bin`` (uint16) of ids below ``vocab``; ``data.kwargs`` naming them."""
+    import numpy as np
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = np.random.default_rng(0)
+    for name, count in (("train", train), ("val", val)):
+        generator.integers(0, vocab, count).astype(np.uint16).tofile(directory / f"{name}.bin")
+    return {"path": str(directory / "train.bin"), "val_path": str(directory / "val.bin")}
+
+
+def lora_run(
+    base: str, out: str, data: dict[str, str], *, mode: str = "ddp", steps: int = 4, **sections: Any
+) -> dict[str, Any]:
+    """The config of a LoRA fine-tune of the Hugging Face directory ``base`` (``sections`` update its sections)."""
+    config: dict[str, Any] = {
+        "run": {"output_dir": out, "seed": 0},
+        "log": {"progress_bar": False},
+        "dist": {"timeout": 60},
+        "model": {"name": "gpt", "kwargs": {"init_from": base}, "lora": {"r": 4, "alpha": 8, "targets": "all-linear"}},
+        "data": {"name": "tokens", "global_batch_size": 8, "kwargs": {**data, "seq_len": 16}},
+        "optim": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1},
+        "parallel": {"mode": mode},
+        "train": {"max_steps": steps, "eval_every": 1000, "log_every": 1},
+        "checkpoint": {"every_steps": 2},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+def fit(config: dict[str, Any]) -> dict[str, float]:
+    """``Trainer(config).fit()`` on this rank (for ddpkit.testing.run_on_ranks)."""
+    import ddpkit
+
+    return ddpkit.Trainer(config).fit()

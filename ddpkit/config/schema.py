@@ -25,6 +25,7 @@ from typing import Any, Literal
 # The schema spans a few modules; everything is importable from here.
 from ddpkit.config.fields import option, yaml_key
 from ddpkit.config.health_section import HealthConfig, SpikeConfig, StragglerConfig
+from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.config.train_sections import (
     DDPConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "HealthConfig",
     "SpikeConfig",
     "StragglerConfig",
+    "LoraConfig",
     "option",
     "yaml_key",
     "HANG_TIMEOUT",
@@ -144,6 +146,13 @@ class ModelConfig:
         "`package.module:callable`.",
     )
     kwargs: dict[str, Any] = option(factory=dict, doc="Keyword arguments for the model builder.")
+    lora: LoraConfig | None = option(
+        None,
+        "Train a LoRA adapter instead of the whole model: `{r, alpha, dropout, targets}` (peft's names; `targets: "
+        "[q_proj, v_proj]` or `all-linear`). The base is frozen before the ddp/zero1/fsdp2 wrap; checkpoints hold "
+        "the adapter, its optimizer state and a fingerprint of the base. A Hugging Face model goes through peft "
+        "(`pip install 'ddpkit[peft]'`). `null`: train every parameter (docs/lm.md).",
+    )
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,15 @@ plain ``state_dict``. Either way the keys are the bare model's (no ``module.`` /
 and the tensors equal the checkpoint's bit for bit. safetensors stores no shared storage, so
 tensors that share it (tied input and output embeddings) are written as separate copies under
 every name, as ``model.pt`` has them, and non-contiguous ones are made contiguous. The file is
-written atomically; the metadata names the checkpoint and its step.
+written atomically; the metadata names the checkpoint and its step. A LoRA run's checkpoint holds
+the adapter only (``model.lora``): that is what is written, its base's fingerprint in the metadata
+(``extra_state``); ``--format peft`` and ``--format hf --merge`` (:mod:`ddpkit.tools.hf_export`) write
+it for peft and transformers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,12 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> str:
     info = validate_checkpoint(checkpoint)
     weights, source = model_weights(info.path)
     if Path(output).suffix == ".safetensors":
-        save_safetensors(weights, output, metadata={"source": str(info.path), "step": str(info.step)})
+        metadata = {"source": str(info.path), "step": str(info.step)}
+        # a module's extra state (a LoRA adapter's base fingerprint) is not a tensor: it goes to the metadata
+        extra = {key: weights.pop(key) for key in [k for k in weights if k.endswith("._extra_state")]}
+        if extra:
+            metadata["extra_state"] = json.dumps(extra)
+        save_safetensors(weights, output, metadata=metadata)
     else:
         save_atomically(weights, output)
     return f"wrote {output}: {len(weights)} tensors from {source} (step {info.step})"

@@ -27,26 +27,64 @@ from typing import Any
 from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError
 from ddpkit.tools.export import save_safetensors
-from ddpkit.tools.lm_source import ModelSpec, read_model
+from ddpkit.tools.lm_source import ModelSpec, merged_weights, read_model
 from ddpkit.training import hf_gpt2, hf_llama
 from ddpkit.training.gpt import resolve
 from ddpkit.training.hf_files import TOKENIZER_FILES
+from ddpkit.training.lora import adapter_of
+from ddpkit.training.lora_peft import peft_files
 
-__all__ = ["export_hf", "write_hf_directory"]
+__all__ = ["export_hf", "export_peft", "write_hf_directory"]
 
 #: config.json keys copied from ``init_from``'s own config.json: the special tokens generation stops at.
 _SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def export_hf(source: str | os.PathLike, output: str | os.PathLike) -> str:
-    """Write the ``gpt`` model of ``source`` (a run directory or a checkpoint) as a Hugging Face directory; say what."""
+def export_hf(source: str | os.PathLike, output: str | os.PathLike, *, merge: bool = False) -> str:
+    """Write the ``gpt`` model of ``source`` (a run directory or a checkpoint) as a Hugging Face directory; say what.
+    ``merge``: a LoRA run's adapter merged into its base (required for a LoRA run, refused for another)."""
     spec = read_model(source)
     if spec.name != "gpt":
         raise CheckpointError(
             f"{spec.source}: --format hf writes ddpkit's gpt model (GPT-2 or the Llama family), but this run's "
             f"model is {spec.name!r}; export it as .safetensors or .pt instead"
+            + (", or its adapter with --format peft" if spec.lora else "")
         )
-    return write_hf_directory(spec, spec.weights, Path(output))
+    if (spec.lora is not None) != merge:
+        raise CheckpointError(
+            f"{spec.source}: the run trained a LoRA adapter (model.lora): write it merged into its base with "
+            "--format hf --merge, or the adapter alone with --format peft"
+            if spec.lora is not None
+            else f"{spec.source}: --merge merges a LoRA adapter, but this run trained every parameter; drop --merge"
+        )
+    weights = merged_weights(spec) if merge else spec.weights
+    line = write_hf_directory(spec, weights, Path(output))
+    return line.replace(" from ", " (LoRA merged in fp32) from ", 1) if merge else line
+
+
+def export_peft(source: str | os.PathLike, output: str | os.PathLike) -> str:
+    """Write the LoRA adapter of ``source`` as ``adapter_model.safetensors`` + ``adapter_config.json``; say what."""
+    spec = read_model(source, named=False)
+    if spec.lora is None:
+        raise CheckpointError(
+            f"{spec.source}: --format peft writes a LoRA adapter, but this run has no model.lora; use --format hf"
+        )
+    adapter, base = adapter_of(spec.weights)
+    if spec.name == "gpt" and resolve(spec.kwargs)[0] != "llama":
+        raise CheckpointError(
+            f"{spec.source}: peft's names exist for the Llama family here; write GPT-2's adapter merged with "
+            "--format hf --merge"
+        )
+    hf_name = hf_llama.hf_name if spec.name == "gpt" else None
+    where = spec.kwargs.get("init_from") or spec.kwargs.get("pretrained") or (base or {}).get("base")
+    tensors, config = peft_files(adapter, lora=spec.lora, base=where, hf_name=hf_name)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, output / "adapter_model.safetensors", metadata={"source": spec.source})
+    write_atomically(output / "adapter_config.json", json.dumps(config, indent=2) + "\n", durable=True)
+    targets = ", ".join(config["target_modules"])
+    what = f"{len(tensors)} tensors, r={config['r']} on {targets}"
+    return f"wrote {output}: adapter_config.json + adapter_model.safetensors ({what}) from {spec.source}"
 
 
 def write_hf_directory(spec: ModelSpec, weights: dict[str, Any], output: Path) -> str:

@@ -12,7 +12,8 @@
   ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
   ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard);
   ``document_mask``: attention inside each document of a packed window (``data.kwargs.document_mask``);
-  ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``).
+  ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``);
+  ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
 - ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
@@ -30,6 +31,7 @@ from ddpkit.training import steps  # the built-in steps, as training.steps.*
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
+from ddpkit.training.lora import apply_lora
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
@@ -41,6 +43,7 @@ from ddpkit.training.token_loss import TokenCount
 from ddpkit.training.train_step import AccumulationStep, StepReporting, TrainStep
 
 __all__ = [
+    "apply_lora",
     "Evaluation",
     "TrainingHealth",
     "evaluate",
