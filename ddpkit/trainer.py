@@ -4,7 +4,6 @@ Trainer composes small modules, each called in one line: see the map of folders 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,10 +16,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import data, registry, training
 from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful, save_model
-from ddpkit.config.layout import check_layout, with_microbatches
+from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
-from ddpkit.distributed import DistEnv, check_same_run_on_every_rank, read_dist_env, shard_model, shard_optimizer
+from ddpkit.distributed import (
+    DistEnv,
+    Runtime,
+    check_same_run_on_every_rank,
+    read_dist_env,
+    shard_model,
+    shard_optimizer,
+)
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.worker_scope import Worker, worker_scope
@@ -83,13 +89,34 @@ class Trainer:
         self._pipeline: training.Pipeline | None = None
         #: The parallel layout (degrees, mesh, groups): built by fit() once the process group exists.
         self.layout: ParallelLayout | None = None
+        self.data_env: DistEnv = self.env
+        self.data_config: Config = self.config
         self._stop_requested = False
 
-    rank = property(lambda self: self.env.rank, doc="This process's global rank (0 .. world_size - 1).")
-    local_rank = property(lambda self: self.env.local_rank, doc="This process's rank on its node: its GPU index.")
-    world_size = property(lambda self: self.env.world_size, doc="How many processes train together.")
-    is_main = property(lambda self: self.env.rank == 0, doc="True on rank 0: it writes files and shows progress.")
-    runtime = property(lambda self: self.worker and self.worker.runtime, doc="The group's device, backend, store.")
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 .. world_size - 1)."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: its GPU index."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes train together."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: it writes files and shows progress."""
+        return self.env.rank == 0
+
+    @property
+    def runtime(self) -> Runtime | None:
+        """The process group's device, backend and store (None before fit() sets it up)."""
+        return self.worker.runtime if self.worker is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +131,10 @@ class Trainer:
             raise RuntimeError("Trainer.model exists once fit() has built it")
         return self._models.eval if self._evaluation.active else self._models.train
 
-    unwrapped_model = property(lambda self: training.unwrap_model(self.model), doc="The model without DDP (saved).")
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """The model without DDP and torch.compile: what is saved."""
+        return training.unwrap_model(self.model)
 
     def request_stop(self) -> None:
         """Stop after the current optimizer step. Call it on every rank (e.g. from reduced metrics)."""
@@ -207,6 +237,10 @@ class Trainer:
         # the same weights everywhere
         training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)
         self.layout = ParallelLayout.build(cfg.parallel, worker.runtime)
+        #: What the samplers shard by and the config the data sees: under a pipeline, the data-parallel coordinate
+        #: (every stage of a pipeline reads the same batches) and its M microbatches as the accumulation.
+        self.data_env = self.layout.data_env(self.env)
+        self.data_config = self.layout.data_config(cfg)
         model = self._build()
         self._build_step(model)
         self._register(model)
@@ -361,21 +395,6 @@ class Trainer:
             log.info("validation is skipped under a pipeline (parallel.pipeline > 1): not supported by ddpkit yet")
             return None
         return self.build_val_loader(dataset)
-
-    @property
-    def data_config(self) -> Config:
-        """The config the data sees: under a pipeline, its M microbatches per step are the accumulation."""
-        if self.layout is None or self.layout.pp == 1:
-            return self.config
-        return with_microbatches(self.config, self._pipeline.microbatches)
-
-    @property
-    def data_env(self) -> DistEnv:
-        """The environment the samplers shard by: the data-parallel coordinate (every stage of a pipeline reads
-        the same batches), which is the rank and world size without one."""
-        if self.layout is None or self.layout.pp == 1:
-            return self.env
-        return dataclasses.replace(self.env, rank=self.layout.dp_rank, world_size=self.layout.dp)
 
     def _finished(self) -> bool:
         epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, load_weights
+import yaml
+from helpers import assert_bitwise_equal, load_weights, run_cli
 from test_token_loss import RaggedSequences
 from torch import nn
 
@@ -22,6 +23,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = "tests/scripts/pipeline_trainer.py"
 
 
 class RaggedTrainer(ddpkit.Trainer):
@@ -193,3 +196,36 @@ def _own_step(cfg: dict) -> str:
 def test_a_subclass_overriding_training_step_is_told_to_override_pipeline_loss(tmp_path):
     messages = run_on_ranks(_own_step, 2, args=(_config(tmp_path, pipeline=2, microbatches=2),), timeout=120)
     assert all("override pipeline_loss(output, target) instead" in message for message in messages)
+
+
+def _launch(out: Path, env: dict[str, str]) -> str:
+    out.mkdir(parents=True)
+    cfg = _mlp_config(out / "run", pipeline=2)
+    cfg["train"]["max_steps"] = 12
+    cfg["data"]["kwargs"]["num_train"] = 512
+    (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    args = ["run", str(out / "exp.yaml"), "--nproc-per-node", "4", "--max-restarts", "1", "--script", SCRIPT]
+    done = run_cli(*args, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def _trained(out: Path, rank: int) -> list[tuple[int, int, str]]:
+    lines = (out / "run" / f"trained-rank{rank}.log").read_text().splitlines()
+    return [(int(attempt), int(step), fingerprint) for attempt, step, fingerprint in map(str.split, lines)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_x_dp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
+    _launch(tmp_path / "clean", {})
+    stderr = _launch(tmp_path / "killed", {"KILL_RANK": "2", "KILL_AT_STEP": "5"})
+    assert "crash save and memory snapshots are off under a pipeline" in stderr
+    # The last stage of each replica logged its targets: ranks 2 and 3 (pp rank 1, replicas 0 and 1).
+    for rank in (2, 3):
+        trained = _trained(tmp_path / "killed", rank)
+        first = [(step, fp) for attempt, step, fp in trained if attempt == 0 and step <= 3]
+        again = [(step, fp) for attempt, step, fp in trained if attempt == 1]
+        assert again[0][0] == 4, trained
+        assert first + again == [(step, fp) for _, step, fp in _trained(tmp_path / "clean", rank)]
+    assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))

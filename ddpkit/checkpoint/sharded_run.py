@@ -1,5 +1,5 @@
-"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2 and under a pipeline, and resumes sharded checkpoints in
-any mode.
+"""How the checkpointer saves and resumes in ``parallel.mode`` zero1 / fsdp2 and under a pipeline, and resumes
+sharded checkpoints in any mode.
 
     run = ShardedRun.for_layout(layout, config, components, rank=rank)   # None in ddp mode (single files)
     run.save(checkpointer.capture, directory, step=..., name=..., keep_last=...)   # every rank
@@ -33,6 +33,7 @@ from ddpkit.checkpoint import sharded
 from ddpkit.checkpoint.components import Components
 from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.errors import CheckpointError
 from ddpkit.reporting.log import log
 
@@ -55,10 +56,12 @@ TENSOR_PARTS = ("model", "optimizer")
 class ShardedRun:
     """The sharded save path of one run (zero1 / fsdp2)."""
 
-    def __init__(self, components: Components, *, rank: int, async_save: bool):
+    def __init__(self, components: Components, *, rank: int, async_save: bool, pipelined: bool = False):
         self.components = components
         self.rank = rank
         self.async_save = async_save
+        #: Under a pipeline each rank's optimizer groups name only its stage's parameters: merged at each save.
+        self.pipelined = pipelined
         # An async save not yet committed
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
         self._group = None
@@ -68,7 +71,7 @@ class ShardedRun:
         """The sharded save path where the layout spreads the state (zero1, fsdp2, pipelines); None otherwise."""
         if not layout.sharded_checkpoints:
             return None
-        return cls(components, rank=rank, async_save=config.checkpoint.async_save)
+        return cls(components, rank=rank, async_save=config.checkpoint.async_save, pipelined=layout.pp > 1)
 
     def save(self, capture: Any, directory: str, *, step: int, name: str | None, keep_last: int) -> None:
         """Every rank: its shards into DCP; rank 0 also the rest. ``capture(exclude=...)`` is the checkpointer's
@@ -76,6 +79,8 @@ class ShardedRun:
         self.wait()
         parts = sharded.ShardedParts(*_parts(self.components))
         tensors, rest = sharded.split_tensors(parts.state_dict())
+        if self.pipelined:
+            rest = _every_stage_in_the_groups(rest)
         small = capture(exclude=TENSOR_PARTS)
         # The non-tensor leaves (param groups)
         small.update({part: rest.get(part, {}) for part in TENSOR_PARTS})
@@ -117,6 +122,20 @@ class ShardedRun:
         else:
             parts.load_full(state["model"], state["optimizer"])
         log.info("loaded the model and optimizer of %s into this run's layout", path)
+
+
+def _every_stage_in_the_groups(rest: dict[str, Any]) -> dict[str, Any]:
+    """``rest`` with each optimizer group naming the parameters of every stage (a collective): rank 0 writes the
+    groups, and each stage loads its own names out of them, in this layout or any other."""
+    groups = rest.get("optimizer", {}).get("param_groups", [])
+    every = all_gather_object(groups)
+    merged = []
+    for index, group in enumerate(groups):
+        names: list[str] = []
+        for stage_groups in every:
+            names += [name for name in stage_groups[index]["params"] if name not in names]
+        merged.append({**group, "params": names})
+    return {**rest, "optimizer": {**rest["optimizer"], "param_groups": merged}}
 
 
 class ShardedOptimizer:

@@ -17,11 +17,14 @@ group (``dp_group`` None), exactly what every run used before layouts existed, a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.config.layout import check_layout
+from ddpkit.config.layout import check_layout, microbatches_of, with_microbatches
 from ddpkit.config.parallel import ParallelConfig
+from ddpkit.config.schema import Config
+from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime
 
 __all__ = ["ParallelLayout"]
@@ -91,6 +94,19 @@ class ParallelLayout:
     def whole_model_on_each_rank(self) -> bool:
         """Whether one rank alone can save the whole training state (the crash save, memory snapshots)."""
         return self.mode == "ddp" and self.pp == 1
+
+    def data_env(self, env: DistEnv) -> DistEnv:
+        """The environment the samplers shard by: the data-parallel coordinate (the stages of one pipeline read the
+        same batches); ``env`` itself without a pipeline."""
+        if self.pp == 1:
+            return env
+        return dataclasses.replace(env, rank=self.dp_rank, world_size=self.dp)
+
+    def data_config(self, config: Config) -> Config:
+        """The config the data sees: under a pipeline, its M microbatches are the accumulation."""
+        if self.pp == 1:
+            return config
+        return with_microbatches(config, microbatches_of(config.parallel))
 
     def describe(self) -> str:
         """One line for the log: the degrees and this rank's coordinates."""

@@ -119,7 +119,13 @@ def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, run
     """A stage in DDP over its data-parallel replicas (ddp, zero1), or as it is with one replica."""
     if layout.dp == 1:
         return stage
-    return ddp_wrap.wrap_model(stage, runtime, config.ddp, group=layout.dp_group)
+    wrapped = ddp_wrap.wrap_model(stage, runtime, config.ddp, group=layout.dp_group)
+    # torch's stage reduces on the last microbatch's backward (it prepares DDP's reducer itself, and runs the
+    # others under no_sync). A DDP forward would prepare the reducer for every microbatch, so every backward
+    # would record its gradients for DDP's bucket rebuild (twice the parameters: an internal assert). Off, and
+    # it stays off: no_sync() restores the value it found.
+    wrapped.require_backward_grad_sync = False
+    return wrapped
 
 
 def _shared_weight(local: list[nn.Module], every: list[nn.Module]) -> torch.Tensor | None:
