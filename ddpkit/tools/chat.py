@@ -30,8 +30,10 @@ content and newline are trained. A prompt/completion line is the two texts back 
 its ``chat_template`` renders each conversation; the text of assistant turn ``i`` is what rendering
 turns ``0..i`` adds after rendering ``0..i-1`` with the generation prompt (the assistant header, so
 it stays untrained), and each token is trained when it starts inside such a span (the tokenizer's
-character offsets). A prompt/completion line is tokenized as plain text. The end-of-text is the
-tokenizer's ``eos_token`` (or ``--eot``).
+character offsets), the template's end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ...) included.
+A prompt/completion line is tokenized as plain text. The end-of-text between conversations is the
+tokenizer's end-of-text that is not its end-of-turn token (or ``--eot``): see
+:mod:`ddpkit.tools.chat_template`.
 
 Errors name the file and line: a line that is not JSON, a message without a role or content, a
 conversation with no assistant turn to train on. ``--skip-bad`` skips such lines and counts them.
@@ -50,8 +52,9 @@ import numpy as np
 
 from ddpkit.data.tokens import BYTE_EOT, mask_path_of
 from ddpkit.errors import DataError
+from ddpkit.tools.chat_template import hf_template
 
-__all__ = ["ChatSummary", "tokenize_chat", "byte_template"]
+__all__ = ["ChatSummary", "tokenize_chat", "byte_template", "hf_template"]
 
 #: A conversation rendered: ``(ids, trained)`` where ``trained[i]`` says whether token ``i`` is a target to learn.
 Rendered = tuple[np.ndarray, np.ndarray]
@@ -70,14 +73,17 @@ class ChatSummary:
     dtype: str
     vocab_size: int
     eot: int
+    #: The token the chat template closes each assistant turn with (trained); None for the byte template.
+    end_of_turn: int | None = None
 
     def line(self) -> str:
         skipped = f"; skipped {self.skipped:,} bad lines" if self.skipped else ""
+        turn = f", end-of-turn {self.end_of_turn}" if self.end_of_turn is not None else ""
         return (
             f"ddpkit tokenize: wrote {self.path} and {mask_path_of(self.path)}: "
             f"{self.conversations:,} conversations, "
             f"{self.tokens:,} tokens ({self.trained:,} trained), {self.dtype} (vocab {self.vocab_size:,}, "
-            f"end-of-text {self.eot}){skipped}"
+            f"end-of-text {self.eot}{turn}){skipped}"
         )
 
 
@@ -153,17 +159,21 @@ def tokenize_chat(
     target.parent.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
     count = tokens = trained = 0
+    end_of_turn = getattr(template, "end_of_turn", None)
     with _Staged(target) as ids_out, _Staged(mask) as mask_out:
         for messages in _records(source, skip_bad, skipped):
             ids, learn = template(messages)
-            ids = np.append(ids, eot)
-            learn = np.append(learn, messages[-1]["role"] == "assistant")  # the model learns to stop after answering
+            # between conversations, unless the template's end-of-turn token is the end-of-text and closed it
+            if eot != end_of_turn:
+                ids = np.append(ids, eot)
+                # the model learns to stop after answering
+                learn = np.append(learn, messages[-1]["role"] == "assistant")
             ids_out.write(ids.astype(dtype).tobytes())
             mask_out.write(learn.astype(np.uint8).tobytes())
             count, tokens, trained = count + 1, tokens + len(ids), trained + int(learn.sum())
     if not count:
         raise DataError(f"--chat {source}: no conversation to write ({len(skipped)} bad lines skipped)")
-    return ChatSummary(target, count, tokens, trained, len(skipped), dtype, vocab_size, eot)
+    return ChatSummary(target, count, tokens, trained, len(skipped), dtype, vocab_size, eot, end_of_turn)
 
 
 class _Staged:
@@ -183,50 +193,3 @@ class _Staged:
             os.replace(self.temporary, self.target)
         else:
             Path(self.temporary).unlink(missing_ok=True)
-
-
-def hf_template(directory: str, eot: int | None) -> tuple[Template, int, int]:
-    """``(template, vocab_size, eot)`` from the ``chat_template`` of a local Hugging Face tokenizer directory."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise DataError("--chat with --tokenizer DIR needs transformers: pip install 'ddpkit[transformers]'") from None
-    folder = Path(directory).expanduser()
-    if not folder.is_dir():
-        raise DataError(
-            f"--tokenizer {folder}: with --chat, give a local tokenizer directory (tokenizer.json and "
-            "tokenizer_config.json with a chat_template); ddpkit never downloads one"
-        )
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    if not getattr(tok, "chat_template", None):
-        raise DataError(
-            f"--tokenizer {folder}: the tokenizer has no chat_template; use one that has, or drop "
-            "--tokenizer for the built-in byte template"
-        )
-    eot = tok.eos_token_id if eot is None else eot
-    if eot is None:
-        raise DataError(f"--tokenizer {folder}: no eos_token; name the end-of-text id with --eot ID")
-
-    def template(messages: list[dict]) -> Rendered:
-        if messages[0].get("_raw"):  # prompt/completion: plain text, no template
-            prompt = tok(messages[0]["content"], add_special_tokens=False)["input_ids"]
-            completion = tok(messages[1]["content"], add_special_tokens=False)["input_ids"]
-            learn = np.array([False] * len(prompt) + [True] * len(completion))
-            return np.array(prompt + completion, dtype=np.int64), learn
-        text = tok.apply_chat_template(messages, tokenize=False)
-        spans = [
-            (
-                len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0,
-                len(tok.apply_chat_template(messages[: i + 1], tokenize=False)),
-            )
-            for i, m in enumerate(messages)
-            if m["role"] == "assistant"
-        ]
-        encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = np.array([start for start, _ in encoded["offset_mapping"]])
-        learn = np.zeros(len(starts), dtype=bool)
-        for low, high in spans:
-            learn |= (starts >= low) & (starts < high)
-        return np.array(encoded["input_ids"], dtype=np.int64), learn
-
-    return template, len(tok), int(eot)

@@ -3,14 +3,18 @@
     $ ddpkit generate runs/lm_tiny --prompt "def main(" --max-new-tokens 200
     $ ddpkit generate runs/ft --prompt-file prompt.txt --tokenizer gpt2/tokenizer.json --num-samples 3 --top-p 0.9
     $ ddpkit generate runs/lm_tiny --prompt "import " --temperature 0        # greedy: the same text every time
+    $ ddpkit generate runs/finetune_llama --chat "What is 2 + 2?"           # the chat template; stops at end-of-turn
 
 The model and its trained weights come from a run directory (``model.pt``, else its newest
 checkpoint) or a checkpoint (:mod:`ddpkit.tools.lm_source`); ddpkit's ``gpt`` samples with its KV
 cache, other models through the protocol of :mod:`ddpkit.training.generation`. Tokens are bytes
 unless ``--tokenizer`` names a local ``tokenizer.json`` (a ``gpt`` loaded with ``init_from`` uses the
-one in that directory when there is one). Sampling stops at ``--max-new-tokens``, at end-of-text, or
-when the context is full. The default is nanoGPT's (temperature 0.8, top-k 200) and ``--seed 0``: the
-same command prints the same samples. On a GPU (``--device auto`` picks one) the forward passes run in bf16.
+one in that directory when there is one). Sampling stops at ``--max-new-tokens``, at end-of-text, at the
+model's end-of-turn tokens (the ``eos_token_id`` of its ``generation_config.json``, its tokenizer's
+``eos_token``, what its chat template closes a turn with), or when the context is full. ``--chat MESSAGE``
+puts the message in the model's chat template as a user turn and prints the answer. The default is
+nanoGPT's (temperature 0.8, top-k 200) and ``--seed 0``: the same command prints the same samples. On a GPU
+(``--device auto`` picks one) the forward passes run in bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
+from ddpkit.tools.chat_template import chat_prompt, stop_ids
 from ddpkit.tools.lm_source import load_model
 from ddpkit.training.generation import check_prompt, generate
 
@@ -41,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", help="read the prompt from this file")
+    prompt.add_argument("--chat", metavar="MESSAGE", help="a user message in the model's chat template; its answer")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens to sample at most (default 256)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy; higher: more varied (default 0.8)")
     parser.add_argument(
@@ -72,12 +78,16 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         else args.device
     )
     model, spec = load_model(args.path, device=device)
-    tokenizer = args.tokenizer or _tokenizer_beside(spec.kwargs.get("init_from") if spec.name == "gpt" else None)
+    init_from = spec.kwargs.get("init_from") if spec.name == "gpt" else None
+    tokenizer = args.tokenizer or _tokenizer_beside(init_from)
     codec = TextCodec.open(tokenizer)
     codec.check_fits(getattr(model, "valid_vocab", None) or model.vocab_size)
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    # the tokenizer's own directory: its chat template and the ids a chat model stops at
+    folder = str(Path(tokenizer).parent) if tokenizer else None
+    prompt = _prompt(args, folder)
     ids = codec.encode(prompt)
-    check_prompt(model, ids, what="--prompt-file" if args.prompt_file else "--prompt")
+    check_prompt(model, ids, what="--prompt-file" if args.prompt_file else "--chat" if args.chat else "--prompt")
+    args.stops = stop_ids(folder, codec)
     for index in range(args.num_samples):
         out.write(SEPARATOR if index else "")
         out.write(prompt)
@@ -107,13 +117,22 @@ def sample_text(
         temperature=args.temperature,
         top_k=args.top_k or None,
         top_p=args.top_p,
-        eot=codec.eot,
+        eot=args.stops,
         seed=seed,
         use_cache=not args.no_cache,
         autocast=autocast,
     ):
         yield stream.add(token)
     yield stream.finish()
+
+
+def _prompt(args: argparse.Namespace, folder: str | None) -> str:
+    """The text to continue: ``--prompt``, ``--prompt-file``, or ``--chat``'s message in the chat template."""
+    if args.chat is None:
+        return Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if folder is None:
+        raise ConfigError("--chat needs the model's tokenizer directory: give --tokenizer DIR/tokenizer.json")
+    return chat_prompt(folder, args.chat)
 
 
 def _tokenizer_beside(init_from: str | None) -> str | None:

@@ -11,15 +11,16 @@
   takes only the tokens after those already cached (all of the prompt first, then one at a time).
 
 Without ``make_cache`` every step feeds the whole sequence again: the same tokens, about ``T`` times the
-work. Generation stops at ``max_new_tokens``, at ``eot`` (the end-of-text id, not yielded) or when the
-sequence fills the context. ``temperature: 0`` is greedy (argmax), and gives the same tokens with and
-without the cache; a sample with the same ``seed`` is the same sample.
+work. Generation stops at ``max_new_tokens``, at ``eot`` (the end-of-text id, or a collection of ids, e.g. a
+chat model's end-of-turn tokens; not yielded) or when the sequence fills the context. ``temperature: 0`` is
+greedy (argmax), and gives the same tokens with and without the cache; a sample with the same ``seed`` is the
+same sample.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -82,7 +83,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eot: int | None = None,
+    eot: int | Collection[int] | None = None,
     seed: int | None = None,
     use_cache: bool = True,
     autocast: Any = None,
@@ -92,6 +93,8 @@ def generate(
     ``autocast``: a context manager factory for the forward passes (bf16 on a GPU), or None.
     """
     check_prompt(model, prompt)
+    # the end-of-text, or several ids a chat model stops at (its end-of-turn token among them)
+    stops = {eot} if isinstance(eot, int) else set(eot or ())
     device = _device_of(model)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
@@ -101,7 +104,7 @@ def generate(
         with autocast() if autocast is not None else contextlib.nullcontext():
             logits = model(feed, cache=cache) if cache is not None else model(tokens)
         token = next_token(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if eot is not None and int(token) == eot:
+        if int(token) in stops:
             return
         yield int(token)
         tokens = torch.cat([tokens, token[:, None]], dim=1)
