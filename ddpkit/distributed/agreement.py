@@ -46,15 +46,22 @@ HARMLESS_PREFIXES = (
     "data.pin_memory",
     "data.persistent_workers",
     "data.prefetch_factor",
-    "data.stream_window",  # a stream's read-ahead: the batches trained and the epoch's end do not depend on it
-    "data.allow_length_change",  # a permission for this resume (checked by the data order), not part of the math
+    # A stream's read-ahead: the batches trained and the epoch's end do not depend on it.
+    "data.stream_window",
+    # A permission for this resume (checked by the data order), not part of the math.
+    "data.allow_length_change",
     "train.compile",
     "train.channels_last",
-    "train.keep_host_memory",  # how fast, not what is computed
-    "train.deterministic",  # which kernels compute it: the same math, in a fixed order
-    "ddp.gradient_as_bucket_view",  # where the gradients live, not their values (the same buckets are all-reduced)
-    "health.",  # what to do about a bad step; the steps that are not bad compute the same
-    "parallel.",  # where the shards live; sharded checkpoints load into any mode (ddpkit.checkpoint.sharded)
+    # How fast, not what is computed.
+    "train.keep_host_memory",
+    # Which kernels compute it: the same math, in a fixed order.
+    "train.deterministic",
+    # Where the gradients live, not their values (the same buckets are all-reduced).
+    "ddp.gradient_as_bucket_view",
+    # What to do about a bad step; the steps that are not bad compute the same.
+    "health.",
+    # Where the shards live; sharded checkpoints load into any mode (ddpkit.checkpoint.sharded).
+    "parallel.",
 )
 
 
@@ -77,7 +84,8 @@ def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_s
             "config": flatten(config_to_dict(config)),
             "parameter_count": sum(math.prod(shape) for _, shape in shapes),
             "parameter_shapes": shapes,
-            "train_dataset_length": len(train_set) if isinstance(train_set, Sized) else None,  # a stream has none
+            # A stream has no length.
+            "train_dataset_length": len(train_set) if isinstance(train_set, Sized) else None,
             "val_dataset_length": len(val_set) if isinstance(val_set, Sized) else None,
             "ddpkit_version": __version__,
             "torch_version": str(torch.__version__),
@@ -135,7 +143,8 @@ def config_differences(
     for path in sorted(old.keys() | new.keys()):
         if path.startswith(HARMLESS_PREFIXES):
             continue
-        before, after = old.get(path, defaults.get(path, "<unset>")), new.get(path, "<unset>")
+        before = old.get(path, defaults.get(path, "<unset>"))
+        after = new.get(path, "<unset>")
         if before != after:
             differences.append(f"{path}: {before!r} -> {after!r}")
     if saved_world_size != world_size and not elastic:

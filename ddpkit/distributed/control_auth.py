@@ -36,10 +36,13 @@ __all__ = ["SECRET_ENV", "new_secret", "agree_job_key", "job_key", "sign", "veri
 #: The variable ``ddpkit run`` hands the job's secret to its workers in.
 SECRET_ENV = "DDPKIT_JOB_SECRET"
 
-_TAG_LEN = 64  # hex digits of an HMAC-SHA256
+#: Hex digits of an HMAC-SHA256.
+_TAG_LEN = 64
 log = logging.getLogger("ddpkit")
-_key: bytes | None = None  # job_key()'s key of this process alone (a run's key is held by its worker, not here)
-_logged: set[str] = set()  # kinds of key already reported as forged
+#: job_key()'s key of this process alone (a run's key is held by its worker, not here).
+_key: bytes | None = None
+#: Kinds of key already reported as forged.
+_logged: set[str] = set()
 _lock = threading.Lock()
 
 

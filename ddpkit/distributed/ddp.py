@@ -78,7 +78,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, DDP):
             model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        elif hasattr(model, "_orig_mod"):
+            # torch.compile's OptimizedModule
             model = model._orig_mod
         else:
             return model
@@ -92,8 +93,10 @@ def sync_gradients(model: nn.Module, *, sync: bool) -> contextlib.AbstractContex
     optimizer step instead of k. (DDP decides at forward time, so the forward must be inside.)
     """
     if sync:
-        return _NO_CONTEXT  # one shared object: nothing allocated per step
-    while not isinstance(model, DDP):  # torch.compile(DDP(model)): DDP is one level in
+        # One shared object: nothing allocated per step.
+        return _NO_CONTEXT
+    # torch.compile(DDP(model)): DDP is one level in.
+    while not isinstance(model, DDP):
         model = getattr(model, "_orig_mod", None)
         if model is None:
             return _NO_CONTEXT

@@ -42,7 +42,8 @@ class RankBytes:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+    # A DTensor's shard on this rank.
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -52,7 +53,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int | None:
     """State tensors per parameter element the optimizer will keep (None: not a class ddpkit knows)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the real one
+    # ZeroRedundancyOptimizer wraps the real one.
+    inner = getattr(optimizer, "optim", optimizer)
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         return 3 if any(g.get("amsgrad") for g in inner.param_groups) else 2
     if isinstance(inner, torch.optim.SGD):

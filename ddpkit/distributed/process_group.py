@@ -109,7 +109,8 @@ def process_group(
         yield Runtime(env=env, device=torch_device, backend=dist.get_backend(), debug=debug, store=store)
     except BaseException:
         if created and dist.is_initialized():
-            dist.destroy_process_group()  # the process exits next (see ddpkit.launch.entrypoint)
+            # The process exits next (see ddpkit.launch.entrypoint).
+            dist.destroy_process_group()
         raise
     if created and dist.is_initialized():
         _destroy()
@@ -154,7 +155,8 @@ def _prepare_process(
     module later, once our group exists; ten default arguments would then keep the group alive
     past ``destroy_process_group``, into interpreter shutdown (see :func:`_destroy`).
     """
-    import torch.distributed.nn  # noqa: F401  (its defaults then hold None, not our group)
+    # Its defaults then hold None, not our group.
+    import torch.distributed.nn  # noqa: F401
 
     for module in preload:
         importlib.import_module(module)
@@ -164,9 +166,11 @@ def _prepare_process(
     if debug:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if trace_dir is not None and device.type == "cuda":
-        os.makedirs(trace_dir, exist_ok=True)  # the dump goes there on a timeout
+        # The dump goes there on a timeout.
+        os.makedirs(trace_dir, exist_ok=True)
         for name, value in flight_recorder_env(device, trace_dir).items():
-            os.environ.setdefault(name, value)  # read when the NCCL group is created; the user's values win
+            # Read when the NCCL group is created; the user's values win.
+            os.environ.setdefault(name, value)
 
 
 def _existing_group_store(env: DistEnv) -> Any:
@@ -191,7 +195,8 @@ def flight_recorder_env(device: torch.device, trace_dir: str | os.PathLike) -> d
     if device.type != "cuda":
         return {}
     wanted = {
-        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # collectives kept per group
+        # Collectives kept per group.
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
         ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
         ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(
             os.fspath(trace_dir), "nccl_trace_rank_"

@@ -29,13 +29,17 @@ def is_alive(pid: object) -> bool:
 
     Another user's live process counts as alive; anything that is not a positive pid is not."""
     try:
-        pid = int(pid)  # type: ignore[call-overload]  # a pid read from a file may be text or None
-        if pid <= 0:  # 0 and -1 would signal whole process groups
+        # A pid read from a file may be text or None.
+        pid = int(pid)  # type: ignore[call-overload]
+        # 0 and -1 would signal whole process groups.
+        if pid <= 0:
             return False
         os.kill(pid, 0)
     except (TypeError, ValueError, OverflowError, ProcessLookupError):
         return False
-    except PermissionError:  # someone else's process: alive
+    except PermissionError:
+        # Someone else's process: alive.
         return True
     fields = proc_stat(pid)
-    return fields is None or fields[0] not in ("Z", "X")  # no /proc: os.kill's answer stands
+    # No /proc: os.kill's answer stands.
+    return fields is None or fields[0] not in ("Z", "X")

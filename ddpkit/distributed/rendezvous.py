@@ -39,12 +39,14 @@ def init_default_group(env: DistEnv, backend: str, timeout: float) -> Any:
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         elif env.launcher == "torchrun":
             kwargs.update(_torchrun_store(env, timeout))
-        else:  # SLURM: a TCPStore on the first node, as init_method="tcp://..." would make
+        else:
+            # SLURM: a TCPStore on the first node, as init_method="tcp://..." would make.
             url = f"tcp://{_host(env.master_addr)}:{env.master_port}?rank={env.rank}&world_size={env.world_size}"
             store, _, _ = next(dist.rendezvous(url, timeout=datetime.timedelta(seconds=timeout)))
             kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(**kwargs)
-    except (RuntimeError, ValueError, OSError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
+    except (RuntimeError, ValueError, OSError) as exc:
+        # DistNetworkError and DistStoreError are RuntimeErrors.
         raise _launch_error(env, exc) from None
     return kwargs["store"]
 
@@ -71,7 +73,8 @@ def _torchrun_store(env: DistEnv, timeout: float) -> dict[str, Any]:
     that restarted for different reasons could disagree.)
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if env.rank == 0 and not agent_store and is_loopback(env.master_addr):  # ``ddpkit run`` on one node
+    # ``ddpkit run`` on one node: rank 0 serves the store on loopback only.
+    if env.rank == 0 and not agent_store and is_loopback(env.master_addr):
         return {
             "store": loopback_store(env.master_port, world_size=env.world_size, timeout=timeout),
             "rank": 0,
@@ -101,12 +104,13 @@ def loopback_store(
     and rank 0's (:func:`_torchrun_store`). ``world_size``: wait for that many clients, as torch does.
     """
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # as torch's own server does: TIME_WAIT leftovers of a restart
+        # As torch's own server does: TIME_WAIT leftovers of a restart.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr.strip("[]"), port))
         sock.listen(socket.SOMAXCONN)
         bound = sock.getsockname()[1]
-        fd = sock.detach()  # the store owns the socket from here
+        # The store owns the socket from here.
+        fd = sock.detach()
     return dist.TCPStore(
         addr,
         bound,

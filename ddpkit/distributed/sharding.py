@@ -64,8 +64,10 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
     blocks = fsdp_blocks(model, parallel.fsdp.blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=parallel.fsdp.reshard_after_forward, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # the root keeps its parameters for the backward (FSDP2's rule)
-    model._ddpkit_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after validation
+    # The root keeps its parameters for the backward (FSDP2's rule).
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    # Restored after validation.
+    model._ddpkit_reshard_after_forward = parallel.fsdp.reshard_after_forward
     log.info(
         "fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root",
         len(blocks),
@@ -118,7 +120,8 @@ def shard_optimizer(
     (:func:`ddpkit.distributed.memory.log_rank_bytes`, a collective): the layout is final here.
     """
     if parallel.mode == "zero1" and type(optimizer).__name__ != "ZeroRedundancyOptimizer":
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # here: ddp runs never load it
+        # Imported here: ddp runs never load it.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = [dict(group) for group in optimizer.param_groups]
         zero = ZeroRedundancyOptimizer(
@@ -223,7 +226,8 @@ def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     global _last_tiling
     cached = _last_tiling is not None and len(_last_tiling[0]) == len(grads)
     if cached and all(ref() is g for ref, g in zip(_last_tiling[0], grads)):
-        flat = [ref() for ref in _last_tiling[1]]  # alive: the gradients are views of them
+        # Alive: the gradients are views of them.
+        flat = [ref() for ref in _last_tiling[1]]
         if all(b is not None for b in flat):
             return flat
     flat = _tiled_buffers(grads)
@@ -234,7 +238,8 @@ def _bucket_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
 def _tiled_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     buffers: dict[int, torch.Tensor] = {}
     for grad in grads:
-        base = grad._base if type(grad) is torch.Tensor else None  # not a DTensor shard or another subclass
+        # Not a DTensor shard or another subclass.
+        base = grad._base if type(grad) is torch.Tensor else None
         if base is None:
             return None
         buffers[id(base)] = base
@@ -286,7 +291,8 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
         return
     units = [m for m in model.modules() if is_sharded(m)]
     for unit in units:
-        unit.unshard()  # the same order on every rank: each is one all-gather
+        # The same order on every rank: each is one all-gather.
+        unit.unshard()
     model.set_reshard_after_forward(False)
     try:
         yield
