@@ -5,7 +5,7 @@ Trainer composes small modules, each called in one line: see the map of folders 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,10 @@ from ddpkit.distributed import (
 )
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
+from ddpkit.launch.run_parts import Built, build_run_parts
 from ddpkit.launch.worker_scope import Worker, worker_scope
 from ddpkit.progress import Progress
-from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput, start_logging
-from ddpkit.reporting.log import log
+from ddpkit.reporting import Events, Profiler, Reporter, start_logging
 
 __all__ = ["Trainer"]
 
@@ -42,17 +42,19 @@ class Trainer:
 
     ``fit()`` runs, on every rank (each event also reaches the run's listeners, the ``on_*`` hooks last)::
 
-        build: process group, seed, datasets, model -> DDP, optimizer, schedule; register the state; resume once
+        build: process group, layout, seed, datasets, model -> DDP (or pipeline stages), optimizer, schedule;
+               register the state; resume once
         for epoch in range(epochs):
             train_sampler.set_epoch(epoch)
-            for each micro-batch of this rank's shard:
-                loss = training_step(batch)            # under no_sync() unless last micro-step
-                backward(loss / grad_accum_steps)
-                if last micro-step of the optimizer step:
-                    clip gradients, optimizer.step(), scheduler.step(), zero_grad()
-                    every log_every steps:  reduce the loss over ranks, log it
-                    every eval_every steps: validate()
-                    checkpointer.save(step)            # when due: rank 0 writes, all ranks wait
+            while batches are left in this replica's shard:
+                step.run(its next batches_per_step batches)   # the step object:
+                    # accumulation: for each micro-batch, loss = training_step(batch) under no_sync() but the
+                    #   last, backward(loss / grad_accum_steps);  a pipeline: the schedule runs M microbatches
+                    #   through the stages, pipeline_loss(output, target) on the last
+                    # then the update: clip gradients, optimizer.step(), scheduler.step(), zero_grad()
+                every log_every steps:  reduce the loss over ranks, log it
+                every eval_every steps: validate()
+                checkpointer.save(step)            # when due: rank 0 writes, all ranks wait
             on_epoch_end(); validate(); checkpointer.save(step)
         rank 0 writes model.pt; return the final metrics
 
@@ -72,9 +74,11 @@ class Trainer:
         check_layout(self.config.parallel, world_size=self.env.world_size)
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
-        self.events = Events()  # the loop's one ordered list of listeners; setup fills it, this Trainer last
+        # the loop's one ordered list of listeners; setup fills it, this Trainer last
+        self.events = Events()
         self.metrics: dict[str, float] = {}
-        self.worker: Worker | None = None  # this and the rest: built by fit(), in _setup's order
+        # this and the rest: built by fit(), in _setup's order
+        self.worker: Worker | None = None
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
         self._steps_per_epoch = self.total_steps = 0
@@ -83,9 +87,8 @@ class Trainer:
         self.reporter: Reporter | None = None
         self.checkpointer: Checkpointer | None = None
         self.health: training.TrainingHealth | None = None
-        self._update: training.OptimizerStep | None = None
-        self._step: training.TrainStep | None = None
-        self._models = self._evaluation = self._early_stopping = None
+        # the update, the step object, the model views, validation: built by fit() (ddpkit.launch.run_parts)
+        self._update = self._step = self._models = self._evaluation = self._early_stopping = None
         self._pipeline: training.Pipeline | None = None
         #: The parallel layout (degrees, mesh, groups): built by fit() once the process group exists.
         self.layout: ParallelLayout | None = None
@@ -225,8 +228,10 @@ class Trainer:
             while not self._finished():
                 self._train_epoch()
             metrics = self._finish()
-            self._models.release()  # DDP holds the group: it goes first (after a success only); model is the bare one
-        self.worker.stop.raise_if_stopped()  # a signal stopped the run: saved, now exit 75 (resumable)
+            # DDP holds the group: it goes first (after a success only); model is the bare one
+            self._models.release()
+        # a signal stopped the run: saved, now exit 75 (resumable)
+        self.worker.stop.raise_if_stopped()
         self.events.fit_end(metrics)
         return metrics
 
@@ -237,23 +242,44 @@ class Trainer:
         # the same weights everywhere
         training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)
         self.layout = ParallelLayout.build(cfg.parallel, worker.runtime)
-        #: What the samplers shard by and the config the data sees: under a pipeline, the data-parallel coordinate
-        #: (every stage of a pipeline reads the same batches) and its M microbatches as the accumulation.
+        # What the samplers shard by and the config the data sees: under a pipeline, the data-parallel coordinate
+        # (every stage of a pipeline reads the same batches) and its M microbatches as the accumulation.
         self.data_env = self.layout.data_env(self.env)
         self.data_config = self.layout.data_config(cfg)
-        model = self._build()
-        self._build_step(model)
+        built = self._build()
+        model = built.model
+        parts = build_run_parts(
+            worker,
+            config=cfg,
+            layout=self.layout,
+            progress=progress,
+            events=self.events,
+            built=built,
+            loss=self.training_step,
+            owner=type(self),
+        )
+        self.reporter = parts.reporter
+        self.checkpointer = parts.checkpointer
+        self.health = parts.health
+        self._update = parts.update
+        self._models = parts.models
+        self._step = parts.step
+        self._evaluation = parts.evaluation
         self._register(model)
         # timed, in goodput.jsonl
         resumed = worker.ledger.restore(self.checkpointer.resume)
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
+        self._attach(model)
+
+    def _attach(self, model: nn.Module) -> None:
+        """The listeners, in the order events reach them: the user's hooks last."""
+        worker = self.worker
         # train.sample
         samples = training.TrainingSamples.for_run(
-            cfg, rank=self.rank, model=model, outside=self.reporter.outside_training
+            self.config, rank=self.rank, model=model, outside=self.reporter.outside_training
         )
-        # The order events reach them: the user's hooks last.
         self.events.add(
-            Profiler.for_run(cfg, rank=self.rank, device=self.device),
+            Profiler.for_run(self.config, rank=self.rank, device=self.device),
             worker.watchdog,
             worker.ledger,
             *self.checkpointer.protections(ledger=worker.ledger),
@@ -263,74 +289,6 @@ class Trainer:
             self._best,
             samples,
             self,
-        )
-
-    def _build_step(self, model: nn.Module) -> None:
-        """The collaborators of a step: the token count, reporter, checkpointer and health; then the update."""
-        cfg, rt, progress, layout = self.config, self.worker.runtime, self.progress, self.layout
-        tokens = training.TokenCount.for_run(
-            model, cfg.train, device=self.device, world_size=layout.dp, group=layout.dp_group
-        )
-        # tokens/s, MFU
-        throughput = TokenThroughput.for_run(cfg, rt, model=model, dataset=self.train_loader.dataset, counter=tokens)
-        self.reporter = Reporter(
-            cfg, runtime=rt, total_steps=self.total_steps, progress=progress, events=self.events, throughput=throughput
-        )
-        self.checkpointer = Checkpointer(
-            cfg, runtime=rt, layout=layout, progress=progress, stop=self.worker.stop, pauses=self.reporter
-        )
-        # NaNs, spikes, stragglers, replicas
-        self.health = training.TrainingHealth(
-            cfg, runtime=rt, model=model, loader=self.train_loader, progress=progress, checkpoints=self.checkpointer
-        )
-        self._build_update(model, tokens)
-
-    def _build_update(self, model: nn.Module, tokens: training.TokenCount | None) -> None:
-        """The update, the model views, the step object the loop asks for each step, and the validation."""
-        cfg, rt, progress, layout = self.config, self.worker.runtime, self.progress, self.layout
-        pipeline = self._pipeline
-        self._update = training.OptimizerStep(
-            model,
-            self.optimizer,
-            self.scheduler,
-            train=cfg.train,
-            tokens=tokens,
-            device=self.device,
-            world_size=layout.dp,
-            health=self.health,
-            stages=pipeline and layout.pp_group,
-            counted=pipeline and pipeline.norm_parameters,
-        )
-        # DDP, then compiled; a pipeline's stages are wrapped already
-        self._models = training.build_models(
-            model,
-            rt,
-            ddp=cfg.ddp,
-            train=cfg.train,
-            parallel=cfg.parallel,
-            exclude=self.reporter.outside_training,
-            pipelined=pipeline is not None,
-        )
-        # on_exit however fit() ends
-        self.events.add(self._models, self.reporter, self.checkpointer.mirror)
-        reporting = training.StepReporting(self.reporter, self.events, progress)
-        self._step = training.build_train_step(
-            self._update,
-            self._models.train,
-            pipeline,
-            loss=self.training_step,
-            owner=type(self),
-            reporting=reporting,
-            device=self.device,
-            accum=cfg.train.grad_accum_steps,
-        )
-        # a long validation ticks the watchdog
-        self._evaluation = training.Evaluation(
-            self._models,
-            self.val_loader,
-            device=self.device,
-            autocast=self._update.autocast,
-            ticking=self.worker.watchdog.ticking,
         )
 
     def _register(self, model: nn.Module) -> None:
@@ -355,9 +313,9 @@ class Trainer:
             user=self.checkpoint_parts(),
         )
 
-    def _build(self) -> nn.Module:
-        """Datasets, model (sharded, or this rank's pipeline stages), loaders, optimizer and schedule; returns the
-        bare model (under a pipeline: the parts this rank holds, under the whole model's names)."""
+    def _build(self) -> Built:
+        """Datasets, model (sharded, or this rank's pipeline stages), loaders, optimizer and schedule. The bare model
+        it returns is, under a pipeline, the parts this rank holds, under the whole model's names."""
         cfg, layout = self.config, self.layout
         train_set, val_set = self.build_datasets()
         whole = training.apply_lora(self.build_model(), cfg.model)
@@ -367,7 +325,9 @@ class Trainer:
         data.require_vocab_of(whole, train_set, val_set)
         model = self._place(whole)
         self.train_loader = self.build_train_loader(train_set)
-        self.val_loader = self._val_loader(val_set)
+        # No validation under a pipeline yet (ddpkit.training.pipeline_step says so in the log).
+        validated = val_set is not None and self._pipeline is None
+        self.val_loader = self.build_val_loader(val_set) if validated else None
         self._steps_per_epoch, self.total_steps = data.run_length(
             self.train_loader, self.data_config, short_steps=self._pipeline is None
         )
@@ -375,7 +335,8 @@ class Trainer:
         optimizer = self.build_optimizer(model)
         self.optimizer = shard_optimizer(optimizer, cfg.parallel, model=model, group=layout.dp_group)
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
-        return model
+        loaders = (self.train_loader, self.val_loader)
+        return Built(model, self.optimizer, self.scheduler, *loaders, self.total_steps, self._pipeline)
 
     def _place(self, whole: nn.Module) -> nn.Module:
         """fsdp2: the model sharded; a pipeline: this rank's stages (the rest let go); else the model as built."""
@@ -387,14 +348,6 @@ class Trainer:
             whole, self.layout, cfg, self.runtime, split=self.pipeline_stages, loss=self.pipeline_loss
         )
         return self._pipeline.held
-
-    def _val_loader(self, dataset: Dataset | None) -> DataLoader | None:
-        if dataset is None:
-            return None
-        if self._pipeline is not None:
-            log.info("validation is skipped under a pipeline (parallel.pipeline > 1): not supported by ddpkit yet")
-            return None
-        return self.build_val_loader(dataset)
 
     def _finished(self) -> bool:
         epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping
@@ -421,7 +374,8 @@ class Trainer:
                 break
             # the step boundary: steps 1..step are complete
             events.step_start(progress.step)
-            if step.run(self._fetch(batches, count), count=count) < count:
+            taken = data.take_batches(batches, count, progress=progress, span=self.reporter.span)
+            if step.run(taken, count=count) < count:
                 # a stream ended, at this same batch on every rank (ddpkit.data.streaming)
                 batches_per_epoch = progress.batch_in_epoch
                 break
@@ -432,60 +386,51 @@ class Trainer:
             progress.batch_in_epoch = 0
             self._after_epoch(progress.epoch - 1)
 
-    def _fetch(self, batches: Iterator[Any], count: int) -> Iterator[Any]:
-        """Up to ``count`` batches of this epoch, each read under the ``data`` span and counted as consumed."""
-        for _ in range(count):
-            with self.reporter.span("data"):
-                batch = next(batches, None)
-            if batch is None:
-                return
-            self.progress.batch_in_epoch += 1
-            yield batch
-
     def _after_step(self) -> None:
         step, train = self.progress.step, self.config.train
         self.reporter.step_done(self.progress)
-        self.events.step_end(step)  # health's straggler and replica checks, then the user's on_step_end
+        # health's straggler and replica checks, then the user's on_step_end
+        self.events.step_end(step)
         if step % train.log_every == 0:
             self._log_training()
         if train.eval_every and step % train.eval_every == 0:
             self._evaluate()
-        self.checkpointer.save(step)  # when due, or at the step every rank agreed to stop at on a signal
+        # when due, or at the step every rank agreed to stop at on a signal
+        self.checkpointer.save(step)
 
     def _after_epoch(self, epoch: int) -> None:
         self.events.epoch_end(epoch)
         if self.config.train.eval_every is None:
             self._evaluate()
-        self.checkpointer.save(self.progress.step)  # checkpoint.every_epochs
+        # checkpoint.every_epochs
+        self.checkpointer.save(self.progress.step)
 
     def _finish(self) -> dict[str, float]:
         if self.reporter.loss_pending:
             self._log_training()
-        stopped = self.worker.stop.stopped  # by a signal: save and go, within the launcher's grace period
+        # by a signal: save and go, within the launcher's grace period
+        stopped = self.worker.stop.stopped
         if not stopped and self.val_loader is not None and self._evaluation.last_step != self.progress.step:
             self._evaluate()
-        self.checkpointer.save(self.progress.step, last=True)  # so a longer run can resume from here
+        # so a longer run can resume from here
+        self.checkpointer.save(self.progress.step, last=True)
         self.checkpointer.wait()
         self.reporter.write_timeline()
         if not stopped:
             # fsdp2 gathers first; a pipeline's stages send their parts to rank 0
-            stages = self.layout.pp_group if self._pipeline is not None else None
-            save_model(
-                self._models.bare,
-                self.output_dir / "model.pt",
-                rank=self.rank,
-                stages=stages,
-                replica=self.layout.dp_rank,
-            )
+            pipeline = self.layout if self._pipeline is not None else None
+            save_model(self._models.bare, self.output_dir / "model.pt", rank=self.rank, pipeline=pipeline)
         self.worker.barrier("end of training", note=self.reporter.note)
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
     def _log_training(self) -> None:
         extra = {
             **self.health.log_fields(),
-            **self.checkpointer.log_fields(),  # remote uploads: bytes, lag
+            # remote uploads: bytes, lag
+            **self.checkpointer.log_fields(),
+            # a mixture's tokens per source
             **data.consumed_tokens(self.train_loader, self.progress.step),
-        }  # a mixture's tokens per source
+        }
         record = self.reporter.training(self.progress, lr=self.optimizer.param_groups[0]["lr"], extra=extra)
         self.metrics.update(train_loss=record["train_loss"])
         self.events.log(record)
@@ -498,6 +443,8 @@ class Trainer:
         with self.reporter.outside_training("evaluation"):
             metrics = self._evaluation.validate(self.validation_step, at_step=self.progress.step)
         if metrics:
-            metrics = self.reporter.validation(self.progress, metrics)  # val_ppl added for runs on tokens
+            # val_ppl added for runs on tokens
+            metrics = self.reporter.validation(self.progress, metrics)
             self.metrics.update(metrics)
-            self.events.validation_end(metrics)  # the best checkpoint, early stopping, then the user's hook
+            # the best checkpoint, early stopping, then the user's hook
+            self.events.validation_end(metrics)

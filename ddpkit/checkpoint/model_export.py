@@ -35,17 +35,17 @@ def _gathered(weights: dict[str, Any], *, rank: int) -> dict[str, Any]:
     return whole
 
 
-def save_model(model: torch.nn.Module, path: Path, *, rank: int, stages: Any = None, replica: int = 0) -> None:
+def save_model(model: torch.nn.Module, path: Path, *, rank: int, pipeline: Any = None) -> None:
     """The bare ``model``'s whole weights to ``path`` on rank 0 (every rank calls it: FSDP2 gathers).
 
-    ``stages``: under a pipeline, ``model`` holds one rank's stages: replica 0's stages send theirs to rank 0,
-    which writes the whole model under its own names (the same file as any other layout's).
+    ``pipeline``: the layout of a pipeline, where ``model`` holds one rank's stages: replica 0's stages send theirs
+    to rank 0, which writes the whole model under its own names (the same file as any other layout's).
     """
     weights = full_model_state(model)
     # On the CPU, so the file loads on any machine
     weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
-    if stages is not None:
-        weights = _gathered(weights if replica == 0 else {}, rank=rank)
+    if pipeline is not None:
+        weights = _gathered(weights if pipeline.dp_rank == 0 else {}, rank=rank)
     if rank != 0:
         return
     # Rank 0 alone checks and writes the file

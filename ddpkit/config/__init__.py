@@ -3,8 +3,8 @@
     from ddpkit.config import load_config
     cfg = load_config("configs/quickstart.yaml", ["optim.lr=3e-4"])
 
-- ``schema`` / ``train_sections`` / ``health_section`` / ``profile_section`` / ``sample_section`` / ``parallel``:
-  the frozen dataclasses, one documented field each (``fields``).
+- ``schema`` / ``train_sections`` / ``health_section`` / ``profile_section`` / ``sample_section`` / ``parallel`` /
+  ``lora_section``: the frozen dataclasses, one documented field each (``fields``).
 - ``yaml_text``: safe YAML reading and writing; ``overrides``: ``dotted.key=value``.
 - ``loader``: raw input -> a validated :class:`Config` (unknown keys get the closest valid one).
 - ``layout``: the parallel layout's degrees (pipeline stages, microbatches) checked against the world size before

@@ -20,7 +20,7 @@
 """
 
 # What the Trainer composes, importable from the package.
-from ddpkit.data.epochs import data_position, epoch_batches, run_length
+from ddpkit.data.epochs import data_position, epoch_batches, run_length, take_batches
 from ddpkit.data.loaders import move_to_device, train_loader_for, val_loader_for
 from ddpkit.data.mixture import consumed_tokens
 from ddpkit.data.tokens import require_vocab_of
@@ -29,6 +29,7 @@ __all__ = [
     "data_position",
     "epoch_batches",
     "run_length",
+    "take_batches",
     "move_to_device",
     "train_loader_for",
     "val_loader_for",

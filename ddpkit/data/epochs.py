@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -30,6 +31,7 @@ from ddpkit.errors import CheckpointError, DataError
 
 __all__ = [
     "SamplerEpochs",
+    "take_batches",
     "epochs_of",
     "start_epoch",
     "agree_on_batch_count",
@@ -219,3 +221,17 @@ class SampleOrder:
                 self.length,
                 saved_length,
             )
+
+
+def take_batches(
+    batches: Iterator[Any], count: int, *, progress: Any, span: Callable[[str], AbstractContextManager[Any]]
+) -> Iterator[Any]:
+    """Up to ``count`` batches of this epoch, each read under the ``data`` span and counted as consumed
+    (``progress.batch_in_epoch``) as it is handed over: what a step object iterates."""
+    for _ in range(count):
+        with span("data"):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        progress.batch_in_epoch += 1
+        yield batch

@@ -8,4 +8,6 @@
   records, its polling), in one place.
 - ``entrypoint``: the worker side; argv read once, failures turned into clear exit codes.
 - ``worker_scope``: what a worker holds for one ``fit()``: process group, hang watchdog, goodput ledger.
+- ``run_parts``: the parts the worker's loop works with (reporter, checkpointer, health, the update, the model
+  views, the step object, validation), built in their one order for the Trainer.
 """

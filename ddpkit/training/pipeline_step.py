@@ -163,7 +163,8 @@ def _log_layout(layout: ParallelLayout, every: list[nn.Module], ids: list[int], 
     else:
         theory = f"{bubble_fraction(len(every), microbatches):.0%} in theory"
     log.info(
-        "pipeline: %s; schedule %s, %d microbatches (bubble %s); %s; this rank holds stage(s) %s",
+        "pipeline: %s; schedule %s, %d microbatches (bubble %s); %s; this rank holds stage(s) %s; validation is "
+        "skipped under a pipeline (not supported by ddpkit yet)",
         layout.describe(),
         name,
         microbatches,
