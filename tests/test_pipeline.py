@@ -229,3 +229,15 @@ def test_pp2_x_dp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
         assert again[0][0] == 4, trained
         assert first + again == [(step, fp) for _, step, fp in _trained(tmp_path / "clean", rank)]
     assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))
+
+
+@pytest.mark.multiprocess
+def test_a_world_of_one_checkpoint_resumes_as_a_pipeline_with_the_same_samples(tmp_path):
+    straight = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
+    first = _mlp_config(tmp_path / "run", pipeline=1)
+    first["train"]["max_steps"] = 3
+    run_on_ranks(_fit_mlp, 1, args=(first,), timeout=120)
+    # A single file, its optimizer state keyed by position in the whole model: each stage takes its own part.
+    stages = run_on_ranks(_fit_mlp, 2, args=(_mlp_config(tmp_path / "run", pipeline=2),), timeout=120)
+    assert stages[0]["metrics"]["step"] == 6
+    assert_bitwise_equal(_merged(stages), straight["weights"])

@@ -169,6 +169,12 @@ class ShardedParts:
         """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
         api = state_dict_api()
         whole = api.StateDictOptions(full_state_dict=True)
+        # A pipeline's parts (ddpkit.training.pipeline_split.HeldParts) take their own names out of the whole model
+        # and know the order in which the whole model's optimizer listed its parameters.
+        order = getattr(self.model, "whole_order", None)
+        if order is not None:
+            own = set(self.model.state_dict())
+            model_state = {name: value for name, value in model_state.items() if name in own}
         api.set_model_state_dict(self.model, model_state, options=whole)
         if self._zero:
             # ZeRO takes the position-keyed whole state and keeps its part
@@ -179,9 +185,15 @@ class ShardedParts:
         if len(optimizer_state["param_groups"]) == 1:
             merge_to_one_group(self.optimizer, list(self.model.parameters()))
         ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
-        names = dict(zip(ids, (self._names[p] for g in self.optimizer.param_groups for p in g["params"])))
-        state = {names[i]: value for i, value in optimizer_state["state"].items()}
-        groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
+        if order is None:
+            order = [self._names[p] for g in self.optimizer.param_groups for p in g["params"]]
+        names = dict(zip(ids, order))
+        owned = set(self._names.values())
+        state = {names[i]: value for i, value in optimizer_state["state"].items() if names[i] in owned}
+        groups = [
+            {**group, "params": [names[i] for i in group["params"] if names[i] in owned]}
+            for group in optimizer_state["param_groups"]
+        ]
         api.set_optimizer_state_dict(
             self.model, self.optimizer, {"state": state, "param_groups": groups}, options=whole
         )

@@ -37,6 +37,7 @@ from ddpkit.distributed import ddp as ddp_wrap
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.reporting.log import log
+from ddpkit.training.param_groups import param_groups
 from ddpkit.training.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
 from ddpkit.training.train_step import StepReporting
 
@@ -106,6 +107,10 @@ def build_pipeline(
     argument = torch_stages if parallel.schedule in INTERLEAVED else torch_stages[0]
     schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=loss, scale_grads=scale)
     held = HeldParts(local)
+    # A single-file checkpoint's optimizer state is keyed by position in the whole model's groups: its order.
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = param_groups(list(model.named_parameters()), config.optim)
+    held.whole_order = [names[id(p)] for group in groups for p in group["params"]]
     tied = TiedWeights(_shared_weight(local, every), _tied_group(layout, every))
     first = 0 in ids
     last = total - 1 in ids
