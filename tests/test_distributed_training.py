@@ -182,3 +182,8 @@ def test_examples_run_under_torchrun(tmp_path):
     )
     assert custom.returncode == 0, custom.stderr[-3000:]
     assert "val_mse" in custom.stderr
+    # The model split by hand across two devices (one device here: the same code path), in DDP.
+    manual = [*torchrun, "examples/manual_placement.py", f"run.output_dir={tmp_path / 'manual'}", "train.epochs=1"]
+    placed = subprocess.run(manual, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    assert placed.returncode == 0, placed.stderr[-3000:]
+    assert (tmp_path / "manual/model.pt").exists()

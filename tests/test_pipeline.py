@@ -241,3 +241,16 @@ def test_a_world_of_one_checkpoint_resumes_as_a_pipeline_with_the_same_samples(t
     stages = run_on_ranks(_fit_mlp, 2, args=(_mlp_config(tmp_path / "run", pipeline=2),), timeout=120)
     assert stages[0]["metrics"]["step"] == 6
     assert_bitwise_equal(_merged(stages), straight["weights"])
+
+
+def test_a_model_placed_by_hand_on_two_devices_stays_where_it_is():
+    from helpers import cpu_runtime
+
+    from ddpkit.config.schema import DDPConfig
+    from ddpkit.distributed.ddp import devices_of, wrap_model
+
+    # The meta device stands in for a second GPU: nothing is computed, only where the parameters live.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).to("meta"))
+    assert devices_of(model) == {torch.device("cpu"), torch.device("meta")}
+    wrapped = wrap_model(model, cpu_runtime(world_size=1), DDPConfig())
+    assert devices_of(wrapped) == {torch.device("cpu"), torch.device("meta")}

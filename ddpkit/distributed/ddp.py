@@ -16,6 +16,7 @@ import contextlib
 import inspect
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -32,7 +33,7 @@ _BUFFER_SYNC_ARG = (
     else "broadcast_buffers"
 )
 
-__all__ = ["wrap_model", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
+__all__ = ["wrap_model", "devices_of", "unwrap_model", "strip_wrapper_prefixes", "sync_gradients", "parameter_shapes"]
 
 
 def wrap_model(
@@ -49,10 +50,15 @@ def wrap_model(
     replicas = runtime.env.world_size if group is None else dist.get_world_size(group)
     if options.sync_batchnorm and replicas > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
-    model = model.to(runtime.device)
+    # A model the user placed across several devices (its halves on cuda:0 and cuda:1) stays where it is, and DDP
+    # takes it with device_ids=None, as torch documents for multi-device modules.
+    spans_devices = len(devices_of(model)) > 1
+    if not spans_devices:
+        model = model.to(runtime.device)
     if replicas == 1:
         return model
-    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    single = runtime.device.type == "cuda" and not spans_devices
+    device_ids = [runtime.device.index] if single else None
     ddp = DDP(
         model,
         device_ids=device_ids,
@@ -70,6 +76,11 @@ def wrap_model(
     if pin_bucket_layout(ddp, options) is None:
         _register_comm_hook(ddp, options)
     return ddp
+
+
+def devices_of(model: nn.Module) -> set[torch.device]:
+    """The devices ``model``'s parameters are on: more than one for a model placed by hand across devices."""
+    return {p.device for p in model.parameters()}
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
