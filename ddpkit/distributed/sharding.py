@@ -53,6 +53,11 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
     """``fully_shard`` each block, then the root, on a device mesh over every rank (``fsdp2``); else ``model``."""
     if parallel.mode != "fsdp2":
         return model
+    if len(ddp.devices_of(model)) > 1:
+        raise ConfigError(
+            "parallel.mode: fsdp2 shards a model over one device a rank, and this model's parameters are on several "
+            "(placed by hand); build it on one device, or use parallel.mode=ddp"
+        )
     # Imported here: FSDP2 pulls in DTensor and sympy (about a second) that ddp and zero1 never use.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -36,6 +36,7 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed import ddp as ddp_wrap
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
 from ddpkit.reporting.log import log
 from ddpkit.training.param_groups import param_groups
 from ddpkit.training.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
@@ -85,6 +86,11 @@ def build_pipeline(
     from torch.distributed import pipelining
 
     parallel = config.parallel
+    if len(ddp_wrap.devices_of(model)) > 1:
+        raise ConfigError(
+            "parallel.pipeline: the model's parameters are on several devices (placed by hand); a pipeline places "
+            "its stages itself: build the model on one device, or set parallel.pipeline=1"
+        )
     per_rank = parallel.stages_per_rank
     total = layout.pp * per_rank
     # The Trainer's pipeline_stages(model, stages) first; None: ddpkit's own cut.
