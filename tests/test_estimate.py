@@ -81,3 +81,15 @@ def test_the_command_prints_every_mode_and_a_recommendation(tmp_path):
     assert lines[-1].startswith("recommendation: fsdp2") or lines[-1].startswith("recommendation: none fits")
     bad = run_cli("estimate", str(tmp_path / "lm.yaml"), "--nproc-per-node", "2", "optim.lr=-1", timeout=120)
     assert bad.returncode == 2 and "optim.lr" in bad.stderr
+
+
+def test_under_a_pipeline_the_estimate_is_the_largest_stages_rank():
+    from ddpkit.tools.estimate import estimate
+
+    gpt = {"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 64, "depth": 8, "heads": 4, "max_len": 64}}
+    whole = estimate({"model": gpt}, nproc=2)
+    piped = estimate({"model": gpt, "parallel": {"pipeline": 2}}, nproc=4)
+    assert list(piped.per_mode) == ["ddp", "zero1"]
+    # Half the blocks and the embeddings or the head: more than a third, less than all of the parameters.
+    assert whole.count / 3 < piped.stage_count < whole.count
+    assert piped.per_mode["ddp"].parameters == piped.stage_count * 4

@@ -21,8 +21,10 @@ what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DD
 buckets when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on by default, the
 gradients are the buckets), FSDP2's all-gathered
 block during its forward and backward (the largest block's full parameters), allocator slack.
-The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's memory, or
-the host's available memory divided by ``--nproc-per-node``).
+Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters
+replicated (ddp) or its optimizer state sharded (zero1) over the ``N / P`` data-parallel replicas; fsdp2 is not
+offered inside a pipeline. The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's
+memory, or the host's available memory divided by ``--nproc-per-node``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
 from ddpkit.training.optim import build_optimizer
+from ddpkit.training.pipeline_split import split_model
 
 __all__ = ["main", "estimate", "Estimate"]
 
@@ -56,6 +59,12 @@ class Estimate:
             optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
         params = [p for p in model.parameters() if p.requires_grad]
         self.count = sum(p.numel() for p in params)
+        self.stages = cfg.parallel.pipeline
+        if self.stages > 1:
+            params = _largest_stage(model, cfg)
+            # fsdp2 inside a pipeline is refused (ddpkit.config.layout)
+            modes = [mode for mode in modes if mode != "fsdp2"]
+        replicas = max(1, nproc // self.stages)
         self.element_size = params[0].element_size() if params else 4
         self.slots = optimizer_slots(optimizer)
         shapes = [tuple(p.shape) for p in params]
@@ -63,18 +72,29 @@ class Estimate:
         slots = self.slots if self.slots is not None else 2
         self.per_mode: dict[str, RankBytes] = {
             mode: max(
-                mode_bytes(shapes, world_size=nproc, mode=mode, slots=slots, element_size=self.element_size),
+                mode_bytes(shapes, world_size=replicas, mode=mode, slots=slots, element_size=self.element_size),
                 key=lambda b: b.total,
             )
             for mode in modes
         }
-        self.activations = _activation_bytes(model, cfg, nproc)
+        self.stage_count = sum(p.numel() for p in params)
+        # Under a pipeline a stage holds the activations of up to M microbatches: not estimated (n/a).
+        self.activations = _activation_bytes(model, cfg, nproc) if self.stages == 1 else None
         self.nproc = nproc
         self.model_name = cfg.model.name
         self.optim_name = cfg.optim.name
 
     def total(self, mode: str) -> int:
         return self.per_mode[mode].total + (self.activations or 0)
+
+
+def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:
+    """The trainable parameters of the pipeline stage that holds the most (each counted once)."""
+    stages = split_model(
+        model, stages=cfg.parallel.pipeline * cfg.parallel.stages_per_rank, split_points=cfg.parallel.split_points
+    )
+    held = [list({id(p): p for p in stage.parameters() if p.requires_grad}.values()) for stage in stages]
+    return max(held, key=lambda params: sum(p.numel() for p in params))
 
 
 def _per_rank_batch(cfg: Config, nproc: int) -> int:
@@ -147,6 +167,7 @@ def report(est: Estimate, budget: int) -> str:
         f"model {est.model_name}: {est.count:,} parameters "
         f"({_fmt(est.count * est.element_size)} as {est.element_size}-byte values)",
         f"optimizer {est.optim_name}: {slots}; {est.nproc} rank(s)",
+        *_pipeline_line(est),
         f"{'mode':<6} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'activations':>12} "
         f"{'total per rank':>15}",
     ]
@@ -157,6 +178,16 @@ def report(est: Estimate, budget: int) -> str:
         )
     lines.append(f"recommendation: {recommendation(est, budget)}")
     return "\n".join(lines)
+
+
+def _pipeline_line(est: Estimate) -> list[str]:
+    if est.stages == 1:
+        return []
+    replicas = max(1, est.nproc // est.stages)
+    return [
+        f"pipeline {est.stages} x data-parallel {replicas}: the largest stage holds {est.stage_count:,} of the "
+        f"{est.count:,} parameters (the bytes below are its rank's; activations: up to M microbatches', not estimated)"
+    ]
 
 
 def estimate(
