@@ -24,15 +24,15 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier(*, debug: bool = False, timeout: float | None = None) -> None:
-    """Wait for every rank. With ``debug`` on Gloo, a stuck rank is named in the error."""
+def barrier(*, debug: bool = False, timeout: float | None = None, group: Any = None) -> None:
+    """Wait for every rank of ``group`` (None: every rank). With ``debug`` on Gloo, a stuck rank is named."""
     if not _active():
         return
     if debug and dist.get_backend() == "gloo":
         kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-        dist.monitored_barrier(wait_all_ranks=True, **kwargs)
+        dist.monitored_barrier(group=group, wait_all_ranks=True, **kwargs)
     else:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
@@ -42,19 +42,19 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
     return tensor
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without a group)."""
+def all_gather_object(obj: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` in ``group`` (None: every rank), in rank order (``[obj]`` without a process group)."""
     if not _active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (None: every rank)."""
     if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
