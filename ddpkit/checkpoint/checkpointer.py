@@ -92,7 +92,8 @@ class Checkpointer:
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
         self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
         self._last_saved_step = -1
-        self.mirror = RemoteMirror.for_run(config, runtime)  # checkpoint.dir is a URL (docs/storage.md); else None
+        # checkpoint.dir is a URL (docs/storage.md); else None
+        self.mirror = RemoteMirror.for_run(config, runtime, sharded=self._sharded is not None)
 
     # --- what a checkpoint holds --------------------------------------------------------------
 

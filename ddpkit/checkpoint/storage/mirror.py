@@ -87,8 +87,10 @@ class RemoteMirror:
         self.deadline_s = self.exit_deadline_s = EXIT_DEADLINE_S
 
     @classmethod
-    def for_run(cls, config: Config, runtime: Runtime) -> RemoteMirror | None:
+    def for_run(cls, config: Config, runtime: Runtime, *, sharded: bool = False) -> RemoteMirror | None:
         """Probe the store from every node and take its lock on rank 0; None when ``checkpoint.dir`` is local.
+
+        ``sharded``: the run's checkpoints are DCP directories (the layout says so: zero1, fsdp2, a pipeline).
 
         A collective. Every rank raises the same ConfigError (exit 2) when any node cannot use the store,
         and RunDirectoryLocked (exit 2) when another live run holds its lock.
@@ -115,7 +117,7 @@ class RemoteMirror:
             output_dir=Path(config.output_dir),
             keep_last=config.checkpoint.keep_last,
             lease=lease,
-            sharded=config.parallel.mode in ("zero1", "fsdp2"),
+            sharded=sharded,
         )
         mirror.staging = Path(config.checkpoint_dir)
         # The watchdog's limit for a checkpoint: the waits for uploads below stay within it
