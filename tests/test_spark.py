@@ -5,8 +5,9 @@
 Spark's own TorchDistributor runs examples/train.py unchanged; ``ddpkit.spark.run`` survives a rank
 SIGKILLed mid-run by starting the barrier stage again, loses no completed step, and ends bitwise
 equal to torchrun with the same world size (3 ranks: on 2, a + b == b + a would hide a reordered
-reduction); a refused config is not retried and gives the job exit code 2; ``ddpkit spark`` does the
-same from the command line. Each Spark session takes 20 to 40 s to start here, so one job script
+reduction); a task Spark loses (its Python worker killed) is a failed stage, started again too; a
+refused config is not retried and gives the job exit code 2; ``ddpkit spark`` does the same from the
+command line. Each Spark session takes 20 to 40 s to start here, so one job script
 (tests/scripts/spark_job.py) runs the three cases in one session.
 """
 
@@ -95,6 +96,11 @@ def test_distributor_and_ddpkit_spark_with_a_killed_rank_end_bitwise_equal_to_to
     refused = results["refused"]
     assert (refused["exit_code"], refused["attempts"]) == (2, 1)
     assert "a retry would not fix it" in refused["message"] and "optim.lr: expected a value > 0" in refused["message"]
+
+    # 4. rank 1's task lost (its Python worker SIGKILLed): Spark fails the stage, the driver starts another
+    assert "attempt 0 failed (Spark failed the stage: Stage failed because barrier task" in log
+    assert (out / "lost-steps" / "killed").exists() and results["lost"]["step"] == 15
+    assert_bitwise_equal(load_weights(out / "lost" / "model.pt"), reference)
 
 
 @pytest.mark.timeout(900)

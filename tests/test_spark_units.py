@@ -18,7 +18,7 @@ from helpers import tiny_config
 import ddpkit
 import ddpkit.spark
 from ddpkit.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, EXIT_UNHEALTHY, ConfigError
-from ddpkit.spark.driver import Attempt, _gpus_per_task, job_exit_code
+from ddpkit.spark.driver import Attempt, _gpus_per_task, _wait_for_slots, job_exit_code
 from ddpkit.spark.logs import TAIL_LINES, LogRelay, LogSender
 from ddpkit.spark.task import TaskSpec, final_metrics, rank_environment
 
@@ -121,10 +121,12 @@ def test_final_metrics_are_what_fit_returned(tmp_path):
 
 
 class _Session:
-    """What ``_gpus_per_task`` reads of a session: its SparkContext's conf (a real SparkConf, no JVM)."""
+    """What the driver's checks read of a session: its SparkContext's conf (a real SparkConf, no JVM) and
+    ``defaultParallelism`` (the executors' cores)."""
 
-    def __init__(self, **conf: str) -> None:
+    def __init__(self, slots: int = 2, **conf: str) -> None:
         self.sparkContext = self
+        self.defaultParallelism = slots
         self._conf = pyspark.SparkConf(loadDefaults=False).setAll(list(conf.items()))
 
     def getConf(self):  # noqa: N802  (pyspark's name)
@@ -139,6 +141,13 @@ def test_gpus_follow_what_the_session_schedules():
         _gpus_per_task(_Session(), True)
     with pytest.raises(ConfigError, match="spark.task.resource.gpu.amount=2: ddpkit.spark runs one rank per task"):
         _gpus_per_task(_Session(**{"spark.task.resource.gpu.amount": "2"}), None)
+
+
+def test_a_stage_larger_than_the_task_slots_is_refused_not_waited_on_for_ten_minutes():
+    _wait_for_slots(_Session(slots=4), 4, timeout=0)
+    with pytest.raises(ConfigError, match="num_processes=3, but this Spark cluster runs 2 task\\(s\\) at once"):
+        _wait_for_slots(_Session(slots=4, **{"spark.task.cpus": "2"}), 3, timeout=0.1)
+    _wait_for_slots(_Session(slots=1, **{"spark.default.parallelism": "1"}), 8, timeout=0)  # Spark's to judge
 
 
 def test_run_refuses_bad_counts_before_any_session():

@@ -142,6 +142,7 @@ def run_program(
         )
     spark = spark if spark is not None else session()
     gpus = _gpus_per_task(spark, use_gpu)
+    _wait_for_slots(spark, num_processes)
     # A script the driver has is named absolutely: the executors' working directory is not the driver's.
     program = (os.path.abspath(program[0]) if os.path.isfile(program[0]) else program[0], *program[1:])
     host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
@@ -250,6 +251,33 @@ def _gpus_per_task(session: Any, use_gpu: bool | None) -> bool:
             "rank per task on one GPU; set it to 1 and num_processes to the number of GPUs"
         )
     return True
+
+
+#: How long a new session's executors get to register before a stage larger than its task slots is refused.
+SLOTS_WAIT_S = 60.0
+
+
+def _wait_for_slots(spark: Any, num_processes: int, *, timeout: float = SLOTS_WAIT_S) -> None:
+    """Refuse a barrier stage the cluster cannot hold, once its executors had ``timeout`` seconds to register.
+
+    Spark itself retries such a stage 40 times, 15 s apart (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``),
+    before it fails: ten minutes of nothing. The slots counted are ``defaultParallelism`` (the executors' cores,
+    or ``local[N]``'s N) over ``spark.task.cpus``.
+    """
+    context = spark.sparkContext
+    conf = context.getConf()
+    if conf.get("spark.default.parallelism") is not None:
+        return  # set by hand, it no longer counts the cores: leave the check to Spark
+    cpus = max(1, int(conf.get("spark.task.cpus", "1")))
+    deadline = time.monotonic() + timeout
+    while (slots := context.defaultParallelism // cpus) < num_processes and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if slots < num_processes:
+        raise ConfigError(
+            f"num_processes={num_processes}, but this Spark cluster runs {slots} task(s) at once "
+            f"(defaultParallelism {context.defaultParallelism} / spark.task.cpus {cpus}) and a barrier stage starts "
+            "every rank together: use num_processes <= the task slots, or more executors (or cores)"
+        )
 
 
 def _refuse_unschedulable(exc: Exception, num_processes: int) -> None:

@@ -4,7 +4,7 @@
 
 Each rank appends "pid step" to $STEPS_DIR/steps-rank<r>.txt after every optimizer step. With
 KILL_STEP, rank 1 SIGKILLs itself after that step the first time ($STEPS_DIR/killed marks it):
-the rank dies as an OOM kill would, without a word.
+the rank dies as an OOM kill would, without a word. With KILL_WHOM=parent it SIGKILLs its parent instead.
 """
 
 import os
@@ -15,6 +15,8 @@ import ddpkit
 
 OUT = Path(os.environ["STEPS_DIR"])
 KILL = int(os.environ.get("KILL_STEP", "0"))
+# "parent": kill the process that started this rank instead (under Spark: the task's Python worker, a lost task)
+KILL_WHOM = os.environ.get("KILL_WHOM", "self")
 
 
 class Recorded(ddpkit.Trainer):
@@ -22,8 +24,9 @@ class Recorded(ddpkit.Trainer):
         with open(OUT / f"steps-rank{self.rank}.txt", "a") as f:
             f.write(f"{os.getpid()} {step}\n")
         if KILL and self.rank == 1 and step == KILL and not (OUT / "killed").exists():
-            (OUT / "killed").write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            victim = os.getppid() if KILL_WHOM == "parent" else os.getpid()
+            (OUT / "killed").write_text(str(victim))
+            os.kill(victim, signal.SIGKILL)
 
 
 if __name__ == "__main__":

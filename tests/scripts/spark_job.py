@@ -9,7 +9,8 @@ In one session on MASTER (``local-cluster[2,2,1024]``: two executors of two task
 2. ``ddpkit.spark.run("tests/scripts/recording_trainer.py", CONFIG, ..., max_restarts=1)`` into OUT/restarted,
    rank 1 SIGKILLing itself after step 7 the first time (the first attempt fails, the second resumes);
 3. ``ddpkit.spark.run("examples/train.py", CONFIG, "optim.lr=-1", max_restarts=2)``: refused on every rank,
-   so not retried.
+   so not retried;
+4. as 2. into OUT/lost, but rank 1 SIGKILLs its task's Python worker: Spark loses the task and fails the stage.
 
 Each prints one line ``RESULT <name> <json>`` on stdout; the ranks' lines reach this process's stderr.
 """
@@ -33,6 +34,19 @@ def result(name: str, value: object) -> None:
     print(f"RESULT {name} {json.dumps(value)}", flush=True)
 
 
+def killed_mid_run(name: str, steps: Path, *, whom: str) -> dict:
+    """ddpkit.spark.run of the recording Trainer into OUT/name, rank 1 killing ``whom`` after step 7 once."""
+    steps.mkdir(parents=True, exist_ok=True)
+    return ddpkit.spark.run(
+        str(REPO / "tests" / "scripts" / "recording_trainer.py"),
+        CONFIG,
+        f"run.output_dir={OUT / name}",
+        num_processes=WORLD,
+        max_restarts=1,
+        env={"STEPS_DIR": str(steps), "KILL_STEP": "7", "KILL_WHOM": whom},
+    )
+
+
 if __name__ == "__main__":
     os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, with torch and ddpkit
     spark = (
@@ -44,21 +58,12 @@ if __name__ == "__main__":
     )
     distributor = TorchDistributor(num_processes=WORLD, local_mode=False, use_gpu=False)
     result("distributor", distributor.run(TRAIN, CONFIG, f"run.output_dir={OUT / 'distributor'}"))
-    steps = OUT / "steps"
-    steps.mkdir(parents=True, exist_ok=True)
-    metrics = ddpkit.spark.run(
-        str(REPO / "tests" / "scripts" / "recording_trainer.py"),
-        CONFIG,
-        f"run.output_dir={OUT / 'restarted'}",
-        num_processes=WORLD,
-        max_restarts=1,
-        env={"STEPS_DIR": str(steps), "KILL_STEP": "7"},
-    )
-    result("restarted", metrics)
+    result("restarted", killed_mid_run("restarted", OUT / "steps", whom="self"))
     try:
         ddpkit.spark.run(
             TRAIN, CONFIG, "optim.lr=-1", f"run.output_dir={OUT / 'refused'}", num_processes=WORLD, max_restarts=2
         )
     except ddpkit.spark.SparkJobFailed as exc:
         result("refused", {"exit_code": exc.exit_code, "attempts": len(exc.attempts), "message": str(exc)})
+    result("lost", killed_mid_run("lost", OUT / "lost-steps", whom="parent"))
     spark.stop()
