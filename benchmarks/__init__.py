@@ -24,6 +24,7 @@
     python -m benchmarks.inprocess_recovery  # a Gloo survivor rebuilds its group with a replacement: the timings
     python -m benchmarks.activation_checkpointing   # gpt2 at context 1,024: peak memory and step time, on vs off
     python -m benchmarks.document_mask       # packed documents: masked attention's step time vs plain causal
+    python -m benchmarks.lora                # LoRA vs a full fine-tune at SmolLM2-135M's shape: params, bytes, time
 
 ``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the shared
 hand-written DDP loop ``train_by_hand`` and the benchmarks that keep a loop of their own, the weight
