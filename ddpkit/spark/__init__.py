@@ -17,6 +17,7 @@ each rank on the GPU Spark schedules to its task.
 - ``driver``: :func:`run`, the attempts and what each rank's exit code means for the next one.
 - ``task``: what each barrier task runs: torchrun's variables for its rank, the program as a child process.
 - ``logs``: every rank's lines from the executors to the driver's stderr.
+- ``command``: ``ddpkit spark``, the command line over :func:`run`.
 """
 
 from ddpkit.spark.driver import SparkJobFailed, run
