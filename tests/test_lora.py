@@ -266,3 +266,26 @@ def test_a_sigkilled_lora_run_resumes_bitwise(tmp_path):
     assert any(line.startswith("1 ") for line in (tmp_path / "killed/windows-rank0.txt").read_text().splitlines())
     assert runs["clean"].keys() == runs["killed"].keys()
     assert all(torch.equal(runs["clean"][k], runs["killed"][k]) for k in runs["clean"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_under_a_pipeline_the_base_stays_frozen_and_the_adapter_exports(tmp_path):
+    from ddpkit.testing import run_on_ranks
+
+    reference = save_tiny(tmp_path / "hf", "llama")  # a tied head: the last stage holds the embedding too
+    config = lora_run(str(tmp_path / "hf"), str(tmp_path / "run"), token_files(tmp_path / "data"))
+    config["parallel"] = {"pipeline": 2}
+    run_on_ranks(fit, 2, args=(config,), timeout=240)
+    saved = torch.load(tmp_path / "run/model.pt", weights_only=True)  # a stage saves its whole part, base included
+    assert torch.equal(saved["embed.weight"], reference.model.embed_tokens.weight)
+    export_peft(tmp_path / "run", tmp_path / "adapter")
+    export_hf(tmp_path / "run", tmp_path / "merged", merge=True)
+    model, _ = load_model(tmp_path / "run")
+    adapted = peft.PeftModel.from_pretrained(reference, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    x = tokens(16)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x).logits, model(x), atol=1e-4, rtol=0)
+        torch.testing.assert_close(merged(x).logits, model(x), atol=1e-4, rtol=0)

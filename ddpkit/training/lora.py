@@ -222,6 +222,9 @@ def _keep_the_adapter_only(model: nn.Module) -> None:
     def forgive_frozen(module: nn.Module, incompatible: Any) -> None:
         # keys arrive with the prefixes of whatever load_state_dict was called on (DDP's module., compile's _orig_mod.)
         missing = [key for key in incompatible.missing_keys if _bare(key) not in frozen]
+        # a state that carries the base itself (a pipeline stage's checkpoint holds its whole part) needs no fingerprint
+        if len(missing) == len(incompatible.missing_keys):
+            missing = [key for key in missing if _bare(key) != "lora_base._extra_state"]
         incompatible.missing_keys[:] = missing
 
     model._ddpkit_lora_hooks = (

@@ -202,8 +202,9 @@ class TiedWeights:
         self.group = group
 
     def reduce(self) -> None:
-        """One all-reduce of the shared matrix's gradient between its two stages; nothing where it is not tied."""
-        if self.group is None or self.weight is None:
+        """One all-reduce of the shared matrix's gradient between its two stages; nothing where it is not tied, or
+        where it is frozen (a LoRA base: a zero gradient given to it would let weight decay move it)."""
+        if self.group is None or self.weight is None or not self.weight.requires_grad:
             return
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
