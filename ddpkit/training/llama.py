@@ -342,6 +342,8 @@ def _check_length(length: int, max_len: int) -> None:
 def llama_kwargs(preset: str | None = None, init_from: str | None = None, **given: Any) -> dict[str, Any]:
     """:class:`LlamaShape`'s kwargs resolved: a preset's (or the defaults), or those of the Hugging Face directory
     ``init_from``, with the explicit kwargs on top (a contradiction of the directory's is refused by name)."""
+    # None is "not given", as for GPT-2's kwargs: the preset's, the directory's or the family's rule applies
+    given = {key: value for key, value in given.items() if value is not None}
     unknown = sorted(set(given) - set(LlamaShape.__dataclass_fields__))
     if unknown:
         raise ConfigError(
