@@ -27,7 +27,8 @@
 """
 
 # What the Trainer composes, importable from the package.
-from ddpkit.training import steps  # the built-in steps, as training.steps.*
+# The built-in steps, as training.steps.*
+from ddpkit.training import steps
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth

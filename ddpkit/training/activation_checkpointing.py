@@ -51,11 +51,13 @@ def apply_activation_checkpointing(model: nn.Module, setting: bool | Sequence[st
     """
     if not setting:
         return 0
-    if setting is True and callable(getattr(model, "activation_checkpointing_enable", None)):  # transformers 5
+    # Transformers 5's own switch.
+    if setting is True and callable(getattr(model, "activation_checkpointing_enable", None)):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         log.info("activation checkpointing: %s's own activation checkpointing (non-reentrant)", type(model).__name__)
         return 1
-    if setting is True and callable(getattr(model, "gradient_checkpointing_enable", None)):  # transformers 4
+    # Transformers 4's name for it.
+    if setting is True and callable(getattr(model, "gradient_checkpointing_enable", None)):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log.info("activation checkpointing: %s's own gradient checkpointing (non-reentrant)", type(model).__name__)
         return 1
@@ -70,8 +72,10 @@ def apply_activation_checkpointing(model: nn.Module, setting: bool | Sequence[st
             f"[{(repeated or classes)[0]}] (its classes: {', '.join(classes)})"
         )
     for module in chosen:
-        if getattr(module.__dict__.get("forward"), "__func__", None) is not _checkpointed_forward:  # once only
-            module.forward = types.MethodType(_checkpointed_forward, module)  # deepcopy rebinds it to the copy
+        # Once only: a second call leaves a module already checkpointed as it is.
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not _checkpointed_forward:
+            # Bound to the instance: deepcopy rebinds it to the copy.
+            module.forward = types.MethodType(_checkpointed_forward, module)
     log.info(
         "activation checkpointing: %d %s modules recompute their activations in the backward pass",
         len(chosen),
@@ -84,7 +88,8 @@ def _outermost(model: nn.Module, names: set[str]) -> list[nn.Module]:
     """The modules whose class name is in ``names``, without those inside another such module."""
     chosen: list[nn.Module] = []
     inside: set[int] = set()
-    for module in model.modules():  # parents come before their children
+    # Parents come before their children.
+    for module in model.modules():
         if id(module) in inside or _class_name(module) not in names:
             continue
         chosen.append(module)
@@ -103,6 +108,7 @@ def _class_name(module: nn.Module) -> str:
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The class's own ``forward``, under a non-reentrant checkpoint while gradients are recorded."""
     forward = type(self).forward
-    if not torch.is_grad_enabled():  # evaluation: nothing would be kept anyway
+    # Evaluation: nothing would be kept anyway.
+    if not torch.is_grad_enabled():
         return forward(self, *args, **kwargs)
     return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)

@@ -27,8 +27,11 @@ import platform
 
 __all__ = ["keep_freed_host_memory"]
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h> parameter numbers
-_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+#: glibc's <malloc.h> parameter numbers.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit.
+_MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 1024 * 1024 * 1024
 
 _applied = False

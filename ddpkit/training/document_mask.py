@@ -37,11 +37,13 @@ class Documents:
 
     def __init__(self, tokens: torch.Tensor, *, eot: int, restart_positions: bool):
         ends = tokens == eot
-        self.ids = torch.cumsum(ends, dim=1) - ends.long()  # the end-of-text belongs to the document it closes
+        # The end-of-text belongs to the document it closes.
+        self.ids = torch.cumsum(ends, dim=1) - ends.long()
         index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if restart_positions:
             first = torch.ones_like(ends)
-            first[:, 1:] = ends[:, :-1]  # a document starts at the window's start or right after an end-of-text
+            # A document starts at the window's start or right after an end-of-text.
+            first[:, 1:] = ends[:, :-1]
             self.positions = index - torch.where(first, index, 0).cummax(dim=1).values
         else:
             self.positions = index

@@ -44,7 +44,8 @@ class EarlyStopping:
         return cls(config, progress=progress) if config.train.early_stopping.metric is not None else None
 
     def on_validation_end(self, metrics: dict[str, float]) -> None:
-        tracker, early = self.tracker, self.settings
+        tracker = self.tracker
+        early = self.settings
         tracker.update(metrics)
         if tracker.reached:
             log.info(

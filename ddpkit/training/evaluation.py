@@ -36,7 +36,11 @@ class Evaluation:
         autocast: Callable[[], Any],
         ticking: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
     ):
-        self.models, self.loader, self.device, self.autocast, self.ticking = models, loader, device, autocast, ticking
+        self.models = models
+        self.loader = loader
+        self.device = device
+        self.autocast = autocast
+        self.ticking = ticking
         self.active = False
         self.last_step = -1
 
@@ -50,7 +54,8 @@ class Evaluation:
             return {}
         self.active = True
         try:
-            with self.models.for_evaluation():  # fsdp2: parameters gathered once, no collective per batch
+            # fsdp2: parameters gathered once, no collective per batch.
+            with self.models.for_evaluation():
                 return evaluate(
                     self.models.bare, self.loader, self.ticking(step), device=self.device, autocast=self.autocast
                 )

@@ -70,9 +70,14 @@ class TrainingHealth:
     ):
         """``checkpoints`` (the run's :class:`ddpkit.checkpoint.checkpointer.Checkpointer`): what
         ``health.spike.action=rollback`` restores the newest valid checkpoint's weights and optimizer from."""
-        h, env = config.health, runtime.env
-        self.cfg, self.rank, self.world_size, self.device = h, env.rank, env.world_size, runtime.device
-        self.loader, self.progress = loader, progress
+        h = config.health
+        env = runtime.env
+        self.cfg = h
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.device = runtime.device
+        self.loader = loader
+        self.progress = progress
         self.counts = {
             "skipped_steps": 0,
             "nonfinite_steps": 0,
@@ -82,8 +87,10 @@ class TrainingHealth:
             "divergences": 0,
         }
         self._checkpoints = checkpoints
-        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, detached
-        self._norms: list[float] = []  # healthy steps' norms since the last record
+        #: This step's micro-batch losses, detached.
+        self._losses: list[torch.Tensor] = []
+        #: Healthy steps' norms since the last record.
+        self._norms: list[float] = []
         self._in_a_row = 0
         spike = h.spike
         self.spikes = (
@@ -96,7 +103,8 @@ class TrainingHealth:
         )
         self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
         if self.straggler is None and self.replicas is None:
-            self.on_step_end = None  # nothing to check after a step: the events skip a None (no call a step)
+            # Nothing to check after a step: the events skip a None (no call a step).
+            self.on_step_end = None
 
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
@@ -116,10 +124,14 @@ class TrainingHealth:
 
     def allow_step(self, norm: torch.Tensor, *, scaled: bool = False) -> bool:
         """Whether to apply this step's update (False: skip it); ``scaled``: a GradScaler decides on overflow."""
-        step, losses, self._losses = self.progress.step + 1, self._losses, []
+        step = self.progress.step + 1
+        losses = self._losses
+        self._losses = []
         if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()  # fsdp2: a DTensor of the sharded gradients' norm
-        value = float(norm)  # the step's one host read: the decision must be known before optimizer.step()
+            # fsdp2: a DTensor of the sharded gradients' norm.
+            norm = norm.full_tensor()
+        # The step's one host read: the decision must be known before optimizer.step().
+        value = float(norm)
         if not math.isfinite(value):
             return self._nonfinite(step, losses, scaled=scaled)
         if self.spikes and self._spiked(step, losses, value):
@@ -132,10 +144,12 @@ class TrainingHealth:
         bad = [i for i, v in enumerate(torch.stack(losses).float().tolist()) if not math.isfinite(v)] if losses else []
         first = self.progress.batch_in_epoch - len(losses)
         indices = [sample_indices(self.loader, epoch=self.progress.epoch, first_batch=first + i, count=1) for i in bad]
-        reports = all_gather_object((bool(bad), [i for batch in indices if batch for i in batch]))  # only on a bad step
+        # A collective, only on a bad step.
+        reports = all_gather_object((bool(bad), [i for batch in indices if batch for i in batch]))
         ranks = [r for r, (was_bad, _) in enumerate(reports) if was_bad]
         if not ranks and scaled:
-            self.counts["scaler_skips"] += 1  # fp16 overflow: the GradScaler skips the step and lowers its scale
+            # fp16 overflow: the GradScaler skips the step and lowers its scale.
+            self.counts["scaler_skips"] += 1
             return True
         self.counts["nonfinite_steps"] += 1
         where = (
@@ -170,7 +184,8 @@ class TrainingHealth:
                 self.spikes[name].add(v)
             return False
         self.counts["spikes"] += 1
-        what, action = f"spike: {', '.join(spiked)}, over {self.cfg.spike.sigma:g} sigma", self.cfg.spike.action
+        what = f"spike: {', '.join(spiked)}, over {self.cfg.spike.sigma:g} sigma"
+        action = self.cfg.spike.action
         if action == "warn":
             self._say("step %d: %s (health.spike.action=warn)", step, what)
             return False
@@ -202,7 +217,8 @@ class TrainingHealth:
         return False
 
     def _say(self, fmt: str, *args: Any) -> None:
-        if self.rank == 0:  # every rank took the same decision: one line is enough
+        # Every rank took the same decision: one line is enough.
+        if self.rank == 0:
             log.warning(fmt, *args)
 
     # --- after the step, and at log time ------------------------------------------------------
@@ -217,7 +233,8 @@ class TrainingHealth:
 
     def log_fields(self) -> dict[str, float]:
         """The health metrics of a training record: mean ``grad_norm`` since the last record and the counters."""
-        norms, self._norms = self._norms, []
+        norms = self._norms
+        self._norms = []
         fields: dict[str, float] = {GRAD_NORM: math.fsum(norms) / len(norms)} if norms else {}
         fields.update(self.counts)
         if self.straggler is not None:
@@ -246,7 +263,8 @@ def _rank_checks(
     config: Config, *, runtime: Runtime, model: torch.nn.Module
 ) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
     """The checks that compare ranks (none in a world of one)."""
-    h, env = config.health, runtime.env
+    h = config.health
+    env = runtime.env
     if env.world_size == 1:
         return None, None
     straggler = None

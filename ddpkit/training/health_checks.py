@@ -25,14 +25,16 @@ import torch
 __all__ = ["SpikeDetector", "fingerprint", "slower_ranks", "sample_indices"]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MIX = 1_000_003  # combines per-tensor sums so that the order of the tensors matters too
+#: Combines per-tensor sums so that the order of the tensors matters too.
+_MIX = 1_000_003
 
 
 class SpikeDetector:
     """A value more than ``sigma`` standard deviations above the mean of a rolling window."""
 
     def __init__(self, *, sigma: float, window: int, warmup: int):
-        self.sigma, self.warmup = sigma, warmup
+        self.sigma = sigma
+        self.warmup = warmup
         self.values: deque[float] = deque(maxlen=window)
 
     def is_spike(self, value: float) -> bool:
@@ -98,7 +100,8 @@ def sample_indices(loader: Any, *, epoch: int, first_batch: int, count: int) -> 
     Read from a copy of the loader's sampler started at the epoch's beginning (the original, in
     use, is untouched); None when the loader has no sampler that can say (a stream, a custom one).
     """
-    sampler, batch_size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    batch_size = getattr(loader, "batch_size", None)
     if batch_size is None or not hasattr(sampler, "set_epoch") or not hasattr(sampler, "epoch"):
         return None
     replay = copy.copy(sampler)
@@ -110,5 +113,6 @@ def sample_indices(loader: Any, *, epoch: int, first_batch: int, count: int) -> 
         return [
             int(i) for i in itertools.islice(iter(replay), first_batch * batch_size, (first_batch + count) * batch_size)
         ]
-    except Exception:  # a sampler that cannot be replayed: the log goes without indices, training goes on
+    except Exception:
+        # A sampler that cannot be replayed: the log goes without indices, training goes on.
         return None

@@ -30,7 +30,8 @@ def evaluate(
 
     The model's train/eval mode is restored afterwards. Every rank calls it (the means are reduced).
     """
-    from ddpkit.data.loaders import batch_size_of, move_to_device  # data's loaders sit above these metrics
+    # Imported here: data's loaders sit above these metrics.
+    from ddpkit.data.loaders import batch_size_of, move_to_device
 
     was_training = model.training
     model.eval()
@@ -60,9 +61,11 @@ class ExactMeans:
         for name, value in metrics.items():
             value = value.detach().to(self.device, torch.float64)
             if value.dim() == 0:
-                total, count = value * batch_size, batch_size
+                total = value * batch_size
+                count = batch_size
             else:
-                total, count = value.sum(), value.numel()
+                total = value.sum()
+                count = value.numel()
             entry = self._sums.setdefault(name, torch.zeros(2, dtype=torch.float64, device=self.device))
             entry[0] += total
             entry[1] += count
@@ -95,10 +98,15 @@ class BestTracker:
         target: float | None = None,
         key: str = "metric",
     ):
-        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
-        self.target, self.key = target, key
+        self.metric = metric
+        self.mode = mode
+        self.patience = patience
+        self.min_delta = min_delta
+        self.target = target
+        self.key = key
         self.best: float | None = None
-        self.last: float | None = None  # the latest evaluation's value, for the target rule
+        #: The latest evaluation's value, for the target rule.
+        self.last: float | None = None
         self.bad_evals = 0
 
     def update(self, metrics: Mapping[str, float]) -> bool:
@@ -113,7 +121,8 @@ class BestTracker:
         sign = 1 if self.mode == "min" else -1
         improved = self.best is None or sign * (self.best - value) > self.min_delta
         if improved:
-            self.best, self.bad_evals = value, 0
+            self.best = value
+            self.bad_evals = 0
         else:
             self.bad_evals += 1
         return improved
@@ -135,4 +144,5 @@ class BestTracker:
         return {"best": self.best, "bad_evals": self.bad_evals}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.best, self.bad_evals = state.get("best"), state.get("bad_evals", 0)
+        self.best = state.get("best")
+        self.bad_evals = state.get("bad_evals", 0)

@@ -141,9 +141,11 @@ def build_models(
     if pipelined:
         apply_activation_checkpointing(model, train.activation_checkpointing)
         return Models(train=model, eval=model, bare=model)
-    apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)  # before DDP and compile
+    # Before DDP and compile.
+    apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)
     settings = compile_settings(train.compile)
-    if settings is not None and hasattr(model, "_orig_mod"):  # build_model compiled it: recompile in DDP's order
+    # build_model compiled it: recompile in DDP's order.
+    if settings is not None and hasattr(model, "_orig_mod"):
         log.info(
             "build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead"
         )
@@ -232,7 +234,8 @@ def _summary(exc: BaseException) -> str:
     return f"{type(root).__name__}: {first_line(root)}"
 
 
-_LAST_REASON: list[str | None] = [None]  # the newest recompile reason, for the limit message
+#: The newest recompile reason, for the limit message.
+_LAST_REASON: list[str | None] = [None]
 
 
 class CompileWatch:
@@ -259,7 +262,8 @@ class CompileWatch:
             "recompile_limit": config.recompile_limit,
             "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit,
         }
-        config.recompile_limit, config.fail_on_recompile_limit_hit = recompile_limit, True
+        config.recompile_limit = recompile_limit
+        config.fail_on_recompile_limit_hit = True
         self._reasons = _RecompileReasons(self.recompiles, recompile_limit)
 
     def _started(self, args: Any) -> None:
@@ -309,13 +313,16 @@ class _RecompileReasons(logging.Handler):
         super().__init__(level=logging.DEBUG)
         from torch._dynamo.guards import recompiles_log
 
-        self.into, self.limit = into, limit
+        self.into = into
+        self.limit = limit
         self._logger = recompiles_log
-        self._enabled_here = not os.environ.get("TORCH_LOGS")  # a user's TORCH_LOGS wins; theirs prints too
+        # A user's TORCH_LOGS wins; theirs prints too.
+        self._enabled_here = not os.environ.get("TORCH_LOGS")
         if self._enabled_here:
             torch._logging.set_logs(recompiles=True)
             self._propagate = self._logger.propagate
-            self._logger.propagate = False  # one line per recompile, ours, not torch's as well
+            # One line per recompile, ours, not torch's as well.
+            self._logger.propagate = False
         self._logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:

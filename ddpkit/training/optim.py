@@ -77,9 +77,11 @@ def build_optimizer(model: torch.nn.Module | Iterable[Any], cfg: OptimConfig) ->
             weight_decay=cfg.weight_decay,
             **cfg.kwargs,
         )
-    except TypeError as exc:  # an unknown keyword in optim.kwargs
+    except TypeError as exc:
+        # An unknown keyword in optim.kwargs.
         raise ConfigError(f"optim.kwargs: {exc} (optimizer {cfg.name!r})") from None
-    except ValueError as exc:  # torch's own range checks, e.g. "Invalid beta parameter"
+    except ValueError as exc:
+        # torch's own range checks, e.g. "Invalid beta parameter".
         raise ConfigError(f"optim: {exc} (optimizer {cfg.name!r})") from None
     if len(optimizer.param_groups) > 1:
         accept_one_group(optimizer, [p for _, p in named])
@@ -150,11 +152,14 @@ class OptimizerStep:
         counted: list[torch.Tensor] | None = None,
     ):
         check_precision(train.precision, device)
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer = optimizer
+        self.scheduler = scheduler
         self.scaler = grad_scaler(train.precision, device)
-        self._precision, self._device = train.precision, device
+        self._precision = train.precision
+        self._device = device
         self._reusable_autocast = autocast(train.precision, device) if train.precision == "fp32" else None
-        self._accum, self._clip = train.grad_accum_steps, train.clip_grad_norm
+        self._accum = train.grad_accum_steps
+        self._clip = train.clip_grad_norm
         self._parameters = list(model.parameters())
         self.normalization = train.loss_normalization
         #: ``loss_normalization: tokens``: this step's token count, and the gradient scaling it decides.
@@ -173,7 +178,8 @@ class OptimizerStep:
     def loss_of(self, result: Any, *, owner: type) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``training_step``'s return as ``(loss, n_tokens)``; one not fitting ``loss_normalization`` is refused."""
         if self.tokens is None and isinstance(result, torch.Tensor) and result.dim() == 0:
-            return result, None  # the common case (a mean loss), checked without two more calls a step
+            # The common case (a mean loss), checked without two more calls a step.
+            return result, None
         return split_loss(result, normalization=self.normalization, owner=owner)
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -190,7 +196,8 @@ class OptimizerStep:
     def step(self) -> None:
         """Clip, step (through the scaler in fp16) unless health says skip, zero the gradients, advance the schedule."""
         if self.tokens is not None:
-            self.tokens.scale_gradients()  # the step's one all-reduce of token counts, before any clipping
+            # The step's one all-reduce of token counts, before any clipping.
+            self.tokens.scale_gradients()
         norm = self._gradient_norm()
         applied = self.health is None or self.health.allow_step(norm, scaled=self.scaler is not None)
         if applied:
@@ -199,7 +206,8 @@ class OptimizerStep:
             else:
                 self.optimizer.step()
         if self.scaler is not None:
-            self.scaler.update()  # also after a skip: it resets the unscale_ bookkeeping
+            # Also after a skip: it resets the unscale_ bookkeeping.
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if applied and self.scheduler is not None:
             self.scheduler.step()

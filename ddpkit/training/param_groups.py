@@ -49,7 +49,9 @@ def param_groups(named: Sequence[tuple[str | None, torch.Tensor]], cfg: OptimCon
             "optim.groups: selecting parameters by name needs the model, not its parameters: build the optimizer "
             "with ddpkit.training.build_optimizer(model, cfg), or drop optim.groups"
         )
-    decayed, plain, chosen = [], [], [[] for _ in cfg.groups]
+    decayed = []
+    plain = []
+    chosen = [[] for _ in cfg.groups]
     used = [[False] * len(m) for m in matchers]
     for name, param in named:
         index = _first_match(name, matchers, used)
@@ -60,9 +62,11 @@ def param_groups(named: Sequence[tuple[str | None, torch.Tensor]], cfg: OptimCon
         else:
             plain.append(param)
     _refuse_unused(cfg, used)
-    if not cfg.weight_decay:  # decay or not makes no difference: one group in model order, as before the rule
+    # Decay or not makes no difference: one group in model order, as before the rule.
+    if not cfg.weight_decay:
         ungrouped = {id(p) for p in decayed + plain}
-        decayed, plain = [p for _, p in named if id(p) in ungrouped], []
+        decayed = [p for _, p in named if id(p) in ungrouped]
+        plain = []
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     for entry, params in zip(cfg.groups, chosen):
         group = {
@@ -139,7 +143,8 @@ def merge_to_one_group(optimizer: torch.optim.Optimizer, params: list[torch.Tens
     """
     if len(optimizer.param_groups) <= 1:
         return False
-    optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(params)}]  # hyperparameters: the saved ones
+    # The hyperparameters are the saved ones.
+    optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(params)}]
     log.warning(
         "optimizer: the checkpoint holds one parameter group (written before optim.decay / optim.groups); "
         "resuming it as one group, as it was trained. A new run uses the configured groups"

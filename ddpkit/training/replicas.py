@@ -29,9 +29,13 @@ class ReplicaCheck:
     """Compares every rank's parameter fingerprint with rank 0's, and acts on a difference."""
 
     def __init__(self, model: torch.nn.Module, *, rank: int, world_size: int, device: torch.device, on_divergence: str):
-        self.model, self.rank, self.world_size, self.device = model, rank, world_size, device
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
         self.on_divergence = on_divergence
-        self.divergences = 0  # checks that found a difference, for metrics
+        #: Checks that found a difference, for metrics.
+        self.divergences = 0
 
     def differing_ranks(self) -> list[int]:
         """The ranks whose fingerprint differs from rank 0's (a collective)."""
@@ -68,7 +72,8 @@ def require_finite(model: torch.nn.Module, *, what: str, collective: bool = True
     every rank's (so all raise together, none waits at a barrier); False for rank 0's ``model.pt``.
     """
     tensors = [p.detach() for p in model.parameters()]
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # fsdp2: this rank's shard
+    # fsdp2: this rank's shard.
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     bad = torch.zeros(1, device=tensors[0].device if tensors else "cpu")
     if tensors:
         bad += sum(int(not torch.isfinite(t).all()) for t in tensors if t.numel())

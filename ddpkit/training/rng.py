@@ -21,7 +21,8 @@ __all__ = ["seed_everything", "seed_for_setup", "use_deterministic_kernels", "ca
 def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, NumPy (if installed) and torch (CPU and every CUDA device)."""
     random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    # Also seeds every CUDA device.
+    torch.manual_seed(seed)
     np = _numpy()
     if np is not None:
         np.random.seed(seed % 2**32)
@@ -97,7 +98,8 @@ class RngStreams:
     """
 
     def __init__(self, *, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
+        self.rank = rank
+        self.world_size = world_size
 
     def state_dict(self) -> list[dict[str, Any]]:
         return all_gather_object(capture_rng())

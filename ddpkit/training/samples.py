@@ -52,7 +52,10 @@ class TrainingSamples:
         tensorboard: bool,
         outside: Callable[[str], AbstractContextManager[Any]],
     ):
-        self.section, self.model, self.rank, self._outside = section, model, rank, outside
+        self.section = section
+        self.model = model
+        self.rank = rank
+        self._outside = outside
         self.codec = TextCodec.open(section.tokenizer, option="train.sample.tokenizer")
         self.codec.check_fits(getattr(model, "valid_vocab", None) or model.vocab_size, option="train.sample.tokenizer")
         self.prompt_ids = self.codec.encode(section.prompt)
@@ -108,7 +111,8 @@ class TrainingSamples:
             f.write(json.dumps({"step": step, "prompt": self.section.prompt, "text": text}, ensure_ascii=False) + "\n")
         if self._tensorboard_dir is not None:
             if self._writer is None:
-                from torch.utils.tensorboard import SummaryWriter  # log.tensorboard already needs it
+                # log.tensorboard already needs it.
+                from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=str(self._tensorboard_dir))
             self._writer.add_text("samples", f"    {self.section.prompt + text}".replace("\n", "\n    "), step)

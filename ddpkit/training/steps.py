@@ -44,24 +44,30 @@ def loss_of_output(output: torch.Tensor, target: torch.Tensor, *, normalization:
 def _cross_entropy(
     logits: torch.Tensor, y: torch.Tensor, *, normalization: str
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if logits.dim() == 3:  # [B, T, V]: every position predicts the next token
-        logits, y = logits.flatten(0, 1), y.flatten()
+    # [B, T, V]: every position predicts the next token.
+    if logits.dim() == 3:
+        logits = logits.flatten(0, 1)
+        y = y.flatten()
     if normalization == "tokens":
         return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum"), (y != IGNORE_INDEX).sum()
-    return F.cross_entropy(logits, y)  # the mean (ignore_index=-100 is torch's default)
+    # The mean (ignore_index=-100 is torch's default).
+    return F.cross_entropy(logits, y)
 
 
 def validation_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """Per-sample (classifier) or per-token (language model) loss and accuracy of one validation batch."""
-    x, y, *sources = batch  # a mixture's validation set adds each sample's source name (ddpkit.data.mixture)
+    # A mixture's validation set adds each sample's source name (ddpkit.data.mixture).
+    x, y, *sources = batch
     logits = model(x)
     if logits.dim() == 3:
         length = y.shape[1]
-        logits, y = logits.flatten(0, 1), y.flatten()
+        logits = logits.flatten(0, 1)
+        y = y.flatten()
         counted = y != IGNORE_INDEX
         losses = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
         metrics = {"loss": losses[counted], "accuracy": (logits.argmax(dim=1) == y).float()[counted]}
-        for name in dict.fromkeys(sources[0] if sources else ()):  # val_loss/<name>: each source's own tokens
+        # val_loss/<name>: each source's own tokens.
+        for name in dict.fromkeys(sources[0] if sources else ()):
             rows = torch.tensor([n == name for n in sources[0]], device=y.device).repeat_interleave(length)
             metrics[f"loss/{name}"] = losses[counted & rows]
         return metrics

@@ -41,7 +41,8 @@ __all__ = ["StragglerWatch", "OWN_WORK"]
 #: "32% slower": 0.6 against 0.45 ms), and never worth a warning.
 MIN_GAP_S = 1e-3
 
-OWN_WORK = ("data",)  # the spans this watch listens to: the data wait; compute runs from its end to the last gradient
+#: The spans this watch listens to: the data wait; compute runs from its end to the last gradient.
+OWN_WORK = ("data",)
 
 
 class StragglerWatch:
@@ -56,18 +57,26 @@ class StragglerWatch:
         world_size: int,
         device: torch.device,
     ):
-        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
         self._started = self._data_end = self._grad_ready = 0.0
-        self._data = self._compute = 0.0  # this step so far, seconds
-        self._steps: list[tuple[float, float]] = []  # (data, compute) per step of the window
+        #: This step so far, seconds.
+        self._data = self._compute = 0.0
+        #: (data, compute) per step of the window.
+        self._steps: list[tuple[float, float]] = []
         self._slow_windows = [0] * world_size
-        self.named: tuple[int, float] | None = None  # the rank named at the last comparison and how much slower
+        #: The rank named at the last comparison and how much slower.
+        self.named: tuple[int, float] | None = None
         self._parameters = [p for p in parameters if p.requires_grad]
-        self._last_ready: torch.Tensor | None = None  # the first step's last gradient: the one hook kept after it
+        #: The first step's last gradient: the one hook kept after it.
+        self._last_ready: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._first_step_gradient) for p in self._parameters]
 
     def _first_step_gradient(self, param: torch.Tensor) -> None:
-        self._grad_ready, self._last_ready = time.perf_counter(), param
+        self._grad_ready = time.perf_counter()
+        self._last_ready = param
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         """The micro-batch's last gradient is ready: its forward and backward compute ends here."""
@@ -79,7 +88,8 @@ class StragglerWatch:
         self.close()
         if self._last_ready is not None:
             self._hooks = [self._last_ready.register_post_accumulate_grad_hook(self._gradient_ready)]
-        self._parameters, self._last_ready = [], None
+        self._parameters = []
+        self._last_ready = None
 
     #: The spans :meth:`on_phase` hears (see :class:`ddpkit.reporting.events.Events`).
     phases = OWN_WORK
@@ -95,7 +105,8 @@ class StragglerWatch:
 
     def step_done(self) -> str | None:
         """Close this step's times; at the end of a window compare ranks (a collective) and return a message, if any."""
-        if self._parameters:  # the first step: every gradient was hooked; its last micro-batch's compute counts
+        # The first step: every gradient was hooked; its last micro-batch's compute counts.
+        if self._parameters:
             self._compute += max(0.0, self._grad_ready - self._data_end)
             self._keep_one_hook()
         self._steps.append((self._data, self._compute))
@@ -108,10 +119,12 @@ class StragglerWatch:
         own = statistics.median(d + c for d, c in self._steps)
         data = statistics.median(d for d, _ in self._steps)
         compute = statistics.median(c for _, c in self._steps)
-        window, self._steps = len(self._steps), []
+        window = len(self._steps)
+        self._steps = []
         table = torch.zeros(self.world_size, 3, dtype=torch.float64, device=self.device)
         table[self.rank] = torch.tensor([own, data, compute], dtype=torch.float64)
-        rows = all_reduce_sum(table).tolist()  # every rank gets the same table, so every rank decides alike
+        # Every rank gets the same table, so every rank decides alike.
+        rows = all_reduce_sum(table).tolist()
         slow = dict(slower_ranks([row[0] for row in rows], margin=self.cfg.margin, floor=MIN_GAP_S))
         self._slow_windows = [self._slow_windows[r] + 1 if r in slow else 0 for r in range(self.world_size)]
         named = [(r, slow[r]) for r in range(self.world_size) if self._slow_windows[r] >= self.cfg.windows]

@@ -65,8 +65,10 @@ class TokenCount:
         #: replicas: each of them counts the same batch.
         self._world_size = world_size
         self._group = group
-        self._step = torch.zeros((), dtype=torch.float64, device=device)  # this rank, this step
-        self.total = torch.zeros((), dtype=torch.float64, device=device)  # every rank, since the last read
+        #: This rank, this step.
+        self._step = torch.zeros((), dtype=torch.float64, device=device)
+        #: Every rank, since the last read.
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
 
     @classmethod
     def for_run(
@@ -88,13 +90,15 @@ class TokenCount:
         self._step.zero_()
         self.total += count
         grads = [p.grad for p in self._parameters if p.grad is not None]
-        if grads:  # an all-padding global batch (count 0) has no loss to learn from: its gradients stay zero
+        # An all-padding global batch (count 0) has no loss to learn from: its gradients stay zero.
+        if grads:
             factor = (self._world_size / count.clamp(min=1)).to(grads[0].dtype)
             torch._foreach_mul_(grads, factor)
 
     def read_total(self) -> float:
         """Tokens seen by every rank since the last read (a host read, at log time only)."""
-        value, self.total = float(self.total), torch.zeros_like(self.total)
+        value = float(self.total)
+        self.total = torch.zeros_like(self.total)
         return value
 
 
