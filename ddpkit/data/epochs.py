@@ -28,6 +28,7 @@ from ddpkit.data.stream_epochs import StreamEpochs
 from ddpkit.data.streaming import UNKNOWN_LENGTH, stream_epochs_of, stream_total_steps
 from ddpkit.data.uneven import agree_on_count, agreed_batches
 from ddpkit.errors import CheckpointError, DataError
+from ddpkit.progress import Progress
 
 __all__ = [
     "SamplerEpochs",
@@ -224,7 +225,7 @@ class SampleOrder:
 
 
 def take_batches(
-    batches: Iterator[Any], count: int, *, progress: Any, span: Callable[[str], AbstractContextManager[Any]]
+    batches: Iterator[Any], count: int, *, progress: Progress, span: Callable[[str], AbstractContextManager[Any]]
 ) -> Iterator[Any]:
     """Up to ``count`` batches of this epoch, each read under the ``data`` span and counted as consumed
     (``progress.batch_in_epoch``) as it is handed over: what a step object iterates."""

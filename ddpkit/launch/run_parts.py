@@ -34,6 +34,7 @@ from ddpkit import training
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.config.schema import Config
 from ddpkit.distributed.layout import ParallelLayout
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.launch.worker_scope import Worker
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Reporter, TokenThroughput
@@ -122,7 +123,7 @@ def build_run_parts(
 
 
 def _reporter(
-    built: Built, tokens: Any, *, config: Config, runtime: Any, progress: Progress, events: Events
+    built: Built, tokens: Any, *, config: Config, runtime: Runtime, progress: Progress, events: Events
 ) -> Reporter:
     """The reporter, with the throughput (tokens/s, MFU) read from the token count."""
     dataset = built.train_loader.dataset
