@@ -48,7 +48,8 @@ def write_atomically(
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind, whatever failed
+        # A failed write leaves nothing behind, whatever failed.
+        tmp.unlink(missing_ok=True)
         raise
     if durable:
         fsync_dir(path.parent)
@@ -73,7 +74,9 @@ class _HashingWriter:
     """A file wrapper that hashes and counts what is written through it (one pass over the data)."""
 
     def __init__(self, f: BinaryIO):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
 
     def write(self, data: bytes) -> int:
         self.sha.update(data)

@@ -62,11 +62,12 @@ __all__ = ["main", "torchrun_args"]
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``ddpkit`` console script."""
-    from_command_line = argv is None  # a process of its own: `ddpkit run` may then skip the interpreter's teardown
+    # A process of its own: `ddpkit run` may then skip the interpreter's teardown.
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = _parser()
     if not argv or argv[0] in ("-h", "--help"):
-        # asked for: stdout, exit 0; no command: a usage error
+        # Asked for: stdout, exit 0; no command: a usage error.
         parser.print_help(file=sys.stdout if argv else sys.stderr)
         sys.exit(EXIT_OK if argv else EXIT_CONFIG)
     if argv[0] in ("--version", "-V"):
@@ -82,10 +83,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         rest, passthrough = _split_at_dashes(argv[1:]) if argv[0] == "run" else (argv[1:], [])
         rest = renamed(rest, OLD_SPELLINGS, prog=f"ddpkit {argv[0]}")
         args = commands[argv[0]].parse_intermixed_args(rest)
-        args.command, args.torchrun = argv[0], passthrough
+        args.command = argv[0]
+        args.torchrun = passthrough
     code = exit_code_of(lambda: _COMMANDS[args.command](args), command=f"ddpkit {args.command}")
     if from_command_line and args.command == "run":
-        exit_at_once(code)  # torch's teardown in the launcher took seconds after the workers had ended
+        # torch's teardown in the launcher took seconds after the workers had ended.
+        exit_at_once(code)
     sys.exit(code)
 
 
@@ -271,14 +274,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import load_config
     from ddpkit.goodput.ledger import launch_session
 
-    cfg = load_config(args.config, args.overrides)  # fail fast, before starting N processes
+    # Fail fast, before starting N processes.
+    cfg = load_config(args.config, args.overrides)
     device = preflight(
         nproc=args.nproc_per_node or str(default_nproc()),
         backend=cfg.dist.backend,
         device=cfg.dist.device,
         precision=cfg.train.precision,
     )
-    if args.worker_start == "fork" and device != "cpu":  # a refused launch (exit 2): a retry will not fix it
+    # A refused launch (exit 2): a retry will not fix it.
+    if args.worker_start == "fork" and device != "cpu":
         raise ConfigError(
             f"--worker-start fork: the workers would use {device or 'the devices torchrun counts'}, "
             "and CUDA cannot be used in a forked process; use --worker-start subprocess (or auto), "
@@ -286,8 +291,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     # The agent's grace period after a signal: long enough for the workers to agree, save and exit.
     grace = max(cfg.dist.failure_timeout, cfg.checkpoint.stop_timeout)
-    requeue = check_requeue_exit_code(cfg.run.requeue_exit_code)  # what a signal-stopped, saved run exits with
-    with launch_session(cfg.output_dir):  # goodput.jsonl: the launcher's start and exit count in the wall time
+    # What a signal-stopped, saved run exits with.
+    requeue = check_requeue_exit_code(cfg.run.requeue_exit_code)
+    # goodput.jsonl: the launcher's start and exit count in the wall time.
+    with launch_session(cfg.output_dir):
         return launch(
             torchrun_args(args, failure_timeout=grace, forward_signals=cfg.checkpoint.save_on_signals),
             fork=args.worker_start != "subprocess" and device == "cpu",

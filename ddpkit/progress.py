@@ -29,8 +29,10 @@ class Progress:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore in place: the loop, the reporter and the watchdog all hold this same object."""
-        self.step, self.epoch, self.batch_in_epoch = (
-            int(state["step"]),
-            int(state["epoch"]),
-            int(state["batch_in_epoch"]),
-        )
+        step = int(state["step"])
+        epoch = int(state["epoch"])
+        batch_in_epoch = int(state["batch_in_epoch"])
+        # All three read before any is set: a state that lacks one leaves the counter as it was.
+        self.step = step
+        self.epoch = epoch
+        self.batch_in_epoch = batch_in_epoch

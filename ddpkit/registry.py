@@ -92,7 +92,8 @@ class Registry:
 
     def _load_builtins(self) -> None:
         if self._builtins_module:
-            module, self._builtins_module = self._builtins_module, ""
+            module = self._builtins_module
+            self._builtins_module = ""
             importlib.import_module(module)
 
 
@@ -100,7 +101,8 @@ def check_kwargs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
     """Raise a ConfigError naming ``key`` when ``fn`` cannot accept ``kwargs``."""
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some C callables have no signature; let the call decide
+    except (TypeError, ValueError):
+        # Some C callables have no signature; let the call decide.
         return
     try:
         signature.bind(*args, **kwargs)
@@ -126,7 +128,8 @@ def _import_callable(path: str, key: str) -> Callable[..., Any]:
 
 
 def _torchvision_models() -> dict[str, Callable[..., Any]]:
-    import torchvision.models  # lazy: torchvision costs ~0.5 s to import
+    # Imported here: torchvision costs ~0.5 s to import.
+    import torchvision.models
 
     return {name: torchvision.models.get_model_builder(name) for name in torchvision.models.list_models()}
 

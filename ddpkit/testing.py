@@ -129,7 +129,8 @@ def _rank_main(
             pickle.dump(result, f)
     except BaseException:
         Path(workdir, f"error{rank}.txt").write_text(traceback.format_exc())
-        os._exit(EXIT_FAILURE)  # skip interpreter teardown: peers may be blocked on a collective with us
+        # Skip interpreter teardown: peers may be blocked on a collective with us.
+        os._exit(EXIT_FAILURE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
