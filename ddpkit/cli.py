@@ -243,7 +243,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return _write_schema(args.output)
     if args.config is None:
         raise ConfigError("CONFIG is required (or --schema for the JSON Schema); see ddpkit config -h")
-    print(dump_config(load_config(args.config, args.overrides)), end="")
+    # The resolved config on stdout; a replaced override's warning line on stderr, as a run would say it.
+    print(dump_config(load_config(args.config, args.overrides, log_replaced=True)), end="")
     return EXIT_OK
 
 

@@ -19,10 +19,12 @@ import yaml
 from helpers import REPO, tiny_config
 
 from ddpkit import Trainer
+from ddpkit.cli import main as cli_main
 from ddpkit.config import load_config
 from ddpkit.config.overrides import replaced_overrides
 from ddpkit.config.schema import OptimConfig
 from ddpkit.errors import ConfigError
+from ddpkit.launch.entrypoint import parse_worker_argv
 
 MOMENTUM_YAML = "optim: {name: sgd, lr: 0.1, momentum: 0.9}\ndata: {batch_size: 16}\n"
 
@@ -123,6 +125,26 @@ def test_tilde_is_ordered_with_the_other_overrides_and_checked_against_the_schem
         load_config(path, ["~optim.momentum=0"])
     with pytest.raises(ConfigError, match=r"bad override '~': expected ~dotted.key"):
         load_config(path, ["~"])
+
+
+def test_a_tilde_first_on_a_scripts_command_line_is_an_override_not_the_config_path() -> None:
+    # `python train.py ~optim.momentum`: no config file, one override.
+    assert parse_worker_argv(["~optim.momentum"]) == (None, ["~optim.momentum"])
+    assert parse_worker_argv(["~optim", "train.epochs=2"]) == (None, ["~optim", "train.epochs=2"])
+    assert parse_worker_argv(["exp.yaml", "~optim.momentum"]) == ("exp.yaml", ["~optim.momentum"])
+
+
+def test_ddpkit_config_says_which_override_a_later_one_replaced(tmp_path: Path, capsys, caplog) -> None:
+    path = tmp_path / "sgd.yaml"
+    path.write_text(MOMENTUM_YAML)
+    with caplog.at_level(logging.WARNING, logger="ddpkit"), pytest.raises(SystemExit) as done:
+        cli_main(["config", str(path), "train.epochs=6", "train.epochs=40"])
+    assert done.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["epochs"] == 40
+    assert _messages(caplog) == [
+        "train.epochs: override 2 ('train.epochs=40') replaces override 1 ('train.epochs=6'); "
+        "on the command line the last one wins"
+    ]
 
 
 # What a user's script does: a module built in the subclass's __init__, after super().__init__().

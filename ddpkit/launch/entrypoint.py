@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit.checkpoint.preemption import Preempted
+from ddpkit.config.overrides import UNSET
 from ddpkit.distributed.env import read_dist_env
 from ddpkit.errors import EXIT_FAILURE, EXIT_OK, DdpkitError, LaunchError, check_requeue_exit_code, report_error
 from ddpkit.watchdog.store_io import terminate, write_error_file
@@ -44,15 +45,17 @@ def parse_worker_argv(
 ) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]`` (default ``sys.argv[1:]``) -> (CONFIG or None, overrides).
 
-    A config path has no ``=``. ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
+    A config path has no ``=`` and does not start with ``~`` (``~key``, Hydra's way to put a key back
+    to its default, is an override). ``-h`` / ``--help`` prints the usage and ``usage`` and exits 0.
     ``defaults``: a script's own ``key=value`` settings, first; a key the command line sets (or a
-    section it sets whole) replaces its default, since a key given twice is refused.
+    section it sets whole) replaces its default: the default is left out, so the warning that names a
+    replaced override (the last one wins) is only ever about the user's own command line.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(f"usage: {os.path.basename(sys.argv[0])} [CONFIG.yaml] [key.sub=value ...]\n\n{usage}")
         sys.exit(EXIT_OK)
-    path = args.pop(0) if args and "=" not in args[0] else None
+    path = args.pop(0) if args and "=" not in args[0] and not args[0].startswith(UNSET) else None
     given = [arg.split("=", 1)[0].strip() for arg in args]
     kept = [d for d in defaults if not any(_key(d) == g or _key(d).startswith(g + ".") for g in given)]
     return path, [*kept, *args]
