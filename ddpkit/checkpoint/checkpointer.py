@@ -78,19 +78,24 @@ class Checkpointer:
         pauses: Pauses,
         layout: ParallelLayout | None = None,
     ):
-        self.config, self.runtime, self.progress = config, runtime, progress
+        self.config = config
+        self.runtime = runtime
+        self.progress = progress
         #: How the state is spread: DCP directories when it is sharded or cut into pipeline stages.
         self.layout = layout or ParallelLayout.data_parallel(config.parallel.mode, runtime.env)
-        self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
+        self.rank = runtime.env.rank
+        self.world_size = runtime.env.world_size
         ck = config.checkpoint
         self.components = Components()
         self.user_parts: tuple[str, ...] = ()
-        self._stop, self._pauses = stop, pauses
+        self._stop = stop
+        self._pauses = pauses
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
         # zero1 / fsdp2 / pipelines: DCP
         self._sharded = ShardedRun.for_layout(self.layout, config, self.components, rank=self.rank)
         self._periodic = bool(ck.every_steps or ck.every_epochs or ck.best)
-        self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None  # Young/Daly, measured
+        # Young/Daly's interval, from the measured cost of a save.
+        self._auto = AutoInterval(ck.mtbf_hours) if ck.every_steps == "auto" else None
         self._last_saved_step = -1
         # checkpoint.dir is a URL (docs/storage.md); else None
         self.mirror = RemoteMirror.for_run(config, runtime, sharded=self._sharded is not None)
@@ -118,7 +123,8 @@ class Checkpointer:
                 )
         for name, part in {**builtin, **user}.items():
             if self._sharded is not None and name == "optimizer" and part is not None:
-                part = ShardedOptimizer(part)  # zero1 / fsdp2: never captured by one rank alone
+                # zero1 / fsdp2: never captured by one rank alone.
+                part = ShardedOptimizer(part)
             self.components.register(name, part)
         self.user_parts = tuple(user)
 
@@ -142,7 +148,8 @@ class Checkpointer:
         """The listeners that protect this state between checkpoints (after resume): the crash save of the
         last completed step, and memory snapshots every K steps. (The store's :attr:`mirror` is a listener of
         its own, added as soon as the checkpointer exists: its on_exit uploads model.pt and frees the lock.)"""
-        config, runtime = self.config, self.runtime
+        config = self.config
+        runtime = self.runtime
         if self.layout.pp > 1:
             log.info(
                 "the crash save and memory snapshots are off under a pipeline: a lone survivor holds one stage, not "
@@ -162,14 +169,16 @@ class Checkpointer:
         (it was written before the part existed) keeps its state as built, with a warning naming it.
         """
         if self.mirror is not None and self.config.checkpoint.resume == "auto":
-            self.mirror.fetch(self.config.checkpoint_dir)  # an empty disk: the store's newest valid checkpoint
+            # An empty disk: the store's newest valid checkpoint.
+            self.mirror.fetch(self.config.checkpoint_dir)
         chosen = choose_checkpoint(self.config, rank=self.rank)
         if chosen is None:
             seed_everything(self.config.run.seed + self.rank)
             return False
         path, state = chosen
         if self.mirror is not None:
-            self.mirror.protect(path)  # never deleted from the store while this run goes on
+            # Never deleted from the store while this run goes on.
+            self.mirror.protect(path)
         check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
         # any format into any layout
         restore_components(
@@ -218,11 +227,13 @@ class Checkpointer:
         with self._pauses.outside_training("checkpoint"):
             started = time.perf_counter()
             if self._sharded is not None:
-                require_finite(self.components["model"], what=f"the checkpoint of step {step}")  # a collective
+                # A collective: every rank checks its own parameters, all raise together.
+                require_finite(self.components["model"], what=f"the checkpoint of step {step}")
                 keep = self.config.checkpoint.keep_last
                 self._sharded.save(self.capture, self.config.checkpoint_dir, step=step, name=name, keep_last=keep)
                 self._uploaded(step, name, suffix=".dcp")
-                blocked = time.perf_counter() - started  # rank 0's measurement decides, for every rank
+                # Rank 0's measurement decides, for every rank.
+                blocked = time.perf_counter() - started
                 measured = broadcast_object(self._auto.measurement(blocked)) if self._auto else None
             else:
                 measured = self._save_file(step, name, started)
@@ -239,12 +250,16 @@ class Checkpointer:
         if last:
             return self.enabled
         ck = self.config.checkpoint
-        if self.progress.batch_in_epoch == 0:  # after an epoch: progress.epoch already counts it
+        # After an epoch: progress.epoch already counts it.
+        if self.progress.batch_in_epoch == 0:
             return bool(ck.every_epochs) and self.progress.epoch % ck.every_epochs == 0
         if self._auto is not None:
-            self._auto.tick()  # one clock read: the step times `auto` converts seconds with
-        if self._stop.requested and self._stop.stop_here(step):  # an attribute read until a signal arrives
-            return True  # every rank agreed to stop after this step: save it whatever the schedule says
+            # One clock read: the step times `auto` converts seconds with.
+            self._auto.tick()
+        # An attribute read until a signal arrives.
+        if self._stop.requested and self._stop.stop_here(step):
+            # Every rank agreed to stop after this step: save it whatever the schedule says.
+            return True
         if self._auto is not None:
             return self._auto.due(step - max(0, self._last_saved_step))
         return bool(ck.every_steps) and step % ck.every_steps == 0
@@ -254,7 +269,8 @@ class Checkpointer:
         streams_and_verdicts = all_gather_object((capture_rng(), _nonfinite(self.components["model"], step)))
         verdicts = [verdict for _, verdict in streams_and_verdicts if verdict is not None]
         if verdicts:
-            raise HealthError(verdicts[0])  # every rank, together: nothing written, nothing pruned
+            # Every rank, together: nothing written, nothing pruned.
+            raise HealthError(verdicts[0])
         state = self.capture(rng=[streams for streams, _ in streams_and_verdicts])
         failure = measured = None
         if self.rank == 0:
@@ -263,12 +279,15 @@ class Checkpointer:
                 step=step, name=name, keep_last=ck.keep_last, meta=manifest_fields(state, epoch=self.progress.epoch)
             )
             try:
-                if self._writer is not None:  # waits for the previous write: its failure is reported here
+                if self._writer is not None:
+                    # Waits for the previous write: its failure is reported here.
                     self._writer.stage_and_submit(state, self.config.checkpoint_dir, **kwargs)
                 else:
                     ckpt.save_checkpoint(state, self.config.checkpoint_dir, **kwargs)
-                self._uploaded(step, name, suffix=".pt")  # queued: an async write is waited for by the upload
-            except CheckpointError as exc:  # a full disk, a quota: every rank must hear it (below)
+                # Queued: an async write is waited for by the upload.
+                self._uploaded(step, name, suffix=".pt")
+            except CheckpointError as exc:
+                # A full disk, a quota: every rank must hear it (below).
                 failure = str(exc)
             measured = self._auto.measurement(time.perf_counter() - started) if self._auto else None
         failure, measured = broadcast_object((failure, measured))
@@ -299,8 +318,10 @@ class Checkpointer:
             _raise_everywhere(broadcast_object(failure), rank=self.rank)
         if self._sharded is not None:
             self._sharded.wait()
-        if self.mirror is not None:  # the last uploads, in a checkpoint phase (the watchdog allows it longer)
-            grace = self.config.checkpoint.stop_timeout - 10 if self._stop.stopped else None  # before torchrun's kill
+        # The last uploads, in a checkpoint phase (the watchdog allows it longer).
+        if self.mirror is not None:
+            # The drain ends before torchrun's kill.
+            grace = self.config.checkpoint.stop_timeout - 10 if self._stop.stopped else None
             with self._pauses.outside_training("checkpoint"):
                 self.mirror.drain(None if grace is None else max(1.0, grace))
         self._stop.announce(self.progress.step, saved_in=self.config.checkpoint_dir)

@@ -89,19 +89,26 @@ class CrashSave(Listener):
     """Step-boundary bookkeeping on every rank, and the save the lowest survivor makes on failure."""
 
     def __init__(self, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger | None = None):
-        self.config, self.runtime, self.checkpointer, self.ledger = config, runtime, checkpointer, ledger
-        self.rank, self.world_size = runtime.env.rank, runtime.env.world_size
+        self.config = config
+        self.runtime = runtime
+        self.checkpointer = checkpointer
+        self.ledger = ledger
+        self.rank = runtime.env.rank
+        self.world_size = runtime.env.world_size
         self.boundary: tuple[tuple[int, int, int], torch.Tensor] | None = None
-        self._clean = True  # parameters equal the boundary's (False from optimizer start to the next data start)
-        self._updating = False  # from on_update_start to on_step_end, which publishes the provisional RNG state
-        self._updated_rng: torch.Tensor | None = None  # this rank's torch RNG state as the last update ended
+        #: Parameters equal the boundary's (False from optimizer start to the next data start).
+        self._clean = True
+        #: From on_update_start to on_step_end, which publishes the provisional RNG state.
+        self._updating = False
+        #: This rank's torch RNG state as the last update ended.
+        self._updated_rng: torch.Tensor | None = None
         self._others = (random.getstate(), _numpy_state())
         self._dir, self._prefix = _pid_files(config)
         self._pid_file: Path | None = self._dir / f"{self._prefix}rank{self.rank}.pid"
         self._slots: BoundarySlots | None = None
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
-            # earlier attempts' files: their processes are gone
+            # Earlier attempts' files: their processes are gone.
             for old in [*self._dir.glob("*.pid"), *self._dir.glob("*.rng")]:
                 if not old.name.startswith(self._prefix):
                     old.unlink(missing_ok=True)
@@ -121,17 +128,19 @@ class CrashSave(Listener):
         if self._slots is not None:
             self._slots.close()
         if self._pid_file is not None:
-            # first: a higher rank that still sees it knows the glob below is to come
+            # First: a higher rank that still sees it knows the glob below is to come.
             self._pid_file.unlink(missing_ok=True)
             lowest = lowest_live_rank(self._dir, self._prefix, self.world_size) if status == "FAILED" else None
-            saver = lowest is None or lowest > self.rank  # no lower rank alive: none will read this rank's file later
+            # No lower rank alive: none will read this rank's file later.
+            saver = lowest is None or lowest > self.rank
             for path in self._dir.glob(f"{self._prefix}rank*.rng") if saver else ():
                 if status == "FAILED" or path == self._rng_file(self.rank):
                     path.unlink(missing_ok=True)
             try:
                 self._dir.rmdir()
             except OSError:
-                pass  # another rank's file is still there
+                # Another rank's file is still there.
+                pass
 
     @classmethod
     def arm(cls, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger) -> CrashSave | None:
@@ -144,22 +153,26 @@ class CrashSave(Listener):
         return cls(config, runtime, checkpointer, ledger=ledger)
 
     def on_update_start(self, step: int) -> None:
-        self._clean, self._updating = False, True
+        self._clean = False
+        self._updating = True
 
     def on_step_end(self, step: int) -> None:
         """The update ended: a rank killed before its next batch leaves this state for the saver."""
         if self._updating:
-            self._updating, self._updated_rng = False, torch.get_rng_state()
+            self._updating = False
+            self._updated_rng = torch.get_rng_state()
             if self._slots is not None:
                 self._slots.write(step, self._updated_rng, final=False)
 
     def on_step_start(self, step: int) -> None:
         """At the first step boundary after an update, copy it: three ints and 5 KB (about 5 us a step)."""
         if not self._clean or self.boundary is None:
-            progress, rng = self.checkpointer.progress, torch.get_rng_state()
+            progress = self.checkpointer.progress
+            rng = torch.get_rng_state()
             self.boundary = ((progress.step, progress.epoch, progress.batch_in_epoch), rng)
             if self._slots is not None:
-                self._slots.write(progress.step, rng)  # for the saver, should this rank die: a memmove, no syscall
+                # For the saver, should this rank die: a memmove, no syscall.
+                self._slots.write(progress.step, rng)
             self._clean = True
 
     def on_failure(self, error: BaseException) -> None:
@@ -181,11 +194,13 @@ class CrashSave(Listener):
                 signal.signal(sig, previous)
 
     def _save(self, error: BaseException) -> None:
-        began, ((step, epoch, batch), torch_rng) = time.time(), self.boundary
+        began = time.time()
+        (step, epoch, batch), torch_rng = self.boundary
         progress = {"step": step, "epoch": epoch, "batch_in_epoch": batch}
         latest = ckpt.find_latest_checkpoint(self.config.checkpoint_dir)
         if latest is not None and latest.step >= progress["step"]:
-            return  # that step is on disk already
+            # That step is on disk already.
+            return
         state = self._capture(progress, torch_rng)
         meta = manifest_fields(state, epoch=progress["epoch"], crash_save=True)
         ckpt.save_checkpoint(
@@ -221,7 +236,9 @@ class CrashSave(Listener):
         ``step``'s update and its next batch left only the state as the update ended: it is used
         when this rank drew nothing in that window either (the ranks run the same code). A rank
         whose slot is missing (another host, torn by its death) gets this rank's torch stream."""
-        mine, streams, missing = capture_rng(), [], []
+        mine = capture_rng()
+        streams = []
+        missing = []
         quiet = self._updated_rng is not None and torch.equal(self._updated_rng, torch_rng)
         for rank in range(self.world_size):
             found = (torch_rng, True) if rank == self.rank else read_boundary(self._rng_file(rank), step)
@@ -243,7 +260,8 @@ class CrashSave(Listener):
         # Through the state's owner, without its collective (a peer is dead): every rank's RNG
         # streams come from the slot files instead of an all-gather.
         state = self.checkpointer.capture(rng=self._rank_streams(progress["step"], torch_rng))
-        state["progress"] = dict(progress)  # the live counters already count the interrupted step's batch
+        # The live counters already count the interrupted step's batch.
+        state["progress"] = dict(progress)
         return state
 
 

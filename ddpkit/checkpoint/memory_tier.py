@@ -59,7 +59,8 @@ from ddpkit.reporting.log import log
 __all__ = ["MemorySnapshots", "snapshot_dir", "newest_snapshot", "prefer_newer", "remove_stale"]
 
 SHM = Path("/dev/shm")
-KEEP = 1  # snapshots kept: the newest complete one (a write in flight makes two for a moment)
+#: Snapshots kept: the newest complete one (a write in flight makes two for a moment).
+KEEP = 1
 #: `auto`: a snapshot may block at most this fraction of the training time between two (whatever the MTBF).
 BUDGET = 0.01
 #: `auto`: the step at which the first interval is planned (the step time is known by then).
@@ -123,18 +124,23 @@ class MemorySnapshots(Listener):
         self.ledger = ledger
         # `auto`'s planner; a number given is its first guess and is never re-planned.
         self.interval = YoungDaly(config.checkpoint.mtbf_hours, every=every, budget=BUDGET)
-        self.is_main, self.adaptive = runtime.env.rank == 0, False
+        self.is_main = runtime.env.rank == 0
+        self.adaptive = False
         self.directory = snapshot_dir(config)
         self._writer = ckpt.AsyncCheckpointWriter()
-        self._last, self._last_time = checkpointer.progress.step, time.perf_counter()
-        self.unplanned = False  # `auto` before its first interval is planned (at PLAN_STEP)
-        self._failed = False  # a write failed (e.g. /dev/shm is smaller than the state): rank 0 writes no more
+        self._last = checkpointer.progress.step
+        self._last_time = time.perf_counter()
+        #: `auto` before its first interval is planned (at PLAN_STEP).
+        self.unplanned = False
+        #: A write failed (e.g. /dev/shm is smaller than the state): rank 0 writes no more.
+        self._failed = False
 
     @classmethod
     def arm(cls, config: Config, runtime: Runtime, checkpointer: Capturer, *, ledger: Ledger) -> MemorySnapshots | None:
         """The snapshots of this run (a listener for the Trainer's events) when ``checkpoint.memory_every_steps``
         is set and ``/dev/shm`` exists; else None. ``checkpointer`` captures the snapshots."""
-        every, env = config.checkpoint.memory_every_steps, runtime.env
+        every = config.checkpoint.memory_every_steps
+        env = runtime.env
         # one host: every rank reads its /dev/shm
         if every is None or not SHM.is_dir() or env.local_world_size != env.world_size:
             return None
@@ -148,18 +154,25 @@ class MemorySnapshots(Listener):
         return self.interval.every
 
     def on_step_start(self, step: int) -> None:
-        if step - self._last >= self.every:  # a step boundary after `every` updates (steps since the last)
-            self._plan(step) if self.unplanned else self._take(step)
+        # A step boundary after `every` updates (steps since the last).
+        if step - self._last >= self.every:
+            if self.unplanned:
+                self._plan(step)
+            else:
+                self._take(step)
 
     def _take(self, step: int) -> None:
-        began, started = time.time(), time.perf_counter()
-        state = self.checkpointer.capture()  # every rank: the all-gather of RNG states
+        began = time.time()
+        started = time.perf_counter()
+        # Every rank: the all-gather of RNG states.
+        state = self.checkpointer.capture()
         # every rank joins capture() and _adapt(): rank 0 alone writes, or has stopped writing
         if self.is_main and not self._failed:
             self._write(state, step, began=began)
         if self.adaptive:
             self._adapt(step, blocked=time.perf_counter() - started, trained=started - self._last_time)
-        self._last, self._last_time = step, time.perf_counter()
+        self._last = step
+        self._last_time = time.perf_counter()
 
     def _write(self, state: dict[str, Any], step: int, *, began: float) -> None:
         """Rank 0: stage the snapshot and start its background write, or stop the snapshots when it cannot be
@@ -183,7 +196,8 @@ class MemorySnapshots(Listener):
         """A snapshot is an extra, not the run's safety (the disk checkpoints are): a failed write ends the
         snapshots only."""
         self._failed = True
-        cause = str(why).split("; ")[0]  # a failed write's first clause; the rest is a disk checkpoint's resume advice
+        # A failed write's first clause; the rest is a disk checkpoint's resume advice.
+        cause = str(why).split("; ")[0]
         log.warning(
             "memory snapshots stop for the rest of this run: %s. Disk checkpoints are unaffected. "
             "Give %s more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) "
@@ -228,7 +242,8 @@ class MemorySnapshots(Listener):
         """Wait for the write in flight; a finished run removes its snapshots (the disk has the end)."""
         try:
             self._writer.wait()
-        except Exception as exc:  # a full /dev/shm must not fail a run that trained fine
+        except Exception as exc:
+            # A full /dev/shm must not fail a run that trained fine.
             if not self._failed:
                 self._stop_writing(exc)
         if status == "FINISHED" and self.is_main:

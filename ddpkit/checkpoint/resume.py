@@ -46,14 +46,16 @@ def choose_checkpoint(config: Config, *, rank: int) -> tuple[str, dict[str, Any]
         raise CheckpointError(problem)
     if choice is None:
         return None
-    return choice, read_checkpoint(read_any(choice), path=choice)  # a file, or a sharded checkpoint's state.pt
+    # A file, or a sharded checkpoint's state.pt.
+    return choice, read_checkpoint(read_any(choice), path=choice)
 
 
 def check_compatible(
     state: dict[str, Any], path: str, config: Config, *, world_size: int, components: Components
 ) -> None:
     """Refuse a checkpoint whose run differs in fields that change the math (unless allowed), naming each field."""
-    elastic, saved_world_size = config.data.global_batch_size is not None, state["world_size"]
+    elastic = config.data.global_batch_size is not None
+    saved_world_size = state["world_size"]
     differences = config_differences(
         state["config"],
         config_to_dict(config),
