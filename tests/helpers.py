@@ -283,3 +283,20 @@ def train_and_save_sharded(tmp: str, mode: str) -> dict[str, torch.Tensor]:
     tensors, rest = split_tensors(ShardedParts(model, optimizer).state_dict())
     save_sharded(tensors, {**rest, "progress": {"step": 3}}, tmp, step=3, rank=rank, keep_last=2)
     return full_state(model, optimizer)
+
+
+class RaggedSequences(torch.utils.data.Dataset):
+    """Token sequences of random length (3..16), padded to 16 with targets -100: a token-weighted loss matters."""
+
+    def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 50):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randint(0, vocab, (n, seq_len), generator=g)
+        self.y = torch.randint(0, vocab, (n, seq_len), generator=g)
+        lengths = torch.randint(3, seq_len + 1, (n,), generator=g)
+        self.y[torch.arange(seq_len)[None, :] >= lengths[:, None]] = -100
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import assert_bitwise_equal, load_weights, run_cli
-from test_token_loss import RaggedSequences
+from helpers import RaggedSequences, assert_bitwise_equal, load_weights, run_cli
 from torch import nn
 
 import ddpkit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import RaggedSequences
 
 import ddpkit
 from ddpkit.errors import ConfigError
@@ -19,23 +20,6 @@ pytestmark = pytest.mark.timeout(240)
 
 # 12: split over 1, 2, 3 and 4 ranks, with and without accumulation.
 GLOBAL_BATCH = 12
-
-
-class RaggedSequences(torch.utils.data.Dataset):
-    """Token sequences of random length (3..16), padded to 16 with targets -100: a token-weighted loss matters."""
-
-    def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 50):
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randint(0, vocab, (n, seq_len), generator=g)
-        self.y = torch.randint(0, vocab, (n, seq_len), generator=g)
-        lengths = torch.randint(3, seq_len + 1, (n,), generator=g)
-        self.y[torch.arange(seq_len)[None, :] >= lengths[:, None]] = -100
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
 
 
 class RaggedTrainer(ddpkit.Trainer):
