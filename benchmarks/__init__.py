@@ -6,7 +6,8 @@
     python -m benchmarks.trees hand=.:hand-written after=.:ddpkit before=/tmp/before:ddpkit   # two checkouts
     python -m benchmarks.compile             # torch.compile: hand-written eager / compiled vs ddpkit's
     python -m benchmarks.gpu                 # one CUDA GPU: resnet50 through a DataLoader, hand-written vs ddpkit
-    python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50, hand-written vs ddpkit
+    python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50 / Llama 1B, hand vs ddpkit
+    python -m benchmarks.gpu_generate        # one GPU, bf16: Llama 1B generation, KV cache vs none, batch 1 and 8
     python -m benchmarks.generate            # GPT-2 124M sampling with vs without the KV cache; decay groups' cost
     python -m benchmarks.startup             # import time and time to the first step
     python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (hand side: tta_hand)

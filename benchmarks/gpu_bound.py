@@ -4,6 +4,9 @@
     python -m benchmarks.gpu_bound --workload resnet50 --mode eager --rounds 3 --seconds 20
     python -m benchmarks.gpu_bound --stall --every 100               # checkpoint stall: none / sync / async saves
     python -m benchmarks.gpu_bound --tiny --device cpu --seconds 2   # the same code path on any machine, tiny shapes
+    python -m benchmarks.gpu_bound --workload llama1b --mode eager --variants full,lora --batch-size 4
+    python -m benchmarks.gpu_bound --workload llama1b --mode eager --variants documents --batch-size 4
+    python -m benchmarks.gpu_bound --workload llama1b --variants full,lora,documents --tiny --device cpu --seconds 1
 
 What it answers: is ddpkit's step as fast as the loop a user would write when the GPU, not the
 host's data path, is the limit? The batches are made once and kept on the GPU (``benchmarks.gpu``
@@ -19,6 +22,20 @@ Workloads (``--workload``):
   ``ddpkit.reporting.throughput.PEAK_TFLOPS``).
 * ``resnet50``: torchvision's ResNet-50 (1,000 classes) on random 224x224 images, SGD with
   momentum, bf16 autocast, channels_last; images/s.
+* ``llama1b``: ddpkit's Llama family at Llama 3.2 1B's shape (``model: {name: gpt, kwargs: {preset:
+  llama3.2-1b}}``: 16 blocks, 32 query and 8 key/value heads of 64, width 2,048, SwiGLU 8,192, vocabulary
+  128,256, tied; 1.24B parameters), random weights, context 2,048, AdamW (lr 3e-4, the rest as GPT-2's,
+  fused on CUDA), clipping at 1.0, bf16 autocast; tokens/s and MFU as for GPT-2.
+
+Variants (``--variants``, token windows only; each beside the plain model, ``full``, in the same rounds):
+``lora``, the model with ``model.lora: {r: 16, targets: all-linear}`` (the hand-written side adds the same
+adapter with ``ddpkit.training.lora.apply_lora``, as the Trainer does, so the two differ in their loops
+only); ``documents``, the document mask (``data.kwargs.document_mask``: the dataset's ``documents``, which
+the Trainer hands the model, and the hand-written side hands it by ``model.use_documents``; FlexAttention on
+a GPU), the windows holding documents of ``--doc-len`` tokens on average in every variant (the same
+samples). The table adds ``x full``: the paired ratio to the same side's full arm (LoRA's speed-up; the
+document mask's cost). MFU counts the causal step's FLOPs for ``documents`` and is not given for ``lora``.
+``--sides ddpkit`` (or ``hand``) runs one side's arms only, where the question is the variant's cost.
 
 Arms, alternated over ``--rounds`` (the order rotates each round; ``--mode`` picks eager, compiled
 or both): ``hand-eager`` / ``hand-compiled``, the nanoGPT-style loop (``logits = net(x)``, the loss
@@ -32,6 +49,10 @@ batch order (torch's ``DistributedSampler``, seed 0) from the same seed, so thei
 agree: the table shows the largest difference over the first 20 steps, a check that both train the
 same job.
 
+An arm that fails (out of memory, a kernel the installed torch lacks) is reported as failed, the others
+still run, and the exit status is 1; ``--json`` is rewritten after every arm, so a run stopped by a time
+limit keeps what it measured (``"complete": false``).
+
 Timing: ``--warmup`` steps first (compilation included: Dynamo is reset between arms so every
 compiled arm compiles, from Inductor's warm on-disk cache after the first round), then steps until
 ``--seconds`` of host time have passed. One CUDA event is recorded after each optimizer step (no
@@ -40,7 +61,8 @@ events, read once at the end. Reported: tokens/s (or images/s) over the timed st
 p95 ms a step, peak ``max_memory_allocated``, and the paired ratio of ddpkit's throughput to the
 hand-written loop's in the same round and mode.
 
-``--batch-size auto`` (the default on CUDA) takes the largest of 64, 48, 32, 24, 16, 12, 8 with
+``--batch-size auto`` (the default on CUDA) takes the largest of 64, 48, 32, 24, 16, 12, 8 (llama1b:
+16, 8, 4, 2, 1) with
 which three steps of the eager hand-written loop (eager needs more memory than compiled) peak
 below 90% of the GPU's memory, leaving ddpkit its small extra.
 
@@ -62,6 +84,7 @@ import gc
 import io
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,7 +100,9 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from benchmarks.workloads import load_printed, paired, rotated, summary, table
 from ddpkit.bench.report import progress
+from ddpkit.config.loader import load_config
 from ddpkit.trainer import Trainer
+from ddpkit.training.lora import apply_lora
 
 SEED, LOSSES_KEPT = 0, 20
 CANDIDATE_BATCHES = (64, 48, 32, 24, 16, 12, 8)
@@ -96,6 +121,10 @@ class Workload:
     classes: int = 1000
     clip: float | None = None
     channels_last: bool = False
+    #: The end-of-text id the ``documents`` variant separates documents with (token windows only).
+    eot: int | None = None
+    #: ``--batch-size auto``'s candidates, largest first.
+    batches: tuple[int, ...] = CANDIDATE_BATCHES
 
     @property
     def unit(self) -> str:
@@ -117,7 +146,19 @@ RESNET50 = Workload(
     samples=8 * 256,
     channels_last=True,
 )
-WORKLOADS = {"gpt2": GPT2, "resnet50": RESNET50}
+#: Llama 3.2 1B's shape (``preset: llama3.2-1b``: 16 blocks, 32 query and 8 key/value heads of 64, width 2,048,
+#: SwiGLU 8,192, vocabulary 128,256, tied), random weights, at a context of 2,048; the end-of-text is Llama 3's.
+LLAMA1B = Workload(
+    "llama1b",
+    {"name": "gpt", "kwargs": {"preset": "llama3.2-1b", "vocab_size": 128256, "max_len": 2048}},
+    {"name": "adamw", "lr": 3e-4, "weight_decay": 0.1, "kwargs": {"betas": [0.9, 0.95]}},
+    samples=1024,
+    seq_len=2048,
+    clip=1.0,
+    eot=128001,
+    batches=(16, 8, 4, 2, 1),
+)
+WORKLOADS = {"gpt2": GPT2, "resnet50": RESNET50, "llama1b": LLAMA1B}
 #: Shapes small enough for a CPU: the same code path in seconds (``--tiny``).
 TINY = {
     "gpt2": replace(
@@ -129,26 +170,56 @@ TINY = {
     "resnet50": replace(
         RESNET50, model={"name": "resnet50", "kwargs": {"num_classes": 10}}, samples=32, image=(3, 32, 32), classes=10
     ),
+    "llama1b": replace(
+        LLAMA1B,
+        model={
+            "name": "gpt",
+            "kwargs": {
+                "arch": "llama",
+                "vocab_size": 257,
+                "dim": 32,
+                "depth": 1,
+                "heads": 2,
+                "kv_heads": 1,
+                "max_len": 32,
+            },
+        },
+        samples=64,
+        seq_len=32,
+        eot=256,
+    ),
 }
+#: ``--variants``: what an arm trains beside the plain model (``full``): the ``model.lora`` section both sides apply
+#: (ddpkit's ``apply_lora``), or the document mask (``data.kwargs.document_mask``: the dataset's ``documents``).
+LORA = {"r": 16, "targets": "all-linear"}
+VARIANTS = ("full", "lora", "documents")
 
 
 # --- the data, made once and kept on the device ----------------------------------------------------
 
 
 class OnDevice(TensorDataset):
-    """Inputs and targets already on the device; ``seq_len`` tells ddpkit's throughput report the tokens per sample."""
+    """Inputs and targets already on the device; ``seq_len`` tells ddpkit's throughput report the tokens per sample,
+    ``documents`` (``{eot, restart_positions}``, as a token file with ``data.kwargs.document_mask`` has it) turns the
+    document mask on: the Trainer hands it to the model (``ddpkit.data.tokens.require_vocab_of``)."""
 
-    def __init__(self, *tensors: torch.Tensor, seq_len: int | None = None):
+    def __init__(self, *tensors: torch.Tensor, seq_len: int | None = None, documents: dict[str, Any] | None = None):
         super().__init__(*tensors)
         if seq_len:
             self.seq_len = seq_len
+        if documents:
+            self.documents = documents
 
 
-def make_data(w: Workload, device: torch.device) -> OnDevice:
+def make_data(w: Workload, device: torch.device, *, doc_len: int | None = None) -> OnDevice:
+    """The samples; with ``doc_len``, token windows hold documents of that mean length (``w.eot`` between them)."""
     generator = torch.Generator(device).manual_seed(SEED)
     if w.seq_len:
         vocab = w.model["kwargs"].get("vocab_size", 50304)
         windows = torch.randint(0, vocab, (w.samples, w.seq_len + 1), device=device, generator=generator)
+        if doc_len:
+            # An end-of-text at each position with probability 1 / doc_len: documents of that mean length.
+            windows[torch.rand(windows.shape, device=device, generator=generator) < 1 / doc_len] = w.eot
         return OnDevice(windows[:, :-1], windows[:, 1:], seq_len=w.seq_len)
     images = torch.randn(w.samples, *w.image, device=device, generator=generator)
     return OnDevice(images, torch.randint(0, w.classes, (w.samples,), device=device, generator=generator))
@@ -210,6 +281,12 @@ def hand_written(
     torch.manual_seed(SEED)
     memory_format = torch.channels_last if w.channels_last else torch.preserve_format
     model = MODELS.build(w.model["name"], key="model.name", kwargs=w.model["kwargs"])
+    if "lora" in w.model:
+        # ddpkit's adapter, added as the Trainer adds it: the two sides differ in their loops, not in their models
+        model = apply_lora(model, load_config({"model": w.model}).model)
+    if getattr(data, "documents", None):
+        # what ddpkit.data.tokens.require_vocab_of hands the model for data.kwargs.document_mask
+        model.use_documents(**data.documents)
     model = model.to(device, memory_format=memory_format)
     net = torch.compile(model) if compiled else model
     optimizer = _optimizer(w, model, device)
@@ -373,7 +450,7 @@ def largest_batch(w: Workload, data: OnDevice, args: argparse.Namespace) -> int:
     """The largest candidate batch whose eager hand-written steps peak below 90% of the GPU's memory."""
     device = torch.device(args.device)
     total = torch.cuda.get_device_properties(device).total_memory
-    for batch in CANDIDATE_BATCHES:
+    for batch in w.batches:
         probe = argparse.Namespace(**{**vars(args), "batch_size": batch, "warmup": 2, "seconds": 0.0})
         try:
             peak = run_arm("hand", w, data, probe, compiled=False, workdir=Path())["peak_bytes"]
@@ -386,78 +463,143 @@ def largest_batch(w: Workload, data: OnDevice, args: argparse.Namespace) -> int:
         )
         if peak is not None and peak < 0.9 * total:
             return batch
-    raise SystemExit(f"gpu_bound: not even a batch of {CANDIDATE_BATCHES[-1]} fits on this GPU")
+    raise SystemExit(f"gpu_bound: not even a batch of {w.batches[-1]} fits on this GPU")
 
 
 # --- the throughput comparison ---------------------------------------------------------------------
 
 
-def compare(w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def arm_name(side: str, mode: str, variant: str) -> str:
+    """``hand-eager``, ``ddpkit-compiled``, ``ddpkit-eager-lora``: the side, the mode, and the variant unless full."""
+    return f"{side}-{mode}" + ("" if variant == "full" else f"-{variant}")
+
+
+def variant_jobs(w: Workload, data: OnDevice, variants: list[str]) -> dict[str, tuple[Workload, OnDevice]]:
+    """What each variant trains: the same samples, plus ``model.lora`` or the documents the mask keeps apart."""
+    jobs = {"full": (w, data)}
+    if "lora" in variants:
+        jobs["lora"] = (replace(w, name=f"{w.name}-lora", model={**w.model, "lora": LORA}), data)
+    if "documents" in variants:
+        documents = {"eot": w.eot, "restart_positions": False}
+        jobs["documents"] = (w, OnDevice(*data.tensors, seq_len=w.seq_len, documents=documents))
+    return jobs
+
+
+def compare(
+    w: Workload, data: OnDevice, args: argparse.Namespace, workdir: Path, *, saved: Any = None
+) -> dict[str, Any]:
+    """Every (side, variant) arm of each mode, alternated over the rounds; ``saved(runs)`` after each arm.
+
+    An arm that raises (out of memory, a kernel this torch lacks) is kept as ``{"error": ...}`` and the others
+    still run: a lent GPU's few minutes are not lost to one of them."""
     modes = ["eager", "compiled"] if args.mode == "both" else [args.mode]
+    jobs = variant_jobs(w, data, args.variants)
     runs: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
-        arms = [f"hand-{mode}", f"ddpkit-{mode}"]
+        arms = [(side, variant) for variant in args.variants for side in args.sides]
         for r in range(args.rounds):
-            for arm in rotated(arms, r):
-                result = run_arm(
-                    arm.split("-")[0], w, data, args, compiled=mode == "compiled", workdir=workdir / f"{arm}-r{r}"
-                )
+            for side, variant in rotated(arms, r):
+                arm = arm_name(side, mode, variant)
+                job, job_data = jobs[variant]
+                try:
+                    result = run_arm(
+                        side, job, job_data, args, compiled=mode == "compiled", workdir=workdir / f"{arm}-r{r}"
+                    )
+                    said = (
+                        f"{result['per_s']:,.0f} {w.unit}/s, {statistics.median(result['step_ms']):.1f} ms/step, "
+                        f"warm-up {result['warmup_s']:.1f} s"
+                    )
+                except Exception as exc:
+                    result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                    said = f"failed: {result['error'][:300]}"
+                if "error" in result:
+                    # outside the except block, whose traceback held the arm's frames (its model, its optimizer)
+                    _fresh(torch.device(args.device))
+                # the Trainer's model.pt (5 GB at 1B parameters): one arm's at a time on the disk
+                shutil.rmtree(workdir / f"{arm}-r{r}", ignore_errors=True)
                 runs.setdefault(arm, []).append(result)
-                progress(
-                    f"[gpu_bound] {w.name} round {r + 1}/{args.rounds} {arm}: {result['per_s']:,.0f} {w.unit}/s, "
-                    f"{statistics.median(result['step_ms']):.1f} ms/step, warm-up {result['warmup_s']:.1f} s"
-                )
+                progress(f"[gpu_bound] {w.name} round {r + 1}/{args.rounds} {arm}: {said}")
+                if saved is not None:
+                    saved(runs)
     return runs
+
+
+def _paired_ok(results: list[dict[str, Any]], reference: list[dict[str, Any]]) -> Any:
+    """The per-round ratio of throughputs over the rounds where both ran; None when none did."""
+    pairs = [(r["per_s"], h["per_s"]) for r, h in zip(results, reference) if "error" not in r and "error" not in h]
+    return paired(*zip(*pairs)) if pairs else None
 
 
 def throughput_table(
     w: Workload,
     runs: dict[str, list[dict[str, Any]]],
     args: argparse.Namespace,
-    flops_per_unit: float | None,
+    flops_per_unit: dict[str, float | None],
     peak: float | None,
 ) -> str:
-    rows = []
+    """One row an arm; ``flops_per_unit``: training FLOPs a token by variant (None: no MFU)."""
+    variants = len(args.variants) > 1
+    headers = ["arm", f"{w.unit}/s", "min..max", "MFU", "p50 ms", "p95 ms", "peak GiB", "x hand", "x hand min..max"]
+    headers += ["x full", "x full min..max"] if variants else []
+    headers.append(f"loss diff (first {LOSSES_KEPT})")
+    rows, failures = [], []
     for arm, results in runs.items():
-        hand = runs[arm.replace("ddpkit", "hand")]
-        per_s = summary([r["per_s"] for r in results])
-        ratio = paired([r["per_s"] for r in results], [h["per_s"] for h in hand])
-        steps = sorted(itertools.chain.from_iterable(r["step_ms"] for r in results))
-        mfu = f"{per_s.median * flops_per_unit / peak:.1%}" if flops_per_unit and peak else "n/a"
-        diff = max(abs(a - b) for r, h in zip(results, hand) for a, b in zip(r["losses"], h["losses"]))
-        peak_gib = max((r["peak_bytes"] or 0) for r in results) / 2**30
-        rows.append(
-            [
-                arm,
-                f"{per_s.median:,.0f}",
-                per_s.spread(0),
-                mfu,
-                f"{_quantile(steps, 0.5):.1f}",
-                f"{_quantile(steps, 0.95):.1f}",
-                f"{peak_gib:.1f}" if peak_gib else "n/a",
-                f"{ratio.median:.3f}",
-                ratio.spread(3),
-                f"{diff:.1e}",
-            ]
-        )
-    timed = statistics.median(len(r["step_ms"]) for r in itertools.chain.from_iterable(runs.values()))
-    return table(
-        f"{describe(args)}\n{w.name}: batch {args.batch_size}{f' x {w.seq_len} tokens' if w.seq_len else ''}, "
-        f"{'bf16 autocast' if args.bf16 else 'fp32'}, {args.rounds} rounds of {args.seconds:g} s per arm "
-        f"after {args.warmup} warm-up steps (median {timed:.0f} timed steps)",
+        side, mode, *rest = arm.split("-")
+        variant = rest[0] if rest else "full"
+        failures += [f"{arm} round {i + 1}: {r['error']}" for i, r in enumerate(results) if "error" in r]
+        done = [r for r in results if "error" not in r]
+        if not done:
+            rows.append([arm, "failed", *[""] * (len(headers) - 2)])
+            continue
+        hand = runs.get(arm_name("hand", mode, variant), [])
+        per_s = summary([r["per_s"] for r in done])
+        ratio = _paired_ok(results, hand)
+        steps = sorted(itertools.chain.from_iterable(r["step_ms"] for r in done))
+        flops = flops_per_unit.get(variant)
+        mfu = f"{per_s.median * flops / peak:.1%}" if flops and peak else "n/a"
+        diffs = [
+            abs(a - b)
+            for r, h in zip(results, hand)
+            if "error" not in r and "error" not in h
+            for a, b in zip(r["losses"], h["losses"])
+        ]
+        peak_gib = max((r["peak_bytes"] or 0) for r in done) / 2**30
+        row = [
+            arm,
+            f"{per_s.median:,.0f}",
+            per_s.spread(0),
+            mfu,
+            f"{_quantile(steps, 0.5):.1f}",
+            f"{_quantile(steps, 0.95):.1f}",
+            f"{peak_gib:.1f}" if peak_gib else "n/a",
+            f"{ratio.median:.3f}" if ratio else "n/a",
+            ratio.spread(3) if ratio else "",
+        ]
+        if variants:
+            # the speed-up over the full model: this side's full arm of the same round and mode
+            full = _paired_ok(results, runs.get(arm_name(side, mode, "full"), []))
+            row += [f"{full.median:.3f}" if full else "n/a", full.spread(3) if full else ""]
+        rows.append([*row, f"{max(diffs):.1e}" if diffs else "n/a"])
+    timed = statistics.median(
+        [len(r["step_ms"]) for r in itertools.chain.from_iterable(runs.values()) if "error" not in r] or [0]
+    )
+    described = {
+        "lora": f"lora: model.lora {LORA}",
+        "documents": f"documents: the document mask, documents of ~{args.doc_len} tokens (eot {w.eot})",
+    }
+    notes = [described[v] for v in args.variants if v in described]
+    return "\n".join(
         [
-            "arm",
-            f"{w.unit}/s",
-            "min..max",
-            "MFU",
-            "p50 ms",
-            "p95 ms",
-            "peak GiB",
-            "x hand",
-            "x hand min..max",
-            f"loss diff (first {LOSSES_KEPT})",
-        ],
-        rows,
+            table(
+                f"{describe(args)}\n{w.name}: batch {args.batch_size}"
+                f"{f' x {w.seq_len} tokens' if w.seq_len else ''}, {'bf16 autocast' if args.bf16 else 'fp32'}, "
+                f"{args.rounds} rounds of {args.seconds:g} s per arm after {args.warmup} warm-up steps "
+                f"(median {timed:.0f} timed steps)" + "".join(f"; {n}" for n in notes),
+                headers,
+                rows,
+            ),
+            *(f"failed: {f}" for f in failures),
+        ]
     )
 
 
@@ -583,13 +725,20 @@ def describe(args: argparse.Namespace) -> str:
     return f"{where}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
 
 
-def flops_per_unit(w: Workload) -> float | None:
-    """Training FLOPs per token of the GPT (``GPT.flops_per_token``); None for images (no MFU)."""
+def flops_per_unit(w: Workload) -> dict[str, float | None]:
+    """Training FLOPs per token by variant (``flops_per_token``: PaLM's 6N plus attention); empty for images.
+
+    ``documents`` counts the causal step's FLOPs (FlexAttention skips the blocks the mask empties: its MFU is the
+    rate of the causal work it stands for); ``lora`` none, 6N counting the weight gradients a LoRA step skips."""
     if not w.seq_len:
-        return None
+        return {}
     from ddpkit.registry import MODELS
 
-    return MODELS.build(w.model["name"], key="model.name", kwargs=w.model["kwargs"]).flops_per_token(w.seq_len)
+    # on the meta device: the shape without 1B parameters' initialisation on the host
+    with torch.device("meta"):
+        model = MODELS.build(w.model["name"], key="model.name", kwargs=w.model["kwargs"])
+    flops = model.flops_per_token(w.seq_len)
+    return {"full": flops, "documents": flops, "lora": None}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -618,10 +767,37 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--after", type=int, default=5, help="--stall: steps after a save that its cost is counted in (default 5)"
     )
-    parser.add_argument("--json", default=None, help="also write every measurement here")
+    parser.add_argument(
+        "--variants",
+        default="full",
+        help=f"comma-separated, of {', '.join(VARIANTS)}: the plain model, model.lora {LORA}, the document mask "
+        "(token windows; default full)",
+    )
+    parser.add_argument(
+        "--doc-len", type=int, default=None, help="documents: their mean length in tokens (default 512; --tiny: 8)"
+    )
+    parser.add_argument(
+        "--sides", default="hand,ddpkit", help="comma-separated: hand, ddpkit or both (default hand,ddpkit)"
+    )
+    parser.add_argument("--json", default=None, help="also write every measurement here (after every arm)")
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the mark after the last warm-up step starts the clock")
+    args.doc_len = args.doc_len or (8 if args.tiny else 512)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or not args.variants:
+        parser.error(f"--variants: {', '.join(unknown) or 'none given'}; choose from {', '.join(VARIANTS)}")
+    args.sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    if not args.sides or set(args.sides) - {"hand", "ddpkit"}:
+        parser.error("--sides: hand, ddpkit, or hand,ddpkit")
+    if "full" not in args.variants:
+        # every ratio but x hand is against the full model's arm of the same round
+        args.variants.insert(0, "full")
+    if args.workload == "resnet50" and set(args.variants) != {"full"}:
+        parser.error("--variants lora and documents train a language model: choose --workload gpt2 or llama1b")
+    if args.stall and args.variants != ["full"]:
+        parser.error("--stall measures saves of the full model: leave --variants out")
     args.bf16 = args.device == "cuda"
     if args.stall and args.mode == "both":
         args.mode = "eager"
@@ -638,7 +814,7 @@ def main(argv: list[str]) -> int:
         return 2
     w = (TINY if args.tiny else WORKLOADS)[args.workload]
     device = torch.device(args.device)
-    data = make_data(w, device)
+    data = make_data(w, device, doc_len=args.doc_len if "documents" in args.variants else None)
     if args.batch_size == "auto":
         args.batch_size = largest_batch(w, data, args) if args.device == "cuda" else 4
     args.batch_size = int(args.batch_size)
@@ -646,25 +822,28 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"gpu_bound: --batch-size {args.batch_size} leaves fewer than 2 steps an epoch over {w.samples} samples"
         )
+    machine = describe(args)
+
+    def saved(runs: dict[str, Any], *, complete: bool = False) -> None:
+        # rewritten after every arm: a run cut short by its time limit still leaves the arms it finished
+        if args.json:
+            written = {"machine": machine, "args": vars(args), "complete": complete, "runs": runs}
+            Path(args.json).write_text(json.dumps(written, indent=1))
+
     with load_printed(), tempfile.TemporaryDirectory(prefix="bench-gpu-bound-") as tmp:
         if args.stall:
             runs = stall(w, data, args, Path(tmp))
             print(stall_table(runs, args), flush=True)
         else:
-            runs = compare(w, data, args, Path(tmp))
+            runs = compare(w, data, args, Path(tmp), saved=saved)
             peak = None
             if args.device == "cuda":
                 from ddpkit.reporting.throughput import peak_flops
 
                 peak = peak_flops(device, "bf16")
             print(throughput_table(w, runs, args, flops_per_unit(w), peak), flush=True)
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"machine": describe(args), "args": {k: v for k, v in vars(args).items()}, "runs": runs}, indent=1
-            )
-        )
-    return 0
+    saved(runs, complete=True)
+    return 1 if any("error" in r for results in runs.values() for r in results) else 0
 
 
 if __name__ == "__main__":
