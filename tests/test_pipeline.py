@@ -253,3 +253,25 @@ def test_a_model_placed_by_hand_on_two_devices_stays_where_it_is():
     assert devices_of(model) == {torch.device("cpu"), torch.device("meta")}
     wrapped = wrap_model(model, cpu_runtime(world_size=1), DDPConfig())
     assert devices_of(wrapped) == {torch.device("cpu"), torch.device("meta")}
+
+
+def _pp2_x_dp2(tmp: Path) -> dict:
+    out = {}
+    for mode in ("ddp", "zero1"):
+        # The replica check compares each stage with its own replica, never stage 0 with stage 1.
+        health = {"check_replicas_every": 2, "on_divergence": "stop"}
+        cfg = _config(tmp / mode, pipeline=2, microbatches=2, parallel={"mode": mode}, health=health)
+        out[mode] = _fit(cfg)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pp2_x_dp2_matches_a_world_of_one_accumulating_dp_x_m_microbatches(tmp_path):
+    # 2 replicas x 2 microbatches each: the 4 microbatches a world of one accumulates, in the same order.
+    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    results = run_on_ranks(_pp2_x_dp2, 4, args=(tmp_path,), timeout=300)
+    for mode in ("ddp", "zero1"):
+        # ranks 0 and 1 are stage 0 (replicas 0 and 1), ranks 2 and 3 stage 1
+        assert_bitwise_equal(results[0][mode]["weights"], results[1][mode]["weights"])
+        merged = _merged([results[0][mode], results[2][mode]])
+        assert _relative(merged, reference["weights"]) < 1e-6, mode

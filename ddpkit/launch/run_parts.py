@@ -92,7 +92,13 @@ def build_run_parts(
         config, runtime=runtime, layout=layout, progress=progress, stop=worker.stop, pauses=reporter
     )
     health = training.TrainingHealth(
-        config, runtime=runtime, model=model, loader=built.train_loader, progress=progress, checkpoints=checkpointer
+        config,
+        runtime=runtime,
+        model=model,
+        loader=built.train_loader,
+        progress=progress,
+        checkpoints=checkpointer,
+        layout=layout,
     )
     update = _update(model, built, config=config, layout=layout, tokens=tokens, health=health, device=device)
     models = training.build_models(

@@ -38,6 +38,7 @@ import torch
 
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum
+from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import HealthError
 from ddpkit.progress import Progress
@@ -67,9 +68,11 @@ class TrainingHealth:
         loader: Any,
         progress: Progress,
         checkpoints: Rollback | None = None,
+        layout: ParallelLayout | None = None,
     ):
         """``checkpoints`` (the run's :class:`ddpkit.checkpoint.checkpointer.Checkpointer`): what
-        ``health.spike.action=rollback`` restores the newest valid checkpoint's weights and optimizer from."""
+        ``health.spike.action=rollback`` restores the newest valid checkpoint's weights and optimizer from.
+        ``layout``: which ranks are replicas of one another (under a pipeline, those of one stage)."""
         h = config.health
         env = runtime.env
         self.cfg = h
@@ -101,7 +104,7 @@ class TrainingHealth:
             if spike
             else {}
         )
-        self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model)
+        self.straggler, self.replicas = _rank_checks(config, runtime=runtime, model=model, layout=layout)
         if self.straggler is None and self.replicas is None:
             # Nothing to check after a step: the events skip a None (no call a step).
             self.on_step_end = None
@@ -260,7 +263,7 @@ class TrainingHealth:
 
 
 def _rank_checks(
-    config: Config, *, runtime: Runtime, model: torch.nn.Module
+    config: Config, *, runtime: Runtime, model: torch.nn.Module, layout: ParallelLayout | None = None
 ) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
     """The checks that compare ranks (none in a world of one)."""
     h = config.health
@@ -272,13 +275,19 @@ def _rank_checks(
         straggler = StragglerWatch(
             h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device
         )
-    # fsdp2 shards the parameters and a pipeline's stages hold different ones: nothing to compare rank by rank
-    parallel = getattr(config, "parallel", None)
-    replicated = getattr(parallel, "mode", "ddp") != "fsdp2" and getattr(parallel, "pipeline", 1) == 1
+    if layout is None:
+        layout = ParallelLayout.data_parallel(getattr(getattr(config, "parallel", None), "mode", "ddp"), env)
     replicas = None
-    if h.check_replicas_every and replicated:
+    # fsdp2 shards the parameters: nothing to compare; under a pipeline each stage's replicas are compared
+    if h.check_replicas_every and layout.replicated and layout.dp > 1:
         replicas = ReplicaCheck(
-            model, rank=env.rank, world_size=env.world_size, device=runtime.device, on_divergence=h.on_divergence
+            model,
+            rank=env.rank,
+            world_size=env.world_size,
+            device=runtime.device,
+            on_divergence=h.on_divergence,
+            replicas=layout.dp,
+            group=layout.dp_group,
         )
     return straggler, replicas
 

@@ -14,6 +14,8 @@ copies rank 0's parameters to every rank (optimizer state stays each rank's own)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -26,23 +28,44 @@ __all__ = ["ReplicaCheck", "require_finite"]
 
 
 class ReplicaCheck:
-    """Compares every rank's parameter fingerprint with rank 0's, and acts on a difference."""
+    """Compares every rank's parameter fingerprint with its first replica's (rank 0's without a pipeline), and acts
+    on a difference.
 
-    def __init__(self, model: torch.nn.Module, *, rank: int, world_size: int, device: torch.device, on_divergence: str):
+    ``replicas`` / ``group``: the data-parallel degree and this rank's replicas' group. Under a pipeline the ranks
+    of one stage are ``replicas`` in a row (the mesh puts the pipeline outermost: ddpkit.distributed.layout), so
+    rank ``r``'s first replica is ``r // replicas * replicas``; stages are compared with their own replicas only.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        on_divergence: str,
+        replicas: int | None = None,
+        group: Any = None,
+    ):
         self.model = model
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.on_divergence = on_divergence
+        self.replicas = replicas or world_size
+        self.group = group
         #: Checks that found a difference, for metrics.
         self.divergences = 0
 
+    def _first_replica(self, rank: int) -> int:
+        return rank // self.replicas * self.replicas
+
     def differing_ranks(self) -> list[int]:
-        """The ranks whose fingerprint differs from rank 0's (a collective)."""
+        """The ranks whose fingerprint differs from their first replica's (a collective over every rank)."""
         table = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.device)
         table[self.rank] = fingerprint(self.model.parameters()).to(self.device)
         rows = all_reduce_sum(table).tolist()
-        return [r for r in range(1, self.world_size) if rows[r] != rows[0]]
+        return [r for r in range(self.world_size) if rows[r] != rows[self._first_replica(r)]]
 
     def __call__(self, *, step: int) -> list[int]:
         """Check at optimizer step ``step``; return the differing ranks (empty when all agree)."""
@@ -51,7 +74,8 @@ class ReplicaCheck:
             return []
         self.divergences += 1
         ranks = ", ".join(map(str, differing))
-        what = f"replica divergence at step {step}: the parameters of rank(s) {ranks} differ from rank 0's"
+        first = "rank 0's" if self.replicas == self.world_size else "their stage's first replica's"
+        what = f"replica divergence at step {step}: the parameters of rank(s) {ranks} differ from {first}"
         if self.on_divergence == "stop":
             raise HealthError(
                 f"{what} (health.on_divergence=stop). Look for rank-dependent code that changes weights outside the "
@@ -59,7 +83,7 @@ class ReplicaCheck:
             )
         with torch.no_grad():
             for param in self.model.parameters():
-                dist.broadcast(param.data, src=0)
+                dist.broadcast(param.data, src=self._first_replica(self.rank), group=self.group)
         if self.rank == 0:
             log.warning("%s; copied rank 0's parameters to every rank (health.on_divergence=broadcast)", what)
         return differing
