@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ddpkit.atomic import write_atomically
+from ddpkit.config.layout import microbatches_of
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, dump_config
 from ddpkit.data.elastic import per_rank_batch_size
@@ -155,24 +156,36 @@ class Reporter:
             self.sinks.extend(build_sinks(cfg, append=resumed))
         # After resume: the checkpoint's sink states are loaded, so a tracker continues its run
         self.sinks.start(config_to_dict(cfg))
-        world_size = rt.env.world_size
         log.info(
-            "world_size=%d backend=%s device=%s launcher=%s | "
-            "per-rank batch %d x %d ranks x %d accumulation = global batch %d",
-            world_size,
+            "world_size=%d backend=%s device=%s launcher=%s | %s",
+            rt.env.world_size,
             rt.backend,
             rt.device,
             rt.env.launcher,
-            self.per_rank_batch,
-            world_size,
-            cfg.train.grad_accum_steps,
-            self.samples_per_step,
+            self._batch_line(),
         )
         log.info(
             "%s steps per epoch, %s steps in total%s; writing to %s",
             *(n if n < UNKNOWN_LENGTH else "unknown (a stream)" for n in (steps_per_epoch, self.total_steps)),
             f", resuming at step {step}" if step else "",
             self.output_dir,
+        )
+
+    def _batch_line(self) -> str:
+        """How the global batch is split: over ranks and accumulation, or a pipeline's replicas and microbatches."""
+        world_size = self.runtime.env.world_size
+        parallel = self.config.parallel
+        if parallel.pipeline == 1:
+            return (
+                f"per-rank batch {self.per_rank_batch} x {world_size} ranks x {self.config.train.grad_accum_steps} "
+                f"accumulation = global batch {self.samples_per_step}"
+            )
+        replicas = world_size // parallel.pipeline
+        microbatches = microbatches_of(parallel)
+        return (
+            f"microbatch {self.samples_per_step // (replicas * microbatches)} x {microbatches} microbatches x "
+            f"{replicas} data-parallel replica(s) = global batch {self.samples_per_step} "
+            f"(pipeline of {parallel.pipeline} stages)"
         )
 
     def add_loss(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:

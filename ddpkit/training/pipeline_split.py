@@ -86,9 +86,11 @@ def cut_blocks(model: nn.Module, stages: int, family: dict[str, tuple[str, ...]]
 
 
 def stage_blocks(stage: nn.Module) -> list[str]:
-    """The block names a stage holds, for the log: ``["0", "1"]``."""
+    """What a stage holds, for the log: its block names (``["0", "1"]``), or a user model's children names."""
     blocks = getattr(stage, "blocks", None)
-    return list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else []
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.keys())
+    return [name for name, _ in stage.named_children()]
 
 
 def _count(model: nn.Module, names: tuple[str, ...], *, skip_tied: nn.Module | None = None) -> int:
