@@ -7,42 +7,50 @@ passes through the counter, so the count is exactly the number of bucket allredu
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import assert_bitwise_equal, load_weights, tiny_config
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
+import ddpkit.training.model_views
 from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-# fp16 and bf16 compress inside the pinned-layout hook, as torch's fp16_compress_hook / bf16_compress_hook do.
-HOOK_NAMES = {"fp16": "_pinned_allreduce_hook", "bf16": "_pinned_allreduce_hook", "powersgd": "powerSGD_hook"}
+HOOK_NAMES = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook"}
 
 
 def _count_bucket_reductions() -> list[int]:
     """Route every registered comm hook through a counter; return the list of reduced bucket indices.
 
-    Every DDP the Trainer builds has a Python hook: ddpkit's pinned-layout allreduce (``none``, ``fp16``,
-    ``bf16``: ddpkit.distributed.bucket_layout) or torch's PowerSGD hook, so the counter sees every bucket.
+    For ``comm_hook: none`` (DDP's built-in allreduce, which has no Python hook) the Trainer's model
+    gets torch's own ``allreduce_hook`` registered, through the same counter.
     """
     calls: list[int] = []
     register = DDP.register_comm_hook
 
     def counting_register(self, state, hook):
-        # DDP checks the hook's signature: wraps() gives it the hook's name and annotations.
-        @functools.wraps(hook)
-        def counted(state, bucket):
+        def counted(state, bucket):  # DDP checks the parameter is named `bucket`
             calls.append(bucket.index())
             return hook(state, bucket)
 
+        counted.__name__ = hook.__name__
         return register(self, state, counted)
 
     DDP.register_comm_hook = counting_register
+    wrap = ddpkit.training.model_views.wrap_for_mode  # where the Trainer's model building wraps in DDP
+
+    def wrap_and_count(model, runtime, options, parallel):
+        wrapped = wrap(model, runtime, options, parallel)
+        if options.comm_hook == "none" and isinstance(wrapped, DDP):
+            wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+        return wrapped
+
+    ddpkit.training.model_views.wrap_for_mode = wrap_and_count
     return calls
 
 
