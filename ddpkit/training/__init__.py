@@ -23,7 +23,8 @@
 - ``rng``: seeding, and capturing / restoring every generator.
 - ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
   ``pipeline_step`` / ``pipeline_split``: a pipeline schedule as the step, over a model cut into stages;
-  ``step_builder``: which of the two a run trains with.
+  ``step_builder``: which of the two a run trains with; ``tensor_plan``: tensor parallelism's plans of
+  ``gpt`` and ``llama`` (torch's ParallelStyles by module name), the degrees they take, the plan applied.
 """
 
 # What the Trainer composes, importable from the package.

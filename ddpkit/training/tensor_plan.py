@@ -1,0 +1,320 @@
+"""Tensor parallelism for ddpkit's own models: their tensor plans, the checks, and the plan applied with DTensor.
+
+    mesh = init_device_mesh("cpu", (2,))                    # a 1-D mesh of the tensor-parallel ranks (Gloo here)
+    check_tensor_plan(model, 2)                             # heads, kv heads, MLP width divisible; no dropout
+    plan = tensor_plan(model)                               # {"blocks.0.attn.q_proj": ColwiseParallel(), ...}
+    apply_tensor_parallel(model, mesh, plan)                # in place: every parameter is now a DTensor
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())   # the logits are a plain, whole tensor
+
+A plan is torch's own vocabulary (``torch.distributed.tensor.parallel``): ParallelStyle objects by module name,
+applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a transformer block, per block:
+
+================================  ===========================================================================
+``attn`` (PrepareModuleInput)     its input becomes one replicated DTensor, so q/k/v share one gradient
+                                  all-reduce in the backward instead of one each
+``attn.q_proj/k_proj/v_proj``     ColwiseParallel: each rank computes ``heads / T`` query heads and
+                                  ``kv_heads / T`` key/value heads, whole heads (the rows of a head are adjacent)
+``attn.o_proj``                   RowwiseParallel: each rank's heads times its columns, summed (an all-reduce)
+``mlp`` (PrepareModuleInput)      as ``attn``: one gradient all-reduce for gate_proj and up_proj
+``mlp.gate_proj/up_proj``         ColwiseParallel: ``mlp_dim / T`` of the SwiGLU's width on each rank
+``mlp.down_proj``                 RowwiseParallel: the partial outputs summed (an all-reduce)
+``attn.q_norm/k_norm`` (Qwen3)    :class:`Replicated` over a head-sharded input: their weight's gradient, a
+                                  sum over every head, is all-reduced
+everything else                   :class:`Replicated`: embeddings, norms and the head whole on every rank
+================================  ===========================================================================
+
+The heads each rank holds need no setting: :class:`~ddpkit.training.llama.LlamaAttention` reads its head count
+off the projection (``view(batch, length, -1, head_dim)``), so a rank with ``heads / T`` heads' rows gets
+``heads / T`` heads, and grouped-query attention keeps its grouping (query heads ``h`` .. of a rank read that
+rank's key/value heads, as the whole model's query head ``h`` reads ``h // (heads / kv_heads)``). The KV cache
+(generation) is built for the whole model's ``kv_heads``, so a tensor-parallel model does not generate.
+
+One step costs, under T > 1, four all-reduces per block (two forward, two backward; six with Qwen3's q/k norms)
+and nothing else; the embeddings and head are replicated, so the vocabulary is not sharded and the loss needs no
+``loss_parallel``. Every parameter is a DTensor (the replicated ones ``Replicate()``), which is what
+``clip_grad_norm_`` and the optimizers' foreach kernels need: a model mixing DTensors and plain tensors fails
+there ("got mixed torch.Tensor and DTensor").
+
+GPT-2 (``arch: gpt2``) fuses q, k and v into one ``attn.qkv`` Linear whose rows are ``[q | k | v]``: a colwise
+split of it hands rank 0 all of q and the first half of k (at T = 2), not whole heads, so its plan shards the MLP
+only (``fc`` colwise, ``proj`` rowwise: 2/3 of a block's parameters) and replicates the attention. The Llama
+family (``arch: llama``, separate q/k/v) shards both.
+
+Dropout is refused under T > 1: on the CPU DTensor has no random ops (``OffsetBasedRNGTracker`` requires a
+CUDA-like device, torch/distributed/tensor/_random.py; ``is_rng_supported_mesh`` is False), and this plan's
+dropouts act on each rank's local shard, whose masks match neither each other nor a world of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+from ddpkit.errors import ConfigError
+from ddpkit.training.gpt import GPT, resolve
+from ddpkit.training.llama import Llama, LlamaShape
+
+__all__ = [
+    "Replicated",
+    "tensor_plan",
+    "llama_plan",
+    "gpt2_plan",
+    "check_tensor_plan",
+    "tensor_problems",
+    "valid_tensor_degrees",
+    "apply_tensor_parallel",
+]
+
+# LlamaBlock calls its attention as attn(x, rope, cache, documents): only x becomes a DTensor.
+_ATTENTION_INPUTS = 4
+# What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
+_GPT2_WIDTH = "the MLP width (4 x model.kwargs.dim)"
+
+
+class Replicated(ParallelStyle):
+    """A module computed whole on every tensor-parallel rank: its own parameters become ``Replicate()`` DTensors.
+
+    Its tensor inputs are read as DTensors of ``input_layout`` (``Replicate()``: the same tensor on every rank;
+    ``Shard(d)``: each rank holds slice ``d``, as a per-head norm after a colwise projection does) and its output
+    is handed back as the local tensor. Nothing is communicated forward; in the backward a parameter whose
+    gradient sums over a sharded input (a per-head norm's weight) is all-reduced by DTensor, a replicated input's
+    gradient is already whole. torchtitan's ``NoParallel`` does the same for the same reason: every parameter on
+    one mesh, for clipping and the fused optimizers. ``distribute_module`` replicates the module's buffers too
+    (none in ddpkit's norms, embeddings and Linears; RoPE's tables sit in a module the plan leaves alone).
+    """
+
+    def __init__(self, *, input_layout: Placement | None = None):
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_replicate_parameters,
+            input_fn=self._inputs_as_dtensors,
+            output_fn=_outputs_as_local,
+        )
+
+    def _inputs_as_dtensors(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(_as_dtensor(x, mesh, self.input_layout) for x in inputs)
+
+    def __repr__(self) -> str:
+        return f"Replicated(input_layout={self.input_layout!r})"
+
+
+def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        # run_check=False: the layout is the plan's promise; checking it would cost a collective per call
+        return DTensor.from_local(x, mesh, (layout,), run_check=False)
+    return x
+
+
+def _outputs_as_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """``Replicate()`` every parameter ``module`` owns itself (``distribute_module`` replicates its buffers)."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            replicated = distribute_tensor(param.data, mesh, [Replicate()])
+            module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def llama_plan(model: Llama) -> dict[str, ParallelStyle]:
+    """The Llama family's plan (the module docstring's table): q/k/v and gate/up colwise, o/down rowwise."""
+    # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
+    plan: dict[str, ParallelStyle] = {"embed": Replicated(), "norm": Replicated(), "head": Replicated()}
+    whole_input = (Replicate(),) + (None,) * (_ATTENTION_INPUTS - 1)
+    for i, block in enumerate(model.blocks):
+        prefix = f"blocks.{i}"
+        plan[f"{prefix}.attn_norm"] = Replicated()
+        plan[f"{prefix}.mlp_norm"] = Replicated()
+        plan[f"{prefix}.attn"] = PrepareModuleInput(
+            input_layouts=whole_input, desired_input_layouts=whole_input, use_local_output=False
+        )
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel()
+        if block.attn.q_norm is not None:
+            # q and k are [batch, length, heads, head_dim] there, each rank holding dim 2's slice
+            plan[f"{prefix}.attn.q_norm"] = Replicated(input_layout=Shard(2))
+            plan[f"{prefix}.attn.k_norm"] = Replicated(input_layout=Shard(2))
+        plan[f"{prefix}.mlp"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def gpt2_plan(model: GPT) -> dict[str, ParallelStyle]:
+    """GPT-2's plan: each block's MLP sharded (``fc`` colwise, ``proj`` rowwise), its fused attention replicated.
+
+    A colwise split of the fused ``attn.qkv`` (rows ``[q | k | v]``) would give rank 0 all of q and part of k, not
+    whole heads; splitting it by heads would need a strided placement torch keeps private (``_StridedShard``)
+    and a checkpoint layout of its own, so the attention stays whole on every rank (see the module docstring).
+    """
+    plan: dict[str, ParallelStyle] = {name: Replicated() for name in ("embed", "pos", "ln_f", "head")}
+    for i in range(len(model.blocks)):
+        prefix = f"blocks.{i}"
+        for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
+            plan[f"{prefix}.{name}"] = Replicated()
+        plan[f"{prefix}.fc"] = ColwiseParallel()
+        plan[f"{prefix}.proj"] = RowwiseParallel()
+    return plan
+
+
+def tensor_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`) by module name.
+
+    A user's model brings its own plan (a dict of the same kind); ddpkit cannot guess which of its Linears pair up.
+    """
+    if isinstance(model, Llama):
+        return llama_plan(model)
+    if isinstance(model, GPT):
+        return gpt2_plan(model)
+    raise ConfigError(
+        f"parallel.tensor: ddpkit has no tensor plan for a {type(model).__name__}; give one as torch's ParallelStyle "
+        "objects by module name (ColwiseParallel for a pair's first Linear, RowwiseParallel for its second), e.g. "
+        "by overriding the Trainer's tensor_plan(model), or set parallel.tensor: 1"
+    )
+
+
+def _widths(model_or_shape: Any) -> tuple[dict[str, int], float, str]:
+    """``({what the plan splits T-way: its size}, dropout, its name)`` of a model, a LlamaShape or gpt kwargs."""
+    dropout_key = "model.kwargs.dropout"
+    if isinstance(model_or_shape, Mapping):
+        arch, kwargs = resolve(dict(model_or_shape))
+        if arch == "gpt2":
+            return {_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["dropout"], dropout_key
+        model_or_shape = LlamaShape(**kwargs)
+    if isinstance(model_or_shape, Llama):
+        model_or_shape = model_or_shape.shape
+    if isinstance(model_or_shape, LlamaShape):
+        shape = model_or_shape
+        widths = {"heads": shape.heads, "kv_heads": shape.kv_heads, "mlp_dim": shape.mlp_dim}
+        return {f"model.kwargs.{key}": size for key, size in widths.items()}, shape.dropout, dropout_key
+    if isinstance(model_or_shape, nn.Module):
+        dropout = max((m.p for m in model_or_shape.modules() if isinstance(m, nn.Dropout)), default=0.0)
+        if isinstance(model_or_shape, GPT):
+            return {_GPT2_WIDTH: 4 * model_or_shape.dim}, dropout, dropout_key
+        # a user's model: its plan is its own; only its dropout can be judged from outside
+        return {}, dropout, "the model's nn.Dropout p"
+    raise TypeError(f"check_tensor_plan: expected a model, a LlamaShape or gpt model.kwargs, got {model_or_shape!r}")
+
+
+def valid_tensor_degrees(model_or_shape: Any) -> list[int] | None:
+    """Every ``parallel.tensor`` the model's plan can split it by: the common divisors of the widths it shards
+    (None for a user's model, whose plan ddpkit does not know)."""
+    widths, _, _ = _widths(model_or_shape)
+    if not widths:
+        return None
+    smallest = min(widths.values())
+    return [t for t in range(1, smallest + 1) if all(size % t == 0 for size in widths.values())]
+
+
+def tensor_problems(model_or_shape: Any, tensor: int) -> list[str]:
+    """What stops ``model_or_shape`` from running ``tensor``-way, one sentence each (empty: it can)."""
+    if tensor == 1:
+        return []
+    widths, dropout, dropout_key = _widths(model_or_shape)
+    problems = [f"{name} {size} is not divisible by {tensor}" for name, size in widths.items() if size % tensor]
+    if dropout > 0:
+        problems.append(
+            f"{dropout_key} {dropout} cannot run tensor-parallel: on the CPU DTensor has no random ops "
+            "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the dropouts "
+            "act on each rank's shard, whose masks would not match a world of one; set it to 0 or parallel.tensor: 1"
+        )
+    return problems
+
+
+def check_tensor_plan(model_or_shape: Any, tensor: int) -> None:
+    """Refuse a tensor degree the model cannot take, naming the valid ones (before any process group exists).
+
+    ``model_or_shape``: a :class:`Llama` or :class:`GPT` (or a user's model: dropout only), a
+    :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does).
+    """
+    if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
+        raise ConfigError(f"parallel.tensor: expected a positive integer, got {tensor!r}")
+    problems = tensor_problems(model_or_shape, tensor)
+    if problems:
+        valid = valid_tensor_degrees(model_or_shape)
+        valid_text = "" if valid is None else f" (valid parallel.tensor for this model: {', '.join(map(str, valid))})"
+        raise ConfigError(f"parallel.tensor: {tensor}: {'; '.join(problems)}{valid_text}")
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle] | None = None
+) -> nn.Module:
+    """Shard ``model`` in place by ``plan`` (default :func:`tensor_plan`) over the 1-D mesh ``tp_mesh``.
+
+    After torch's ``parallelize_module``, a parameter the plan left alone is made a ``Replicate()`` DTensor by
+    :class:`Replicated` on the module that owns it, so every parameter lives on ``tp_mesh``; weights tied before
+    (a tied head) are tied again, one parameter under every name. A gradient the plan leaves ``Partial`` is
+    reduced once, as it is accumulated (:func:`_reduce_partial_grad`). The weights are the mesh's first rank's:
+    torch's ``distribute_tensor`` scatters its shards and broadcasts its replicas (collectives at set-up only).
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D (the tensor dimension), got {tp_mesh}")
+    tied = _tied_names(model)
+    parallelize_module(model, tp_mesh, dict(tensor_plan(model) if plan is None else plan))
+    # a tied head still holds the plain tensor here, so it too gets Replicated's hooks before it is tied again
+    for module in list(model.modules()):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            parallelize_module(module, tp_mesh, Replicated())
+    _retie(model, tied)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    return model
+
+
+def _reduce_partial_grad(param: nn.Parameter) -> None:
+    """Make a gradient DTensor left ``Partial`` (a per-head norm's: each rank summed its own heads) whole, once.
+
+    DTensor would otherwise reduce it lazily inside every op that needs it whole: the clipping norm and each of
+    AdamW's foreach ops, 3 all-reduces a parameter in the optimizer step alone where this costs 1 in the backward.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that has more than one (a tied head: ``embed.weight``, ``head.weight``)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """Point every name of a tied group at the group's first DTensor (the plan made one per module)."""
+    for names in tied:
+        params = [model.get_parameter(name) for name in names]
+        shared = next((p for p in params if isinstance(p, DTensor)), None)
+        if shared is None:
+            continue
+        for name, param in zip(names, params):
+            if isinstance(param, DTensor) and param.placements != shared.placements:
+                raise ValueError(
+                    f"apply_tensor_parallel: the tied parameters {names[0]} and {name} got different placements "
+                    f"({shared.placements} and {param.placements}); give their modules matching styles"
+                )
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, shared)

@@ -1,0 +1,267 @@
+"""Tensor parallelism (ddpkit.training.tensor_plan) on real Gloo ranks: T = 2 against a world of one over 50 AdamW
+steps (losses, clipping norms, weights), the collectives one step costs, FSDP2 over a (dp, tp) mesh, and the
+models and degrees that cannot run tensor-parallel.
+
+    .venv/bin/pytest -q tests/test_tensor_parallel.py
+
+The data is a small training set seen over and over (four fixed batches), as a real run sees its corpus: with
+fresh random tokens every step AdamW turns the rounding of a split sum (about 2e-7 of a gradient) into 8e-5 of a
+weight within 50 steps at lr 1e-3, as it would any other change in the order of a sum; in float64 the same runs
+agree to 1e-12 (asserted), so what differs is rounding and nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ddpkit.errors import ConfigError
+from ddpkit.testing import run_on_ranks
+from ddpkit.training.gpt import GPT
+from ddpkit.training.llama import Llama, LlamaShape
+from ddpkit.training.tensor_plan import (
+    Replicated,
+    apply_tensor_parallel,
+    check_tensor_plan,
+    tensor_plan,
+    valid_tensor_degrees,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 64
+#: Grouped-query attention (4 query heads, 2 key/value heads), an untied head.
+GQA = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, kv_heads=2, mlp_dim=64, max_len=16, tied=False)
+#: Qwen-like: q/k/v biases, per-head q/k RMSNorms (their weights see every head: an all-reduce each), tied head.
+QWEN = {**GQA, "tied": True, "qkv_bias": True, "qk_norm": True}
+GPT2 = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, max_len=16)
+#: Below every run's first gradient norm (about 1.0 to 1.5), so clipping acts from the first step.
+CLIP = 0.5
+
+
+def _model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(**GPT2) if kind == "gpt2" else Llama(LlamaShape(**(GQA if kind == "gqa" else QWEN)))
+    return model.to(dtype)
+
+
+def _batch(step: int) -> torch.Tensor:
+    """One of four fixed batches of 8 sequences of 17 tokens (inputs 16, targets shifted by one)."""
+    return torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step % 4))
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _train(model: nn.Module, steps: int, *, microbatches: int = 1) -> dict:
+    """AdamW with weight decay, the gradient clipped over the whole model; the first step's collectives counted."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses, norms, counts = [], [], None
+    for step in range(steps):
+        with CommDebugMode() as comm:
+            total = 0.0
+            for x in _batch(step).chunk(microbatches):
+                loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()) / microbatches
+                loss.backward()
+                total += loss.item()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
+        losses.append(total)
+        norms.append(_whole(norm).item())
+    weights = {name: _whole(p.detach()).clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
+
+
+def _relative(a: list[float] | dict, b: list[float] | dict) -> float:
+    """The largest difference relative to the world of one's size: per loss, per norm, per weight tensor."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _determined(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights without GPT-2's key biases (the middle third of ``attn.qkv.bias``): their gradient is zero in exact
+    arithmetic (a bias added to every key adds ``q . b`` to every score of a query, which softmax cancels), so AdamW
+    drives them by rounding noise alone, in a world of one as much as under T = 2 (1.9e-4 apart after 50 steps)."""
+    out = dict(weights)
+    for name, bias in weights.items():
+        if name.endswith("attn.qkv.bias"):
+            q, _, v = bias.chunk(3)
+            out[name] = torch.cat([q, v])
+    return out
+
+
+def _against_one(kind: str, steps: int, dtype: torch.dtype, microbatches: int) -> dict:
+    """T = world size against the same model trained here alone: the relative differences and the counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = apply_tensor_parallel(_model(kind, dtype), mesh)
+    every_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    tp = _train(model, steps, microbatches=microbatches)
+    one = _train(_model(kind, dtype), steps, microbatches=microbatches)
+    return {
+        "losses": _relative(tp["losses"], one["losses"]),
+        "norms": _relative(tp["norms"], one["norms"]),
+        "weights": _relative(_determined(tp["weights"]), _determined(one["weights"])),
+        "first_norm": one["norms"][0],
+        "counts": tp["counts"],
+        "counts_alone": one["counts"],
+        "every_dtensor": every_dtensor,
+    }
+
+
+def _runs_against_one() -> dict:
+    """Several comparisons in one spawn (each spawn costs seconds)."""
+    return {
+        "gqa": _against_one("gqa", 50, torch.float32, 1),
+        "qwen": _against_one("qwen", 50, torch.float32, 1),
+        "gpt2": _against_one("gpt2", 50, torch.float32, 1),
+        "gqa_float64": _against_one("gqa", 50, torch.float64, 1),
+        "qwen_accumulated": _against_one("qwen", 10, torch.float32, 2),
+    }
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_match_a_world_of_one_and_count_their_collectives():
+    results = run_on_ranks(_runs_against_one, world_size=2, timeout=280)
+    assert results[0] == results[1]
+    runs = results[0]
+    for name, run in runs.items():
+        assert run["every_dtensor"], name
+        # clipping acted: the norm it clipped was the whole model's, as a world of one measures it
+        assert run["first_norm"] > CLIP, name
+        tolerance = 1e-12 if name.endswith("float64") else 1e-5
+        assert run["losses"] < tolerance, (name, run)
+        assert run["norms"] < tolerance, (name, run)
+        assert run["weights"] < tolerance, (name, run)
+        assert run["counts_alone"] == {}, name
+    # a step: per block two all-reduces forward (o_proj, down_proj) and two backward (the inputs of q/k/v and of
+    # gate/up), one more per q/k norm; GPT-2 shards its MLP only (one each way); one for the clipping norm
+    assert runs["gqa"]["counts"] == {"c10d_functional.all_reduce": 4 * 2 + 1}
+    assert runs["qwen"]["counts"] == {"c10d_functional.all_reduce": 6 * 2 + 1}
+    assert runs["gpt2"]["counts"] == {"c10d_functional.all_reduce": 2 * 2 + 1}
+    # two microbatches: each backward reduces its own activations' gradients and q/k norms' weight gradients
+    assert runs["qwen_accumulated"]["counts"] == {"c10d_functional.all_reduce": 2 * 6 * 2 + 1}
+
+
+def _fsdp2_over_dp_tp(steps: int) -> dict:
+    """FSDP2 over "dp" after the tensor plan over "tp" on a (2, 2) mesh, each dp replica half of every batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = apply_tensor_parallel(_model("qwen", torch.float64), mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp_rank = mesh["dp"].get_local_rank()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    alone = _model("qwen", torch.float64)
+    optimizer_alone = torch.optim.AdamW(alone.parameters(), lr=1e-3, weight_decay=0.1)
+    norms = []
+    for step in range(steps):
+        x = _batch(step)
+        for net, opt, rows in ((model, optimizer, x.chunk(2)[dp_rank]), (alone, optimizer_alone, x)):
+            F.cross_entropy(net(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten()).backward()
+            norms.append(_whole(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)).item())
+            opt.step()
+            opt.zero_grad()
+    weights = {name: _whole(p.detach()) for name, p in model.named_parameters()}
+    placements = {name: str(p.placements) for name, p in model.named_parameters()}
+    return {
+        "weights": _relative(weights, {name: p.detach() for name, p in alone.named_parameters()}),
+        "norms": _relative(norms[0::2], norms[1::2]),
+        "q_proj": placements["blocks.0.attn.q_proj.weight"],
+    }
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_over_a_dp_tp_mesh_matches_a_world_of_one():
+    results = run_on_ranks(_fsdp2_over_dp_tp, world_size=4, args=(10,), timeout=280)
+    for result in results:
+        assert result["weights"] < 1e-12
+        assert result["norms"] < 1e-12
+        # sharded over tp by rows first, then FSDP2's dp shard of each tp shard
+        assert result["q_proj"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_a_one_rank_mesh_is_the_plain_model_bitwise(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    model = apply_tensor_parallel(_model("qwen"), init_device_mesh("cpu", (1,)))
+    tp = _train(model, 5)
+    one = _train(_model("qwen"), 5)
+    assert tp["losses"] == one["losses"]
+    assert all(torch.equal(tp["weights"][k], one["weights"][k]) for k in one["weights"])
+    # a tied head stays tied: one parameter under both names
+    assert model.head.weight is model.embed.weight
+
+
+def test_the_llama_plan_names_torchs_styles():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    plan = tensor_plan(_model("qwen"))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert isinstance(plan[f"blocks.1.attn.{name}"], ColwiseParallel)
+    assert isinstance(plan["blocks.1.attn.o_proj"], RowwiseParallel)
+    assert isinstance(plan["blocks.1.mlp.gate_proj"], ColwiseParallel)
+    assert isinstance(plan["blocks.1.mlp.down_proj"], RowwiseParallel)
+    assert isinstance(plan["blocks.1.attn"], PrepareModuleInput)
+    assert "Shard(dim=2)" in repr(plan["blocks.1.attn.q_norm"])
+    assert isinstance(plan["embed"], Replicated) and isinstance(plan["head"], Replicated)
+    assert "blocks.0.attn.q_norm" not in tensor_plan(_model("gqa"))
+    # GPT-2's fused qkv stays whole: a colwise split of [q | k | v] rows would not be whole heads
+    gpt2 = tensor_plan(_model("gpt2"))
+    assert isinstance(gpt2["blocks.0.attn.qkv"], Replicated)
+    assert isinstance(gpt2["blocks.0.fc"], ColwiseParallel)
+    assert isinstance(gpt2["blocks.0.proj"], RowwiseParallel)
+
+
+def test_a_user_model_brings_its_own_plan():
+    with pytest.raises(ConfigError, match=r"tensor_plan\(model\)"):
+        tensor_plan(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+
+
+@pytest.mark.parametrize(
+    ("model", "tensor", "message"),
+    [
+        (LlamaShape(**GQA), 4, r"model.kwargs.kv_heads 2 is not divisible by 4 \(valid parallel.tensor .*: 1, 2\)"),
+        (
+            LlamaShape(**{**GQA, "heads": 6, "kv_heads": 6, "head_dim": 8}),
+            4,
+            r"model.kwargs.heads 6 is not divisible by 4",
+        ),
+        ({"arch": "llama", "dim": 48, "heads": 3}, 2, r"model.kwargs.heads 3 .* \(valid .*: 1\)"),
+        ({"preset": "qwen2.5-0.5b"}, 4, r"model.kwargs.heads 14 .*kv_heads 2 .*\(valid .*: 1, 2\)"),
+        ({"dim": 30, "heads": 5}, 16, r"the MLP width \(4 x model.kwargs.dim\) 120 is not divisible by 16"),
+        (LlamaShape(**{**GQA, "dropout": 0.1}), 2, r"model.kwargs.dropout 0.1 .*OffsetBasedRNGTracker"),
+        (GPT(**GPT2, dropout=0.1), 2, r"model.kwargs.dropout 0.1"),
+        (nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2)), 2, r"the model's nn.Dropout p 0.2 cannot run"),
+        (LlamaShape(**GQA), 0, r"parallel.tensor: expected a positive integer, got 0"),
+    ],
+)
+def test_degrees_a_model_cannot_take_are_refused_by_name(model, tensor, message):
+    with pytest.raises(ConfigError, match=message):
+        check_tensor_plan(model, tensor)
+
+
+def test_the_degrees_a_model_can_take():
+    check_tensor_plan(LlamaShape(**GQA), 2)
+    check_tensor_plan(LlamaShape(**{**GQA, "dropout": 0.1}), 1)
+    check_tensor_plan(nn.Sequential(nn.Linear(4, 4)), 8)
+    assert valid_tensor_degrees({"preset": "llama3.2-1b"}) == [1, 2, 4, 8]
+    assert valid_tensor_degrees(_model("gpt2")) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert valid_tensor_degrees(nn.Linear(4, 4)) is None
