@@ -11,6 +11,7 @@ uninterrupted run's, and the final weights are bitwise equal.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,13 @@ def test_three_ranks_resume_bitwise_from_a_periodic_checkpoint_the_crash_save_an
     memory = tmp_path / "memory"
     lost_host = {"KILL_RANKS": "all", "KILL_AT_STEP": "10"}
     stderr = _run(memory, nproc=3, env=lost_host, checkpoint={"every_steps": 5, "memory_every_steps": 3})
-    assert "resuming from /dev/shm/" in stderr, stderr[-3000:]
-    _check_join_up(memory, clean, nproc=3, resumed_at=9)
+    # The snapshot of step 9 is written off the training thread: on a loaded machine the kill at step 10 may
+    # come before it is complete, and the restart then takes the newest complete one (step 6, or disk's 5).
+    resumed = re.search(r"resuming from (\S+) \(step (\d+)\)", stderr)
+    assert resumed is not None and int(resumed.group(2)) in (5, 6, 9), stderr[-3000:]
+    if int(resumed.group(2)) != 5:
+        assert resumed.group(1).startswith("/dev/shm/"), stderr[-3000:]
+    _check_join_up(memory, clean, nproc=3, resumed_at=int(resumed.group(2)))
 
 
 @pytest.mark.parametrize("mode", ["zero1", "fsdp2"])
