@@ -20,20 +20,26 @@ applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a t
 ``mlp.down_proj``                 RowwiseParallel: the partial outputs summed (an all-reduce)
 ``attn.q_norm/k_norm`` (Qwen3)    :class:`Replicated` over a head-sharded input: their weight's gradient, a
                                   sum over every head, is all-reduced
-everything else                   :class:`Replicated`: embeddings, norms and the head whole on every rank
+``embed`` / ``head``              :class:`Replicated`, or with ``vocab_parallel`` sharded by vocabulary rows
+                                  (RowwiseParallel / ColwiseParallel), the logits a vocabulary-sharded DTensor
+everything else                   :class:`Replicated`: position embeddings and norms whole on every rank
 ================================  ===========================================================================
 
 The heads each rank holds need no setting: :class:`~ddpkit.training.llama.LlamaAttention` reads its head count
 off the projection (``view(batch, length, -1, head_dim)``), so a rank with ``heads / T`` heads' rows gets
-``heads / T`` heads, and grouped-query attention keeps its grouping (query heads ``h`` .. of a rank read that
-rank's key/value heads, as the whole model's query head ``h`` reads ``h // (heads / kv_heads)``). The KV cache
-(generation) is built for the whole model's ``kv_heads``, so a tensor-parallel model does not generate.
+``heads / T`` heads. Grouped-query attention keeps its grouping: a rank's ``heads / T`` query heads are whole
+groups of ``heads / kv_heads``, each reading one of the rank's own ``kv_heads / T`` key/value heads, the one the
+whole model's query head ``h`` reads (``h // (heads / kv_heads)``). The KV cache (generation) is built for the
+whole model's ``kv_heads``, so a tensor-parallel model does not generate. The plan goes on the bare model, before
+activation checkpointing, compile and FSDP2 (torchtitan's order): a checkpoint wrapper renames the blocks' modules.
 
 One step costs, under T > 1, four all-reduces per block (two forward, two backward; six with Qwen3's q/k norms)
-and nothing else; the embeddings and head are replicated, so the vocabulary is not sharded and the loss needs no
-``loss_parallel``. Every parameter is a DTensor (the replicated ones ``Replicate()``), which is what
-``clip_grad_norm_`` and the optimizers' foreach kernels need: a model mixing DTensors and plain tensors fails
-there ("got mixed torch.Tensor and DTensor").
+and nothing else by default: the embeddings and head are replicated, the logits come back whole and the loss is
+the usual one. ``tensor_plan(model, vocab_parallel=True)`` shards the vocabulary as torchtitan does (five more
+all-reduces a step: the embedding's lookup, the head's input gradient, three in ``loss_parallel``'s cross-entropy),
+and the loop must then compute the loss and call backward inside ``with loss_parallel():``. Every parameter is
+a DTensor (the replicated ones ``Replicate()``), which is what ``clip_grad_norm_`` and the optimizers' foreach
+kernels need: a model mixing DTensors and plain tensors fails there ("got mixed torch.Tensor and DTensor").
 
 GPT-2 (``arch: gpt2``) fuses q, k and v into one ``attn.qkv`` Linear whose rows are ``[q | k | v]``: a colwise
 split of it hands rank 0 all of q and the first half of k (at T = 2), not whole heads, so its plan shards the MLP
@@ -48,7 +54,7 @@ dropouts act on each rank's local shard, whose masks match neither each other no
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -135,10 +141,26 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
             module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
-def llama_plan(model: Llama) -> dict[str, ParallelStyle]:
+def _vocabulary(vocab_parallel: bool) -> dict[str, ParallelStyle]:
+    """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
+
+    Sharded, the embedding's rows are split (RowwiseParallel on an ``nn.Embedding``: each rank looks up the ids it
+    holds, zeros elsewhere, one all-reduce) and so are the head's (ColwiseParallel: each rank scores its ids); the
+    logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
+    rows, so a tied head stays one parameter.
+    """
+    if not vocab_parallel:
+        # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
+        return {"embed": Replicated(), "head": Replicated()}
+    return {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def llama_plan(model: Llama, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The Llama family's plan (the module docstring's table): q/k/v and gate/up colwise, o/down rowwise."""
-    # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
-    plan: dict[str, ParallelStyle] = {"embed": Replicated(), "norm": Replicated(), "head": Replicated()}
+    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel), "norm": Replicated()}
     whole_input = (Replicate(),) + (None,) * (_ATTENTION_INPUTS - 1)
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
@@ -163,14 +185,14 @@ def llama_plan(model: Llama) -> dict[str, ParallelStyle]:
     return plan
 
 
-def gpt2_plan(model: GPT) -> dict[str, ParallelStyle]:
+def gpt2_plan(model: GPT, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
     """GPT-2's plan: each block's MLP sharded (``fc`` colwise, ``proj`` rowwise), its fused attention replicated.
 
     A colwise split of the fused ``attn.qkv`` (rows ``[q | k | v]``) would give rank 0 all of q and part of k, not
     whole heads; splitting it by heads would need a strided placement torch keeps private (``_StridedShard``)
     and a checkpoint layout of its own, so the attention stays whole on every rank (see the module docstring).
     """
-    plan: dict[str, ParallelStyle] = {name: Replicated() for name in ("embed", "pos", "ln_f", "head")}
+    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "ln_f": Replicated()}
     for i in range(len(model.blocks)):
         prefix = f"blocks.{i}"
         for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
@@ -180,15 +202,17 @@ def gpt2_plan(model: GPT) -> dict[str, ParallelStyle]:
     return plan
 
 
-def tensor_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+def tensor_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`) by module name.
 
+    ``vocab_parallel``: shard the embedding and the head by vocabulary too; the model then returns its logits as a
+    DTensor sharded on the vocabulary, and the loss and its backward must run under torch's ``loss_parallel()``.
     A user's model brings its own plan (a dict of the same kind); ddpkit cannot guess which of its Linears pair up.
     """
     if isinstance(model, Llama):
-        return llama_plan(model)
+        return llama_plan(model, vocab_parallel=vocab_parallel)
     if isinstance(model, GPT):
-        return gpt2_plan(model)
+        return gpt2_plan(model, vocab_parallel=vocab_parallel)
     raise ConfigError(
         f"parallel.tensor: ddpkit has no tensor plan for a {type(model).__name__}; give one as torch's ParallelStyle "
         "objects by module name (ColwiseParallel for a pair's first Linear, RowwiseParallel for its second), e.g. "
@@ -196,65 +220,94 @@ def tensor_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     )
 
 
-def _widths(model_or_shape: Any) -> tuple[dict[str, int], float, str]:
-    """``({what the plan splits T-way: its size}, dropout, its name)`` of a model, a LlamaShape or gpt kwargs."""
-    dropout_key = "model.kwargs.dropout"
+class _Sizes(NamedTuple):
+    """What a plan's degree must divide, and what else decides whether a model can run tensor-parallel."""
+
+    #: What every plan splits T-way, by its config name: its size (empty: a user's model, its plan unknown).
+    widths: dict[str, int]
+    vocab_size: int | None
+    #: The ids from here up are padding, their logits masked (None: none).
+    valid_vocab: int | None
+    dropout: float
+    dropout_key: str
+
+
+def _sizes(model_or_shape: Any) -> _Sizes:
+    """The :class:`_Sizes` of a model, a :class:`LlamaShape` or the ``gpt`` builder's ``model.kwargs``."""
+    key = "model.kwargs.dropout"
     if isinstance(model_or_shape, Mapping):
         arch, kwargs = resolve(dict(model_or_shape))
         if arch == "gpt2":
-            return {_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["dropout"], dropout_key
+            padded = kwargs["valid_vocab"] if (kwargs["valid_vocab"] or 0) < kwargs["vocab_size"] else None
+            return _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
         model_or_shape = LlamaShape(**kwargs)
     if isinstance(model_or_shape, Llama):
         model_or_shape = model_or_shape.shape
     if isinstance(model_or_shape, LlamaShape):
         shape = model_or_shape
-        widths = {"heads": shape.heads, "kv_heads": shape.kv_heads, "mlp_dim": shape.mlp_dim}
-        return {f"model.kwargs.{key}": size for key, size in widths.items()}, shape.dropout, dropout_key
+        widths = {"model.kwargs.heads": shape.heads, "model.kwargs.kv_heads": shape.kv_heads}
+        widths["model.kwargs.mlp_dim"] = shape.mlp_dim
+        padded = shape.valid_vocab if (shape.valid_vocab or 0) < shape.vocab_size else None
+        return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key)
     if isinstance(model_or_shape, nn.Module):
         dropout = max((m.p for m in model_or_shape.modules() if isinstance(m, nn.Dropout)), default=0.0)
         if isinstance(model_or_shape, GPT):
-            return {_GPT2_WIDTH: 4 * model_or_shape.dim}, dropout, dropout_key
+            gpt = model_or_shape
+            return _Sizes({_GPT2_WIDTH: 4 * gpt.dim}, gpt.vocab_size, gpt.valid_vocab, dropout, key)
         # a user's model: its plan is its own; only its dropout can be judged from outside
-        return {}, dropout, "the model's nn.Dropout p"
+        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p")
     raise TypeError(f"check_tensor_plan: expected a model, a LlamaShape or gpt model.kwargs, got {model_or_shape!r}")
 
 
-def valid_tensor_degrees(model_or_shape: Any) -> list[int] | None:
+def _split_widths(sizes: _Sizes, vocab_parallel: bool) -> dict[str, int]:
+    if vocab_parallel and sizes.vocab_size is not None:
+        return {**sizes.widths, "model.kwargs.vocab_size": sizes.vocab_size}
+    return sizes.widths
+
+
+def valid_tensor_degrees(model_or_shape: Any, *, vocab_parallel: bool = False) -> list[int] | None:
     """Every ``parallel.tensor`` the model's plan can split it by: the common divisors of the widths it shards
     (None for a user's model, whose plan ddpkit does not know)."""
-    widths, _, _ = _widths(model_or_shape)
+    widths = _split_widths(_sizes(model_or_shape), vocab_parallel)
     if not widths:
         return None
     smallest = min(widths.values())
     return [t for t in range(1, smallest + 1) if all(size % t == 0 for size in widths.values())]
 
 
-def tensor_problems(model_or_shape: Any, tensor: int) -> list[str]:
+def tensor_problems(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> list[str]:
     """What stops ``model_or_shape`` from running ``tensor``-way, one sentence each (empty: it can)."""
     if tensor == 1:
         return []
-    widths, dropout, dropout_key = _widths(model_or_shape)
+    sizes = _sizes(model_or_shape)
+    widths = _split_widths(sizes, vocab_parallel)
     problems = [f"{name} {size} is not divisible by {tensor}" for name, size in widths.items() if size % tensor]
-    if dropout > 0:
+    if vocab_parallel and sizes.valid_vocab is not None:
         problems.append(
-            f"{dropout_key} {dropout} cannot run tensor-parallel: on the CPU DTensor has no random ops "
+            f"model.kwargs.valid_vocab {sizes.valid_vocab} pads the vocabulary, and DTensor cannot mask a sharded "
+            "vocabulary's padded logits (aten.fill_ has no sharding strategy); keep the head replicated"
+        )
+    if sizes.dropout > 0:
+        problems.append(
+            f"{sizes.dropout_key} {sizes.dropout} cannot run tensor-parallel: on the CPU DTensor has no random ops "
             "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the dropouts "
             "act on each rank's shard, whose masks would not match a world of one; set it to 0 or parallel.tensor: 1"
         )
     return problems
 
 
-def check_tensor_plan(model_or_shape: Any, tensor: int) -> None:
+def check_tensor_plan(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> None:
     """Refuse a tensor degree the model cannot take, naming the valid ones (before any process group exists).
 
     ``model_or_shape``: a :class:`Llama` or :class:`GPT` (or a user's model: dropout only), a
-    :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does).
+    :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does);
+    ``vocab_parallel``: the plan shards the vocabulary too (:func:`tensor_plan`).
     """
     if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
         raise ConfigError(f"parallel.tensor: expected a positive integer, got {tensor!r}")
-    problems = tensor_problems(model_or_shape, tensor)
+    problems = tensor_problems(model_or_shape, tensor, vocab_parallel=vocab_parallel)
     if problems:
-        valid = valid_tensor_degrees(model_or_shape)
+        valid = valid_tensor_degrees(model_or_shape, vocab_parallel=vocab_parallel)
         valid_text = "" if valid is None else f" (valid parallel.tensor for this model: {', '.join(map(str, valid))})"
         raise ConfigError(f"parallel.tensor: {tensor}: {'; '.join(problems)}{valid_text}")
 
