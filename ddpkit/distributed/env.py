@@ -124,7 +124,8 @@ def _from_existing_group() -> DistEnv | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     # Without LOCAL_RANK, the GPU the user chose for this process (torch.cuda.set_device) is its local rank.
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     return DistEnv(

@@ -107,8 +107,10 @@ def _read(
             f"Start every rank with the MPI launcher itself (mpirun -np N python train.py ...), "
             "or use torchrun / `ddpkit run CONFIG`"
         )
-    rank, world_size = env_int(environ, rank_var, minimum=0), env_int(environ, size_var, minimum=1)
-    local_rank, local_world_size = env_int(environ, local[0], minimum=0), env_int(environ, local[1], minimum=1)
+    rank = env_int(environ, rank_var, minimum=0)
+    world_size = env_int(environ, size_var, minimum=1)
+    local_rank = env_int(environ, local[0], minimum=0)
+    local_world_size = env_int(environ, local[1], minimum=1)
     if rank >= world_size or local_rank >= local_world_size or local_world_size > world_size:
         raise LaunchError(
             f"{name}: {rank_var}={rank} of {size_var}={world_size}, {local[0]}={local_rank} of "
@@ -181,7 +183,8 @@ def check_kubeflow_env(environ: Mapping[str, str]) -> None:
     (Training Operator v1) also sets ``RANK`` (the pod's index) and ``WORLD_SIZE`` (pods x processes per pod),
     right for one plain process per pod only. Called when torchrun's ``LOCAL_RANK`` is absent.
     """
-    nnodes, nproc = environ.get("PET_NNODES"), environ.get("PET_NPROC_PER_NODE")
+    nnodes = environ.get("PET_NNODES")
+    nproc = environ.get("PET_NPROC_PER_NODE")
     if nnodes is None and nproc is None:
         return
     if "RANK" in environ and nproc in (None, "1"):

@@ -93,9 +93,11 @@ def byte_template(messages: list[dict]) -> Rendered:
     trained: list[bool] = []
     for message in messages:
         if message.get("_raw"):  # a prompt/completion line: the texts back to back
-            body, header = message["content"].encode(), b""
+            body = message["content"].encode()
+            header = b""
         else:
-            body, header = message["content"].encode() + b"\n", f"<|{message['role']}|>\n".encode()
+            body = message["content"].encode() + b"\n"
+            header = f"<|{message['role']}|>\n".encode()
         ids += [header, body]
         trained += [False] * len(header) + [message["role"] == "assistant"] * len(body)
     data = np.frombuffer(b"".join(ids), dtype=np.uint8).astype(np.int64)
@@ -119,7 +121,8 @@ def conversation_of(record: object, where: str) -> list[dict]:
             )
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if isinstance(record, dict) and "prompt" in record and "completion" in record:
-        prompt, completion = record["prompt"], record["completion"]
+        prompt = record["prompt"]
+        completion = record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)) or not completion:
             raise DataError(f'{where}: "prompt" and "completion" must be strings, the completion non-empty')
         return [
@@ -155,7 +158,8 @@ def tokenize_chat(
     if not source.is_file():
         raise DataError(f"--chat {source}: no such file; give a JSON-lines file of conversations")
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    target, mask = Path(output), mask_path_of(output)
+    target = Path(output)
+    mask = mask_path_of(output)
     target.parent.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
     count = tokens = trained = 0
@@ -170,7 +174,9 @@ def tokenize_chat(
                 learn = np.append(learn, messages[-1]["role"] == "assistant")
             ids_out.write(ids.astype(dtype).tobytes())
             mask_out.write(learn.astype(np.uint8).tobytes())
-            count, tokens, trained = count + 1, tokens + len(ids), trained + int(learn.sum())
+            count = count + 1
+            tokens = tokens + len(ids)
+            trained = trained + int(learn.sum())
     if not count:
         raise DataError(f"--chat {source}: no conversation to write ({len(skipped)} bad lines skipped)")
     return ChatSummary(target, count, tokens, trained, len(skipped), dtype, vocab_size, eot, end_of_turn)

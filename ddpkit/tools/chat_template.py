@@ -94,7 +94,9 @@ class _ChatTemplate:
     """One conversation rendered by the tokenizer's template: ``(ids, trained)`` (see the module docstring)."""
 
     def __init__(self, tok: Any, turn_end: int | None, *, add_end: bool):
-        self.tok, self.end_of_turn, self.add_end = tok, turn_end, add_end
+        self.tok = tok
+        self.end_of_turn = turn_end
+        self.add_end = add_end
 
     def __call__(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tok

@@ -71,7 +71,8 @@ def save_safetensors(
             f"writing {output} needs the safetensors package, which is not installed: "
             "pip install 'ddpkit[safetensors]' (or export to a .pt file)"
         ) from None
-    tensors, seen = {}, set()
+    tensors = {}
+    seen = set()
     for key, value in weights.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(

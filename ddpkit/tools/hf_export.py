@@ -91,10 +91,12 @@ def write_hf_directory(spec: ModelSpec, weights: dict[str, Any], output: Path) -
     """``config.json``, ``model.safetensors`` and the tokenizer's files of the ``gpt`` model ``spec`` in ``output``."""
     arch, kwargs = resolve(spec.kwargs)
     if arch == "llama":
-        tensors, config = hf_llama.to_hf(weights, kwargs), hf_llama.hf_config(kwargs)
+        tensors = hf_llama.to_hf(weights, kwargs)
+        config = hf_llama.hf_config(kwargs)
         shape = f"{hf_llama.ARCHITECTURES[kwargs['family']]} {kwargs['depth']} x {kwargs['dim']}"
     else:
-        tensors, config = hf_gpt2.to_hf(weights, kwargs), hf_gpt2.hf_config(kwargs)
+        tensors = hf_gpt2.to_hf(weights, kwargs)
+        config = hf_gpt2.hf_config(kwargs)
         shape = f"GPT-2 {kwargs['depth']} x {kwargs['dim']}"
     init_from = spec.kwargs.get("init_from")
     config.update(_special_tokens(init_from))

@@ -52,7 +52,10 @@ class LayerCache:
     """One block's keys and values ``[B, kv_heads, capacity, head_dim]``, filled up to ``length``."""
 
     def __init__(self, shape: tuple[int, int, int], *, max_len: int, device: torch.device, dtype: torch.dtype):
-        self.shape, self.max_len, self.device, self.dtype = shape, max_len, device, dtype
+        self.shape = shape
+        self.max_len = max_len
+        self.device = device
+        self.dtype = dtype
         self.keys = self.values = torch.zeros((*shape[:2], 0, shape[2]), device=device, dtype=dtype)
         self.length = 0
 

@@ -57,7 +57,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads = heads
+        self.dropout = dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)  # a residual projection: GPT-2 scales its initial weights
 
@@ -77,9 +78,11 @@ class GPTBlock(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, activation: str = "gelu"):
         super().__init__()
         self.approximate = ACTIVATIONS[activation]
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.ln1 = nn.LayerNorm(dim)
+        self.ln2 = nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads, dropout)
-        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(
@@ -112,13 +115,19 @@ class GPT(nn.Module):
         super().__init__()
         _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
         _check_options(activation, valid_vocab, vocab_size)
-        self.vocab_size, self.dim, self.depth, self.heads, self.max_len = vocab_size, dim, depth, heads, max_len
+        self.vocab_size = vocab_size
+        self.dim = dim
+        self.depth = depth
+        self.heads = heads
+        self.max_len = max_len
         # what the KV cache reads: every head has its own keys and values
-        self.kv_heads, self.head_dim = heads, dim // heads
+        self.kv_heads = heads
+        self.head_dim = dim // heads
         self.activation = activation
         #: Ids from here up are padding: their logits are -inf (None: every id is real).
         self.valid_vocab = valid_vocab if valid_vocab is not None and valid_vocab < vocab_size else None
-        self.embed, self.pos = nn.Embedding(vocab_size, dim), nn.Embedding(max_len, dim)
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout, activation) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim)

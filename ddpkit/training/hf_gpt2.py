@@ -117,7 +117,8 @@ def read_weights(directory: str | os.PathLike, *, vocab_size: int, max_len: int,
             )
         tensor = hf[theirs].t() if transposed else hf[theirs]
         out[ours] = tensor.contiguous().float()
-    embed, pos = out["embed.weight"], out["pos.weight"]
+    embed = out["embed.weight"]
+    pos = out["pos.weight"]
     out["embed.weight"] = torch.cat(
         [embed, embed.new_zeros(vocab_size - embed.shape[0], embed.shape[1])]
     )  # padded ids: zero rows

@@ -185,8 +185,10 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
-        self.head_dim, self.dropout = shape.head_dim, shape.dropout
-        inner, kv_inner = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        self.head_dim = shape.head_dim
+        self.dropout = shape.dropout
+        inner = shape.heads * shape.head_dim
+        kv_inner = shape.kv_heads * shape.head_dim
         self.q_proj = nn.Linear(shape.dim, inner, bias=shape.qkv_bias)
         self.k_proj = nn.Linear(shape.dim, kv_inner, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.dim, kv_inner, bias=shape.qkv_bias)
@@ -207,7 +209,8 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(batch, length, -1, self.head_dim)
         v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         cos, sin = rope
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
@@ -263,8 +266,13 @@ class Llama(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape
-        self.vocab_size, self.dim, self.depth, self.max_len = shape.vocab_size, shape.dim, shape.depth, shape.max_len
-        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.vocab_size = shape.vocab_size
+        self.dim = shape.dim
+        self.depth = shape.depth
+        self.max_len = shape.max_len
+        self.heads = shape.heads
+        self.kv_heads = shape.kv_heads
+        self.head_dim = shape.head_dim
         #: Ids from here up are padding: their logits are -inf (None: every id is real).
         self.valid_vocab = shape.valid_vocab if shape.valid_vocab and shape.valid_vocab < shape.vocab_size else None
         self.embed = nn.Embedding(shape.vocab_size, shape.dim)

@@ -61,11 +61,14 @@ class LoraLinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.in_features = base.in_features
+        self.out_features = base.out_features
         # the base's own parameters, frozen, under the names they had
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
-        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.r = r
+        self.alpha = alpha
+        self.scaling = alpha / r
         self.lora_dropout = nn.Dropout(dropout)
         where = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **where)
@@ -94,7 +97,9 @@ class LoraBase(nn.Module):
 
     def __init__(self, *, base: str, fingerprint: str, config: dict[str, Any]):
         super().__init__()
-        self.base, self.fingerprint, self.config = base, fingerprint, config
+        self.base = base
+        self.fingerprint = fingerprint
+        self.config = config
 
     def get_extra_state(self) -> dict[str, Any]:
         return {"base": self.base, "fingerprint": self.fingerprint, **self.config}

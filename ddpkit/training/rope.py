@@ -76,7 +76,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return inv_freq / factor
     # llama3: transformers' _compute_llama3_parameters, operation for operation (the same fp32 values)
     old_context = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    low = scaling["low_freq_factor"]
+    high = scaling["high_freq_factor"]
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
     smooth = (old_context / wavelength - low) / (high - low)
@@ -90,7 +91,9 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None):
         super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
     def reset_parameters(self) -> None:
@@ -101,7 +104,8 @@ class Rotary(nn.Module):
         """``(cos, sin)``: ``[T, D]`` for positions ``[T]``, ``[B, 1, T, D]`` for per-sequence ones ``[B, T]``."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device).float()
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos = angles.cos().to(dtype)
+        sin = angles.sin().to(dtype)
         if positions.dim() == 2:
             return cos[:, None], sin[:, None]
         return cos, sin
