@@ -68,7 +68,7 @@ def cut_blocks(model: nn.Module, stages: int, family: dict[str, tuple[str, ...]]
             f"use at most {depth} stages"
         )
     first = _count(model, family["first"])
-    last = _count(model, family["last"], skip_tied=model)
+    last = _count(model, family["last"], skip_embedding=True)
     costs = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     share = (first + sum(costs) + last) / stages
     bounds = [0]
@@ -93,9 +93,11 @@ def stage_blocks(stage: nn.Module) -> list[str]:
     return [name for name, _ in stage.named_children()]
 
 
-def _count(model: nn.Module, names: tuple[str, ...], *, skip_tied: nn.Module | None = None) -> int:
+def _count(model: nn.Module, names: tuple[str, ...], *, skip_embedding: bool = False) -> int:
+    """Parameters of ``model``'s parts ``names``, each once; ``skip_embedding``: not the embedding's (a tied head
+    is counted on the first stage)."""
     seen = set()
-    if skip_tied is not None and getattr(model, "embed", None) is not None:
+    if skip_embedding and getattr(model, "embed", None) is not None:
         seen = {id(p) for p in model.embed.parameters()}
     total = 0
     for name in names:
