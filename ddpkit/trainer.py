@@ -325,9 +325,7 @@ class Trainer:
         data.require_vocab_of(whole, train_set, val_set)
         model = self._place(whole)
         self.train_loader = self.build_train_loader(train_set)
-        # No validation under a pipeline yet (ddpkit.training.pipeline_step says so in the log).
-        validated = val_set is not None and self._pipeline is None
-        self.val_loader = self.build_val_loader(val_set) if validated else None
+        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
         self._steps_per_epoch, self.total_steps = data.run_length(
             self.train_loader, self.data_config, short_steps=self._pipeline is None
         )

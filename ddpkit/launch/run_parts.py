@@ -122,8 +122,9 @@ def build_run_parts(
         device=device,
         accum=config.train.grad_accum_steps,
     )
+    ticking = worker.watchdog.ticking
     evaluation = training.Evaluation(
-        models, built.val_loader, device=device, autocast=update.autocast, ticking=worker.watchdog.ticking
+        models, built.val_loader, device=device, autocast=update.autocast, ticking=ticking, pipeline=built.pipeline
     )
     return RunParts(reporter, checkpointer, health, update, models, step, evaluation)
 

@@ -20,7 +20,7 @@ which carry the vocabulary, get fewer blocks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -229,12 +229,15 @@ class HeldParts(nn.Module):
     One ``blocks`` ModuleDict gathers the blocks of all local stages (interleaved schedules hold several).
     ``whole_order``: the whole model's parameter names in its optimizer's order (set by the pipeline's builder),
     what a single-file checkpoint's position-keyed optimizer state needs to find this rank's parameters.
+    ``forward``: what calling the parts does, validation's forward through every stage of the replica
+    (:class:`ddpkit.training.evaluation_pipeline.PipelineForward`; outside validation it refuses).
     """
 
     whole_order: list[str] | None = None
 
-    def __init__(self, stages: list[nn.Module]):
+    def __init__(self, stages: list[nn.Module], *, forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
+        self._run_forward = forward
         blocks = nn.ModuleDict()
         for stage in stages:
             for name, child in stage.named_children():
@@ -244,3 +247,9 @@ class HeldParts(nn.Module):
                     self.add_module(name, child)
         if len(blocks):
             self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits of ``x``, inside validation (``validation_step``'s ``self.model(x)``)."""
+        if self._run_forward is None:
+            raise RuntimeError("these pipeline parts have no forward: a rank holds only its stages")
+        return self._run_forward(x)

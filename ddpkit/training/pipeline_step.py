@@ -38,6 +38,7 @@ from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.reporting.log import log
+from ddpkit.training.evaluation_pipeline import PipelineForward
 from ddpkit.training.param_groups import param_groups
 from ddpkit.training.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
 from ddpkit.training.train_step import StepReporting
@@ -71,6 +72,8 @@ class Pipeline:
     tied: TiedWeights
     #: The parameters whose gradients count in the norm: the tied matrix once (on the first stage).
     norm_parameters: list[torch.Tensor]
+    #: Validation's forward through the stages (the held parts' forward on the last stage).
+    forward: PipelineForward
 
 
 def build_pipeline(
@@ -112,7 +115,8 @@ def build_pipeline(
     scale = config.train.loss_normalization != "tokens"
     argument = torch_stages if parallel.schedule in INTERLEAVED else torch_stages[0]
     schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=loss, scale_grads=scale)
-    held = HeldParts(local)
+    forward = PipelineForward(local, ids, total=total, device=runtime.device, group=layout.pp_group)
+    held = HeldParts(local, forward=forward)
     # A single-file checkpoint's optimizer state is keyed by position in the whole model's groups: its order.
     names = {id(p): name for name, p in model.named_parameters()}
     groups = param_groups(list(model.named_parameters()), config.optim)
@@ -123,7 +127,7 @@ def build_pipeline(
     skip = {id(tied.weight)} if tied.weight is not None and not first else set()
     norm_parameters = [p for p in held.parameters() if id(p) not in skip]
     _log_layout(layout, every, ids, microbatches, parallel.schedule)
-    return Pipeline(local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters)
+    return Pipeline(local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters, forward)
 
 
 def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime) -> nn.Module:
@@ -174,8 +178,7 @@ def _log_layout(layout: ParallelLayout, every: list[nn.Module], ids: list[int], 
     else:
         theory = f"{bubble_fraction(len(every), microbatches):.0%} in theory"
     log.info(
-        "pipeline: %s; schedule %s, %d microbatches (bubble %s); %s; this rank holds stage(s) %s; validation is "
-        "skipped under a pipeline (not supported by ddpkit yet)",
+        "pipeline: %s; schedule %s, %d microbatches (bubble %s); %s; this rank holds stage(s) %s",
         layout.describe(),
         name,
         microbatches,
