@@ -19,14 +19,7 @@ from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful, save_model
 from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
-from ddpkit.distributed import (
-    DistEnv,
-    Runtime,
-    check_same_run_on_every_rank,
-    read_dist_env,
-    shard_model,
-    shard_optimizer,
-)
+from ddpkit.distributed import DistEnv, Runtime, check_same_run_on_every_rank, read_dist_env, shard_optimizer
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.run_parts import Built, build_run_parts
@@ -70,8 +63,9 @@ class Trainer:
         # an auxiliary head) gets the same weights in every launch and on every rank (torch 2.14 seeds each
         # process at random). fit() seeds again before its own build.
         training.seed_for_setup(self.config.run.seed, deterministic=self.config.train.deterministic)
-        # The layout's degrees against this launch's world size, before any process group exists.
+        # The layout's degrees against this launch's world size, and the model's widths, before any process group.
         check_layout(self.config.parallel, world_size=self.env.world_size)
+        training.check_tensor_degree(self.config)
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
         # the loop's one ordered list of listeners; setup fills it, this Trainer last
@@ -172,6 +166,11 @@ class Trainer:
         """Under ``parallel.pipeline``: the ``stages`` stage modules of ``model``, in order, each a module whose
         forward takes the previous stage's output. None (the default): ddpkit's own models cut themselves, and
         ``parallel.split_points`` cuts a model whose top-level children run in order."""
+        return None
+
+    def tensor_plan(self, model: nn.Module) -> dict[str, Any] | None:
+        """Under ``parallel.tensor``: torch's ParallelStyle objects by module name (``{"fc1": ColwiseParallel()}``).
+        None (the default): ddpkit's own models' plans (ddpkit.training.tensor_plan); another model needs one."""
         return None
 
     def pipeline_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -337,15 +336,12 @@ class Trainer:
         return Built(model, self.optimizer, self.scheduler, *loaders, self.total_steps, self._pipeline)
 
     def _place(self, whole: nn.Module) -> nn.Module:
-        """fsdp2: the model sharded; a pipeline: this rank's stages (the rest let go); else the model as built."""
-        cfg = self.config
-        if self.layout.pp == 1:
-            return shard_model(whole, self.runtime, cfg.parallel, precision=cfg.train.precision)
-        training.refuse_training_step_override(type(self), Trainer)
-        self._pipeline = training.build_pipeline(
-            whole, self.layout, cfg, self.runtime, split=self.pipeline_stages, loss=self.pipeline_loss
-        )
-        return self._pipeline.held
+        """The tensor plan, then fsdp2's shards or this rank's pipeline stages (ddpkit.training.placement)."""
+        if self.layout.pp > 1:
+            training.refuse_training_step_override(type(self), Trainer)
+        hooks = dict(plan=self.tensor_plan, split=self.pipeline_stages, loss=self.pipeline_loss)
+        model, self._pipeline = training.place_model(whole, self.layout, self.config, self.runtime, **hooks)
+        return model
 
     def _finished(self) -> bool:
         epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping

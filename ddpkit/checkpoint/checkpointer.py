@@ -150,10 +150,14 @@ class Checkpointer:
         its own, added as soon as the checkpointer exists: its on_exit uploads model.pt and frees the lock.)"""
         config = self.config
         runtime = self.runtime
-        if self.layout.pp > 1:
+        layout = self.layout
+        if layout.pp > 1 or layout.tp > 1:
+            held = "one stage" if layout.pp > 1 else f"1/{layout.tp} of each block"
             log.info(
-                "the crash save and memory snapshots are off under a pipeline: a lone survivor holds one stage, not "
-                "the model; a restart resumes from the newest checkpoint (checkpoint.every_steps)"
+                "the crash save and memory snapshots are off under %s: a lone survivor holds %s, not the model; "
+                "a restart resumes from the newest checkpoint (checkpoint.every_steps)",
+                "a pipeline" if layout.pp > 1 else "tensor parallelism",
+                held,
             )
             return []
         crash_save = CrashSave.arm(config, runtime, self, ledger=ledger)

@@ -41,11 +41,17 @@ def save_model(model: torch.nn.Module, path: Path, *, rank: int, pipeline: Any =
     ``pipeline``: the layout of a pipeline, where ``model`` holds one rank's stages: replica 0's stages send theirs
     to rank 0, which writes the whole model under its own names (the same file as any other layout's).
     """
-    weights = full_model_state(model)
+    if pipeline is None:
+        weights = full_model_state(model)
+    else:
+        # Each stage's own tensors made whole (a tensor plan's or FSDP2's DTensors: a collective in their mesh),
+        # not full_model_state's, which gathers them on rank 0 only, and rank 0 holds stage 0 alone.
+        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     # On the CPU, so the file loads on any machine
     weights = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
     if pipeline is not None:
-        weights = _gathered(weights if pipeline.dp_rank == 0 else {}, rank=rank)
+        first_copy = pipeline.dp_rank == 0 and pipeline.tp_rank == 0
+        weights = _gathered(weights if first_copy else {}, rank=rank)
     if rank != 0:
         return
     # Rank 0 alone checks and writes the file

@@ -1,11 +1,12 @@
 """The parallel layout's degrees, checked before any process group exists.
 
     problems = pipeline_problems(cfg)              # what no world size can fix (with cross_field_problems)
+    problems += tensor_config_problems(cfg)        # the same for parallel.tensor
     check_layout(cfg.parallel, world_size=8)       # ConfigError naming the valid layouts of 8 ranks
 
 A layout is the degrees of the three ways of spreading a model: data parallel (dp, held by
-``parallel.mode``), pipeline (pp, ``parallel.pipeline``) and tensor (tp, 1 until tensor parallelism
-lands). ``dp = world_size / (pp * tp)``. torchtitan checks the same arithmetic in its
+``parallel.mode``), pipeline (pp, ``parallel.pipeline``) and tensor (tp, ``parallel.tensor``).
+``dp = world_size / (pp * tp)``. torchtitan checks the same arithmetic in its
 ``ParallelDims``; here it runs in the Trainer's constructor, from the environment the launcher set,
 so a layout that cannot work stops with one message instead of a hang in the first send.
 """
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "pipeline_problems",
+    "tensor_config_problems",
     "layout_problems",
     "check_layout",
     "microbatches_of",
@@ -96,17 +98,73 @@ def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
     return problems
 
 
-def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
-    """What this layout cannot do on ``world_size`` ranks (P not dividing it, too few microbatches)."""
-    stages = parallel.pipeline
-    if stages == 1:
+def tensor_config_problems(cfg: Config) -> list[str]:
+    """The ``parallel.tensor`` options that cannot work whatever the world size, each naming the fix.
+
+    The model's own widths (heads, kv heads, MLP width divisible by T) are judged by the Trainer's constructor
+    (:func:`ddpkit.training.placement.check_tensor_degree`), before any process group too.
+    """
+    parallel = cfg.parallel
+    tensor = parallel.tensor
+    if tensor == 1:
+        if parallel.vocab_parallel:
+            return ["parallel.vocab_parallel: only with parallel.tensor > 1; set parallel.vocab_parallel=false"]
         return []
     problems = []
-    if world_size % stages:
+    if parallel.mode == "zero1":
         problems.append(
-            f"parallel.pipeline: {stages} stages do not divide the world size {world_size}; "
-            f"valid on {world_size} ranks: {_valid_layouts(world_size)}"
+            "parallel.mode: zero1 does not shard tensor-parallel (DTensor) parameters; use parallel.mode=fsdp2 "
+            "with parallel.tensor > 1 (it shards over the data-parallel ranks), or parallel.mode=ddp"
         )
+    problems += _unsupported_with_tensor_parallel(cfg)
+    return problems
+
+
+def _unsupported_with_tensor_parallel(cfg: Config) -> list[str]:
+    problems = []
+    if cfg.model.lora is not None:
+        problems.append("model.lora: LoRA's adapters have no tensor plan yet; set parallel.tensor=1 with model.lora")
+    if cfg.train.compile is not False:
+        problems.append("train.compile: not wired for tensor parallelism yet; set train.compile=false")
+    if cfg.train.precision == "fp16":
+        problems.append(
+            "train.precision: fp16's GradScaler is not run on tensor-parallel gradients; use train.precision=bf16"
+        )
+    if cfg.ddp.comm_hook != "none":
+        problems.append(
+            f"ddp.comm_hook: {cfg.ddp.comm_hook!r} is a DDP communication hook, and a tensor-parallel model is not "
+            "wrapped in DDP; set ddp.comm_hook=none"
+        )
+    return problems
+
+
+def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
+    """What this layout cannot do on ``world_size`` ranks (P x T not dividing it, too few microbatches)."""
+    stages = parallel.pipeline
+    tensor = parallel.tensor
+    if stages == 1 and tensor == 1:
+        return []
+    if world_size % (stages * tensor):
+        if tensor == 1:
+            degrees = f"parallel.pipeline: {stages} stages do not"
+        elif stages == 1:
+            degrees = f"parallel.tensor: {tensor} does not"
+        else:
+            degrees = f"parallel.pipeline x parallel.tensor: {stages} x {tensor} does not"
+        return [
+            f"{degrees} divide the world size {world_size}; "
+            f"valid on {world_size} ranks: {_valid_layouts(world_size)}"
+        ]
+    problems = []
+    replicas = world_size // (stages * tensor)
+    if tensor > 1 and replicas > 1 and parallel.mode == "ddp":
+        problems.append(
+            f"parallel.mode: ddp cannot replicate a tensor-parallel model over {replicas} data-parallel ranks (torch's "
+            "DDP takes DTensor parameters only through a private transform that checkpoints cannot read); use "
+            f"parallel.mode=fsdp2 (it shards over the {replicas} replicas), or "
+            f"parallel.tensor={world_size // stages} (one replica)"
+        )
+    if stages == 1:
         return problems
     microbatches = microbatches_of(parallel)
     if parallel.schedule != "gpipe" and microbatches < stages:
@@ -130,5 +188,12 @@ def check_layout(parallel: ParallelConfig, *, world_size: int) -> None:
 
 
 def _valid_layouts(world_size: int) -> str:
-    choices = [p for p in range(1, world_size + 1) if world_size % p == 0]
-    return ", ".join(f"pipeline={p} (data-parallel {world_size // p})" for p in choices)
+    """Every (pipeline, tensor) pair that divides ``world_size``, with the data-parallel degree it leaves."""
+    degrees = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    choices = [(p, t) for p in degrees for t in degrees if world_size % (p * t) == 0]
+    return ", ".join(
+        f"pipeline={p} tensor={t} (data-parallel {world_size // (p * t)})"
+        if t > 1
+        else f"pipeline={p} (data-parallel {world_size // p})"
+        for p, t in choices
+    )

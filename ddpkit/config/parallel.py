@@ -79,3 +79,15 @@ class ParallelConfig:
         "the children must run in order). `null`: ddpkit's own models cut themselves by blocks, balanced by "
         "parameters; another model needs these or a `pipeline_stages(model, stages)` Trainer method.",
     )
+    tensor: int = option(
+        1,
+        "Tensor-parallel degree T: each block's attention heads and MLP width are split T-way over T ranks (torch's "
+        "DTensor styles, a tensor plan by module name); the data-parallel degree becomes world_size / (P x T), held "
+        "by `mode` (`fsdp2` over any degree, `ddp` with one replica) (docs/modes.md#tensor-parallelism). `1`: none.",
+        ge=1,
+    )
+    vocab_parallel: bool = option(
+        False,
+        "Under `tensor` > 1, shard the embedding and the head by vocabulary too (torch's `loss_parallel`: the logits "
+        "are never whole on one rank). `false`: both replicated, the logits whole.",
+    )

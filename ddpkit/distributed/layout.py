@@ -3,16 +3,19 @@
     layout = ParallelLayout.build(cfg.parallel, runtime)     # once, after the process group exists
     layout.dp, layout.dp_rank, layout.dp_group               # what samplers, token counts and replicas use
     layout.pp, layout.pp_rank, layout.pp_group               # a pipeline's stages
+    layout.tp, layout.tp_rank, layout.tp_mesh                # the tensor-parallel ranks a model's plan splits over
     layout.replicated                                        # every data-parallel rank holds the same parameters
 
 torchtitan's ``ParallelDims`` is the model: the degrees are checked first (``ddpkit.config.layout``,
 before any group exists), then one ``DeviceMesh`` is built once and passed to everything that shards
-or reduces. The mesh's dimensions are ``("pp", "dp")``, the pipeline outermost, so the ranks of one
-pipeline are ``dp`` apart and rank 0 holds stage 0 of replica 0; a tensor dimension joins them when
-tensor parallelism lands (its degree is 1 today).
+or reduces. The mesh's dimensions are ``("pp", "dp", "tp")``, the pipeline outermost and the tensor
+dimension innermost (torchtitan's order): the T ranks of one tensor-parallel group are neighbours (on a
+GPU node, the fastest links carry its per-block all-reduces), the ranks of one pipeline are ``dp x tp``
+apart, and rank 0 holds stage 0 of replica 0.
 
-Without a pipeline no mesh is built: the data-parallel group is the whole world, i.e. the default
-group (``dp_group`` None), exactly what every run used before layouts existed, at no extra cost.
+Without a pipeline or tensor parallelism no mesh is built: the data-parallel group is the whole world,
+i.e. the default group (``dp_group`` None), exactly what every run used before layouts existed, at no
+extra cost.
 """
 
 from __future__ import annotations
@@ -40,28 +43,35 @@ class ParallelLayout:
     dp_rank: int
     pp_rank: int
     tp: int = 1
-    #: The ``("pp", "dp")`` DeviceMesh; None without a pipeline (then the default group is the dp group).
+    tp_rank: int = 0
+    #: The ``("pp", "dp", "tp")`` DeviceMesh; None with neither a pipeline nor tensor parallelism (then the
+    #: default group is the dp group).
     mesh: Any = None
 
     @classmethod
     def build(cls, parallel: ParallelConfig, runtime: Runtime) -> ParallelLayout:
-        """Check the degrees against the world size, then build the mesh (a collective) when there is a pipeline."""
+        """Check the degrees against the world size, then build the mesh (a collective) for a pipeline or tensor
+        parallelism."""
         env = runtime.env
         check_layout(parallel, world_size=env.world_size)
         stages = parallel.pipeline
-        replicas = env.world_size // stages
-        if stages == 1:
+        tensor = parallel.tensor
+        replicas = env.world_size // (stages * tensor)
+        if stages == 1 and tensor == 1:
             return cls.data_parallel(parallel.mode, env)
-        # Imported here: DeviceMesh pulls in DTensor, which runs without a pipeline never need.
+        # Imported here: DeviceMesh pulls in DTensor, which plain data-parallel runs never need.
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(runtime.device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
+        shape = (stages, replicas, tensor)
+        mesh = init_device_mesh(runtime.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
         return cls(
             mode=parallel.mode,
             dp=replicas,
             pp=stages,
             dp_rank=mesh.get_local_rank("dp"),
             pp_rank=mesh.get_local_rank("pp"),
+            tp=tensor,
+            tp_rank=mesh.get_local_rank("tp"),
             mesh=mesh,
         )
 
@@ -78,7 +88,17 @@ class ParallelLayout:
     @property
     def pp_group(self) -> Any:
         """The process group of this rank's pipeline (its stages); None without a pipeline."""
-        return None if self.mesh is None else self.mesh.get_group("pp")
+        return None if self.pp == 1 else self.mesh.get_group("pp")
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The 1-D mesh of this rank's data-parallel replicas (what FSDP2 shards over); None without a mesh."""
+        return None if self.mesh is None else self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> Any:
+        """The 1-D mesh of this rank's tensor-parallel group (what a tensor plan splits over); None when T is 1."""
+        return None if self.tp == 1 else self.mesh["tp"]
 
     @property
     def replicated(self) -> bool:
@@ -87,18 +107,19 @@ class ParallelLayout:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """Whether checkpoints are DCP directories, every rank writing its part: sharded modes and pipelines."""
-        return self.mode in ("zero1", "fsdp2") or self.pp > 1
+        """Whether checkpoints are DCP directories, every rank writing its part: sharded modes, pipelines, tensor
+        parallelism."""
+        return self.mode in ("zero1", "fsdp2") or self.pp > 1 or self.tp > 1
 
     @property
     def whole_model_on_each_rank(self) -> bool:
         """Whether one rank alone can save the whole training state (the crash save, memory snapshots)."""
-        return self.mode == "ddp" and self.pp == 1
+        return self.mode == "ddp" and self.pp == 1 and self.tp == 1
 
     def data_env(self, env: DistEnv) -> DistEnv:
-        """The environment the samplers shard by: the data-parallel coordinate (the stages of one pipeline read the
-        same batches); ``env`` itself without a pipeline."""
-        if self.pp == 1:
+        """The environment the samplers shard by: the data-parallel coordinate (the stages of one pipeline, and the
+        ranks of one tensor-parallel group, read the same batches); ``env`` itself when every rank is a replica."""
+        if self.dp == env.world_size:
             return env
         return dataclasses.replace(env, rank=self.dp_rank, world_size=self.dp)
 
@@ -110,9 +131,10 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line for the log: the degrees and this rank's coordinates."""
-        if self.pp == 1:
+        if self.mesh is None:
             return f"data-parallel {self.dp} ({self.mode})"
-        return (
-            f"pipeline {self.pp} x data-parallel {self.dp} ({self.mode}): this rank is stage {self.pp_rank} "
-            f"of replica {self.dp_rank}"
-        )
+        degrees = [f"pipeline {self.pp}"] * (self.pp > 1) + [f"data-parallel {self.dp} ({self.mode})"]
+        degrees += [f"tensor {self.tp}"] * (self.tp > 1)
+        where = [f"stage {self.pp_rank}"] * (self.pp > 1) + [f"replica {self.dp_rank}"]
+        where += [f"tensor rank {self.tp_rank}"] * (self.tp > 1)
+        return f"{' x '.join(degrees)}: this rank is {', '.join(where)}"

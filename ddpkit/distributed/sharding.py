@@ -49,8 +49,14 @@ log = logging.getLogger(__name__)
 _PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 
 
-def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *, precision: str = "fp32") -> nn.Module:
-    """``fully_shard`` each block, then the root, on a device mesh over every rank (``fsdp2``); else ``model``."""
+def shard_model(
+    model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *, precision: str = "fp32", mesh: Any = None
+) -> nn.Module:
+    """``fully_shard`` each block, then the root, over ``mesh`` (``fsdp2``); else ``model``.
+
+    ``mesh``: the layout's 1-D data-parallel mesh (a slice of its (pp, dp, tp) mesh, so FSDP2 composes with a
+    tensor plan's DTensors on the ``tp`` slice); None: a mesh over every rank, built here.
+    """
     if parallel.mode != "fsdp2":
         return model
     if len(ddp.devices_of(model)) > 1:
@@ -63,7 +69,8 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = model.to(runtime.device)
-    mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
+    if mesh is None:
+        mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
     # Gradients are reduced in fp32 whatever the compute precision: bf16 sums drift from DDP's.
     mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[precision], reduce_dtype=torch.float32)
     blocks = fsdp_blocks(model, parallel.fsdp.blocks)
@@ -76,7 +83,7 @@ def shard_model(model: nn.Module, runtime: Runtime, parallel: ParallelConfig, *,
     log.info(
         "fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root",
         len(blocks),
-        runtime.env.world_size,
+        mesh.size(),
         ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
     )
     return model
@@ -139,7 +146,8 @@ def shard_optimizer(
             zero.add_param_group(group)
         optimizer = zero
     if model is not None:
-        log_rank_bytes(model, optimizer, mode=parallel.mode)
+        layout = parallel.mode if parallel.tensor == 1 else f"{parallel.mode}, parallel.tensor={parallel.tensor}"
+        log_rank_bytes(model, optimizer, mode=layout)
     return optimizer
 
 
@@ -150,8 +158,11 @@ def _hyper(optimizer: torch.optim.Optimizer, group: dict) -> dict:
 
 
 def wrap_for_mode(model: nn.Module, runtime: Runtime, options: DDPConfig, parallel: ParallelConfig) -> nn.Module:
-    """What training calls: the FSDP2 model as it is, or DDP around ``model`` (``ddp``, ``zero1``)."""
-    if is_sharded(model):
+    """What training calls: the FSDP2 model as it is, or DDP around ``model`` (``ddp``, ``zero1``).
+
+    A tensor-parallel model under ``ddp`` is its one replica (the layout refuses more): as it is too.
+    """
+    if is_sharded(model) or parallel.tensor > 1:
         return model
     if parallel.mode == "fsdp2":
         raise RuntimeError(
@@ -183,6 +194,14 @@ def gradient_norm(
         else:
             squares = torch.stack([torch.dot(b, b) for b in buckets]).sum()
         return squares.sqrt()
+    total = _whole_norm(grads)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def _whole_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` as a plain tensor: a DTensor's (FSDP2's or a tensor plan's) made whole."""
     if (
         grads
         and grads[0].is_cpu
@@ -196,8 +215,6 @@ def gradient_norm(
         total = torch.nn.utils.get_total_norm(grads)
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
 
 
@@ -206,7 +223,7 @@ def _pipeline_norm(
 ) -> torch.Tensor:
     grads = [p.grad for p in counted if p.grad is not None]
     if grads:
-        squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) ** 2
+        squares = _whole_norm(grads) ** 2
     else:
         squares = torch.zeros((), device=parameters[0].device if parameters else None)
     # Each stage holds some of the parameters: the squares add up over the pipeline.

@@ -24,7 +24,8 @@
 - ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
   ``pipeline_step`` / ``pipeline_split``: a pipeline schedule as the step, over a model cut into stages;
   ``step_builder``: which of the two a run trains with; ``tensor_plan``: tensor parallelism's plans of
-  ``gpt`` and ``llama`` (torch's ParallelStyles by module name), the degrees they take, the plan applied.
+  ``gpt`` and ``llama`` (torch's ParallelStyles by module name), the degrees they take, the plan applied;
+  ``placement``: where a rank's model lives (the tensor plan, then the pipeline's cut or FSDP2's shards).
 """
 
 # What the Trainer composes, importable from the package.
@@ -38,6 +39,7 @@ from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
 from ddpkit.training.pipeline_step import Pipeline, build_pipeline
+from ddpkit.training.placement import check_tensor_degree, place_model
 from ddpkit.training.rng import RngStreams, seed_for_setup
 from ddpkit.training.samples import TrainingSamples
 from ddpkit.training.step_builder import build_train_step, refuse_training_step_override
@@ -67,6 +69,8 @@ __all__ = [
     "TrainStep",
     "Pipeline",
     "build_pipeline",
+    "place_model",
+    "check_tensor_degree",
     "build_train_step",
     "refuse_training_step_override",
 ]
