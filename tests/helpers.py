@@ -300,3 +300,34 @@ class RaggedSequences(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i], self.y[i]
+
+
+def launch_with_a_restart(
+    out: Path, cfg: dict, *, script: str, nproc: int, env: dict[str, str], timeout: float = 400
+) -> str:
+    """``cfg`` written to ``out/exp.yaml`` and run by ``ddpkit run`` with ``script`` on ``nproc`` ranks, one restart
+    allowed (a script that kills itself on request: KILL_RANK / KILL_AT_STEP in ``env``); its stderr. Fails the
+    test unless the run ends with exit code 0."""
+    out.mkdir(parents=True)
+    (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    args = ["run", str(out / "exp.yaml"), "--nproc-per-node", str(nproc), "--max-restarts", "1", "--script", script]
+    done = run_cli(*args, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def trained_log(run_dir: Path, rank: int) -> list[tuple[int, int, str]]:
+    """``(attempt, step, fingerprint)`` of each line of ``run_dir/trained-rank<rank>.log``, which the killable
+    test scripts (tests/scripts/pipeline_trainer.py, tensor_trainer.py) append after each optimizer step."""
+    lines = (run_dir / f"trained-rank{rank}.log").read_text().splitlines()
+    return [(int(attempt), int(step), fingerprint) for attempt, step, fingerprint in map(str.split, lines)]
+
+
+def assert_same_samples_after_restart(killed: Path, clean: Path, rank: int, *, resumed_at: int) -> None:
+    """The killed run trained, before its restart up to the checkpoint and after it from step ``resumed_at``, the
+    very steps and samples the clean run trained (their trained logs, :func:`trained_log`)."""
+    trained = trained_log(killed, rank)
+    first = [(step, fp) for attempt, step, fp in trained if attempt == 0 and step < resumed_at]
+    again = [(step, fp) for attempt, step, fp in trained if attempt == 1]
+    assert again[0][0] == resumed_at, trained
+    assert first + again == [(step, fp) for _, step, fp in trained_log(clean, rank)]

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from helpers import RaggedSequences, assert_bitwise_equal, load_weights, run_cli
+from helpers import (
+    RaggedSequences,
+    assert_bitwise_equal,
+    assert_same_samples_after_restart,
+    launch_with_a_restart,
+    load_weights,
+)
 from torch import nn
 
 import ddpkit
@@ -198,20 +203,10 @@ def test_a_subclass_overriding_training_step_is_told_to_override_pipeline_loss(t
 
 
 def _launch(out: Path, env: dict[str, str]) -> str:
-    out.mkdir(parents=True)
     cfg = _mlp_config(out / "run", pipeline=2)
     cfg["train"]["max_steps"] = 12
     cfg["data"]["kwargs"]["num_train"] = 512
-    (out / "exp.yaml").write_text(yaml.safe_dump(cfg))
-    args = ["run", str(out / "exp.yaml"), "--nproc-per-node", "4", "--max-restarts", "1", "--script", SCRIPT]
-    done = run_cli(*args, env=env, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr
-
-
-def _trained(out: Path, rank: int) -> list[tuple[int, int, str]]:
-    lines = (out / "run" / f"trained-rank{rank}.log").read_text().splitlines()
-    return [(int(attempt), int(step), fingerprint) for attempt, step, fingerprint in map(str.split, lines)]
+    return launch_with_a_restart(out, cfg, script=SCRIPT, nproc=4, env=env)
 
 
 @pytest.mark.slow
@@ -222,11 +217,7 @@ def test_pp2_x_dp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
     assert "crash save and memory snapshots are off under a pipeline" in stderr
     # The last stage of each replica logged its targets: ranks 2 and 3 (pp rank 1, replicas 0 and 1).
     for rank in (2, 3):
-        trained = _trained(tmp_path / "killed", rank)
-        first = [(step, fp) for attempt, step, fp in trained if attempt == 0 and step <= 3]
-        again = [(step, fp) for attempt, step, fp in trained if attempt == 1]
-        assert again[0][0] == 4, trained
-        assert first + again == [(step, fp) for _, step, fp in _trained(tmp_path / "clean", rank)]
+        assert_same_samples_after_restart(tmp_path / "killed/run", tmp_path / "clean/run", rank, resumed_at=4)
     assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))
 
 

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RaggedSequences, assert_bitwise_equal, load_weights
+from helpers import (
+    RaggedSequences,
+    assert_bitwise_equal,
+    assert_same_samples_after_restart,
+    launch_with_a_restart,
+    load_weights,
+)
 
 import ddpkit
 from ddpkit.config.layout import check_layout
@@ -32,11 +38,17 @@ pytestmark = pytest.mark.timeout(300)
 LLAMA = {"arch": "llama", "vocab_size": 50, "dim": 32, "depth": 2, "heads": 4, "kv_heads": 2, "mlp_dim": 64}
 #: Relative, on every weight and the losses (the issue's bound for T-way against a world of one).
 BOUND = 1e-5
+SCRIPT = "tests/scripts/tensor_trainer.py"
 
 
 class RaggedTrainer(ddpkit.Trainer):
     def build_datasets(self):
         return RaggedSequences(n=64), None
+
+
+class ValidatedTrainer(RaggedTrainer):
+    def build_datasets(self):
+        return RaggedSequences(n=64), RaggedSequences(n=24)
 
 
 class Float64Trainer(RaggedTrainer):
@@ -120,6 +132,25 @@ def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_
     assert _elementwise(tp[0]["weights"], one["weights"]) < 1e-12
 
 
+def _fit_validated(cfg: dict) -> dict:
+    return _fit(cfg, ValidatedTrainer)
+
+
+@pytest.mark.multiprocess
+def test_a_vocabulary_sharded_tp2_trains_and_validates_like_a_world_of_one(tmp_path):
+    cfg = _config(tmp_path / "one")
+    cfg["train"]["eval_every"] = 4
+    reference = run_on_ranks(_fit_validated, 1, args=(cfg,), timeout=120)[0]
+    sharded = _config(tmp_path / "vocab", tensor=2, vocab_parallel=True)
+    sharded["train"]["eval_every"] = 4
+    results = run_on_ranks(_fit_validated, 2, args=(sharded,), timeout=200)
+    _assert_close_to(results, reference)
+    for result in results:
+        # each tensor rank ran the whole batch: its copies of the float64 sums and counts leave the means as they are
+        assert result["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=BOUND)
+        assert result["metrics"]["val_accuracy"] == reference["metrics"]["val_accuracy"]
+
+
 @pytest.mark.multiprocess
 def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp_path):
     reference = _one(tmp_path / "one")
@@ -189,6 +220,8 @@ def test_tensor_layouts_that_cannot_work_are_refused_before_any_group_naming_the
     check_layout(load_config({"parallel": {"tensor": 2, "mode": "fsdp2"}}).parallel, world_size=4)
     with pytest.raises(ConfigError, match="zero1 does not shard tensor-parallel"):
         load_config({"parallel": {"tensor": 2, "mode": "zero1"}})
+    with pytest.raises(ConfigError, match="train.sample: generation's KV cache holds the whole model's"):
+        load_config({"parallel": {"tensor": 2}, "train": {"sample": {"every_steps": 10}}})
     with pytest.raises(ConfigError, match="only with parallel.tensor > 1"):
         load_config({"parallel": {"vocab_parallel": True}})
     # The model's widths: in the Trainer's constructor (rank 0 of 2 as torchrun starts it; no process group yet)
@@ -204,3 +237,21 @@ def test_tensor_layouts_that_cannot_work_are_refused_before_any_group_naming_the
     assert not torch.distributed.is_initialized()
     with pytest.raises(ConfigError, match="train.compile: not wired for tensor parallelism"):
         load_config({"parallel": {"tensor": 2}, "train": {"compile": True}})
+
+
+def _launch(out: Path, env: dict[str, str]) -> str:
+    cfg = _config(out / "run", steps=10, tensor=2)
+    # The script imports the tests' RaggedSequences (tests/helpers.py).
+    return launch_with_a_restart(out, cfg, script=SCRIPT, nproc=2, env={"PYTHONPATH": "tests", **env}, timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
+    _launch(tmp_path / "clean", {})
+    stderr = _launch(tmp_path / "killed", {"KILL_RANK": "1", "KILL_AT_STEP": "5"})
+    assert "crash save and memory snapshots are off under tensor parallelism" in stderr
+    for rank in (0, 1):
+        # resumed from the step-4 checkpoint (checkpoint.every_steps: 4)
+        assert_same_samples_after_restart(tmp_path / "killed/run", tmp_path / "clean/run", rank, resumed_at=5)
+    assert_bitwise_equal(load_weights(tmp_path / "killed/run/model.pt"), load_weights(tmp_path / "clean/run/model.pt"))

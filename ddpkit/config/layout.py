@@ -126,6 +126,11 @@ def _unsupported_with_tensor_parallel(cfg: Config) -> list[str]:
         problems.append("model.lora: LoRA's adapters have no tensor plan yet; set parallel.tensor=1 with model.lora")
     if cfg.train.compile is not False:
         problems.append("train.compile: not wired for tensor parallelism yet; set train.compile=false")
+    if cfg.train.sample is not None:
+        problems.append(
+            "train.sample: generation's KV cache holds the whole model's key/value heads, not a tensor rank's; set "
+            "train.sample=null under parallel.tensor > 1 and sample from model.pt"
+        )
     if cfg.train.precision == "fp16":
         problems.append(
             "train.precision: fp16's GradScaler is not run on tensor-parallel gradients; use train.precision=bf16"
@@ -152,8 +157,7 @@ def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
         else:
             degrees = f"parallel.pipeline x parallel.tensor: {stages} x {tensor} does not"
         return [
-            f"{degrees} divide the world size {world_size}; "
-            f"valid on {world_size} ranks: {_valid_layouts(world_size)}"
+            f"{degrees} divide the world size {world_size}; valid on {world_size} ranks: {_valid_layouts(world_size)}"
         ]
     problems = []
     replicas = world_size // (stages * tensor)

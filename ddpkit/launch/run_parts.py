@@ -121,6 +121,7 @@ def build_run_parts(
         reporting=training.StepReporting(reporter, events, progress),
         device=device,
         accum=config.train.grad_accum_steps,
+        vocab_parallel=config.parallel.vocab_parallel,
     )
     ticking = worker.watchdog.ticking
     evaluation = training.Evaluation(

@@ -5,7 +5,7 @@ step = build_train_step(update, models.train, pipeline, loss=trainer.training_st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from ddpkit.training.optim import OptimizerStep
 from ddpkit.training.pipeline_step import Pipeline, PipelineStep
 from ddpkit.training.train_step import AccumulationStep, StepReporting, TrainStep
 
-__all__ = ["build_train_step", "refuse_training_step_override"]
+__all__ = ["build_train_step", "refuse_training_step_override", "LossParallelStep"]
 
 
 def build_train_step(
@@ -29,11 +29,35 @@ def build_train_step(
     reporting: StepReporting,
     device: torch.device,
     accum: int,
+    vocab_parallel: bool = False,
 ) -> TrainStep:
-    """The pipeline's step when there is one, else accumulation over ``accum`` micro-batches of ``model``."""
+    """The pipeline's step when there is one, else accumulation over ``accum`` micro-batches of ``model``;
+    ``vocab_parallel``: that step under torch's ``loss_parallel()`` (:class:`LossParallelStep`)."""
     if pipeline is not None:
-        return PipelineStep(pipeline, update=update, reporting=reporting, device=device)
-    return AccumulationStep(update, model, loss=loss, owner=owner, reporting=reporting, device=device, accum=accum)
+        step: TrainStep = PipelineStep(pipeline, update=update, reporting=reporting, device=device)
+    else:
+        step = AccumulationStep(update, model, loss=loss, owner=owner, reporting=reporting, device=device, accum=accum)
+    return LossParallelStep(step) if vocab_parallel else step
+
+
+class LossParallelStep:
+    """A step whose losses and backwards run under torch's ``loss_parallel()`` (``parallel.vocab_parallel``).
+
+    The tensor plan then leaves the logits sharded by vocabulary (each rank scores its own ids), and
+    ``loss_parallel`` is what lets ``F.cross_entropy`` read them so, in the forward and in the backward: the
+    context must hold across both, so it holds across the whole step (torchtitan's ``train_context``).
+    """
+
+    def __init__(self, inner: TrainStep):
+        self.inner = inner
+        self.batches_per_step = inner.batches_per_step
+        self.takes_short_steps = inner.takes_short_steps
+
+    def run(self, batches: Iterator[Any], *, count: int) -> int:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return self.inner.run(batches, count=count)
 
 
 def refuse_training_step_override(trainer_class: type, base: type) -> None:

@@ -49,9 +49,16 @@ def _cross_entropy(
         logits = logits.flatten(0, 1)
         y = y.flatten()
     if normalization == "tokens":
-        return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum"), (y != IGNORE_INDEX).sum()
+        loss = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        return _plain(loss), (y != IGNORE_INDEX).sum()
     # The mean (ignore_index=-100 is torch's default).
-    return F.cross_entropy(logits, y)
+    return _plain(F.cross_entropy(logits, y))
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss of vocabulary-sharded logits (``parallel.vocab_parallel``: a replicated DTensor, computed under the
+    step's ``loss_parallel()``) as the plain tensor the loop reports; autograd carries its gradient back."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 def validation_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -59,6 +66,9 @@ def validation_step(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tenso
     # A mixture's validation set adds each sample's source name (ddpkit.data.mixture).
     x, y, *sources = batch
     logits = model(x)
+    if hasattr(logits, "full_tensor"):
+        # Vocabulary-sharded logits (parallel.vocab_parallel): made whole for the per-token metrics (an all-gather).
+        logits = logits.full_tensor()
     if logits.dim() == 3:
         length = y.shape[1]
         logits = logits.flatten(0, 1)
