@@ -26,6 +26,7 @@ from helpers import (
     launch_with_a_restart,
     load_weights,
 )
+from torch import nn
 
 import ddpkit
 from ddpkit.config.layout import check_layout
@@ -195,6 +196,40 @@ def test_a_compiled_tp2_trains_like_the_eager_one(tmp_path):
     # Inductor fuses the blocks' elementwise ops (another rounding), so within the bound, not bitwise.
     results = run_on_ranks(_fit, 2, args=(compiled,), timeout=280)
     _assert_close_to(results, eager[0])
+
+
+class MlpWithAPlan(ddpkit.Trainer):
+    """A user's model with its own plan: the hidden layer's pair of Linears split Megatron's way."""
+
+    def build_model(self):
+        return nn.Sequential(nn.Flatten(), nn.Linear(144, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def tensor_plan(self, model):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"1": ColwiseParallel(), "3": RowwiseParallel()}
+
+
+def _fit_mlp(tensor: int, out: str) -> dict:
+    cfg = {
+        "run": {"name": "mlp", "output_dir": out, "seed": 0},
+        "data": {"name": "digits", "global_batch_size": 32, "kwargs": {"num_train": 256, "image_size": 12}},
+        "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "train": {"max_steps": 6, "log_every": 3},
+        "parallel": {"tensor": tensor},
+        "checkpoint": {"every_epochs": None},
+        "log": {"progress_bar": False},
+    }
+    return _fit(cfg, MlpWithAPlan)
+
+
+@pytest.mark.multiprocess
+def test_a_user_model_splits_by_its_own_tensor_plan(tmp_path):
+    one = run_on_ranks(_fit_mlp, 1, args=(1, str(tmp_path / "one")), timeout=120)[0]
+    split = run_on_ranks(_fit_mlp, 2, args=(2, str(tmp_path / "tp")), timeout=120)
+    # the hidden layer's rows on two ranks: the output layer's sum is split in two, rounding only
+    assert _relative(split[0]["weights"], one["weights"]) < BOUND
+    assert split[0]["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=BOUND)
 
 
 def _first_half(cfg: dict) -> dict:
