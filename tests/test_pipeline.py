@@ -179,8 +179,10 @@ def test_layouts_that_cannot_work_are_refused_before_any_group_naming_the_valid_
         load_config({"parallel": {"pipeline": 2, "schedule": "interleaved_1f1b"}})
     with pytest.raises(ConfigError, match="only with parallel.pipeline > 1"):
         load_config({"parallel": {"microbatches": 4}})
-    with pytest.raises(ConfigError, match="fsdp2 inside a pipeline"):
-        load_config({"parallel": {"pipeline": 2, "mode": "fsdp2"}})
+    # fsdp2 inside a pipeline runs (tests/test_pipeline_fsdp.py)
+    assert load_config({"parallel": {"pipeline": 2, "mode": "fsdp2"}}).parallel.mode == "fsdp2"
+    with pytest.raises(ConfigError, match="not yet over a tensor-parallel stage's DTensors"):
+        load_config({"parallel": {"pipeline": 2, "mode": "fsdp2", "tensor": 2}})
 
 
 class OwnStep(RaggedTrainer):

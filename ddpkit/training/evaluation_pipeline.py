@@ -101,7 +101,7 @@ class PipelineForward:
             self._schedules.move_to_end(key)
             return schedule
         stages = [
-            pipelining.PipelineStage(module, i, self.total, self.device, group=self.group)
+            pipelining.PipelineStage(_ForwardOf(module), i, self.total, self.device, group=self.group)
             for module, i in zip(self.stages, self.ids)
         ]
         if len(stages) == 1:
@@ -113,6 +113,25 @@ class PipelineForward:
         if len(self._schedules) > KEPT_SHAPES:
             self._schedules.popitem(last=False)
         return schedule
+
+
+class _ForwardOf(nn.Module):
+    """A stage's forward, the stage itself kept out of ``modules()``.
+
+    A new ``PipelineStage`` infers its shapes with a real forward and then reshards every FSDP2 module it finds
+    among its module's submodules (torch's ``_post_metadata_inference_cleanup``): under fsdp2 that would free the
+    parameters gathered for the whole validation, and the next forward would all-gather over the replicas, which
+    may hold fewer batches and never join. Hidden, the stage keeps them; with no gradients and eval-mode buffers,
+    nothing else of that cleanup applies.
+    """
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        # A tuple: not registered as a submodule.
+        self._stage = (stage,)
+
+    def forward(self, *args: Any) -> Any:
+        return self._stage[0](*args)
 
 
 def evaluate_pipeline(

@@ -212,7 +212,10 @@ class TiedWeights:
             return
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
-        torch.distributed.all_reduce(self.weight.grad, group=self.group)
+        grad = self.weight.grad
+        # fsdp2: the two stages of one replica hold the same shard (their data-parallel coordinate is the same).
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        torch.distributed.all_reduce(local, group=self.group)
 
 
 def tied_weight(stage: nn.Module) -> torch.Tensor | None:

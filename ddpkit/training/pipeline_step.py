@@ -17,8 +17,9 @@ summed over the data-parallel group (not over the stages: every stage of a pipel
 the factor. torchtitan#2972 multiplies the gradients by the token count once too often; here the count is applied
 once, in :class:`ddpkit.training.token_loss.TokenCount`.
 
-Data parallelism inside: each stage is wrapped in DDP over the data-parallel group (``ddp``, ``zero1``); torch's
-stage runs ``no_sync`` for all microbatches but the last itself.
+Data parallelism inside: each stage is wrapped in DDP over the data-parallel group (``ddp``, ``zero1``), or its blocks
+and itself ``fully_shard``-ed over the layout's ``dp`` mesh dimension (``fsdp2``); torch's stage runs ``no_sync``
+(DDP) or turns gradient sync off (FSDP2) for all microbatches but the last itself.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed import ddp as ddp_wrap
 from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
 from ddpkit.reporting.log import log
 from ddpkit.training.evaluation_pipeline import PipelineForward
@@ -105,6 +107,13 @@ def build_pipeline(
     # Stage i + P * v on pipeline rank i: the looped layout the interleaved schedules expect.
     ids = [layout.pp_rank + layout.pp * v for v in range(per_rank)]
     local = [every[i].to(runtime.device) for i in ids]
+    # Before the wrapping: fsdp2 replaces the parameters of the stages this rank shards (a tied head's matrix in
+    # stage 0 no longer `is` the one in the last stage, which this rank does not shard).
+    is_tied = tied_weight(every[-1]) is not None
+    # A single-file checkpoint's optimizer state is keyed by position in the whole model's groups: its order.
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = param_groups(list(model.named_parameters()), config.optim)
+    whole_order = [names[id(p)] for group in groups for p in group["params"]]
     wrapped = [_data_parallel(stage, layout, config, runtime) for stage in local]
     torch_stages = [
         pipelining.PipelineStage(module, i, total, runtime.device, group=layout.pp_group)
@@ -117,11 +126,8 @@ def build_pipeline(
     schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=loss, scale_grads=scale)
     forward = PipelineForward(local, ids, total=total, device=runtime.device, group=layout.pp_group)
     held = HeldParts(local, forward=forward)
-    # A single-file checkpoint's optimizer state is keyed by position in the whole model's groups: its order.
-    names = {id(p): name for name, p in model.named_parameters()}
-    groups = param_groups(list(model.named_parameters()), config.optim)
-    held.whole_order = [names[id(p)] for group in groups for p in group["params"]]
-    tied = TiedWeights(_shared_weight(local, every), _tied_group(layout, every))
+    held.whole_order = whole_order
+    tied = TiedWeights(_shared_weight(local) if is_tied else None, _tied_group(layout) if is_tied else None)
     first = 0 in ids
     last = total - 1 in ids
     skip = {id(tied.weight)} if tied.weight is not None and not first else set()
@@ -131,7 +137,10 @@ def build_pipeline(
 
 
 def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime) -> nn.Module:
-    """A stage in DDP over its data-parallel replicas (ddp, zero1), or as it is with one replica."""
+    """A stage in DDP over its data-parallel replicas (ddp, zero1), sharded over them (fsdp2), or as it is with
+    one replica of ddp / zero1."""
+    if config.parallel.mode == "fsdp2":
+        return _fully_shard(stage, layout, config)
     if layout.dp == 1:
         return stage
     wrapped = ddp_wrap.wrap_model(stage, runtime, config.ddp, group=layout.dp_group)
@@ -143,20 +152,41 @@ def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, run
     return wrapped
 
 
-def _shared_weight(local: list[nn.Module], every: list[nn.Module]) -> torch.Tensor | None:
-    """The tied matrix where this rank holds it (its first or last stage), when the model ties its head."""
-    if tied_weight(every[-1]) is None:
-        return None
+def _fully_shard(stage: nn.Module, layout: ParallelLayout, config: Config) -> nn.Module:
+    """fsdp2 inside a pipeline, as torchtitan does it: each block of the stage, then the stage, ``fully_shard`` over
+    the layout's ``dp`` mesh dimension (this stage's replicas), in place.
+
+    torch's ``PipelineStage`` drives FSDP2 itself: every microbatch's backward but the last runs without gradient
+    sync and without resharding, and after the last it runs FSDP2's post-backward (one reduce-scatter a unit) before
+    the schedule's division by M. Gradients are reduced in fp32 whatever the compute precision, as in
+    :func:`ddpkit.distributed.sharding.shard_model`.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fsdp = config.parallel.fsdp
+    mesh = layout.mesh["dp"]
+    param_dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = getattr(stage, "blocks", None)
+    units = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else fsdp_blocks(stage, fsdp.blocks)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy)
+    # The root keeps its parameters for the backward (FSDP2's rule); what validation restores afterwards.
+    fully_shard(stage, mesh=mesh, mp_policy=mp_policy)
+    stage._ddpkit_reshard_after_forward = fsdp.reshard_after_forward
+    return stage
+
+
+def _shared_weight(local: list[nn.Module]) -> torch.Tensor | None:
+    """The tied matrix of a model that ties its head, where this rank holds it (its first or last stage)."""
     for stage in local:
         if getattr(stage, "embed", None) is not None:
             return stage.embed.weight
     return None
 
 
-def _tied_group(layout: ParallelLayout, every: list[nn.Module]) -> Any:
-    """The group of this replica's first and last stage ranks when the model ties its head; else None."""
-    if tied_weight(every[-1]) is None:
-        return None
+def _tied_group(layout: ParallelLayout) -> Any:
+    """The group of this replica's first and last stage ranks, for a model that ties its head (None elsewhere)."""
     groups = {}
     # Every rank creates every replica's group, in the same order (new_group is a collective).
     for replica in range(layout.dp):
