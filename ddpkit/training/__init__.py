@@ -15,7 +15,8 @@
   ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``);
   ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
-  ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model).
+  ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model);
+  ``evaluation_pipeline``: under a pipeline, each batch forward through the stages, the metrics on the last.
 - ``steps``: the built-in training and validation steps (classifiers, and language models' per-token
   loss); ``token_loss``: ``train.loss_normalization: tokens``, exact for any split of a global batch.
 - ``health`` / ``health_checks`` / ``straggler`` / ``replicas``: training health: non-finite
