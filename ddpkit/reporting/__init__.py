@@ -6,7 +6,8 @@
 - ``console``: rank 0's progress display (a live bar on a terminal, lines in a batch log).
 - ``sink_base``: the :class:`Sink` interface (``ddpkit.Sink``); ``sinks``: where metrics go (JSON lines,
   TensorBoard, run status); ``trackers``: MLflow, W&B.
-- ``throughput``: ``tokens_per_s`` and ``mfu`` for runs that train on tokens.
+- ``throughput``: ``tokens_per_s`` and ``mfu`` for runs that train on tokens; ``stage_time``: under a pipeline,
+  each stage's busy seconds and idle share in the schedule.
 - ``timeline``: a Chrome-trace timeline, one row per rank; ``profiler``: ``train.profile``'s torch.profiler traces.
 """
 

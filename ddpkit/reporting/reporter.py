@@ -5,6 +5,7 @@
     with reporter.span("forward"):           # a timeline span, and on_phase for the loop's listeners
         loss = model(x)
     reporter.add_loss(loss)                   # every micro-batch: kept on the device, no sync (or loss_sum, n_tokens)
+    reporter.add_stage_time(stage=0, busy=0.03, span=0.04, theory=0.2, spans=spans)   # a pipeline stage, every step
     reporter.step_done(progress)              # the console's progress display, debug step log
     record = reporter.training(progress, lr=0.05)    # every log_every steps: loss over ranks, sinks, console
     with reporter.outside_training("evaluation"):   # left out of samples/s
@@ -48,6 +49,7 @@ from ddpkit.reporting.events import Events, PhaseSpan
 from ddpkit.reporting.log import StepLog, log, setup_logging
 from ddpkit.reporting.running_mean import RunningMean
 from ddpkit.reporting.sinks import SinkGroup, build_sinks
+from ddpkit.reporting.stage_time import StageTimes
 from ddpkit.reporting.throughput import TokenThroughput
 from ddpkit.reporting.timeline import Timeline
 
@@ -114,6 +116,8 @@ class Reporter:
         # tokens_per_s and mfu, for runs that train on tokens
         self.throughput = throughput or TokenThroughput()
         self._loss = RunningMean(runtime.device)
+        #: Under a pipeline: this stage's busy and idle time in the schedule (ddpkit.reporting.stage_time).
+        self.stage_times = StageTimes()
 
     # --- phases and time ---------------------------------------------------------------------
 
@@ -192,6 +196,14 @@ class Reporter:
         """Keep a micro-batch's loss for the next record (no host sync): a mean, or a sum over ``tokens`` tokens."""
         self._loss.add(loss, tokens)
 
+    def add_stage_time(
+        self, *, stage: int, busy: float, span: float, theory: float | None, spans: list[tuple[str, int, int]]
+    ) -> None:
+        """A pipeline stage's step: ``busy`` seconds of compute in ``span`` seconds of schedule, for the next record;
+        ``spans``, its compute as ``(name, start_ns, end_ns)`` on ``time.time_ns``'s clock, for the timeline."""
+        self.stage_times.add(stage=stage, busy=busy, span=span, theory=theory)
+        self.timeline.extend(spans)
+
     @property
     def loss_pending(self) -> bool:
         """Whether losses were added since the last record (the same on every rank)."""
@@ -219,6 +231,8 @@ class Reporter:
             logs.LR: lr,
             logs.SAMPLES_PER_S: samples / max(seconds, 1e-9),
             **self.throughput.fields(samples=samples, seconds=seconds),
+            # Under a pipeline: each stage's busy seconds and idle share (a collective).
+            **self.stage_times.fields(),
             **(extra or {}),
             logs.TIME: time.time(),
         }

@@ -62,6 +62,12 @@ class Timeline:
             return _OFF
         return _Span(self, name)
 
+    def extend(self, spans: list[tuple[str, int, int]]) -> None:
+        """Spans timed elsewhere, as ``(name, start_ns, end_ns)`` on ``time.time_ns``'s clock (a pipeline stage's
+        compute inside torch's schedule); nothing when the timeline is off or full."""
+        if self.enabled and len(self.events) < self.max_events:
+            self.events.extend(spans)
+
     def write(self, path: str | os.PathLike) -> Path | None:
         """Gather every rank's spans (a collective) and, on rank 0, write the merged trace to ``path``."""
         if not self.enabled:

@@ -24,6 +24,8 @@ and itself ``fully_shard``-ed over the layout's ``dp`` mesh dimension (``fsdp2``
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +78,12 @@ class Pipeline:
     norm_parameters: list[torch.Tensor]
     #: Validation's forward through the stages (the held parts' forward on the last stage).
     forward: PipelineForward
+    #: This rank's compute inside the schedule, timed (ddpkit.reporting.stage_time reports it).
+    clock: StageClock
+    #: This rank's coordinate in the pipeline (its first stage under an interleaved schedule), and the theory's
+    #: bubble (P - 1) / (M + P - 1) (None for the interleaved schedules).
+    stage: int
+    theory: float | None
 
 
 def build_pipeline(
@@ -119,11 +127,13 @@ def build_pipeline(
         pipelining.PipelineStage(module, i, total, runtime.device, group=layout.pp_group)
         for module, i in zip(wrapped, ids)
     ]
+    clock = StageClock(torch_stages)
     microbatches = microbatches_of(parallel)
     schedule_class = getattr(pipelining, _SCHEDULES[parallel.schedule])
     scale = config.train.loss_normalization != "tokens"
     argument = torch_stages if parallel.schedule in INTERLEAVED else torch_stages[0]
-    schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=loss, scale_grads=scale)
+    timed_loss = clock.timed(loss, "stage loss")
+    schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=timed_loss, scale_grads=scale)
     forward = PipelineForward(local, ids, total=total, device=runtime.device, group=layout.pp_group)
     held = HeldParts(local, forward=forward)
     held.whole_order = whole_order
@@ -133,7 +143,9 @@ def build_pipeline(
     skip = {id(tied.weight)} if tied.weight is not None and not first else set()
     norm_parameters = [p for p in held.parameters() if id(p) not in skip]
     _log_layout(layout, every, ids, microbatches, parallel.schedule)
-    return Pipeline(local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters, forward)
+    theory = None if parallel.schedule in INTERLEAVED else bubble_fraction(layout.pp, microbatches)
+    parts = (local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters, forward, clock)
+    return Pipeline(*parts, layout.pp_rank, theory)
 
 
 def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime) -> nn.Module:
@@ -218,6 +230,43 @@ def _log_layout(layout: ParallelLayout, every: list[nn.Module], ids: list[int], 
     )
 
 
+class StageClock:
+    """This rank's compute inside torch's schedule: each local stage's ``forward_one_chunk``, ``backward_one_chunk``
+    (with DDP's all-reduce on the last microbatch) and ``perform_reduce_grad`` (FSDP2's reduce-scatter, the division
+    by M), and the last stage's loss, each kept as a ``(name, start_ns, end_ns)`` span; busy time is their sum.
+
+    torch has no hook for a stage's compute, so the clock wraps those public methods on the stage objects ddpkit
+    built (instance attributes over the class's methods; the schedule calls them through the instance). What the
+    schedule does besides, waiting for and posting its point-to-point transfers, is the stage's idle time.
+    """
+
+    def __init__(self, stages: list[Any]):
+        self.spans: list[tuple[str, int, int]] = []
+        for stage in stages:
+            stage.forward_one_chunk = self.timed(stage.forward_one_chunk, "stage forward")
+            stage.backward_one_chunk = self.timed(stage.backward_one_chunk, "stage backward")
+            stage.perform_reduce_grad = self.timed(stage.perform_reduce_grad, "stage gradient reduce")
+
+    def timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``fn`` recording a span ``name`` each call."""
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((name, start, time.time_ns()))
+
+        return timed
+
+    def take(self) -> tuple[float, list[tuple[str, int, int]]]:
+        """The busy seconds and the spans since the last take; then empty."""
+        spans = self.spans
+        self.spans = []
+        return sum(end - start for _, start, end in spans) / 1e9, spans
+
+
 class PipelineStep:
     """One optimizer step: the schedule over M microbatches, the tied gradients summed, then the shared update."""
 
@@ -252,8 +301,12 @@ class PipelineStep:
             kwargs["target_mbs"] = targets
             kwargs["losses"] = losses
         # Forwards and backwards interleave under 1F1B: one span for the schedule's whole run.
+        began = time.time_ns()
         with reporter.span("forward"), self.update.autocast():
             pipeline.schedule.step(**kwargs)
+        span = (time.time_ns() - began) / 1e9
+        busy, spans = pipeline.clock.take()
+        reporter.add_stage_time(stage=pipeline.stage, busy=busy, span=span, theory=pipeline.theory, spans=spans)
         self._report(losses, targets)
         pipeline.tied.reduce()
         self.reporting.events.update_start(self.reporting.progress.step)
