@@ -14,7 +14,8 @@ import pytest
 from torch import nn
 
 import ddpkit
-from ddpkit.testing import run_on_ranks
+from ddpkit.testing import RankFailure, run_on_ranks
+from ddpkit.watchdog.report import Verdict, format_report, layout_coordinate, summary_line
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,3 +82,38 @@ def test_each_stage_s_busy_and_idle_time_is_in_metrics_jsonl_and_the_timeline(tm
         second = [e for e in computed if e["ts"] >= schedules[2]["ts"]]
         busy = sum(e["dur"] for e in second) / 1e6 / 2
         assert training[1][f"stage{rank}_busy_s"] == pytest.approx(busy, rel=1e-3, abs=1e-5)
+
+
+def test_a_hang_report_names_each_rank_s_stage_and_replica():
+    assert [layout_coordinate(r, world_size=4, pipeline=2) for r in range(4)] == [
+        "stage 0 of replica 0",
+        "stage 0 of replica 1",
+        "stage 1 of replica 0",
+        "stage 1 of replica 1",
+    ]
+    assert layout_coordinate(5, world_size=8, pipeline=2, tensor=2) == "stage 1 of replica 0, tensor rank 1"
+    assert layout_coordinate(1, world_size=2, pipeline=1) is None
+    now = time.time()
+    beats = {
+        0: {"step": 3, "phase": "forward", "since": now, "where": "stage 0 of replica 0"},
+        1: {"step": 2, "phase": "hook", "since": now, "where": "stage 1 of replica 0"},
+    }
+    verdict = Verdict(stuck=[1], waiting=[0])
+    assert "stuck: rank 1 (stage 1 of replica 0, step 2, hook)" in summary_line(verdict, beats, {}, stalled_for=9)
+    text = format_report(verdict, beats, {}, {}, stalled_for=9, limit=5)
+    assert "STUCK    rank 1: stage 1 of replica 0, step 2, in hook" in text
+    assert "waiting  rank 0: stage 0 of replica 0, step 3, in forward" in text
+
+
+@pytest.mark.multiprocess
+def test_the_watchdog_names_the_stuck_stage_of_a_real_pipeline(tmp_path):
+    cfg = _config(tmp_path, timeline=False)
+    cfg["dist"] = {"hang_timeout": 4, "slow_phase_timeout": 30}
+    # The last stage sleeps after step 1; the first goes on into step 2 and waits for it in the schedule.
+    with pytest.raises(RankFailure):
+        run_on_ranks(_fit, 2, args=(cfg, 1), timeout=120)
+    (report,) = (tmp_path / "logs").glob("hang-*.txt")
+    text = report.read_text()
+    assert "stuck: rank 1 (stage 1 of replica 0, step 1, loop); waiting: rank 0" in text
+    assert "STUCK    rank 1: stage 1 of replica 0, step 1, in loop" in text
+    assert "waiting  rank 0: stage 0 of replica 0, step 1, in forward" in text

@@ -62,7 +62,7 @@ from ddpkit.watchdog.failure import announce
 from ddpkit.watchdog.monitor import HANG_EXIT_CODE, Monitor, report_alone
 from ddpkit.watchdog.node import Node
 from ddpkit.watchdog.node_board import NodeBoard, board_name
-from ddpkit.watchdog.report import SLOW_PHASES, stack_signature
+from ddpkit.watchdog.report import SLOW_PHASES, layout_coordinate, stack_signature
 from ddpkit.watchdog.store_io import StoreClient, StoreDown, own_client, terminate, write_error_file
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "FAILED_PEER_EXIT_CODE", "announce_failure"]
@@ -101,6 +101,7 @@ class Watchdog:
         local_world_size: int = 1,
         key: bytes | None = None,
         position: Position | None = None,
+        coordinate: str | None = None,
     ):
         global _generation
         _generation += 1
@@ -115,6 +116,8 @@ class Watchdog:
         self.slow_timeout = max(slow_timeout, hang_timeout)
         # Written by the training thread, read by the watchdog thread: where it is (the events' spans write it)
         self.position = position if position is not None else Position()
+        #: Under a pipeline, where this rank sits ("stage 1 of replica 0"): in every beat, so a report names it.
+        self.coordinate = coordinate
         # Progress inside a phase, counted by tick() and ticking(): validation batches
         self.ticks = 0
         self.phase_ticks = 0
@@ -172,6 +175,12 @@ class Watchdog:
             local_world_size=runtime.env.local_world_size,
             key=key,
             position=position,
+            coordinate=layout_coordinate(
+                runtime.env.rank,
+                world_size=runtime.env.world_size,
+                pipeline=config.parallel.pipeline,
+                tensor=config.parallel.tensor,
+            ),
         )
 
     # --- the training thread's side: attribute writes only -----------------------------------
@@ -355,6 +364,8 @@ class Watchdog:
             "slow": phase in SLOW_PHASES or first_batch,
             "t": time.time(),
         }
+        if self.coordinate is not None:
+            self.last_beat["where"] = self.coordinate
         return self.last_beat
 
     def _publish(self) -> None:

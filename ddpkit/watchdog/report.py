@@ -34,6 +34,7 @@ __all__ = [
     "summary_line",
     "thread_stacks",
     "stack_signature",
+    "layout_coordinate",
 ]
 #: Ranks of each kind named in the summary line (100,000 waiting ranks do not fit in one)
 NAMED = 8
@@ -102,13 +103,31 @@ def classify(beats: dict[int, dict[str, Any] | None], silent: dict[int, float]) 
     return verdict
 
 
+def layout_coordinate(rank: int, *, world_size: int, pipeline: int, tensor: int = 1) -> str | None:
+    """Where ``rank`` sits in a pipeline: ``"stage k of replica r"`` (``", tensor rank t"`` with ``tensor`` > 1), from
+    the layout's mesh order ``(pp, dp, tp)`` (ddpkit.distributed.layout); None without a pipeline."""
+    if pipeline <= 1 or world_size % (pipeline * tensor):
+        return None
+    replicas = world_size // (pipeline * tensor)
+    stage, rest = divmod(rank, replicas * tensor)
+    replica, tensor_rank = divmod(rest, tensor)
+    where = f"stage {stage} of replica {replica}"
+    return where + (f", tensor rank {tensor_rank}" if tensor > 1 else "")
+
+
+def _layout(beat: dict[str, Any] | None) -> str:
+    """A beat's place in the pipeline, as a prefix ("stage 1 of replica 0, "), or nothing."""
+    where = (beat or {}).get("where")
+    return f"{where}, " if where else ""
+
+
 def _where(beat: dict[str, Any] | None, now: float) -> str:
     if beat is None:
         return "never sent a heartbeat"
     phase = beat.get("phase", "loop")
     since = beat.get("since", now)
     where = f"host {beat.get('host', '?')}, pid {beat.get('pid', '?')}"
-    return f"step {beat.get('step', 0)}, in {phase} for {max(0.0, now - since):.0f}s ({where})"
+    return f"{_layout(beat)}step {beat.get('step', 0)}, in {phase} for {max(0.0, now - since):.0f}s ({where})"
 
 
 def _clock(wall: float) -> str:
@@ -126,7 +145,7 @@ def summary_line(
     parts = []
     if verdict.stuck:
         where = {r: beats.get(r) or {} for r in verdict.stuck[:NAMED]}
-        named = [f"rank {r} (step {b.get('step', '?')}, {b.get('phase', '?')})" for r, b in where.items()]
+        named = [f"rank {r} ({_layout(b)}step {b.get('step', '?')}, {b.get('phase', '?')})" for r, b in where.items()]
         parts.append("stuck: " + _named(named, len(verdict.stuck)))
     if verdict.silent:
         at = {r: f", at step {beat.get('step', '?')}" if (beat := beats.get(r)) else "" for r in verdict.silent[:NAMED]}
@@ -162,7 +181,8 @@ def format_report(
         lines.append(f"waiting  rank {rank}: {_where(beats.get(rank), now)}")
     for rank in verdict.silent:
         beat = beats.get(rank)
-        last = f", last seen at step {beat.get('step', 0)} in {beat.get('phase', '?')}" if beat else ""
+        place = f" ({beat['where']})" if beat and beat.get("where") else ""
+        last = f", last seen{place} at step {beat.get('step', 0)} in {beat.get('phase', '?')}" if beat else ""
         lines.append(f"silent   rank {rank}: no heartbeat since {_clock(silent[rank])}{last} (frozen, stopped or gone)")
     ranks = [*verdict.stuck, *verdict.waiting, *verdict.silent]
     shown = ranks if len(ranks) <= SECTIONS else [r for r in ranks if r in stacks]
