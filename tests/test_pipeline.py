@@ -268,3 +268,20 @@ def test_pp2_x_dp2_matches_a_world_of_one_accumulating_dp_x_m_microbatches(tmp_p
         assert_bitwise_equal(results[0][mode]["weights"], results[1][mode]["weights"])
         merged = _merged([results[0][mode], results[2][mode]])
         assert _relative(merged, reference["weights"]) < 1e-6, mode
+
+
+def _pp2_x_tp2(tmp: Path) -> dict:
+    result = _fit(_config(tmp, pipeline=2, microbatches=4, parallel={"tensor": 2}))
+    result["weights"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in result["weights"].items()}
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_tied_head_under_pp2_x_tp2_sums_its_gradients_between_its_two_stages(tmp_path):
+    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    # ranks 0 and 1 are stage 0 (tensor ranks 0 and 1), ranks 2 and 3 stage 1: the tied matrix's pairs are (0, 2) and
+    # (1, 3), the same tensor coordinate on the first and last stage (a pair of one stage's tensor ranks: 0.28 off).
+    results = run_on_ranks(_pp2_x_tp2, 4, args=(tmp_path / "pp",), timeout=240)
+    assert _relative(_merged([results[0], results[2]]), reference["weights"]) < 1e-6
+    assert_bitwise_equal(results[0]["weights"], results[1]["weights"])

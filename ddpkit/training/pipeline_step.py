@@ -198,14 +198,18 @@ def _shared_weight(local: list[nn.Module]) -> torch.Tensor | None:
 
 
 def _tied_group(layout: ParallelLayout) -> Any:
-    """The group of this replica's first and last stage ranks, for a model that ties its head (None elsewhere)."""
-    groups = {}
-    # Every rank creates every replica's group, in the same order (new_group is a collective).
-    for replica in range(layout.dp):
-        ranks = [replica, (layout.pp - 1) * layout.dp + replica]
-        groups[replica] = dist.new_group(ranks)
-    in_pair = layout.pp_rank in (0, layout.pp - 1)
-    return groups[layout.dp_rank] if in_pair else None
+    """The group of this rank's first and last stage (the same data-parallel and tensor-parallel coordinates), for a
+    model that ties its head; None on a middle stage."""
+    # The mesh's ranks as (stage, every other coordinate): each column's first and last rank hold the tied matrix.
+    grid = layout.mesh.mesh.reshape(layout.pp, -1).tolist()
+    rank = dist.get_rank()
+    mine = None
+    # Every rank creates every column's group, in the same order (new_group is a collective).
+    for first, last in zip(grid[0], grid[-1]):
+        group = dist.new_group([first, last])
+        if rank in (first, last):
+            mine = group
+    return mine
 
 
 def _log_layout(layout: ParallelLayout, every: list[nn.Module], ids: list[int], microbatches: int, name: str) -> None:
