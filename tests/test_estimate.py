@@ -89,7 +89,10 @@ def test_under_a_pipeline_the_estimate_is_the_largest_stages_rank():
     gpt = {"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 64, "depth": 8, "heads": 4, "max_len": 64}}
     whole = estimate({"model": gpt}, nproc=2)
     piped = estimate({"model": gpt, "parallel": {"pipeline": 2}}, nproc=4)
-    assert list(piped.per_mode) == ["ddp", "zero1"]
+    # fsdp2 inside a pipeline shards each stage over its 2 replicas (rank 0's dim-0 chunks are rounded up)
+    assert list(piped.per_mode) == ["ddp", "zero1", "fsdp2"]
+    half = piped.per_mode["ddp"].parameters / 2
+    assert half <= piped.per_mode["fsdp2"].parameters < 1.01 * half
     # Half the blocks and the embeddings or the head: more than a third, less than all of the parameters.
     assert whole.count / 3 < piped.stage_count < whole.count
     assert piped.per_mode["ddp"].parameters == piped.stage_count * 4

@@ -31,8 +31,10 @@ from torch import nn
 import ddpkit
 from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
+from ddpkit.distributed.memory import rank_bytes
 from ddpkit.errors import ConfigError
 from ddpkit.testing import run_on_ranks
+from ddpkit.tools.estimate import estimate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,7 +89,9 @@ def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
     metrics = trainer.fit()
     layout = trainer.layout
     coordinates = {"pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank, "dp": layout.dp}
-    return {"metrics": metrics, "weights": _whole(trainer._models.bare.state_dict()), "layout": coordinates}
+    held = rank_bytes(trainer._models.bare, trainer.optimizer)
+    weights = _whole(trainer._models.bare.state_dict())
+    return {"metrics": metrics, "weights": weights, "layout": coordinates, "bytes": held}
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -169,6 +173,10 @@ def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp
     tp_model = load_weights(tmp_path / "tp/model.pt")
     assert _relative(tp_model, load_weights(tmp_path / "one/model.pt")) < BOUND
     assert_bitwise_equal(tp_model, results[0]["weights"])
+    # `ddpkit estimate` predicts what each tensor rank holds, from the model on the meta device
+    predicted = estimate(_config(tmp_path / "estimate", tensor=2), nproc=2).per_mode["ddp"]
+    assert predicted.parameters == results[0]["bytes"].parameters < reference["bytes"].parameters
+    assert predicted.optimizer == results[0]["bytes"].optimizer
     # the checkpoints are DCP directories each tensor rank wrote its shards of
     assert (tmp_path / "tp/checkpoints/step-000000008.dcp").is_dir()
 

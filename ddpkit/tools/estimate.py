@@ -22,9 +22,12 @@ buckets when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on 
 gradients are the buckets), FSDP2's all-gathered
 block during its forward and backward (the largest block's full parameters), allocator slack.
 Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters
-replicated (ddp) or its optimizer state sharded (zero1) over the ``N / P`` data-parallel replicas; fsdp2 is not
-offered inside a pipeline. The recommendation compares the total with ``--memory-per-rank`` (default: the GPU's
-memory, or the host's available memory divided by ``--nproc-per-node``).
+replicated (ddp), its optimizer state sharded (zero1) or everything sharded (fsdp2) over the ``N / P``
+data-parallel replicas. Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves
+a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the rest whole), over ``N / (P x T)`` replicas;
+ddpkit's own models have their plans, another model is counted whole. The recommendation compares the total
+with ``--memory-per-rank`` (default: the GPU's memory, or the host's available memory divided by
+``--nproc-per-node``).
 """
 
 from __future__ import annotations
@@ -60,14 +63,16 @@ class Estimate:
         params = [p for p in model.parameters() if p.requires_grad]
         self.count = sum(p.numel() for p in params)
         self.stages = cfg.parallel.pipeline
+        self.tensor = cfg.parallel.tensor
         if self.stages > 1:
             params = _largest_stage(model, cfg)
-            # fsdp2 inside a pipeline is refused (ddpkit.config.layout)
-            modes = [mode for mode in modes if mode != "fsdp2"]
-        replicas = max(1, nproc // self.stages)
+        replicas = max(1, nproc // (self.stages * self.tensor))
+        if self.tensor > 1:
+            # Refused beside tensor parallelism (ddpkit.config.layout): zero1, and ddp over several replicas.
+            modes = [mode for mode in modes if mode != "zero1" and (mode != "ddp" or replicas == 1)]
         self.element_size = params[0].element_size() if params else 4
         self.slots = optimizer_slots(optimizer)
-        shapes = [tuple(p.shape) for p in params]
+        shapes = _tensor_shard_shapes(model, params, cfg.parallel.tensor, cfg.parallel.vocab_parallel)
         # An unknown optimizer: Adam's two, said in the output
         slots = self.slots if self.slots is not None else 2
         self.per_mode: dict[str, RankBytes] = {
@@ -95,6 +100,41 @@ def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:
     )
     held = [list({id(p): p for p in stage.parameters() if p.requires_grad}.values()) for stage in stages]
     return max(held, key=lambda params: sum(p.numel() for p in params))
+
+
+def _tensor_shard_shapes(
+    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool
+) -> list[tuple[int, ...]]:
+    """Each parameter's shape on one rank under ``tensor``-way tensor parallelism: the dimension its module's style
+    splits (ddpkit.training.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
+    without a plan of ddpkit's."""
+    shapes = {id(p): tuple(p.shape) for p in params}
+    if tensor == 1:
+        return list(shapes.values())
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ddpkit.training.tensor_plan import tensor_plan
+
+    try:
+        plan = tensor_plan(model, vocab_parallel=vocab_parallel)
+    except ValueError:
+        return list(shapes.values())
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        embedding = isinstance(module, torch.nn.Embedding)
+        for key, param in module.named_parameters(recurse=False):
+            if id(param) not in shapes or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            # Linear weights are [out, in]: colwise splits the rows (and the bias), rowwise the columns;
+            # an Embedding's [vocab, dim] the other way round.
+            rows = isinstance(style, ColwiseParallel) != embedding
+            dim = 0 if rows or key == "bias" else 1
+            if key == "bias" and not rows:
+                continue
+            shape = list(shapes[id(param)])
+            shape[dim] //= tensor
+            shapes[id(param)] = tuple(shape)
+    return list(shapes.values())
 
 
 def _per_rank_batch(cfg: Config, nproc: int) -> int:
@@ -181,13 +221,20 @@ def report(est: Estimate, budget: int) -> str:
 
 
 def _pipeline_line(est: Estimate) -> list[str]:
-    if est.stages == 1:
-        return []
-    replicas = max(1, est.nproc // est.stages)
-    return [
-        f"pipeline {est.stages} x data-parallel {replicas}: the largest stage holds {est.stage_count:,} of the "
-        f"{est.count:,} parameters (the bytes below are its rank's; activations: up to M microbatches', not estimated)"
-    ]
+    replicas = max(1, est.nproc // (est.stages * est.tensor))
+    lines = []
+    if est.tensor > 1:
+        lines.append(
+            f"tensor {est.tensor} x data-parallel {replicas}: the bytes below are one tensor rank's shards "
+            "(its plan's split Linears / T, the rest whole)"
+        )
+    if est.stages > 1:
+        lines.append(
+            f"pipeline {est.stages} x data-parallel {replicas}: the largest stage holds {est.stage_count:,} of the "
+            f"{est.count:,} parameters (the bytes below are its rank's; activations: up to M microbatches', not "
+            "estimated)"
+        )
+    return lines
 
 
 def estimate(
