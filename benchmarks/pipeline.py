@@ -49,8 +49,9 @@ last stage computes the loss (``alone ms`` shows both), so stage 0 waits a littl
 says. Outside the schedule (the update, loading, logging) is neither busy nor idle: ``sched ms``
 against ``step ms`` shows how much of the step the schedule is. The wrappers reach torch's stage
 through ``Pipeline.schedule._stage``, its p2p helpers as module attributes of
-``torch.distributed.pipelining.schedules``, and ddpkit's pipeline through ``Trainer._pipeline`` (there
-is no public way yet: ddpkit does not report a stage's busy time itself); the short test run in
+``torch.distributed.pipelining.schedules``, and ddpkit's pipeline through ``Trainer._pipeline`` (ddpkit's own
+``stage<k>_busy_s`` in metrics.jsonl, since 6bdf326, times the stage's compute but neither the p2p calls nor
+the cross-process stamps this benchmark needs); the short test run in
 ``tests/test_benchmark_pipeline.py`` fails if a torch release moves them.
 
 **Activations held**: on one extra step after the timed ones, ``torch.autograd.graph.saved_tensors_hooks``
