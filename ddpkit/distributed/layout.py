@@ -133,8 +133,13 @@ class ParallelLayout:
         """One line for the log: the degrees and this rank's coordinates."""
         if self.mesh is None:
             return f"data-parallel {self.dp} ({self.mode})"
-        degrees = [f"pipeline {self.pp}"] * (self.pp > 1) + [f"data-parallel {self.dp} ({self.mode})"]
-        degrees += [f"tensor {self.tp}"] * (self.tp > 1)
-        where = [f"stage {self.pp_rank}"] * (self.pp > 1) + [f"replica {self.dp_rank}"]
-        where += [f"tensor rank {self.tp_rank}"] * (self.tp > 1)
-        return f"{' x '.join(degrees)}: this rank is {', '.join(where)}"
+        degrees = [f"data-parallel {self.dp} ({self.mode})"]
+        where = f"replica {self.dp_rank}"
+        if self.pp > 1:
+            degrees.insert(0, f"pipeline {self.pp}")
+            where = f"stage {self.pp_rank} of {where}"
+        if self.tp > 1:
+            degrees.append(f"tensor {self.tp}")
+            where += f", tensor rank {self.tp_rank}"
+        # The watchdog's reports name a rank the same way (ddpkit.watchdog.report).
+        return f"{' x '.join(degrees)}: this rank is {where}"
