@@ -240,6 +240,18 @@ def test_a_user_model_splits_by_its_own_tensor_plan(tmp_path):
     assert split[0]["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=BOUND)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dp2_x_pp2_x_tp2_on_8_ranks_trains_within_1e_5_of_a_world_of_one(tmp_path):
+    reference = _one(tmp_path / "one")
+    cfg = _config(tmp_path / "3d", tensor=2, pipeline=2, mode="fsdp2")
+    results = run_on_ranks(_fit, 8, args=(cfg,), timeout=280)
+    # the mesh's order (pp, dp, tp): rank 5 is stage 1 of replica 0, tensor rank 1
+    assert results[5]["layout"] == {"pp_rank": 1, "dp_rank": 0, "tp_rank": 1, "dp": 2}
+    _assert_close_to([results[0], results[4]], reference)
+    assert _relative(load_weights(tmp_path / "3d/model.pt"), reference["weights"]) < BOUND
+
+
 def _first_half(cfg: dict) -> dict:
     cfg["train"]["max_steps"] = 4
     return _fit(cfg)

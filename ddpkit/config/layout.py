@@ -82,12 +82,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
 
 def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
     problems = []
-    if cfg.parallel.mode == "fsdp2" and cfg.parallel.tensor > 1:
-        problems.append(
-            "parallel.mode: fsdp2 inside a pipeline shards each stage over the data-parallel ranks, not yet over a "
-            "tensor-parallel stage's DTensors; use parallel.tensor=1 with parallel.mode=fsdp2 and "
-            "parallel.pipeline > 1, or parallel.mode=ddp with one replica"
-        )
     if cfg.train.compile is not False:
         problems.append("train.compile: not wired for pipeline stages yet; set train.compile=false")
     if cfg.train.precision == "fp16":
