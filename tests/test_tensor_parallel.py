@@ -172,6 +172,7 @@ def _runs_against_one() -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_match_a_world_of_one_and_count_their_collectives():
     results = run_on_ranks(_runs_against_one, world_size=2, timeout=280)

@@ -158,6 +158,7 @@ def test_a_vocabulary_sharded_tp2_trains_and_validates_like_a_world_of_one(tmp_p
         assert result["metrics"]["val_accuracy"] == reference["metrics"]["val_accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp_path):
     reference = _one(tmp_path / "one")
@@ -257,6 +258,7 @@ def _first_half(cfg: dict) -> dict:
     return _fit(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tp2_checkpoint_resumes_in_a_world_of_one_and_a_ddp_one_as_tp2(tmp_path):
     reference = _one(tmp_path / "one")
