@@ -21,7 +21,8 @@ against this order, collapsed to packages):
     tools/, bench/           commands that read finished runs or plan one
                              (runs, plot, goodput, estimate); ``ddpkit bench``
     trainer.py               ``Trainer``: build, register, attach; the loop on one screen; overridable steps
-    testing.py               ``ddpkit.testing.run_on_ranks``: run a function on N Gloo ranks, for your own tests
+    testing/                 ``run_on_ranks`` and a pool of live ranks (``RankPool``, the ``rank_pool`` fixture):
+                             run functions on N Gloo ranks, for your own tests
     launch/                  ``ddpkit run``'s launcher side (preflight, torchrun's argv, signals)
                              and the worker entry point
     goodput/                 the goodput ledger: written by every rank (``goodput.jsonl``), read by ``ddpkit goodput``

@@ -20,6 +20,9 @@ from helpers import cpu_runtime, tiny_config
 
 from ddpkit.distributed import Runtime
 
+# The rank pool's fixture (``rank_pool``, per session); helpers.run_in_pool uses the same pools.
+pytest_plugins = ["ddpkit.testing.fixtures"]
+
 _LAUNCHER_VARS = (
     "RANK",
     "WORLD_SIZE",

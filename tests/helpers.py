@@ -1,7 +1,7 @@
 """Builders shared by the test modules: tiny configs, a CPU runtime, subprocess runners, weight comparisons.
 
 One module on pytest's ``pythonpath`` (pyproject.toml), so tests import it as ``helpers`` and so
-do the ranks that ``ddpkit.testing.run_on_ranks`` spawns (they inherit the path). conftest.py binds
+do the ranks that :func:`run_in_pool` runs them on (they inherit the path). conftest.py binds
 the most used ones to a test as fixtures (``tiny_cfg``, ``tiny_yaml``, ``world_of_one``). Whatever
 a second test module needs from a first one belongs here, never imported from the other test.
 """
@@ -24,8 +24,17 @@ import torch
 import yaml
 
 from ddpkit.distributed import DistEnv, Runtime, read_dist_env
+from ddpkit.testing import shared_pools
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_in_pool(
+    fn: Any, world_size: int = 2, *, args: tuple = (), timeout: float = 120.0, env: dict[str, str] | None = None
+) -> list[Any]:
+    """``ddpkit.testing.run_on_ranks``'s call on the session's live ranks (``shared_pools()``, the ``rank_pool``
+    fixture's pools): each call a fresh Gloo group on a reset rank, without starting processes and imports again."""
+    return shared_pools().run(fn, world_size, args=args, timeout=timeout, env=env)
 
 
 def tiny_config(tmp_path: Path | str, **sections: Any) -> dict[str, Any]:
@@ -223,7 +232,7 @@ def finish(launcher: subprocess.Popen, tmp_path: Path) -> str:
     return output
 
 
-# --- one rank's sharded model (run inside ddpkit.testing.run_on_ranks) ---------------------------------
+# --- one rank's sharded model (run inside run_in_pool) ------------------------------------------------------
 
 
 def built_in_mode(mode: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, int]:

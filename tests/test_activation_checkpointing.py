@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import run_in_pool
 from torch.nn import functional as F
 
 import ddpkit
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.activation_checkpointing import apply_activation_checkpointing
 from ddpkit.training.gpt import GPT
 
@@ -96,7 +96,7 @@ def _fit_each_mode(tmp: str) -> dict:
 
 def test_the_same_training_under_ddp_zero1_fsdp2_and_compile(tmp_path):
     np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16).tofile(tmp_path / "corpus.bin")
-    results = run_on_ranks(_fit_each_mode, world_size=2, args=(str(tmp_path),), timeout=600)[0]
+    results = run_in_pool(_fit_each_mode, world_size=2, args=(str(tmp_path),), timeout=600)[0]
     for mode, compiled in (("ddp", False), ("zero1", False), ("fsdp2", False), ("ddp", True)):
         (loss, weights), (ac_loss, ac_weights) = results[mode, compiled, False], results[mode, compiled, True]
         assert ac_loss == pytest.approx(loss, rel=1e-6, abs=1e-7), (mode, compiled)

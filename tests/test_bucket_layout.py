@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_in_pool
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.config.schema import DDPConfig
 from ddpkit.distributed.bucket_layout import PinnedLayout, _pieces_of, pin_bucket_layout
-from ddpkit.testing import run_on_ranks
 
 STEPS = 8
 
@@ -82,7 +82,7 @@ def _every_case() -> dict[str, tuple[float, bool]]:
 
 @pytest.mark.multiprocess
 def test_a_fresh_ddp_resumes_bitwise_on_three_ranks_only_with_the_layout_pinned():
-    results = run_on_ranks(_every_case, world_size=3, timeout=180)
+    results = run_in_pool(_every_case, world_size=3, timeout=180)
     cases = results[0]
     # The cause, shown: torch's first-iteration layout makes the resumed weights drift on 3 ranks.
     assert cases.pop("torch as it is")[0] > 0

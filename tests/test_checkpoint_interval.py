@@ -10,7 +10,7 @@ import math
 import re
 
 import pytest
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.checkpoint import files as ckpt
@@ -19,7 +19,6 @@ from ddpkit.checkpoint.interval import AutoInterval, YoungDaly, describe, interv
 from ddpkit.config.loader import load_config
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -127,7 +126,7 @@ def _choose_on_each_rank(mtbf_hours: float) -> tuple[int, int]:
 
 
 def test_every_rank_follows_rank_0s_measurements():
-    results = run_on_ranks(_choose_on_each_rank, world_size=2, args=(1.0,), timeout=60)
+    results = run_in_pool(_choose_on_each_rank, world_size=2, args=(1.0,), timeout=60)
     rank0 = (interval_steps(young_daly_seconds(1.0, 0.1), 0.01), interval_steps(young_daly_seconds(1.0, 10.0), 0.01))
     assert results == [rank0, rank0]
 

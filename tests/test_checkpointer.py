@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 
 EMA_SCRIPT = REPO / "tests" / "scripts" / "ema_trainer.py"
 #: Every collective ddpkit's code calls through torch.distributed's namespace.
@@ -81,7 +80,7 @@ def _saves_and_their_collectives(out: str, every: object, async_save: bool) -> l
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("every, async_save", [(2, False), (2, True), ("auto", False)])
 def test_a_periodic_ddp_save_costs_one_all_gather_and_one_broadcast(tmp_path, every, async_save):
-    ranks = run_on_ranks(_saves_and_their_collectives, 2, args=(str(tmp_path), every, async_save))
+    ranks = run_in_pool(_saves_and_their_collectives, 2, args=(str(tmp_path), every, async_save))
     # 8 steps: saves at 2, 4, 6 and 8 (the last); `auto` plans its first interval beyond 8 steps: the last one only
     assert ranks[0] == ranks[1] and len(ranks[0]) == (1 if every == "auto" else 4), ranks
     for calls in ranks[0]:

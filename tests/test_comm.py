@@ -7,28 +7,33 @@ passes through the counter, so the count is exactly the number of bucket allredu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, load_weights, tiny_config
+from helpers import assert_bitwise_equal, load_weights, run_in_pool, tiny_config
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
 import ddpkit.training.model_views
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
 HOOK_NAMES = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook"}
 
 
-def _count_bucket_reductions() -> list[int]:
-    """Route every registered comm hook through a counter; return the list of reduced bucket indices.
+@contextmanager
+def _count_bucket_reductions() -> Iterator[list[int]]:
+    """Within the block, route every registered comm hook through a counter; yield the list of reduced bucket
+    indices.
 
     For ``comm_hook: none`` (DDP's built-in allreduce, which has no Python hook) the Trainer's model
-    gets torch's own ``allreduce_hook`` registered, through the same counter.
+    gets torch's own ``allreduce_hook`` registered, through the same counter. Both patches end with the block:
+    the rank runs other tests' functions next.
     """
     calls: list[int] = []
     register = DDP.register_comm_hook
@@ -41,7 +46,6 @@ def _count_bucket_reductions() -> list[int]:
         counted.__name__ = hook.__name__
         return register(self, state, counted)
 
-    DDP.register_comm_hook = counting_register
     wrap = ddpkit.training.model_views.wrap_for_mode  # where the Trainer's model building wraps in DDP
 
     def wrap_and_count(model, runtime, options, parallel):
@@ -50,8 +54,11 @@ def _count_bucket_reductions() -> list[int]:
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
         return wrapped
 
-    ddpkit.training.model_views.wrap_for_mode = wrap_and_count
-    return calls
+    with (
+        mock.patch.object(DDP, "register_comm_hook", counting_register),
+        mock.patch.object(ddpkit.training.model_views, "wrap_for_mode", wrap_and_count),
+    ):
+        yield calls
 
 
 class _PerStep(ddpkit.Trainer):
@@ -76,30 +83,32 @@ class _NotesHook(ddpkit.Trainer):
 
 
 def _train_with_each_hook(tmp: Path) -> dict:
-    calls = _count_bucket_reductions()
     out = {}
-    for hook in ("none", "fp16", "bf16", "powersgd"):
-        before = len(calls)
-        trainer = _NotesHook(tiny_config(tmp / hook, ddp={"comm_hook": hook, "powersgd_start_iter": 2}))
-        trainer.fit()
-        out[hook] = {
-            "calls": len(calls) - before,
-            "registered": trainer.registered,
-            "weights": {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()},
-        }
+    with _count_bucket_reductions() as calls:
+        for hook in ("none", "fp16", "bf16", "powersgd"):
+            before = len(calls)
+            trainer = _NotesHook(tiny_config(tmp / hook, ddp={"comm_hook": hook, "powersgd_start_iter": 2}))
+            trainer.fit()
+            out[hook] = {
+                "calls": len(calls) - before,
+                "registered": trainer.registered,
+                "weights": {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()},
+            }
     return out
 
 
 def _accumulate(tmp: Path, accum: int) -> dict:
-    _PerStep.calls = _count_bucket_reductions()
     # Tiny buckets (about 1 KB), so the MLP's gradients travel in two: [fc2 weight + bias], [fc1 weight + bias].
-    trainer = _PerStep(tiny_config(tmp, train={"grad_accum_steps": accum, "epochs": 2}, ddp={"bucket_cap_mb": 0.001}))
-    trainer.fit()
+    config = tiny_config(tmp, train={"grad_accum_steps": accum, "epochs": 2}, ddp={"bucket_cap_mb": 0.001})
+    with _count_bucket_reductions() as calls:
+        _PerStep.calls = calls
+        trainer = _PerStep(config)
+        trainer.fit()
     return {"per_step": trainer.per_step, "steps": trainer.progress.step}
 
 
 def test_compression_hooks_train_and_ranks_end_bitwise_identical(tmp_path):
-    results = run_on_ranks(_train_with_each_hook, world_size=2, args=(tmp_path,), timeout=150)
+    results = run_in_pool(_train_with_each_hook, world_size=2, args=(tmp_path,), timeout=150)
     for hook in ("fp16", "bf16", "powersgd"):
         for rank in (0, 1):
             assert results[rank][hook]["registered"] == HOOK_NAMES[hook]
@@ -119,7 +128,7 @@ def test_compression_hooks_train_and_ranks_end_bitwise_identical(tmp_path):
 
 def test_gradient_accumulation_reduces_each_bucket_once_per_optimizer_step(tmp_path):
     k = 3
-    results = run_on_ranks(_accumulate, world_size=2, args=(tmp_path, k), timeout=120)
+    results = run_in_pool(_accumulate, world_size=2, args=(tmp_path, k), timeout=120)
     # 8 micro-batches per epoch: optimizer steps after micro-batches 3, 6 and 8 (the short tail), 2 epochs.
     assert results[0]["steps"] == results[1]["steps"] == 6
     for result in results:

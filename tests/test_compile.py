@@ -195,9 +195,9 @@ def _no_sync_reaches_ddp_inside_compile() -> bool:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sync_gradients_finds_ddp_inside_a_compiled_wrapper():
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool
 
-    assert run_on_ranks(_no_sync_reaches_ddp_inside_compile, world_size=2, timeout=120) == [True, True]
+    assert run_in_pool(_no_sync_reaches_ddp_inside_compile, world_size=2, timeout=120) == [True, True]
 
 
 # --- host memory ------------------------------------------------------------------------------------
@@ -326,16 +326,14 @@ def _bare_mlp() -> nn.Module:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_on(tmp_path):
-    from helpers import load_weights, tiny_config
-
-    from ddpkit.testing import run_on_ranks
+    from helpers import load_weights, run_in_pool, tiny_config
 
     def config(epochs: int, compile_value) -> dict:
         return tiny_config(
             tmp_path, train={"epochs": epochs, "log_every": 4, "compile": compile_value}, checkpoint={"every_epochs": 1}
         )
 
-    first = run_on_ranks(_fit, world_size=2, args=(config(2, True),), timeout=600)  # Inductor, as users run it
+    first = run_in_pool(_fit, world_size=2, args=(config(2, True),), timeout=600)  # Inductor, as users run it
     assert first[0]["metrics"] == first[1]["metrics"] and first[0]["metrics"]["step"] == 16
     assert first[0]["seen"] == [("train", "OptimizedModule"), ("val", "OptimizedModule")]
     run = tmp_path / "run"
@@ -346,7 +344,7 @@ def test_compiled_training_saves_plain_weights_and_resumes_with_compile_off_and_
     assert set(saved["model"]) == set(bare.state_dict())
 
     # Compile off, resuming a compiled run; then on again, resuming an eager one (one spawn for both).
-    eager, again = run_on_ranks(
+    eager, again = run_in_pool(
         _fit_each, world_size=2, args=([config(3, False), config(4, {"backend": "aot_eager"})],), timeout=300
     )[0]
     assert eager["metrics"]["step"] == 24 and eager["seen"] == [("train", "DistributedDataParallel"), ("val", "MLP")]
@@ -368,15 +366,13 @@ def _accumulated(configs: list[dict]) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_gradient_accumulation_under_compile_matches_eager(tmp_path):
-    from helpers import tiny_config
-
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool, tiny_config
 
     configs = [
         tiny_config(tmp_path / name, train={"epochs": 1, "grad_accum_steps": 2, "compile": value})
         for name, value in (("eager", False), ("compiled", {"backend": "aot_eager"}))
     ]
-    ranks = run_on_ranks(_accumulated, world_size=2, args=(configs,), timeout=300)
+    ranks = run_in_pool(_accumulated, world_size=2, args=(configs,), timeout=300)
     for eager, compiled in ranks:
         for key, value in eager.items():
             torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5)

@@ -16,12 +16,11 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import finish, start_gated_run
+from helpers import finish, run_in_pool, start_gated_run
 
 from ddpkit.checkpoint.preemption import StopOnSignal
 from ddpkit.distributed import control_auth
 from ddpkit.distributed.control_auth import job_key, read_signed, sign, verify
-from ddpkit.testing import run_on_ranks
 from ddpkit.watchdog.store_io import StoreClient, StoreDown
 
 KEY, OTHER = b"k" * 64, b"o" * 64
@@ -119,10 +118,10 @@ def _agreed_key(secrets: list[str | None]) -> tuple[str, bool]:
 
 
 def test_the_ranks_agree_on_one_key_over_the_group():
-    same = run_on_ranks(_agreed_key, 2, args=(["a" * 64, "a" * 64],), timeout=60)
+    same = run_in_pool(_agreed_key, 2, args=(["a" * 64, "a" * 64],), timeout=60)
     assert same == [("a" * 64, False)] * 2  # the launcher's secret, removed from the environment once read
     for secrets in (["a" * 64, "b" * 64], [None, None], ["a" * 64, None]):
-        keys = run_on_ranks(_agreed_key, 2, args=(secrets,), timeout=60)
+        keys = run_in_pool(_agreed_key, 2, args=(secrets,), timeout=60)
         assert keys[0] == keys[1] and len(keys[0][0]) == 64 and keys[0][0] not in secrets, secrets
 
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_weights, run_cli, run_in_pool, tiny_config
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
 from ddpkit.data.datasets import digits
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.models import MLP
 
 pytestmark = pytest.mark.multiprocess
@@ -65,7 +64,7 @@ def _gather(obj):
 
 
 def test_two_ranks_match_a_hand_written_loop_and_one_rank_with_double_batch(tmp_path):
-    results = run_on_ranks(_train_twice_and_by_hand, world_size=2, args=(tmp_path,), timeout=180)
+    results = run_in_pool(_train_twice_and_by_hand, world_size=2, args=(tmp_path,), timeout=180)
     r0 = results[0]
     # ddpkit's loop is the hand-written DDP loop, bit for bit, and reproducible run to run.
     assert_bitwise_equal(r0["weights"], r0["by_hand"])
@@ -103,7 +102,7 @@ def test_exact_evaluation_is_the_same_on_1_2_and_3_ranks(tmp_path):
     one = _evaluate_untrained(tmp_path / "w1")
     per_world = {1: one}
     for world in (2, 3):
-        results = run_on_ranks(_evaluate_untrained, world_size=world, args=(tmp_path / f"w{world}",), timeout=120)
+        results = run_in_pool(_evaluate_untrained, world_size=world, args=(tmp_path / f"w{world}",), timeout=120)
         assert all(r == results[0] for r in results)
         per_world[world] = results[0]
     for world, metrics in per_world.items():

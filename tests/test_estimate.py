@@ -54,10 +54,10 @@ def _measured(config: dict) -> dict:
 
 @pytest.mark.slow  # about 40 s on the loaded 2-core machine
 def test_estimate_is_within_ten_percent_of_the_bytes_each_rank_holds(tmp_path):
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool
 
     config = _config(tmp_path)
-    measured = run_on_ranks(_measured, 2, args=(config,), timeout=200)
+    measured = run_in_pool(_measured, 2, args=(config,), timeout=200)
     predicted = estimate(config, nproc=2)
     for mode, bytes_ in predicted.per_mode.items():
         for part in ("parameters", "gradients", "optimizer"):

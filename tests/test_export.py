@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, tiny_config
+from helpers import run_cli, run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.errors import DdpkitError
-from ddpkit.testing import run_on_ranks
 from ddpkit.tools.export import export, save_safetensors
 from ddpkit.training.gpt import gpt
 
@@ -67,7 +66,7 @@ def test_export_of_a_run_equals_model_pt_in_both_formats(tmp_path):
 def test_a_sharded_checkpoint_exports_to_safetensors_the_same_way(tmp_path):
     from helpers import train_and_save_sharded
 
-    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_in_pool(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     line = export(tmp_path, tmp_path / "model.safetensors")
     assert "DCP directory" in line
     back = safetensors_torch.load_file(tmp_path / "model.safetensors")

@@ -30,13 +30,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, processes_mentioning, tiny_config
+from helpers import REPO, processes_mentioning, run_in_pool, tiny_config
 from torch.utils.data import Sampler
 
 import ddpkit
 from ddpkit import ConsistencyError, DataError
 from ddpkit.distributed.collectives import barrier
-from ddpkit.testing import RankFailure, run_on_ranks
+from ddpkit.testing import RankFailure
 
 pytestmark = pytest.mark.multiprocess
 
@@ -229,7 +229,7 @@ def _start_disagreeing_runs(tmp: Path) -> list[str]:
 
 
 def test_ranks_that_disagree_are_stopped_at_startup_naming_field_and_values(tmp_path):
-    per_rank = run_on_ranks(_start_disagreeing_runs, world_size=2, args=(tmp_path,), timeout=120)
+    per_rank = run_in_pool(_start_disagreeing_runs, world_size=2, args=(tmp_path,), timeout=120)
     assert per_rank[0] == per_rank[1], "every rank stops with the same message"
     override, data = per_rank[0]
     assert "  - config.optim.lr differs: rank 0: 0.1, rank 1: 0.2\n" in override, override
@@ -273,7 +273,7 @@ def _start_runs_with_bad_data(tmp: Path) -> list[str]:
 
 
 def test_too_small_or_uneven_training_data_stops_every_rank_with_a_data_error(tmp_path):
-    per_rank = run_on_ranks(_start_runs_with_bad_data, world_size=2, args=(tmp_path,), timeout=120)
+    per_rank = run_in_pool(_start_runs_with_bad_data, world_size=2, args=(tmp_path,), timeout=120)
     assert per_rank[0] == per_rank[1]
     too_small, uneven = per_rank[0]
     assert (
@@ -296,7 +296,7 @@ def _fit_in_debug_mode(tmp: Path) -> str | None:
 
 
 def test_debug_mode_writes_a_step_log_per_rank(tmp_path):
-    debug_env = run_on_ranks(_fit_in_debug_mode, world_size=2, args=(tmp_path,), timeout=120)
+    debug_env = run_in_pool(_fit_in_debug_mode, world_size=2, args=(tmp_path,), timeout=120)
     assert debug_env == ["DETAIL", "DETAIL"]
     steps_per_epoch = 256 // 2 // 16
     for rank in (0, 1):
@@ -315,5 +315,5 @@ def _one_rank_never_arrives() -> None:
 
 def test_debug_barrier_names_the_rank_that_never_arrives():
     with pytest.raises(RankFailure) as caught:
-        run_on_ranks(_one_rank_never_arrives, world_size=2, timeout=60)
+        run_in_pool(_one_rank_never_arrives, world_size=2, timeout=60)
     assert "Ranks 1 failed to pass monitoredBarrier in 2000 ms" in str(caught.value)

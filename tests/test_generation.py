@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_in_pool
 
 import ddpkit
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.tools.generate import main as generate_main
 from ddpkit.training.generation import generate
 from ddpkit.training.gpt import GPT
@@ -190,5 +190,5 @@ def _sample_in_fsdp2(out: str) -> list[dict]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_train_sample_under_fsdp2_samples_on_every_rank_and_rank_0_writes(tmp_path):
-    first, _ = run_on_ranks(_sample_in_fsdp2, 2, args=(str(tmp_path / "run"),), timeout=240)
+    first, _ = run_in_pool(_sample_in_fsdp2, 2, args=(str(tmp_path / "run"),), timeout=240)
     assert [r["step"] for r in first] == [1, 2] and all(len(r["text"]) > 0 for r in first)

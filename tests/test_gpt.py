@@ -116,9 +116,9 @@ def _fsdp2_matches_the_bare_model(_: None) -> tuple[float, float]:
 
 @pytest.mark.multiprocess
 def test_fsdp2_on_two_ranks_gives_the_bare_models_loss_and_gradients():
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool
 
-    for loss_gap, norm_gap in run_on_ranks(_fsdp2_matches_the_bare_model, 2, args=(None,), timeout=120):
+    for loss_gap, norm_gap in run_in_pool(_fsdp2_matches_the_bare_model, 2, args=(None,), timeout=120):
         # both ranks computed the same batch, so no averaging difference
         assert abs(loss_gap) < 1e-5 and abs(norm_gap) < 1e-5
 

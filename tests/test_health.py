@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, load_script, run_cli, tiny_config
+from helpers import REPO, load_script, run_cli, run_in_pool, tiny_config
 
 from ddpkit.checkpoint.files import list_checkpoints
 from ddpkit.data.elastic import GlobalBatchSampler
 from ddpkit.data.loaders import ResumableDistributedSampler
 from ddpkit.errors import HealthError
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.health_checks import SpikeDetector, fingerprint, sample_indices, slower_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -129,7 +128,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank_and_named(tmp_path):
     # loss + NaN keeps the gradients finite: only the loss tells, and only on rank 1.
     fault = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "3,5", "HEALTH_NAN_HOW": "add"}
     sections = {**LOGGED, "train": {"epochs": 1, "log_every": 4}, "checkpoint": {"every_steps": 2, "keep_last": 2}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
     assert [r["error"] for r in results] == [None, None]
     # train_loss: nan, as it was
     assert repr(results[0]["metrics"]) == repr(results[1]["metrics"]) and results[0]["metrics"]["step"] == 8
@@ -147,7 +146,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank_and_named(tmp_path):
 def test_nan_gradients_with_accumulation_at_three_ranks(tmp_path):
     fault = {"HEALTH_NAN_RANK": "2", "HEALTH_NAN_STEPS": "2", "HEALTH_NAN_HOW": "mul"}
     sections = {**LOGGED, "train": {"epochs": 1, "log_every": 2, "grad_accum_steps": 2}, "data": {"batch_size": 8}}
-    results = run_on_ranks(_fit, world_size=3, args=(tmp_path, fault, sections), timeout=150)
+    results = run_in_pool(_fit, world_size=3, args=(tmp_path, fault, sections), timeout=150)
     assert [r["error"] for r in results] == [None] * 3
     assert "step 2: non-finite loss on rank(s) 2; rank 2's batch had samples [" in _log(tmp_path)
     assert _records(tmp_path)[-1]["skipped_steps"] == 1
@@ -216,7 +215,7 @@ def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkey
 
 def test_gradient_norm_reads_ddp_buckets_when_gradients_are_views_of_them():
     for view in (True, False):
-        results = run_on_ranks(_bucket_norms, world_size=2, args=(view,), timeout=120)
+        results = run_in_pool(_bucket_norms, world_size=2, args=(view,), timeout=120)
         assert [found for found, _, _, _ in results] == [view, view]
         assert [same for _, _, _, same in results] == [view, view]  # without views, new gradient tensors every step
         assert results[0][1] == results[1][1]  # the same buckets, the same bits: every rank decides alike
@@ -235,7 +234,7 @@ def test_nan_gradients_from_a_finite_loss_are_caught_in_the_gradient_norm(tmp_pa
         )
         for view in ("view", "copy")
     ]
-    results = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)
+    results = run_in_pool(_fit_each, world_size=2, args=(runs,), timeout=150)
     for i, (tmp, _, _) in enumerate(runs):
         assert [r[i]["error"] for r in results] == [None, None]
         assert "step 2: non-finite gradients after the all-reduce (the loss was finite on every rank)" in _log(tmp)
@@ -253,13 +252,13 @@ def test_nan_gradients_from_a_finite_loss_are_caught_in_the_gradient_norm(tmp_pa
 def test_stop_and_max_skips_end_the_run_on_every_rank_before_a_bad_update(tmp_path):
     fault = {"HEALTH_NAN_RANK": "0", "HEALTH_NAN_STEPS": "2,3,4,5", "HEALTH_NAN_HOW": "add"}
     stop = {**LOGGED, "health": {"nonfinite": "stop"}, "checkpoint": {"every_steps": 1}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "stop", fault, stop), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path / "stop", fault, stop), timeout=120)
     assert all(
         "step 2: non-finite loss on rank(s) 0" in r["error"] and "health.nonfinite=stop" in r["error"] for r in results
     )
     assert _all_finite_on_disk(tmp_path / "stop")
     skips = {**LOGGED, "health": {"max_skips": 3}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "skips", fault, skips), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path / "skips", fault, skips), timeout=120)
     assert all(
         "step 4:" in r["error"] and "3 skipped steps in a row (health.max_skips=3)" in r["error"] for r in results
     )
@@ -278,7 +277,7 @@ def test_a_loss_spike_is_skipped_or_rolled_back_at_the_same_step_on_every_rank(t
         "checkpoint": {"every_steps": 6},
     }
     runs = [(tmp_path / "skip", fault, skip), (tmp_path / "rollback", fault, rollback)]
-    skipped = run_on_ranks(_fit_each, world_size=2, args=(runs,), timeout=150)[0][0]  # rank 0's first fit
+    skipped = run_in_pool(_fit_each, world_size=2, args=(runs,), timeout=150)[0][0]  # rank 0's first fit
     assert "step 20: spike: loss" in _log(tmp_path / "skip")
     last = _records(tmp_path / "skip")[-1]
     assert last["spikes"] >= 1 and last["skipped_steps"] == last["spikes"] and skipped["metrics"]["step"] == 24
@@ -292,7 +291,7 @@ def test_a_loss_spike_is_skipped_or_rolled_back_at_the_same_step_on_every_rank(t
 def test_non_finite_weights_are_never_written_and_no_good_checkpoint_is_pruned(tmp_path):
     fault = {"HEALTH_PERTURB_RANK": "1", "HEALTH_PERTURB_STEP": "3", "HEALTH_PERTURB_NAN": "1"}
     sections = {**LOGGED, "checkpoint": {"every_steps": 1, "keep_last": 2}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path, fault, sections), timeout=120)
     assert all("not writing the checkpoint of step 3" in r["error"] for r in results)  # rank 1's NaN stops both
     assert sorted(c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")) == [1, 2] and _all_finite_on_disk(
         tmp_path
@@ -302,7 +301,7 @@ def test_non_finite_weights_are_never_written_and_no_good_checkpoint_is_pruned(t
 @pytest.mark.slow  # two runs in one spawn: about 20 s on the loaded 2-core machine
 def test_a_slowed_rank_is_named_and_a_balanced_run_is_silent(tmp_path):
     straggler = {**LOGGED, "train": {"epochs": 3, "log_every": 8}, "health": {"straggler": {"every": 6, "windows": 2}}}
-    run_on_ranks(
+    run_in_pool(
         _fit,
         world_size=2,
         args=(tmp_path / "slow", {"HEALTH_SLOW_RANK": "1", "HEALTH_SLOW_MS": "15"}, straggler),
@@ -311,19 +310,19 @@ def test_a_slowed_rank_is_named_and_a_balanced_run_is_silent(tmp_path):
     log = _log(tmp_path / "slow")
     assert "straggler: rank 1 is" in log and "straggler: rank 0" not in log
     assert _records(tmp_path / "slow")[-1]["straggler_rank"] == 1
-    run_on_ranks(_fit, world_size=2, args=(tmp_path / "even", {}, straggler), timeout=120)
+    run_in_pool(_fit, world_size=2, args=(tmp_path / "even", {}, straggler), timeout=120)
     assert "straggler" not in _log(tmp_path / "even")
 
 
 def test_a_perturbed_replica_is_caught_at_the_next_check(tmp_path):
     fault = {"HEALTH_PERTURB_RANK": "1", "HEALTH_PERTURB_STEP": "3"}
     broadcast = {**LOGGED, "train": {"epochs": 1}, "health": {"check_replicas_every": 4}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "b", fault, broadcast), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path / "b", fault, broadcast), timeout=120)
     assert "replica divergence at step 4: the parameters of rank(s) 1 differ from rank 0's" in _log(tmp_path / "b")
     for name, value in results[0]["weights"].items():
         assert torch.equal(value, results[1]["weights"][name]), name  # rank 0's weights were broadcast
     stop = {**broadcast, "health": {"check_replicas_every": 4, "on_divergence": "stop"}}
-    results = run_on_ranks(_fit, world_size=2, args=(tmp_path / "s", fault, stop), timeout=120)
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path / "s", fault, stop), timeout=120)
     assert all("replica divergence at step 4" in r["error"] for r in results)
 
 

@@ -8,13 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, load_script, run_cli
+from helpers import REPO, load_script, run_cli, run_in_pool
 from hf_tiny import fine_tune
 
 from ddpkit.data.tokens import require_vocab_of
 from ddpkit.data.tokens import tokens as token_datasets
 from ddpkit.errors import CheckpointError, ConfigError, DataError
-from ddpkit.testing import run_on_ranks
 from ddpkit.tools.hf_export import export_hf
 from ddpkit.tools.lm_source import load_model
 from ddpkit.training.gpt import gpt
@@ -134,7 +133,7 @@ def test_export_of_an_unchanged_model_gives_back_the_directory_bit_for_bit(tmp_p
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_hugging_face_to_ddpkit_fine_tuned_on_two_ranks_and_back(tmp_path, mode):
     reference = save_hf_gpt2(tmp_path / "hf", vocab_size=257)
-    run_on_ranks(fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode), timeout=240)
+    run_in_pool(fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode), timeout=240)
     model, _ = load_model(tmp_path / "run")
     x = tokens(vocab=257)
     for source in (

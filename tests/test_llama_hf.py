@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from helpers import run_in_pool
 from hf_tiny import FAMILIES, fine_tune, save_tiny, to_4x_layout, tokens, write_tokenizer
 
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.tools import generate
 from ddpkit.tools.hf_export import export_hf
 from ddpkit.tools.lm_source import load_model
@@ -150,7 +150,7 @@ def test_generate_reads_the_tokenizer_json_beside_init_from(tmp_path):
 def test_fine_tuned_on_two_ranks_and_exported_back(tmp_path, mode):
     reference = save_tiny(tmp_path / "hf", "qwen2")
     train = {"activation_checkpointing": True}
-    run_on_ranks(fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode, train), timeout=240)
+    run_in_pool(fine_tune, 2, args=(str(tmp_path / "hf"), str(tmp_path / "run"), mode, train), timeout=240)
     model, _ = load_model(tmp_path / "run")
     x = tokens(32, vocab=257)
     # model.pt, and the (DCP under fsdp2) checkpoint

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit import training
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.gpt import GPT
 from ddpkit.training.param_groups import param_groups
 
@@ -206,7 +205,7 @@ def _groups_in_modes(out: str) -> dict[str, tuple[int, float, float]]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_groups_take_effect_under_ddp_zero1_and_fsdp2_on_two_ranks(tmp_path):
-    results = run_on_ranks(_groups_in_modes, 2, args=(str(tmp_path),), timeout=300)
+    results = run_in_pool(_groups_in_modes, 2, args=(str(tmp_path),), timeout=300)
     assert results[0] == results[1]
     for mode, (groups, embed, fc) in results[0].items():
         assert groups == 3, mode  # decayed, undecayed, the embeddings' group
@@ -250,7 +249,7 @@ def _sharded_resumes(out: str) -> dict[str, object]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_with_their_grouping_on_two_ranks(tmp_path):
-    results = run_on_ranks(_sharded_resumes, 2, args=(str(tmp_path),), timeout=500)[0]
+    results = run_in_pool(_sharded_resumes, 2, args=(str(tmp_path),), timeout=500)[0]
     assert results["fsdp2->fsdp2"] == (1, True)  # the earlier release's one group, bitwise
     assert results["ddp->fsdp2"] == (2, True)  # today's two groups across modes, bitwise
     assert results["zero1->zero1"].startswith(

@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.reporting.log import MetricSinks, setup_logging
 from ddpkit.reporting.sinks import SinkGroup, TensorBoardSink
-from ddpkit.testing import run_on_ranks
 
 # tensorboard is the optional `ddpkit[tensorboard]` extra.
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -80,7 +79,7 @@ def logged_run(tmp_path_factory):
         log={"progress_bar": False, "tensorboard": HAS_TENSORBOARD, "rank_files": True},
         checkpoint={"every_epochs": None, "best": {"metric": "val_accuracy", "mode": "max"}},
     )
-    results = run_on_ranks(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
+    results = run_in_pool(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
     return Path(cfg["run"]["output_dir"]), results
 
 
@@ -171,7 +170,7 @@ def test_early_stopping_stops_every_rank_at_the_same_step(tmp_path):
         },
         log={"progress_bar": False, "all_ranks": True},
     )
-    results = run_on_ranks(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
+    results = run_in_pool(fit_capturing_stderr, world_size=2, args=(cfg,), timeout=120)
 
     assert [r["step"] for r in results] == [6, 6]
     assert "early stopping: val_loss has not improved for 2 evaluations" in results[0]["stderr"]

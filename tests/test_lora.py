@@ -215,7 +215,7 @@ def _adapter(run) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_equal_one_under_ddp_zero1_and_fsdp2(tmp_path):
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool
 
     save_tiny(tmp_path / "hf", "qwen3")
     data = token_files(tmp_path / "data")
@@ -223,7 +223,7 @@ def test_two_ranks_equal_one_under_ddp_zero1_and_fsdp2(tmp_path):
     one = _adapter(tmp_path / "one")
     for mode in ("ddp", "zero1", "fsdp2"):
         config = lora_run(str(tmp_path / "hf"), str(tmp_path / mode), data, mode=mode)
-        run_on_ranks(fit, 2, args=(config,), timeout=240)
+        run_in_pool(fit, 2, args=(config,), timeout=240)
         two = _adapter(tmp_path / mode)
         assert two.keys() == one.keys(), mode
         for key in one:
@@ -272,12 +272,12 @@ def test_a_sigkilled_lora_run_resumes_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_under_a_pipeline_the_base_stays_frozen_and_the_adapter_exports(tmp_path):
-    from ddpkit.testing import run_on_ranks
+    from helpers import run_in_pool
 
     reference = save_tiny(tmp_path / "hf", "llama")  # a tied head: the last stage holds the embedding too
     config = lora_run(str(tmp_path / "hf"), str(tmp_path / "run"), token_files(tmp_path / "data"))
     config["parallel"] = {"pipeline": 2}
-    run_on_ranks(fit, 2, args=(config,), timeout=240)
+    run_in_pool(fit, 2, args=(config,), timeout=240)
     saved = torch.load(tmp_path / "run/model.pt", weights_only=True)  # a stage saves its whole part, base included
     assert torch.equal(saved["embed.weight"], reference.model.embed_tokens.weight)
     export_peft(tmp_path / "run", tmp_path / "adapter")

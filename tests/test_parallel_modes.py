@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, run_cli, samples_by_step, tiny_config
+from helpers import REPO, run_cli, run_in_pool, samples_by_step, tiny_config
 from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
@@ -20,7 +20,7 @@ from ddpkit.config.loader import load_config
 from ddpkit.config.parallel import ParallelConfig
 from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
-from ddpkit.testing import RankFailure, run_on_ranks
+from ddpkit.testing import RankFailure
 from ddpkit.training.models import MLP
 
 pytestmark = pytest.mark.timeout(600)
@@ -80,7 +80,7 @@ def _three_modes(tmp: str) -> dict:
 
 @pytest.mark.slow
 def test_zero1_and_fsdp2_train_to_ddp_weights_with_accumulation_and_clipping(tmp_path):
-    results = run_on_ranks(_three_modes, 2, args=(str(tmp_path),), timeout=400)
+    results = run_in_pool(_three_modes, 2, args=(str(tmp_path),), timeout=400)
     weights = {
         mode: torch.load(tmp_path / mode / "run/model.pt", weights_only=True) for mode in ("ddp", "zero1", "fsdp2")
     }
@@ -178,12 +178,12 @@ def _max_diff(a: dict, b: dict) -> float:
 )
 def test_a_sharded_save_cut_by_sigkill_leaves_the_previous_one_and_resume_ends_equal(tmp_path, mode, point):
     with pytest.raises(RankFailure, match="exit code -9"):
-        run_on_ranks(_train, 2, args=(str(tmp_path / "cut"), mode, 12, point), timeout=300)
+        run_in_pool(_train, 2, args=(str(tmp_path / "cut"), mode, 12, point), timeout=300)
     checkpoints = tmp_path / "cut/run/checkpoints"
     assert [c.step for c in files.list_checkpoints(checkpoints)] == [4]  # the save of step 8 never counted
-    run_on_ranks(_train, 2, args=(str(tmp_path / "cut"), mode, 12), timeout=300)
+    run_in_pool(_train, 2, args=(str(tmp_path / "cut"), mode, 12), timeout=300)
     assert not list(checkpoints.glob(".*.partial"))  # the killed write was cleared
-    run_on_ranks(_train, 2, args=(str(tmp_path / "ref"), mode, 12), timeout=300)
+    run_in_pool(_train, 2, args=(str(tmp_path / "ref"), mode, 12), timeout=300)
     assert _max_diff(_weights(tmp_path / "cut"), _weights(tmp_path / "ref")) <= 1e-6
 
 
@@ -191,12 +191,12 @@ def test_a_sharded_save_cut_by_sigkill_leaves_the_previous_one_and_resume_ends_e
 def test_fsdp2_on_two_ranks_resumes_as_ddp_on_one_zero1_on_two_fsdp2_on_three(tmp_path):
     import shutil
 
-    run_on_ranks(_train, 2, args=(str(tmp_path / "ref"), "ddp", 16), timeout=300)
-    run_on_ranks(_train, 2, args=(str(tmp_path / "half"), "fsdp2", 8), timeout=300)
+    run_in_pool(_train, 2, args=(str(tmp_path / "ref"), "ddp", 16), timeout=300)
+    run_in_pool(_train, 2, args=(str(tmp_path / "half"), "fsdp2", 8), timeout=300)
     assert files.find_latest_checkpoint(tmp_path / "half/run/checkpoints").path.name == "step-000000008.dcp"
     for mode, world in [("ddp", 1), ("zero1", 2), ("fsdp2", 3)]:
         shutil.copytree(tmp_path / "half", tmp_path / f"{mode}{world}")
-        metrics = run_on_ranks(_train, world, args=(str(tmp_path / f"{mode}{world}"), mode, 16), timeout=300)[0]
+        metrics = run_in_pool(_train, world, args=(str(tmp_path / f"{mode}{world}"), mode, 16), timeout=300)[0]
         assert metrics["step"] == 16
         assert _max_diff(_weights(tmp_path / f"{mode}{world}"), _weights(tmp_path / "ref")) <= 1e-5, (mode, world)
 

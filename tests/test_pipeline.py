@@ -17,6 +17,7 @@ from helpers import (
     assert_same_samples_after_restart,
     launch_with_a_restart,
     load_weights,
+    run_in_pool,
 )
 from torch import nn
 
@@ -24,7 +25,6 @@ import ddpkit
 from ddpkit.config.layout import check_layout, layout_problems
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,10 +94,10 @@ def _one(cfg: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_two_stages_match_a_world_of_one_accumulating_the_same_microbatches(tmp_path):
-    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    reference = run_in_pool(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
     tokens_cfg = _config(tmp_path / "one-tokens", pipeline=1, microbatches=4, train={"loss_normalization": "tokens"})
-    by_tokens = run_on_ranks(_one, 1, args=(tokens_cfg,), timeout=120)[0]
-    results = run_on_ranks(_schedules_against_accumulation, 2, args=(tmp_path,), timeout=240)
+    by_tokens = run_in_pool(_one, 1, args=(tokens_cfg,), timeout=120)[0]
+    results = run_in_pool(_schedules_against_accumulation, 2, args=(tmp_path,), timeout=240)
     for name in ("gpipe", "1f1b", "interleaved", "tokens"):
         expected = by_tokens if name == "tokens" else reference
         stages = [result[name] for result in results]
@@ -140,8 +140,8 @@ def _fit_mlp(cfg: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_user_model_cut_by_module_names_trains_bitwise_like_one_process_and_writes_the_whole_model(tmp_path):
-    one = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "one", pipeline=1),), timeout=120)[0]
-    stages = run_on_ranks(_fit_mlp, 2, args=(_mlp_config(tmp_path / "pp", pipeline=2),), timeout=120)
+    one = run_in_pool(_fit_mlp, 1, args=(_mlp_config(tmp_path / "one", pipeline=1),), timeout=120)[0]
+    stages = run_in_pool(_fit_mlp, 2, args=(_mlp_config(tmp_path / "pp", pipeline=2),), timeout=120)
     assert set(stages[0]["weights"]) == {"1.weight", "1.bias"}
     assert_bitwise_equal(_merged(stages), one["weights"])
     # model.pt holds the whole model under its own names, whatever the layout
@@ -158,11 +158,11 @@ def _resume_pp_then_one(tmp: Path) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_pipeline_checkpoint_resumes_in_a_world_of_one_with_the_same_samples(tmp_path):
-    straight = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
-    run_on_ranks(_resume_pp_then_one, 2, args=(tmp_path,), timeout=120)
+    straight = run_in_pool(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
+    run_in_pool(_resume_pp_then_one, 2, args=(tmp_path,), timeout=120)
     # The same run directory, now a world of one with 4-way accumulation: steps 4..6 from the pp2 checkpoint.
     cfg = _mlp_config(tmp_path / "pp", pipeline=1)
-    resumed = run_on_ranks(_fit_mlp, 1, args=(cfg,), timeout=120)[0]
+    resumed = run_in_pool(_fit_mlp, 1, args=(cfg,), timeout=120)[0]
     assert resumed["metrics"]["step"] == 6
     assert_bitwise_equal(resumed["weights"], straight["weights"])
 
@@ -201,7 +201,7 @@ def _own_step(cfg: dict) -> str:
 
 @pytest.mark.multiprocess
 def test_a_subclass_overriding_training_step_is_told_to_override_pipeline_loss(tmp_path):
-    messages = run_on_ranks(_own_step, 2, args=(_config(tmp_path, pipeline=2, microbatches=2),), timeout=120)
+    messages = run_in_pool(_own_step, 2, args=(_config(tmp_path, pipeline=2, microbatches=2),), timeout=120)
     assert all("override pipeline_loss(output, target) instead" in message for message in messages)
 
 
@@ -226,12 +226,12 @@ def test_pp2_x_dp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_world_of_one_checkpoint_resumes_as_a_pipeline_with_the_same_samples(tmp_path):
-    straight = run_on_ranks(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
+    straight = run_in_pool(_fit_mlp, 1, args=(_mlp_config(tmp_path / "straight", pipeline=1),), timeout=120)[0]
     first = _mlp_config(tmp_path / "run", pipeline=1)
     first["train"]["max_steps"] = 3
-    run_on_ranks(_fit_mlp, 1, args=(first,), timeout=120)
+    run_in_pool(_fit_mlp, 1, args=(first,), timeout=120)
     # A single file, its optimizer state keyed by position in the whole model: each stage takes its own part.
-    stages = run_on_ranks(_fit_mlp, 2, args=(_mlp_config(tmp_path / "run", pipeline=2),), timeout=120)
+    stages = run_in_pool(_fit_mlp, 2, args=(_mlp_config(tmp_path / "run", pipeline=2),), timeout=120)
     assert stages[0]["metrics"]["step"] == 6
     assert_bitwise_equal(_merged(stages), straight["weights"])
 
@@ -262,8 +262,8 @@ def _pp2_x_dp2(tmp: Path) -> dict:
 @pytest.mark.multiprocess
 def test_pp2_x_dp2_matches_a_world_of_one_accumulating_dp_x_m_microbatches(tmp_path):
     # 2 replicas x 2 microbatches each: the 4 microbatches a world of one accumulates, in the same order.
-    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
-    results = run_on_ranks(_pp2_x_dp2, 4, args=(tmp_path,), timeout=300)
+    reference = run_in_pool(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    results = run_in_pool(_pp2_x_dp2, 4, args=(tmp_path,), timeout=300)
     for mode in ("ddp", "zero1"):
         # ranks 0 and 1 are stage 0 (replicas 0 and 1), ranks 2 and 3 stage 1
         assert_bitwise_equal(results[0][mode]["weights"], results[1][mode]["weights"])
@@ -280,9 +280,9 @@ def _pp2_x_tp2(tmp: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tied_head_under_pp2_x_tp2_sums_its_gradients_between_its_two_stages(tmp_path):
-    reference = run_on_ranks(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
+    reference = run_in_pool(_one, 1, args=(_config(tmp_path / "one", pipeline=1, microbatches=4),), timeout=120)[0]
     # ranks 0 and 1 are stage 0 (tensor ranks 0 and 1), ranks 2 and 3 stage 1: the tied matrix's pairs are (0, 2) and
     # (1, 3), the same tensor coordinate on the first and last stage (a pair of one stage's tensor ranks: 0.28 off).
-    results = run_on_ranks(_pp2_x_tp2, 4, args=(tmp_path / "pp",), timeout=240)
+    results = run_in_pool(_pp2_x_tp2, 4, args=(tmp_path / "pp",), timeout=240)
     assert _relative(_merged([results[0], results[2]]), reference["weights"]) < 1e-6
     assert_bitwise_equal(results[0]["weights"], results[1]["weights"])

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RaggedSequences
+from helpers import RaggedSequences, run_in_pool
 from torch import nn
 
 import ddpkit
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.evaluation_pipeline import PipelineForward
 from ddpkit.training.pipeline_split import HeldParts
 
@@ -118,8 +117,8 @@ def _close(a: list[dict[str, float]], b: list[dict[str, float]], *, rel: float) 
 
 @pytest.mark.multiprocess
 def test_validation_under_two_stages_equals_a_world_of_one_on_the_same_validation_set(tmp_path):
-    one = run_on_ranks(_one_of_each, 1, args=(tmp_path / "one",), timeout=120)[0]
-    results = run_on_ranks(_two_stages, 2, args=(tmp_path / "pp",), timeout=240)
+    one = run_in_pool(_one_of_each, 1, args=(tmp_path / "one",), timeout=120)[0]
+    results = run_in_pool(_two_stages, 2, args=(tmp_path / "pp",), timeout=240)
     assert len(one["mlp"]) == 2 and len(one["gpt"]) == 2
     for rank in results:
         # Every rank reports the same exact means; the untied MLP trains and validates bitwise like one process.
@@ -136,9 +135,9 @@ def _pp2_x_dp2(tmp: Path) -> list[dict[str, float]]:
 
 @pytest.mark.multiprocess
 def test_validation_under_pp2_x_dp2_equals_a_world_of_one(tmp_path):
-    one = run_on_ranks(_validate, 1, args=(Mlp, _mlp(tmp_path / "one", pipeline=1)), timeout=120)[0]
+    one = run_in_pool(_validate, 1, args=(Mlp, _mlp(tmp_path / "one", pipeline=1)), timeout=120)[0]
     # 50 validation samples over 2 replicas: 25 each, batches of 8 and one of 1 (the stages agree on the shapes).
-    results = run_on_ranks(_pp2_x_dp2, 4, args=(tmp_path / "pp",), timeout=240)
+    results = run_in_pool(_pp2_x_dp2, 4, args=(tmp_path / "pp",), timeout=240)
     for rank in results:
         assert rank == results[0]
         # Within 1e-8: the training's gradients are all-reduced over the replicas (another order of addition).

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RaggedSequences, full_state
+from helpers import RaggedSequences, full_state, run_in_pool
 from torch import nn
 
 import ddpkit
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,8 +66,8 @@ def _against_one(results: list[dict], one: dict) -> None:
 
 @pytest.mark.multiprocess
 def test_fsdp2_inside_two_stages_trains_and_validates_like_a_world_of_one(tmp_path):
-    one = run_on_ranks(_trained, 1, args=(_gpt(tmp_path / "one", pipeline=1),), timeout=120)[0]
-    results = run_on_ranks(_trained, 2, args=(_gpt(tmp_path / "pp", pipeline=2),), timeout=180)
+    one = run_in_pool(_trained, 1, args=(_gpt(tmp_path / "one", pipeline=1),), timeout=120)[0]
+    results = run_in_pool(_trained, 2, args=(_gpt(tmp_path / "pp", pipeline=2),), timeout=180)
     assert set(one["state"]) == set(results[0]["state"])
     _against_one(results, one)
 
@@ -76,8 +75,8 @@ def test_fsdp2_inside_two_stages_trains_and_validates_like_a_world_of_one(tmp_pa
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fsdp2_inside_pp2_x_dp2_trains_and_validates_like_a_world_of_one(tmp_path):
-    one = run_on_ranks(_trained, 1, args=(_gpt(tmp_path / "one", pipeline=1),), timeout=120)[0]
-    results = run_on_ranks(_trained, 4, args=(_gpt(tmp_path / "pp", pipeline=2, replicas=2),), timeout=240)
+    one = run_in_pool(_trained, 1, args=(_gpt(tmp_path / "one", pipeline=1),), timeout=120)[0]
+    results = run_in_pool(_trained, 4, args=(_gpt(tmp_path / "pp", pipeline=2, replicas=2),), timeout=240)
     _against_one(results, one)
 
 
@@ -144,16 +143,16 @@ def _fsdp2_on_two(tmp: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pp2_x_dp2_checkpoints_resume_in_a_world_of_one_and_under_fsdp2_on_two_ranks(tmp_path):
-    written = run_on_ranks(_write_on_pp2_x_dp2, 4, args=(tmp_path,), timeout=240)
-    straight = run_on_ranks(_fit_mlp, 1, args=(_mlp(tmp_path / "straight", layout="one"),), timeout=120)[0]
+    written = run_in_pool(_write_on_pp2_x_dp2, 4, args=(tmp_path,), timeout=240)
+    straight = run_in_pool(_fit_mlp, 1, args=(_mlp(tmp_path / "straight", layout="one"),), timeout=120)[0]
     # fsdp2 inside the pipeline -> a world of one: it loads the step-3 state exactly, then trains steps 4..6.
-    one = run_on_ranks(_fit_mlp, 1, args=(_mlp(tmp_path / "fsdp2", layout="one"),), timeout=120)[0]
+    one = run_in_pool(_fit_mlp, 1, args=(_mlp(tmp_path / "fsdp2", layout="one"),), timeout=120)[0]
     assert one["metrics"]["step"] == 6
     assert all(torch.equal(one["loaded"][k], v) for k, v in written[0]["fsdp2"]["state"].items())
     # Within 1e-6, not bitwise: the pipeline's replicas averaged their gradients (another order of addition).
     assert _relative(one["state"], straight["state"]) < 1e-6
     # pp2 x dp2 (ddp) -> fsdp2 on 2 ranks: the same optimizer state, then the same samples as a straight fsdp2 run.
-    two = run_on_ranks(_fsdp2_on_two, 2, args=(tmp_path,), timeout=180)
+    two = run_in_pool(_fsdp2_on_two, 2, args=(tmp_path,), timeout=180)
     for rank in two:
         resumed = rank["resumed"]
         assert resumed["loaded"].keys() == written[0]["ddp"]["state"].keys()

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_in_pool
 from torch import nn
 
 import ddpkit
-from ddpkit.testing import RankFailure, run_on_ranks
+from ddpkit.testing import RankFailure
 from ddpkit.watchdog.report import Verdict, format_report, layout_coordinate, summary_line
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +55,7 @@ def _fit(cfg: dict, stall_rank: int = -1) -> dict:
 
 @pytest.mark.multiprocess
 def test_each_stage_s_busy_and_idle_time_is_in_metrics_jsonl_and_the_timeline(tmp_path):
-    run_on_ranks(_fit, 2, args=(_config(tmp_path),), timeout=120)
+    run_in_pool(_fit, 2, args=(_config(tmp_path),), timeout=120)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     training = [r for r in records if "train_loss" in r]
     assert [r["step"] for r in training] == [2, 4]
@@ -111,7 +112,7 @@ def test_the_watchdog_names_the_stuck_stage_of_a_real_pipeline(tmp_path):
     cfg["dist"] = {"hang_timeout": 4, "slow_phase_timeout": 30}
     # The last stage sleeps after step 1; the first goes on into step 2 and waits for it in the schedule.
     with pytest.raises(RankFailure):
-        run_on_ranks(_fit, 2, args=(cfg, 1), timeout=120)
+        run_in_pool(_fit, 2, args=(cfg, 1), timeout=120)
     (report,) = (tmp_path / "logs").glob("hang-*.txt")
     text = report.read_text()
     assert "stuck: rank 1 (stage 1 of replica 0, step 1, loop); waiting: rank 0" in text

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 
 from ddpkit.config.profile_section import ProfileConfig
 from ddpkit.config.train_sections import TrainConfig
 from ddpkit.reporting.events import Events
 from ddpkit.reporting.profiler import PHASE_PREFIX, PROFILE_DIR, Profiler
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +65,7 @@ def _profile_two_steps(out: Path) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_each_of_two_ranks_writes_a_trace_with_profiler_steps_and_the_loops_phases(tmp_path):
-    traces = run_on_ranks(_profile_two_steps, world_size=2, args=(tmp_path,), timeout=90)
+    traces = run_in_pool(_profile_two_steps, world_size=2, args=(tmp_path,), timeout=90)
     assert [len(t) for t in traces] == [1, 1]  # repeat=1: one recorded cycle, one file per rank
     files = sorted((tmp_path / PROFILE_DIR).iterdir())
     assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"] and all(
@@ -125,7 +124,7 @@ def _fit_profiled(tmp: Path) -> list[str]:
     reason="train.profile is not wired into the Trainer yet",
 )
 def test_a_two_rank_fit_with_train_profile_writes_a_trace_per_rank(tmp_path):
-    names = run_on_ranks(_fit_profiled, world_size=2, args=(tmp_path,), timeout=90)[0]
+    names = run_in_pool(_fit_profiled, world_size=2, args=(tmp_path,), timeout=90)[0]
     assert [n.split(".")[0] for n in names] == ["rank0", "rank1"]
     for name in names:
         spans = _span_names(Path(tmp_path) / "run" / PROFILE_DIR / name)

@@ -17,6 +17,7 @@ from helpers import (
     load_weights,
     merge_sections,
     run_cli,
+    run_in_pool,
     tiny_cnn_config,
     tiny_config,
 )
@@ -24,7 +25,6 @@ from helpers import (
 import ddpkit
 from ddpkit.checkpoint.files import list_checkpoints, save_checkpoint
 from ddpkit.errors import CheckpointError
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,7 +82,7 @@ def test_stop_after_any_step_and_resume_gives_bitwise_identical_weights(tmp_path
             [3],
         ),
     ]
-    results = run_on_ranks(_interrupt_and_resume, world_size=2, args=(tmp_path, variants), timeout=300)
+    results = run_in_pool(_interrupt_and_resume, world_size=2, args=(tmp_path, variants), timeout=300)
     for name, _, stops in variants:
         for k in stops:
             assert_bitwise_equal(results[0][name, k], results[0][name, "full"])

@@ -9,12 +9,11 @@ import json
 
 import pytest
 import torch
-from helpers import built_in_mode, full_state, run_cli, train_and_save_sharded
+from helpers import built_in_mode, full_state, run_cli, run_in_pool, train_and_save_sharded
 from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
 from ddpkit.checkpoint.sharded import ShardedParts, load_sharded
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,13 +27,13 @@ def _load(tmp: str, mode: str) -> tuple[dict[str, torch.Tensor], float, dict]:
 
 @pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_in_every_mode_and_world_size(tmp_path):
-    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_in_pool(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     info = files.find_latest_checkpoint(tmp_path)
     assert info.path.name == "step-000000003.dcp" and info.manifest["format"] == "dcp"
     # each rank wrote its shard
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt"} <= set(info.manifest["files"])
     for mode, world in [("ddp", 1), ("zero1", 2), ("fsdp2", 3)]:
-        loaded, lr, progress = run_on_ranks(_load, world, args=(str(tmp_path), mode), timeout=120)[0]
+        loaded, lr, progress = run_in_pool(_load, world, args=(str(tmp_path), mode), timeout=120)[0]
         assert loaded.keys() == saved.keys(), (mode, world)
         for key in saved:
             assert torch.equal(loaded[key], saved[key]), f"{mode} on {world}: {key} differs"
@@ -43,9 +42,9 @@ def test_fsdp2_checkpoint_resumes_in_every_mode_and_world_size(tmp_path):
 
 @pytest.mark.slow
 def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_path):
-    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "zero1"), timeout=120)[0]
+    saved = run_in_pool(train_and_save_sharded, 2, args=(str(tmp_path), "zero1"), timeout=120)[0]
     assert any(".exp_avg" in key for key in saved) and any(".exp_avg_sq" in key for key in saved)
-    loaded, _, _ = run_on_ranks(_load, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    loaded, _, _ = run_in_pool(_load, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
@@ -54,7 +53,7 @@ def test_zero1_checkpoint_holds_every_rank_partition_and_loads_into_fsdp2(tmp_pa
 def test_export_joins_the_shards_and_incomplete_saves_are_skipped(tmp_path):
     """``ddpkit export`` of a DCP directory; the crash windows on disk: DCP written but not renamed,
     renamed but no manifest."""
-    saved = run_on_ranks(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
+    saved = run_in_pool(train_and_save_sharded, 2, args=(str(tmp_path), "fsdp2"), timeout=120)[0]
     good = files.find_latest_checkpoint(tmp_path)
     result = run_cli("export", str(tmp_path), str(tmp_path / "model.pt"), timeout=60)
     assert result.returncode == 0 and "DCP directory" in result.stdout and good.path.name in result.stdout, (

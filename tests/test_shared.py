@@ -71,6 +71,7 @@ def _read_through_workers(tmp, calls_dir):
 
 @pytest.mark.multiprocess
 def test_two_ranks_and_their_workers_read_one_segment_which_is_gone_after_exit(tmp_path):
+    """Fresh rank processes (run_on_ranks, not the pool): the segment must be gone when its writer's process exits."""
     calls = tmp_path / "calls"
     calls.mkdir()
     (tmp_path / "shm").mkdir()

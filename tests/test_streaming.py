@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, tiny_config
+from helpers import REPO, assert_bitwise_equal, load_script, load_weights, run_cli, run_in_pool, tiny_config
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ddpkit.data.datasets import make_digits
 from ddpkit.data.streaming import StreamEpochs, build_stream_loader, stream_total_steps
 from ddpkit.distributed.env import DistEnv
 from ddpkit.errors import ConfigError, DataError, DdpkitError
-from ddpkit.testing import run_on_ranks
 
 write_shards = load_script(REPO / "scripts" / "write_digits_shards.py").write_shards
 
@@ -159,7 +158,7 @@ def _uneven_ranks(workers: int, uneven: str = "truncate") -> tuple[int | str, li
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", [0, 2])
 def test_uneven_shards_on_three_ranks_end_the_epoch_at_the_same_batch_without_hanging(workers):
-    results = run_on_ranks(_uneven_ranks, world_size=3, args=(workers,), timeout=120)
+    results = run_in_pool(_uneven_ranks, world_size=3, args=(workers,), timeout=120)
     counts = {count for count, _ in results}
     # rank 1 has 23 samples: 5 full batches of 4 with 0 workers, 3 + 2 with 2 workers; 4 = whole steps of 2
     assert counts == {4}
@@ -171,7 +170,7 @@ def test_uneven_shards_on_three_ranks_end_the_epoch_at_the_same_batch_without_ha
 @pytest.mark.multiprocess
 def test_uneven_shards_with_data_uneven_error_stop_every_rank_naming_each_ranks_count():
     # shares 40/23/31 in batches of 4: rank 0 has 10 batches, rank 1 5, rank 2 7 (windows of 2 batches)
-    results = run_on_ranks(_uneven_ranks, world_size=3, args=(0, "error"), timeout=120)
+    results = run_in_pool(_uneven_ranks, world_size=3, args=(0, "error"), timeout=120)
     messages = [message for message, _ in results]
     assert all(isinstance(m, str) for m in messages) and len(set(messages)) == 1, messages  # every rank, the same error
     assert "rank 0: 8 or more, rank 1: 5, rank 2: 7" in messages[0] and "data.uneven=truncate" in messages[0]
@@ -372,7 +371,7 @@ def test_webdataset_and_hf_datasets_by_name_train_on_two_ranks(tmp_path):
         ({"name": "webdataset", "kwargs": urls}, 7),
         ({"name": "hf_datasets", "kwargs": hf}, 9),
     ):
-        results = run_on_ranks(_fit_named_stream, world_size=2, args=(str(tmp_path / data["name"]), data), timeout=240)
+        results = run_in_pool(_fit_named_stream, world_size=2, args=(str(tmp_path / data["name"]), data), timeout=240)
         assert results[0] == results[1]  # the same steps and reduced metrics on both ranks
         assert results[0]["epoch"] == 2 and results[0]["step"] == 2 * steps_per_epoch
         assert ("val_accuracy" in results[0]) == (data["name"] == "webdataset")  # hf: no validation split given

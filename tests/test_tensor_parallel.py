@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_in_pool
 from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.gpt import GPT
 from ddpkit.training.llama import Llama, LlamaShape
 from ddpkit.training.tensor_plan import (
@@ -175,7 +175,7 @@ def _runs_against_one() -> dict:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_match_a_world_of_one_and_count_their_collectives():
-    results = run_on_ranks(_runs_against_one, world_size=2, timeout=280)
+    results = run_in_pool(_runs_against_one, world_size=2, timeout=280)
     assert results[0] == results[1]
     runs = results[0]
     for name, run in runs.items():
@@ -239,7 +239,7 @@ def _fsdp2_over_dp_tp(steps: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_fsdp2_over_a_dp_tp_mesh_matches_a_world_of_one():
-    results = run_on_ranks(_fsdp2_over_dp_tp, world_size=4, args=(10,), timeout=280)
+    results = run_in_pool(_fsdp2_over_dp_tp, world_size=4, args=(10,), timeout=280)
     for result in results:
         assert result["weights"] < 1e-12
         assert result["norms"] < 1e-12

@@ -25,6 +25,7 @@ from helpers import (
     assert_same_samples_after_restart,
     launch_with_a_restart,
     load_weights,
+    run_in_pool,
 )
 from torch import nn
 
@@ -33,7 +34,6 @@ from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
 from ddpkit.distributed.memory import rank_bytes
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.tools.estimate import estimate
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,7 +113,7 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _one(out: Path, **options) -> dict:
-    return run_on_ranks(_fit, 1, args=(_config(out, **options),), timeout=120)[0]
+    return run_in_pool(_fit, 1, args=(_config(out, **options),), timeout=120)[0]
 
 
 def _assert_close_to(results: list[dict], reference: dict) -> None:
@@ -132,10 +132,10 @@ def _fit_float64(cfg: dict) -> dict:
 @pytest.mark.multiprocess
 def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_1e_12_in_float64(tmp_path):
     reference = _one(tmp_path / "one", steps=50)
-    results = run_on_ranks(_fit, 2, args=(_config(tmp_path / "tp", steps=50, tensor=2),), timeout=280)
+    results = run_in_pool(_fit, 2, args=(_config(tmp_path / "tp", steps=50, tensor=2),), timeout=280)
     _assert_close_to(results, reference)
-    one = run_on_ranks(_fit_float64, 1, args=(_config(tmp_path / "one64", steps=50),), timeout=120)[0]
-    tp = run_on_ranks(_fit_float64, 2, args=(_config(tmp_path / "tp64", steps=50, tensor=2),), timeout=280)
+    one = run_in_pool(_fit_float64, 1, args=(_config(tmp_path / "one64", steps=50),), timeout=120)[0]
+    tp = run_in_pool(_fit_float64, 2, args=(_config(tmp_path / "tp64", steps=50, tensor=2),), timeout=280)
     assert _elementwise(tp[0]["weights"], one["weights"]) < 1e-12
 
 
@@ -147,10 +147,10 @@ def _fit_validated(cfg: dict) -> dict:
 def test_a_vocabulary_sharded_tp2_trains_and_validates_like_a_world_of_one(tmp_path):
     cfg = _config(tmp_path / "one")
     cfg["train"]["eval_every"] = 4
-    reference = run_on_ranks(_fit_validated, 1, args=(cfg,), timeout=120)[0]
+    reference = run_in_pool(_fit_validated, 1, args=(cfg,), timeout=120)[0]
     sharded = _config(tmp_path / "vocab", tensor=2, vocab_parallel=True)
     sharded["train"]["eval_every"] = 4
-    results = run_on_ranks(_fit_validated, 2, args=(sharded,), timeout=200)
+    results = run_in_pool(_fit_validated, 2, args=(sharded,), timeout=200)
     _assert_close_to(results, reference)
     for result in results:
         # each tensor rank ran the whole batch: its copies of the float64 sums and counts leave the means as they are
@@ -162,11 +162,11 @@ def test_a_vocabulary_sharded_tp2_trains_and_validates_like_a_world_of_one(tmp_p
 @pytest.mark.multiprocess
 def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp_path):
     reference = _one(tmp_path / "one")
-    results = run_on_ranks(_fit, 2, args=(_config(tmp_path / "tp", tensor=2),), timeout=200)
+    results = run_in_pool(_fit, 2, args=(_config(tmp_path / "tp", tensor=2),), timeout=200)
     recomputed = _config(tmp_path / "ac", tensor=2)
     recomputed["train"]["activation_checkpointing"] = True
     # activation checkpointing wraps the blocks after the plan: the same bits
-    assert_bitwise_equal(run_on_ranks(_fit, 2, args=(recomputed,), timeout=200)[0]["weights"], results[0]["weights"])
+    assert_bitwise_equal(run_in_pool(_fit, 2, args=(recomputed,), timeout=200)[0]["weights"], results[0]["weights"])
     assert [r["layout"]["tp_rank"] for r in results] == [0, 1]
     assert all(r["layout"]["dp"] == 1 for r in results)
     _assert_close_to(results, reference)
@@ -186,10 +186,10 @@ def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp
 @pytest.mark.multiprocess
 def test_fsdp2_over_dp2_x_tp2_and_pp2_x_tp2_train_within_1e_5_of_a_world_of_one(tmp_path):
     reference = _one(tmp_path / "one")
-    fsdp = run_on_ranks(_fit, 4, args=(_config(tmp_path / "fsdp", tensor=2, mode="fsdp2"),), timeout=280)
+    fsdp = run_in_pool(_fit, 4, args=(_config(tmp_path / "fsdp", tensor=2, mode="fsdp2"),), timeout=280)
     assert [(r["layout"]["dp_rank"], r["layout"]["tp_rank"]) for r in fsdp] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     _assert_close_to(fsdp[:1], reference)
-    pipelined = run_on_ranks(_fit, 4, args=(_config(tmp_path / "pp", tensor=2, pipeline=2),), timeout=280)
+    pipelined = run_in_pool(_fit, 4, args=(_config(tmp_path / "pp", tensor=2, pipeline=2),), timeout=280)
     # ranks 0, 1: stage 0 (tensor ranks 0, 1); ranks 2, 3: stage 1
     assert [(r["layout"]["pp_rank"], r["layout"]["tp_rank"]) for r in pipelined] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     _assert_close_to([pipelined[0], pipelined[2]], reference)
@@ -199,11 +199,11 @@ def test_fsdp2_over_dp2_x_tp2_and_pp2_x_tp2_train_within_1e_5_of_a_world_of_one(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_compiled_tp2_trains_like_the_eager_one(tmp_path):
-    eager = run_on_ranks(_fit, 2, args=(_config(tmp_path / "eager", tensor=2),), timeout=200)
+    eager = run_in_pool(_fit, 2, args=(_config(tmp_path / "eager", tensor=2),), timeout=200)
     compiled = _config(tmp_path / "compiled", tensor=2)
     compiled["train"]["compile"] = True
     # Inductor fuses the blocks' elementwise ops (another rounding), so within the bound, not bitwise.
-    results = run_on_ranks(_fit, 2, args=(compiled,), timeout=280)
+    results = run_in_pool(_fit, 2, args=(compiled,), timeout=280)
     _assert_close_to(results, eager[0])
 
 
@@ -234,8 +234,8 @@ def _fit_mlp(tensor: int, out: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_user_model_splits_by_its_own_tensor_plan(tmp_path):
-    one = run_on_ranks(_fit_mlp, 1, args=(1, str(tmp_path / "one")), timeout=120)[0]
-    split = run_on_ranks(_fit_mlp, 2, args=(2, str(tmp_path / "tp")), timeout=120)
+    one = run_in_pool(_fit_mlp, 1, args=(1, str(tmp_path / "one")), timeout=120)[0]
+    split = run_in_pool(_fit_mlp, 2, args=(2, str(tmp_path / "tp")), timeout=120)
     # the hidden layer's rows on two ranks: the output layer's sum is split in two, rounding only
     assert _relative(split[0]["weights"], one["weights"]) < BOUND
     assert split[0]["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=BOUND)
@@ -246,7 +246,7 @@ def test_a_user_model_splits_by_its_own_tensor_plan(tmp_path):
 def test_dp2_x_pp2_x_tp2_on_8_ranks_trains_within_1e_5_of_a_world_of_one(tmp_path):
     reference = _one(tmp_path / "one")
     cfg = _config(tmp_path / "3d", tensor=2, pipeline=2, mode="fsdp2")
-    results = run_on_ranks(_fit, 8, args=(cfg,), timeout=280)
+    results = run_in_pool(_fit, 8, args=(cfg,), timeout=280)
     # the mesh's order (pp, dp, tp): rank 5 is stage 1 of replica 0, tensor rank 1
     assert results[5]["layout"] == {"pp_rank": 1, "dp_rank": 0, "tp_rank": 1, "dp": 2}
     _assert_close_to([results[0], results[4]], reference)
@@ -263,13 +263,13 @@ def _first_half(cfg: dict) -> dict:
 def test_a_tp2_checkpoint_resumes_in_a_world_of_one_and_a_ddp_one_as_tp2(tmp_path):
     reference = _one(tmp_path / "one")
     # tp2 for 4 steps, then a world of one from its DCP checkpoint (the same samples from step 5 on)
-    run_on_ranks(_first_half, 2, args=(_config(tmp_path / "a", tensor=2),), timeout=200)
-    resumed = run_on_ranks(_fit, 1, args=(_config(tmp_path / "a"),), timeout=120)[0]
+    run_in_pool(_first_half, 2, args=(_config(tmp_path / "a", tensor=2),), timeout=200)
+    resumed = run_in_pool(_fit, 1, args=(_config(tmp_path / "a"),), timeout=120)[0]
     assert resumed["metrics"]["step"] == 8
     assert _relative(resumed["weights"], reference["weights"]) < BOUND
     # a world of one's single-file checkpoint, then tp2: each tensor rank takes its shards of it
-    run_on_ranks(_first_half, 1, args=(_config(tmp_path / "b"),), timeout=120)
-    as_tp = run_on_ranks(_fit, 2, args=(_config(tmp_path / "b", tensor=2),), timeout=200)
+    run_in_pool(_first_half, 1, args=(_config(tmp_path / "b"),), timeout=120)
+    as_tp = run_in_pool(_fit, 2, args=(_config(tmp_path / "b", tensor=2),), timeout=200)
     assert as_tp[0]["metrics"]["step"] == 8
     _assert_close_to(as_tp, reference)
 
@@ -278,8 +278,8 @@ def test_a_tp2_checkpoint_resumes_in_a_world_of_one_and_a_ddp_one_as_tp2(tmp_pat
 @pytest.mark.multiprocess
 def test_a_pp2_x_tp2_checkpoint_resumes_under_ddp_on_2_ranks(tmp_path):
     reference = _one(tmp_path / "one")
-    run_on_ranks(_first_half, 4, args=(_config(tmp_path / "run", tensor=2, pipeline=2),), timeout=280)
-    resumed = run_on_ranks(_fit, 2, args=(_config(tmp_path / "run"),), timeout=200)
+    run_in_pool(_first_half, 4, args=(_config(tmp_path / "run", tensor=2, pipeline=2),), timeout=280)
+    resumed = run_in_pool(_fit, 2, args=(_config(tmp_path / "run"),), timeout=200)
     assert resumed[0]["metrics"]["step"] == 8
     assert_bitwise_equal(resumed[0]["weights"], resumed[1]["weights"])
     assert _relative(resumed[0]["weights"], reference["weights"]) < BOUND

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.reporting.timeline import Timeline
-from ddpkit.testing import run_on_ranks
 
 SPAN_NAMES = ("data", "forward", "backward", "optimizer", "checkpoint", "evaluation")  # the spans the Trainer records
 
@@ -38,7 +37,7 @@ def _fit_with_and_without_timeline(tmp: Path) -> dict:
 
 @pytest.mark.multiprocess
 def test_two_ranks_write_one_merged_trace_with_a_row_per_rank(tmp_path):
-    results = run_on_ranks(_fit_with_and_without_timeline, world_size=2, args=(tmp_path,), timeout=120)
+    results = run_in_pool(_fit_with_and_without_timeline, world_size=2, args=(tmp_path,), timeout=120)
     trace = json.loads((tmp_path / "on/run/timeline.json").read_text())
     events = trace["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RaggedSequences
+from helpers import RaggedSequences, run_in_pool
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.testing import run_on_ranks
 from ddpkit.training.token_loss import TokenCount, split_loss
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,8 +50,8 @@ def _fit(tmp, world_size: int, accum: int, normalization: str, mode: str = "ddp"
 
 def _fit_on(tmp, world_size: int, accum: int, normalization: str, mode: str = "ddp") -> list[torch.Tensor]:
     if world_size == 1:
-        return run_on_ranks(_fit, 1, args=(tmp, 1, accum, normalization, mode), timeout=200)[0]
-    return run_on_ranks(_fit, world_size, args=(tmp, world_size, accum, normalization, mode), timeout=200)[0]
+        return run_in_pool(_fit, 1, args=(tmp, 1, accum, normalization, mode), timeout=200)[0]
+    return run_in_pool(_fit, world_size, args=(tmp, world_size, accum, normalization, mode), timeout=200)[0]
 
 
 def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -103,5 +102,5 @@ def _scaled(tmp):
 
 @pytest.mark.multiprocess
 def test_token_counts_are_summed_over_ranks_once_per_step(tmp_path):
-    for grad, total in run_on_ranks(_scaled, 2, args=(tmp_path,), timeout=60):
+    for grad, total in run_in_pool(_scaled, 2, args=(tmp_path,), timeout=60):
         assert grad == [1.0, 2.0] and total == 4.0

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import run_in_pool, tiny_config
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 import ddpkit
 from ddpkit.errors import DataError
-from ddpkit.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,7 +73,7 @@ def _run_cases(tmp):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_uneven_batch_counts_stop_every_rank_with_the_counts_or_truncate_to_the_shortest(tmp_path, world_size):
-    results = run_on_ranks(_run_cases, world_size=world_size, args=(tmp_path,), timeout=180)
+    results = run_in_pool(_run_cases, world_size=world_size, args=(tmp_path,), timeout=180)
     expected_counts = ", ".join(f"rank {r}: {_batches_of(r)}" for r in range(world_size))
     for rank_result in results:
         kind, message = rank_result["sampler", "error"]

@@ -232,6 +232,10 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         global _current
+        if _current is not None and _current is not self:
+            # A failed watchdog keeps its client open for announce_failure(); once replaced, no one announces
+            # it, and its thread would wait for requests for the rest of the process.
+            _current.client.close()
         _current = self
         self.backstop = open_backstop(
             self.log_dir, rank=self.rank, hang_timeout=self.hang_timeout, step=self.progress.step

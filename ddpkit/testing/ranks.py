@@ -1,4 +1,4 @@
-"""Run a function on N real Gloo ranks on the CPU: for testing your Trainer subclasses (and ddpkit's).
+"""Run a function once on N fresh Gloo ranks on the CPU: for testing your Trainer subclasses (and ddpkit's).
 
     from ddpkit.testing import run_on_ranks
 
@@ -31,11 +31,27 @@ from typing import Any
 
 from ddpkit.errors import EXIT_FAILURE
 
-__all__ = ["run_on_ranks", "RankFailure"]
+__all__ = ["run_on_ranks", "RankFailure", "rank_environment", "PRELOAD"]
+
+# What the forkserver imports once, so that every rank forked from it starts with torch loaded.
+PRELOAD = ("torch", "torch.distributed", "ddpkit")
 
 
 class RankFailure(RuntimeError):
     """One or more ranks raised, exited abnormally or timed out."""
+
+
+def rank_environment(rank: int, world_size: int) -> dict[str, str]:
+    """The variables torchrun would set for ``rank`` of ``world_size`` on one host, one thread each."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def run_on_ranks(
@@ -63,7 +79,7 @@ def run_on_ranks(
         RankFailure: a rank raised (each failing rank's traceback is in the message) or timed out.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ddpkit"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     with tempfile.TemporaryDirectory(prefix="ddpkit-ranks-") as tmp:
         workdir = Path(tmp)
         procs = [
@@ -107,16 +123,7 @@ def _failed(procs: list[Any]) -> bool:
 def _rank_main(
     fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, workdir: str, env: dict[str, str]
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="0",
-        OMP_NUM_THREADS="1",
-        **env,
-    )
+    os.environ.update(rank_environment(rank, world_size), **env)
     import torch
     import torch.distributed as dist
 
