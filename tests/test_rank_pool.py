@@ -10,6 +10,7 @@ fresh pool.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -52,6 +53,7 @@ def _leave_traces() -> dict:
         "grad": torch.is_grad_enabled(),
         "dtype": torch.get_default_dtype(),
         "cwd": os.getcwd(),
+        "start_method": multiprocessing.get_start_method(allow_none=True),
         "rank": dist.get_rank(),
         "world": dist.get_world_size(),
     }
@@ -61,6 +63,7 @@ def _leave_traces() -> dict:
     torch.set_grad_enabled(False)
     torch.set_default_dtype(torch.float64)
     os.chdir("/")
+    multiprocessing.set_start_method("spawn", force=True)
     dist.new_group([0])
     return seen
 
@@ -115,6 +118,7 @@ def test_each_function_finds_the_rank_as_a_fresh_process_has_it():
         assert torch.equal(second[rank]["rand"], fresh[rank]["rand"])
         assert second[rank]["grad"] is True and second[rank]["dtype"] == torch.float32
         assert second[rank]["cwd"] == first[rank]["cwd"] == fresh[rank]["cwd"]
+        assert second[rank]["start_method"] == first[rank]["start_method"] == fresh[rank]["start_method"]
         assert (second[rank]["rank"], second[rank]["world"]) == (rank, 2)
 
 

@@ -11,6 +11,7 @@ torchrun, which must end bitwise equal to the uninterrupted run.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import re
@@ -111,8 +112,22 @@ def test_a_plain_stream_is_split_over_ranks_and_workers_each_sample_once_and_res
     assert per_epoch[0] != per_epoch[1]  # set_epoch reached the worker processes
 
 
+@pytest.fixture
+def abandoned_loaders_end_quickly(monkeypatch):
+    """A loader iterator left mid-epoch (a stop) is shut down within the test, in a fraction of a second.
+
+    torchdata's ``StatefulDataLoader`` joins each worker of such an iterator for torch's
+    ``MP_STATUS_CHECK_INTERVAL`` (5 s) before it terminates it: 10 s for two workers, spent whenever the
+    iterator is collected, often in a later test. What this module checks is ddpkit's resume, not that wait.
+    """
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    yield
+    gc.collect()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stop_after", [3, 4, 7])
+@pytest.mark.usefixtures("abandoned_loaders_end_quickly")
 def test_a_resumed_epoch_continues_with_exactly_the_batches_the_uninterrupted_one_had(workers, stop_after):
     full = epochs_of(IndexStream(97), workers=workers, accum=2, batch_size=4)
     full.start_epoch(3)
@@ -140,6 +155,9 @@ def _uneven_ranks(workers: int, uneven: str = "truncate") -> tuple[int | str, li
     # run_on_ranks starts ranks from a forkserver, which would also start the DataLoader workers
     # (each importing torch again: ~30 s here); torchrun's ranks fork them.
     multiprocessing.set_start_method("fork", force=True)
+    # The ranks with batches left end the epoch with their loader mid-stream: see abandoned_loaders_end_quickly.
+    interval = torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL
+    torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL = 0.2
     from ddpkit.distributed.env import read_dist_env
 
     env = read_dist_env()
@@ -150,9 +168,13 @@ def _uneven_ranks(workers: int, uneven: str = "truncate") -> tuple[int | str, li
     epochs.start_epoch(0)
     try:
         got = indices(epochs)
+        return epochs.batches_per_epoch, got
     except DataError as error:
         return str(error), []
-    return epochs.batches_per_epoch, got
+    finally:
+        del epochs
+        gc.collect()
+        torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL = interval
 
 
 @pytest.mark.multiprocess

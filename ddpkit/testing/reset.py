@@ -5,7 +5,8 @@ from one function to the next. :class:`RankState` is the picture of a rank taken
 starts; :meth:`RankState.restore` puts the process back into that picture after each function:
 
 - every process group destroyed (the default one and every subgroup and mesh built on it);
-- the environment, the working directory, ``sys.path``, signal handlers, warning filters and loggers;
+- the environment, the working directory, ``sys.path``, signal handlers, warning filters, loggers and
+  multiprocessing's start method;
 - torch's process-wide switches (default dtype, grad mode, deterministic algorithms, threads,
   matmul precision, compiled graphs) and every random generator, seeded as a new process seeds them;
 - ddpkit's own process-wide caches;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -70,6 +72,7 @@ class RankState:
     default_dtype: torch.dtype
     matmul_precision: str
     num_threads: int
+    start_method: str | None
     torch_rng: torch.Tensor
     numpy_rng: Any
     deterministic: tuple[bool, bool] = field(default=(False, False))
@@ -88,6 +91,7 @@ class RankState:
             default_dtype=torch.get_default_dtype(),
             matmul_precision=torch.get_float32_matmul_precision(),
             num_threads=torch.get_num_threads(),
+            start_method=multiprocessing.get_start_method(allow_none=True),
             torch_rng=torch.get_rng_state(),
             numpy_rng=sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None,
             deterministic=(
@@ -109,6 +113,7 @@ class RankState:
             if handler is not None:
                 signal.signal(sig, handler)
         warnings.filters[:] = self.filters
+        multiprocessing.set_start_method(self.start_method, force=True)
         self._restore_loggers()
         self._restore_torch()
         self._reseed()
