@@ -232,7 +232,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         global _current
-        if _current is not None and _current is not self:
+        if _current is not None and _current is not self and _current._stopped.is_set():
             # A failed watchdog keeps its client open for announce_failure(); once replaced, no one announces
             # it, and its thread would wait for requests for the rest of the process.
             _current.client.close()
