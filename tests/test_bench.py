@@ -124,7 +124,10 @@ def test_cli_usage_error_exit_code_and_no_traceback():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
+    """In the slow set: it starts a real three-process job, and the fast set keeps
+    test_bus_bandwidth_factor_and_efficiency_formula for the bus bandwidth factor."""
     out = tmp_path / "ar.json"
     done = run_cli(
         "bench",
@@ -162,7 +165,10 @@ def test_allreduce_table_follows_nccl_tests_definitions(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_throughput_table_efficiency_and_plot(tmp_path):
+    """In the slow set: it starts a real job for each world size (1 and 2 processes), and the fast set keeps
+    test_bus_bandwidth_factor_and_efficiency_formula and test_table_and_number_formatting."""
     plot, out = tmp_path / "scaling.png", tmp_path / "tp.json"
     done = run_cli(
         "bench",
@@ -201,7 +207,10 @@ def test_throughput_table_efficiency_and_plot(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_autotune_reports_every_candidate_and_the_fastest_override(tiny_yaml):
+    """In the slow set: it trains each of the four candidates as a real job of several ranks, and the fast set keeps
+    test_autotune_needs_two_ranks_and_a_valid_config for its argument checks."""
     done = run_cli(
         "bench",
         "autotune",

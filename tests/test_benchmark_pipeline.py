@@ -241,8 +241,12 @@ def test_report_prints_both_tables_with_the_ratios_and_the_load(bench):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_quick_run_on_two_gloo_ranks_measures_every_variant_and_counts_the_held_microbatches_exactly(tmp_path):
+    """In the slow set: it runs `benchmarks.pipeline --quick` on two Gloo ranks for every variant, and the fast set
+    keeps test_saved_activations_count_each_storage_once_and_follow_the_schedules_order and
+    test_report_prints_both_tables_with_the_ratios_and_the_load."""
     out = tmp_path / "pipeline.json"
     command = [sys.executable, "-m", "benchmarks.pipeline", "--quick", "--microbatches", "2", "--output", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=230)

@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
+@pytest.mark.slow
 def test_restart_benchmark_resumes_both_ways_and_its_parts_add_up_to_the_total(tmp_path):
+    """In the slow set: the benchmark trains a tiny GPT, SIGKILLs it and restarts it twice in new processes; no fast
+    test runs it."""
     out = tmp_path / "restart.json"
     # the stdlib corpus, built once for the three processes
     env = {**os.environ, "DDPKIT_CACHE_DIR": str(tmp_path / "cache")}

@@ -143,6 +143,8 @@ def test_the_loss_and_first_update_count_response_tokens_only(tmp_path):
 
 
 def test_sft_tiny_runs_on_two_ranks(tmp_path):
+    """The shipped configs/sft_tiny.yaml as its header tells users to run it, `ddpkit run configs/sft_tiny.yaml
+    --nproc-per-node 2` with overrides on the real command line."""
     tokenize_main(["--chat", str(_write_chats(tmp_path / "chats.jsonl", CHATS, n=40)), "-o", str(tmp_path / "sft.bin")])
     done = run_cli(
         "run",

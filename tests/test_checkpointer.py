@@ -160,6 +160,8 @@ def _ema_run(out: Path, mode: str, kill: bool) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp2"])
 def test_a_subclass_ema_and_counter_resume_bitwise_after_a_sigkill(tmp_path, mode):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself is what brings the subclass's EMA
+    and counter back from the checkpoint."""
     killed, clean = _ema_run(tmp_path / "killed", mode, True), _ema_run(tmp_path / "clean", mode, False)
     assert_bitwise_equal(load_weights(killed / "model.pt"), load_weights(clean / "model.pt"))
     after_kill, uninterrupted = torch.load(killed / "ema.pt"), torch.load(clean / "ema.pt")

@@ -135,7 +135,10 @@ def test_usage_errors_go_to_stderr_with_exit_code_2(argv, capsys):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_bench_json_prints_json_on_stdout_and_output_writes_a_file(tmp_path):
+    """In the slow set: it starts two real allreduce jobs of two processes, and the fast set keeps
+    test_old_spellings_are_rewritten_with_one_deprecation_line for the old spellings."""
     done = run_cli(
         "bench",
         "allreduce",

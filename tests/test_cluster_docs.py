@@ -92,6 +92,8 @@ def test_pytorchjob_manifest_has_the_fields_the_operator_needs():
 
 @pytest.mark.parametrize("replica_type", ["Master", "Worker"])
 def test_each_pods_command_is_a_valid_ddpkit_run(replica_type):
+    """Parses each pod's command with `ddpkit run`'s own parser and loads its config; it starts no process
+    (test_the_two_pods_train_together runs the commands)."""
     job = yaml.safe_load(MANIFEST.read_text())
     argv, env = render_pod(job, replica_type, 0)
     assert argv[:2] == ["ddpkit", "run"]

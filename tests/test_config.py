@@ -136,6 +136,8 @@ def test_dump_roundtrip_and_stable_hash(tmp_path):
 
 
 def test_cli_config_prints_resolved_config(tmp_path):
+    """`ddpkit config` as a user types it: the override is parsed from the real command line and the resolved YAML must
+    be all that reaches stdout."""
     path = write(tmp_path, "data: {name: digits}\n")
     done = run_cli("config", str(path), "optim.lr=0.3")
     assert done.returncode == 0, done.stderr

@@ -154,6 +154,8 @@ def test_bad_file_exits_2_from_the_command_line_with_one_message(bad_file, comma
 
 @pytest.mark.parametrize("command", ["config", "run"])
 def test_python_tags_never_run_through_the_real_command_line(tmp_path, command):
+    """The YAML is read by the real command's own config parsing (`ddpkit config` and `ddpkit run`), and the refusal
+    must be the command's exit code 2 and one message on stderr."""
     marker = tmp_path / "executed"
     path = tmp_path / "evil.yaml"
     path.write_text(f'data:\n  name: digits\nrun:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n')
@@ -165,6 +167,8 @@ def test_python_tags_never_run_through_the_real_command_line(tmp_path, command):
 
 @pytest.mark.multiprocess
 def test_a_config_error_only_the_workers_can_find_exits_2_with_the_message_and_no_cpp_trace(tiny_yaml):
+    """The error is found in the workers, and the check is on the whole command: exit code 2, and no C++ stack trace
+    from ranks reading a store that rank 0 took away as it exited."""
     # The model's own keyword arguments are checked when it is built, i.e. in the workers.
     done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "model.kwargs.bogus=1", timeout=120)
     output = done.stdout + done.stderr

@@ -131,6 +131,8 @@ FORGED_ALARM = json.dumps({"kind": "hang", "by": 1, "path": "/tmp/forged-hang.tx
 
 
 def test_another_process_writing_to_the_jobs_store_changes_nothing(tmp_path):
+    """The intruder is another process connecting to the store of a real `ddpkit run`, whose ranks hold the secret the
+    launcher put in their environment."""
     launcher, ready = start_gated_run(tmp_path)
     intruder = dist.TCPStore("127.0.0.1", ready["port"], is_master=False, timeout=datetime.timedelta(seconds=10))
     intruder.set("ddpkit/stop/request", "rank 0 received SIGTERM")  # the exact keys ddpkit uses

@@ -112,6 +112,8 @@ def test_exact_evaluation_is_the_same_on_1_2_and_3_ranks(tmp_path):
 
 
 def test_ddpkit_run_end_to_end_with_two_processes(tmp_path, tiny_yaml):
+    """The whole `ddpkit run` path a user takes: the command line parsed, torchrun starting two workers, and the startup
+    line on stderr."""
     done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "train.epochs=2", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world_size=2 backend=gloo device=cpu launcher=torchrun" in done.stderr
@@ -143,7 +145,11 @@ def test_a_finished_run_reaches_interpreter_exit_with_only_its_main_thread(tmp_p
         assert set(threads["os"]) <= {"pt_tcpstore_uv"}, threads
 
 
+@pytest.mark.slow
 def test_examples_run_under_torchrun(tmp_path):
+    """The example scripts as their docstrings tell users to run them, under `torchrun --nproc-per-node=2`. In the slow
+    set: it runs three torchrun jobs one after the other, and the fast set keeps
+    test_ddpkit_run_end_to_end_with_two_processes, which starts the Trainer's workers through torchrun too."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     quick = subprocess.run(

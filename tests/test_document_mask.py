@@ -92,6 +92,8 @@ def test_the_tokens_builder_hands_the_setting_to_the_model_and_training_runs(tmp
 
 
 def test_packed_tiny_runs_on_two_ranks(tmp_path):
+    """The shipped configs/packed_tiny.yaml as its header tells users to run it, `ddpkit run configs/packed_tiny.yaml
+    --nproc-per-node 2`, with overrides on the real command line."""
     done = run_cli(
         "run",
         "configs/packed_tiny.yaml",

@@ -45,6 +45,8 @@ def _mpirun(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mpirun_trains_one_job_bitwise_equal_to_torchrun(tmp_path, tiny_yaml):
+    """The ranks are started by mpirun, an engine a pool of ranks cannot stand in for, and torchrun's run of the same
+    script is the reference."""
     mpi = _mpirun(3, sys.executable, str(TRAIN), str(tiny_yaml), f"run.output_dir={tmp_path / 'mpi'}")
     assert mpi.returncode == 0, (mpi.stdout + mpi.stderr)[-4000:]
     assert "world_size=3 backend=gloo device=cpu launcher=mpi" in mpi.stderr + mpi.stdout

@@ -134,7 +134,11 @@ def records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_horovod_mnist_scales_the_learning_rate_and_checkpoints_on_rank_zero(example_runs):
+    """The example as its docstring tells users to run it: `torchrun --nproc-per-node=2 examples/horovod_mnist.py`. In
+    the slow set: its module fixture starts the three examples as processes that each import torch and train, and the
+    fast set keeps test_horovod_mnist_reads_mnist_from_a_local_root for the example's datasets."""
     output, run_dir = example_runs["horovod_mnist"]
     assert "using the embedded digits dataset" in output
     assert "world_size=2" in output
@@ -145,7 +149,12 @@ def test_horovod_mnist_scales_the_learning_rate_and_checkpoints_on_rank_zero(exa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_resnet_imagefolder_builds_one_output_per_class_folder(example_runs):
+    """The example as its docstring's world-of-one command runs it, `python examples/resnet_imagefolder.py`, on an image
+    folder written here. In the slow set: its module fixture starts the three examples as processes that each import
+    torch and train, and the fast set keeps test_resnet_demo_tree_has_train_and_val_class_folders for the example's demo
+    images."""
     output, run_dir = example_runs["resnet_imagefolder"]
     assert "2 classes (blue, red), 12 training images, 4 validation images" in output
     weights = torch.load(run_dir / "model.pt", weights_only=True)
@@ -154,7 +163,11 @@ def test_resnet_imagefolder_builds_one_output_per_class_folder(example_runs):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_custom_loop_hooks_write_a_table_and_stop_at_the_target(example_runs):
+    """The example as its docstring's world-of-one command runs it, `python examples/custom_loop_hooks.py`, with its own
+    `--target-accuracy` flag on the command line. In the slow set: its module fixture starts the three examples as
+    processes that each import torch and train; no fast test runs this example."""
     output, run_dir = example_runs["custom_loop_hooks"]
     assert "epoch train_loss  val_loss  val_acc" in output
     with open(run_dir / "epochs.csv", newline="") as f:

@@ -33,6 +33,7 @@ CLUSTER = REPO / "examples" / "cluster"
 
 
 def test_the_table_has_one_row_per_code_and_says_what_to_do():
+    """The last check reads what a user sees: the exit code table in the real `ddpkit run --help`."""
     codes = [code for code, _, _ in EXIT_CODES]
     assert codes == [0, 1, 2, 3, 4, 75, 130] and len(set(codes)) == len(codes)
     assert NO_RETRY == {errors.EXIT_CONFIG, errors.EXIT_UNHEALTHY, errors.EXIT_INTERRUPTED}
@@ -215,6 +216,7 @@ def test_a_typo_after_dashes_gets_torchruns_message_and_exit_2():
 
 
 def test_torchruns_private_names_are_read_in_one_module():
+    """Reads the source of ddpkit/launch and asks the adapter about torchrun's options; it starts no process."""
     private = (
         "_option_string_actions",
         "config_from_args",
@@ -254,6 +256,7 @@ def _exit_codes_named(node) -> list[int]:
 
 
 def test_the_trainjob_example_maps_the_table():
+    """Reads the TrainJob manifest and parses its command with `ddpkit run`'s own parser; it starts no process."""
     runtime, job = list(yaml.safe_load_all((CLUSTER / "trainjob.yaml").read_text()))
     assert (runtime["kind"], job["kind"]) == ("TrainingRuntime", "TrainJob")
     assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
@@ -307,6 +310,8 @@ def test_every_cluster_example_and_the_sbatch_script_name_only_table_codes():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_preempted_ddpkit_run_exits_with_run_requeue_exit_code(tmp_path):
+    """SIGTERM goes to the launcher, as a scheduler would send it, and the whole command must exit with
+    run.requeue_exit_code."""
     config = tmp_path / "config.yaml"
     config.write_text(
         yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 40, "log_every": 2}, run={"requeue_exit_code": 138}))

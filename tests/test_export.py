@@ -44,6 +44,7 @@ def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
 
 @pytest.mark.multiprocess
 def test_export_of_a_run_equals_model_pt_in_both_formats(tmp_path):
+    """Runs `ddpkit export` as a command for what a user sees: exit code 0 and the `wrote ...` line on stdout."""
     cfg = tiny_config(tmp_path, train={"epochs": 1}, checkpoint={"every_epochs": 1})
     ddpkit.Trainer(cfg).fit()
     run_dir = Path(cfg["run"]["output_dir"])

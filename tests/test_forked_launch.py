@@ -41,6 +41,8 @@ def _facts(tmp_path: Path, method: str) -> dict[str, dict]:
 
 
 def test_a_forked_worker_looks_like_a_new_interpreter_but_starts_with_torch_imported(tmp_path):
+    """What a worker process is at its start (`__main__`, argv, `sys.path[0]`, threads, signal handlers, process name,
+    atexit handlers run at exit) exists only in processes a real launcher started."""
     forked, fresh = _facts(tmp_path, "fork"), _facts(tmp_path, "subprocess")
     for rank in ("0", "1"):
         for facts in (forked[rank], fresh[rank]):
@@ -59,6 +61,8 @@ def test_a_forked_worker_looks_like_a_new_interpreter_but_starts_with_torch_impo
 
 
 def test_fork_is_refused_where_the_workers_count_their_own_devices(tiny_yaml):
+    """The refusal comes from `ddpkit run`'s own argv checks before any worker starts: exit code 2 and one message on
+    stderr."""
     proc = run_cli("run", str(tiny_yaml), "--nproc-per-node", "gpu", "--worker-start", "fork")
     assert proc.returncode == 2  # refused before anything started (a ConfigError)
     assert "--worker-start fork" in proc.stderr and "CUDA cannot be used in a forked process" in proc.stderr

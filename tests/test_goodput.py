@@ -206,6 +206,8 @@ def _check_join_up(out: Path, clean: Path, *, resumed_at: int) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_killed_worker_costs_no_step_and_a_lost_host_resumes_from_memory_with_dropout(tmp_path):
+    """`ddpkit run`'s own restarts (`--max-restarts 2`) after workers SIGKILL themselves, and a goodput ledger that must
+    cover the launcher's wall time too."""
     _, clean = _run(tmp_path / "clean", {})
     wall, proc = _run(tmp_path / "one", {"KILL_RANKS": "1", "KILL_AT_STEP": "7"})
     assert "rank 0 saved step 7 after" in proc.stderr and "(step 7)" in proc.stderr

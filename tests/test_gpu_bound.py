@@ -49,8 +49,11 @@ def _bench(tmp_path: Path, *args: str) -> dict:
     return {"printed": proc.stdout, **json.loads(out.read_text())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["gpt2", "resnet50"])
 def test_the_hand_written_loop_and_ddpkit_train_the_same_job_on_on_device_data(tmp_path, workload):
+    """In the slow set: each case starts benchmarks.gpu_bound as its own process and trains both arms; no fast test runs
+    the two arms."""
     result = _bench(tmp_path, "--workload", workload, "--mode", "eager", "--seconds", "0.3")
     runs = result["runs"]
     assert sorted(runs) == ["ddpkit-eager", "hand-eager"]
@@ -64,7 +67,10 @@ def test_the_hand_written_loop_and_ddpkit_train_the_same_job_on_on_device_data(t
     assert unit in result["printed"] and "x hand" in result["printed"] and "CPU, torch" in result["machine"]
 
 
+@pytest.mark.slow
 def test_the_stall_mode_saves_synchronously_and_in_the_background(tmp_path):
+    """In the slow set: it starts benchmarks.gpu_bound as a process and trains three arms, and the fast set keeps
+    test_save_costs_puts_a_save_in_the_step_after_it for how a save's cost is read from the step times."""
     result = _bench(tmp_path, "--stall", "--every", "4", "--after", "2", "--seconds", "1")
     runs = result["runs"]
     assert sorted(runs) == ["async", "no saves", "sync"]

@@ -39,7 +39,10 @@ def _session(*args: str, timeout: float = 280, **env: str) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow
 def test_the_tiny_llama_trains_the_same_job_on_both_sides_full_with_lora_and_with_documents(tmp_path):
+    """In the slow set: it starts benchmarks.gpu_bound as a process that trains six arms of a tiny Llama, and the fast
+    set keeps test_an_arm_that_fails_is_reported_and_the_others_still_run for the comparison and its table."""
     out = tmp_path / "runs.json"
     proc = subprocess.run(
         [

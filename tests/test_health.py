@@ -329,6 +329,7 @@ def test_a_perturbed_replica_is_caught_at_the_next_check(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("action, code", [("skip", 0), ("stop", 4)])  # 4: unhealthy, a retry will not fix it
 def test_ddpkit_run_exit_codes(tmp_path, action, code):
+    """The exit code of the whole `ddpkit run` command (0 for skip, 4 for stop) is what this checks."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 1}, checkpoint={"every_steps": 2})))
     env = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "3"}

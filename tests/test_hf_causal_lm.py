@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess, pytest.mark.sl
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_the_hugging_face_example_trains_on_two_ranks(tmp_path, mode):
+    """The example as its docstring tells users to run it: `torchrun --nproc-per-node=2 examples/hf_causal_lm.py`."""
     out = tmp_path / mode
     argv = [
         sys.executable,

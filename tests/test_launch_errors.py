@@ -88,6 +88,7 @@ NCCL_ON_CPU = (
 
 
 def test_nccl_without_cuda_is_refused_before_any_worker_starts(tiny_yaml):
+    """The refusal must come from the real command before torchrun or any worker starts: exit code 2 and one message."""
     done = run_cli("run", str(tiny_yaml), "--nproc-per-node", "2", "dist.backend=nccl", timeout=120)
     assert done.returncode == 2
     assert_one_clear_message(done.stdout + done.stderr, f"ddpkit run: error: {NCCL_ON_CPU}")

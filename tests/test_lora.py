@@ -238,6 +238,8 @@ def test_two_ranks_equal_one_under_ddp_zero1_and_fsdp2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_sigkilled_lora_run_resumes_bitwise(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself is what brings the adapter back from
+    the checkpoint."""
     import yaml
     from helpers import run_cli
 

@@ -221,7 +221,11 @@ def _launch(tmp_path: Path, nproc: int, *overrides: str, env: dict | None = None
     return tmp_path / "run"
 
 
+@pytest.mark.slow
 def test_a_killed_run_and_one_resumed_on_another_world_size_train_on_the_same_windows(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself, then a new command on another world
+    size that resumes the run. In the slow set: it runs four `ddpkit run` jobs, one of them restarted, and the fast set
+    keeps test_mixture_tiny_runs_on_two_ranks and test_the_same_global_batches_at_any_world_size_and_with_workers."""
     clean = _launch(tmp_path / "clean", 2)
     killed = _launch(tmp_path / "killed", 2, env={"KILL_RANK": "1", "KILL_AT_STEP": "5"})
     assert _windows(killed) == _windows(clean)
@@ -254,6 +258,8 @@ def test_validation_reports_each_source_and_the_token_weighted_loss(tmp_path):
 
 
 def test_mixture_tiny_runs_on_two_ranks(tmp_path):
+    """The shipped configs/mixture_tiny.yaml as its header tells users to run it, `ddpkit run configs/mixture_tiny.yaml
+    --nproc-per-node 2`, from a directory holding its token files."""
     from ddpkit.tools.tokenize import tokenize
 
     made = {

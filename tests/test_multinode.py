@@ -55,6 +55,7 @@ def finish(launchers: list[subprocess.Popen]) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path):
+    """A second node: two `ddpkit run` launchers on loopback, node 0's hosting the rendezvous store that both join."""
     port = free_port()
     multi = write_config(tmp_path, "multi")
     node_args = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1"]

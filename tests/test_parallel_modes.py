@@ -212,6 +212,8 @@ def test_fsdp2_on_two_ranks_resumes_as_ddp_on_one_zero1_on_two_fsdp2_on_three(tm
     ],
 )
 def test_ddpkit_run_restarts_a_killed_sharded_rank_and_ends_equal(tmp_path, mode, checkpoint, resumed_from):
+    """`ddpkit run`'s own restart (`--max-restarts 2`) after rank 1 SIGKILLs itself, resuming a sharded run."""
+
     def launch(out: Path, env: dict[str, str]):
         out.mkdir()
         cfg = _cfg(out, mode, train={"epochs": 2}, checkpoint=checkpoint)
@@ -243,7 +245,8 @@ def test_ddpkit_run_restarts_a_killed_sharded_rank_and_ends_equal(tmp_path, mode
 @pytest.mark.parametrize(("mode", "nproc"), [("ddp", 1), ("zero1", 2)])
 def test_a_preempted_fsdp2_run_resumes_in_another_mode_at_the_samesamples_by_step(tmp_path, mode, nproc):
     """SIGTERM after step 5 of a 2-rank fsdp2 run (exit 75, a DCP checkpoint), then ``ddpkit run`` in ``mode`` on
-    ``nproc`` ranks."""
+    ``nproc`` ranks. Real commands: the stop is the whole command's exit code 75, and the resume is a new command on
+    another number of ranks."""
     script = str(REPO / "tests" / "scripts" / "preempt_trainer.py")
     paths = {}
     for name in ("whole", "cut"):

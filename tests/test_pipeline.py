@@ -215,6 +215,7 @@ def _launch(out: Path, env: dict[str, str]) -> str:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pp2_x_dp2_killed_resumes_bitwise_with_the_same_samples(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 2 SIGKILLs itself, on four pipelined ranks."""
     _launch(tmp_path / "clean", {})
     stderr = _launch(tmp_path / "killed", {"KILL_RANK": "2", "KILL_AT_STEP": "5"})
     assert "crash save and memory snapshots are off under a pipeline" in stderr

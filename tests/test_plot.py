@@ -131,7 +131,8 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
 @needs_matplotlib
 @pytest.mark.multiprocess
 def test_cli_plots_a_real_run(tmp_path):
-    """A real single-process run through `ddpkit train`, then `ddpkit plot` on its directory."""
+    """A real single-process run through `ddpkit train`, then `ddpkit plot` on its directory. Both are commands as a
+    user types them: `ddpkit plot` must read what a real `ddpkit train` wrote, and exit 0."""
     import yaml
 
     cfg = tiny_config(tmp_path, train={"epochs": 2, "log_every": 2, "eval_every": 8})

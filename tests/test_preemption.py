@@ -125,6 +125,8 @@ def _out(config: Path) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_the_agreed_step_and_the_relaunch_is_bitwise_equal(tmp_path):
+    """The launcher's signal forwarding: SIGTERM goes to `ddpkit run` itself, as SLURM or Kubernetes would send it, and
+    the command must exit 75 with no process left."""
     long = {"epochs": 30, "log_every": 2}  # long enough to be signalled mid-run
     whole = _config(tmp_path, "whole", train=long)
     assert _run(whole).returncode == 0
@@ -174,6 +176,8 @@ def test_sigterm_to_the_launcher_saves_the_agreed_step_and_the_relaunch_is_bitwi
     ids=["SIGUSR1-on-rank-1-only", "SIGTERM-during-validation"],
 )
 def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, where, signal_name, rank):
+    """A real signal reaches one worker process, which a live pool rank must not receive, and the command must end with
+    exit code 75 and each rank's line on stderr."""
     train = {"epochs": 6, "log_every": 2, "eval_every": 4}  # 48 steps: the stop comes well before the end
     whole = _config(tmp_path, "whole", train=train)
     assert _run(whole).returncode == 0
@@ -209,6 +213,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_one_step(tmp_path, where, sign
 
 @pytest.mark.multiprocess
 def test_a_second_signal_stops_at_once_without_saving(tmp_path):
+    """The worker signals its own process twice and the second signal ends it at once, which only a real worker can
+    take; the command must still exit 75."""
     cut = _config(tmp_path, "cut")
     env = {"PREEMPT_COUNT": "2", "PREEMPT_STEP": "3", "PREEMPT_STAMP": str(tmp_path / "stamp")}
     done = _run(cut, nproc=1, env=env)
@@ -230,6 +236,7 @@ def saved_step(config: Path) -> int:
     ids=["2-to-1-ranks", "3-to-2-ranks-accumulating"],
 )
 def test_a_run_preempted_on_n_ranks_resumes_on_m_with_the_same_samples_per_step(tmp_path, before, after, accum):
+    """The preempted command's exit code 75, then the same command on another number of ranks, as a user relaunches."""
     # 6 epochs of 10 steps, signalled after step 5: the other ranks notice within a poll or two
     cfg = tiny_config(
         tmp_path / "whole",
@@ -260,6 +267,7 @@ def test_a_run_preempted_on_n_ranks_resumes_on_m_with_the_same_samples_per_step(
 
 @pytest.mark.multiprocess
 def test_without_a_global_batch_a_world_size_change_is_refused_with_the_way_out(tmp_path):
+    """What a user sees when relaunching on another world size: the command's exit code 1 and the way out on stderr."""
     path = _config(tmp_path, "run", checkpoint={"every_steps": 4})
     assert _run(path, "train.max_steps=4", nproc=2).returncode == 0
     refused = _run(path, "train.max_steps=8", nproc=1)

@@ -126,6 +126,8 @@ def _env() -> dict[str, str]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_piped_output_of_a_real_run_has_plain_lines_and_no_carriage_returns(tmp_path):
+    """What a user sees when the command's output is piped: plain progress lines, with no terminal control
+    characters."""
     cmd = [sys.executable, "-m", "ddpkit", "run", _config(tmp_path, progress_every=0.05), "--nproc-per-node", "2"]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, env=_env(), cwd=REPO)
     out = done.stdout.decode(errors="replace")
@@ -146,6 +148,7 @@ def test_piped_output_of_a_real_run_has_plain_lines_and_no_carriage_returns(tmp_
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pseudo-terminal")
 def test_in_a_terminal_log_lines_never_share_a_line_with_the_bar(tmp_path):
+    """What a user sees on the console in a terminal: the command runs under a pseudo-terminal (`script`)."""
     inner = " ".join([sys.executable, "-m", "ddpkit", "run", _config(tmp_path), "--nproc-per-node", "2"])
     typescript = tmp_path / "typescript"
     done = subprocess.run(

@@ -128,6 +128,9 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp
 
 
 def test_torchrun_restarts_a_killed_worker_and_ends_bitwise_equal(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 2`) after rank 1 SIGKILLs itself, resuming from the newest periodic
+    checkpoint."""
+
     def launch(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
         cfg_path = out / "exp.yaml"
         out.mkdir()

@@ -54,6 +54,7 @@ def _check_join_up(out: Path, clean: Path, *, nproc: int, resumed_at: int) -> No
 
 
 def test_three_ranks_resume_bitwise_from_a_periodic_checkpoint_the_crash_save_and_memory(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after one rank, or every rank, SIGKILLs itself."""
     clean = tmp_path / "clean"
     _run(clean, nproc=3, env={}, checkpoint={"every_steps": 5})
 
@@ -82,6 +83,7 @@ def test_three_ranks_resume_bitwise_from_a_periodic_checkpoint_the_crash_save_an
 
 @pytest.mark.parametrize("mode", ["zero1", "fsdp2"])
 def test_three_ranks_resume_bitwise_in_the_sharded_modes(tmp_path, mode):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself, resuming a sharded run."""
     # No crash save here (a survivor cannot hold the dead rank's shards: docs/modes.md): the periodic DCP checkpoint.
     parallel = {"mode": mode}
     checkpoint = {"every_steps": 5}
@@ -92,6 +94,7 @@ def test_three_ranks_resume_bitwise_in_the_sharded_modes(tmp_path, mode):
 
 
 def test_four_ranks_with_accumulation_resume_bitwise_from_the_crash_save(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 3 SIGKILLs itself, from the survivors' crash save."""
     train = {"epochs": 2, "grad_accum_steps": 2}
     _run(tmp_path / "clean", nproc=4, env={}, train=train)
     kill = {"KILL_RANKS": "3", "KILL_AT_STEP": "5"}

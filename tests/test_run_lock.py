@@ -162,6 +162,8 @@ def test_a_run_directory_below_a_file_is_refused_at_the_start_with_2(tmp_path: P
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_second_run_on_a_live_runs_directory_is_refused_and_the_first_is_intact(tmp_path: Path) -> None:
+    """Two real commands on one run directory: the lock is held by a live launcher, and the second command must exit 2
+    while the first goes on."""
     config, run_dir = _config(tmp_path), tmp_path / "run"
     first = _start(config, tmp_path / "first.log")
     try:
@@ -193,6 +195,8 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_the_first_is_intac
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_sigkilled_runs_lock_is_taken_over_and_the_same_command_resumes(tmp_path: Path) -> None:
+    """The launcher and every worker are SIGKILLed, so the lock is left by dead processes, and the same command must
+    take it over."""
     config, run_dir = _config(tmp_path), tmp_path / "run"
     doomed = _start(config, tmp_path / "doomed.log")
     _wait_for(run_dir / "checkpoints" / "step-000000032.json", doomed)

@@ -143,6 +143,7 @@ def test_errors_are_one_line_with_the_fix(tmp_path, capsys):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ddpkit_runs_after_a_real_run(tmp_path):
+    """What a user sees: the table `ddpkit runs` prints on stdout for the directory a real `ddpkit run` left."""
     import yaml
 
     cfg = tiny_config(

@@ -62,6 +62,7 @@ def _results(stdout: str) -> dict[str, object]:
 
 @pytest.mark.timeout(1200)
 def test_distributor_and_ddpkit_spark_with_a_killed_rank_end_bitwise_equal_to_torchrun(tmp_path):
+    """An engine: the ranks run as tasks of a local Spark cluster, which a pool of ranks cannot stand in for."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path, train={"epochs": 3, "log_every": 4})))
     out = tmp_path / "out"
@@ -105,6 +106,7 @@ def test_distributor_and_ddpkit_spark_with_a_killed_rank_end_bitwise_equal_to_to
 
 @pytest.mark.timeout(900)
 def test_the_ddpkit_spark_command_trains_on_local_cluster_and_prints_the_final_metrics(tmp_path):
+    """An engine and its command: `ddpkit spark` as a user types it, on a local Spark cluster."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
     command = [sys.executable, "-m", "ddpkit", "spark", str(config), "--num-processes", "2", "--json"]

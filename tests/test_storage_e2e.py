@@ -56,6 +56,8 @@ def _run(config: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("mode", ["ddp", "zero1"])  # zero1: a sharded checkpoint, one object per rank's file
 def test_killed_everywhere_and_resumed_from_the_bucket_on_an_empty_disk_bitwise(mode, s3_url, tmp_path):  # noqa: F811
+    """Every process of the job (the launcher, both ranks and the upload process) is SIGKILLed mid-upload, as a lost
+    machine would be."""
     store = open_store(s3_url)
     paused = 3 * EVERY + 2  # rank 0 pauses there: step 48's checkpoint is saved and uploading, the run is mid-way
     env = {

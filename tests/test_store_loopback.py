@@ -99,6 +99,7 @@ def test_the_loopback_store_listens_on_loopback_only():
 
 
 def test_a_one_node_run_listens_on_loopback_only(tmp_path):
+    """It reads the sockets of every process of a real `ddpkit run` tree, the launcher's rendezvous store included."""
     launcher, ready = start_gated_run(tmp_path, "--worker-start", "subprocess")
     try:
         table = listening()

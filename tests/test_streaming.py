@@ -315,6 +315,8 @@ def _samples_per_epoch(run_dir: Path) -> dict[int, list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_plain_stream_on_2_ranks_x_2_workers_is_exact_accurate_and_a_killed_rank_resumes_bitwise(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself with DataLoader workers reading
+    ahead."""
     clean = _stream_run(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
     epochs = _samples_per_epoch(tmp_path / "clean/run")

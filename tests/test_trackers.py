@@ -376,6 +376,8 @@ def _run(tmp_path: Path, *overrides: str, env: dict | None = None):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_run_and_its_longer_resumed_relaunch_are_one_mlflow_run(tmp_path, monkeypatch):
+    """Each attempt is its own command and process, so the relaunch can find the MLflow run only through what the first
+    left behind."""
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     (tmp_path / "store").mkdir()
     env = {"MLFLOW_TRACKING_URI": uri}
@@ -396,6 +398,7 @@ def test_a_run_and_its_longer_resumed_relaunch_are_one_mlflow_run(tmp_path, monk
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_training_goes_on_when_the_tracker_is_down(tmp_path):
+    """What a user sees with the tracker down: one warning on the command's stderr and a run that still finishes."""
     with socket.socket() as s:  # a port nobody listens on: connection refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -438,6 +441,8 @@ def test_a_user_sink_added_in_on_fit_start_gets_every_record(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_run(tmp_path):
+    """The launcher's signal forwarding: SIGTERM goes to `ddpkit run`, which must exit 75 and leave the MLflow run
+    KILLED."""
     import signal
     import subprocess
 
@@ -502,6 +507,8 @@ def test_a_preempted_run_is_killed_in_mlflow_and_its_relaunch_finishes_the_same_
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_wandb_offline_run_and_its_resumed_relaunch_are_one_wandb_run(tmp_path):
+    """Each attempt is its own command and process, so the relaunch can find the W&B run id only through what the first
+    left behind."""
     pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "held-wandb"}
     _run(tmp_path, "log.wandb=true", "train.epochs=1", env=env)

@@ -170,6 +170,8 @@ def _imports(out: Path) -> list[tuple[int, int]]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_killed_worker_restarts_warm_and_the_run_ends_bitwise_with_the_fault_split(tmp_path):
+    """`ddpkit run`'s own restart (`--max-restarts 1`) after rank 1 SIGKILLs itself, with the launcher's preloaded
+    imports seen from inside the workers of both attempts."""
     _launch(tmp_path / "cold", {PRELOAD_ENV: "off"})
     assert _imports(tmp_path / "cold") == [(0, 0), (0, 0)]  # opted out: each worker imported scikit-learn itself
     _launch(tmp_path / "warm", {"KILL_RANKS": "1", "KILL_AT_STEP": "7"})

@@ -449,6 +449,7 @@ def test_a_rank_stuck_in_training_step_is_named_with_its_stack_and_the_job_ends(
     ],
 )
 def test_a_hang_anywhere_names_the_stuck_rank(jobs, tmp_path, where, overrides, stuck_rank, in_stack):
+    """A rank of a real job hangs, and the watchdog must end every process of the job."""
     job = run_hang(jobs, tmp_path, where, *overrides, rank=stuck_rank)
     report = job.report()
     assert _ranks_in_order(report)[0] == ("STUCK", stuck_rank), report[:2000]
@@ -458,6 +459,8 @@ def test_a_hang_anywhere_names_the_stuck_rank(jobs, tmp_path, where, overrides, 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_frozen_rank_is_reported_as_silent(jobs, tmp_path):
+    """Rank 1 stops its own process with SIGSTOP, which only a real worker can take, and the job must still end with no
+    process left."""
     job = run_hang(jobs, tmp_path, "stop")  # rank 1 sends itself SIGSTOP inside training_step
     report = job.report()
     assert _ranks_in_order(report) == [("waiting", 0), ("silent", 1)], report[:2000]
@@ -468,7 +471,8 @@ def test_a_frozen_rank_is_reported_as_silent(jobs, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_long_legitimate_work_is_not_a_hang(jobs, tmp_path):
-    """Compile-like first step, slow first batch, slow validation and a slow save: each longer than hang_timeout."""
+    """Compile-like first step, slow first batch, slow validation and a slow save: each longer than hang_timeout.
+    A real job, because a false alarm would end its processes: the command must exit 0."""
     env = {"HANG_WHERE": "none", "SLOW": "1", "SLOW_SECONDS": "14"}
     overrides = [
         "dist.hang_timeout=6",
@@ -544,7 +548,8 @@ def test_a_failure_on_one_node_stops_a_hanging_rank_on_another_within_seconds(jo
 @pytest.mark.slow
 @pytest.mark.parametrize("where, stuck_rank", [("step", 2), ("stop", 1)])
 def test_on_three_ranks_a_plain_rank_is_named_through_its_node_leader(jobs, tmp_path, where, stuck_rank):
-    """Ranks 1 and 2 beat only into the node's shared-memory board; rank 0 reads them and judges from the store."""
+    """Ranks 1 and 2 beat only into the node's shared-memory board; rank 0 reads them and judges from the store.
+    A real job, because a rank hangs or is SIGSTOPped, and the watchdog must end every process of it."""
     job = run_hang(jobs, tmp_path, where, rank=stuck_rank, nproc=3)
     report = job.report()
     if where == "step":
