@@ -33,8 +33,9 @@ from ddpkit.errors import EXIT_FAILURE
 
 __all__ = ["run_on_ranks", "RankFailure", "rank_environment", "PRELOAD"]
 
-# What the forkserver imports once, so that every rank forked from it starts with torch loaded.
-PRELOAD = ("torch", "torch.distributed", "ddpkit")
+# What the forkserver imports once, so that every rank forked from it starts with torch loaded. torch._dynamo too
+# (about 1 s, sympy and all): torch.compiler.reset() imports it, and a pooled rank calls that after each function.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "ddpkit")
 
 
 class RankFailure(RuntimeError):

@@ -53,7 +53,9 @@ class _LoggerState:
             if handler not in self.handlers:
                 handler.close()
         logger.handlers[:] = self.handlers
-        logger.setLevel(self.level)
+        # setLevel clears every logger's cache: only where the level changed
+        if logger.level != self.level:
+            logger.setLevel(self.level)
         logger.propagate = self.propagate
         logger.disabled = self.disabled
 
@@ -118,6 +120,7 @@ class RankState:
         self._restore_torch()
         self._reseed()
         _reset_ddpkit_caches()
+        # What the function left unreachable goes now, loaders' finalizers included.
         gc.collect()
         return self._leaked_threads()
 
