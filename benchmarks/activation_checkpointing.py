@@ -8,7 +8,7 @@ Each (variant, round) runs in a fresh process, the variants alternating in order
 round, so neither inherits the other's allocator state: the built-in ``gpt`` (``--preset gpt2`` by
 default, or the shape given) trains ``--steps`` AdamW steps on random tokens of ``--batch`` x
 ``--seq-len`` after one warm-up step, with ``train.activation_checkpointing`` off and on
-(:func:`ddpkit.training.activation_checkpointing.apply_activation_checkpointing`, as the Trainer
+(:func:`ddpkit.parallel.activation_checkpointing.apply_activation_checkpointing`, as the Trainer
 applies it).
 
 Columns: ``ms/step`` (median over steps, then over rounds) and its ratio to ``off``; ``kept MiB``:
@@ -32,8 +32,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ddpkit.training.activation_checkpointing import apply_activation_checkpointing
-from ddpkit.training.gpt import gpt
+from ddpkit.models.gpt import gpt
+from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
 
 VARIANTS = ("off", "on")
 

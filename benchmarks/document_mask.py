@@ -8,7 +8,7 @@ Three variants train the same model on the same random windows, in alternating o
 ``--rounds`` rounds (``--steps`` AdamW steps each, after one warm-up step per variant):
 
 * ``causal``: plain causal attention (``scaled_dot_product_attention(is_causal=True)``: flash attention on a GPU);
-* ``documents``: ``data.kwargs.document_mask`` (:mod:`ddpkit.training.document_mask`): FlexAttention with a
+* ``documents``: ``data.kwargs.document_mask`` (:mod:`ddpkit.models.document_mask`): FlexAttention with a
   block mask on a GPU when torch has it, else SDPA with a boolean ``[B, 1, T, T]`` mask;
 * ``documents+positions``: the same with ``restart_positions``.
 
@@ -26,7 +26,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from ddpkit.training.gpt import gpt
+from ddpkit.models.gpt import gpt
 
 VARIANTS = {"causal": None, "documents": False, "documents+positions": True}
 

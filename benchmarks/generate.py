@@ -32,8 +32,8 @@ import time
 import torch
 
 from ddpkit.config.loader import load_config
-from ddpkit.training.generation import generate
-from ddpkit.training.gpt import GPT
+from ddpkit.models.generation import generate
+from ddpkit.models.gpt import GPT
 from ddpkit.training.optim import build_optimizer
 
 

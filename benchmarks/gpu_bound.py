@@ -15,7 +15,7 @@ no DDP on either side (the Trainer wraps nothing in a world of one either).
 
 Workloads (``--workload``):
 
-* ``gpt2``: GPT-2 124M (``ddpkit.training.gpt``, preset ``gpt2``: 12 layers, 12 heads, width 768,
+* ``gpt2``: GPT-2 124M (``ddpkit.models.gpt``, preset ``gpt2``: 12 layers, 12 heads, width 768,
   vocabulary 50,304, context 1,024) on random token windows, AdamW (lr 6e-4, betas 0.9/0.95,
   weight decay 0.1 on matrices only, ``fused=True`` on CUDA), gradient clipping at 1.0, bf16 autocast;
   tokens/s and MFU (``flops_per_token``, PaLM's formula, against the GPU's dense bf16 peak from
@@ -29,7 +29,7 @@ Workloads (``--workload``):
 
 Variants (``--variants``, token windows only; each beside the plain model, ``full``, in the same rounds):
 ``lora``, the model with ``model.lora: {r: 16, targets: all-linear}`` (the hand-written side adds the same
-adapter with ``ddpkit.training.lora.apply_lora``, as the Trainer does, so the two differ in their loops
+adapter with ``ddpkit.models.lora.apply_lora``, as the Trainer does, so the two differ in their loops
 only); ``documents``, the document mask (``data.kwargs.document_mask``: the dataset's ``documents``, which
 the Trainer hands the model, and the hand-written side hands it by ``model.use_documents``; FlexAttention on
 a GPU), the windows holding documents of ``--doc-len`` tokens on average in every variant (the same
@@ -101,8 +101,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from benchmarks.workloads import load_printed, paired, rotated, summary, table
 from ddpkit.bench.report import progress
 from ddpkit.config.loader import load_config
+from ddpkit.models.lora import apply_lora
 from ddpkit.trainer import Trainer
-from ddpkit.training.lora import apply_lora
 
 SEED, LOSSES_KEPT = 0, 20
 CANDIDATE_BATCHES = (64, 48, 32, 24, 16, 12, 8)

@@ -13,7 +13,7 @@ greedily (temperature 0) for ``--new-tokens`` tokens, each way alternating with 
   every forward under bf16 autocast, so each one casts the weights again; the cache is fp32, the weights'
   dtype); ``bf16``, the weights cast to bf16 (``model.to(torch.bfloat16)``; a bf16 cache); ``fp32``, no bf16
   at all (the CPU check's exact way);
-* batch 1: ``ddpkit.training.generation.generate`` itself (``use_cache`` on and off); batch B > 1: this
+* batch 1: ``ddpkit.models.generation.generate`` itself (``use_cache`` on and off); batch B > 1: this
   script's loop over B different prompts, because ``generate`` takes one prompt: the calls ``generate``
   makes (``model.make_cache(B)``, ``model(feed, cache=cache)`` with the new tokens only, or the whole
   sequence without the cache; ``next_token`` at temperature 0; one host sync a token, as ``int(token)``
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks.workloads import load_printed, paired, summary, table
-from ddpkit.training.generation import generate, next_token
-from ddpkit.training.gpt import gpt
+from ddpkit.models.generation import generate, next_token
+from ddpkit.models.gpt import gpt
 
 SEED = 0
 WEIGHTS = ("fp32+autocast", "bf16", "fp32")

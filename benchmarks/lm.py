@@ -56,7 +56,7 @@ SEQ_LEN, BATCH, LR, WEIGHT_DECAY, CLIP, WARMUP = 128, 16, 3e-3, 0.1, 1.0, 10
 def hand_written(steps: int, rank: int, world_size: int, *, workdir: Path) -> tuple[StepClock, dict]:
     """nanoGPT's training loop under DDP, in the Trainer's setup order (so the weights can be bitwise equal)."""
     from ddpkit.data.tokens import tokens
-    from ddpkit.training.gpt import GPT
+    from ddpkit.models.gpt import GPT
 
     torch.manual_seed(SEED)
     train_set, _ = tokens(corpus="stdlib", seq_len=SEQ_LEN)  # the data, then the model: the Trainer's order

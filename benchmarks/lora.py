@@ -9,7 +9,7 @@ Each (variant, round) runs in a fresh process, the variants alternating in order
 neither inherits the other's allocator or caches. The model is ddpkit's Llama family (``--preset``, or the
 shape given) with random weights (nothing downloaded); ``full`` trains every parameter, ``lora`` the
 adapter of ``model.lora: {r, alpha, targets}`` (default r 16 on ``all-linear``), applied with
-:func:`ddpkit.training.lora.apply_lora` and the optimizer built by :func:`ddpkit.training.build_optimizer`,
+:func:`ddpkit.models.lora.apply_lora` and the optimizer built by :func:`ddpkit.training.build_optimizer`,
 as the Trainer does. ``--steps`` AdamW steps on random tokens of ``--batch`` x ``--seq-len`` after one warm-up.
 
 Columns: ``trainable`` parameters; ``optimizer MiB``: the bytes of every tensor in the optimizer's state
@@ -38,9 +38,9 @@ from torch.nn import functional as F
 from benchmarks.workloads import load_average, paired, summary, table
 from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.schema import ModelConfig, OptimConfig
+from ddpkit.models.gpt import gpt
+from ddpkit.models.lora import apply_lora
 from ddpkit.training import build_optimizer
-from ddpkit.training.gpt import gpt
-from ddpkit.training.lora import apply_lora
 
 VARIANTS = ("full", "lora")
 _SHAPE = ("dim", "depth", "heads", "kv_heads", "vocab_size")

@@ -5,7 +5,7 @@
     python -m benchmarks.restart --device cpu --rounds 1 --every-steps 2 --torchrun    # also torchrun's own path
     python -m benchmarks.restart --preload  # a standby with torch and ddpkit only (default: torch._dynamo too)
 
-A GPT (``ddpkit.training.gpt``) on the ``stdlib`` token corpus trains with the ddpkit ``Trainer``
+A GPT (``ddpkit.models.gpt``) on the ``stdlib`` token corpus trains with the ddpkit ``Trainer``
 as a world of one, checkpointing every ``--every-steps`` steps, in a child process; once its first
 checkpoint is on disk it is SIGKILLed. Then, over ``--rounds`` alternated rounds, the same job
 restarts from that checkpoint (``checkpoint.resume: <its path>``, a fresh ``output_dir`` each time),

@@ -36,7 +36,7 @@ SEED, BATCH, LR, MOMENTUM, EVAL_EVERY, TARGET, MAX_STEPS = 0, 64, 0.05, 0.9, 25,
 
 
 class MnistCNN(nn.Module):
-    """ddpkit.training.models.MnistCNN, layer for layer (the same parameter names and RNG draws)."""
+    """ddpkit.models.builtin.MnistCNN, layer for layer (the same parameter names and RNG draws)."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
         super().__init__()

@@ -30,10 +30,13 @@ against this order, collapsed to packages):
     checkpoint/              the run's state (one owner, parts registered by name), crash-safe files, resume, sharded
                              checkpoints, the crash save, the in-memory tier, the agreed stop on a signal (preemption)
     training/                the optimizer step: optimizers, schedules, precision, compile, health,
-                             metrics, models, RNG
+                             metrics, placement, RNG
+    parallel/                how a model splits over ranks: the tensor plan, the pipeline cut, activation checkpointing
     reporting/               the reporter and the loop's one ordered list of listeners, logging, console,
                              timeline, sinks
     data/                    samplers and loaders sharded over ranks, exact evaluation, datasets, token files, streams
+    models/                  what a network is: GPT-2 and the Llama family, attention, RoPE, the document mask,
+                             generation, LoRA, the Hugging Face converters, the built-in models
     registry.py              models, datasets and optimizers by name
     distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement
     config/                  the typed schema, safe YAML, ``key=value`` overrides, cross-field checks, hashing

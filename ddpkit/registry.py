@@ -13,7 +13,7 @@ A name can be:
 * for models, any ``torchvision.models`` builder (``resnet18``, ``vit_b_16``, ...);
 * an explicit ``package.module:callable`` path, imported on use.
 
-Built-ins live in :mod:`ddpkit.training.models`, :mod:`ddpkit.data.datasets` and :mod:`ddpkit.training.optim` and are
+Built-ins live in :mod:`ddpkit.models.builtin`, :mod:`ddpkit.data.datasets` and :mod:`ddpkit.training.optim` and are
 imported the first time a name is looked up, so ``import ddpkit`` stays fast.
 """
 
@@ -134,7 +134,7 @@ def _torchvision_models() -> dict[str, Callable[..., Any]]:
     return {name: torchvision.models.get_model_builder(name) for name in torchvision.models.list_models()}
 
 
-MODELS = Registry("model", builtins="ddpkit.training.models", fallback=_torchvision_models)
+MODELS = Registry("model", builtins="ddpkit.models.builtin", fallback=_torchvision_models)
 DATASETS = Registry("dataset", builtins="ddpkit.data.datasets")
 OPTIMIZERS = Registry("optimizer", builtins="ddpkit.training.optim")
 

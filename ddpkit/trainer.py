@@ -170,7 +170,7 @@ class Trainer:
 
     def tensor_plan(self, model: nn.Module) -> dict[str, Any] | None:
         """Under ``parallel.tensor``: torch's ParallelStyle objects by module name (``{"fc1": ColwiseParallel()}``).
-        None (the default): ddpkit's own models' plans (ddpkit.training.tensor_plan); another model needs one."""
+        None (the default): ddpkit's own models' plans (ddpkit.parallel.tensor_plan); another model needs one."""
         return None
 
     def pipeline_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:

@@ -14,8 +14,8 @@ from helpers import run_in_pool
 from torch.nn import functional as F
 
 import ddpkit
-from ddpkit.training.activation_checkpointing import apply_activation_checkpointing
-from ddpkit.training.gpt import GPT
+from ddpkit.models.gpt import GPT
+from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
 
 
 def _saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor, list[torch.Tensor]]:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
 from ddpkit.data.datasets import digits
-from ddpkit.training.models import MLP
+from ddpkit.models.builtin import MLP
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,8 +14,8 @@ from helpers import run_cli
 
 import ddpkit
 from ddpkit.data.tokens import BYTE_EOT, require_vocab_of, tokens
-from ddpkit.training.document_mask import document_attention, documents_of
-from ddpkit.training.gpt import GPT
+from ddpkit.models.document_mask import document_attention, documents_of
+from ddpkit.models.gpt import GPT
 
 EOT = BYTE_EOT
 

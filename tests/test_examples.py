@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ddpkit.errors import DataError
-from ddpkit.training.models import MnistCNN
+from ddpkit.models.builtin import MnistCNN
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

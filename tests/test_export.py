@@ -14,8 +14,8 @@ from helpers import run_cli, run_in_pool, tiny_config
 
 import ddpkit
 from ddpkit.errors import DdpkitError
+from ddpkit.models.gpt import gpt
 from ddpkit.tools.export import export, save_safetensors
-from ddpkit.training.gpt import gpt
 
 pytestmark = pytest.mark.timeout(300)
 safetensors_torch = pytest.importorskip("safetensors.torch")

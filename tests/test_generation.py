@@ -14,9 +14,9 @@ from helpers import run_in_pool
 import ddpkit
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
+from ddpkit.models.generation import generate
+from ddpkit.models.gpt import GPT
 from ddpkit.tools.generate import main as generate_main
-from ddpkit.training.generation import generate
-from ddpkit.training.gpt import GPT
 from ddpkit.training.samples import TrainingSamples
 
 

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
+from ddpkit.models.gpt import GPT, GPTBlock, gpt
 from ddpkit.registry import MODELS
-from ddpkit.training.gpt import GPT, GPTBlock, gpt
 
 SMALL = {"vocab_size": 61, "dim": 32, "depth": 3, "heads": 4, "max_len": 24}
 

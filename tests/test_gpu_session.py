@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers import REPO
 
-from ddpkit.training.generation import generate
+from ddpkit.models.generation import generate
 
 pytestmark = pytest.mark.timeout(300)
 SESSION = REPO / "benchmarks" / "gpu_session.sh"

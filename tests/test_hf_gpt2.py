@@ -14,9 +14,9 @@ from hf_tiny import fine_tune
 from ddpkit.data.tokens import require_vocab_of
 from ddpkit.data.tokens import tokens as token_datasets
 from ddpkit.errors import CheckpointError, ConfigError, DataError
+from ddpkit.models.gpt import gpt
 from ddpkit.tools.hf_export import export_hf
 from ddpkit.tools.lm_source import load_model
-from ddpkit.training.gpt import gpt
 
 transformers = pytest.importorskip("transformers")
 

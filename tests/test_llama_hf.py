@@ -12,11 +12,11 @@ from helpers import run_in_pool
 from hf_tiny import FAMILIES, fine_tune, save_tiny, to_4x_layout, tokens, write_tokenizer
 
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.models.gpt import gpt
+from ddpkit.models.llama import Llama
 from ddpkit.tools import generate
 from ddpkit.tools.hf_export import export_hf
 from ddpkit.tools.lm_source import load_model
-from ddpkit.training.gpt import gpt
-from ddpkit.training.llama import Llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

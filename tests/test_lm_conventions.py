@@ -16,7 +16,7 @@ from ddpkit import training
 from ddpkit.checkpoint.files import load_checkpoint, save_checkpoint
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
-from ddpkit.training.gpt import GPT
+from ddpkit.models.gpt import GPT
 from ddpkit.training.param_groups import param_groups
 
 STEPS_PER_EPOCH = 16  # tiny_config: 256 digits in batches of 16

@@ -16,10 +16,10 @@ import ddpkit
 from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.models.gpt import gpt
+from ddpkit.models.lora import LoraLinear, apply_lora, lora_targets, merge_lora
 from ddpkit.tools.hf_export import export_hf, export_peft
 from ddpkit.tools.lm_source import load_model
-from ddpkit.training.gpt import gpt
-from ddpkit.training.lora import LoraLinear, apply_lora, lora_targets, merge_lora
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -20,8 +20,8 @@ from ddpkit.config.loader import load_config
 from ddpkit.config.parallel import ParallelConfig
 from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
+from ddpkit.models.builtin import MLP
 from ddpkit.testing import RankFailure
-from ddpkit.training.models import MLP
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,8 +10,8 @@ import ddpkit
 from ddpkit.config.schema import OptimConfig, SchedConfig
 from ddpkit.data.datasets import fashion_mnist, imagefolder, mnist
 from ddpkit.errors import ConfigError, DataError
+from ddpkit.models.builtin import MnistCNN
 from ddpkit.registry import DATASETS, MODELS, OPTIMIZERS
-from ddpkit.training.models import MnistCNN
 from ddpkit.training.optim import build_optimizer, lr_factor
 
 

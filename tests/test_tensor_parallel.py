@@ -1,4 +1,4 @@
-"""Tensor parallelism (ddpkit.training.tensor_plan) on real Gloo ranks: T = 2 against a world of one over 50 AdamW
+"""Tensor parallelism (ddpkit.parallel.tensor_plan) on real Gloo ranks: T = 2 against a world of one over 50 AdamW
 steps (losses, clipping norms, weights), the collectives one step costs, FSDP2 over a (dp, tp) mesh, and the
 models and degrees that cannot run tensor-parallel.
 
@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
-from ddpkit.training.gpt import GPT
-from ddpkit.training.llama import Llama, LlamaShape
-from ddpkit.training.tensor_plan import (
+from ddpkit.models.gpt import GPT
+from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.parallel.tensor_plan import (
     Replicated,
     apply_tensor_parallel,
     check_tensor_plan,

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit import ConfigError, DdpkitError, load_config
-from ddpkit.training.models import MLP
+from ddpkit.models.builtin import MLP
 
 
 def test_single_process_run_writes_config_metrics_and_a_plain_state_dict(tmp_path):

@@ -33,7 +33,7 @@ class TinyLM(nn.Module):
     """A small transformer that reads a sequence and scores one next token.
 
     ``forward(tokens[B, T])`` returns the logits after the last position, ``[B, vocab]`` (a classifier
-    over sequences); for language modelling ddpkit has ``gpt`` (:mod:`ddpkit.training.gpt`), which
+    over sequences); for language modelling ddpkit has ``gpt`` (:mod:`ddpkit.models.gpt`), which
     scores every position. The blocks are an ``nn.ModuleList`` of :class:`TransformerBlock`: FSDP2's
     default rule shards each as one unit.
     """

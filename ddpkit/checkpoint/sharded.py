@@ -169,7 +169,7 @@ class ShardedParts:
         """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
         api = state_dict_api()
         whole = api.StateDictOptions(full_state_dict=True)
-        # A pipeline's parts (ddpkit.training.pipeline_split.HeldParts) take their own names out of the whole model
+        # A pipeline's parts (ddpkit.parallel.pipeline_split.HeldParts) take their own names out of the whole model
         # and know the order in which the whole model's optimizer listed its parameters.
         order = getattr(self.model, "whole_order", None)
         if order is not None:

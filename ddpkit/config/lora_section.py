@@ -5,7 +5,7 @@
       kwargs: {init_from: models/Qwen2.5-0.5B}
       lora: {r: 8, alpha: 16, dropout: 0.0, targets: [q_proj, v_proj]}      # or targets: all-linear
 
-Behaviour lives in :mod:`ddpkit.training.lora`: the adapter is added and every other parameter
+Behaviour lives in :mod:`ddpkit.models.lora`: the adapter is added and every other parameter
 frozen before the ddp / zero1 / fsdp2 wrap; checkpoints hold the adapter, its optimizer state and
 a fingerprint of the base weights. The keys are peft's (``r``, ``lora_alpha`` as ``alpha``,
 ``lora_dropout`` as ``dropout``, ``target_modules`` as ``targets``), and so are the target names.

@@ -278,7 +278,7 @@ def tokens(
     ``corpus: stdlib`` instead of ``path`` uses :func:`stdlib_corpus` (built on first use, then cached);
     ``sources`` (and ``val_sources``, ``repeat``) instead of ``path`` blend several files by weight
     (:mod:`ddpkit.data.mixture`). ``document_mask`` keeps the model's attention inside the documents that
-    ``eot`` separates, ``restart_positions`` restarts positions in each (:mod:`ddpkit.training.document_mask`).
+    ``eot`` separates, ``restart_positions`` restarts positions in each (:mod:`ddpkit.models.document_mask`).
     """
     documents = {"eot": eot, "restart_positions": restart_positions} if document_mask else None
 

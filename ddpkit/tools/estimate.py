@@ -45,8 +45,8 @@ from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
 from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
+from ddpkit.parallel.pipeline_split import split_model
 from ddpkit.training.optim import build_optimizer
-from ddpkit.training.pipeline_split import split_model
 
 __all__ = ["main", "estimate", "Estimate"]
 
@@ -106,14 +106,14 @@ def _tensor_shard_shapes(
     model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool
 ) -> list[tuple[int, ...]]:
     """Each parameter's shape on one rank under ``tensor``-way tensor parallelism: the dimension its module's style
-    splits (ddpkit.training.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
+    splits (ddpkit.parallel.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
     without a plan of ddpkit's."""
     shapes = {id(p): tuple(p.shape) for p in params}
     if tensor == 1:
         return list(shapes.values())
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ddpkit.training.tensor_plan import tensor_plan
+    from ddpkit.parallel.tensor_plan import tensor_plan
 
     try:
         plan = tensor_plan(model, vocab_parallel=vocab_parallel)

@@ -7,7 +7,7 @@
 
 The model and its trained weights come from a run directory (``model.pt``, else its newest
 checkpoint) or a checkpoint (:mod:`ddpkit.tools.lm_source`); ddpkit's ``gpt`` samples with its KV
-cache, other models through the protocol of :mod:`ddpkit.training.generation`. Tokens are bytes
+cache, other models through the protocol of :mod:`ddpkit.models.generation`. Tokens are bytes
 unless ``--tokenizer`` names a local ``tokenizer.json`` (a ``gpt`` loaded with ``init_from`` uses the
 one in that directory when there is one). Sampling stops at ``--max-new-tokens``, at end-of-text, at the
 model's end-of-turn tokens (the ``eos_token_id`` of its ``generation_config.json``, its tokenizer's
@@ -29,9 +29,9 @@ import torch
 
 from ddpkit.data.text_codec import TextCodec
 from ddpkit.errors import ConfigError
+from ddpkit.models.generation import check_prompt, generate
 from ddpkit.tools.chat_template import chat_prompt, stop_ids
 from ddpkit.tools.lm_source import load_model
-from ddpkit.training.generation import check_prompt, generate
 
 __all__ = ["main", "sample_text"]
 

@@ -26,13 +26,13 @@ from typing import Any
 
 from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError
+from ddpkit.models import hf_gpt2, hf_llama
+from ddpkit.models.gpt import resolve
+from ddpkit.models.hf_files import TOKENIZER_FILES
+from ddpkit.models.lora import adapter_of
+from ddpkit.models.lora_peft import peft_files
 from ddpkit.tools.export import save_safetensors
 from ddpkit.tools.lm_source import ModelSpec, merged_weights, read_model
-from ddpkit.training import hf_gpt2, hf_llama
-from ddpkit.training.gpt import resolve
-from ddpkit.training.hf_files import TOKENIZER_FILES
-from ddpkit.training.lora import adapter_of
-from ddpkit.training.lora_peft import peft_files
 
 __all__ = ["export_hf", "export_peft", "write_hf_directory"]
 

@@ -28,10 +28,10 @@ from ddpkit.checkpoint.sharded_run import read_any
 from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.models.gpt import build_gpt
+from ddpkit.models.lora import apply_lora, merge_lora
 from ddpkit.registry import build_model
 from ddpkit.tools.export import model_weights
-from ddpkit.training.gpt import build_gpt
-from ddpkit.training.lora import apply_lora, merge_lora
 
 __all__ = ["ModelSpec", "read_model", "load_model", "build_bare", "merged_weights"]
 
@@ -82,7 +82,7 @@ def _spec(section: dict[str, Any], weights: dict[str, Any], source: str, *, name
 
 def build_bare(spec: ModelSpec) -> torch.nn.Module:
     """The model of ``spec`` built with its initial weights (``gpt``: without reading ``init_from``'s weights); a
-    LoRA run's: its base as trained on, with the adapter (:func:`ddpkit.training.lora.apply_lora`)."""
+    LoRA run's: its base as trained on, with the adapter (:func:`ddpkit.models.lora.apply_lora`)."""
     if spec.lora is not None:
         base = build_gpt(spec.kwargs) if spec.name == "gpt" else build_model(spec.config)
         return apply_lora(base, spec.config)

@@ -5,15 +5,7 @@
 - ``precision``: autocast and the fp16 gradient scaler.
 - ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
   bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
-- ``models``: the built-in models; ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache;
-  ``llama``: the Llama family in the same builder (``arch: llama``: RMSNorm, ``rope``, SwiGLU, grouped-query
-  ``attention`` and its cache, shared with ``gpt``); ``hf_gpt2`` / ``hf_llama`` (on ``hf_files``): Hugging Face
-  directories in (``init_from``) and out (``ddpkit export --format hf``);
-  ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
-  ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard);
-  ``document_mask``: attention inside each document of a packed window (``data.kwargs.document_mask``);
-  ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``);
-  ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft).
+- ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model);
   ``evaluation_pipeline``: under a pipeline, each batch forward through the stages, the metrics on the last.
@@ -23,19 +15,20 @@
   losses and gradients, loss spikes, slow ranks, replicas that drifted apart.
 - ``rng``: seeding, and capturing / restoring every generator.
 - ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
-  ``pipeline_step`` / ``pipeline_split``: a pipeline schedule as the step, over a model cut into stages;
-  ``step_builder``: which of the two a run trains with; ``tensor_plan``: tensor parallelism's plans of
-  ``gpt`` and ``llama`` (torch's ParallelStyles by module name), the degrees they take, the plan applied;
+  ``pipeline_step``: a pipeline schedule as the step, over a model cut into stages (:mod:`ddpkit.parallel`);
+  ``step_builder``: which of the two a run trains with;
   ``placement``: where a rank's model lives (the tensor plan, then the pipeline's cut or FSDP2's shards).
+
+The models themselves live in :mod:`ddpkit.models`, how they split in :mod:`ddpkit.parallel`.
 """
 
 # What the Trainer composes, importable from the package.
 # The built-in steps, as training.steps.*
+from ddpkit.models.lora import apply_lora
 from ddpkit.training import steps
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
-from ddpkit.training.lora import apply_lora
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler

@@ -47,7 +47,7 @@ from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
 from ddpkit.errors import DdpkitError, first_line
-from ddpkit.training.activation_checkpointing import apply_activation_checkpointing
+from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
 from ddpkit.training.allocator import keep_freed_host_memory
 
 # sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.

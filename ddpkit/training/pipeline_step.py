@@ -6,7 +6,7 @@
 
 Everything that moves activations or gradients between stages is torch's own
 (``torch.distributed.pipelining``: ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``); ddpkit cuts the model (:mod:`ddpkit.training.pipeline_split`),
+``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``); ddpkit cuts the model (:mod:`ddpkit.parallel.pipeline_split`),
 feeds the schedule the microbatches the data-parallel accumulation would have used (pre-split, so no chunking
 rule of the schedule changes a sample), and runs the same update as every other step.
 
@@ -41,10 +41,10 @@ from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
 from ddpkit.reporting.log import log
 from ddpkit.training.evaluation_pipeline import PipelineForward
 from ddpkit.training.param_groups import param_groups
-from ddpkit.training.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
 from ddpkit.training.train_step import StepReporting
 
 __all__ = ["Pipeline", "build_pipeline", "PipelineStep", "bubble_fraction"]

@@ -5,7 +5,7 @@
 
 ``whole`` is the model as built, the same on every rank (one seed). The order is torchtitan's:
 
-1. ``parallel.tensor`` > 1: the model's tensor plan (:mod:`ddpkit.training.tensor_plan`) over the layout's
+1. ``parallel.tensor`` > 1: the model's tensor plan (:mod:`ddpkit.parallel.tensor_plan`) over the layout's
    ``tp`` mesh, in place, so every parameter becomes a DTensor (sharded or replicated) on that mesh;
 2. ``parallel.pipeline`` > 1: the model, tensor-parallel or not, is cut into stages and this rank keeps its own
    (:func:`ddpkit.training.pipeline_step.build_pipeline`); the stages' activations are plain tensors, since
@@ -44,7 +44,7 @@ def check_tensor_degree(config: Config) -> None:
     if parallel.tensor == 1 or config.model.name != "gpt":
         return
     # Imported here: the plans pull in DTensor, which a run without tensor parallelism never needs.
-    from ddpkit.training.tensor_plan import check_tensor_plan
+    from ddpkit.parallel.tensor_plan import check_tensor_plan
 
     check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=parallel.vocab_parallel)
 
@@ -83,7 +83,7 @@ def _tensor_parallel(
 ) -> nn.Module:
     """``model`` split by its tensor plan over the layout's tensor mesh (collectives: the shards are scattered)."""
     # Imported here: the plans pull in DTensor's parallel styles, which runs without tensor parallelism never need.
-    from ddpkit.training.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
+    from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
 
     parallel = config.parallel
     # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.

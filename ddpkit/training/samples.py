@@ -6,7 +6,7 @@
     events.add(TrainingSamples.for_run(config, rank=rank, model=bare_model, outside=reporter.outside_training))
 
 Every ``every_steps`` optimizer steps the model continues the
-prompt (:func:`ddpkit.training.generation.generate`, with ddpkit's ``gpt``'s KV cache) in eval mode and
+prompt (:func:`ddpkit.models.generation.generate`, with ddpkit's ``gpt``'s KV cache) in eval mode and
 without gradients, then goes back to training. Rank 0 writes the sample to the log, as a line of
 ``<output_dir>/samples.jsonl`` (``{"step", "prompt", "text"}``) and, with ``log.tensorboard``, to
 TensorBoard's text tab under ``samples``. Every rank samples the same tokens (the same seed): under
@@ -29,7 +29,7 @@ import torch
 from ddpkit.config.sample_section import SampleConfig
 from ddpkit.config.schema import Config
 from ddpkit.data.text_codec import TextCodec
-from ddpkit.training.generation import check_prompt, generate
+from ddpkit.models.generation import check_prompt, generate
 
 __all__ = ["TrainingSamples", "SAMPLES_FILE"]
 

@@ -3,7 +3,7 @@
 model: {name: mnist_cnn}                                  # the classic MNIST CNN
 model: {name: mlp, kwargs: {hidden: [256, 256]}}          # a small MLP
 model: {name: resnet18, kwargs: {num_classes: 10}}        # torchvision
-model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.training.gpt; data: tokens)
+model: {name: gpt, kwargs: {dim: 128, depth: 4}}          # a GPT-2 style LM (ddpkit.models.gpt; data: tokens)
 """
 
 from __future__ import annotations
@@ -64,4 +64,4 @@ register_model("mnist_cnn", MnistCNN)
 
 
 # The language model registers itself as ``gpt``.
-import ddpkit.training.gpt  # noqa: E402,F401
+import ddpkit.models.gpt  # noqa: E402,F401

@@ -29,7 +29,7 @@ taken once before the adapter is added. The base itself comes from the builder a
 both (:class:`LoraBase`); a run resumes bitwise because the base is rebuilt identically.
 
 A Hugging Face model (``transformers.PreTrainedModel``, e.g. ``examples/hf_causal_lm.py``) gets its
-adapter from peft itself (``pip install 'ddpkit[peft]'``): :mod:`ddpkit.training.lora_peft`, with the
+adapter from peft itself (``pip install 'ddpkit[peft]'``): :mod:`ddpkit.models.lora_peft`, with the
 same keys, the same adapter-only checkpoints and the same fingerprint.
 """
 
@@ -181,7 +181,7 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
         )
     fingerprint = base_fingerprint(model)
     if _is_hugging_face(model):
-        from ddpkit.training.lora_peft import apply_peft
+        from ddpkit.models.lora_peft import apply_peft
 
         model, names = apply_peft(model, cfg)
     else:

@@ -8,7 +8,7 @@
 One function picks the kernel for both families (GPT-2's ``GPTBlock`` and the Llama family's
 ``LlamaBlock``): with a cache, the new keys and values are stored and the queries attend over all of
 them; with ``documents`` (``data.kwargs.document_mask``), attention stays inside each packed document
-(:mod:`ddpkit.training.document_mask`); otherwise ``scaled_dot_product_attention(is_causal=True)``,
+(:mod:`ddpkit.models.document_mask`); otherwise ``scaled_dot_product_attention(is_causal=True)``,
 flash attention on GPUs. Grouped-query attention (fewer key/value heads than query heads, Llama 3's
 and Qwen's ``num_key_value_heads``) goes to SDPA as it is (``enable_gqa``: query head ``h`` reads
 key/value head ``h // (H / H_kv)``, Hugging Face's ``repeat_kv``); the document kernel gets the
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.training.document_mask import Documents, document_attention
+from ddpkit.models.document_mask import Documents, document_attention
 
 __all__ = ["causal_attention", "LayerCache", "KVCache", "CachedModel", "init_weights"]
 

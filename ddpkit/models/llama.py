@@ -19,7 +19,7 @@ The options (:class:`LlamaShape`, every one a ``model.kwargs`` key) cover the fa
 ``kv_heads``            key/value heads (grouped-query attention); ``heads`` by default
 ``head_dim``            per-head width; ``dim / heads`` by default (Qwen3 sets 128 at any ``dim``)
 ``mlp_dim``             the SwiGLU's inner width (``intermediate_size``)
-``rope_theta``          RoPE's base; ``rope_scaling``: ``{rope_type: llama3 | linear, ...}`` (ddpkit.training.rope)
+``rope_theta``          RoPE's base; ``rope_scaling``: ``{rope_type: llama3 | linear, ...}`` (ddpkit.models.rope)
 ``qkv_bias``            biases on q/k/v (Qwen2.5); ``out_bias``: on o_proj; ``mlp_bias``: on the MLP
 ``qk_norm``             an RMSNorm over each head's queries and keys before RoPE (Qwen3)
 ``tied``                the output layer is the token embedding (SmolLM2, Llama 3.2, Qwen 0.5-4B)
@@ -29,7 +29,7 @@ The options (:class:`LlamaShape`, every one a ``model.kwargs`` key) cover the fa
 
 Module names follow Hugging Face's inside the blocks (``attn.q_proj`` ... ``mlp.down_proj``, separate
 ``nn.Linear`` each: peft's LoRA targets and a tensor plan's names), so ``init_from`` is a renaming
-(ddpkit.training.hf_llama). RMSNorm computes in fp32 and casts back, as transformers' does; KV cache
+(ddpkit.models.hf_llama). RMSNorm computes in fp32 and casts back, as transformers' does; KV cache
 (grouped: ``kv_heads`` heads are cached), document masking, activation checkpointing (``LlamaBlock``),
 FSDP2's per-block units and ``torch.compile`` work as for GPT-2's ``gpt``.
 """
@@ -46,11 +46,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
-from ddpkit.training import hf_llama
-from ddpkit.training.attention import KVCache, LayerCache, causal_attention, init_weights
-from ddpkit.training.document_mask import Documents, documents_of
-from ddpkit.training.hf_files import check_against
-from ddpkit.training.rope import Rotary, apply_rotary, check_scaling
+from ddpkit.models import hf_llama
+from ddpkit.models.attention import KVCache, LayerCache, causal_attention, init_weights
+from ddpkit.models.document_mask import Documents, documents_of
+from ddpkit.models.hf_files import check_against
+from ddpkit.models.rope import Rotary, apply_rotary, check_scaling
 
 __all__ = [
     "Llama",
@@ -322,7 +322,7 @@ class Llama(nn.Module):
         return logits
 
     def make_cache(self, batch: int) -> KVCache:
-        """An empty :class:`KVCache` (``kv_heads`` heads) for ``batch`` sequences (ddpkit.training.generation)."""
+        """An empty :class:`KVCache` (``kv_heads`` heads) for ``batch`` sequences (ddpkit.models.generation)."""
         return KVCache(self, batch=batch)
 
     def num_params(self, *, non_embedding: bool = True) -> int:

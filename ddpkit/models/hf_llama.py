@@ -10,7 +10,7 @@ by ``model.safetensors.index.json``, or ``pytorch_model.bin``); a tied output la
 files and comes from the embedding. Both config layouts are read: transformers 4.x's (``rope_theta``
 and ``rope_scaling`` at the top) and 5.x's (both inside ``rope_parameters``).
 
-The weights load as they are: RoPE here is in Hugging Face's layout (ddpkit.training.rope), so
+The weights load as they are: RoPE here is in Hugging Face's layout (ddpkit.models.rope), so
 ``q_proj`` / ``k_proj`` need no permutation; the names are renamed only (``model.layers.3.self_attn.q_proj``
 is ``blocks.3.attn.q_proj``, ``input_layernorm`` is ``attn_norm``, ``post_attention_layernorm`` is
 ``mlp_norm``, ``lm_head`` is ``head``). What the model does not compute is refused by name: sliding-window
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.training.hf_files import read_hf_config, weight_files
+from ddpkit.models.hf_files import read_hf_config, weight_files
 
 __all__ = ["read_config", "read_weights", "to_hf", "hf_config", "hf_name", "our_name", "ARCHITECTURES"]
 

@@ -25,7 +25,7 @@ applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a t
 everything else                   :class:`Replicated`: position embeddings and norms whole on every rank
 ================================  ===========================================================================
 
-The heads each rank holds need no setting: :class:`~ddpkit.training.llama.LlamaAttention` reads its head count
+The heads each rank holds need no setting: :class:`~ddpkit.models.llama.LlamaAttention` reads its head count
 off the projection (``view(batch, length, -1, head_dim)``), so a rank with ``heads / T`` heads' rows gets
 ``heads / T`` heads. Grouped-query attention keeps its grouping: a rank's ``heads / T`` query heads are whole
 groups of ``heads / kv_heads``, each reading one of the rank's own ``kv_heads / T`` key/value heads, the one the
@@ -70,8 +70,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 from ddpkit.errors import ConfigError
-from ddpkit.training.gpt import GPT, resolve
-from ddpkit.training.llama import Llama, LlamaShape
+from ddpkit.models.gpt import GPT, resolve
+from ddpkit.models.llama import Llama, LlamaShape
 
 __all__ = [
     "Replicated",

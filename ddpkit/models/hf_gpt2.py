@@ -17,7 +17,7 @@ zeros whose logits the model sets to -inf (``valid_vocab``), so the loss and sam
 fp32 (tests/test_hf_gpt2.py).
 
 This module reads and writes plain dicts of tensors and never imports the model; the ``gpt``
-builder (:mod:`ddpkit.training.gpt`) calls it.
+builder (:mod:`ddpkit.models.gpt`) calls it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.training.hf_files import read_hf_config, safetensors_torch, weight_files
+from ddpkit.models.hf_files import read_hf_config, safetensors_torch, weight_files
 
 __all__ = [
     "read_config",

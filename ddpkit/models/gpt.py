@@ -30,13 +30,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
+from ddpkit.models import hf_llama
+from ddpkit.models.attention import KVCache, LayerCache, causal_attention, init_weights
+from ddpkit.models.document_mask import Documents, documents_of
+from ddpkit.models.hf_files import check_against, family_of
+from ddpkit.models.hf_gpt2 import read_config, read_weights
+from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 from ddpkit.registry import register_model
-from ddpkit.training import hf_llama
-from ddpkit.training.attention import KVCache, LayerCache, causal_attention, init_weights
-from ddpkit.training.document_mask import Documents, documents_of
-from ddpkit.training.hf_files import check_against, family_of
-from ddpkit.training.hf_gpt2 import read_config, read_weights
-from ddpkit.training.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 
 __all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTIVATIONS", "gpt", "gpt_kwargs"]
 
@@ -164,7 +164,7 @@ class GPT(nn.Module):
         return logits
 
     def make_cache(self, batch: int) -> KVCache:
-        """An empty :class:`KVCache` for ``batch`` sequences (the sampling protocol of ddpkit.training.generation)."""
+        """An empty :class:`KVCache` for ``batch`` sequences (the sampling protocol of ddpkit.models.generation)."""
         return KVCache(self, batch=batch)
 
     def num_params(self, *, non_embedding: bool = True) -> int:

@@ -7,7 +7,7 @@
 The weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json``
 (``save_pretrained(max_shard_size=...)``), or ``pytorch_model.bin`` (read with ``weights_only=True``).
 Nothing is downloaded, and ``transformers`` is not needed: only ``safetensors`` for safetensors files.
-The readers of each family (:mod:`ddpkit.training.hf_gpt2`, :mod:`ddpkit.training.hf_llama`) rename
+The readers of each family (:mod:`ddpkit.models.hf_gpt2`, :mod:`ddpkit.models.hf_llama`) rename
 what these return.
 """
 

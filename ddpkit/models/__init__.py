@@ -1,0 +1,13 @@
+"""What a network is: ddpkit's own models and what comes with them.
+
+- ``builtin``: the built-in models registered by name (``mnist_cnn``, ``mlp``, and ``gpt`` through it);
+- ``gpt``: a GPT language model (``model: {name: gpt}``) with a KV cache; ``llama``: the Llama family in the
+  same builder (``arch: llama``: RMSNorm, ``rope``, SwiGLU, grouped-query ``attention`` and its cache, shared
+  with ``gpt``); ``document_mask``: attention inside each document of a packed window;
+- ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
+- ``hf_gpt2`` / ``hf_llama`` (on ``hf_files``): Hugging Face directories in (``init_from``) and out
+  (``ddpkit export --format hf``);
+- ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft).
+
+How a model splits itself over ranks lives in :mod:`ddpkit.parallel`.
+"""
