@@ -28,7 +28,10 @@ __all__ = [
     "layout_problems",
     "check_layout",
     "microbatches_of",
+    "default_microbatches",
     "with_microbatches",
+    "mesh_coordinates",
+    "rank_place",
     "INTERLEAVED",
 ]
 
@@ -36,11 +39,37 @@ __all__ = [
 INTERLEAVED = ("interleaved_1f1b", "looped_bfs")
 
 
+def mesh_coordinates(rank: int, *, world_size: int, pipeline: int, tensor: int = 1) -> tuple[int, int, int]:
+    """``rank``'s ``(pp_rank, dp_rank, tp_rank)`` on the layout's ``("pp", "dp", "tp")`` mesh: row-major, as
+    ``init_device_mesh`` numbers it, so a tensor group's ranks are neighbours and a stage's replicas follow."""
+    replicas = world_size // (pipeline * tensor)
+    stage, rest = divmod(rank, replicas * tensor)
+    replica, tensor_rank = divmod(rest, tensor)
+    return stage, replica, tensor_rank
+
+
+def rank_place(*, pp_rank: int, dp_rank: int, tp_rank: int, pipeline: int, tensor: int) -> str:
+    """A rank's place in words, as the log and the watchdog's reports say it: ``"stage 1 of replica 0, tensor
+    rank 1"`` (the stage only under a pipeline, the tensor rank only with tensor parallelism)."""
+    where = f"replica {dp_rank}"
+    if pipeline > 1:
+        where = f"stage {pp_rank} of {where}"
+    if tensor > 1:
+        where += f", tensor rank {tp_rank}"
+    return where
+
+
+def default_microbatches(stages: int) -> int:
+    """M when ``parallel.microbatches`` is unset: twice the number of stages, at least 2 (a bubble of at most a
+    third)."""
+    return max(2, 2 * stages)
+
+
 def microbatches_of(parallel: ParallelConfig) -> int:
-    """M: ``parallel.microbatches``, or twice the number of stages (a bubble of at most a third)."""
+    """M: ``parallel.microbatches``, or :func:`default_microbatches`."""
     if parallel.microbatches is not None:
         return parallel.microbatches
-    return max(2, 2 * parallel.pipeline)
+    return default_microbatches(parallel.pipeline)
 
 
 def with_microbatches(cfg: Config, microbatches: int) -> Config:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ddpkit._version import __version__
+from ddpkit.config.layout import default_microbatches
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, flatten
 from ddpkit.distributed.collectives import all_gather_object
@@ -72,7 +73,7 @@ def _as_accumulation(flat: dict[str, Any]) -> dict[str, Any]:
     stages = flat.get("parallel.pipeline", 1)
     if stages == 1:
         return flat
-    microbatches = flat.get("parallel.microbatches") or max(2, 2 * stages)
+    microbatches = flat.get("parallel.microbatches") or default_microbatches(stages)
     return {**flat, "train.grad_accum_steps": microbatches}
 
 

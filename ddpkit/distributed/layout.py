@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.config.layout import check_layout, microbatches_of, with_microbatches
+from ddpkit.config.layout import check_layout, microbatches_of, rank_place, with_microbatches
 from ddpkit.config.parallel import ParallelConfig
 from ddpkit.config.schema import Config
 from ddpkit.distributed.env import DistEnv
@@ -134,12 +134,12 @@ class ParallelLayout:
         if self.mesh is None:
             return f"data-parallel {self.dp} ({self.mode})"
         degrees = [f"data-parallel {self.dp} ({self.mode})"]
-        where = f"replica {self.dp_rank}"
         if self.pp > 1:
             degrees.insert(0, f"pipeline {self.pp}")
-            where = f"stage {self.pp_rank} of {where}"
         if self.tp > 1:
             degrees.append(f"tensor {self.tp}")
-            where += f", tensor rank {self.tp_rank}"
         # The watchdog's reports name a rank the same way (ddpkit.watchdog.report).
+        where = rank_place(
+            pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pipeline=self.pp, tensor=self.tp
+        )
         return f"{' x '.join(degrees)}: this rank is {where}"

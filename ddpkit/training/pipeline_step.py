@@ -45,6 +45,7 @@ from ddpkit.parallel.pipeline_split import HeldParts, TiedWeights, split_model, 
 from ddpkit.reporting.log import log
 from ddpkit.training.evaluation_pipeline import PipelineForward
 from ddpkit.training.param_groups import param_groups
+from ddpkit.training.steps import IGNORE_INDEX
 from ddpkit.training.train_step import StepReporting
 
 __all__ = ["Pipeline", "build_pipeline", "PipelineStep", "bubble_fraction"]
@@ -296,7 +297,7 @@ class PipelineStep:
         targets = [batch[1] for batch in microbatches]
         tokens = self.update.tokens
         if tokens is not None:
-            tokens.add(sum((target != -100).sum() for target in targets))
+            tokens.add(sum((target != IGNORE_INDEX).sum() for target in targets))
         kwargs: dict[str, Any] = {"return_outputs": False}
         if pipeline.first:
             kwargs["arg_mbs"] = [(batch[0],) for batch in microbatches]
@@ -313,9 +314,7 @@ class PipelineStep:
         reporter.add_stage_time(stage=pipeline.stage, busy=busy, span=span, theory=pipeline.theory, spans=spans)
         self._report(losses, targets)
         pipeline.tied.reduce()
-        self.reporting.events.update_start(self.reporting.progress.step)
-        with reporter.span("optimizer"):
-            self.update.step()
+        self.reporting.update(self.update)
         return len(microbatches)
 
     def _report(self, losses: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
@@ -326,4 +325,4 @@ class PipelineStep:
             reporter.add_loss(self._zero, self._zero)
             return
         for loss, target in zip(losses, targets):
-            reporter.add_loss(loss, (target != -100).sum() if by_tokens else torch.ones((), device=self.device))
+            reporter.add_loss(loss, (target != IGNORE_INDEX).sum() if by_tokens else torch.ones((), device=self.device))

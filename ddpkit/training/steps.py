@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-__all__ = ["training_step", "validation_step", "loss_of_output", "IGNORE_INDEX"]
+# Targets with this value carry no loss (padding, prompt tokens): torch's default ``ignore_index``, defined where
+# the token files make them.
+from ddpkit.data.tokens import IGNORE_INDEX
 
-#: Targets with this value carry no loss (padding, prompt tokens): torch's default ``ignore_index``.
-IGNORE_INDEX = -100
+__all__ = ["training_step", "validation_step", "loss_of_output", "IGNORE_INDEX"]
 
 
 def training_step(

@@ -40,6 +40,12 @@ class StepReporting:
     events: Any
     progress: Progress
 
+    def update(self, update: OptimizerStep) -> None:
+        """Every step object's end: the events hear the update start, then the update runs in the "optimizer" span."""
+        self.events.update_start(self.progress.step)
+        with self.reporter.span("optimizer"):
+            update.step()
+
 
 class TrainStep(Protocol):
     """What the loop asks of a step object."""
@@ -87,10 +93,7 @@ class AccumulationStep:
             self._micro_step(move_to_device(batch, self.device), sync=taken == count)
         if taken < count:
             return taken
-        reporting = self.reporting
-        reporting.events.update_start(reporting.progress.step)
-        with reporting.reporter.span("optimizer"):
-            self.update.step()
+        self.reporting.update(self.update)
         return taken
 
     def _micro_step(self, batch: Any, *, sync: bool) -> None:

@@ -25,6 +25,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpkit.config.layout import mesh_coordinates, rank_place
+
 __all__ = [
     "PHASE_ORDER",
     "SLOW_PHASES",
@@ -108,11 +110,8 @@ def layout_coordinate(rank: int, *, world_size: int, pipeline: int, tensor: int 
     the layout's mesh order ``(pp, dp, tp)`` (ddpkit.distributed.layout); None without a pipeline."""
     if pipeline <= 1 or world_size % (pipeline * tensor):
         return None
-    replicas = world_size // (pipeline * tensor)
-    stage, rest = divmod(rank, replicas * tensor)
-    replica, tensor_rank = divmod(rest, tensor)
-    where = f"stage {stage} of replica {replica}"
-    return where + (f", tensor rank {tensor_rank}" if tensor > 1 else "")
+    stage, replica, tensor_rank = mesh_coordinates(rank, world_size=world_size, pipeline=pipeline, tensor=tensor)
+    return rank_place(pp_rank=stage, dp_rank=replica, tp_rank=tensor_rank, pipeline=pipeline, tensor=tensor)
 
 
 def _layout(beat: dict[str, Any] | None) -> str:
