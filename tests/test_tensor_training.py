@@ -128,6 +128,45 @@ def _fit_float64(cfg: dict) -> dict:
     return _fit(cfg, Float64Trainer)
 
 
+def _batch_report(cfg: dict) -> dict:
+    """What the reporter says of the global batch after one step, and what the training loader gave this rank."""
+    trainer = RaggedTrainer(cfg)
+    trainer.fit()
+    first = next(iter(trainer.train_loader))
+    reporter = trainer.reporter
+    return {
+        "samples_per_step": reporter.samples_per_step,
+        "line": reporter._batch_line(),
+        "loader_batch": len(first[0]) if isinstance(first, (list, tuple)) else len(next(iter(first.values()))),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("ranks", "parallel", "line"),
+    [
+        (2, {"tensor": 2}, "x 1 data-parallel replica(s) x 2 accumulation = global batch 8 (tensor parallel over 2"),
+        (2, {"pipeline": 2}, "x 2 microbatches x 1 data-parallel replica(s) = global batch 8 (pipeline of 2 stages)"),
+        (
+            4,
+            {"pipeline": 2, "tensor": 2},
+            "x 1 data-parallel replica(s) = global batch 8 (pipeline of 2 stages, tensor",
+        ),
+        (4, {"tensor": 2, "mode": "fsdp2"}, "x 2 data-parallel replica(s) x 2 accumulation = global batch 8 (tensor"),
+    ],
+)
+def test_the_reported_global_batch_counts_data_parallel_replicas_only(tmp_path, ranks, parallel, line):
+    """Issue 66: the ranks of a tensor-parallel group, or of a pipeline, read the same batches. The start-up line,
+    samples/s and tokens/s count the data-parallel replicas, not the ranks: a global batch of 8 is 8 here."""
+    results = run_in_pool(_batch_report, ranks, args=(_config(tmp_path, steps=1, **parallel),), timeout=120)
+    dp = ranks // (parallel.get("pipeline", 1) * parallel.get("tensor", 1))
+    for report in results:
+        assert report["samples_per_step"] == 8, report
+        assert line in report["line"], report
+        # each replica's (micro-)batch, as its loader yields it: 8 / (replicas x 2 micro-batches)
+        assert f"batch {8 // (dp * 2)} x" in report["line"] and report["loader_batch"] == 8 // (dp * 2), report
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_1e_12_in_float64(tmp_path):

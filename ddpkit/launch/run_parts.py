@@ -87,7 +87,7 @@ def build_run_parts(
     tokens = training.TokenCount.for_run(
         model, config.train, device=device, world_size=layout.dp, group=layout.dp_group
     )
-    reporter = _reporter(built, tokens, config=config, runtime=runtime, progress=progress, events=events)
+    reporter = _reporter(built, tokens, layout, config=config, runtime=runtime, progress=progress, events=events)
     checkpointer = Checkpointer(
         config, runtime=runtime, layout=layout, progress=progress, stop=worker.stop, pauses=reporter
     )
@@ -131,7 +131,14 @@ def build_run_parts(
 
 
 def _reporter(
-    built: Built, tokens: Any, *, config: Config, runtime: Runtime, progress: Progress, events: Events
+    built: Built,
+    tokens: Any,
+    layout: ParallelLayout,
+    *,
+    config: Config,
+    runtime: Runtime,
+    progress: Progress,
+    events: Events,
 ) -> Reporter:
     """The reporter, with the throughput (tokens/s, MFU) read from the token count."""
     dataset = built.train_loader.dataset
@@ -143,6 +150,7 @@ def _reporter(
         progress=progress,
         events=events,
         throughput=throughput,
+        replicas=layout.dp,
     )
 
 

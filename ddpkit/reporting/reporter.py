@@ -82,7 +82,10 @@ class Reporter:
         progress: Progress,
         events: Events,
         throughput: TokenThroughput | None = None,
+        replicas: int | None = None,
     ):
+        """``replicas``: the data-parallel degree, the ranks that read different batches (the layout's ``dp``);
+        every rank when None. The ranks of one pipeline or one tensor-parallel group read the same batches."""
         cfg = config
         rank = runtime.env.rank
         self.config = config
@@ -90,10 +93,14 @@ class Reporter:
         self.total_steps = int(total_steps)
         self.is_main = rank == 0
         self.output_dir = Path(config.output_dir)
+        #: How many ranks read different batches, and how many batches each takes a step (a pipeline's M microbatches).
+        self.replicas = replicas if replicas is not None else runtime.env.world_size
+        self.accumulation = microbatches_of(cfg.parallel) if cfg.parallel.pipeline > 1 else cfg.train.grad_accum_steps
+        # As the training loader computes it (ddpkit.data.loaders): each replica's (micro-)batch.
         self.per_rank_batch = per_rank_batch_size(
-            cfg.data, world_size=runtime.env.world_size, grad_accum_steps=cfg.train.grad_accum_steps
+            cfg.data, world_size=self.replicas, grad_accum_steps=self.accumulation
         )
-        self.samples_per_step = self.per_rank_batch * cfg.train.grad_accum_steps * runtime.env.world_size
+        self.samples_per_step = self.per_rank_batch * self.accumulation * self.replicas
         self.timeline = Timeline(enabled=cfg.train.timeline, rank=rank, device=runtime.device)
         self.step_log = StepLog(self.output_dir / "logs" / f"steps-rank{rank}.log" if cfg.dist.debug else None)
         # Rank 0's sinks (metrics.jsonl, status.json, trackers) open in start(), once resume is decided;
@@ -176,20 +183,24 @@ class Reporter:
         )
 
     def _batch_line(self) -> str:
-        """How the global batch is split: over ranks and accumulation, or a pipeline's replicas and microbatches."""
-        world_size = self.runtime.env.world_size
+        """How the global batch is split: over ranks and accumulation, or over data-parallel replicas (each a
+        tensor-parallel group, or a pipeline's stages) and microbatches."""
         parallel = self.config.parallel
-        if parallel.pipeline == 1:
+        batch = self.per_rank_batch
+        if parallel.pipeline == 1 and parallel.tensor == 1:
             return (
-                f"per-rank batch {self.per_rank_batch} x {world_size} ranks x {self.config.train.grad_accum_steps} "
+                f"per-rank batch {batch} x {self.replicas} ranks x {self.accumulation} "
                 f"accumulation = global batch {self.samples_per_step}"
             )
-        replicas = world_size // parallel.pipeline
-        microbatches = microbatches_of(parallel)
+        tensor = f", tensor parallel over {parallel.tensor} ranks" if parallel.tensor > 1 else ""
+        if parallel.pipeline == 1:
+            return (
+                f"per-replica batch {batch} x {self.replicas} data-parallel replica(s) x {self.accumulation} "
+                f"accumulation = global batch {self.samples_per_step} ({tensor.removeprefix(', ')})"
+            )
         return (
-            f"microbatch {self.samples_per_step // (replicas * microbatches)} x {microbatches} microbatches x "
-            f"{replicas} data-parallel replica(s) = global batch {self.samples_per_step} "
-            f"(pipeline of {parallel.pipeline} stages)"
+            f"microbatch {batch} x {self.accumulation} microbatches x {self.replicas} data-parallel replica(s) = "
+            f"global batch {self.samples_per_step} (pipeline of {parallel.pipeline} stages{tensor})"
         )
 
     def add_loss(self, loss: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
