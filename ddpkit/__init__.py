@@ -44,28 +44,38 @@ against this order, collapsed to packages):
                              the loop's Progress counter that every layer reads; the version
 """
 
-from ddpkit._version import __version__
-from ddpkit.checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
-from ddpkit.config.loader import load_config
-from ddpkit.config.schema import Config
-from ddpkit.config.serialize import dump_config
+import importlib
+import importlib.util
 
-# Plumbing, public since the first release (the Trainer's ``env`` and ``runtime``); it lives in ddpkit.distributed.
-from ddpkit.distributed import DistEnv, Runtime, read_dist_env
-from ddpkit.errors import (
-    CheckpointError,
-    ConfigError,
-    ConsistencyError,
-    DataError,
-    DdpkitError,
-    HealthError,
-    LaunchError,
-)
-from ddpkit.progress import Progress
-from ddpkit.registry import register_dataset, register_model, register_optimizer
-from ddpkit.reporting.sink_base import Sink
-from ddpkit.trainer import Trainer
-from ddpkit.training.model_views import CompileError
+from ddpkit._version import __version__
+
+# Each public name and the module it lives in, imported on first use (PEP 562): ``import ddpkit`` costs what its
+# version does, and a program pays for the Trainer (about 130 modules) when it first names it.
+_PUBLIC = {
+    "PREEMPTED_EXIT_CODE": "ddpkit.checkpoint.preemption",
+    "Preempted": "ddpkit.checkpoint.preemption",
+    "load_config": "ddpkit.config.loader",
+    "Config": "ddpkit.config.schema",
+    "dump_config": "ddpkit.config.serialize",
+    # Plumbing, public since the first release (the Trainer's ``env`` and ``runtime``).
+    "DistEnv": "ddpkit.distributed",
+    "Runtime": "ddpkit.distributed",
+    "read_dist_env": "ddpkit.distributed",
+    "CheckpointError": "ddpkit.errors",
+    "ConfigError": "ddpkit.errors",
+    "ConsistencyError": "ddpkit.errors",
+    "DataError": "ddpkit.errors",
+    "DdpkitError": "ddpkit.errors",
+    "HealthError": "ddpkit.errors",
+    "LaunchError": "ddpkit.errors",
+    "Progress": "ddpkit.progress",
+    "register_dataset": "ddpkit.registry",
+    "register_model": "ddpkit.registry",
+    "register_optimizer": "ddpkit.registry",
+    "Sink": "ddpkit.reporting.sink_base",
+    "Trainer": "ddpkit.trainer",
+    "CompileError": "ddpkit.training.model_views",
+}
 
 __all__ = [
     "__version__",
@@ -96,9 +106,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``ddpkit.testing`` on first use (PEP 562): multiprocessing and tempfile cost 15 ms that a run never needs."""
-    if name == "testing":
-        import importlib
-
-        return importlib.import_module("ddpkit.testing")
+    """A public name, or a subpackage (``ddpkit.testing``, ``ddpkit.trainer``, ...), imported on first use."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        # Kept, so the next use is a plain attribute
+        globals()[name] = value
+        return value
+    if importlib.util.find_spec(f"ddpkit.{name}") is not None:
+        return importlib.import_module(f"ddpkit.{name}")
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

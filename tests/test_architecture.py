@@ -217,6 +217,18 @@ def test_public_names_resolve_and_testing_is_reachable():
     assert done.returncode == 0, done.stderr
 
 
+def test_import_ddpkit_loads_nothing_until_a_public_name_is_used():
+    """``import ddpkit`` costs its version, not torch and the Trainer's 130 modules (about 170 ms more than torch
+    alone before the names became lazy): a worker, a restart, ``ddpkit --help`` pay for what they name."""
+    code = (
+        "import sys, ddpkit; print(sorted(m for m in sys.modules if m.split('.')[0] in ('ddpkit', 'torch')));"
+        "ddpkit.Trainer; print('ddpkit.trainer' in sys.modules, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["['ddpkit', 'ddpkit._version']", "True True"], done.stdout
+
+
 def test_every_error_class_and_the_sink_base_are_public():
     import ddpkit
     from ddpkit import errors
