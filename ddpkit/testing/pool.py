@@ -39,7 +39,7 @@ from ddpkit.testing.ranks import PRELOAD, RankFailure, rank_environment
 # How long the ranks still running get, after one rank failed, to report a failure of their own.
 PEER_GRACE_S = 1.0
 # How long after the timeout the parent waits for each rank's stacks (written at the timeout itself).
-STACKS_GRACE_S = 2.0
+STACKS_GRACE_S = 1.0
 # A pool being closed gets this long to leave its loop before it is killed.
 CLOSE_GRACE_S = 5.0
 
