@@ -84,6 +84,15 @@ def _leak_a_thread() -> None:
     threading.Thread(target=time.sleep, args=(60,), name="forgotten-poller", daemon=True).start()
 
 
+def _sleep_then(value: int) -> int:
+    time.sleep(3)
+    return value
+
+
+class _Interrupted(Exception):
+    """What pytest-timeout or Ctrl-C raises in the test while the ranks still run."""
+
+
 def _sum_of_ranks() -> int:
     total = torch.tensor(dist.get_rank())
     dist.all_reduce(total)
@@ -153,3 +162,24 @@ def test_the_rank_pool_fixture_is_the_session_pools_that_run_in_pool_uses(rank_p
     assert isinstance(rank_pool, RankPools)
     assert rank_pool.run(_sum_of_ranks, 2) == run_in_pool(_sum_of_ranks, 2) == [1, 1]
     assert rank_pool.pool(2) is rank_pool.pool(2)
+
+
+def test_an_interrupted_call_ends_its_pool_so_a_late_reply_never_answers_the_next_call():
+    pools = RankPools()
+
+    def interrupt(*_: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        interrupted = pools.pool(2)
+        signal.alarm(1)
+        with pytest.raises(_Interrupted):
+            interrupted.run(_sleep_then, args=(7,))
+        assert not interrupted.alive
+        # The interrupted pool is gone: this call gets fresh ranks and its own answer, not the 7s still on the way.
+        assert pools.run(_sum_of_ranks, 2) == [1, 1]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        pools.close()

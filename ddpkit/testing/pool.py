@@ -98,9 +98,14 @@ class RankPool:
             job = pickle.dumps((fn, args, dict(env or {}), store, timeout))
         except Exception as error:
             raise TypeError(f"cannot send {fn!r} and its arguments to the ranks: {error}") from error
-        for conn in self._conns:
-            conn.send_bytes(job)
-        results, failures = self._collect(timeout)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(job)
+            results, failures = self._collect(timeout)
+        except BaseException:
+            # Interrupted while the ranks run (Ctrl-C, pytest-timeout): their reply would answer the next call.
+            self.close(kill=True)
+            raise
         if failures:
             self.close(kill=True)
             raise RankFailure("\n".join(failures[rank] for rank in sorted(failures)))

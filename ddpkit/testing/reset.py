@@ -8,7 +8,8 @@ starts; :meth:`RankState.restore` puts the process back into that picture after 
 - the environment, the working directory, ``sys.path``, signal handlers, warning filters, loggers and
   multiprocessing's start method;
 - torch's process-wide switches (default dtype, grad mode, deterministic algorithms, threads,
-  matmul precision, compiled graphs) and every random generator, seeded as a new process seeds them;
+  matmul precision, compiled graphs, Inductor's compile workers) and every random generator, seeded as a new
+  process seeds them;
 - ddpkit's own process-wide caches;
 
 and it names the Python threads the function left running, which a fresh process would not have.
@@ -139,6 +140,8 @@ class RankState:
         if "torch._dynamo" in sys.modules:
             # Compiled graphs and their guards are per process: a second test must compile afresh.
             torch.compiler.reset()
+        if "torch._inductor.async_compile" in sys.modules:
+            _stop_compile_workers(sys.modules["torch._inductor.async_compile"])
 
     def _reseed(self) -> None:
         """Every generator as a fresh rank has it: torch's and NumPy's as forked, Python's from the OS."""
@@ -156,6 +159,19 @@ class RankState:
             if thread.is_alive():
                 leaked.append(f"{thread.name} (daemon={thread.daemon})")
         return leaked
+
+
+def _stop_compile_workers(async_compile: Any) -> None:
+    """Inductor's compile workers (a thread pool and process pools), ended as a process that never compiled has none.
+
+    torch has no public call for this: ``torch.compiler.reset()`` keeps them, and a fresh rank ends them with its
+    process. ``shutdown_compile_workers`` ends the process pools; the thread pool is an ``lru_cache`` of its own.
+    """
+    async_compile.shutdown_compile_workers()
+    thread_pool = async_compile.AsyncCompile.pool
+    if thread_pool.cache_info().currsize:
+        thread_pool().shutdown(wait=True)
+        thread_pool.cache_clear()
 
 
 def _catchable_signals() -> list[int]:
