@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import ddpkit
+from ddpkit.checkpoint import files, memory_tier
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 KILL_RANKS = os.environ.get("KILL_RANKS", "")
@@ -39,7 +41,23 @@ class LoggingTrainer(ddpkit.Trainer):
         self._fingerprint = 0.0
         doomed = KILL_RANKS == "all" or str(self.rank) in KILL_RANKS.split(",")
         if ATTEMPT == 0 and doomed and step == KILL_AT_STEP:
+            self._wait_for_the_last_snapshot(step)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _wait_for_the_last_snapshot(self, step: int) -> None:
+        """The host in this test is lost after its last memory snapshot landed. Rank 0 writes snapshots in a
+        background thread; on a loaded machine one could still be in flight at the kill, and the run would then
+        resume (rightly) from the older disk checkpoint, which is not the case under test."""
+        every = self.config.checkpoint.memory_every_steps
+        if not isinstance(every, int) or every <= 0:
+            return
+        landed = step - step % every
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            newest = files.find_latest_checkpoint(memory_tier.snapshot_dir(self.config))
+            if newest is not None and newest.step >= landed:
+                return
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":
