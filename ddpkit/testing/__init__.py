@@ -9,10 +9,14 @@ Two ways, with the same arguments and the same results (each rank's return value
   pytest fixture hands it out (``fixtures``: ``pytest_plugins = ["ddpkit.testing.fixtures"]``).
 
 Both raise :class:`RankFailure` with each failing rank's traceback when a rank raises, dies or hangs.
+
+For structure alone (meshes, plans, cuts, refusals, collective counts), :func:`fake_ranks` makes this one process
+any rank of any world size on torch's ``fake`` backend, in milliseconds (``fake``).
 """
 
+from ddpkit.testing.fake import fake_ranks
 from ddpkit.testing.pool import RankPool
 from ddpkit.testing.pools import RankPools, shared_pools
 from ddpkit.testing.ranks import RankFailure, run_on_ranks
 
-__all__ = ["run_on_ranks", "RankFailure", "RankPool", "RankPools", "shared_pools"]
+__all__ = ["run_on_ranks", "RankFailure", "RankPool", "RankPools", "shared_pools", "fake_ranks"]
