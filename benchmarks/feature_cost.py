@@ -91,8 +91,8 @@ from ddpkit.checkpoint.crash_save import CrashSave
 from ddpkit.checkpoint.staging import to_cpu
 from ddpkit.config.loader import load_config
 from ddpkit.distributed.env import DistEnv
+from ddpkit.distributed.gradient_norm import gradient_norm
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sharding import gradient_norm
 from ddpkit.goodput.ledger import GoodputLedger
 from ddpkit.progress import Progress
 from ddpkit.registry import MODELS
@@ -117,7 +117,7 @@ class _NoStepHealth(TimedTrainer):
     """The ``off`` variant: the OptimizerStep runs without health (no loss guard, no norm, no host read)."""
 
     def on_fit_start(self) -> None:
-        self._step.health = None
+        self._parts.update.health = None
         super().on_fit_start()
 
 

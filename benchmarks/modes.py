@@ -45,7 +45,7 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
     from ddpkit.distributed.env import read_dist_env
     from ddpkit.distributed.memory import rank_bytes
     from ddpkit.distributed.process_group import Runtime
-    from ddpkit.distributed.sharding import shard_model, shard_optimizer, wrap_for_mode
+    from ddpkit.parallel.layout import data_parallel_for
     from ddpkit.registry import build_model
     from ddpkit.training.optim import build_optimizer
 
@@ -55,9 +55,10 @@ def _pair(model_name: str, mode: str, steps: int) -> tuple[float, tuple[int, int
     )
     torch.manual_seed(0)
     runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="gloo")
-    model = shard_model(build_model(cfg.model), runtime, cfg.parallel)
-    optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel)
-    wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)
+    way = data_parallel_for(cfg.parallel)
+    model = way.shard(build_model(cfg.model), mesh=None, runtime=runtime)
+    optimizer = way.shard_optimizer(build_optimizer(model.parameters(), cfg.optim))
+    wrapped = way.wrap(model, runtime, cfg.ddp)
     x, y = batch(torch.Generator().manual_seed(dist.get_rank()))
     for i in range(3 + steps):
         if i == 3:

@@ -49,7 +49,7 @@ last stage computes the loss (``alone ms`` shows both), so stage 0 waits a littl
 says. Outside the schedule (the update, loading, logging) is neither busy nor idle: ``sched ms``
 against ``step ms`` shows how much of the step the schedule is. The wrappers reach torch's stage
 through ``Pipeline.schedule._stage``, its p2p helpers as module attributes of
-``torch.distributed.pipelining.schedules``, and ddpkit's pipeline through ``Trainer._pipeline`` (ddpkit's own
+``torch.distributed.pipelining.schedules``, and ddpkit's pipeline through ``Trainer.placed.pipeline`` (ddpkit's own
 ``stage<k>_busy_s`` in metrics.jsonl, since 6bdf326, times the stage's compute but neither the p2p calls nor
 the cross-process stamps this benchmark needs); the short test run in
 ``tests/test_benchmark_pipeline.py`` fails if a torch release moves them.
@@ -94,8 +94,8 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from benchmarks.workloads import REPO, load_average, rotated, table
 from ddpkit.bench.report import progress
+from ddpkit.parallel.pipeline import bubble_fraction
 from ddpkit.testing import run_on_ranks
-from ddpkit.training.pipeline_step import bubble_fraction
 
 WIDTH = 1024
 BLOCKS = 8
@@ -351,7 +351,7 @@ class BlocksTrainer(ddpkit.Trainer):
     def on_fit_start(self) -> None:
         self.steps: list[dict[str, float]] = []
         self.memory: dict[str, int] | None = None
-        self.clock = StageClock(self._pipeline.schedule) if self._pipeline is not None else None
+        self.clock = StageClock(self.placed.pipeline.schedule) if self.placed.pipeline is not None else None
         self._last_end = time.perf_counter()
 
     def on_step_end(self, step: int) -> None:
@@ -365,7 +365,7 @@ class BlocksTrainer(ddpkit.Trainer):
                 self.clock.memory = None
             if step == self.config.train.max_steps - 1:
                 # The last step, after the timed ones: count what autograd saves (the hooks slow it).
-                self.clock.memory = SavedActivations(excluded=self._pipeline.held.parameters())
+                self.clock.memory = SavedActivations(excluded=self.placed.pipeline.held.parameters())
         self.steps.append(record)
         # After the bookkeeping: the next step's time starts here.
         self._last_end = time.perf_counter()

@@ -92,7 +92,7 @@ class TimedTrainer(ddpkit.Trainer):
 def _fit(variant: str, steps: int, root: str) -> dict[str, Any]:
     trainer = TimedTrainer(run_config(variant, steps=steps, output_dir=f"{root}/{variant}"))
     trainer.fit()
-    held = rank_bytes(trainer._models.bare, trainer.optimizer)
+    held = rank_bytes(trainer.placed.held, trainer.optimizer)
     return {"seconds": trainer.seconds, "bytes": dataclasses.asdict(held)}
 
 

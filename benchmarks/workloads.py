@@ -224,7 +224,7 @@ def train_by_hand(
 
 
 def _gradient_norm(params: list[torch.nn.Parameter]) -> float:
-    from ddpkit.distributed.sharding import gradient_norm
+    from ddpkit.distributed.gradient_norm import gradient_norm
 
     return gradient_norm(params)
 

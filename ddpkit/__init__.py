@@ -22,23 +22,27 @@ against this order, collapsed to packages):
                              (runs, plot, goodput, estimate); ``ddpkit bench``
     trainer.py               ``Trainer``: build, register, attach; the loop on one screen; overridable steps
     testing/                 ``run_on_ranks`` and a pool of live ranks (``RankPool``, the ``rank_pool`` fixture):
-                             run functions on N Gloo ranks, for your own tests
+                             run functions on N Gloo ranks, for your own tests; ``fake_ranks``: any rank of any
+                             world in one process, on torch's fake backend
     launch/                  ``ddpkit run``'s launcher side (preflight, torchrun's argv, signals)
                              and the worker entry point
     goodput/                 the goodput ledger: written by every rank (``goodput.jsonl``), read by ``ddpkit goodput``
     watchdog/                the hang watchdog: heartbeats through the job's store, the alarm, the hang report
     checkpoint/              the run's state (one owner, parts registered by name), crash-safe files, resume, sharded
                              checkpoints, the crash save, the in-memory tier, the agreed stop on a signal (preemption)
-    training/                the optimizer step: optimizers, schedules, precision, compile, health,
-                             metrics, placement, RNG
-    parallel/                how a model splits over ranks: the tensor plan, the pipeline cut, activation checkpointing
+    training/                the step objects (accumulation; the pipeline's schedule), the optimizer and its update,
+                             the losses, precision, health, evaluation, metrics, RNG
+    parallel/                where a rank's part of the model lives and how it trains: ``parallelize`` (tensor plan,
+                             pipeline cut, activation checkpointing, the data-parallel way: DDP / ZeRO-1 / FSDP2,
+                             compile), the layout (degrees, coordinates, mesh)
     reporting/               the reporter and the loop's one ordered list of listeners, logging, console,
                              timeline, sinks
     data/                    samplers and loaders sharded over ranks, exact evaluation, datasets, token files, streams
     models/                  what a network is: GPT-2 and the Llama family, attention, RoPE, the document mask,
                              generation, LoRA, the Hugging Face converters, the built-in models
     registry.py              models, datasets and optimizers by name
-    distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement
+    distributed/             the launcher's environment read once, the process group, DDP wrapping, rank agreement,
+                             the gradient norm
     config/                  the typed schema, safe YAML, ``key=value`` overrides, cross-field checks, hashing
     atomic.py, errors.py, progress.py, _version.py   atomic file writes; the user-facing exceptions and every exit code;
                              the loop's Progress counter that every layer reads; the version
@@ -74,7 +78,7 @@ _PUBLIC = {
     "register_optimizer": "ddpkit.registry",
     "Sink": "ddpkit.reporting.sink_base",
     "Trainer": "ddpkit.trainer",
-    "CompileError": "ddpkit.training.model_views",
+    "CompileError": "ddpkit.parallel.model_views",
 }
 
 __all__ = [

@@ -15,15 +15,18 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import data, registry, training
-from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful, save_model
+from ddpkit.checkpoint import Checkpointer, Stateful, save_model
 from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
-from ddpkit.distributed import DistEnv, Runtime, check_same_run_on_every_rank, read_dist_env, shard_optimizer
-from ddpkit.distributed.layout import ParallelLayout
+from ddpkit.distributed import DistEnv, Runtime, check_same_run_on_every_rank, read_dist_env
+from ddpkit.distributed.ddp import unwrap_model
+from ddpkit.distributed.memory import log_rank_bytes
 from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
-from ddpkit.launch.run_parts import Built, build_run_parts
+from ddpkit.launch.run_parts import Built, RunParts, build_run_parts
 from ddpkit.launch.worker_scope import Worker, worker_scope
+from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.parallel.parallelize import Placed, check_tensor_degree, parallelize
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Profiler, Reporter, start_logging
 
@@ -65,7 +68,7 @@ class Trainer:
         training.seed_for_setup(self.config.run.seed, deterministic=self.config.train.deterministic)
         # The layout's degrees against this launch's world size, and the model's widths, before any process group.
         check_layout(self.config.parallel, world_size=self.env.world_size)
-        training.check_tensor_degree(self.config)
+        check_tensor_degree(self.config)
         self.progress = Progress()
         self.output_dir = Path(self.config.output_dir)
         # the loop's one ordered list of listeners; setup fills it, this Trainer last
@@ -73,19 +76,21 @@ class Trainer:
         self.metrics: dict[str, float] = {}
         # this and the rest: built by fit(), in _setup's order
         self.worker: Worker | None = None
+        #: The parallel layout (degrees, mesh, groups): built by fit() once the process group exists.
+        self.layout: ParallelLayout | None = None
+        #: Where this rank's part of the model lives and how it trains (ddpkit.parallel.parallelize).
+        self.placed: Placed | None = None
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
-        self._steps_per_epoch = self.total_steps = 0
+        self._steps_per_epoch = 0
+        self.total_steps = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: LRScheduler | None = None
+        # the run's parts (ddpkit.launch.run_parts)
+        self._parts: RunParts | None = None
         self.reporter: Reporter | None = None
         self.checkpointer: Checkpointer | None = None
         self.health: training.TrainingHealth | None = None
-        # the update, the step object, the model views, validation: built by fit() (ddpkit.launch.run_parts)
-        self._update = self._step = self._models = self._evaluation = self._early_stopping = None
-        self._pipeline: training.Pipeline | None = None
-        #: The parallel layout (degrees, mesh, groups): built by fit() once the process group exists.
-        self.layout: ParallelLayout | None = None
         self.data_env: DistEnv = self.env
         self.data_config: Config = self.config
         self._stop_requested = False
@@ -124,14 +129,15 @@ class Trainer:
     @property
     def model(self) -> nn.Module:
         """The DDP-wrapped model while training; the bare model during validation and after ``fit()``."""
-        if self._models is None:
+        if self._parts is None:
             raise RuntimeError("Trainer.model exists once fit() has built it")
-        return self._models.eval if self._evaluation.active else self._models.train
+        models = self._parts.models
+        return models.eval if self._parts.evaluation.active else models.train
 
     @property
     def unwrapped_model(self) -> nn.Module:
         """The model without DDP and torch.compile: what is saved."""
-        return training.unwrap_model(self.model)
+        return unwrap_model(self.model)
 
     def request_stop(self) -> None:
         """Stop after the current optimizer step. Call it on every rank (e.g. from reduced metrics)."""
@@ -228,7 +234,7 @@ class Trainer:
                 self._train_epoch()
             metrics = self._finish()
             # DDP holds the group: it goes first (after a success only); model is the bare one
-            self._models.release()
+            self._parts.models.release()
         # a signal stopped the run: saved, now exit 75 (resumable)
         self.worker.stop.raise_if_stopped()
         self.events.fit_end(metrics)
@@ -236,46 +242,78 @@ class Trainer:
 
     def _setup(self) -> None:
         """Build (the same on every rank), register what a checkpoint holds, resume once, attach the listeners."""
-        cfg, worker, progress = self.config, self.worker, self.progress
+        cfg = self.config
+        worker = self.worker
         start_logging(cfg, rank=self.rank)
         # the same weights everywhere
         training.seed_for_setup(cfg.run.seed, deterministic=cfg.train.deterministic)
-        self.layout = ParallelLayout.build(cfg.parallel, worker.runtime)
+        self.layout = ParallelLayout.build(cfg.parallel, worker.runtime, precision=cfg.train.precision)
         # What the samplers shard by and the config the data sees: under a pipeline, the data-parallel coordinate
         # (every stage of a pipeline reads the same batches) and its M microbatches as the accumulation.
         self.data_env = self.layout.data_env(self.env)
         self.data_config = self.layout.data_config(cfg)
-        built = self._build()
-        model = built.model
-        parts = build_run_parts(
-            worker,
+        self._build()
+        # timed, in goodput.jsonl
+        resumed = worker.ledger.restore(self.checkpointer.resume)
+        self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step, resumed=resumed)
+        self._attach()
+
+    def _build(self) -> None:
+        """Place the model, then build the run's parts from it (and register what a checkpoint holds)."""
+        cfg = self.config
+        train_set, val_set = self.build_datasets()
+        whole = training.apply_lora(self.build_model(), cfg.model)
+        # First: any later failure would say less.
+        check_same_run_on_every_rank(cfg, whole, train_set, val_set)
+        # A token id the model cannot embed: its file and offset.
+        data.require_vocab_of(whole, train_set, val_set)
+        self.placed = self._place(whole)
+        held = self.placed.held
+        self.train_loader = self.build_train_loader(train_set)
+        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
+        pipelined = self.placed.pipeline is not None
+        length = data.run_length(self.train_loader, self.data_config, short_steps=not pipelined)
+        self._steps_per_epoch = length.steps_per_epoch
+        self.total_steps = length.total_steps
+        # zero1: ZeRO over the data-parallel replicas
+        optimizer = self.build_optimizer(held)
+        self.optimizer = self.layout.data_parallel.shard_optimizer(optimizer, group=self.layout.dp_group)
+        log_rank_bytes(held, self.optimizer, layout=self.layout.describe())
+        self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
+        # A single-file checkpoint's optimizer state is keyed by position in the whole model's optimizer.
+        order = training.optimizer_order(whole, cfg.optim) if pipelined else None
+        loaders = (self.train_loader, self.val_loader)
+        built = Built(self.placed, self.optimizer, self.scheduler, *loaders, self.total_steps, order)
+        self._parts = build_run_parts(
+            self.worker,
             config=cfg,
             layout=self.layout,
-            progress=progress,
+            progress=self.progress,
             events=self.events,
             built=built,
             loss=self.training_step,
             owner=type(self),
+            user_parts=self.checkpoint_parts(),
         )
-        self.reporter = parts.reporter
-        self.checkpointer = parts.checkpointer
-        self.health = parts.health
-        self._update = parts.update
-        self._models = parts.models
-        self._step = parts.step
-        self._evaluation = parts.evaluation
-        self._register(model)
-        # timed, in goodput.jsonl
-        resumed = worker.ledger.restore(self.checkpointer.resume)
-        self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=progress.step, resumed=resumed)
-        self._attach(model)
+        self.reporter = self._parts.reporter
+        self.checkpointer = self._parts.checkpointer
+        self.health = self._parts.health
 
-    def _attach(self, model: nn.Module) -> None:
+    def _place(self, whole: nn.Module) -> Placed:
+        """The tensor plan, then this rank's pipeline stages or the whole model, wrapped (ddpkit.parallel)."""
+        if self.layout.pp > 1:
+            training.refuse_training_step_override(type(self), Trainer)
+        plan = self.tensor_plan(whole) if self.layout.tp > 1 else None
+        runtime = self.runtime
+        split = self.pipeline_stages
+        return parallelize(whole, self.layout, self.config, runtime, plan=plan, split=split, loss=self.pipeline_loss)
+
+    def _attach(self) -> None:
         """The listeners, in the order events reach them: the user's hooks last."""
         worker = self.worker
         # train.sample
         samples = training.TrainingSamples.for_run(
-            self.config, rank=self.rank, model=model, outside=self.reporter.outside_training
+            self.config, rank=self.rank, model=self.placed.held, outside=self.reporter.outside_training
         )
         self.events.add(
             Profiler.for_run(self.config, rank=self.rank, device=self.device),
@@ -284,72 +322,23 @@ class Trainer:
             *self.checkpointer.protections(ledger=worker.ledger),
             self.health.straggler,
             self.health,
-            self._early_stopping,
-            self._best,
+            self._parts.early_stopping,
+            self._parts.best,
             samples,
             self,
         )
 
-    def _register(self, model: nn.Module) -> None:
-        """Every part a checkpoint holds, by name, in one call."""
-        cfg, progress = self.config, self.progress
-        self._best = BestCheckpoint.for_run(cfg, checkpointer=self.checkpointer, progress=progress)
-        self._early_stopping = training.EarlyStopping.for_run(cfg, progress=progress)
-        self.checkpointer.register(
-            builtin=dict(
-                model=model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self._update.scaler,
-                progress=progress,
-                rng=training.RngStreams(rank=self.rank, world_size=self.world_size),
-                best=self._best,
-                early_stopping=self._early_stopping,
-                health=self.health,
-                sinks=self.reporter.sinks,
-                **data.data_position(self.train_loader),
-            ),
-            user=self.checkpoint_parts(),
-        )
-
-    def _build(self) -> Built:
-        """Datasets, model (sharded, or this rank's pipeline stages), loaders, optimizer and schedule. The bare model
-        it returns is, under a pipeline, the parts this rank holds, under the whole model's names."""
-        cfg, layout = self.config, self.layout
-        train_set, val_set = self.build_datasets()
-        whole = training.apply_lora(self.build_model(), cfg.model)
-        # First: any later failure would say less.
-        check_same_run_on_every_rank(cfg, whole, train_set, val_set)
-        # A token id the model cannot embed: its file and offset.
-        data.require_vocab_of(whole, train_set, val_set)
-        model = self._place(whole)
-        self.train_loader = self.build_train_loader(train_set)
-        self.val_loader = self.build_val_loader(val_set) if val_set is not None else None
-        self._steps_per_epoch, self.total_steps = data.run_length(
-            self.train_loader, self.data_config, short_steps=self._pipeline is None
-        )
-        # zero1: ZeRO over the data-parallel replicas
-        optimizer = self.build_optimizer(model)
-        self.optimizer = shard_optimizer(optimizer, cfg.parallel, model=model, group=layout.dp_group)
-        self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
-        loaders = (self.train_loader, self.val_loader)
-        return Built(model, self.optimizer, self.scheduler, *loaders, self.total_steps, self._pipeline)
-
-    def _place(self, whole: nn.Module) -> nn.Module:
-        """The tensor plan, then fsdp2's shards or this rank's pipeline stages (ddpkit.training.placement)."""
-        if self.layout.pp > 1:
-            training.refuse_training_step_override(type(self), Trainer)
-        hooks = dict(plan=self.tensor_plan, split=self.pipeline_stages, loss=self.pipeline_loss)
-        model, self._pipeline = training.place_model(whole, self.layout, self.config, self.runtime, **hooks)
-        return model
-
     def _finished(self) -> bool:
-        epochs, progress, early = self.config.train.epoch_limit, self.progress, self._early_stopping
+        epochs = self.config.train.epoch_limit
+        progress = self.progress
+        early = self._parts.early_stopping
         stopped = self._stop_requested or self.worker.stop.stopped or (early is not None and early.triggered)
         return stopped or progress.step >= self.total_steps or (epochs is not None and progress.epoch >= epochs)
 
     def _train_epoch(self) -> None:
-        progress, events, step = self.progress, self.events, self._step
+        progress = self.progress
+        events = self.events
+        step = self._parts.step
         batches, batches_per_epoch = data.epoch_batches(
             self.train_loader,
             epoch=progress.epoch,
@@ -359,7 +348,7 @@ class Trainer:
         )
         if progress.batch_in_epoch == 0:
             events.epoch_start(progress.epoch)
-        self._models.train.train()
+        self._parts.models.train.train()
         while progress.batch_in_epoch < batches_per_epoch and not self._finished():
             count = min(step.batches_per_step, batches_per_epoch - progress.batch_in_epoch)
             if count < step.batches_per_step and not step.takes_short_steps:
@@ -381,7 +370,8 @@ class Trainer:
             self._after_epoch(progress.epoch - 1)
 
     def _after_step(self) -> None:
-        step, train = self.progress.step, self.config.train
+        step = self.progress.step
+        train = self.config.train
         self.reporter.step_done(self.progress)
         # health's straggler and replica checks, then the user's on_step_end
         self.events.step_end(step)
@@ -404,7 +394,7 @@ class Trainer:
             self._log_training()
         # by a signal: save and go, within the launcher's grace period
         stopped = self.worker.stop.stopped
-        if not stopped and self.val_loader is not None and self._evaluation.last_step != self.progress.step:
+        if not stopped and self.val_loader is not None and self._parts.evaluation.last_step != self.progress.step:
             self._evaluate()
         # so a longer run can resume from here
         self.checkpointer.save(self.progress.step, last=True)
@@ -412,8 +402,8 @@ class Trainer:
         self.reporter.write_timeline()
         if not stopped:
             # fsdp2 gathers first; a pipeline's stages send their parts to rank 0
-            pipeline = self.layout if self._pipeline is not None else None
-            save_model(self._models.bare, self.output_dir / "model.pt", rank=self.rank, pipeline=pipeline)
+            pipeline = self.layout if self.placed.pipeline is not None else None
+            save_model(self.placed.held, self.output_dir / "model.pt", rank=self.rank, pipeline=pipeline)
         self.worker.barrier("end of training", note=self.reporter.note)
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 
@@ -431,11 +421,11 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Exact validation metrics over the whole validation set (call on every rank)."""
-        return self._evaluation.validate(self.validation_step)
+        return self._parts.evaluation.validate(self.validation_step)
 
     def _evaluate(self) -> None:
         with self.reporter.outside_training("evaluation"):
-            metrics = self._evaluation.validate(self.validation_step, at_step=self.progress.step)
+            metrics = self._parts.evaluation.validate(self.validation_step, at_step=self.progress.step)
         if metrics:
             # val_ppl added for runs on tokens
             metrics = self.reporter.validation(self.progress, metrics)

@@ -243,13 +243,13 @@ def built_in_mode(mode: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, to
 
     from ddpkit.config.parallel import ParallelConfig
     from ddpkit.config.schema import DDPConfig
-    from ddpkit.distributed.sharding import shard_model, shard_optimizer, wrap_for_mode
+    from ddpkit.parallel.layout import data_parallel_for
 
     torch.manual_seed(0)
-    runtime, parallel = cpu_runtime(), ParallelConfig(mode=mode)
-    model = shard_model(TinyLM(vocab=16, dim=12, depth=2, heads=2, max_len=8), runtime, parallel)
-    optimizer = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), parallel)
-    return model, optimizer, wrap_for_mode(model, runtime, DDPConfig(), parallel), dist.get_rank()
+    runtime, way = cpu_runtime(), data_parallel_for(ParallelConfig(mode=mode))
+    model = way.shard(TinyLM(vocab=16, dim=12, depth=2, heads=2, max_len=8), mesh=None, runtime=runtime)
+    optimizer = way.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    return model, optimizer, way.wrap(model, runtime, DDPConfig()), dist.get_rank()
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
-import ddpkit.training.model_views
+from ddpkit.parallel.data_parallel import DataParallel
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,17 +46,17 @@ def _count_bucket_reductions() -> Iterator[list[int]]:
         counted.__name__ = hook.__name__
         return register(self, state, counted)
 
-    wrap = ddpkit.training.model_views.wrap_for_mode  # where the Trainer's model building wraps in DDP
+    wrap = DataParallel.wrap  # where the Trainer's model building wraps in DDP
 
-    def wrap_and_count(model, runtime, options, parallel):
-        wrapped = wrap(model, runtime, options, parallel)
+    def wrap_and_count(self, model, runtime, options, *, group=None):
+        wrapped = wrap(self, model, runtime, options, group=group)
         if options.comm_hook == "none" and isinstance(wrapped, DDP):
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
         return wrapped
 
     with (
         mock.patch.object(DDP, "register_comm_hook", counting_register),
-        mock.patch.object(ddpkit.training.model_views, "wrap_for_mode", wrap_and_count),
+        mock.patch.object(DataParallel, "wrap", wrap_and_count),
     ):
         yield calls
 
@@ -79,7 +79,7 @@ class _NotesHook(ddpkit.Trainer):
     """Notes the comm hook registered on the DDP wrapper (fit() lets go of the wrapper when it ends)."""
 
     def on_fit_start(self) -> None:
-        self.registered = self._models.train._comm_hooks[0][0].__name__
+        self.registered = self.placed.models.train._comm_hooks[0][0].__name__
 
 
 def _train_with_each_hook(tmp: Path) -> dict:

@@ -1,4 +1,4 @@
-"""torch.compile from the config (ddpkit.training.model_views), wrapper-free state dicts, and the data path's
+"""torch.compile from the config (ddpkit.parallel.model_views), wrapper-free state dicts, and the data path's
 worker options.
 
 Fast tests use Dynamo's ``eager`` / ``aot_eager`` backends (no C++ compiler involved); the
@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.distributed.ddp import strip_wrapper_prefixes, sync_gradients, unwrap_model
 from ddpkit.distributed.env import read_dist_env
+from ddpkit.parallel.model_views import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 from ddpkit.testing import fake_ranks
-from ddpkit.training.model_views import CompileError, CompileWatch, build_models, compile_settings, to_channels_last
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ def _measured(config: dict) -> dict:
     """Each mode as the Trainer builds it, two AdamW steps, then a backward: the tensors this rank holds."""
     from ddpkit.config.loader import load_config
     from ddpkit.distributed.memory import rank_bytes
-    from ddpkit.distributed.sharding import shard_model, shard_optimizer, wrap_for_mode
+    from ddpkit.parallel.layout import data_parallel_for
     from ddpkit.registry import build_model
     from ddpkit.training.optim import build_optimizer
 
@@ -39,9 +39,10 @@ def _measured(config: dict) -> dict:
     out = {}
     for mode in ("ddp", "zero1", "fsdp2"):
         cfg = load_config({**config, "parallel": {"mode": mode}})
-        model = shard_model(build_model(cfg.model), runtime, cfg.parallel)
-        optimizer = shard_optimizer(build_optimizer(model.parameters(), cfg.optim), cfg.parallel)
-        wrapped = wrap_for_mode(model, runtime, cfg.ddp, cfg.parallel)
+        way = data_parallel_for(cfg.parallel)
+        model = way.shard(build_model(cfg.model), mesh=None, runtime=runtime)
+        optimizer = way.shard_optimizer(build_optimizer(model.parameters(), cfg.optim))
+        wrapped = way.wrap(model, runtime, cfg.ddp)
         x = torch.randint(0, 64, (4, 16))
         for _ in range(3):
             optimizer.zero_grad()

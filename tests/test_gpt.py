@@ -12,9 +12,9 @@ import torch
 from helpers import cpu_runtime
 from torch.nn import functional as F
 
-from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT, GPTBlock, gpt
+from ddpkit.parallel.fsdp import fsdp_blocks
 from ddpkit.registry import MODELS
 
 SMALL = {"vocab_size": 61, "dim": 32, "depth": 3, "heads": 4, "max_len": 24}
@@ -100,10 +100,11 @@ def test_fsdp2_default_rule_shards_each_block():
 def _fsdp2_matches_the_bare_model(_: None) -> tuple[float, float]:
     """Rank r: the loss and gradient norm of a 2-rank fsdp2 GPT, next to the same model unsharded."""
     from ddpkit.config.parallel import ParallelConfig
-    from ddpkit.distributed.sharding import gradient_norm, shard_model
+    from ddpkit.distributed.gradient_norm import gradient_norm
+    from ddpkit.parallel.layout import data_parallel_for
 
     bare, sharded = _small(), _small()
-    sharded = shard_model(sharded, cpu_runtime(), ParallelConfig(mode="fsdp2"))
+    sharded = data_parallel_for(ParallelConfig(mode="fsdp2")).shard(sharded, mesh=None, runtime=cpu_runtime())
     x = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (bare, sharded):

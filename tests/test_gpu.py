@@ -86,7 +86,7 @@ def test_sharded_modes_on_nccl_save_and_resume(tmp_path, mode):
 
 
 def test_gradient_norm_reads_bucket_views_on_cuda():
-    from ddpkit.distributed.sharding import _bucket_buffers, gradient_norm
+    from ddpkit.distributed.gradient_norm import _bucket_buffers, gradient_norm
 
     params = [torch.nn.Parameter(torch.zeros(n, device="cuda")) for n in (3, 1000, 7)]
     flat = torch.randn(sum(p.numel() for p in params), device="cuda")

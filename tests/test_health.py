@@ -157,7 +157,7 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
     """On one rank: whether gradient_norm found DDP's flat buckets, its norm, and torch's own."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddpkit.distributed.sharding import _bucket_buffers, gradient_norm
+    from ddpkit.distributed.gradient_norm import _bucket_buffers, gradient_norm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
@@ -181,8 +181,8 @@ def _bucket_norms(view: bool) -> tuple[bool, float, float]:
 
 
 def test_bucket_buffers_only_for_float_buffers_the_gradients_tile_exactly(monkeypatch):
-    from ddpkit.distributed import sharding
-    from ddpkit.distributed.sharding import _bucket_buffers
+    from ddpkit.distributed import gradient_norm as sharding
+    from ddpkit.distributed.gradient_norm import _bucket_buffers
 
     def views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -11,12 +11,12 @@ import torch
 from torch.nn import functional as F
 
 from ddpkit.data.tokens import BYTE_EOT
-from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
 from ddpkit.models.generation import generate
 from ddpkit.models.gpt import GPT, gpt
 from ddpkit.models.llama import LLAMA_PRESETS, Llama, LlamaBlock, LlamaShape
 from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
+from ddpkit.parallel.fsdp import fsdp_blocks
 
 pytestmark = pytest.mark.timeout(120)
 

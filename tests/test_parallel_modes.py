@@ -18,9 +18,9 @@ from tiny_lm import TinyLM
 from ddpkit.checkpoint import files
 from ddpkit.config.loader import load_config
 from ddpkit.config.parallel import ParallelConfig
-from ddpkit.distributed.sharding import fsdp_blocks
 from ddpkit.errors import ConfigError
 from ddpkit.models.builtin import MLP
+from ddpkit.parallel.fsdp import fsdp_blocks
 from ddpkit.testing import RankFailure
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,7 +72,7 @@ def _three_modes(tmp: str) -> dict:
         train = {"epochs": 6, "grad_accum_steps": 2, "clip_grad_norm": 0.5, "log_every": 100}
         trainer = Trainer(_cfg(Path(tmp) / mode, mode, train=train, log={"progress_bar": False, "rank_files": True}))
         metrics = trainer.fit()
-        held = rank_bytes(trainer._models.bare, trainer.optimizer)
+        held = rank_bytes(trainer.placed.held, trainer.optimizer)
         out[mode] = {"metrics": metrics, "held": held}
         dist.barrier()
     return out

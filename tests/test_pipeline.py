@@ -60,7 +60,7 @@ def _config(out: Path, *, pipeline: int, microbatches: int, **extra) -> dict:
 def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
     trainer = trainer_class(cfg)
     metrics = trainer.fit()
-    return {"metrics": metrics, "weights": {k: v.clone() for k, v in trainer._models.bare.state_dict().items()}}
+    return {"metrics": metrics, "weights": {k: v.clone() for k, v in trainer.placed.held.state_dict().items()}}
 
 
 def _merged(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ from helpers import RaggedSequences, run_in_pool
 from torch import nn
 
 import ddpkit
+from ddpkit.parallel.pipeline_forward import PipelineForward
 from ddpkit.parallel.pipeline_split import HeldParts
-from ddpkit.training.evaluation_pipeline import PipelineForward
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -48,7 +48,7 @@ def _gpt(out: Path, *, pipeline: int, replicas: int = 1, mode: str = "fsdp2") ->
 def _trained(cfg: dict) -> dict:
     trainer = TiedGpt(cfg)
     metrics = trainer.fit()
-    return {"metrics": metrics, "state": full_state(trainer._models.bare, trainer.optimizer)}
+    return {"metrics": metrics, "state": full_state(trainer.placed.held, trainer.optimizer)}
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -88,7 +88,7 @@ class Mlp(ddpkit.Trainer):
         return nn.Sequential(nn.Flatten(), *layers)
 
     def on_fit_start(self):
-        self.loaded = full_state(self._models.bare, self.optimizer)
+        self.loaded = full_state(self.placed.held, self.optimizer)
         self.samples: list[tuple[int, float]] = []
 
 
@@ -124,7 +124,7 @@ def _mlp(out: Path, *, layout: str, steps: int = 6) -> dict:
 def _fit_mlp(cfg: dict, recorded: bool = False) -> dict:
     trainer = (RecordedMlp if recorded else Mlp)(cfg)
     metrics = trainer.fit()
-    state = full_state(trainer._models.bare, trainer.optimizer)
+    state = full_state(trainer.placed.held, trainer.optimizer)
     return {"metrics": metrics, "state": state, "loaded": trainer.loaded, "samples": trainer.samples}
 
 

@@ -89,8 +89,8 @@ def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
     metrics = trainer.fit()
     layout = trainer.layout
     coordinates = {"pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank, "dp": layout.dp}
-    held = rank_bytes(trainer._models.bare, trainer.optimizer)
-    weights = _whole(trainer._models.bare.state_dict())
+    held = rank_bytes(trainer.placed.held, trainer.optimizer)
+    weights = _whole(trainer.placed.held.state_dict())
     return {"metrics": metrics, "weights": weights, "layout": coordinates, "bytes": held}
 
 

@@ -45,9 +45,9 @@ from ddpkit.data.loaders import build_train_loader, move_to_device
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.ddp import wrap_model
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.parallel.model_views import to_channels_last
 from ddpkit.registry import DATASETS, MODELS
 from ddpkit.training.allocator import keep_freed_host_memory
-from ddpkit.training.model_views import to_channels_last
 from ddpkit.training.optim import build_optimizer
 from ddpkit.training.precision import autocast, check_precision
 from ddpkit.training.rng import seed_everything

@@ -48,9 +48,9 @@ from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, Sharde
 from ddpkit.checkpoint.storage import RemoteMirror
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object
-from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError, ConfigError, HealthError
+from ddpkit.parallel.layout import ParallelLayout, data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.log import log
 from ddpkit.training.replicas import require_finite
@@ -82,12 +82,13 @@ class Checkpointer:
         self.runtime = runtime
         self.progress = progress
         #: How the state is spread: DCP directories when it is sharded or cut into pipeline stages.
-        self.layout = layout or ParallelLayout.data_parallel(config.parallel.mode, runtime.env)
+        self.layout = layout or ParallelLayout.without_mesh(data_parallel_for(config.parallel), runtime.env)
         self.rank = runtime.env.rank
         self.world_size = runtime.env.world_size
         ck = config.checkpoint
         self.components = Components()
         self.user_parts: tuple[str, ...] = ()
+        self.optimizer_order: list[str] | None = None
         self._stop = stop
         self._pauses = pauses
         self._writer = ckpt.AsyncCheckpointWriter() if ck.async_save else None
@@ -102,12 +103,21 @@ class Checkpointer:
 
     # --- what a checkpoint holds --------------------------------------------------------------
 
-    def register(self, *, builtin: Mapping[str, Stateful | None], user: Mapping[str, Stateful] | None = None) -> None:
+    def register(
+        self,
+        *,
+        builtin: Mapping[str, Stateful | None],
+        user: Mapping[str, Stateful] | None = None,
+        optimizer_order: list[str] | None = None,
+    ) -> None:
         """Every part a checkpoint holds, by name, in one call (None: nothing to save, e.g. no scheduler).
 
         ``user``: a subclass's own parts (:meth:`ddpkit.Trainer.checkpoint_parts`), refused when a name is
-        one of ddpkit's. Register before :meth:`resume` to be restored by it.
+        one of ddpkit's. Register before :meth:`resume` to be restored by it. ``optimizer_order``: where the
+        registered model is a part of the whole one (a pipeline's stages), the whole model's parameter names in its
+        optimizer's order, by which a single-file checkpoint's optimizer state is keyed.
         """
+        self.optimizer_order = optimizer_order
         user = dict(user or {})
         reserved = {**{key: "metadata" for key in METADATA_KEYS}, **{n: type(p).__name__ for n, p in builtin.items()}}
         for name, part in user.items():
@@ -186,7 +196,12 @@ class Checkpointer:
         check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
         # any format into any layout
         restore_components(
-            path, state, self.components, mode=self.config.parallel.mode, spread=self._sharded is not None
+            path,
+            state,
+            self.components,
+            mode=self.layout.data_parallel.name,
+            spread=self._sharded is not None,
+            order=self.optimizer_order,
         )
         self._last_saved_step = self.progress.step
         for name in self.user_parts:

@@ -165,13 +165,16 @@ class ShardedParts:
         states = {name: value for name, value in state["optimizer"]["state"].items() if name in owned}
         api.set_optimizer_state_dict(self.model, self.optimizer.optim, {"state": states, "param_groups": groups})
 
-    def load_full(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards."""
+    def load_full(
+        self, model_state: dict[str, Any], optimizer_state: dict[str, Any], *, order: list[str] | None = None
+    ) -> None:
+        """Load a single-file checkpoint's whole state (ddp mode wrote it): scattered into this layout's shards.
+
+        ``order``: where this rank holds only some of the whole model's parameters (a pipeline's stages), the whole
+        model's parameter names in the order its optimizer listed them; they take their own names out of it.
+        """
         api = state_dict_api()
         whole = api.StateDictOptions(full_state_dict=True)
-        # A pipeline's parts (ddpkit.parallel.pipeline_split.HeldParts) take their own names out of the whole model
-        # and know the order in which the whole model's optimizer listed its parameters.
-        order = getattr(self.model, "whole_order", None)
         if order is not None:
             own = set(self.model.state_dict())
             model_state = {name: value for name, value in model_state.items() if name in own}

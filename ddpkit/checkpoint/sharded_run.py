@@ -40,7 +40,6 @@ from ddpkit.reporting.log import log
 __all__ = [
     "ShardedRun",
     "ShardedOptimizer",
-    "SHARDED_MODES",
     "TENSOR_PARTS",
     "full_capture",
     "full_model_state",
@@ -48,7 +47,6 @@ __all__ = [
     "restore_components",
 ]
 
-SHARDED_MODES = ("zero1", "fsdp2")
 #: The components DCP holds; everything else is small and goes into state.pt.
 TENSOR_PARTS = ("model", "optimizer")
 
@@ -113,14 +111,14 @@ class ShardedRun:
         return ckpt.load_checkpoint(Path(path) / sharded.REST_FILE)
 
     @staticmethod
-    def restore(path: str, state: dict[str, Any], components: Components) -> None:
+    def restore(path: str, state: dict[str, Any], components: Components, *, order: list[str] | None = None) -> None:
         """Load the model and optimizer of ``path`` (DCP directory or single file) into this run's layout; every
-        rank."""
+        rank. ``order``: see :func:`restore_components`."""
         parts = sharded.ShardedParts(*_parts(components))
         if sharded.is_sharded_checkpoint(path):
             sharded.load_sharded(path, parts)
         else:
-            parts.load_full(state["model"], state["optimizer"])
+            parts.load_full(state["model"], state["optimizer"], order=order)
         log.info("loaded the model and optimizer of %s into this run's layout", path)
 
 
@@ -170,23 +168,31 @@ def read_any(path: str) -> dict[str, Any]:
 
 
 def restore_components(
-    path: str, state: dict[str, Any], components: Components, *, mode: str, spread: bool | None = None
+    path: str,
+    state: dict[str, Any],
+    components: Components,
+    *,
+    mode: str,
+    spread: bool,
+    order: list[str] | None = None,
 ) -> None:
-    """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded
-    (``spread``: this run's layout spreads the state; None: by ``mode``)."""
+    """Restore every component from ``state``; model and optimizer by name and shard when either side is sharded.
+
+    ``mode``: this run's ``parallel.mode`` (logged when the checkpoint's differs); ``spread``: this run's layout
+    spreads the state; ``order``: the whole model's parameter names in its optimizer's order, where this rank
+    holds only some of them (a pipeline's stages: :func:`ddpkit.training.param_groups.optimizer_order`).
+    """
     saved = (state.get("config") or {}).get("parallel", {}).get("mode", "ddp")
     if saved != mode:
         log.info(
             "resuming a parallel.mode=%s checkpoint (%d rank(s)) as parallel.mode=%s", saved, state["world_size"], mode
         )
-    if spread is None:
-        spread = mode in SHARDED_MODES
     if not spread and not sharded.is_sharded_checkpoint(path):
         # ddp from a single file: as always
         components.restore(state)
         return
     components.restore({**state, "schema": [name for name in state["schema"] if name not in TENSOR_PARTS]})
-    ShardedRun.restore(path, state, components)
+    ShardedRun.restore(path, state, components, order=order)
 
 
 def full_capture(state: dict[str, Any], components: Components, *, rank: int) -> dict[str, Any]:

@@ -126,7 +126,7 @@ def tensor_config_problems(cfg: Config) -> list[str]:
     """The ``parallel.tensor`` options that cannot work whatever the world size, each naming the fix.
 
     The model's own widths (heads, kv heads, MLP width divisible by T) are judged by the Trainer's constructor
-    (:func:`ddpkit.training.placement.check_tensor_degree`), before any process group too.
+    (:func:`ddpkit.parallel.parallelize.check_tensor_degree`), before any process group too.
     """
     parallel = cfg.parallel
     tensor = parallel.tensor

@@ -6,9 +6,9 @@
 
 ``ddp`` (the default) keeps a full copy of everything on every rank; ``zero1`` shards the optimizer
 state (torch's ``ZeroRedundancyOptimizer``); ``fsdp2`` shards parameters, gradients and optimizer
-state (torch's ``fully_shard``). docs/modes.md says which to choose. The wrapping itself lives in
-:mod:`ddpkit.distributed.sharding`; this module only declares the options. The combinations that
-cannot work are refused by :mod:`ddpkit.config.checks` (``parallel_problems``), so a bad config stops
+state (torch's ``fully_shard``). docs/modes.md says which to choose. The ways themselves live in
+:mod:`ddpkit.parallel.data_parallel` and :mod:`ddpkit.parallel.fsdp`; this module only declares the options. The
+combinations that cannot work are refused by :mod:`ddpkit.config.checks` (``parallel_problems``), so a bad config stops
 before any process group exists.
 """
 

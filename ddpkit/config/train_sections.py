@@ -25,7 +25,7 @@ __all__ = [
     "COMPILE_MODES",
 ]
 
-# The one table of `train.compile` keys: the config checks and ddpkit.training.model_views both read it.
+# The one table of `train.compile` keys: the config checks and ddpkit.parallel.model_views both read it.
 #: Keys of a ``train.compile`` mapping passed to ``torch.compile`` as they are.
 COMPILE_TORCH_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 #: Keys of a ``train.compile`` mapping that ddpkit itself reads, with their defaults.

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -140,7 +140,14 @@ def epoch_batches(
     return exact_batches(loader, count=count, rank=rank, epoch=epoch, consumed=consumed, uneven=uneven), count
 
 
-def run_length(loader: DataLoader, config: Config, *, short_steps: bool = True) -> tuple[int, int]:
+class RunLength(NamedTuple):
+    """A run's length in optimizer steps: one epoch's, and the whole run's (``train.max_steps`` / epochs)."""
+
+    steps_per_epoch: int
+    total_steps: int
+
+
+def run_length(loader: DataLoader, config: Config, *, short_steps: bool = True) -> RunLength:
     """``(steps_per_epoch, total_steps)`` of a training run; UNKNOWN_LENGTH where the loader cannot say.
 
     The ranks agree on the epoch length first (``data.uneven``), so every rank's schedule has the same length.
@@ -156,13 +163,15 @@ def run_length(loader: DataLoader, config: Config, *, short_steps: bool = True) 
         total = stream_total_steps(
             max_steps=train.max_steps, epochs=train.epoch_limit, steps_per_epoch=None, sched_name=config.sched.name
         )
-        return UNKNOWN_LENGTH, total or UNKNOWN_LENGTH
+        return RunLength(UNKNOWN_LENGTH, total or UNKNOWN_LENGTH)
     # An epoch's last step may take fewer batches (accumulation); a pipeline's needs them all (short_steps=False).
     if short_steps:
         steps_per_epoch = math.ceil(length / train.grad_accum_steps)
     else:
         steps_per_epoch = length // train.grad_accum_steps
-    return steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
+    return RunLength(
+        steps_per_epoch, int(min(train.max_steps or math.inf, (train.epoch_limit or math.inf) * steps_per_epoch))
+    )
 
 
 def data_position(loader: DataLoader) -> dict[str, Any]:

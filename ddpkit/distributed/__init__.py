@@ -13,8 +13,7 @@
 - ``collectives``: barrier, sum, gather and broadcast that are safe at any world size, with no group too.
 - ``ddp``: DistributedDataParallel with the config's options, and unwrapping for saving.
 - ``bucket_layout``: DDP's gradient buckets in one layout from the first step on, so a resume on 3+ ranks is bitwise.
-- ``layout``: the parallel layout as one value (dp, pp degrees, this rank's coordinates, one DeviceMesh).
-- ``sharding``: ``parallel.mode``: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2's ``fully_shard``.
+- ``gradient_norm``: the gradients' global norm and clipping, the same in every layout.
 - ``memory``: the bytes each rank holds (parameters, gradients, optimizer state), measured or predicted.
 - ``processes``: processes on this host, from ``/proc`` (alive, parent, start time).
 - ``control_auth``: the job's key (from ``ddpkit run``, or agreed over the group) and the HMAC tags on
@@ -27,6 +26,5 @@
 from ddpkit.distributed.agreement import check_same_run_on_every_rank
 from ddpkit.distributed.env import DistEnv, read_dist_env
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sharding import shard_model, shard_optimizer
 
-__all__ = ["DistEnv", "read_dist_env", "Runtime", "check_same_run_on_every_rank", "shard_model", "shard_optimizer"]
+__all__ = ["DistEnv", "read_dist_env", "Runtime", "check_same_run_on_every_rank"]

@@ -1,16 +1,16 @@
 """What each rank holds: parameters, gradients and optimizer state in bytes, per ``parallel.mode``.
 
     held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters, gradients, optimizer)
-    log_rank_bytes(model, optimizer, mode="fsdp2") # every rank's numbers in one startup log line (a collective)
-    plan = mode_bytes(shapes, world_size=2, mode="zero1", slots=2, element_size=4)  # the same, from shapes only
+    log_rank_bytes(model, optimizer, layout="data-parallel 2 (fsdp2)")   # every rank's numbers, logged (a collective)
+    plan = zero_bytes(shapes, world_size=2, slots=2, element_size=4)   # the same, from shapes only (zero1)
 
 ``rank_bytes`` measures the tensors a rank really owns (an FSDP2 parameter's local shard, the
 optimizer state of ZeRO-1's partition). Gradients and optimizer state do not exist before the
 first step, so at startup they are counted as they will be: one gradient per trainable parameter
 element, ``slots`` state tensors per parameter element (Adam/AdamW 2, SGD with momentum 1).
-``mode_bytes`` computes the same from parameter shapes with torch's own partition rules (ZeRO's
-greedy by-size assignment, FSDP2's dim-0 ``torch.chunk``), so ``ddpkit estimate`` can predict it
-on the meta device.
+``replicated_bytes``, ``zero_bytes`` and ``fsdp_bytes`` compute the same from parameter shapes with
+torch's own partition rules (ZeRO's greedy by-size assignment, FSDP2's dim-0 ``torch.chunk``), so
+``ddpkit estimate`` can predict it on the meta device.
 """
 
 from __future__ import annotations
@@ -23,7 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RankBytes", "rank_bytes", "optimizer_slots", "log_rank_bytes", "mode_bytes", "format_bytes"]
+__all__ = [
+    "RankBytes",
+    "rank_bytes",
+    "optimizer_slots",
+    "log_rank_bytes",
+    "replicated_bytes",
+    "zero_bytes",
+    "fsdp_bytes",
+    "format_bytes",
+]
 
 log = logging.getLogger("ddpkit")
 
@@ -97,8 +106,9 @@ def format_bytes(n: int | None, *, exact: bool = True, unknown: str = "unknown u
     return f"{n:,} B" if exact else f"{n} B"
 
 
-def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str) -> list[RankBytes]:
-    """Gather every rank's :func:`rank_bytes` and log them on rank 0 (call on every rank)."""
+def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, layout: str) -> list[RankBytes]:
+    """Gather every rank's :func:`rank_bytes` and log them on rank 0 (call on every rank); ``layout`` describes how
+    the ranks hold the model (the parallel layout's own description)."""
     import torch.distributed as dist
 
     mine = rank_bytes(model, optimizer)
@@ -112,25 +122,34 @@ def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, mode: 
         f"optimizer state {format_bytes(b.optimizer)}"
         for r, b in enumerate(ranks)
     ]
-    log.info("parallel.mode=%s: %s parameters; what each rank holds:\n  %s", mode, f"{count:,}", "\n  ".join(lines))
+    log.info("%s: %s parameters; what each rank holds:\n  %s", layout, f"{count:,}", "\n  ".join(lines))
     return ranks
 
 
-def mode_bytes(
-    shapes: Sequence[tuple[int, ...]], *, world_size: int, mode: str, slots: int, element_size: int = 4
+def replicated_bytes(
+    shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
 ) -> list[RankBytes]:
-    """Per-rank bytes of each rank under ``mode``, from the parameter shapes alone (all trainable)."""
+    """Per-rank bytes when every replica holds everything (ddp), from the trainable parameter shapes alone."""
+    full = sum(math.prod(s) for s in shapes) * element_size
+    return [RankBytes(full, full, slots * full)] * world_size
+
+
+def zero_bytes(
+    shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
+) -> list[RankBytes]:
+    """Per-rank bytes under ZeRO-1: whole parameters and gradients, the optimizer state of the rank's partition."""
     sizes = [math.prod(s) for s in shapes]
     full = sum(sizes) * element_size
-    if mode == "ddp":
-        return [RankBytes(full, full, slots * full)] * world_size
-    if mode == "zero1":
-        owned = _zero_partition(sizes, world_size)
-        return [RankBytes(full, full, slots * n * element_size) for n in owned]
-    if mode == "fsdp2":
-        local = [sum(_chunk_numel(s, world_size, rank) for s in shapes) * element_size for rank in range(world_size)]
-        return [RankBytes(n, n, slots * n) for n in local]
-    raise ValueError(f"unknown parallel.mode {mode!r}")
+    owned = _zero_partition(sizes, world_size)
+    return [RankBytes(full, full, slots * n * element_size) for n in owned]
+
+
+def fsdp_bytes(
+    shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
+) -> list[RankBytes]:
+    """Per-rank bytes under FSDP2: each rank's dim-0 chunk of every parameter, its gradient and its state."""
+    local = [sum(_chunk_numel(s, world_size, rank) for s in shapes) * element_size for rank in range(world_size)]
+    return [RankBytes(n, n, slots * n) for n in local]
 
 
 def _zero_partition(sizes: Sequence[int], world_size: int) -> list[int]:

@@ -133,16 +133,16 @@ def _destroy() -> None:
     dist.destroy_process_group()
 
 
-def group_options(config: Config) -> dict[str, Any]:
-    """:func:`process_group`'s options from a run's config (``dist`` and ``parallel`` sections).
+def group_options(config: Config, *, preload: tuple[str, ...] = ()) -> dict[str, Any]:
+    """:func:`process_group`'s options from a run's config (its ``dist`` section).
 
-    ``parallel.mode=zero1`` preloads ``torch.distributed.optim``: like ``torch.distributed.nn``
-    below, it captures ``group.WORLD`` in a default argument when first imported, and importing
-    it for every run would cost ddp runs about 0.35 s.
+    ``preload``: the modules the run's way of holding parameters imports before the group exists
+    (:attr:`ddpkit.parallel.data_parallel.DataParallel.preload`): ``zero1``'s ``torch.distributed.optim``, like
+    ``torch.distributed.nn`` below, captures ``group.WORLD`` in a default argument when first imported, and
+    importing it for every run would cost ddp runs about 0.35 s.
     """
     d = config.dist
-    preload = ("torch.distributed.optim",) if config.parallel.mode == "zero1" else ()
-    return dict(backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, preload=preload)
+    return dict(backend=d.backend, device=d.device, timeout=d.timeout, debug=d.debug, preload=tuple(preload))
 
 
 def _prepare_process(

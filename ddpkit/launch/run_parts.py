@@ -1,9 +1,11 @@
 """The parts a worker's training loop works with, built in their one order for the Trainer.
 
-    built = Built(model, optimizer, scheduler, train_loader, val_loader, total_steps, pipeline)
-    parts = build_run_parts(worker, layout=layout, built=built, loss=trainer.training_step, ...)
+    built = Built(placed, optimizer, scheduler, train_loader, val_loader, total_steps, optimizer_order)
+    parts = build_run_parts(worker, layout=layout, built=built, loss=trainer.training_step,
+                            user_parts=trainer.checkpoint_parts(), ...)
     parts.reporter, parts.checkpointer, parts.health      # what the loop reports to, saves with, checks with
     parts.update, parts.models, parts.step, parts.evaluation
+    parts.best, parts.early_stopping                      # the best checkpoint, and early stopping
 
 The order is the dependencies' order, each part built from those before it:
 
@@ -12,17 +14,19 @@ The order is the dependencies' order, each part built from those before it:
 3. the checkpointer: it leaves its saves' time out of samples/s through the reporter;
 4. health (NaNs, spikes, stragglers, replicas): it rolls back through the checkpointer;
 5. the update (clip, step, schedule, zero), which asks health whether to apply a step;
-6. the model views: DDP, then compiled (a pipeline's stages are wrapped already); each compilation is timed
-   outside training by the reporter;
+6. the compile watch over the placed model's views (:func:`ddpkit.parallel.parallelize.parallelize` wrapped and
+   compiled them): each compilation is timed outside training by the reporter;
 7. the step object the loop asks for each optimizer step (accumulation, or the pipeline's schedule);
-8. validation, on the bare model, ticking the watchdog through a long run.
+8. validation, on the bare model, ticking the watchdog through a long run;
+9. the best checkpoint and early stopping (both read validation's metrics), then every part a checkpoint holds,
+   registered by name in one call, the user's own last.
 
-The Trainer keeps the rest: what a checkpoint holds (one ``register`` call), the resume, the listeners' order.
+The Trainer keeps the rest: the resume, the listeners' order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,29 +35,45 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit import training
-from ddpkit.checkpoint import Checkpointer
+from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful
 from ddpkit.config.schema import Config
-from ddpkit.distributed.layout import ParallelLayout
+from ddpkit.data import data_position
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.launch.worker_scope import Worker
+from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.parallel.model_views import Models
+from ddpkit.parallel.parallelize import Placed
+from ddpkit.parallel.pipeline import Pipeline
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Reporter, TokenThroughput
+from ddpkit.training.allocator import keep_freed_host_memory
 
 __all__ = ["Built", "RunParts", "build_run_parts"]
 
 
 @dataclass(frozen=True)
 class Built:
-    """What the Trainer's build produced: the bare model (a pipeline's parts), the optimizer and schedule, the
-    loaders, the run's length, and the pipeline."""
+    """What the Trainer's build produced: the placed model, the optimizer and schedule, the loaders, the run's
+    length."""
 
-    model: nn.Module
+    placed: Placed
     optimizer: torch.optim.Optimizer
     scheduler: Any
     train_loader: DataLoader
     val_loader: DataLoader | None
     total_steps: int
-    pipeline: training.Pipeline | None = None
+    #: Where this rank holds only some of the whole model's parameters (a pipeline's stages), the whole model's
+    #: parameter names in its optimizer's order (ddpkit.training.param_groups.optimizer_order); else None.
+    optimizer_order: list[str] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The bare model this rank holds (under a pipeline, its parts under the whole model's names)."""
+        return self.placed.held
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return self.placed.pipeline
 
 
 @dataclass(frozen=True)
@@ -64,9 +84,11 @@ class RunParts:
     checkpointer: Checkpointer
     health: training.TrainingHealth
     update: training.OptimizerStep
-    models: training.Models
+    models: Models
     step: training.TrainStep
     evaluation: training.Evaluation
+    best: BestCheckpoint | None
+    early_stopping: training.EarlyStopping | None
 
 
 def build_run_parts(
@@ -79,8 +101,11 @@ def build_run_parts(
     built: Built,
     loss: Callable[[Any], Any],
     owner: type,
+    user_parts: Mapping[str, Stateful] | None = None,
 ) -> RunParts:
-    """Every part of the loop for ``built.model`` (the bare model, or a pipeline's parts), in the module's order."""
+    """Every part of the loop for ``built.model`` (the bare model, or a pipeline's parts), in the module's order.
+
+    ``user_parts``: the Trainer subclass's own parts of every checkpoint (``Trainer.checkpoint_parts``)."""
     model = built.model
     runtime = worker.runtime
     device = runtime.device
@@ -101,33 +126,73 @@ def build_run_parts(
         layout=layout,
     )
     update = _update(model, built, config=config, layout=layout, tokens=tokens, health=health, device=device)
-    models = training.build_models(
-        model,
-        runtime,
-        ddp=config.ddp,
-        train=config.train,
-        parallel=config.parallel,
-        exclude=reporter.outside_training,
-        pipelined=built.pipeline is not None,
-    )
+    models = built.placed.models
+    if config.train.keep_host_memory:
+        keep_freed_host_memory()
+    if models.watch is not None:
+        models.watch.exclude_with(reporter.outside_training)
+    reporting = training.StepReporting(reporter, events, progress)
     # Their on_exit runs however fit() ends.
     events.add(models, reporter, checkpointer.mirror)
-    step = training.build_train_step(
-        update,
-        models.train,
-        built.pipeline,
-        loss=loss,
-        owner=owner,
-        reporting=training.StepReporting(reporter, events, progress),
-        device=device,
-        accum=config.train.grad_accum_steps,
-        vocab_parallel=config.parallel.vocab_parallel,
+    step = _step(
+        update, models, built, config=config, layout=layout, reporting=reporting, loss=loss, owner=owner, device=device
     )
     ticking = worker.watchdog.ticking
     evaluation = training.Evaluation(
         models, built.val_loader, device=device, autocast=update.autocast, ticking=ticking, pipeline=built.pipeline
     )
-    return RunParts(reporter, checkpointer, health, update, models, step, evaluation)
+    best = BestCheckpoint.for_run(config, checkpointer=checkpointer, progress=progress)
+    early_stopping = training.EarlyStopping.for_run(config, progress=progress)
+    parts = RunParts(reporter, checkpointer, health, update, models, step, evaluation, best, early_stopping)
+    _register(
+        parts, built, progress=progress, rank=runtime.env.rank, world_size=runtime.env.world_size, user=user_parts
+    )
+    return parts
+
+
+def _step(
+    update: training.OptimizerStep,
+    models: Models,
+    built: Built,
+    *,
+    config: Config,
+    layout: ParallelLayout,
+    reporting: training.StepReporting,
+    loss: Callable[[Any], Any],
+    owner: type,
+    device: torch.device,
+) -> training.TrainStep:
+    """The step object: the pipeline's schedule, or accumulation over the training view."""
+    return training.build_train_step(
+        update,
+        models.train,
+        built.pipeline,
+        loss=loss,
+        owner=owner,
+        reporting=reporting,
+        device=device,
+        accum=config.train.grad_accum_steps,
+        vocab_parallel=config.parallel.vocab_parallel,
+        data_parallel=layout.data_parallel,
+    )
+
+
+def _register(parts: RunParts, built: Built, *, progress: Progress, rank: int, world_size: int, user: Any) -> None:
+    """Every part a checkpoint holds, by name, in one call: ddpkit's own, then the user's."""
+    builtin = dict(
+        model=built.model,
+        optimizer=built.optimizer,
+        scheduler=built.scheduler,
+        scaler=parts.update.scaler,
+        progress=progress,
+        rng=training.RngStreams(rank=rank, world_size=world_size),
+        best=parts.best,
+        early_stopping=parts.early_stopping,
+        health=parts.health,
+        sinks=parts.reporter.sinks,
+        **data_position(built.train_loader),
+    )
+    parts.checkpointer.register(builtin=builtin, user=user, optimizer_order=built.optimizer_order)
 
 
 def _reporter(
@@ -151,6 +216,7 @@ def _reporter(
         events=events,
         throughput=throughput,
         replicas=layout.dp,
+        accumulation=layout.data_config(config).train.grad_accum_steps,
     )
 
 

@@ -36,6 +36,7 @@ from ddpkit.distributed.control_auth import agree_job_key
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime, group_options, process_group
 from ddpkit.goodput.ledger import GoodputLedger
+from ddpkit.parallel.layout import data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.events import Events
 from ddpkit.watchdog.heartbeat import Watchdog
@@ -66,7 +67,8 @@ def worker_scope(config: Config, env: DistEnv, events: Events, *, progress: Prog
     """Open the process group, the lock, the stop, the watchdog and the ledger for ``config`` (``progress``: the
     loop's counter, whose step is the last completed one); on the way out tell ``events`` how the attempt ended,
     while all of them are still open."""
-    group = process_group(env, **group_options(config), trace_dir=Path(config.output_dir) / "logs")
+    preload = data_parallel_for(config.parallel).preload
+    group = process_group(env, **group_options(config, preload=preload), trace_dir=Path(config.output_dir) / "logs")
     with group as runtime:
         # A collective, once the group is up: before anything uses the store
         key = agree_job_key()

@@ -230,13 +230,9 @@ class HeldParts(nn.Module):
     """Every part the local stages hold, under the whole model's names: what this rank saves, trains and counts.
 
     One ``blocks`` ModuleDict gathers the blocks of all local stages (interleaved schedules hold several).
-    ``whole_order``: the whole model's parameter names in its optimizer's order (set by the pipeline's builder),
-    what a single-file checkpoint's position-keyed optimizer state needs to find this rank's parameters.
     ``forward``: what calling the parts does, validation's forward through every stage of the replica
     (:class:`ddpkit.training.evaluation_pipeline.PipelineForward`; outside validation it refuses).
     """
-
-    whole_order: list[str] | None = None
 
     def __init__(self, stages: list[nn.Module], *, forward: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from ddpkit.atomic import write_atomically
-from ddpkit.config.layout import microbatches_of
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, dump_config
 from ddpkit.data.elastic import per_rank_batch_size
@@ -83,9 +82,12 @@ class Reporter:
         events: Events,
         throughput: TokenThroughput | None = None,
         replicas: int | None = None,
+        accumulation: int | None = None,
     ):
         """``replicas``: the data-parallel degree, the ranks that read different batches (the layout's ``dp``);
-        every rank when None. The ranks of one pipeline or one tensor-parallel group read the same batches."""
+        every rank when None. The ranks of one pipeline or one tensor-parallel group read the same batches.
+        ``accumulation``: the batches a replica takes a step (a pipeline's M microbatches, as the layout's data
+        config holds them); ``train.grad_accum_steps`` when None."""
         cfg = config
         rank = runtime.env.rank
         self.config = config
@@ -95,7 +97,7 @@ class Reporter:
         self.output_dir = Path(config.output_dir)
         #: How many ranks read different batches, and how many batches each takes a step (a pipeline's M microbatches).
         self.replicas = replicas if replicas is not None else runtime.env.world_size
-        self.accumulation = microbatches_of(cfg.parallel) if cfg.parallel.pipeline > 1 else cfg.train.grad_accum_steps
+        self.accumulation = accumulation if accumulation is not None else cfg.train.grad_accum_steps
         # As the training loader computes it (ddpkit.data.loaders): each replica's (micro-)batch.
         self.per_rank_batch = per_rank_batch_size(
             cfg.data, world_size=self.replicas, grad_accum_steps=self.accumulation

@@ -195,7 +195,7 @@ def _reset_ddpkit_caches() -> None:
         heartbeat._current = None
         # Ranks name their watchdog's store keys by this count: each function's ranks start it at 0 together.
         heartbeat._generation = 0
-    sharding = sys.modules.get("ddpkit.distributed.sharding")
+    sharding = sys.modules.get("ddpkit.distributed.gradient_norm")
     if sharding is not None:
         sharding._last_tiling = None
     control_auth = sys.modules.get("ddpkit.distributed.control_auth")

@@ -14,7 +14,7 @@
     recommendation: ddp: 882.89 MiB per rank fits in 6.01 GiB (the fastest mode: one all-reduce per step)
 
 The model is built on the meta device (no memory, no weights); the per-rank numbers follow
-torch's own partition rules (:func:`ddpkit.distributed.memory.mode_bytes`) and match what the
+torch's own partition rules (each way's ``bytes_per_rank``, :mod:`ddpkit.parallel.data_parallel`) and match what the
 run logs at startup. Activations are the outputs of every module for one per-rank batch, from a
 forward pass on the meta device with one sample of the configured dataset (an upper bound on
 what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DDP's gradient
@@ -33,6 +33,7 @@ with ``--memory-per-rank`` (default: the GPU's memory, or the host's available m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,16 +42,18 @@ import torch
 
 from ddpkit import registry
 from ddpkit.config.cli_args import OLD_SPELLINGS, add_config_arguments, renamed
+from ddpkit.config.layout import layout_problems, tensor_config_problems
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
-from ddpkit.distributed.memory import RankBytes, format_bytes, mode_bytes, optimizer_slots
+from ddpkit.distributed.memory import RankBytes, format_bytes, optimizer_slots
 from ddpkit.errors import exit_code_of
+from ddpkit.parallel.layout import DATA_PARALLEL
 from ddpkit.parallel.pipeline_split import split_model
 from ddpkit.training.optim import build_optimizer
 
 __all__ = ["main", "estimate", "Estimate"]
 
-MODES = ("ddp", "zero1", "fsdp2")
+MODES = tuple(DATA_PARALLEL)
 
 
 class Estimate:
@@ -68,8 +71,8 @@ class Estimate:
             params = _largest_stage(model, cfg)
         replicas = max(1, nproc // (self.stages * self.tensor))
         if self.tensor > 1:
-            # Refused beside tensor parallelism (ddpkit.config.layout): zero1, and ddp over several replicas.
-            modes = [mode for mode in modes if mode != "zero1" and (mode != "ddp" or replicas == 1)]
+            # What the config refuses beside tensor parallelism (zero1, and ddp over several replicas) is left out.
+            modes = [mode for mode in modes if _accepted(cfg, mode, nproc)]
         self.element_size = params[0].element_size() if params else 4
         self.slots = optimizer_slots(optimizer)
         shapes = _tensor_shard_shapes(model, params, cfg.parallel.tensor, cfg.parallel.vocab_parallel)
@@ -77,7 +80,9 @@ class Estimate:
         slots = self.slots if self.slots is not None else 2
         self.per_mode: dict[str, RankBytes] = {
             mode: max(
-                mode_bytes(shapes, world_size=replicas, mode=mode, slots=slots, element_size=self.element_size),
+                DATA_PARALLEL[mode]
+                .from_config(cfg.parallel)
+                .bytes_per_rank(shapes, world_size=replicas, slots=slots, element_size=self.element_size),
                 key=lambda b: b.total,
             )
             for mode in modes
@@ -91,6 +96,13 @@ class Estimate:
 
     def total(self, mode: str) -> int:
         return self.per_mode[mode].total + (self.activations or 0)
+
+
+def _accepted(cfg: Config, mode: str, nproc: int) -> bool:
+    """Whether the config's layout with ``parallel.mode`` set to ``mode`` passes the config's own checks."""
+    parallel = dataclasses.replace(cfg.parallel, mode=mode)
+    changed = dataclasses.replace(cfg, parallel=parallel)
+    return not tensor_config_problems(changed) and not layout_problems(parallel, world_size=nproc)
 
 
 def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:

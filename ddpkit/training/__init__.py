@@ -3,8 +3,7 @@
 - ``optim``: optimizers and learning-rate schedules, registered by name; ``param_groups``: weight decay on
   matrices only and ``optim.groups`` (per-group ``lr`` / ``weight_decay`` by parameter-name patterns).
 - ``precision``: autocast and the fp16 gradient scaler.
-- ``model_views``: the model as the loop sees it: DDP-wrapped and compiled for training (``train.compile``),
-  bare for evaluation and saving; ``allocator``: host memory kept between steps (``train.keep_host_memory``).
+- ``allocator``: host memory kept between steps (``train.keep_host_memory``).
 - ``samples``: ``train.sample``'s listener, text sampled while training (log, ``samples.jsonl``, TensorBoard).
 - ``metrics``: exact validation means over ranks, the best-metric tracker; ``early_stopping``: its listener;
   ``evaluation``: the loop's validations (exact metrics, watchdog progress, the bare model);
@@ -16,10 +15,10 @@
 - ``rng``: seeding, and capturing / restoring every generator.
 - ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
   ``pipeline_step``: a pipeline schedule as the step, over a model cut into stages (:mod:`ddpkit.parallel`);
-  ``step_builder``: which of the two a run trains with;
-  ``placement``: where a rank's model lives (the tensor plan, then the pipeline's cut or FSDP2's shards).
+  ``step_builder``: which of the two a run trains with.
 
-The models themselves live in :mod:`ddpkit.models`, how they split in :mod:`ddpkit.parallel`.
+The models themselves live in :mod:`ddpkit.models`; where a rank's part of one lives, how the replicas hold it and
+how it is wrapped and compiled, in :mod:`ddpkit.parallel` (``parallelize``).
 """
 
 # What the Trainer composes, importable from the package.
@@ -30,10 +29,8 @@ from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
 from ddpkit.training.metrics import evaluate
-from ddpkit.training.model_views import Models, build_models, sync_gradients, unwrap_model
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
-from ddpkit.training.pipeline_step import Pipeline, build_pipeline
-from ddpkit.training.placement import check_tensor_degree, place_model
+from ddpkit.training.param_groups import optimizer_order
 from ddpkit.training.rng import RngStreams, seed_for_setup
 from ddpkit.training.samples import TrainingSamples
 from ddpkit.training.step_builder import build_train_step, refuse_training_step_override
@@ -45,10 +42,7 @@ __all__ = [
     "Evaluation",
     "TrainingHealth",
     "evaluate",
-    "Models",
-    "build_models",
-    "sync_gradients",
-    "unwrap_model",
+    "optimizer_order",
     "OptimizerStep",
     "build_optimizer",
     "build_scheduler",
@@ -61,10 +55,6 @@ __all__ = [
     "AccumulationStep",
     "StepReporting",
     "TrainStep",
-    "Pipeline",
-    "build_pipeline",
-    "place_model",
-    "check_tensor_degree",
     "build_train_step",
     "refuse_training_step_override",
 ]

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddpkit.parallel.model_views import Models
 from ddpkit.training.evaluation_pipeline import evaluate_pipeline
 from ddpkit.training.metrics import evaluate
-from ddpkit.training.model_views import Models
 
 if TYPE_CHECKING:
-    from ddpkit.training.pipeline_step import Pipeline
+    from ddpkit.parallel.pipeline import Pipeline
 
 __all__ = ["Evaluation"]
 
@@ -70,6 +70,7 @@ class Evaluation:
                     self.ticking(step),
                     device=self.device,
                     autocast=self.autocast,
+                    data_parallel=self.models.data_parallel,
                 )
             # fsdp2: parameters gathered once, no collective per batch.
             with self.models.for_evaluation():

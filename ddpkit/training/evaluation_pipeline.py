@@ -10,128 +10,22 @@ last stage the user's ``validation_step(batch)`` runs as without a pipeline: its
 forward, which receives the previous stage's activations and returns the logits. The metrics are summed there and
 reduced over every rank (the other stages add nothing), so they are the exact means over the whole validation set,
 as a world of one computes them.
-
-Why separate stage objects for validation, one set per input shape: torch's ``PipelineStage`` infers the shapes it
-receives once, on its first step, and allocates its receive buffers from them; a validation batch of another shape
-(another batch size, the last short batch, another sequence length) through the training schedule's stages would be
-received into buffers of the wrong size (Gloo fails the receive). A new ``PipelineStage`` per input shape infers that
-shape on its first use, and is kept for the next validation: at most :data:`KEPT_SHAPES` shapes, the least recently
-used let go first. Every stage of a replica sees the same shapes in the same order, so they make the same choices.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddpkit.distributed.sharding import full_parameters
+from ddpkit.parallel.data_parallel import DataParallel
+from ddpkit.parallel.pipeline_forward import PipelineForward
 from ddpkit.training.metrics import ExactMeans
 
-__all__ = ["PipelineForward", "evaluate_pipeline", "KEPT_SHAPES"]
-
-#: How many input shapes keep their validation stages (each holds one receive buffer per stage).
-KEPT_SHAPES = 4
-
-
-class PipelineForward:
-    """This rank's stages run forward only, one validation batch at a time, with torch's stage and schedule."""
-
-    def __init__(
-        self, stages: list[nn.Module], ids: list[int], *, total: int, device: torch.device, group: Any
-    ) -> None:
-        self.stages = stages
-        self.ids = ids
-        self.total = total
-        self.device = device
-        self.group = group
-        self.first = 0 in ids
-        self.last = total - 1 in ids
-        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
-        #: The input the last stage's ``validation_step`` must forward next (None: not inside validation).
-        self._expected: torch.Tensor | None = None
-
-    def run(self, x: torch.Tensor) -> torch.Tensor | None:
-        """One batch through this rank's stages: the logits on the last stage, None on the others."""
-        schedule = self._schedule_for(x)
-        if self.first:
-            return schedule.eval(arg_mbs=[(x,)])
-        return schedule.eval()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The held parts' forward on the last stage, inside ``validation_step``: this batch's logits."""
-        if self._expected is None:
-            raise RuntimeError(
-                "under parallel.pipeline the model runs whole only inside validation, where every stage of the "
-                "replica joins its forward; call self.model(x) from validation_step only"
-            )
-        if x is not self._expected:
-            raise RuntimeError(
-                "under parallel.pipeline validation_step must call self.model(x) once, with the batch's first "
-                "element x (the input the first stage received)"
-            )
-        self._expected = None
-        return self.run(x)
-
-    @contextlib.contextmanager
-    def expecting(self, x: torch.Tensor) -> Iterator[None]:
-        """The last stage: ``validation_step`` runs inside, and must forward ``x`` through the model once."""
-        self._expected = x
-        try:
-            yield
-            if self._expected is not None:
-                raise RuntimeError(
-                    "under parallel.pipeline validation_step must call self.model(x) once per batch: the other "
-                    "stages have sent this batch's activations to the last stage"
-                )
-        finally:
-            self._expected = None
-
-    def _schedule_for(self, x: torch.Tensor) -> Any:
-        """The forward-only schedule for inputs shaped like ``x``: kept, or built (its stages infer the shape)."""
-        from torch.distributed import pipelining
-
-        key = (tuple(x.shape), x.dtype)
-        schedule = self._schedules.get(key)
-        if schedule is not None:
-            self._schedules.move_to_end(key)
-            return schedule
-        stages = [
-            pipelining.PipelineStage(_ForwardOf(module), i, self.total, self.device, group=self.group)
-            for module, i in zip(self.stages, self.ids)
-        ]
-        if len(stages) == 1:
-            schedule = pipelining.ScheduleGPipe(stages[0], n_microbatches=1)
-        else:
-            # Several stages a rank (interleaved): breadth first, one microbatch.
-            schedule = pipelining.ScheduleLoopedBFS(stages, n_microbatches=1)
-        self._schedules[key] = schedule
-        if len(self._schedules) > KEPT_SHAPES:
-            self._schedules.popitem(last=False)
-        return schedule
-
-
-class _ForwardOf(nn.Module):
-    """A stage's forward, the stage itself kept out of ``modules()``.
-
-    A new ``PipelineStage`` infers its shapes with a real forward and then reshards every FSDP2 module it finds
-    among its module's submodules (torch's ``_post_metadata_inference_cleanup``): under fsdp2 that would free the
-    parameters gathered for the whole validation, and the next forward would all-gather over the replicas, which
-    may hold fewer batches and never join. Hidden, the stage keeps them; with no gradients and eval-mode buffers,
-    nothing else of that cleanup applies.
-    """
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        # A tuple: not registered as a submodule.
-        self._stage = (stage,)
-
-    def forward(self, *args: Any) -> Any:
-        return self._stage[0](*args)
+__all__ = ["evaluate_pipeline"]
 
 
 def evaluate_pipeline(
@@ -142,10 +36,12 @@ def evaluate_pipeline(
     *,
     device: torch.device,
     autocast: Callable[[], Any],
+    data_parallel: DataParallel,
 ) -> dict[str, float]:
     """``step`` over every batch on the last stage, the forward through every stage; exact ``val_`` means.
 
     ``model`` (the held parts) is in eval mode meanwhile. Every rank calls it: the means are reduced over all.
+    ``data_parallel``: how the stages' replicas hold their parameters (fsdp2 gathers them once for the pass).
     """
     from ddpkit.data.loaders import batch_size_of, move_to_device
 
@@ -153,7 +49,7 @@ def evaluate_pipeline(
     model.eval()
     means = ExactMeans(device)
     try:
-        with torch.no_grad(), autocast(), _gathered(forward.stages):
+        with torch.no_grad(), autocast(), _gathered(forward.stages, data_parallel):
             for batch in loader:
                 batch = move_to_device(batch, device)
                 x = batch[0]
@@ -169,10 +65,10 @@ def evaluate_pipeline(
 
 
 @contextlib.contextmanager
-def _gathered(stages: list[nn.Module]) -> Iterator[None]:
+def _gathered(stages: list[nn.Module], data_parallel: DataParallel) -> Iterator[None]:
     """fsdp2: each stage's parameters gathered once for the whole pass (a replica with fewer batches than another
     never waits in an all-gather); nothing for replicated stages."""
     with contextlib.ExitStack() as stack:
         for stage in stages:
-            stack.enter_context(full_parameters(stage))
+            stack.enter_context(data_parallel.full_parameters(stage))
         yield

@@ -38,9 +38,9 @@ import torch
 
 from ddpkit.config.schema import Config
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum
-from ddpkit.distributed.layout import ParallelLayout
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import HealthError
+from ddpkit.parallel.layout import ParallelLayout, data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.log import GRAD_NORM, log
 from ddpkit.training.health_checks import SpikeDetector, sample_indices
@@ -276,7 +276,7 @@ def _rank_checks(
             h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device
         )
     if layout is None:
-        layout = ParallelLayout.data_parallel(getattr(getattr(config, "parallel", None), "mode", "ddp"), env)
+        layout = ParallelLayout.without_mesh(data_parallel_for(config.parallel), env)
     replicas = None
     # fsdp2 shards the parameters: nothing to compare; under a pipeline each stage's replicas are compared
     if h.check_replicas_every and layout.replicated and layout.dp > 1:

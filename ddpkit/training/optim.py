@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from ddpkit.config.schema import OptimConfig, SchedConfig, TrainConfig
-from ddpkit.distributed.sharding import gradient_norm
+from ddpkit.distributed.gradient_norm import gradient_norm
 from ddpkit.errors import ConfigError
 from ddpkit.registry import OPTIMIZERS, register_optimizer
 from ddpkit.training.param_groups import accept_one_group, param_groups

@@ -31,11 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ddpkit.config.schema import OptimConfig
 from ddpkit.errors import ConfigError
 
-__all__ = ["param_groups", "accept_one_group", "merge_to_one_group"]
+__all__ = ["param_groups", "optimizer_order", "accept_one_group", "merge_to_one_group"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,15 @@ def param_groups(named: Sequence[tuple[str | None, torch.Tensor]], cfg: OptimCon
         }
         groups.append(group if entry.lr is None else {**group, "lr": entry.lr})
     return [g for g in groups if g["params"]]
+
+
+def optimizer_order(model: nn.Module, cfg: OptimConfig) -> list[str]:
+    """``model``'s parameter names in the order its optimizer holds them (group by group): a single-file
+    checkpoint's optimizer state is keyed by that position, so a rank holding only some of the parameters (a
+    pipeline's stages) finds its own in it."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = param_groups(list(model.named_parameters()), cfg)
+    return [names[id(p)] for group in groups for p in group["params"]]
 
 
 def _matchers(index: int, patterns: list[str]) -> list[Any]:

@@ -32,7 +32,7 @@ class ReplicaCheck:
     on a difference.
 
     ``replicas`` / ``group``: the data-parallel degree and this rank's replicas' group. Under a pipeline the ranks
-    of one stage are ``replicas`` in a row (the mesh puts the pipeline outermost: ddpkit.distributed.layout), so
+    of one stage are ``replicas`` in a row (the mesh puts the pipeline outermost: ddpkit.parallel.layout), so
     rank ``r``'s first replica is ``r // replicas * replicas``; stages are compared with their own replicas only.
     """
 

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.data_parallel import DataParallel
+from ddpkit.parallel.pipeline import Pipeline
 from ddpkit.training.optim import OptimizerStep
-from ddpkit.training.pipeline_step import Pipeline, PipelineStep
+from ddpkit.training.pipeline_step import PipelineStep
 from ddpkit.training.train_step import AccumulationStep, StepReporting, TrainStep
 
 __all__ = ["build_train_step", "refuse_training_step_override", "LossParallelStep"]
@@ -30,13 +32,23 @@ def build_train_step(
     device: torch.device,
     accum: int,
     vocab_parallel: bool = False,
+    data_parallel: DataParallel | None = None,
 ) -> TrainStep:
     """The pipeline's step when there is one, else accumulation over ``accum`` micro-batches of ``model``;
     ``vocab_parallel``: that step under torch's ``loss_parallel()`` (:class:`LossParallelStep`)."""
     if pipeline is not None:
         step: TrainStep = PipelineStep(pipeline, update=update, reporting=reporting, device=device)
     else:
-        step = AccumulationStep(update, model, loss=loss, owner=owner, reporting=reporting, device=device, accum=accum)
+        step = AccumulationStep(
+            update,
+            model,
+            loss=loss,
+            owner=owner,
+            reporting=reporting,
+            device=device,
+            accum=accum,
+            data_parallel=data_parallel,
+        )
     return LossParallelStep(step) if vocab_parallel else step
 
 

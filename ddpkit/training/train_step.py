@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from ddpkit.distributed.ddp import sync_gradients
+from ddpkit.parallel.data_parallel import DDP, DataParallel
 from ddpkit.progress import Progress
 from ddpkit.training.optim import OptimizerStep
 
@@ -71,9 +71,12 @@ class AccumulationStep:
         reporting: StepReporting,
         device: Any,
         accum: int,
+        data_parallel: DataParallel | None = None,
     ):
         self.update = update
         self.model = model
+        #: How the replicas hold parameters: what skips the gradients' reduction on all micro-batches but the last.
+        self.data_parallel = data_parallel if data_parallel is not None else DDP()
         self.loss = loss
         self.owner = owner
         self.reporting = reporting
@@ -99,7 +102,7 @@ class AccumulationStep:
     def _micro_step(self, batch: Any, *, sync: bool) -> None:
         reporter = self.reporting.reporter
         update = self.update
-        with sync_gradients(self.model, sync=sync):
+        with self.data_parallel.sync_gradients(self.model, sync=sync):
             with reporter.span("forward"), update.autocast():
                 loss, tokens = update.loss_of(self.loss(batch), owner=self.owner)
             reporter.add_loss(loss, tokens)

@@ -107,7 +107,7 @@ def classify(beats: dict[int, dict[str, Any] | None], silent: dict[int, float]) 
 
 def layout_coordinate(rank: int, *, world_size: int, pipeline: int, tensor: int = 1) -> str | None:
     """Where ``rank`` sits in a pipeline: ``"stage k of replica r"`` (``", tensor rank t"`` with ``tensor`` > 1), from
-    the layout's mesh order ``(pp, dp, tp)`` (ddpkit.distributed.layout); None without a pipeline."""
+    the layout's mesh order ``(pp, dp, tp)`` (ddpkit.parallel.layout); None without a pipeline."""
     if pipeline <= 1 or world_size % (pipeline * tensor):
         return None
     stage, replica, tensor_rank = mesh_coordinates(rank, world_size=world_size, pipeline=pipeline, tensor=tensor)

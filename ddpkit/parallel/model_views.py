@@ -1,13 +1,14 @@
-"""torch.compile from the config: the DDP-then-compile order, compile time kept apart, recompiles watched.
+"""The model as the loop sees it, and torch.compile from the config: DDP then compile, compile time kept apart.
 
-    models = build_models(model, runtime, ddp=cfg.ddp, train=cfg.train, exclude=reporter.outside_training)
+    models = build_models(model, runtime, ddp=cfg.ddp, train=cfg.train, data_parallel=way, group=dp_group)
+    models.watch.exclude_with(reporter.outside_training)   # when compiling: compile time left out of samples/s
     loss = F.cross_entropy(models.train(x), y)      # compile(DDP(model)), or DDP(model) when off
     metrics = evaluate(models.eval)                  # compile(model) on the bare module, no collectives
     torch.save(models.bare.state_dict(), path)       # no `module.` and no `_orig_mod.` prefix
     models.on_exit("FINISHED")                       # end of fit: callbacks off, dynamo settings restored
 
-Before wrapping, ``build_models`` also applies ``train.keep_host_memory`` (ddpkit.training.allocator: no
-page faults per CPU step) and ``train.channels_last`` (NHWC parameters and 4-D inputs).
+``to_channels_last`` is ``train.channels_last`` (NHWC parameters and 4-D inputs), applied by
+:func:`ddpkit.parallel.parallelize.parallelize` before the wrapper.
 
 ``train.compile`` is ``false`` (the default), ``true`` or a mapping of ``torch.compile``'s own
 arguments (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``) plus two of ddpkit's:
@@ -41,16 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.config.schema import DDPConfig, ParallelConfig, TrainConfig
+from ddpkit.config.schema import DDPConfig, TrainConfig
 from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS
 from ddpkit.distributed.ddp import unwrap_model
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sharding import full_parameters, sync_gradients, wrap_for_mode
 from ddpkit.errors import DdpkitError, first_line
-from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
-from ddpkit.training.allocator import keep_freed_host_memory
+from ddpkit.parallel.data_parallel import DDP, DataParallel
 
-# sync_gradients and unwrap_model are re-exported: the Trainer takes its model views from here.
+# unwrap_model is re-exported: the Trainer takes its model views from here.
 __all__ = [
     "CompileError",
     "Models",
@@ -58,7 +57,7 @@ __all__ = [
     "compile_settings",
     "CompileWatch",
     "DDPKIT_OPTIONS",
-    "sync_gradients",
+    "to_channels_last",
     "unwrap_model",
 ]
 
@@ -99,11 +98,14 @@ class Models:
     train: nn.Module
     eval: nn.Module
     bare: nn.Module
+    #: How the replicas hold the parameters (ddpkit.parallel.data_parallel): what validation gathers them with.
+    data_parallel: DataParallel = field(default_factory=DDP)
+    #: The compilations' watch when ``train.compile`` is on.
     watch: CompileWatch | None = None
 
     def for_evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """The context validation runs in: FSDP2 gathers the parameters once for it, other modes need nothing."""
-        return full_parameters(self.bare)
+        """The context validation runs in: FSDP2 gathers the parameters once for it, other ways need nothing."""
+        return self.data_parallel.full_parameters(self.bare)
 
     def on_exit(self, status: str) -> None:
         """The run ended: stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""
@@ -124,25 +126,17 @@ def build_models(
     *,
     ddp: DDPConfig,
     train: TrainConfig,
-    parallel: ParallelConfig | None = None,
     exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
-    pipelined: bool = False,
+    data_parallel: DataParallel | None = None,
+    group: Any = None,
 ) -> Models:
-    """``model`` on the runtime's device, in channels_last if asked, DDP-wrapped, then compiled if asked.
+    """``model`` wrapped by ``data_parallel`` (DDP by default) over ``group`` (None: every rank), then compiled if
+    ``train.compile`` asks: the three views.
 
-    Also keeps freed host memory in the process (``train.keep_host_memory``, see ddpkit.training.allocator).
-    ``pipelined``: ``model`` is a pipeline's parts, each stage already wrapped (ddpkit.training.pipeline_step):
-    every view is the model as it is.
-
-    ``exclude(name)`` is a context for work left out of samples/s; each compilation runs inside it.
+    ``exclude(name)`` is a context for work left out of samples/s; each compilation runs inside it (also settable
+    later, once the reporter exists: :meth:`CompileWatch.exclude_with`).
     """
-    if train.keep_host_memory:
-        keep_freed_host_memory()
-    if pipelined:
-        apply_activation_checkpointing(model, train.activation_checkpointing)
-        return Models(train=model, eval=model, bare=model)
-    # Before DDP and compile.
-    apply_activation_checkpointing(unwrap_model(model), train.activation_checkpointing)
+    way = data_parallel if data_parallel is not None else DDP()
     settings = compile_settings(train.compile)
     # build_model compiled it: recompile in DDP's order.
     if settings is not None and hasattr(model, "_orig_mod"):
@@ -150,17 +144,15 @@ def build_models(
             "build_model returned a torch.compile'd model; with train.compile it is compiled after DDP wrapping instead"
         )
         model = unwrap_model(model)
-    if train.channels_last:
-        model = to_channels_last(model)
     # DDP, or the model fsdp2 already sharded
-    wrapped = wrap_for_mode(model, runtime, ddp, parallel or ParallelConfig())
+    wrapped = way.wrap(model, runtime, ddp, group=group)
     bare = unwrap_model(wrapped)
     if settings is None:
-        return Models(train=wrapped, eval=bare, bare=bare)
+        return Models(train=wrapped, eval=bare, bare=bare, data_parallel=way)
     watch = CompileWatch(settings.recompile_limit, exclude=exclude)
     compiled = _compiled(wrapped, settings)
     eval_model = _compiled(bare, settings) if settings.validation and _eval_compile_is_safe(runtime) else bare
-    return Models(train=compiled, eval=eval_model, bare=bare, watch=watch)
+    return Models(train=compiled, eval=eval_model, bare=bare, data_parallel=way, watch=watch)
 
 
 def to_channels_last(model: nn.Module) -> nn.Module:
@@ -265,6 +257,10 @@ class CompileWatch:
         config.recompile_limit = recompile_limit
         config.fail_on_recompile_limit_hit = True
         self._reasons = _RecompileReasons(self.recompiles, recompile_limit)
+
+    def exclude_with(self, exclude: Callable[[str], contextlib.AbstractContextManager[Any]]) -> None:
+        """From now on each compilation runs inside ``exclude("compile")`` (the reporter's context)."""
+        self._exclude = exclude
 
     def _started(self, args: Any) -> None:
         stack = contextlib.ExitStack()

@@ -1,6 +1,7 @@
 """The run's parallel layout as one value: its degrees, this rank's coordinates, and one DeviceMesh.
 
-    layout = ParallelLayout.build(cfg.parallel, runtime)     # once, after the process group exists
+    layout = ParallelLayout.build(cfg.parallel, runtime, precision=cfg.train.precision)   # once, after the group
+    layout.data_parallel                                     # DDP(), Zero1() or FSDP2(): how replicas hold parameters
     layout.dp, layout.dp_rank, layout.dp_group               # what samplers, token counts and replicas use
     layout.pp, layout.pp_rank, layout.pp_group               # a pipeline's stages
     layout.tp, layout.tp_rank, layout.tp_mesh                # the tensor-parallel ranks a model's plan splits over
@@ -29,15 +30,27 @@ from ddpkit.config.parallel import ParallelConfig
 from ddpkit.config.schema import Config
 from ddpkit.distributed.env import DistEnv
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.parallel.data_parallel import DDP, DataParallel, Zero1
+from ddpkit.parallel.fsdp import FSDP2
 
-__all__ = ["ParallelLayout"]
+__all__ = ["ParallelLayout", "DATA_PARALLEL", "data_parallel_for"]
+
+
+#: Each ``parallel.mode`` value's class: the only place the mode is read.
+DATA_PARALLEL: dict[str, type[DataParallel]] = {way.name: way for way in (DDP, Zero1, FSDP2)}
+
+
+def data_parallel_for(parallel: ParallelConfig, *, precision: str = "fp32") -> DataParallel:
+    """The way ``parallel.mode`` names, built once from the config (``precision``: ``train.precision``)."""
+    return DATA_PARALLEL[parallel.mode].from_config(parallel, precision=precision)
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
     """The degrees (dp, pp, tp), this rank's coordinates and groups, and how parameters are held."""
 
-    mode: str
+    #: How the data-parallel replicas hold parameters: DDP(), Zero1() or FSDP2() (ddpkit.parallel.data_parallel).
+    data_parallel: DataParallel
     dp: int
     pp: int
     dp_rank: int
@@ -49,23 +62,24 @@ class ParallelLayout:
     mesh: Any = None
 
     @classmethod
-    def build(cls, parallel: ParallelConfig, runtime: Runtime) -> ParallelLayout:
+    def build(cls, parallel: ParallelConfig, runtime: Runtime, *, precision: str = "fp32") -> ParallelLayout:
         """Check the degrees against the world size, then build the mesh (a collective) for a pipeline or tensor
-        parallelism."""
+        parallelism. ``precision``: ``train.precision``, which FSDP2 computes in."""
         env = runtime.env
+        way = data_parallel_for(parallel, precision=precision)
         check_layout(parallel, world_size=env.world_size)
         stages = parallel.pipeline
         tensor = parallel.tensor
         replicas = env.world_size // (stages * tensor)
         if stages == 1 and tensor == 1:
-            return cls.data_parallel(parallel.mode, env)
+            return cls.without_mesh(way, env)
         # Imported here: DeviceMesh pulls in DTensor, which plain data-parallel runs never need.
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (stages, replicas, tensor)
         mesh = init_device_mesh(runtime.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
         return cls(
-            mode=parallel.mode,
+            data_parallel=way,
             dp=replicas,
             pp=stages,
             dp_rank=mesh.get_local_rank("dp"),
@@ -76,9 +90,10 @@ class ParallelLayout:
         )
 
     @classmethod
-    def data_parallel(cls, mode: str, env: Any) -> ParallelLayout:
-        """The layout of a run without a pipeline: every rank a data-parallel replica (no collective)."""
-        return cls(mode=mode, dp=env.world_size, pp=1, dp_rank=env.rank, pp_rank=0)
+    def without_mesh(cls, way: DataParallel, env: Any) -> ParallelLayout:
+        """The layout of a run without a pipeline or tensor parallelism: every rank a data-parallel replica (no
+        collective)."""
+        return cls(data_parallel=way, dp=env.world_size, pp=1, dp_rank=env.rank, pp_rank=0)
 
     @property
     def dp_group(self) -> Any:
@@ -103,18 +118,18 @@ class ParallelLayout:
     @property
     def replicated(self) -> bool:
         """Whether every data-parallel rank holds the same whole parameters (ddp, zero1), not shards (fsdp2)."""
-        return self.mode != "fsdp2"
+        return self.data_parallel.replicated
 
     @property
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are DCP directories, every rank writing its part: sharded modes, pipelines, tensor
         parallelism."""
-        return self.mode in ("zero1", "fsdp2") or self.pp > 1 or self.tp > 1
+        return self.data_parallel.sharded_checkpoints or self.pp > 1 or self.tp > 1
 
     @property
     def whole_model_on_each_rank(self) -> bool:
         """Whether one rank alone can save the whole training state (the crash save, memory snapshots)."""
-        return self.mode == "ddp" and self.pp == 1 and self.tp == 1
+        return not self.sharded_checkpoints
 
     def data_env(self, env: DistEnv) -> DistEnv:
         """The environment the samplers shard by: the data-parallel coordinate (the stages of one pipeline, and the
@@ -132,8 +147,8 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line for the log: the degrees and this rank's coordinates."""
         if self.mesh is None:
-            return f"data-parallel {self.dp} ({self.mode})"
-        degrees = [f"data-parallel {self.dp} ({self.mode})"]
+            return f"data-parallel {self.dp} ({self.data_parallel.name})"
+        degrees = [f"data-parallel {self.dp} ({self.data_parallel.name})"]
         if self.pp > 1:
             degrees.insert(0, f"pipeline {self.pp}")
         if self.tp > 1:

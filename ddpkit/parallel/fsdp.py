@@ -1,0 +1,182 @@
+"""``parallel.mode: fsdp2``: torch's ``fully_shard``, every block then the root, over the data-parallel replicas.
+
+    way = FSDP2(cfg.parallel.fsdp, precision=cfg.train.precision)
+    model = way.shard(model, mesh=layout.dp_mesh, runtime=runtime)   # in place: parameters become DTensor shards
+    with way.full_parameters(model):                                  # validation gathers each unit once
+        ...
+
+One wrapper for a whole model and for a pipeline's stage alike (torchtitan's order): each block of it
+(:func:`fsdp_blocks`), then the module itself, ``fully_shard``-ed over the layout's ``dp`` mesh dimension (a 2-D
+(dp, tp) layout when tensor-parallel: FSDP2 shards each DTensor's local rows further). Under a pipeline torch's
+``PipelineStage`` drives FSDP2 itself: every microbatch's backward but the last runs without gradient sync and
+without resharding, and after the last it runs FSDP2's post-backward (one reduce-scatter a unit). Gradients are
+reduced in fp32 whatever the compute precision: bf16 sums drift from DDP's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.config.parallel import FSDPConfig, ParallelConfig
+from ddpkit.config.schema import DDPConfig
+from ddpkit.distributed import ddp
+from ddpkit.distributed.memory import RankBytes, fsdp_bytes
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.data_parallel import DataParallel
+
+__all__ = ["FSDP2", "fsdp_blocks", "is_sharded"]
+
+log = logging.getLogger("ddpkit")
+
+_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
+
+
+class FSDP2(DataParallel):
+    """Parameters, gradients and optimizer state each spread over the replicas, gathered one block at a time."""
+
+    name = "fsdp2"
+    replicated = False
+    sharded_checkpoints = True
+
+    def __init__(self, options: FSDPConfig, *, precision: str = "fp32"):
+        self.blocks = options.blocks
+        self.reshard_after_forward = options.reshard_after_forward
+        self.precision = precision
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, *, precision: str = "fp32") -> FSDP2:
+        return cls(parallel.fsdp, precision=precision)
+
+    def shard(self, model: nn.Module, *, mesh: Any, runtime: Runtime) -> nn.Module:
+        """``fully_shard`` each block, then ``model``, over ``mesh`` (None: a mesh over every rank, built here)."""
+        if len(ddp.devices_of(model)) > 1:
+            raise ConfigError(
+                "parallel.mode: fsdp2 shards a model over one device a rank, and this model's parameters are on "
+                "several (placed by hand); build it on one device, or use parallel.mode=ddp"
+            )
+        # Imported here: FSDP2 pulls in DTensor and sympy (about a second) that ddp and zero1 never use.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = model.to(runtime.device)
+        if mesh is None:
+            mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
+        mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[self.precision], reduce_dtype=torch.float32)
+        blocks = fsdp_blocks(model, self.blocks)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
+        # The root keeps its parameters for the backward (FSDP2's rule).
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        log.info(
+            "fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root",
+            len(blocks),
+            mesh.size(),
+            ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
+        )
+        return model
+
+    def wrap(self, model: nn.Module, runtime: Runtime, options: DDPConfig, *, group: Any = None) -> nn.Module:
+        """The sharded model itself: FSDP2's hooks reduce the gradients."""
+        if not is_sharded(model):
+            raise RuntimeError("parallel.mode=fsdp2 but the model was not sharded: shard it before the optimizer")
+        return model
+
+    def sync_gradients(self, model: nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
+        """FSDP2's ``set_requires_gradient_sync(False)`` for an accumulation micro-step, set back on exit: a
+        forgotten False would silently skip the next reduce-scatter. Through a compiled model, DDP's rule."""
+        if sync or not is_sharded(model):
+            return ddp.sync_gradients(model, sync=sync)
+        return _without_gradient_sync(model)
+
+    @contextlib.contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[None]:
+        """Every unit's parameters gathered once and kept through the context, freed after.
+
+        Without this each forward all-gathers, and a rank with fewer validation batches than the others would
+        wait forever in a collective. Costs the full parameters on every rank meanwhile.
+        """
+        if not is_sharded(model):
+            yield
+            return
+        units = [m for m in model.modules() if is_sharded(m)]
+        for unit in units:
+            # The same order on every rank: each is one all-gather.
+            unit.unshard()
+        model.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+            # Back to the configured behaviour; the root never reshards after forward (FSDP2's own rule).
+            for unit in units:
+                if unit is not model:
+                    unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+
+    def bytes_per_rank(
+        self, shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
+    ) -> list[RankBytes]:
+        return fsdp_bytes(shapes, world_size=world_size, slots=slots, element_size=element_size)
+
+    def __repr__(self) -> str:
+        return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward})"
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:
+    """The submodules sharded as one unit each: by class name, or the default rule (docs/modes.md).
+
+    Default: every child that has parameters, of the outermost ``nn.ModuleList`` / ``nn.Sequential`` /
+    ``nn.ModuleDict`` containers (a transformer's layer list, an MLP's layers, a pipeline stage's blocks); the
+    root keeps whatever is left.
+    """
+    if names is not None:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        missing = sorted(set(names) - {type(m).__name__ for m in found})
+        if missing:
+            known = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"parallel.fsdp.blocks: no submodule of class {', '.join(missing)} "
+                f"in the model; its classes are {', '.join(known)}"
+            )
+        return _outermost(found)
+    return list(_container_children(model))
+
+
+def _container_children(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            yield from (c for c in child.children() if any(True for _ in c.parameters()))
+        else:
+            yield from _container_children(child)
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """Drop modules nested inside another listed one: FSDP2 units must not overlap in this use."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model that went through ``fully_shard`` (on the step path: a dict lookup, no import).
+
+    FSDP2 is imported only when a model is sharded, so while it is not loaded no model can be one.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)

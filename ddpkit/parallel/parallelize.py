@@ -1,0 +1,150 @@
+"""Where a rank's model lives and how it trains: one function, in one readable order, returning one value.
+
+    placed = parallelize(whole, layout, cfg, runtime, plan=styles, split=trainer.pipeline_stages,
+                         loss=trainer.pipeline_loss)
+    placed.models.train, placed.models.eval, placed.models.bare   # what training calls, validation calls, is saved
+    placed.pipeline                                               # this rank's stages and schedule, or None
+
+``whole`` is the model as built, the same on every rank (one seed). The order is torchtitan's:
+
+1. ``parallel.tensor`` > 1: the tensor plan (the model's own, or ``plan``) over the layout's ``tp`` mesh, in place,
+   so every parameter becomes a DTensor (sharded or replicated) on that mesh;
+2. ``parallel.pipeline`` > 1: the model, tensor-parallel or not, is cut into stages and this rank keeps its own
+   (:func:`ddpkit.parallel.pipeline.build_pipeline`), each stage going through steps 3 and 4 itself; otherwise the
+   whole model is the one part;
+3. activation checkpointing on the part (``train.activation_checkpointing``), and channels_last if asked;
+4. the layout's way of holding parameters (:mod:`ddpkit.parallel.data_parallel`): FSDP2 shards the part over the
+   ``dp`` mesh (a 2-D (dp, tp) layout when tensor-parallel), DDP wraps it;
+5. ``torch.compile`` on the wrapped part (:mod:`ddpkit.parallel.model_views`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.config.schema import Config
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
+from ddpkit.parallel.data_parallel import DataParallel
+from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.parallel.model_views import Models, build_models, to_channels_last
+from ddpkit.parallel.pipeline import Pipeline, build_pipeline
+from ddpkit.parallel.pipeline_split import TiedWeights
+from ddpkit.reporting.log import log
+
+__all__ = ["Placed", "parallelize", "check_tensor_degree"]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What this rank holds of the model and how it trains it: the one value placement returns."""
+
+    #: The views of the held model: ``train`` (wrapped, compiled), ``eval`` and ``bare`` (under the whole model's
+    #: names: under a pipeline, the parts this rank holds).
+    models: Models
+    #: This rank's stages, torch's stages and schedule; None without a pipeline.
+    pipeline: Pipeline | None
+    #: How the data-parallel replicas hold parameters (the layout's).
+    data_parallel: DataParallel
+
+    @property
+    def held(self) -> nn.Module:
+        """The bare model this rank holds, under the whole model's names: what is saved and optimized."""
+        return self.models.bare
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """What training runs: each local stage as wrapped, or the whole model's one training view."""
+        return self.pipeline.wrapped if self.pipeline is not None else [self.models.train]
+
+    @property
+    def tied(self) -> TiedWeights | None:
+        """A pipeline's tied embedding and head (one matrix in two stages); None without a pipeline."""
+        return self.pipeline.tied if self.pipeline is not None else None
+
+
+def check_tensor_degree(config: Config) -> None:
+    """Refuse a ``parallel.tensor`` that ddpkit's own model (``model.name: gpt``) cannot be split by, from its
+    ``model.kwargs`` (heads, kv heads, MLP width and, with ``vocab_parallel``, the vocabulary divisible by T; no
+    dropout), naming the valid degrees: in the Trainer's constructor, before any process group exists. A user's
+    model is judged once built (:func:`_tensor_parallel`)."""
+    parallel = config.parallel
+    if parallel.tensor == 1 or config.model.name != "gpt":
+        return
+    # Imported here: the plans pull in DTensor, which a run without tensor parallelism never needs.
+    from ddpkit.parallel.tensor_plan import check_tensor_plan
+
+    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=parallel.vocab_parallel)
+
+
+def parallelize(
+    whole: nn.Module,
+    layout: ParallelLayout,
+    config: Config,
+    runtime: Runtime,
+    *,
+    plan: Mapping[str, Any] | None = None,
+    split: Callable[[nn.Module, int], list[nn.Module] | None] | None = None,
+    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+) -> Placed:
+    """This rank's part of ``whole``, placed, wrapped and compiled as the config says (the module's order).
+
+    ``plan``: torch's ParallelStyle objects by module name (the Trainer's ``tensor_plan``); None: the model's own.
+    ``split`` and ``loss``: the Trainer's ``pipeline_stages`` and ``pipeline_loss``, used under a pipeline.
+    """
+    way = layout.data_parallel
+    model = whole
+    if layout.tp > 1:
+        model = _tensor_parallel(whole, layout, config, runtime, plan)
+    if layout.pp > 1:
+        pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=_prepare(config))
+        models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way)
+        return Placed(models, pipeline, way)
+    model = _prepare(config)(model)
+    model = way.shard(model, mesh=layout.dp_mesh, runtime=runtime)
+    group = layout.dp_group
+    models = build_models(model, runtime, ddp=config.ddp, train=config.train, data_parallel=way, group=group)
+    return Placed(models, None, way)
+
+
+def _prepare(config: Config) -> Callable[[nn.Module], nn.Module]:
+    """What every part gets before its data-parallel wrapper: activation checkpointing, then channels_last."""
+    train = config.train
+
+    def prepare(part: nn.Module) -> nn.Module:
+        apply_activation_checkpointing(part, train.activation_checkpointing)
+        if train.channels_last:
+            part = to_channels_last(part)
+        return part
+
+    return prepare
+
+
+def _tensor_parallel(
+    model: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime, plan: Mapping[str, Any] | None
+) -> nn.Module:
+    """``model`` split by its tensor plan over the layout's tensor mesh (collectives: the shards are scattered)."""
+    # Imported here: the plans pull in DTensor's parallel styles, which runs without tensor parallelism never need.
+    from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
+
+    parallel = config.parallel
+    # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.
+    check_tensor_plan(model, layout.tp, vocab_parallel=parallel.vocab_parallel)
+    model = model.to(runtime.device)
+    styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=parallel.vocab_parallel))
+    apply_tensor_parallel(model, layout.tp_mesh, styles)
+    split = sorted({type(style).__name__ for style in styles.values()})
+    log.info(
+        "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s); this rank is tensor rank %d",
+        len(styles),
+        type(model).__name__,
+        layout.tp,
+        ", ".join(split),
+        layout.tp_rank,
+    )
+    return model
