@@ -129,10 +129,11 @@ class Trainer:
     @property
     def model(self) -> nn.Module:
         """The DDP-wrapped model while training; the bare model during validation and after ``fit()``."""
-        if self._parts is None:
-            raise RuntimeError("Trainer.model exists once fit() has built it")
-        models = self._parts.models
-        return models.eval if self._parts.evaluation.active else models.train
+        if self.placed is None:
+            raise RuntimeError("Trainer.model exists once fit() has placed it")
+        models = self.placed.models
+        validating = self._parts is not None and self._parts.evaluation.active
+        return models.eval if validating else models.train
 
     @property
     def unwrapped_model(self) -> nn.Module:

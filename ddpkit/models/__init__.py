@@ -7,7 +7,9 @@
 - ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
 - ``hf_gpt2`` / ``hf_llama`` (on ``hf_files``): Hugging Face directories in (``init_from``) and out
   (``ddpkit export --format hf``);
-- ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft).
+- ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft);
+- ``tensor_plans``: each family's tensor plan (``GPT.tensor_plan``, ``Llama.tensor_plan``); its pipeline cut is
+  on the class too (``stage_parts``, ``stage_input``, ``stage_rotation``, ``stage_output``).
 
-How a model splits itself over ranks lives in :mod:`ddpkit.parallel`.
+Applying a plan or a cut, and how the ranks hold the parts, lives in :mod:`ddpkit.parallel`.
 """

@@ -137,6 +137,32 @@ class GPT(nn.Module):
         init_weights(self, residuals=[p for block in self.blocks for p in (block.attn.proj, block.proj)], depth=depth)
         self.documents: dict[str, Any] | None = None  # use_documents: per-document attention and positions
 
+    #: How a pipeline cuts this family (ddpkit.parallel.pipeline_split): the parts read before the blocks on the
+    #: first stage, on every stage, and after the blocks on the last.
+    stage_parts = {"first": ("embed", "pos", "drop"), "every": (), "last": ("ln_f", "head")}
+
+    @staticmethod
+    def stage_input(parts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The first stage's input to the blocks: token and position embeddings of ``x`` (``parts`` holds them)."""
+        positions = torch.arange(x.shape[1], device=x.device)
+        return parts.drop(parts.embed(x) + parts.pos(positions))
+
+    @staticmethod
+    def stage_rotation(parts: nn.Module, h: torch.Tensor) -> None:
+        """What each block takes besides its input on a stage: nothing (learned positions)."""
+        return None
+
+    @staticmethod
+    def stage_output(parts: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits of the blocks' output ``h`` (before the padded ids are masked)."""
+        return parts.head(parts.ln_f(h))
+
+    def tensor_plan(self, *, vocab_parallel: bool = False) -> dict[str, Any]:
+        """This model's tensor plan: each block's MLP split, its fused attention whole (ddpkit.models.tensor_plans)."""
+        from ddpkit.models.tensor_plans import gpt2_plan
+
+        return gpt2_plan(self, vocab_parallel=vocab_parallel)
+
     def use_documents(self, *, eot: int, restart_positions: bool = False) -> None:
         """Attend within the documents ``eot`` separates (``data.kwargs.document_mask``; training.document_mask)."""
         self.documents = {"eot": eot, "restart_positions": restart_positions}

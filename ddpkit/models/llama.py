@@ -288,6 +288,32 @@ class Llama(nn.Module):
             self.head.weight = self.embed.weight
         self.documents: dict[str, Any] | None = None
 
+    #: How a pipeline cuts this family (ddpkit.parallel.pipeline_split): the parts read before the blocks on the
+    #: first stage, on every stage (RoPE's tables), and after the blocks on the last.
+    stage_parts = {"first": ("embed", "drop"), "every": ("rope",), "last": ("norm", "head")}
+
+    @staticmethod
+    def stage_input(parts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The first stage's input to the blocks: the token embeddings of ``x`` (``parts`` holds them)."""
+        return parts.drop(parts.embed(x))
+
+    @staticmethod
+    def stage_rotation(parts: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``(cos, sin)`` for a stage's input ``h``, each block's second argument."""
+        positions = torch.arange(h.shape[1], device=h.device)
+        return parts.rope(positions, dtype=h.dtype)
+
+    @staticmethod
+    def stage_output(parts: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits of the blocks' output ``h`` (before the padded ids are masked)."""
+        return parts.head(parts.norm(h))
+
+    def tensor_plan(self, *, vocab_parallel: bool = False) -> dict[str, Any]:
+        """This model's tensor plan: q/k/v and gate/up colwise, o/down rowwise (ddpkit.models.tensor_plans)."""
+        from ddpkit.models.tensor_plans import llama_plan
+
+        return llama_plan(self, vocab_parallel=vocab_parallel)
+
     def use_documents(self, *, eot: int, restart_positions: bool = False) -> None:
         """Attend within the documents ``eot`` separates (``data.kwargs.document_mask``; training.document_mask)."""
         self.documents = {"eot": eot, "restart_positions": restart_positions}

@@ -30,19 +30,13 @@ from ddpkit.errors import ConfigError
 
 __all__ = ["split_model", "cut_blocks", "stage_blocks", "TiedWeights", "tied_weight", "HeldParts"]
 
-# The parts of ddpkit's language models around their blocks, by model class: read before the blocks on the first
-# stage, after them on the last; "every" parts (RoPE's tables) on every stage.
-_FAMILIES = {
-    "GPT": {"first": ("embed", "pos", "drop"), "every": (), "last": ("ln_f", "head")},
-    "Llama": {"first": ("embed", "drop"), "every": ("rope",), "last": ("norm", "head")},
-}
-
 
 def split_model(model: nn.Module, *, stages: int, split_points: Sequence[str] | None = None) -> list[nn.Module]:
     """All ``stages`` stage modules of ``model`` (each rank then keeps its own); their parameters are ``model``'s."""
     if split_points is not None:
         return _split_children(model, stages, list(split_points))
-    family = _FAMILIES.get(type(model).__name__)
+    # ddpkit's model families say how they are cut: stage_parts, stage_input, stage_rotation, stage_output.
+    family = getattr(model, "stage_parts", None)
     if family is None:
         raise ConfigError(
             f"parallel.pipeline: ddpkit cannot cut a {type(model).__name__} into stages by itself; set "
@@ -115,7 +109,8 @@ class LanguageModelStage(nn.Module):
         super().__init__()
         self.is_first = index == 0
         self.is_last = index == stages - 1
-        self.family = type(model).__name__
+        #: The model's class: its stage_input / stage_rotation / stage_output run on this stage's parts.
+        self.family = type(model)
         self.valid_vocab = getattr(model, "valid_vocab", None)
         tied = getattr(model, "head", None) is not None and model.head.weight is model.embed.weight
         wanted = set(family["every"])
@@ -135,27 +130,16 @@ class LanguageModelStage(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            h = self._embed(h)
-        rope = self._rope(h) if self.family == "Llama" else None
+            h = self.family.stage_input(self, h)
+        rope = self.family.stage_rotation(self, h)
         for block in self.blocks.values():
             h = block(h, rope, None, None) if rope is not None else block(h, None, None)
         if self.is_last:
             h = self._logits(h)
         return h
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        if self.family == "GPT":
-            positions = torch.arange(x.shape[1], device=x.device)
-            return self.drop(self.embed(x) + self.pos(positions))
-        return self.drop(self.embed(x))
-
-    def _rope(self, h: torch.Tensor) -> Any:
-        positions = torch.arange(h.shape[1], device=h.device)
-        return self.rope(positions, dtype=h.dtype)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        norm = self.ln_f if self.family == "GPT" else self.norm
-        logits = self.head(norm(h))
+        logits = self.family.stage_output(self, h)
         if self.valid_vocab is not None:
             # padded ids: probability 0, no gradient, the loss unchanged
             logits[..., self.valid_vocab :] = float("-inf")

@@ -56,163 +56,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT, resolve
 from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.models.tensor_plans import Replicated
 
 __all__ = [
     "Replicated",
     "tensor_plan",
-    "llama_plan",
-    "gpt2_plan",
     "check_tensor_plan",
     "tensor_problems",
     "valid_tensor_degrees",
     "apply_tensor_parallel",
 ]
 
-# LlamaBlock calls its attention as attn(x, rope, cache, documents): only x becomes a DTensor.
-_ATTENTION_INPUTS = 4
 # What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
 _GPT2_WIDTH = "the MLP width (4 x model.kwargs.dim)"
 
 
-class Replicated(ParallelStyle):
-    """A module computed whole on every tensor-parallel rank: its own parameters become ``Replicate()`` DTensors.
-
-    Its tensor inputs are read as DTensors of ``input_layout`` (``Replicate()``: the same tensor on every rank;
-    ``Shard(d)``: each rank holds slice ``d``, as a per-head norm after a colwise projection does) and its output
-    is handed back as the local tensor. Nothing is communicated forward; in the backward a parameter whose
-    gradient sums over a sharded input (a per-head norm's weight) is all-reduced by DTensor, a replicated input's
-    gradient is already whole. torchtitan's ``NoParallel`` does the same for the same reason: every parameter on
-    one mesh, for clipping and the fused optimizers. ``distribute_module`` replicates the module's buffers too
-    (none in ddpkit's norms, embeddings and Linears; RoPE's tables sit in a module the plan leaves alone).
-    """
-
-    def __init__(self, *, input_layout: Placement | None = None):
-        super().__init__()
-        self.input_layout = input_layout or Replicate()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=_replicate_parameters,
-            input_fn=self._inputs_as_dtensors,
-            output_fn=_outputs_as_local,
-        )
-
-    def _inputs_as_dtensors(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(_as_dtensor(x, mesh, self.input_layout) for x in inputs)
-
-    def __repr__(self) -> str:
-        return f"Replicated(input_layout={self.input_layout!r})"
-
-
-def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> Any:
-    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-        # run_check=False: the layout is the plan's promise; checking it would cost a collective per call
-        return DTensor.from_local(x, mesh, (layout,), run_check=False)
-    return x
-
-
-def _outputs_as_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
-def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    """``Replicate()`` every parameter ``module`` owns itself (``distribute_module`` replicates its buffers)."""
-    for key, param in list(module.named_parameters(recurse=False)):
-        if not isinstance(param, DTensor):
-            replicated = distribute_tensor(param.data, mesh, [Replicate()])
-            module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
-
-
-def _vocabulary(vocab_parallel: bool) -> dict[str, ParallelStyle]:
-    """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
-
-    Sharded, the embedding's rows are split (RowwiseParallel on an ``nn.Embedding``: each rank looks up the ids it
-    holds, zeros elsewhere, one all-reduce) and so are the head's (ColwiseParallel: each rank scores its ids); the
-    logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
-    rows, so a tied head stays one parameter.
-    """
-    if not vocab_parallel:
-        # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
-        return {"embed": Replicated(), "head": Replicated()}
-    return {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
-    }
-
-
-def llama_plan(model: Llama, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The Llama family's plan (the module docstring's table): q/k/v and gate/up colwise, o/down rowwise."""
-    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel), "norm": Replicated()}
-    whole_input = (Replicate(),) + (None,) * (_ATTENTION_INPUTS - 1)
-    for i, block in enumerate(model.blocks):
-        prefix = f"blocks.{i}"
-        plan[f"{prefix}.attn_norm"] = Replicated()
-        plan[f"{prefix}.mlp_norm"] = Replicated()
-        plan[f"{prefix}.attn"] = PrepareModuleInput(
-            input_layouts=whole_input, desired_input_layouts=whole_input, use_local_output=False
-        )
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel()
-        if block.attn.q_norm is not None:
-            # q and k are [batch, length, heads, head_dim] there, each rank holding dim 2's slice
-            plan[f"{prefix}.attn.q_norm"] = Replicated(input_layout=Shard(2))
-            plan[f"{prefix}.attn.k_norm"] = Replicated(input_layout=Shard(2))
-        plan[f"{prefix}.mlp"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-        )
-        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
-    return plan
-
-
-def gpt2_plan(model: GPT, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """GPT-2's plan: each block's MLP sharded (``fc`` colwise, ``proj`` rowwise), its fused attention replicated.
-
-    A colwise split of the fused ``attn.qkv`` (rows ``[q | k | v]``) would give rank 0 all of q and part of k, not
-    whole heads; splitting it by heads would need a strided placement torch keeps private (``_StridedShard``)
-    and a checkpoint layout of its own, so the attention stays whole on every rank (see the module docstring).
-    """
-    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "ln_f": Replicated()}
-    for i in range(len(model.blocks)):
-        prefix = f"blocks.{i}"
-        for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
-            plan[f"{prefix}.{name}"] = Replicated()
-        plan[f"{prefix}.fc"] = ColwiseParallel()
-        plan[f"{prefix}.proj"] = RowwiseParallel()
-    return plan
-
-
 def tensor_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`) by module name.
+    """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`: their ``tensor_plan``) by
+    module name.
 
     ``vocab_parallel``: shard the embedding and the head by vocabulary too; the model then returns its logits as a
     DTensor sharded on the vocabulary, and the loss and its backward must run under torch's ``loss_parallel()``.
     A user's model brings its own plan (a dict of the same kind); ddpkit cannot guess which of its Linears pair up.
     """
-    if isinstance(model, Llama):
-        return llama_plan(model, vocab_parallel=vocab_parallel)
-    if isinstance(model, GPT):
-        return gpt2_plan(model, vocab_parallel=vocab_parallel)
+    # Each of ddpkit's model families owns its plan (ddpkit.models.tensor_plans).
+    own_plan = getattr(model, "tensor_plan", None)
+    if callable(own_plan):
+        return own_plan(vocab_parallel=vocab_parallel)
     raise ConfigError(
         f"parallel.tensor: ddpkit has no tensor plan for a {type(model).__name__}; give one as torch's ParallelStyle "
         "objects by module name (ColwiseParallel for a pair's first Linear, RowwiseParallel for its second), e.g. "

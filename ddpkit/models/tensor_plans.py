@@ -1,0 +1,140 @@
+"""The tensor plans of ddpkit's own models, each family's own (``GPT.tensor_plan``, ``Llama.tensor_plan``).
+
+    plan = model.tensor_plan(vocab_parallel=False)   # {"blocks.0.attn.q_proj": ColwiseParallel(), ...}
+
+A plan is torch's own vocabulary (``torch.distributed.tensor.parallel``): ParallelStyle objects by module name,
+applied by :func:`ddpkit.parallel.tensor_plan.apply_tensor_parallel` (``parallelize_module``, as torchtitan does);
+that module's docstring has the table of what each style does and what a step costs. Here live the plans and the
+one style of ddpkit's own they use, :class:`Replicated`. Imported only when a model is split: DTensor's parallel
+styles are a second's import that runs without tensor parallelism never pay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Replicated", "llama_plan", "gpt2_plan"]
+
+# LlamaBlock calls its attention as attn(x, rope, cache, documents): only x becomes a DTensor.
+_ATTENTION_INPUTS = 4
+
+
+class Replicated(ParallelStyle):
+    """A module computed whole on every tensor-parallel rank: its own parameters become ``Replicate()`` DTensors.
+
+    Its tensor inputs are read as DTensors of ``input_layout`` (``Replicate()``: the same tensor on every rank;
+    ``Shard(d)``: each rank holds slice ``d``, as a per-head norm after a colwise projection does) and its output
+    is handed back as the local tensor. Nothing is communicated forward; in the backward a parameter whose
+    gradient sums over a sharded input (a per-head norm's weight) is all-reduced by DTensor, a replicated input's
+    gradient is already whole. torchtitan's ``NoParallel`` does the same for the same reason: every parameter on
+    one mesh, for clipping and the fused optimizers. ``distribute_module`` replicates the module's buffers too
+    (none in ddpkit's norms, embeddings and Linears; RoPE's tables sit in a module the plan leaves alone).
+    """
+
+    def __init__(self, *, input_layout: Placement | None = None):
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_replicate_parameters,
+            input_fn=self._inputs_as_dtensors,
+            output_fn=_outputs_as_local,
+        )
+
+    def _inputs_as_dtensors(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(_as_dtensor(x, mesh, self.input_layout) for x in inputs)
+
+    def __repr__(self) -> str:
+        return f"Replicated(input_layout={self.input_layout!r})"
+
+
+def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        # run_check=False: the layout is the plan's promise; checking it would cost a collective per call
+        return DTensor.from_local(x, mesh, (layout,), run_check=False)
+    return x
+
+
+def _outputs_as_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """``Replicate()`` every parameter ``module`` owns itself (``distribute_module`` replicates its buffers)."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            replicated = distribute_tensor(param.data, mesh, [Replicate()])
+            module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _vocabulary(vocab_parallel: bool) -> dict[str, ParallelStyle]:
+    """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
+
+    Sharded, the embedding's rows are split (RowwiseParallel on an ``nn.Embedding``: each rank looks up the ids it
+    holds, zeros elsewhere, one all-reduce) and so are the head's (ColwiseParallel: each rank scores its ids); the
+    logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
+    rows, so a tied head stays one parameter.
+    """
+    if not vocab_parallel:
+        # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
+        return {"embed": Replicated(), "head": Replicated()}
+    return {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def llama_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The Llama family's plan (the table in :mod:`ddpkit.parallel.tensor_plan`): q/k/v and gate/up colwise,
+    o/down rowwise; ``model`` is a :class:`~ddpkit.models.llama.Llama`."""
+    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel), "norm": Replicated()}
+    whole_input = (Replicate(),) + (None,) * (_ATTENTION_INPUTS - 1)
+    for i, block in enumerate(model.blocks):
+        prefix = f"blocks.{i}"
+        plan[f"{prefix}.attn_norm"] = Replicated()
+        plan[f"{prefix}.mlp_norm"] = Replicated()
+        plan[f"{prefix}.attn"] = PrepareModuleInput(
+            input_layouts=whole_input, desired_input_layouts=whole_input, use_local_output=False
+        )
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel()
+        if block.attn.q_norm is not None:
+            # q and k are [batch, length, heads, head_dim] there, each rank holding dim 2's slice
+            plan[f"{prefix}.attn.q_norm"] = Replicated(input_layout=Shard(2))
+            plan[f"{prefix}.attn.k_norm"] = Replicated(input_layout=Shard(2))
+        plan[f"{prefix}.mlp"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def gpt2_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """GPT-2's plan (``model``: a :class:`~ddpkit.models.gpt.GPT`): each block's MLP sharded (``fc`` colwise,
+    ``proj`` rowwise), its fused attention replicated.
+
+    A colwise split of the fused ``attn.qkv`` (rows ``[q | k | v]``) would give rank 0 all of q and part of k, not
+    whole heads; splitting it by heads would need a strided placement torch keeps private (``_StridedShard``)
+    and a checkpoint layout of its own, so the attention stays whole on every rank (see the module docstring).
+    """
+    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "ln_f": Replicated()}
+    for i in range(len(model.blocks)):
+        prefix = f"blocks.{i}"
+        for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
+            plan[f"{prefix}.{name}"] = Replicated()
+        plan[f"{prefix}.fc"] = ColwiseParallel()
+        plan[f"{prefix}.proj"] = RowwiseParallel()
+    return plan
