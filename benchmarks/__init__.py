@@ -28,6 +28,7 @@
     python -m benchmarks.lora                # LoRA vs a full fine-tune at SmolLM2-135M's shape: params, bytes, time
     python -m benchmarks.pipeline            # pp2 on 2 Gloo ranks: bubble vs theory, throughput, activations held
     python -m benchmarks.tensor_parallel     # tp2 on 2 Gloo ranks against a world of one and ddp: step time, bytes
+    python -m benchmarks.memory              # each rank's peak host memory in every layout, a 1 GB Llama shape
     python -m benchmarks.spark_startup       # start-up of ddpkit.spark.run and TorchDistributor against torchrun
 
 ``benchmarks.workloads`` is not a benchmark: it holds what they share (the workloads, the shared

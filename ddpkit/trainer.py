@@ -26,6 +26,7 @@ from ddpkit.launch.entrypoint import parse_worker_argv, run_trainer
 from ddpkit.launch.run_parts import Built, RunParts, build_run_parts
 from ddpkit.launch.worker_scope import Worker, worker_scope
 from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.parallel.meta_build import build_on_meta
 from ddpkit.parallel.parallelize import Placed, check_tensor_degree, parallelize
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Profiler, Reporter, start_logging
@@ -263,7 +264,7 @@ class Trainer:
         """Place the model, then build the run's parts from it (and register what a checkpoint holds)."""
         cfg = self.config
         train_set, val_set = self.build_datasets()
-        whole = training.apply_lora(self.build_model(), cfg.model)
+        whole = training.apply_lora(build_on_meta(self.build_model, cfg), cfg.model)
         # First: any later failure would say less.
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.

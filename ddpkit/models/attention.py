@@ -21,17 +21,14 @@ grows (doubling, up to ``max_len``) as tokens arrive, so a model whose context i
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from typing import Protocol
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.models.document_mask import Documents, document_attention
 
-__all__ = ["causal_attention", "LayerCache", "KVCache", "CachedModel", "init_weights"]
+__all__ = ["causal_attention", "LayerCache", "KVCache", "CachedModel"]
 
 #: The smallest capacity a layer's cache grows to at its first tokens.
 _FIRST_CAPACITY = 64
@@ -125,15 +122,3 @@ def causal_attention(
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         return document_attention(q, k, v, documents, dropout=dropout)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
-
-
-def init_weights(model: nn.Module, *, residuals: Iterable[nn.Linear], depth: int) -> None:
-    """GPT-2's initialisation, which both families use: normal(0, 0.02) weights, zero biases, and the projections
-    that add to the residual stream (two per block) normal(0, 0.02 / sqrt(2 * depth))."""
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-    for projection in residuals:
-        nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * depth))

@@ -31,10 +31,11 @@ from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.models import hf_llama
-from ddpkit.models.attention import KVCache, LayerCache, causal_attention, init_weights
+from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against, family_of
 from ddpkit.models.hf_gpt2 import read_config, read_weights
+from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta
 from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 from ddpkit.registry import register_model
 
@@ -113,6 +114,8 @@ class GPT(nn.Module):
         valid_vocab: int | None = None,
     ):
         super().__init__()
+        # First, before any submodule draws: the same seed whether built on the CPU or on the meta device.
+        self.init_seed = draw_init_seed()
         _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
         _check_options(activation, valid_vocab, vocab_size)
         self.vocab_size = vocab_size
@@ -133,8 +136,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied: one [vocab, dim] matrix reads tokens in and scores them out
-        # GPT-2's initialisation; residual projections get std 0.02 / sqrt(2 * depth) (two per block add to it)
-        init_weights(self, residuals=[p for block in self.blocks for p in (block.attn.proj, block.proj)], depth=depth)
+        if not is_on_meta(self):
+            self.init_weights()
         self.documents: dict[str, Any] | None = None  # use_documents: per-document attention and positions
 
     #: How a pipeline cuts this family (ddpkit.parallel.pipeline_split): the parts read before the blocks on the
@@ -156,6 +159,13 @@ class GPT(nn.Module):
     def stage_output(parts: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The last stage's logits of the blocks' output ``h`` (before the padded ids are masked)."""
         return parts.head(parts.ln_f(h))
+
+    def init_weights(self, parts: nn.Module | None = None) -> None:
+        """GPT-2's initialisation, each parameter drawn by its name (ddpkit.models.init_by_name): of ``parts`` (any
+        part of this model under its names, materialised with ``to_empty``), or of the whole model. Residual
+        projections (two per block add to the stream) get std 0.02 / sqrt(2 * depth)."""
+        residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.proj", "proj")]
+        initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
 
     def tensor_plan(self, *, vocab_parallel: bool = False) -> dict[str, Any]:
         """This model's tensor plan: each block's MLP split, its fused attention whole (ddpkit.models.tensor_plans)."""

@@ -47,9 +47,10 @@ from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.models import hf_llama
-from ddpkit.models.attention import KVCache, LayerCache, causal_attention, init_weights
+from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against
+from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta
 from ddpkit.models.rope import Rotary, apply_rotary, check_scaling
 
 __all__ = [
@@ -265,6 +266,8 @@ class Llama(nn.Module):
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
+        # First, before any submodule draws: the same seed whether built on the CPU or on the meta device.
+        self.init_seed = draw_init_seed()
         self.shape = shape
         self.vocab_size = shape.vocab_size
         self.dim = shape.dim
@@ -281,11 +284,11 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(LlamaBlock(shape) for _ in range(shape.depth))
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.head = nn.Linear(shape.dim, shape.vocab_size, bias=False)
-        residuals = [p for block in self.blocks for p in (block.attn.o_proj, block.mlp.down_proj)]
-        init_weights(self, residuals=residuals, depth=shape.depth)
         if shape.tied:
             # one [vocab, dim] matrix reads tokens in and scores them out
             self.head.weight = self.embed.weight
+        if not is_on_meta(self):
+            self.init_weights()
         self.documents: dict[str, Any] | None = None
 
     #: How a pipeline cuts this family (ddpkit.parallel.pipeline_split): the parts read before the blocks on the
@@ -307,6 +310,12 @@ class Llama(nn.Module):
     def stage_output(parts: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The last stage's logits of the blocks' output ``h`` (before the padded ids are masked)."""
         return parts.head(parts.norm(h))
+
+    def init_weights(self, parts: nn.Module | None = None) -> None:
+        """GPT-2's initialisation, each parameter drawn by its name (ddpkit.models.init_by_name), of ``parts`` (any
+        part of this model under its names) or of the whole model; RoPE's frequencies recomputed."""
+        residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.o_proj", "mlp.down_proj")]
+        initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
 
     def tensor_plan(self, *, vocab_parallel: bool = False) -> dict[str, Any]:
         """This model's tensor plan: q/k/v and gate/up colwise, o/down rowwise (ddpkit.models.tensor_plans)."""

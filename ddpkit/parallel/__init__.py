@@ -2,6 +2,8 @@
 
 - ``parallelize``: the one placement function, in one order (tensor plan, pipeline cut or the whole model, then each
   part's activation checkpointing, data-parallel wrapper and compile), returning one value (``Placed``);
+- ``meta_build``: the model built on the meta device, then each part made and initialised only where a rank
+  holds it;
 - ``layout``: the run's layout as one value (dp, pp, tp degrees, this rank's coordinates, one DeviceMesh, and the
   data-parallel way chosen from ``parallel.mode``);
 - ``data_parallel`` / ``fsdp``: the ways replicas hold parameters, one class each (``DDP``, ``Zero1``, ``FSDP2``):

@@ -30,6 +30,7 @@ from ddpkit.distributed import ddp
 from ddpkit.distributed.memory import RankBytes, fsdp_bytes
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.data_parallel import DataParallel
 
 __all__ = ["FSDP2", "fsdp_blocks", "is_sharded"]
@@ -66,7 +67,8 @@ class FSDP2(DataParallel):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        model = model.to(runtime.device)
+        if not is_on_meta(model):
+            model = model.to(runtime.device)
         if mesh is None:
             mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
         mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[self.precision], reduce_dtype=torch.float32)
@@ -90,11 +92,11 @@ class FSDP2(DataParallel):
         return model
 
     def sync_gradients(self, model: nn.Module, *, sync: bool) -> contextlib.AbstractContextManager[None]:
-        """FSDP2's ``set_requires_gradient_sync(False)`` for an accumulation micro-step, set back on exit: a
-        forgotten False would silently skip the next reduce-scatter. Through a compiled model, DDP's rule."""
-        if sync or not is_sharded(model):
-            return ddp.sync_gradients(model, sync=sync)
-        return _without_gradient_sync(model)
+        """Every micro-batch's gradients reduce-scattered, accumulation micro-steps too: skipping it
+        (``set_requires_gradient_sync(False)``) would keep every unsharded gradient until the last micro-batch, the
+        whole model's gradients on every rank, which is what fsdp2 exists to avoid (measured: 0.82 of a world of
+        one's peak on 2 ranks instead of 0.5). Under a pipeline torch's stage decides itself."""
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[None]:
@@ -128,15 +130,6 @@ class FSDP2(DataParallel):
 
     def __repr__(self) -> str:
         return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward})"
-
-
-@contextlib.contextmanager
-def _without_gradient_sync(model: Any) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:

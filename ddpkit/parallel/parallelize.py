@@ -14,8 +14,10 @@
    whole model is the one part;
 3. activation checkpointing on the part (``train.activation_checkpointing``), and channels_last if asked;
 4. the layout's way of holding parameters (:mod:`ddpkit.parallel.data_parallel`): FSDP2 shards the part over the
-   ``dp`` mesh (a 2-D (dp, tp) layout when tensor-parallel), DDP wraps it;
-5. ``torch.compile`` on the wrapped part (:mod:`ddpkit.parallel.model_views`).
+   ``dp`` mesh (a 2-D (dp, tp) layout when tensor-parallel);
+5. a model built on the meta device (:mod:`ddpkit.parallel.meta_build`) is made now, the part only, its shards
+   only, on the rank's device, and initialised by parameter name; steps 1 to 4 ran on meta, with no memory;
+6. DDP wraps the part (ddp, zero1), then ``torch.compile`` (:mod:`ddpkit.parallel.model_views`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from torch import nn
 
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
 from ddpkit.parallel.data_parallel import DataParallel
 from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.parallel.meta_build import materialize
 from ddpkit.parallel.model_views import Models, build_models, to_channels_last
 from ddpkit.parallel.pipeline import Pipeline, build_pipeline
 from ddpkit.parallel.pipeline_split import TiedWeights
@@ -98,18 +102,28 @@ def parallelize(
     ``split`` and ``loss``: the Trainer's ``pipeline_stages`` and ``pipeline_loss``, used under a pipeline.
     """
     way = layout.data_parallel
+    made = _maker(whole, runtime.device)
     model = whole
     if layout.tp > 1:
         model = _tensor_parallel(whole, layout, config, runtime, plan)
     if layout.pp > 1:
-        pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=_prepare(config))
+        prepare = _prepare(config)
+        pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=prepare, made=made)
         models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way)
         return Placed(models, pipeline, way)
     model = _prepare(config)(model)
-    model = way.shard(model, mesh=layout.dp_mesh, runtime=runtime)
+    model = made(way.shard(model, mesh=layout.dp_mesh, runtime=runtime))
     group = layout.dp_group
     models = build_models(model, runtime, ddp=config.ddp, train=config.train, data_parallel=way, group=group)
     return Placed(models, None, way)
+
+
+def _maker(whole: nn.Module, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    """What a part gets once sharded, before its wrapper: made on the device and initialised by name when ``whole``
+    was built on the meta device (ddpkit.parallel.meta_build), else nothing (it was built whole)."""
+    if not is_on_meta(whole):
+        return lambda part: part
+    return lambda part: materialize(part, whole, device)
 
 
 def _prepare(config: Config) -> Callable[[nn.Module], nn.Module]:
@@ -135,7 +149,8 @@ def _tensor_parallel(
     parallel = config.parallel
     # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.
     check_tensor_plan(model, layout.tp, vocab_parallel=parallel.vocab_parallel)
-    model = model.to(runtime.device)
+    if not is_on_meta(model):
+        model = model.to(runtime.device)
     styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=parallel.vocab_parallel))
     apply_tensor_parallel(model, layout.tp_mesh, styles)
     split = sorted({type(style).__name__ for style in styles.values()})

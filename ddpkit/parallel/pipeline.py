@@ -32,6 +32,7 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed import ddp as ddp_wrap
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.layout import ParallelLayout
 from ddpkit.parallel.pipeline_forward import PipelineForward
 from ddpkit.parallel.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
@@ -85,12 +86,15 @@ def build_pipeline(
     split: Callable[[nn.Module, int], list[nn.Module] | None] | None,
     loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
     prepare: Callable[[nn.Module], nn.Module] = lambda stage: stage,
+    made: Callable[[nn.Module], nn.Module] = lambda stage: stage,
 ) -> Pipeline:
     """Cut ``model`` (built whole, the same on every rank), keep this rank's stages, wrap and schedule them.
 
     ``split(model, stages)``: the Trainer's ``pipeline_stages`` (None, or returning None: ddpkit's own cut);
     ``loss(output, target)``: the last stage's loss per microbatch; ``prepare(stage)``: what each local stage gets
-    before its data-parallel wrapper (activation checkpointing, :func:`ddpkit.parallel.parallelize.parallelize`).
+    before its data-parallel sharding (activation checkpointing, :func:`ddpkit.parallel.parallelize.parallelize`);
+    ``made(stage)``: what it gets once sharded, before its wrapper (a meta-built model's stage is made and
+    initialised there: only this rank's stages ever take memory).
     """
     from torch.distributed import pipelining
 
@@ -100,11 +104,11 @@ def build_pipeline(
     every = _cut(model, total, parallel.split_points, split)
     # Stage i + P * v on pipeline rank i: the looped layout the interleaved schedules expect.
     ids = [layout.pp_rank + layout.pp * v for v in range(per_rank)]
-    local = [prepare(every[i].to(runtime.device)) for i in ids]
+    local = [prepare(every[i] if is_on_meta(every[i]) else every[i].to(runtime.device)) for i in ids]
     # Before the wrapping: fsdp2 replaces the parameters of the stages this rank shards (a tied head's matrix in
     # stage 0 no longer `is` the one in the last stage, which this rank does not shard).
     is_tied = tied_weight(every[-1]) is not None
-    wrapped = [_data_parallel(stage, layout, config, runtime) for stage in local]
+    wrapped = [_data_parallel(stage, layout, config, runtime, made) for stage in local]
     torch_stages = [
         pipelining.PipelineStage(module, i, total, runtime.device, group=layout.pp_group)
         for module, i in zip(wrapped, ids)
@@ -149,11 +153,13 @@ def _cut(
     return every
 
 
-def _data_parallel(stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime) -> nn.Module:
+def _data_parallel(
+    stage: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime, made: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
     """A stage as its replicas hold it: sharded over them (fsdp2), in DDP over them (ddp, zero1), or as it is with
-    one replica of ddp / zero1."""
+    one replica of ddp / zero1; ``made`` between the sharding and the wrapper."""
     way = layout.data_parallel
-    stage = way.shard(stage, mesh=layout.dp_mesh, runtime=runtime)
+    stage = made(way.shard(stage, mesh=layout.dp_mesh, runtime=runtime))
     if way.replicated and layout.dp == 1:
         return stage
     wrapped = way.wrap(stage, runtime, config.ddp, group=layout.dp_group)

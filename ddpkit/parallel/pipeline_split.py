@@ -13,9 +13,9 @@ A tied output layer (GPT-2's ``head.weight is embed.weight``) lives on the first
 stage keeps ``embed`` too (not called there), so the shared matrix has one name, ``embed.weight``, on both, and
 :class:`TiedWeights` sums its two gradients before each update (Megatron-LM's embedding group).
 
-Balance: blocks are cut where the running parameter count crosses each stage's share, the embeddings counted on the
-first stage and the head on the last (torchtitan splits by layer count; by parameters the first and last stages,
-which carry the vocabulary, get fewer blocks).
+Balance: blocks are cut at the block boundary nearest to where the running parameter count reaches each stage's
+share, the embeddings counted on the first stage and the head on the last (torchtitan splits by layer count; by
+parameters the first and last stages, which carry the vocabulary, get fewer blocks).
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def cut_blocks(model: nn.Module, stages: int, family: dict[str, tuple[str, ...]]
     bounds = [0]
     running = first
     for index, cost in enumerate(costs):
+        target = share * len(bounds)
+        # This block would cross the stage's share: cut before it when that is nearer the share (two equal blocks
+        # and a vocabulary at each end cut 2:2, not 3:1), keeping a block for each stage still to come.
+        nearer_before = target - running < running + cost - target
+        room_before = depth - index >= stages - len(bounds)
+        if len(bounds) < stages and index > bounds[-1] and running + cost > target and nearer_before and room_before:
+            bounds.append(index)
         running += cost
         # keep one block for each stage still to come
         room = depth - (index + 1) >= stages - len(bounds)

@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT, resolve
+from ddpkit.models.init_by_name import tied_names
 from ddpkit.models.llama import Llama, LlamaShape
 from ddpkit.models.tensor_plans import Replicated
 
@@ -203,7 +204,7 @@ def apply_tensor_parallel(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D (the tensor dimension), got {tp_mesh}")
-    tied = _tied_names(model)
+    tied = tied_names(model)
     parallelize_module(model, tp_mesh, dict(tensor_plan(model) if plan is None else plan))
     # a tied head still holds the plain tensor here, so it too gets Replicated's hooks before it is tied again
     for module in list(model.modules()):
@@ -224,14 +225,6 @@ def _reduce_partial_grad(param: nn.Parameter) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
         param.grad = grad.redistribute(placements=param.placements)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter that has more than one (a tied head: ``embed.weight``, ``head.weight``)."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _retie(model: nn.Module, tied: list[list[str]]) -> None:

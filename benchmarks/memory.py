@@ -1,0 +1,200 @@
+"""What each rank holds in each layout: its peak host memory while the model is built and placed, and while training.
+
+    python -m benchmarks.memory                          # a Llama shape of about 1 GB of fp32 weights, every layout
+    python -m benchmarks.memory --dim 1024 --depth 4     # a smaller one (the test's, about 200 MB)
+
+Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
+``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
+group, the data, and torch's FSDP2, pipelining and tensor-parallel modules, whichever the layout uses); its peak
+from there to the first step (``VmHWM``, reset at the baseline through ``/proc/self/clear_refs``); its peak over
+``--steps`` training steps (AdamW: gradients and two state tensors a parameter); and its peak to the end (the last
+checkpoint and ``model.pt``, which a pipeline gathers on rank 0). The table gives each number above the baseline,
+the largest rank's, and the seconds from the baseline to the first step.
+
+The goal (issue 67): while training, every sharded layout's peak per rank is at most (parameters + gradients +
+optimizer state) / N x 1.1 above the baseline, where a world of one holds all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ddpkit
+
+#: The layouts measured: (label, ranks, parallel section).
+LAYOUTS = [
+    ("one", 1, {}),
+    ("ddp", 2, {}),
+    ("zero1", 2, {"mode": "zero1"}),
+    ("fsdp2", 2, {"mode": "fsdp2"}),
+    ("pp2", 2, {"pipeline": 2}),
+    ("tp2", 2, {"tensor": 2}),
+    ("pp2xtp2", 4, {"pipeline": 2, "tensor": 2}),
+]
+
+MiB = 2**20
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Start ``VmHWM`` again from the current resident memory (Linux: ``clear_refs`` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token windows (the data's bytes are nothing next to the model's)."""
+
+    def __init__(self, vocab: int, length: int, n: int = 64):
+        self.data = torch.randint(0, vocab, (n, length + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+class MemoryTrainer(ddpkit.Trainer):
+    """Reads its memory at the baseline (before the model), at the first step and after training."""
+
+    def build_datasets(self):
+        kwargs = self.config.model.kwargs
+        data = Tokens(kwargs["vocab_size"], kwargs["max_len"])
+        # torch's modules that some layouts import on first use (tens of MiB of code): in every baseline alike
+        import torch.distributed.fsdp
+        import torch.distributed.pipelining
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+        self.baseline = status_bytes("VmRSS")
+        reset_peak()
+        self.began = time.perf_counter()
+        return data, None
+
+    def on_fit_start(self) -> None:
+        self.to_first_step = time.perf_counter() - self.began
+        self.setup_peak = status_bytes("VmHWM")
+        self.first_step_rss = status_bytes("VmRSS")
+
+    def on_step_end(self, step: int) -> None:
+        # the peak while training: before the end's checkpoint and model.pt
+        self.train_peak = status_bytes("VmHWM")
+
+    def on_fit_end(self, metrics: dict[str, float]) -> None:
+        self.end_peak = status_bytes("VmHWM")
+        self.end_rss = status_bytes("VmRSS")
+
+
+def config(out: str, model: dict[str, Any], parallel: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A run of ``steps`` AdamW steps on a global batch of 4 (2 micro-batches), nothing saved."""
+    pipelined = parallel.get("pipeline", 1) > 1
+    return {
+        "run": {"name": "memory", "output_dir": out, "seed": 0},
+        "data": {"global_batch_size": 4, "order": "index_free"},
+        "model": {"name": "gpt", "kwargs": model},
+        "optim": {"name": "adamw", "lr": 1e-4},
+        "train": {"max_steps": steps, "grad_accum_steps": 1 if pipelined else 2, "loss_normalization": "tokens"},
+        "parallel": {**parallel, **({"microbatches": 2} if pipelined else {})},
+        "checkpoint": {"every_epochs": None, "every_steps": None},
+        "log": {"progress_bar": False},
+    }
+
+
+def measure_rank(cfg: dict[str, Any]) -> dict[str, float]:
+    """One rank of one layout (run by ``run_on_ranks``): its numbers in MiB above its baseline, and seconds."""
+    trainer = MemoryTrainer(cfg)
+    trainer.fit()
+    above = trainer.baseline
+    return {
+        "baseline": above / MiB,
+        "setup_peak": (trainer.setup_peak - above) / MiB,
+        "first_step": (trainer.first_step_rss - above) / MiB,
+        "train_peak": (trainer.train_peak - above) / MiB,
+        "end_peak": (trainer.end_peak - above) / MiB,
+        "end": (trainer.end_rss - above) / MiB,
+        "to_first_step": trainer.to_first_step,
+    }
+
+
+def measure(label: str, ranks: int, parallel: dict[str, Any], model: dict[str, Any], steps: int, out: str) -> list:
+    """Every rank's numbers for one layout, in fresh processes."""
+    from ddpkit.testing import run_on_ranks
+
+    cfg = config(os.path.join(out, label), model, parallel, steps)
+    return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
+
+
+def model_bytes(model: dict[str, Any]) -> int:
+    """The model's fp32 parameter bytes, from a meta build."""
+    from ddpkit.models.gpt import build_gpt
+
+    with torch.device("meta"):
+        built = build_gpt(model, weights=False)
+    return sum(p.numel() for p in built.parameters()) * 4
+
+
+def goal_mib(label: str, ranks: int, weights: float) -> float:
+    """The issue's goal for one layout: what a rank must hold (parameters, gradients, AdamW's two state tensors) of
+    ``weights`` MiB of parameters, x 1.1; replicated layouts hold all of it, zero1 shards only the state."""
+    if label in ("one", "ddp"):
+        return 4 * weights * 1.1
+    if label == "zero1":
+        return (2 + 2 / ranks) * weights * 1.1
+    return 4 * weights / ranks * 1.1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--layouts", nargs="*", default=[label for label, _, _ in LAYOUTS])
+    parser.add_argument("--out", default="/tmp/ddpkit-memory")
+    args = parser.parse_args(argv)
+    model = {
+        "arch": "llama",
+        "vocab_size": args.vocab,
+        "dim": args.dim,
+        "depth": args.depth,
+        "heads": 16,
+        "kv_heads": 8,
+        "mlp_dim": int(args.dim * 8 / 3) // 64 * 64,
+        "max_len": 64,
+        "tied": False,
+    }
+    weights = model_bytes(model) / MiB
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW: x4 with gradients and two state tensors")
+    print(
+        f"{'layout':<9} {'ranks':>5} {'baseline':>9} {'setup peak':>11} {'first step':>11} {'train peak':>11} "
+        f"{'goal':>9} {'end peak':>9} {'to step 1':>10}"
+    )
+    for label, ranks, parallel in LAYOUTS:
+        if label not in args.layouts:
+            continue
+        rows = measure(label, ranks, parallel, model, args.steps, args.out)
+        worst = {key: max(row[key] for row in rows) for key in rows[0]}
+        goal = goal_mib(label, ranks, weights)
+        print(
+            f"{label:<9} {ranks:>5} {worst['baseline']:>8.0f}M {worst['setup_peak']:>10.0f}M "
+            f"{worst['first_step']:>10.0f}M {worst['train_peak']:>10.0f}M {goal:>8.0f}M {worst['end_peak']:>8.0f}M "
+            f"{worst['to_first_step']:>9.1f}s"
+        )
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A model built on the meta device, then made and initialised only where a rank holds it.
+
+    whole = build_on_meta(trainer.build_model, cfg)     # shapes only; today's whole build where it cannot be
+    ...                                                  # the tensor plan, the pipeline cut, fully_shard: on meta
+    part = materialize(part, whole, device)              # to_empty on the device, then whole.init_weights(part)
+
+torchtitan's order: every rank builds the model on the meta device (no memory, nothing drawn), splits it there, and
+only then makes the parameters and shards it holds, directly on its device, and initialises them. ddpkit's models
+initialise by parameter name (:mod:`ddpkit.models.init_by_name`), so the weights are the same bits in every layout
+and as a world of one builds them.
+
+Which models: those that can initialise a part of themselves, ``init_weights(parts)`` (ddpkit's ``gpt`` and the
+Llama family). Another model is built whole on every rank as before, and the start-up log says so in one line, with
+the fix. Not yet on meta: ``model.kwargs.init_from`` (the weights are read whole) and ``model.lora`` (the adapters'
+random half is not drawn by name).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ddpkit.config.schema import Config
+from ddpkit.models.init_by_name import retie, tied_names
+
+__all__ = ["build_on_meta", "materialize", "initialises_parts"]
+
+log = logging.getLogger("ddpkit")
+
+
+def build_on_meta(build: Callable[[], nn.Module], config: Config) -> nn.Module:
+    """``build()`` under ``torch.device("meta")`` when the model can initialise its parts, else ``build()``."""
+    why = _not_on_meta(config)
+    if why is None:
+        model, why = _on_meta(build)
+        if model is not None:
+            log.info("model: built on the meta device; each rank makes and initialises only what it holds")
+            return model
+    log.info("model: built whole on every rank (%s)", why)
+    return build()
+
+
+def _on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module | None, str | None]:
+    """``build()`` on the meta device, or None and why not (the model cannot initialise its parts, or its build
+    needs real tensors: a model that moves its halves to devices itself)."""
+    # The meta attempt leaves torch's CPU generator as it found it: a retry on the CPU draws the same weights.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                model = build()
+        except Exception as error:
+            return None, f"its build needs real tensors ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    if not initialises_parts(model):
+        fix = "give it init_weights(parts) that initialises any part of it by parameter name (docs/modes.md)"
+        return None, f"{type(model).__name__} has no init_weights(parts); {fix}"
+    return model, None
+
+
+def _not_on_meta(config: Config) -> str | None:
+    """Why this config's model is built whole today, or None."""
+    if config.model.lora is not None:
+        return "model.lora: its adapters are not initialised by name yet"
+    if (config.model.kwargs or {}).get("init_from") is not None:
+        return "model.kwargs.init_from: its weights are read whole yet"
+    return None
+
+
+def initialises_parts(model: nn.Module) -> bool:
+    """Whether ``model`` has ``init_weights(parts)``: one argument, a part of it under its names."""
+    init = getattr(model, "init_weights", None)
+    if not callable(init):
+        return False
+    try:
+        return len(inspect.signature(init).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def materialize(part: nn.Module, whole: nn.Module, device: torch.device) -> nn.Module:
+    """``part`` of the meta-built ``whole``, made on ``device`` (its own shards only) and initialised by name."""
+    tied = tied_names(part)
+    part.to_empty(device=device)
+    # to_empty gives each name its own tensor: a tied head is one parameter again
+    retie(part, tied)
+    whole.init_weights(part)
+    return part
