@@ -158,9 +158,9 @@ def goal_mib(label: str, ranks: int, weights: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--layouts", nargs="*", default=[label for label, _, _ in LAYOUTS])
     parser.add_argument("--out", default="/tmp/ddpkit-memory")
     args = parser.parse_args(argv)

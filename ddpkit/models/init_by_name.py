@@ -59,21 +59,34 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
             seen.add(id(param))
             name = f"{module_name}.{key}" if module_name else key
             std = STD / math.sqrt(2 * depth) if module_name in residual else STD
-            whole = _drawn(owner, key, tuple(param.shape), name=name, seed=seed, std=std)
+            if _drawn_in_place(param):
+                # A whole fp32 CPU parameter takes the draw itself: the same bits, no second copy of it.
+                with torch.no_grad():
+                    _draw_into(param, owner, key, name=name, seed=seed, std=std)
+                continue
+            whole = torch.empty(tuple(param.shape))
+            _draw_into(whole, owner, key, name=name, seed=seed, std=std)
             _keep_own_part(param, whole)
         if dict(owner.named_buffers(recurse=False)) and callable(getattr(owner, "reset_parameters", None)):
             owner.reset_parameters()
 
 
-def _drawn(owner: nn.Module, key: str, shape: tuple[int, ...], *, name: str, seed: int, std: float) -> torch.Tensor:
-    """The whole initial value of parameter ``key`` of ``owner`` (named ``name`` in the whole model), on the CPU."""
+def _drawn_in_place(param: torch.Tensor) -> bool:
+    """Whether ``param`` is whole, fp32, contiguous and on the CPU: drawn into directly."""
+    plain = not hasattr(param, "device_mesh")
+    return plain and param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous()
+
+
+def _draw_into(out: torch.Tensor, owner: nn.Module, key: str, *, name: str, seed: int, std: float) -> None:
+    """The whole initial value of parameter ``key`` of ``owner`` (named ``name`` in the whole model), into ``out``
+    (a whole fp32 CPU tensor of its shape)."""
     if key == "bias":
-        return torch.zeros(shape)
-    if not isinstance(owner, (nn.Linear, nn.Embedding)):
+        out.zero_()
+    elif not isinstance(owner, (nn.Linear, nn.Embedding)):
         # a norm's weight (LayerNorm, RMSNorm)
-        return torch.ones(shape)
-    generator = torch.Generator().manual_seed(_name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+        out.fill_(1.0)
+    else:
+        out.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name)))
 
 
 def _keep_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
