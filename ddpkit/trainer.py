@@ -29,7 +29,7 @@ from ddpkit.parallel.layout import ParallelLayout
 from ddpkit.parallel.meta_build import build_on_meta
 from ddpkit.parallel.parallelize import Placed, check_tensor_degree, parallelize
 from ddpkit.progress import Progress
-from ddpkit.reporting import Events, Profiler, Reporter, start_logging
+from ddpkit.reporting import Events, Reporter, start_logging
 
 __all__ = ["Trainer"]
 
@@ -58,6 +58,10 @@ class Trainer:
     Inside the step methods ``self.model`` is the DDP-wrapped model (the bare one during validation, so ranks with
     fewer batches never wait on a collective); ``self.device``, ``self.rank``, ``self.world_size``... say where.
     """
+
+    #: Build an overridden ``build_model``'s model on the meta device too (docs/modes.md): set it when that model has
+    #: ``init_weights(parts)`` and ``build_model`` neither loads nor reads weights (on meta they would be lost).
+    build_on_meta: bool = False
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *, overrides: Sequence[str] = ()):
         self.env: DistEnv = read_dist_env()
@@ -258,13 +262,15 @@ class Trainer:
         # timed, in goodput.jsonl
         resumed = worker.ledger.restore(self.checkpointer.resume)
         self.reporter.start(steps_per_epoch=self._steps_per_epoch, step=self.progress.step, resumed=resumed)
-        self._attach()
+        # the listeners, in the order events reach them: this Trainer's hooks last
+        self.events.add(*self._parts.listeners(self.worker, self.config, self.placed.held, owner=self))
 
     def _build(self) -> None:
         """Place the model, then build the run's parts from it (and register what a checkpoint holds)."""
         cfg = self.config
         train_set, val_set = self.build_datasets()
-        whole = training.apply_lora(build_on_meta(self.build_model, cfg), cfg.model)
+        custom = type(self).build_model is not Trainer.build_model and not self.build_on_meta
+        whole = training.apply_lora(build_on_meta(self.build_model, cfg, custom=custom), cfg.model)
         # First: any later failure would say less.
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.
@@ -282,10 +288,8 @@ class Trainer:
         self.optimizer = self.layout.data_parallel.shard_optimizer(optimizer, group=self.layout.dp_group)
         log_rank_bytes(held, self.optimizer, layout=self.layout.describe())
         self.scheduler = self.build_scheduler(self.optimizer, self.total_steps)
-        # A single-file checkpoint's optimizer state is keyed by position in the whole model's optimizer.
-        order = training.optimizer_order(whole, cfg.optim) if pipelined else None
         loaders = (self.train_loader, self.val_loader)
-        built = Built(self.placed, self.optimizer, self.scheduler, *loaders, self.total_steps, order)
+        built = Built(self.placed, self.optimizer, self.scheduler, *loaders, self.total_steps)
         self._parts = build_run_parts(
             self.worker,
             config=cfg,
@@ -306,29 +310,10 @@ class Trainer:
         if self.layout.pp > 1:
             training.refuse_training_step_override(type(self), Trainer)
         plan = self.tensor_plan(whole) if self.layout.tp > 1 else None
-        runtime = self.runtime
-        split = self.pipeline_stages
-        return parallelize(whole, self.layout, self.config, runtime, plan=plan, split=split, loss=self.pipeline_loss)
-
-    def _attach(self) -> None:
-        """The listeners, in the order events reach them: the user's hooks last."""
-        worker = self.worker
-        # train.sample
-        samples = training.TrainingSamples.for_run(
-            self.config, rank=self.rank, model=self.placed.held, outside=self.reporter.outside_training
-        )
-        self.events.add(
-            Profiler.for_run(self.config, rank=self.rank, device=self.device),
-            worker.watchdog,
-            worker.ledger,
-            *self.checkpointer.protections(ledger=worker.ledger),
-            self.health.straggler,
-            self.health,
-            self._parts.early_stopping,
-            self._parts.best,
-            samples,
-            self,
-        )
+        # A single-file checkpoint's optimizer state is keyed by position in the whole model's optimizer.
+        order = training.optimizer_order(whole, self.config.optim) if self.layout.pp > 1 else None
+        hooks = dict(split=self.pipeline_stages, loss=self.pipeline_loss)
+        return parallelize(whole, self.layout, self.config, self.runtime, plan=plan, optimizer_order=order, **hooks)
 
     def _finished(self) -> bool:
         epochs = self.config.train.epoch_limit

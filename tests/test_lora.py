@@ -227,7 +227,10 @@ def test_two_ranks_equal_one_under_ddp_zero1_and_fsdp2(tmp_path):
         two = _adapter(tmp_path / mode)
         assert two.keys() == one.keys(), mode
         for key in one:
-            torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0, msg=f"{mode}: {key}")
+            # Two ranks sum the batch's gradients in another order; AdamW's normalisation turns the rounding of a
+            # near-zero gradient into a step. Measured 1.16e-6 at most (o_proj's lora_A under ddp) since the base
+            # model draws its weights by name, which moved the adapters' draw from torch's generator.
+            torch.testing.assert_close(two[key], one[key], atol=2e-6, rtol=0, msg=f"{mode}: {key}")
         if mode == "fsdp2":
             checkpoint = next((tmp_path / mode / "checkpoints").glob("step-*.dcp"))
             export_peft(checkpoint, tmp_path / "adapter")  # the adapter from the sharded checkpoint

@@ -160,6 +160,8 @@ class Plain(torch.nn.Module):
 
 class UserModelTrainer(ddpkit.Trainer):
     model_class: type = SelfInitialising
+    # its build_model neither loads nor reads weights: it may run on the meta device
+    build_on_meta = True
 
     def build_model(self):
         return self.model_class()
@@ -181,6 +183,12 @@ class PlainTrainer(UserModelTrainer):
     model_class = Plain
 
 
+class NotOptedIn(UserModelTrainer):
+    """A build_model of its own, not opted in: built whole, whatever its model can do (it might load weights)."""
+
+    build_on_meta = False
+
+
 def _logged(run) -> tuple[object, str]:
     """``run()``'s result and what the meta build logged meanwhile (its logger swapped for a recorder)."""
     from unittest import mock
@@ -195,7 +203,7 @@ def _logged(run) -> tuple[object, str]:
 
 
 def _user_run(cfg: dict, which: str) -> tuple[dict[str, torch.Tensor], str]:
-    trainer = {"self": UserModelTrainer, "plain": PlainTrainer}[which](cfg)
+    trainer = {"self": UserModelTrainer, "plain": PlainTrainer, "not opted in": NotOptedIn}[which](cfg)
     _, log = _logged(trainer.fit)
     return trainer.initial, log
 
@@ -222,6 +230,8 @@ def test_a_users_model_with_init_weights_is_built_on_meta_and_one_without_is_bui
         assert all(torch.equal(weights[k], alone[k]) for k in alone)
     (_, log) = run_in_pool(_user_run, 1, args=(_user_config(tmp_path / "plain"), "plain"), timeout=120)[0]
     assert "model: built whole on every rank (Plain has no init_weights(parts); give it init_weights(parts)" in log
+    (_, log) = run_in_pool(_user_run, 1, args=(_user_config(tmp_path / "not-opted-in"), "not opted in"), timeout=120)[0]
+    assert "model: built whole on every rank (Trainer.build_model is overridden; set build_on_meta = True" in log
 
 
 def _manual_placement(cfg: dict) -> str:
@@ -232,7 +242,9 @@ def _manual_placement(cfg: dict) -> str:
     )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    trainer = example.ManualPlacementTrainer(cfg)
+    # opted in, as a user might: its build moves its halves to devices, which fails on meta, so it is built whole
+    opted_in = type("OptedIn", (example.ManualPlacementTrainer,), {"build_on_meta": True})
+    trainer = opted_in(cfg)
     return _logged(trainer.fit)[1]
 
 

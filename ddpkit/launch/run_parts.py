@@ -1,6 +1,6 @@
 """The parts a worker's training loop works with, built in their one order for the Trainer.
 
-    built = Built(placed, optimizer, scheduler, train_loader, val_loader, total_steps, optimizer_order)
+    built = Built(placed, optimizer, scheduler, train_loader, val_loader, total_steps)
     parts = build_run_parts(worker, layout=layout, built=built, loss=trainer.training_step,
                             user_parts=trainer.checkpoint_parts(), ...)
     parts.reporter, parts.checkpointer, parts.health      # what the loop reports to, saves with, checks with
@@ -45,7 +45,7 @@ from ddpkit.parallel.model_views import Models
 from ddpkit.parallel.parallelize import Placed
 from ddpkit.parallel.pipeline import Pipeline
 from ddpkit.progress import Progress
-from ddpkit.reporting import Events, Reporter, TokenThroughput
+from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput
 from ddpkit.training.allocator import keep_freed_host_memory
 
 __all__ = ["Built", "RunParts", "build_run_parts"]
@@ -62,9 +62,6 @@ class Built:
     train_loader: DataLoader
     val_loader: DataLoader | None
     total_steps: int
-    #: Where this rank holds only some of the whole model's parameters (a pipeline's stages), the whole model's
-    #: parameter names in its optimizer's order (ddpkit.training.param_groups.optimizer_order); else None.
-    optimizer_order: list[str] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -89,6 +86,26 @@ class RunParts:
     evaluation: training.Evaluation
     best: BestCheckpoint | None
     early_stopping: training.EarlyStopping | None
+
+    def listeners(self, worker: Worker, config: Config, model: nn.Module, *, owner: Any) -> list[Any]:
+        """The run's listeners, in the order events reach them: ``owner`` (the Trainer, its ``on_*`` hooks) last."""
+        rank = worker.runtime.env.rank
+        # train.sample
+        samples = training.TrainingSamples.for_run(
+            config, rank=rank, model=model, outside=self.reporter.outside_training
+        )
+        return [
+            Profiler.for_run(config, rank=rank, device=worker.runtime.device),
+            worker.watchdog,
+            worker.ledger,
+            *self.checkpointer.protections(ledger=worker.ledger),
+            self.health.straggler,
+            self.health,
+            self.early_stopping,
+            self.best,
+            samples,
+            owner,
+        ]
 
 
 def build_run_parts(
@@ -192,7 +209,7 @@ def _register(parts: RunParts, built: Built, *, progress: Progress, rank: int, w
         sinks=parts.reporter.sinks,
         **data_position(built.train_loader),
     )
-    parts.checkpointer.register(builtin=builtin, user=user, optimizer_order=built.optimizer_order)
+    parts.checkpointer.register(builtin=builtin, user=user, optimizer_order=built.placed.optimizer_order)
 
 
 def _reporter(

@@ -10,9 +10,11 @@ initialise by parameter name (:mod:`ddpkit.models.init_by_name`), so the weights
 and as a world of one builds them.
 
 Which models: those that can initialise a part of themselves, ``init_weights(parts)`` (ddpkit's ``gpt`` and the
-Llama family). Another model is built whole on every rank as before, and the start-up log says so in one line, with
-the fix. Not yet on meta: ``model.kwargs.init_from`` (the weights are read whole) and ``model.lora`` (the adapters'
-random half is not drawn by name).
+Llama family), built by the Trainer's own ``build_model`` from the config, or by a subclass's ``build_model`` that
+opts in (``Trainer.build_on_meta = True``: a build that loads or reads weights would lose them on meta, silently).
+Another model is built whole on every rank as before, and the start-up log says so in one line, with the fix.
+Not yet on meta: ``model.kwargs.init_from`` (the weights are read whole) and ``model.lora`` (the adapters' random
+half is not drawn by name).
 """
 
 from __future__ import annotations
@@ -32,9 +34,19 @@ __all__ = ["build_on_meta", "materialize", "initialises_parts"]
 log = logging.getLogger("ddpkit")
 
 
-def build_on_meta(build: Callable[[], nn.Module], config: Config) -> nn.Module:
-    """``build()`` under ``torch.device("meta")`` when the model can initialise its parts, else ``build()``."""
+def build_on_meta(build: Callable[[], nn.Module], config: Config, *, custom: bool = False) -> nn.Module:
+    """``build()`` under ``torch.device("meta")`` when the model can initialise its parts, else ``build()``.
+
+    ``custom``: ``build`` is a Trainer's own ``build_model``, not opted in (``Trainer.build_on_meta``): built whole.
+    Such a build may load or read weights (``load_state_dict``, a snapshot of the initial state), which on the meta
+    device would be lost without an error; the opt-in says it does neither.
+    """
     why = _not_on_meta(config)
+    if why is None and custom:
+        why = (
+            "Trainer.build_model is overridden; set build_on_meta = True on the Trainer if it neither loads nor "
+            "reads weights"
+        )
     if why is None:
         model, why = _on_meta(build)
         if model is not None:

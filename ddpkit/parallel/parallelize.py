@@ -55,6 +55,9 @@ class Placed:
     pipeline: Pipeline | None
     #: How the data-parallel replicas hold parameters (the layout's).
     data_parallel: DataParallel
+    #: Under a pipeline, the whole model's parameter names in its optimizer's order: a single-file checkpoint's
+    #: optimizer state is keyed by that position, and this rank finds its own parameters in it. None otherwise.
+    optimizer_order: list[str] | None = None
 
     @property
     def held(self) -> nn.Module:
@@ -95,11 +98,14 @@ def parallelize(
     plan: Mapping[str, Any] | None = None,
     split: Callable[[nn.Module, int], list[nn.Module] | None] | None = None,
     loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+    optimizer_order: list[str] | None = None,
 ) -> Placed:
     """This rank's part of ``whole``, placed, wrapped and compiled as the config says (the module's order).
 
     ``plan``: torch's ParallelStyle objects by module name (the Trainer's ``tensor_plan``); None: the model's own.
-    ``split`` and ``loss``: the Trainer's ``pipeline_stages`` and ``pipeline_loss``, used under a pipeline.
+    ``split`` and ``loss``: the Trainer's ``pipeline_stages`` and ``pipeline_loss``, used under a pipeline, with
+    ``optimizer_order`` (the whole model's names in its optimizer's order: ddpkit.training.param_groups), which the
+    placed value carries to the checkpoint.
     """
     way = layout.data_parallel
     made = _maker(whole, runtime.device)
@@ -110,7 +116,7 @@ def parallelize(
         prepare = _prepare(config)
         pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=prepare, made=made)
         models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way)
-        return Placed(models, pipeline, way)
+        return Placed(models, pipeline, way, optimizer_order)
     model = _prepare(config)(model)
     model = made(way.shard(model, mesh=layout.dp_mesh, runtime=runtime))
     group = layout.dp_group
