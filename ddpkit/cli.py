@@ -51,11 +51,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ddpkit._version import __version__
 from ddpkit.config.cli_args import OLD_SPELLINGS, add_config_arguments, plain_text, renamed
 from ddpkit.errors import EXIT_CONFIG, EXIT_OK, ConfigError, check_requeue_exit_code, exit_code_of, exit_code_table
 from ddpkit.launch.launcher import default_nproc, exit_at_once, launch, preflight, torchrun_argv
+
+if TYPE_CHECKING:
+    from ddpkit.config.schema import Config
 
 __all__ = ["main", "torchrun_args"]
 
@@ -271,6 +275,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_layout_before_spawning(cfg: Config, *, nproc: str, nnodes: str) -> None:
+    """The layout's degrees against the world size, and the model's widths against the tensor degree, refused here
+    (exit 2, the valid layouts named) rather than in every worker once spawned. Skipped when torchrun counts the
+    processes or the node count is elastic (``MIN:MAX``): the world size is known only then."""
+    from ddpkit.config.layout import check_layout
+    from ddpkit.parallel.parallelize import check_tensor_degree
+
+    if nproc.isdigit() and nnodes.isdigit():
+        check_layout(cfg.parallel, world_size=int(nproc) * int(nnodes))
+    check_tensor_degree(cfg)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from ddpkit.config.loader import load_config
     from ddpkit.goodput.ledger import launch_session
@@ -283,6 +299,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         device=cfg.dist.device,
         precision=cfg.train.precision,
     )
+    _check_layout_before_spawning(cfg, nproc=args.nproc_per_node or str(default_nproc()), nnodes=args.nnodes)
     # A refused launch (exit 2): a retry will not fix it.
     if args.worker_start == "fork" and device != "cpu":
         raise ConfigError(

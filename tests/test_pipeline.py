@@ -287,3 +287,28 @@ def test_a_tied_head_under_pp2_x_tp2_sums_its_gradients_between_its_two_stages(t
     results = run_in_pool(_pp2_x_tp2, 4, args=(tmp_path / "pp",), timeout=240)
     assert _relative(_merged([results[0], results[2]]), reference["weights"]) < 1e-6
     assert_bitwise_equal(results[0]["weights"], results[1]["weights"])
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("parallel.pipeline=3", "parallel.pipeline: 3 stages do not divide the world size 2; valid on 2 ranks"),
+        ("parallel.tensor=2", "model.kwargs.heads"),
+    ],
+)
+def test_ddpkit_run_refuses_an_impossible_layout_before_it_spawns_a_worker(tmp_path, override, named):
+    """Issue 68: the launcher itself, not each of N workers once started: exit 2, the fix named, no rank's output."""
+    from helpers import run_cli
+
+    config = tmp_path / "pp.yaml"
+    config.write_text(
+        "model: {name: gpt, kwargs: {arch: llama, vocab_size: 257, dim: 48, depth: 4, heads: 3, kv_heads: 3, "
+        "mlp_dim: 64, max_len: 16}}\n"
+        "data: {name: tokens, global_batch_size: 8, kwargs: {corpus: stdlib, seq_len: 16}}\n"
+        f"run: {{output_dir: {tmp_path / 'run'}}}\n"
+    )
+    done = run_cli("run", str(config), "--nproc-per-node", "2", override, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr
+    # nothing started: no rank logged, no run directory written
+    assert "[rank" not in done.stderr and not (tmp_path / "run").exists()
