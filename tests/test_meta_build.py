@@ -228,9 +228,13 @@ def test_a_users_model_with_init_weights_is_built_on_meta_and_one_without_is_bui
     for weights, _ in sharded:
         assert weights.keys() == alone.keys()
         assert all(torch.equal(weights[k], alone[k]) for k in alone)
-    (_, log) = run_in_pool(_user_run, 1, args=(_user_config(tmp_path / "plain"), "plain"), timeout=120)[0]
+    # where the layout splits the model (fsdp2), the line names the fix; where every rank holds it whole, it does not
+    (_, log) = run_in_pool(_user_run, 2, args=(_user_config(tmp_path / "plain", mode="fsdp2"), "plain"), timeout=120)[0]
     assert "model: built whole on every rank (Plain has no init_weights(parts); give it init_weights(parts)" in log
-    (_, log) = run_in_pool(_user_run, 1, args=(_user_config(tmp_path / "not-opted-in"), "not opted in"), timeout=120)[0]
+    (_, log) = run_in_pool(_user_run, 1, args=(_user_config(tmp_path / "plain-one"), "plain"), timeout=120)[0]
+    assert "model: built whole on every rank, as this layout holds it (parallel.mode=ddp)" in log
+    cfg = _user_config(tmp_path / "not-opted-in", mode="fsdp2")
+    (_, log) = run_in_pool(_user_run, 2, args=(cfg, "not opted in"), timeout=120)[0]
     assert "model: built whole on every rank (Trainer.build_model is overridden; set build_on_meta = True" in log
 
 
@@ -251,7 +255,7 @@ def _manual_placement(cfg: dict) -> str:
 @pytest.mark.multiprocess
 def test_the_seeds_model_split_by_hand_is_built_whole_because_its_build_moves_real_tensors(tmp_path):
     cfg = {
-        **_user_config(tmp_path / "manual"),
+        **_user_config(tmp_path / "manual", mode="fsdp2"),
         "data": {"name": "digits", "kwargs": {"image_size": 12}, "global_batch_size": 8},
     }
     log = run_in_pool(_manual_placement, 2, args=(cfg,), timeout=120)[0]

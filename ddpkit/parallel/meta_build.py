@@ -34,8 +34,13 @@ __all__ = ["build_on_meta", "materialize", "initialises_parts"]
 log = logging.getLogger("ddpkit")
 
 
-def build_on_meta(build: Callable[[], nn.Module], config: Config, *, custom: bool = False) -> nn.Module:
+def build_on_meta(
+    build: Callable[[], nn.Module], config: Config, *, custom: bool = False, splits: bool = True
+) -> nn.Module:
     """``build()`` under ``torch.device("meta")`` when the model can initialise its parts, else ``build()``.
+
+    ``splits``: the layout splits the model over ranks (a pipeline, a tensor plan, fsdp2); where it does not (ddp,
+    zero1: every rank holds the whole model anyway) a model built whole is logged without a fix to make.
 
     ``custom``: ``build`` is a Trainer's own ``build_model``, not opted in (``Trainer.build_on_meta``): built whole.
     Such a build may load or read weights (``load_state_dict``, a snapshot of the initial state), which on the meta
@@ -52,7 +57,10 @@ def build_on_meta(build: Callable[[], nn.Module], config: Config, *, custom: boo
         if model is not None:
             log.info("model: built on the meta device; each rank makes and initialises only what it holds")
             return model
-    log.info("model: built whole on every rank (%s)", why)
+    if splits:
+        log.info("model: built whole on every rank (%s)", why)
+    else:
+        log.info("model: built whole on every rank, as this layout holds it (parallel.mode=%s)", config.parallel.mode)
     return build()
 
 
