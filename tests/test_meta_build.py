@@ -260,3 +260,18 @@ def test_the_seeds_model_split_by_hand_is_built_whole_because_its_build_moves_re
     }
     log = run_in_pool(_manual_placement, 2, args=(cfg,), timeout=120)[0]
     assert "model: built whole on every rank (its build needs real tensors (NotImplementedError" in log
+
+
+class ApplyStyle(Plain):
+    """``init_weights(m)`` written for ``model.apply``: not a promise to initialise any part, so built whole."""
+
+    def init_weights(self, m: torch.nn.Module) -> None:
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.zeros_(m.bias)
+
+
+def test_only_an_init_weights_taking_parts_by_that_name_counts():
+    from ddpkit.parallel.meta_build import initialises_parts
+
+    assert initialises_parts(SelfInitialising()) and initialises_parts(GPT(vocab_size=8, dim=8, depth=1, heads=2))
+    assert not initialises_parts(ApplyStyle()) and not initialises_parts(Plain())

@@ -90,12 +90,16 @@ def _not_on_meta(config: Config) -> str | None:
 
 
 def initialises_parts(model: nn.Module) -> bool:
-    """Whether ``model`` has ``init_weights(parts)``: one argument, a part of it under its names."""
+    """Whether ``model`` has ``init_weights(parts)``: an argument named ``parts``, a part of it under its names.
+
+    The name is the promise: an ``init_weights(m)`` written for ``model.apply`` (one module's own weights) or
+    timm's ``init_weights(mode)`` would leave a made part's weights as ``to_empty`` left them, uninitialised.
+    """
     init = getattr(model, "init_weights", None)
     if not callable(init):
         return False
     try:
-        return len(inspect.signature(init).parameters) >= 1
+        return "parts" in inspect.signature(init).parameters
     except (TypeError, ValueError):
         return False
 
@@ -106,5 +110,5 @@ def materialize(part: nn.Module, whole: nn.Module, device: torch.device) -> nn.M
     part.to_empty(device=device)
     # to_empty gives each name its own tensor: a tied head is one parameter again
     retie(part, tied)
-    whole.init_weights(part)
+    whole.init_weights(parts=part)
     return part
