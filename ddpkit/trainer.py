@@ -270,9 +270,8 @@ class Trainer:
         cfg = self.config
         train_set, val_set = self.build_datasets()
         custom = type(self).build_model is not Trainer.build_model and not self.build_on_meta
-        layout = self.layout
-        splits = layout.pp > 1 or layout.tp > 1 or not layout.data_parallel.replicated
-        whole = training.apply_lora(build_on_meta(self.build_model, cfg, custom=custom, splits=splits), cfg.model)
+        whole = build_on_meta(self.build_model, cfg, custom=custom, splits=self.layout.splits_model)
+        whole = training.apply_lora(whole, cfg.model)
         # First: any later failure would say less.
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.

@@ -131,22 +131,6 @@ def test_initial_weights_are_bitwise_equal_in_every_layout_and_to_a_hand_built_m
             assert torch.equal(merged[name], value), (ranks, parallel, name)
 
 
-class SelfInitialising(torch.nn.Module):
-    """A user's model that can initialise any part of itself by name: ddpkit builds it on the meta device."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def init_weights(self, parts: torch.nn.Module | None = None) -> None:
-        from ddpkit.models.init_by_name import initialize
-
-        initialize(self if parts is None else parts, seed=7, residuals=(), depth=1)
-
-
 class Plain(torch.nn.Module):
     """A user's model without init_weights: built whole on every rank, as before."""
 
@@ -156,6 +140,15 @@ class Plain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+class SelfInitialising(Plain):
+    """A user's model that can initialise any part of itself by name: ddpkit builds it on the meta device."""
+
+    def init_weights(self, parts: torch.nn.Module | None = None) -> None:
+        from ddpkit.models.init_by_name import initialize
+
+        initialize(self if parts is None else parts, seed=7, residuals=(), depth=1)
 
 
 class UserModelTrainer(ddpkit.Trainer):

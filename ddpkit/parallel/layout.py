@@ -121,6 +121,12 @@ class ParallelLayout:
         return self.data_parallel.replicated
 
     @property
+    def splits_model(self) -> bool:
+        """Whether a rank holds only part of the model: a pipeline, a tensor plan, or fsdp2's shards (ddp and zero1
+        hold it whole on every rank)."""
+        return self.pp > 1 or self.tp > 1 or not self.data_parallel.replicated
+
+    @property
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are DCP directories, every rank writing its part: sharded modes, pipelines, tensor
         parallelism."""
