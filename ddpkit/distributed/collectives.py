@@ -1,6 +1,7 @@
 """Collectives that are safe at any world size: each one acts on this process alone without a group.
 
     total = all_reduce_sum(torch.tensor([loss_sum, count]))   # the sum over ranks, in place
+    most = all_reduce_max(torch.tensor([batches, -batches]))  # the largest and (negated) the smallest
     seeds = all_gather_object(seed)                          # every rank's value, in rank order
     step = broadcast_object(step, src=0)                     # rank 0's value on every rank
     barrier(debug=True)                                      # on Gloo, a stuck rank is named
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["barrier", "all_reduce_sum", "all_gather_object", "broadcast_object"]
+__all__ = ["barrier", "all_reduce_sum", "all_reduce_max", "all_gather_object", "broadcast_object"]
 
 
 def _active() -> bool:
@@ -39,6 +40,13 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks of ``group`` (None: every rank) in place and return it."""
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """The elementwise largest value of ``tensor`` over the ranks of ``group`` (None: every rank), in place."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 

@@ -6,7 +6,7 @@
     wrapped = way.wrap(model, runtime, cfg.ddp, group=layout.dp_group)  # ddp / zero1: DDP; fsdp2: the model
     with way.sync_gradients(wrapped, sync=is_boundary):                 # accumulation without communication
         loss.backward()
-    with way.full_parameters(model):                                    # validation: no collective per forward
+    with way.block_by_block(model):                                     # validation: fsdp2 gathers a unit at a time
         metrics = evaluate(model, ...)
 
 Lightning Fabric's strategies are the model: each way wraps, shards the optimizer, skips gradient sync, gathers
@@ -75,6 +75,16 @@ class DataParallel:
 
     def full_parameters(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """A context in which every parameter is whole on every rank (validation): nothing to do when replicated."""
+        return contextlib.nullcontext()
+
+    def gathers_in_forward(self, model: nn.Module) -> bool:
+        """Whether a forward of ``model`` is a collective, gathering its parameters: fsdp2's sharded models."""
+        return False
+
+    def block_by_block(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """For validation, a context in which each forward gathers the parameters it needs one unit at a time and
+        frees them after, as training does: nothing to do when the parameters are whole on every rank. Each forward
+        is then a collective: every rank must run as many (ddpkit.training.evaluation pads)."""
         return contextlib.nullcontext()
 
     def bytes_per_rank(

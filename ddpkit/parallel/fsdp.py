@@ -2,7 +2,7 @@
 
     way = FSDP2(cfg.parallel.fsdp, precision=cfg.train.precision)
     model = way.shard(model, mesh=layout.dp_mesh, runtime=runtime)   # in place: parameters become DTensor shards
-    with way.full_parameters(model):                                  # validation gathers each unit once
+    with way.block_by_block(model):                                   # validation gathers as training does
         ...
 
 One wrapper for a whole model and for a pipeline's stage alike (torchtitan's order): each block of it
@@ -100,12 +100,36 @@ class FSDP2(DataParallel):
         one's peak on 2 ranks instead of 0.5). Under a pipeline torch's stage decides itself."""
         return _EVERY_MICRO_STEP
 
+    def gathers_in_forward(self, model: nn.Module) -> bool:
+        return is_sharded(model)
+
+    @contextlib.contextmanager
+    def block_by_block(self, model: nn.Module) -> Iterator[None]:
+        """Validation as training gathers: each unit's parameters gathered for its forward and freed after it
+        (``reshard_after_forward`` on for the pass, whatever ``parallel.fsdp.reshard_after_forward`` says: no
+        backward follows), the root's freed at the end. A rank holds one block's full parameters at a time, not the
+        model's."""
+        if not is_sharded(model):
+            yield
+            return
+        units = [m for m in model.modules() if is_sharded(m) and m is not model]
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            # The root keeps its parameters after a forward (FSDP2's rule, for the backward): none follows here.
+            model.reshard()
+
     @contextlib.contextmanager
     def full_parameters(self, model: nn.Module) -> Iterator[None]:
         """Every unit's parameters gathered once and kept through the context, freed after.
 
-        Without this each forward all-gathers, and a rank with fewer validation batches than the others would
-        wait forever in a collective. Costs the full parameters on every rank meanwhile.
+        Validation's way when the ranks cannot run as many forwards (a rank without a validation batch, a loader
+        without a length: :mod:`ddpkit.training.evaluation`), so that no forward is a collective. Costs the full
+        parameters on every rank meanwhile.
         """
         if not is_sharded(model):
             yield

@@ -103,9 +103,12 @@ class Models:
     #: The compilations' watch when ``train.compile`` is on.
     watch: CompileWatch | None = None
 
-    def for_evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """The context validation runs in: FSDP2 gathers the parameters once for it, other ways need nothing."""
-        return self.data_parallel.full_parameters(self.bare)
+    def for_evaluation(self, *, lockstep: bool) -> contextlib.AbstractContextManager[None]:
+        """The context validation runs in: under FSDP2, each unit gathered for its forward and freed after it
+        (``lockstep``: every rank runs as many forwards), else every unit gathered once for the pass; other ways
+        need nothing."""
+        way = self.data_parallel
+        return way.block_by_block(self.bare) if lockstep else way.full_parameters(self.bare)
 
     def on_exit(self, status: str) -> None:
         """The run ended: stop watching compiles (callbacks off, Dynamo settings restored); safe to call twice."""

@@ -37,11 +37,14 @@ def evaluate_pipeline(
     device: torch.device,
     autocast: Callable[[], Any],
     data_parallel: DataParallel,
+    forwards: int | None = None,
 ) -> dict[str, float]:
     """``step`` over every batch on the last stage, the forward through every stage; exact ``val_`` means.
 
     ``model`` (the held parts) is in eval mode meanwhile. Every rank calls it: the means are reduced over all.
-    ``data_parallel``: how the stages' replicas hold their parameters (fsdp2 gathers them once for the pass).
+    ``data_parallel``: how the stages' replicas hold their parameters. ``forwards``: under fsdp2, the count of
+    forwards every replica runs, each stage gathering a unit at a time (a replica with fewer batches sends its last
+    one through again, its metrics dropped); None: fsdp2 gathers each stage's parameters once for the pass.
     """
     from ddpkit.data.loaders import batch_size_of, move_to_device
 
@@ -49,26 +52,36 @@ def evaluate_pipeline(
     model.eval()
     means = ExactMeans(device)
     try:
-        with torch.no_grad(), autocast(), _gathered(forward.stages, data_parallel):
-            for batch in loader:
+        with torch.no_grad(), autocast(), _held(forward.stages, data_parallel, lockstep=forwards is not None):
+            seen, batch = 0, None
+            for seen, batch in enumerate(loader, start=1):
                 batch = move_to_device(batch, device)
-                x = batch[0]
-                if not forward.last:
-                    forward.run(x)
-                    continue
-                with forward.expecting(x):
-                    metrics = step(batch)
-                means.add(metrics, batch_size=batch_size_of(batch))
+                metrics = _through(forward, step, batch)
+                if metrics is not None:
+                    means.add(metrics, batch_size=batch_size_of(batch))
+            for _ in range(seen, forwards or 0):
+                _through(forward, step, batch)
     finally:
         model.train(was_training)
     return {f"val_{name}": value for name, value in means.compute().items()}
 
 
+def _through(forward: PipelineForward, step: Callable[[Any], Mapping[str, torch.Tensor]], batch: Any) -> Any:
+    """One batch forward through the stages: the metrics on the last stage, None on the others."""
+    x = batch[0]
+    if not forward.last:
+        forward.run(x)
+        return None
+    with forward.expecting(x):
+        return step(batch)
+
+
 @contextlib.contextmanager
-def _gathered(stages: list[nn.Module], data_parallel: DataParallel) -> Iterator[None]:
-    """fsdp2: each stage's parameters gathered once for the whole pass (a replica with fewer batches than another
-    never waits in an all-gather); nothing for replicated stages."""
+def _held(stages: list[nn.Module], data_parallel: DataParallel, *, lockstep: bool) -> Iterator[None]:
+    """fsdp2: each stage gathering a unit at a time (``lockstep``: every replica runs as many forwards), or each
+    stage's parameters gathered once for the whole pass; nothing for replicated stages."""
     with contextlib.ExitStack() as stack:
         for stage in stages:
-            stack.enter_context(data_parallel.full_parameters(stage))
+            held = data_parallel.block_by_block if lockstep else data_parallel.full_parameters
+            stack.enter_context(held(stage))
         yield

@@ -25,10 +25,13 @@ def evaluate(
     *,
     device: torch.device,
     autocast: Callable[[], Any],
+    forwards: int | None = None,
 ) -> dict[str, float]:
     """``step`` over every batch of ``loader`` with ``model`` in eval mode and no gradients; exact ``val_`` means.
 
     The model's train/eval mode is restored afterwards. Every rank calls it (the means are reduced).
+    ``forwards``: where each forward is a collective (fsdp2 gathering block by block), the count every rank runs;
+    a rank with fewer batches runs ``step`` on its last batch again and drops what it returns.
     """
     # Imported here: data's loaders sit above these metrics.
     from ddpkit.data.loaders import batch_size_of, move_to_device
@@ -38,9 +41,12 @@ def evaluate(
     means = ExactMeans(device)
     try:
         with torch.no_grad(), autocast():
-            for batch in loader:
+            seen, batch = 0, None
+            for seen, batch in enumerate(loader, start=1):
                 batch = move_to_device(batch, device)
                 means.add(step(batch), batch_size=batch_size_of(batch))
+            for _ in range(seen, forwards or 0):
+                step(batch)
     finally:
         model.train(was_training)
     return {f"val_{name}": value for name, value in means.compute().items()}
