@@ -195,6 +195,11 @@ def test_a_real_change_is_still_refused_naming_the_keys(tmp_path):
         _check(saved, accumulating, world_size=2)
     halves = accumulating | {"data": {"batch_size": 2, "order": "index_free"}}
     assert _check(saved, halves, world_size=2) == []
+    # A stream keeps its position in its own loader's batches: another split of the same global batch is refused.
+    streamed = Components()
+    streamed.register("data_position", ddpkit.Progress())
+    with pytest.raises(CheckpointError, match=r"a stream resumes only in the split it was checkpointed in"):
+        check_compatible(saved, "ckpt", load_config(halves), world_size=2, components=streamed)
     with pytest.raises(CheckpointError, match=r"data-parallel replicas: 1 -> 2: the sample order depends on them"):
         _check(_state(per_rank | {"parallel": {"pipeline": 2}}, world_size=2, progress={}), per_rank, world_size=2)
 

@@ -62,6 +62,8 @@ def check_compatible(
     layout or split of the same global batch, which one line names)."""
     elastic = config.data.global_batch_size is not None
     saved_world_size = state["world_size"]
+    # How the checkpoint's run and this one split the global batch.
+    before, split = saved_split(state), Split.of_config(config, world_size=world_size)
     differences = config_differences(
         state["config"],
         config_to_dict(config),
@@ -78,6 +80,7 @@ def check_compatible(
             config.data.global_batch_size,
         )
     differences += _legacy_order_difference(state["config"], components)
+    differences += _stream_split_difference(before, split, components)
     if differences and not config.checkpoint.allow_config_change:
         raise CheckpointError(
             f"cannot resume from {path}: it was written by a run whose config differs in fields that change the math:\n"
@@ -86,7 +89,7 @@ def check_compatible(
             "or resume anyway with checkpoint.allow_config_change=true."
         )
     if not differences:
-        _note_split(saved_split(state), Split.of_config(config, world_size=world_size), config)
+        _note_split(before, split, config)
     return differences
 
 
@@ -136,6 +139,17 @@ def note_allowed_position(differences: list[str], progress: Progress, split: Spl
         progress.epoch,
         split.samples_per_step,
     )
+
+
+def _stream_split_difference(saved: Split, split: Split, components: Components) -> list[str]:
+    """A stream keeps its position in its own loader's batches (ddpkit.data.stream_epochs), which another split
+    of the same global batch does not find: its split must stay."""
+    if "data_position" not in components.names or saved == split:
+        return []
+    return [
+        f"the split of the global batch: {saved.describe()} -> {split.describe()} (a stream resumes only in the "
+        "split it was checkpointed in: its position is kept in its loader's batches)"
+    ]
 
 
 def _legacy_order_difference(saved: dict[str, Any], components: Components) -> list[str]:
