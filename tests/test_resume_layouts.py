@@ -70,6 +70,10 @@ def _fit(cfg: dict) -> dict:
     return {"losses": trainer.losses, "weights": weights, "batch_in_epoch": trainer.progress.batch_in_epoch}
 
 
+def _with(cfg: dict, sections: dict) -> dict:
+    return {**cfg, **{name: {**cfg[name], **keys} for name, keys in sections.items()}}
+
+
 def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for result in results:
@@ -82,16 +86,24 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in a)
 
 
-def _resume_elsewhere(tmp: Path, before: tuple[int, dict], after: tuple[int, dict], *, limit: float) -> None:
+def _resume_elsewhere(
+    tmp: Path,
+    before: tuple[int, dict],
+    after: tuple[int, dict],
+    *,
+    limit: float,
+    per_rank: tuple[dict, dict] = ({}, {}),
+) -> None:
     """``before``'s layout uninterrupted (6 steps, a checkpoint at step 3) against its step 3 resumed in ``after``'s:
-    the same losses at steps 4..6 and the same final weights, within ``limit`` (relative)."""
+    the same losses at steps 4..6 and the same final weights, within ``limit`` (relative; 0: bitwise).
+    ``per_rank``: sections that replace ``data`` and ``train`` keys before and after (per-rank batches)."""
     ranks, parallel = before
-    straight = run_in_pool(_fit, ranks, args=(_config(tmp / "straight", parallel=parallel),), timeout=180)
-    step3 = str(tmp / "straight/checkpoints" / next(p.name for p in (tmp / "straight/checkpoints").glob("step-*3*")))
+    straight_cfg = _with(_config(tmp / "straight", parallel=parallel), per_rank[0])
+    straight = run_in_pool(_fit, ranks, args=(straight_cfg,), timeout=180)
+    step3 = str(next((tmp / "straight/checkpoints").glob("step-*3*")))
     ranks_after, parallel_after = after
-    resumed = run_in_pool(
-        _fit, ranks_after, args=(_config(tmp / "resumed", parallel=parallel_after, resume=step3),), timeout=180
-    )
+    resumed_cfg = _with(_config(tmp / "resumed", parallel=parallel_after, resume=step3), per_rank[1])
+    resumed = run_in_pool(_fit, ranks_after, args=(resumed_cfg,), timeout=180)
     expected = straight[0]["losses"]
     assert sorted(resumed[0]["losses"]) == [4, 5, 6]
     if limit == 0:
@@ -129,6 +141,14 @@ def test_an_interleaved_pipeline_resumes_as_1f1b(tmp_path):
 @pytest.mark.multiprocess
 def test_tensor_parallel_resumes_as_fsdp2_on_two_ranks(tmp_path):
     _resume_elsewhere(tmp_path, (2, {"tensor": 2}), (2, {"mode": "fsdp2"}), limit=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_per_rank_batches_resume_in_another_split_of_as_many_samples_a_step(tmp_path):
+    """Without data.global_batch_size: one rank's batch of 16 as 4 accumulated batches of 4 (the same replicas)."""
+    whole = {"data": {"global_batch_size": None, "batch_size": 16}}
+    quarters = {"data": {"global_batch_size": None, "batch_size": 4}, "train": {"grad_accum_steps": 4}}
+    _resume_elsewhere(tmp_path, (1, {}), (1, {}), limit=1e-6, per_rank=(whole, quarters))
 
 
 @pytest.mark.slow
