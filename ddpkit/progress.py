@@ -18,7 +18,11 @@ __all__ = ["Progress"]
 
 @dataclass
 class Progress:
-    """Where training is: optimizer steps taken, current epoch, micro-batches consumed in it."""
+    """Where training is: optimizer steps taken, current epoch, micro-batches consumed in it.
+
+    ``batch_in_epoch`` counts this run's loader batches, whose size depends on the split of the global batch; a
+    checkpoint also records the position in global samples (:mod:`ddpkit.data.position`), which any split finds.
+    """
 
     step: int = 0
     epoch: int = 0

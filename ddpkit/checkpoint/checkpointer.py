@@ -43,10 +43,11 @@ from ddpkit.checkpoint.interval import AutoInterval
 from ddpkit.checkpoint.memory_tier import MemorySnapshots
 from ddpkit.checkpoint.metadata import manifest_fields, run_metadata
 from ddpkit.checkpoint.preemption import StopOnSignal
-from ddpkit.checkpoint.resume import check_compatible, choose_checkpoint
+from ddpkit.checkpoint.resume import check_compatible, choose_checkpoint, note_allowed_position, with_sample_position
 from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, restore_components
 from ddpkit.checkpoint.storage import RemoteMirror
 from ddpkit.config.schema import Config
+from ddpkit.config.split import Split
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import CheckpointError, ConfigError, HealthError
@@ -193,7 +194,9 @@ class Checkpointer:
         if self.mirror is not None:
             # Never deleted from the store while this run goes on.
             self.mirror.protect(path)
-        check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
+        allowed = check_compatible(state, path, self.config, world_size=self.world_size, components=self.components)
+        # The epoch's position in samples, whatever split wrote it: this run's split finds its batch from it.
+        state = with_sample_position(state)
         # any format into any layout
         restore_components(
             path,
@@ -212,6 +215,7 @@ class Checkpointer:
                     name,
                 )
         log.info("resuming from %s (step %d)", path, self.progress.step)
+        note_allowed_position(allowed, self.progress, Split.of_config(self.config, world_size=self.world_size))
         return True
 
     def rollback(self, names: tuple[str, ...] = ("model", "optimizer", "scheduler", "scaler")) -> bool:

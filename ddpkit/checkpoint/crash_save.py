@@ -53,6 +53,7 @@ from ddpkit.checkpoint.boundary_rng import BoundarySlots, read_boundary
 from ddpkit.checkpoint.components import Capturer, Ledger
 from ddpkit.checkpoint.metadata import manifest_fields
 from ddpkit.config.schema import Config
+from ddpkit.data.position import SamplePosition
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.processes import is_alive
 from ddpkit.errors import first_line
@@ -262,6 +263,10 @@ class CrashSave(Listener):
         state = self.checkpointer.capture(rng=self._rank_streams(progress["step"], torch_rng))
         # The live counters already count the interrupted step's batch.
         state["progress"] = dict(progress)
+        position = self.checkpointer.components["progress"]
+        if isinstance(position, SamplePosition):
+            # The boundary's position in samples too, as the periodic save writes it.
+            state["progress"]["sample_in_epoch"] = progress["batch_in_epoch"] * position.split.samples_per_batch
         return state
 
 

@@ -9,6 +9,7 @@
 - ``loader``: raw input -> a validated :class:`Config` (unknown keys get the closest valid one).
 - ``layout``: the parallel layout's degrees (pipeline stages, microbatches) checked against the world size before
   any process group exists.
+- ``split``: how a run splits its global batch (replicas, loader batches per step): what a resume may change.
 - ``checks``: rules that span several fields; ``serialize``: dicts, YAML text, the config hash.
 - ``urls``: which values are object-storage URLs (``checkpoint.dir: s3://...``), and their checks.
 - ``json_schema``: the config as a JSON Schema, for editors (``ddpkit config --schema``); ``cli_args``: the

@@ -5,6 +5,7 @@
   huge sets (``data.order``); exact evaluation shards; per-sample seeded workers.
 - ``elastic``: a training order independent of the world size (``data.global_batch_size``).
 - ``epochs``: the Trainer's epoch protocol (start, agree on a length, iterate) over any loader.
+- ``position``: the epoch's position in global samples, which a resume under any split of the same global batch finds.
 - ``uneven``: ranks compare batch counts so uneven data errors or truncates instead of hanging (``data.uneven``).
 - ``batched``: whole-batch reads from a ``TensorDataset`` (one gather per batch, the same batches).
 - ``shared``: ``SharedDataset``, one read-only copy of in-memory data per host.

@@ -8,7 +8,9 @@ field and each rank's value.
 
 :func:`config_differences` compares a checkpoint's config with the resuming run's: fields that
 change the math (model, data order and batches, optimizer, schedule, precision, seed, world size)
-must match; fields that only change bookkeeping (:data:`HARMLESS_PREFIXES`) may differ.
+must match; fields that only change bookkeeping (:data:`HARMLESS_PREFIXES`) may differ. The layout and the split
+of the global batch (per-rank batch, accumulation, a pipeline's microbatches: :data:`SPLIT_KEYS`) may change as long
+as the global batch stays: the data position is kept in samples (:mod:`ddpkit.data.position`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from typing import Any
 import torch
 
 from ddpkit._version import __version__
-from ddpkit.config.layout import default_microbatches
 from ddpkit.config.schema import Config
 from ddpkit.config.serialize import config_to_dict, flatten
+from ddpkit.config.split import Split
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.ddp import parameter_shapes
 from ddpkit.errors import ConsistencyError
 
-__all__ = ["check_ranks_agree", "check_same_run_on_every_rank", "config_differences", "HARMLESS_PREFIXES"]
+__all__ = ["check_ranks_agree", "check_same_run_on_every_rank", "config_differences", "HARMLESS_PREFIXES", "SPLIT_KEYS"]
 
 #: Config paths (and path prefixes) that may differ between a checkpoint and the resuming run.
 HARMLESS_PREFIXES = (
@@ -66,15 +68,8 @@ HARMLESS_PREFIXES = (
 )
 
 
-def _as_accumulation(flat: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline's M microbatches are its accumulation (the same samples, the same sums): compared as
-    ``train.grad_accum_steps``, so a checkpoint of P stages x M microbatches resumes in a world of one with
-    M-way accumulation, and back."""
-    stages = flat.get("parallel.pipeline", 1)
-    if stages == 1:
-        return flat
-    microbatches = flat.get("parallel.microbatches") or default_microbatches(stages)
-    return {**flat, "train.grad_accum_steps": microbatches}
+#: The keys that split the global batch: they may change while the global batch stays (:func:`config_differences`).
+SPLIT_KEYS = ("data.batch_size", "train.grad_accum_steps", "parallel.microbatches")
 
 
 def check_same_run_on_every_rank(config: Config, model: torch.nn.Module, train_set: Any, val_set: Any) -> None:
@@ -133,24 +128,37 @@ def config_differences(
 ) -> list[str]:
     """Human-readable differences in math-changing fields, e.g. ``"optim.lr: 0.1 -> 0.2"``.
 
-    ``elastic`` (``data.global_batch_size`` is set): the world size may change. A field the saved
-    config lacks was added to ddpkit after the checkpoint was written; it counts as its default,
-    which a new field keeps at the earlier behaviour, so checkpoints of earlier releases resume.
+    The layout (``parallel.*``) and the split of the global batch (:data:`SPLIT_KEYS`) may change: the global
+    batch (samples per optimizer step) may not. ``elastic`` (``data.global_batch_size`` is set): the number of
+    data-parallel replicas may change too; without it each replica's share of the order depends on their number
+    (then the samples per step are ``data.batch_size x accumulation x replicas``). A field the saved config
+    lacks was added to ddpkit after the checkpoint was written; it counts as its default, which a new field keeps at
+    the earlier behaviour, so checkpoints of earlier releases resume.
     """
     defaults = flatten(config_to_dict(Config()))
-    old = _as_accumulation(flatten(saved))
-    new = _as_accumulation(flatten(current))
+    old, new = flatten(saved), flatten(current)
+    saved_split, split = Split.of(old, world_size=saved_world_size), Split.of(new, world_size=world_size)
+    # Another split of the same global batch trains on the same samples (ddpkit.data.position): not a difference.
+    same_batch = saved_split.samples_per_step == split.samples_per_step
     differences = []
     for path in sorted(old.keys() | new.keys()):
-        if path.startswith(HARMLESS_PREFIXES):
+        if path.startswith(HARMLESS_PREFIXES) or (same_batch and path in SPLIT_KEYS):
             continue
         before = old.get(path, defaults.get(path, "<unset>"))
         after = new.get(path, "<unset>")
         if before != after:
             differences.append(f"{path}: {before!r} -> {after!r}")
-    if saved_world_size != world_size and not elastic:
+    if not same_batch and new.get("data.global_batch_size") is None:
         differences.append(
-            f"world size: {saved_world_size} -> {world_size} (the sample order depends on it unless the run sets "
-            "data.global_batch_size; train with it to resume on another number of processes)"
+            f"samples per optimizer step: {saved_split.samples_per_step} -> {split.samples_per_step} "
+            "(data.batch_size x train.grad_accum_steps or parallel.microbatches x data-parallel replicas)"
+        )
+    if saved_split.replicas != split.replicas and not elastic:
+        what = f"data-parallel replicas: {saved_split.replicas} -> {split.replicas}"
+        if saved_world_size != world_size:
+            what = f"world size: {saved_world_size} -> {world_size} ({what})"
+        differences.append(
+            f"{what}: the sample order depends on them unless the run sets data.global_batch_size; train with it to "
+            "resume on another number of processes or another layout"
         )
     return differences

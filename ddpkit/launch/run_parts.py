@@ -38,6 +38,7 @@ from ddpkit import training
 from ddpkit.checkpoint import BestCheckpoint, Checkpointer, Stateful
 from ddpkit.config.schema import Config
 from ddpkit.data import data_position
+from ddpkit.data.position import SamplePosition, Split
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.launch.worker_scope import Worker
 from ddpkit.parallel.layout import ParallelLayout
@@ -161,8 +162,10 @@ def build_run_parts(
     best = BestCheckpoint.for_run(config, checkpointer=checkpointer, progress=progress)
     early_stopping = training.EarlyStopping.for_run(config, progress=progress)
     parts = RunParts(reporter, checkpointer, health, update, models, step, evaluation, best, early_stopping)
+    # The checkpoint keeps the epoch's position in global samples: another split of the same global batch resumes it.
+    position = SamplePosition(progress, Split.of_config(config, world_size=runtime.env.world_size))
     _register(
-        parts, built, progress=progress, rank=runtime.env.rank, world_size=runtime.env.world_size, user=user_parts
+        parts, built, position=position, rank=runtime.env.rank, world_size=runtime.env.world_size, user=user_parts
     )
     return parts
 
@@ -194,14 +197,16 @@ def _step(
     )
 
 
-def _register(parts: RunParts, built: Built, *, progress: Progress, rank: int, world_size: int, user: Any) -> None:
+def _register(
+    parts: RunParts, built: Built, *, position: SamplePosition, rank: int, world_size: int, user: Any
+) -> None:
     """Every part a checkpoint holds, by name, in one call: ddpkit's own, then the user's."""
     builtin = dict(
         model=built.model,
         optimizer=built.optimizer,
         scheduler=built.scheduler,
         scaler=parts.update.scaler,
-        progress=progress,
+        progress=position,
         rng=training.RngStreams(rank=rank, world_size=world_size),
         best=parts.best,
         early_stopping=parts.early_stopping,
