@@ -1,0 +1,103 @@
+"""Training health under a pipeline (pp2) and tensor parallelism (tp2): a NaN names its step, rank and samples, the
+spike detector reads the real loss, a spike rolls back from the sharded (DCP) checkpoints those layouts write; and the
+per-stage rules of the checks that compare ranks, in one process.
+
+    .venv/bin/pytest -q tests/test_health_layouts.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, load_script, run_in_pool, tiny_config
+
+from ddpkit.config.health_section import StragglerConfig
+from ddpkit.errors import HealthError
+from ddpkit.training.straggler import StragglerWatch
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = REPO / "tests" / "scripts" / "health_trainer.py"
+
+#: pp2 cuts the MLP (Flatten, Linear, ReLU, Linear) before its output layer; tp2 splits both linear layers.
+LAYOUTS = {
+    "pp2": {"pipeline": 2, "microbatches": 2, "split_points": ["3"]},
+    "tp2": {"tensor": 2},
+}
+
+
+def _fit(tmp: Path, layout: str, fault: dict[str, str], sections: dict) -> dict:
+    """One rank of a HealthTrainer run under ``layout``; a HealthError is returned, not raised."""
+    import os
+
+    health_trainer = load_script(SCRIPT)
+    for name in [n for n in os.environ if n.startswith("HEALTH_")]:
+        del os.environ[name]
+    os.environ.update(fault)
+    cls = health_trainer.PipelineHealthTrainer if layout == "pp2" else health_trainer.SequentialHealthTrainer
+    trainer = cls(tiny_config(tmp, parallel=LAYOUTS[layout], **sections))
+    try:
+        result = {"metrics": trainer.fit(), "error": None}
+    except HealthError as exc:
+        result = {"metrics": None, "error": str(exc)}
+    weights = trainer.placed.held.state_dict()
+    result["finite"] = all(
+        torch.isfinite(v.full_tensor() if hasattr(v, "full_tensor") else v).all() for v in weights.values()
+    )
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_a_nan_and_a_loss_spike_are_named_and_rolled_back_from_sharded_checkpoints(tmp_path, layout):
+    # Rank 1 holds the loss in both layouts (pp2: the last stage; tp2: each rank computes it). `add` keeps the
+    # gradients finite: only the loss tells, so the pipeline's loss function must poison them itself.
+    fault = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "3", "HEALTH_NAN_HOW": "add", "HEALTH_SPIKE_STEPS": "13"}
+    sections = {
+        "log": {"progress_bar": False, "rank_files": True},
+        "data": {"batch_size": 8 if layout == "pp2" else 16},  # 16 steps an epoch in both layouts
+        "train": {"epochs": 1, "log_every": 4},
+        "health": {"spike": {"warmup": 8, "window": 16, "action": "rollback"}},
+        "checkpoint": {"every_steps": 5, "keep_last": 2},
+    }
+    results = run_in_pool(_fit, world_size=2, args=(tmp_path, layout, fault, sections), timeout=150)
+    assert [r["error"] for r in results] == [None, None] and all(r["finite"] for r in results)
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    # The step, the rank and the samples, as without a pipeline (before: "the loss was finite on every rank")
+    assert "step 3: non-finite loss on rank(s) 1; rank 1's batch had samples [" in log, log
+    # The loss itself spiked (before, under pp2, the detector saw 0 and only the norm could tell)
+    spike = re.search(r"step 13: spike: loss ([\d.e+]+) \(window mean ([\d.e+]+)\)", log)
+    assert spike and float(spike[1]) > 100 * float(spike[2]), log
+    # Rolled back from the newest checkpoint, a DCP directory every rank read its part of
+    assert re.search(r"rolled back model, optimizer.* to \S+step-0+10\.dcp", log), log
+    assert "rolled back to the newest valid checkpoint" in log
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "train_loss" in r][-1]
+    assert (last["nonfinite_steps"], last["spikes"], last["rollbacks"], last["skipped_steps"]) == (1, 1, 1, 2)
+    assert results[0]["metrics"]["step"] == 16
+
+
+# --- the checks that compare ranks, per stage: no process group --------------------------------------------
+
+
+def _watch(world_size: int, peers: int) -> StragglerWatch:
+    return StragglerWatch(
+        StragglerConfig(every=2, windows=1, margin=0.25),
+        parameters=[],
+        rank=0,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        peers=peers,
+    )
+
+
+def test_a_straggler_is_compared_with_the_ranks_of_its_own_stage_only():
+    # pp2 x dp2: ranks 0, 1 hold stage 0, ranks 2, 3 stage 1, which does twice the work. Rank 3 is slow for stage 1.
+    times = [0.010, 0.010, 0.020, 0.030]
+    assert _watch(4, peers=2)._slower(times) == {3: pytest.approx(0.5)}
+    # Compared across stages, both of stage 1's ranks would be named, the balanced one too
+    assert set(_watch(4, peers=4)._slower(times)) == {2, 3}
