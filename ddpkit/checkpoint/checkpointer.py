@@ -62,7 +62,7 @@ from ddpkit.parallel.layout import ParallelLayout, data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.log import log
 from ddpkit.training.replicas import require_finite
-from ddpkit.training.rng import capture_rng, seed_everything
+from ddpkit.training.rng import capture_rng, rank_seed, seed_everything
 
 __all__ = ["Checkpointer", "Pauses"]
 
@@ -186,7 +186,8 @@ class Checkpointer:
     def resume(self) -> bool:
         """Restore the checkpoint ``checkpoint.resume`` names, or seed a fresh run; True if resumed.
 
-        A fresh run reseeds every rank differently (independent dropout and augmentation); a resumed
+        A fresh run reseeds every rank differently (independent dropout and augmentation; under a pipeline each
+        stage's ranks from a seed of their own, :func:`ddpkit.training.rng.rank_seed`); a resumed
         one restores each rank's RNG streams exactly where they were. A user part the checkpoint lacks
         (it was written before the part existed) keeps its state as built, with a warning naming it.
         """
@@ -195,7 +196,12 @@ class Checkpointer:
             self.mirror.fetch(self.config.checkpoint_dir)
         chosen = choose_checkpoint(self.config, rank=self.rank)
         if chosen is None:
-            seed_everything(self.config.run.seed + self.rank)
+            # seed + rank; under a pipeline, each stage seeded apart (rank_seed)
+            layout = self.layout
+            seed = rank_seed(
+                self.config.run.seed, rank=self.rank, world_size=self.world_size, stage=layout.pp_rank, stages=layout.pp
+            )
+            seed_everything(seed)
             return False
         path, state = chosen
         if self.mirror is not None:
