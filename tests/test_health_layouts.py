@@ -2,7 +2,8 @@
 spike detector reads the real loss, a spike rolls back from the sharded (DCP) checkpoints those layouts write; and the
 per-stage rules of the checks that compare ranks, in one process.
 
-    .venv/bin/pytest -q tests/test_health_layouts.py
+    .venv/bin/pytest -q tests/test_health_layouts.py             # the fast set
+    .venv/bin/pytest -q -m slow tests/test_health_layouts.py     # plus pp2 x dp2 on 4 ranks
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _fit(tmp: Path, layout: str, fault: dict[str, str], sections: dict) -> dict:
     except HealthError as exc:
         result = {"metrics": None, "error": str(exc)}
     weights = trainer.placed.held.state_dict()
+    result["weights"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in weights.items()}
     result["finite"] = all(
         torch.isfinite(v.full_tensor() if hasattr(v, "full_tensor") else v).all() for v in weights.values()
     )
@@ -79,6 +81,28 @@ def test_a_nan_and_a_loss_spike_are_named_and_rolled_back_from_sharded_checkpoin
     last = [r for r in records if "train_loss" in r][-1]
     assert (last["nonfinite_steps"], last["spikes"], last["rollbacks"], last["skipped_steps"]) == (1, 1, 1, 2)
     assert results[0]["metrics"]["step"] == 16
+
+
+@pytest.mark.slow  # 4 ranks, 24 steps: about 12 s on the loaded 2-core machine
+@pytest.mark.multiprocess
+def test_pp2_x_dp2_compares_each_stages_replicas_and_ranks_with_one_another(tmp_path):
+    # Rank 3 is stage 1's second replica: slowed (in its loss), and its weights nudged after step 3
+    fault = {"HEALTH_SLOW_RANK": "3", "HEALTH_SLOW_MS": "15", "HEALTH_PERTURB_RANK": "3", "HEALTH_PERTURB_STEP": "3"}
+    sections = {
+        "log": {"progress_bar": False, "rank_files": True},
+        "data": {"batch_size": 8},  # 8 steps an epoch: 256 samples / (8 x 2 microbatches x 2 replicas)
+        "train": {"epochs": 3, "log_every": 8},
+        "health": {"check_replicas_every": 4, "straggler": {"every": 6, "windows": 2}},
+    }
+    results = run_in_pool(_fit, world_size=4, args=(tmp_path, "pp2", fault, sections), timeout=150)
+    assert [r["error"] for r in results] == [None] * 4
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "replica divergence at step 4: the parameters of rank(s) 3 differ from their stage's first replica's" in log
+    assert "copied each stage's first replica's parameters to its other replicas" in log
+    assert all(torch.equal(results[2]["weights"][k], results[3]["weights"][k]) for k in results[2]["weights"])
+    # The slow replica is named against its own stage's other rank; stage 0's ranks are not compared with stage 1's
+    assert "straggler: rank 3 is" in log and "slower than the median rank of its stage" in log, log
+    assert not re.search(r"straggler: rank [012] ", log), log
 
 
 # --- the checks that compare ranks, per stage: no process group --------------------------------------------

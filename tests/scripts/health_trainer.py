@@ -9,7 +9,7 @@ Environment variables (read when the Trainer is built), steps 1-based optimizer 
   gradients stay finite, only the loss tells), ``mul`` (loss * NaN: NaN gradients too) or ``grad``
   (a finite loss whose backward makes one weight's gradient NaN: only the gradients tell).
 * ``HEALTH_SPIKE_STEPS``: every rank's loss is multiplied by 1000 at those steps.
-* ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step.
+* ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step (pipeline_loss).
 
 Under ``parallel.tensor`` use :class:`SequentialHealthTrainer`, under ``parallel.pipeline``
 :class:`PipelineHealthTrainer`: the faults go into ``pipeline_loss``, on the last stage's ranks (``HEALTH_NAN_RANK``
@@ -55,8 +55,6 @@ class HealthTrainer(ddpkit.Trainer):
         self._poisoned_step = -1
 
     def training_step(self, batch: Any) -> torch.Tensor:
-        if self.rank == self.slow_rank:
-            time.sleep(self.slow_s)
         return self._faulty(super().training_step(batch))
 
     def pipeline_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -65,6 +63,8 @@ class HealthTrainer(ddpkit.Trainer):
 
     def _faulty(self, loss: torch.Tensor) -> torch.Tensor:
         step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
+        if self.rank == self.slow_rank:
+            time.sleep(self.slow_s)
         if self.rank == self.nan_rank and step in self.nan_steps and self._poisoned_step != step:
             self._poisoned_step = step  # the step's first micro-batch only
             if self.nan_how == "grad":  # sqrt(0) = 0 in the forward; its derivative inf, times 0, is NaN
