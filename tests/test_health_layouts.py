@@ -24,11 +24,17 @@ pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = REPO / "tests" / "scripts" / "health_trainer.py"
 
-#: pp2 cuts the MLP (Flatten, Linear, ReLU, Linear) before its output layer; tp2 splits both linear layers.
+#: pp2 cuts the MLP (Flatten, Linear, ReLU, Linear) before its output layer; tp2 splits both linear layers; the
+#: sharded data-parallel modes write DCP checkpoints too.
 LAYOUTS = {
     "pp2": {"pipeline": 2, "microbatches": 2, "split_points": ["3"]},
     "tp2": {"tensor": 2},
+    "fsdp2": {"mode": "fsdp2"},
+    "zero1": {"mode": "zero1"},
 }
+
+#: The sharded data-parallel modes: slow tests (pp2 and tp2 cover the rollback's DCP path in the fast set).
+SHARDED_MODES = ("fsdp2", "zero1")
 
 
 def _fit(tmp: Path, layout: str, fault: dict[str, str], sections: dict) -> dict:
@@ -54,14 +60,14 @@ def _fit(tmp: Path, layout: str, fault: dict[str, str], sections: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2", *(pytest.param(m, marks=pytest.mark.slow) for m in SHARDED_MODES)])
 def test_a_nan_and_a_loss_spike_are_named_and_rolled_back_from_sharded_checkpoints(tmp_path, layout):
-    # Rank 1 holds the loss in both layouts (pp2: the last stage; tp2: each rank computes it). `add` keeps the
-    # gradients finite: only the loss tells, so the pipeline's loss function must poison them itself.
+    # Rank 1 holds a loss in every layout (pp2: the last stage; tp2: each rank computes it; fsdp2, zero1: a replica).
+    # `add` keeps the gradients finite: only the loss tells, so the pipeline's loss function must poison them itself.
     fault = {"HEALTH_NAN_RANK": "1", "HEALTH_NAN_STEPS": "3", "HEALTH_NAN_HOW": "add", "HEALTH_SPIKE_STEPS": "13"}
     sections = {
         "log": {"progress_bar": False, "rank_files": True},
-        "data": {"batch_size": 8 if layout == "pp2" else 16},  # 16 steps an epoch in both layouts
+        "data": {"batch_size": 16 if layout == "tp2" else 8},  # 16 steps an epoch in every layout
         "train": {"epochs": 1, "log_every": 4},
         "health": {"spike": {"warmup": 8, "window": 16, "action": "rollback"}},
         "checkpoint": {"every_steps": 5, "keep_last": 2},
