@@ -14,7 +14,7 @@ from helpers import run_in_pool
 from torch import nn
 
 import ddpkit
-from ddpkit.training.rng import STAGE_STRIDE, rank_seed
+from ddpkit.training.rng import STAGE_STRIDE, RngStreams, capture_rng, rank_seed, restore_rng
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,3 +87,20 @@ def test_the_seed_of_a_rank_depends_on_its_stage_and_its_place_in_it():
     # No two ranks of a run share a seed
     seeds = [rank_seed(7, rank=r, world_size=8, stage=r // 4, stages=2) for r in range(8)]
     assert len(set(seeds)) == 8
+
+
+def test_a_resume_on_another_world_size_gives_each_stage_its_own_stream():
+    # A world of one's checkpoint resumed as pp2 x dp2 (data.global_batch_size): no rank's own streams were saved
+    torch.manual_seed(11)
+    saved = [capture_rng()]
+
+    def draws(rank: int, stage: int) -> torch.Tensor:
+        RngStreams(rank=rank, world_size=4, stage=stage).load_state_dict(saved)
+        return torch.rand(8)
+
+    restore_rng(saved[0])
+    continued = torch.rand(8)
+    # Stage 0's ranks continue rank 0's streams exactly, as a run without a pipeline does
+    assert torch.equal(draws(0, 0), continued) and torch.equal(draws(1, 0), continued)
+    # Stage 1's ranks draw a stream of their own, the same in every launch
+    assert not torch.equal(draws(2, 1), continued) and torch.equal(draws(2, 1), draws(3, 1))

@@ -202,7 +202,7 @@ def _register(parts: RunParts, built: Built, *, progress: Progress, rank: int, w
         scheduler=built.scheduler,
         scaler=parts.update.scaler,
         progress=progress,
-        rng=training.RngStreams(rank=rank, world_size=world_size),
+        rng=training.RngStreams(rank=rank, world_size=world_size, stage=built.pipeline.stage if built.pipeline else 0),
         best=parts.best,
         early_stopping=parts.early_stopping,
         health=parts.health,

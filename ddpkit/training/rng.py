@@ -124,14 +124,24 @@ class RngStreams:
     ``state_dict()`` gathers each rank's :func:`capture_rng` in rank order (a collective: every rank
     calls it, as every rank captures a checkpoint); ``load_state_dict`` restores this rank's own
     streams, or rank 0's when the run resumes on another world size (``data.global_batch_size``).
+    There, under a pipeline (``stage``: this rank's pipeline coordinate), the ranks of stage ``k > 0``
+    draw one number from rank 0's streams and seed from it and their stage, as :func:`rank_seed` does
+    (``+ k * STAGE_STRIDE``): every stage resuming rank 0's streams would repeat its masks in the next.
     """
 
-    def __init__(self, *, rank: int, world_size: int):
+    def __init__(self, *, rank: int, world_size: int, stage: int = 0):
         self.rank = rank
         self.world_size = world_size
+        self.stage = stage
 
     def state_dict(self) -> list[dict[str, Any]]:
         return all_gather_object(capture_rng())
 
     def load_state_dict(self, streams: list[dict[str, Any]]) -> None:
-        restore_rng(streams[self.rank] if len(streams) == self.world_size else streams[0])
+        if len(streams) == self.world_size:
+            restore_rng(streams[self.rank])
+            return
+        restore_rng(streams[0])
+        if self.stage > 0:
+            # From the checkpoint alone: the same streams in every launch, each stage's its own
+            seed_everything(int(torch.randint(2**62, (1,))) + STAGE_STRIDE * self.stage)
