@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, load_script, run_in_pool, tiny_config
+from torch.distributed.device_mesh import init_device_mesh
 
 from ddpkit.config.health_section import StragglerConfig
+from ddpkit.config.loader import load_config
+from ddpkit.distributed import read_dist_env
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import HealthError
+from ddpkit.parallel.data_parallel import DDP
+from ddpkit.parallel.layout import ParallelLayout
+from ddpkit.testing import fake_ranks
+from ddpkit.training.health import _rank_checks
 from ddpkit.training.straggler import StragglerWatch
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,3 +139,35 @@ def test_a_straggler_is_compared_with_the_ranks_of_its_own_stage_only():
     assert _watch(4, peers=2)._slower(times) == {3: pytest.approx(0.5)}
     # Compared across stages, both of stage 1's ranks would be named, the balanced one too
     assert set(_watch(4, peers=4)._slower(times)) == {2, 3}
+
+
+def _checks_of(world_size: int, rank: int, parallel: dict, *, ddp_over_tp: bool = False) -> tuple[int | None, ...]:
+    """The straggler watch's peers and the replica check's replicas that rank ``rank`` builds (None: that check is
+    off), on torch's fake backend. ``ddp_over_tp``: DDP replicas of a tp2 mesh, which ParallelLayout refuses."""
+    config = load_config({"parallel": parallel, "health": {"check_replicas_every": 4}})
+    with fake_ranks(world_size, rank=rank):
+        runtime = Runtime(env=read_dist_env(), device=torch.device("cpu"), backend="fake")
+        if ddp_over_tp:
+            mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+            coordinates = dict(dp_rank=mesh.get_local_rank("dp"), tp_rank=mesh.get_local_rank("tp"))
+            layout = ParallelLayout(DDP(), dp=2, pp=1, pp_rank=0, tp=2, mesh=mesh, **coordinates)
+        else:
+            layout = ParallelLayout.build(config.parallel, runtime)
+        straggler, replicas = _rank_checks(config, runtime=runtime, model=torch.nn.Linear(2, 2), layout=layout)
+        if straggler is not None:
+            straggler.close()
+        return (straggler.peers if straggler else None), (replicas.replicas if replicas else None)
+
+
+def test_each_layout_compares_the_ranks_of_one_stage_and_a_stages_replicas_must_be_neighbours():
+    # pp2 x dp2: each stage's two neighbouring ranks, for both checks, on every rank
+    assert {_checks_of(4, r, {"pipeline": 2}) for r in range(4)} == {(2, 2)}
+    # pp2 alone: one rank a stage, nothing to compare; tp2: both ranks do the same work, no replicas to compare
+    assert _checks_of(2, 1, {"pipeline": 2}) == (None, None)
+    assert _checks_of(2, 1, {"tensor": 2}) == (2, None)
+    # tp2 x dp2 under fsdp2: sharded parameters, no replica check; the straggler watch compares all four
+    assert _checks_of(4, 3, {"tensor": 2, "mode": "fsdp2"}) == (4, None)
+    # ddp replicas two ranks apart (tp2 x dp2, which the layout refuses): the first-replica rule would compare
+    # rank 1 with rank 0, another tensor rank; the check stops on its assumption instead of comparing wrong ranks
+    with pytest.raises(AssertionError, match=r"rank 1's replicas are ranks \[1, 3\], not 2 neighbours from 0"):
+        _checks_of(4, 1, {}, ddp_over_tp=True)
