@@ -313,7 +313,8 @@ class Trainer:
         plan = self.tensor_plan(whole) if self.layout.tp > 1 else None
         # A single-file checkpoint's optimizer state is keyed by position in the whole model's optimizer.
         order = training.optimizer_order(whole, self.config.optim) if self.layout.pp > 1 else None
-        hooks = dict(split=self.pipeline_stages, loss=self.pipeline_loss)
+        # The schedule runs the backward itself: a non-finite loss poisons the gradients in its loss function
+        hooks = dict(split=self.pipeline_stages, loss=training.watched(self.pipeline_loss))
         return parallelize(whole, self.layout, self.config, self.runtime, plan=plan, optimizer_order=order, **hooks)
 
     def _finished(self) -> bool:

@@ -59,6 +59,29 @@ def test_the_base_is_frozen_and_the_adapter_starts_as_a_no_op(tmp_path):
     assert state["lora_base._extra_state"]["targets"] == ["q_proj", "v_proj"]
 
 
+def test_a_pipeline_ranks_stages_save_the_adapter_alone_and_the_bases_fingerprint():
+    from ddpkit.models.lora import adapter_only_parts
+    from ddpkit.parallel.pipeline_split import HeldParts, split_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(name="gpt", lora=LoraConfig(r=2, alpha=4, targets="all-linear"))
+    model = apply_lora(gpt(vocab_size=40, dim=16, depth=2, heads=2, max_len=8), config)
+    stages = split_model(model, stages=2)
+    whole = model.state_dict()
+    held = [adapter_only_parts(HeldParts([stage]), model) for stage in stages]
+    states = [part.state_dict() for part in held]
+    # Each stage: its own adapter tensors and the fingerprint, nothing frozen; together, the whole model's state
+    assert all(set(state) - {"lora_base._extra_state"} for state in states)
+    assert all(".lora_" in k for state in states for k in state if k != "lora_base._extra_state")
+    assert {k for state in states for k in state} == set(whole)
+    assert all(state["lora_base._extra_state"] == whole["lora_base._extra_state"] for state in states)
+    # A stage's checkpoint loads back (the frozen base is not missing), and refuses another base's adapter
+    held[1].load_state_dict(states[1])
+    other = {**states[1], "lora_base._extra_state": {**states[1]["lora_base._extra_state"], "fingerprint": "0" * 64}}
+    with pytest.raises(CheckpointError, match="LoRA adapter was trained on the base"):
+        held[1].load_state_dict(other)
+
+
 def test_targets_follow_peft_and_unknown_names_are_refused(tmp_path):
     model = gpt(arch="llama", dim=32, depth=2, heads=4, kv_heads=2, tied=False)
     everything = lora_targets(model, "all-linear")
@@ -278,13 +301,25 @@ def test_a_sigkilled_lora_run_resumes_bitwise(tmp_path):
 @pytest.mark.timeout(600)
 def test_under_a_pipeline_the_base_stays_frozen_and_the_adapter_exports(tmp_path):
     from helpers import run_in_pool
+    from torch.distributed.checkpoint import FileSystemReader
 
     reference = save_tiny(tmp_path / "hf", "llama")  # a tied head: the last stage holds the embedding too
     config = lora_run(str(tmp_path / "hf"), str(tmp_path / "run"), token_files(tmp_path / "data"))
     config["parallel"] = {"pipeline": 2}
     run_in_pool(fit, 2, args=(config,), timeout=240)
-    saved = torch.load(tmp_path / "run/model.pt", weights_only=True)  # a stage saves its whole part, base included
-    assert torch.equal(saved["embed.weight"], reference.model.embed_tokens.weight)
+    # Adapter-only, as in every other layout: model.pt and the sharded checkpoint hold no frozen tensor
+    saved = torch.load(tmp_path / "run/model.pt", weights_only=True)
+    adapter = [k for k in saved if k != "lora_base._extra_state"]
+    assert all(".lora_" in k for k in adapter) and len(adapter) == 28 and "lora_base._extra_state" in saved
+    newest = sorted((tmp_path / "run/checkpoints").glob("*.dcp"))[-1]
+    stored = FileSystemReader(str(newest)).read_metadata().state_dict_metadata
+    assert {k.split(".", 1)[0] for k in stored} == {"model", "optimizer"}
+    assert all(".lora_" in k for k in stored) and sum(k.startswith("model.") for k in stored) == 28
+    # It resumes: every stage's adapter and optimizer from the adapter-only shards, the base rebuilt
+    config["train"]["max_steps"] = 6
+    assert [metrics["step"] for metrics in run_in_pool(fit, 2, args=(config,), timeout=240)] == [6, 6]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4, 5, 6]  # steps 5, 6 after the resume
     export_peft(tmp_path / "run", tmp_path / "adapter")
     export_hf(tmp_path / "run", tmp_path / "merged", merge=True)
     model, _ = load_model(tmp_path / "run")

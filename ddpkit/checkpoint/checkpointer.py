@@ -44,7 +44,15 @@ from ddpkit.checkpoint.memory_tier import MemorySnapshots
 from ddpkit.checkpoint.metadata import manifest_fields, run_metadata
 from ddpkit.checkpoint.preemption import StopOnSignal
 from ddpkit.checkpoint.resume import check_compatible, choose_checkpoint, note_allowed_position, with_sample_position
-from ddpkit.checkpoint.sharded_run import TENSOR_PARTS, ShardedOptimizer, ShardedRun, full_capture, restore_components
+from ddpkit.checkpoint.sharded import is_sharded_checkpoint
+from ddpkit.checkpoint.sharded_run import (
+    TENSOR_PARTS,
+    ShardedOptimizer,
+    ShardedRun,
+    full_capture,
+    read_any,
+    restore_components,
+)
 from ddpkit.checkpoint.storage import RemoteMirror
 from ddpkit.config.schema import Config
 from ddpkit.config.split import Split
@@ -55,7 +63,7 @@ from ddpkit.parallel.layout import ParallelLayout, data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.log import log
 from ddpkit.training.replicas import require_finite
-from ddpkit.training.rng import capture_rng, seed_everything
+from ddpkit.training.rng import capture_rng, rank_seed, seed_everything
 
 __all__ = ["Checkpointer", "Pauses"]
 
@@ -179,7 +187,8 @@ class Checkpointer:
     def resume(self) -> bool:
         """Restore the checkpoint ``checkpoint.resume`` names, or seed a fresh run; True if resumed.
 
-        A fresh run reseeds every rank differently (independent dropout and augmentation); a resumed
+        A fresh run reseeds every rank differently (independent dropout and augmentation; under a pipeline each
+        stage's ranks from a seed of their own, :func:`ddpkit.training.rng.rank_seed`); a resumed
         one restores each rank's RNG streams exactly where they were. A user part the checkpoint lacks
         (it was written before the part existed) keeps its state as built, with a warning naming it.
         """
@@ -188,7 +197,12 @@ class Checkpointer:
             self.mirror.fetch(self.config.checkpoint_dir)
         chosen = choose_checkpoint(self.config, rank=self.rank)
         if chosen is None:
-            seed_everything(self.config.run.seed + self.rank)
+            # seed + rank; under a pipeline, each stage seeded apart (rank_seed)
+            layout = self.layout
+            seed = rank_seed(
+                self.config.run.seed, rank=self.rank, world_size=self.world_size, stage=layout.pp_rank, stages=layout.pp
+            )
+            seed_everything(seed)
             return False
         path, state = chosen
         if self.mirror is not None:
@@ -222,13 +236,24 @@ class Checkpointer:
         """Load ``names`` from the newest valid checkpoint (every rank; progress, data and RNG go on); False if none.
 
         ``health.spike.action=rollback``: the weights and optimizer go back, the run continues past the
-        batches that spiked instead of meeting them again.
+        batches that spiked instead of meeting them again. A single file or a sharded (DCP) checkpoint, in this
+        run's layout or another: the model and optimizer load as a resume loads them, every rank its own part.
         """
+        if self._sharded is not None:
+            # An async save still in flight is committed first, so the newest checkpoint is what it wrote
+            self._sharded.wait()
         info = ckpt.find_latest_checkpoint(self.config.checkpoint_dir) if self.rank == 0 else None
-        path = broadcast_object(str(info.path) if info is not None and info.path.suffix == ".pt" else None)
+        path = broadcast_object(str(info.path) if info is not None else None)
         if path is None:
             return False
-        loaded = self.components.load(read_checkpoint(ckpt.load_checkpoint(path), path=path), names)
+        state = read_checkpoint(read_any(path), path=path)
+        spread = self._sharded is not None or is_sharded_checkpoint(path)
+        small = tuple(name for name in names if not spread or name not in TENSOR_PARTS)
+        loaded = self.components.load(state, small)
+        if spread and any(name in TENSOR_PARTS for name in names):
+            # A collective: each rank reads its own shards (DCP), or its part of a single file
+            ShardedRun.restore(path, state, self.components, order=self.optimizer_order)
+            loaded = [name for name in names if name in TENSOR_PARTS] + loaded
         log.info("rolled back %s to %s", ", ".join(loaded), path)
         return True
 

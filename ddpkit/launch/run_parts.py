@@ -207,7 +207,7 @@ def _register(
         scheduler=built.scheduler,
         scaler=parts.update.scaler,
         progress=position,
-        rng=training.RngStreams(rank=rank, world_size=world_size),
+        rng=training.RngStreams(rank=rank, world_size=world_size, stage=built.pipeline.stage if built.pipeline else 0),
         best=parts.best,
         early_stopping=parts.early_stopping,
         health=parts.health,

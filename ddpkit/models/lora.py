@@ -24,7 +24,8 @@ that matches no linear layer is refused with the model's own linear names.
 (a state-dict hook; ``load_state_dict`` does not miss them), so a checkpoint, ``model.pt`` and a
 memory snapshot hold the adapter, its optimizer state, and, as the model's extra state
 (``lora_base._extra_state``), a fingerprint of the base: the sha256 of every frozen tensor,
-taken once before the adapter is added. The base itself comes from the builder at every start
+taken once before the adapter is added (under a pipeline, each rank's stages save the same way:
+:func:`adapter_only_parts`). The base itself comes from the builder at every start
 (``init_from`` or a seeded initialisation). A checkpoint resumed on another base is refused naming
 both (:class:`LoraBase`); a run resumes bitwise because the base is rebuilt identically.
 
@@ -48,7 +49,16 @@ from torch.nn import functional as F
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
 
-__all__ = ["LoraLinear", "LoraBase", "apply_lora", "merge_lora", "base_fingerprint", "lora_targets", "adapter_of"]
+__all__ = [
+    "LoraLinear",
+    "LoraBase",
+    "apply_lora",
+    "merge_lora",
+    "base_fingerprint",
+    "lora_targets",
+    "adapter_of",
+    "adapter_only_parts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +246,21 @@ def _keep_the_adapter_only(model: nn.Module) -> None:
         model.register_state_dict_post_hook(drop_frozen),
         model.register_load_state_dict_post_hook(forgive_frozen),
     )
+
+
+def adapter_only_parts(parts: nn.Module, model: nn.Module) -> nn.Module:
+    """``parts`` of a LoRA ``model`` (a pipeline rank's stages) saving as the whole model saves: the adapter and the
+    base's fingerprint, no frozen tensor; ``parts`` unchanged for a model without an adapter.
+
+    The stages are cut from the model's children, and ``lora_base`` (the fingerprint) is no stage's: every rank's
+    parts get it, so each stage's checkpoint is checked against the base it loads onto, and ``model.pt`` holds it.
+    """
+    base = getattr(model, "lora_base", None)
+    if not isinstance(base, LoraBase):
+        return parts
+    parts.lora_base = base
+    _keep_the_adapter_only(parts)
+    return parts
 
 
 def _bare(key: str) -> str:

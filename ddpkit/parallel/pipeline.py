@@ -33,6 +33,7 @@ from ddpkit.distributed import ddp as ddp_wrap
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.models.init_by_name import is_on_meta
+from ddpkit.models.lora import adapter_only_parts
 from ddpkit.parallel.layout import ParallelLayout
 from ddpkit.parallel.pipeline_forward import PipelineForward
 from ddpkit.parallel.pipeline_split import HeldParts, TiedWeights, split_model, stage_blocks, tied_weight
@@ -121,7 +122,8 @@ def build_pipeline(
     timed_loss = clock.timed(loss, "stage loss")
     schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=timed_loss, scale_grads=scale)
     forward = PipelineForward(local, ids, total=total, device=runtime.device, group=layout.pp_group)
-    held = HeldParts(local, forward=forward)
+    # A LoRA model's stages save their adapter alone, as the whole model does
+    held = adapter_only_parts(HeldParts(local, forward=forward), model)
     tied = TiedWeights(_shared_weight(local) if is_tied else None, _tied_group(layout) if is_tied else None)
     first = 0 in ids
     last = total - 1 in ids

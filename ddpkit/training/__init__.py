@@ -28,6 +28,7 @@ from ddpkit.training import steps
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.health import TrainingHealth
+from ddpkit.training.health_checks import watched
 from ddpkit.training.metrics import evaluate
 from ddpkit.training.optim import OptimizerStep, build_optimizer, build_scheduler
 from ddpkit.training.param_groups import optimizer_order
@@ -41,6 +42,7 @@ __all__ = [
     "apply_lora",
     "Evaluation",
     "TrainingHealth",
+    "watched",
     "evaluate",
     "optimizer_order",
     "OptimizerStep",

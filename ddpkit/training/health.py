@@ -27,6 +27,14 @@ costs as measured. What happens in an optimizer step:
 * With ``spike`` on, one small all_reduce per step gives every rank the same mean loss; a loss or
   norm ``sigma`` standard deviations above its window is warned about, skipped, or rolled back
   (the newest valid checkpoint's weights and optimizer, through ``checkpoints.rollback()``; the data goes on).
+  The all_reduce carries ``(mean loss, 1)`` from each rank that computed losses and ``(0, 0)`` from one that did
+  not, so the mean is over the ranks that hold the loss. Rollback reads single files and sharded (DCP) checkpoints.
+
+Under a pipeline the schedule runs the backward, and only the last stage computes losses: its loss function is
+poisoned as ``watch_loss`` poisons one (:func:`ddpkit.training.health_checks.watched`), and the step hands the
+schedule's losses to :meth:`TrainingHealth.record`, so a NaN names the step, the last stage's rank and its samples
+and the spike detector reads the real loss, at no collective more. The straggler watch compares each stage's ranks
+with one another (stages do different work), and the replica check each stage's replicas with their first.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from ddpkit.errors import HealthError
 from ddpkit.parallel.layout import ParallelLayout, data_parallel_for
 from ddpkit.progress import Progress
 from ddpkit.reporting.log import GRAD_NORM, log
-from ddpkit.training.health_checks import SpikeDetector, sample_indices
+from ddpkit.training.health_checks import SpikeDetector, poison_nonfinite, sample_indices
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.straggler import StragglerWatch
 
@@ -112,18 +120,15 @@ class TrainingHealth:
     # --- inside the optimizer step (called by OptimizerStep) ------------------------------------
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to backpropagate: the same value, with NaN gradients if it is not finite.
+        """The loss to backpropagate: the same value, with NaN gradients if it is not finite
+        (:func:`ddpkit.training.health_checks.poison_nonfinite`)."""
+        self._losses.append(loss.detach())
+        return poison_nonfinite(loss)
 
-        On an accelerator the guard is ``loss * (loss * 0 + 1)``, with no host sync. A scalar loss
-        on the CPU is read instead (about 1 us, where the guard's three operations and its node in
-        the backward measured 30 us a step on the MLP) and multiplied by NaN only when it is not
-        finite: the same gradients, bit for bit, either way.
-        """
-        detached = loss.detach()
-        self._losses.append(detached)
-        if detached.is_cpu and detached.numel() == 1:
-            return loss if math.isfinite(detached.item()) else loss * math.nan
-        return loss * (detached * 0 + 1)
+    def record(self, losses: list[torch.Tensor]) -> None:
+        """A pipeline's step: the losses the schedule computed on the last stage (none on the others), whose backward
+        it ran itself through a loss function :func:`~ddpkit.training.health_checks.watched` poisoned."""
+        self._losses.extend(loss.detach() for loss in losses)
 
     def allow_step(self, norm: torch.Tensor, *, scaled: bool = False) -> bool:
         """Whether to apply this step's update (False: skip it); ``scaled``: a GradScaler decides on overflow."""
@@ -175,8 +180,14 @@ class TrainingHealth:
 
     def _spiked(self, step: int, losses: list[torch.Tensor], norm: float) -> bool:
         """Check the step's mean loss (one all_reduce) and norm against their windows; True to skip the update."""
-        total = torch.stack(losses).float().mean().reshape(1) if losses else torch.zeros(1, device=self.device)
-        values = {"loss": all_reduce_sum(total).item() / self.world_size, GRAD_NORM: norm}
+        # (mean, 1) from a rank that computed losses, (0, 0) from one that did not (a pipeline's other stages): the
+        # sum over every rank divided by the count is the mean over the ranks that hold the loss, the same everywhere.
+        if losses:
+            total = torch.stack([torch.stack(losses).float().mean(), torch.ones((), device=losses[0].device)])
+        else:
+            total = torch.zeros(2, device=self.device)
+        loss_sum, holders = all_reduce_sum(total).tolist()
+        values = {"loss": loss_sum / max(holders, 1.0), GRAD_NORM: norm}
         spiked = [
             f"{name} {v:.4g} (window mean {_mean(self.spikes[name])})"
             for name, v in values.items()
@@ -265,18 +276,27 @@ class TrainingHealth:
 def _rank_checks(
     config: Config, *, runtime: Runtime, model: torch.nn.Module, layout: ParallelLayout | None = None
 ) -> tuple[StragglerWatch | None, ReplicaCheck | None]:
-    """The checks that compare ranks (none in a world of one)."""
+    """The checks that compare ranks (none in a world of one); under a pipeline, each stage's ranks with one another."""
     h = config.health
     env = runtime.env
     if env.world_size == 1:
         return None, None
-    straggler = None
-    if h.straggler:
-        straggler = StragglerWatch(
-            h.straggler, parameters=model.parameters(), rank=env.rank, world_size=env.world_size, device=runtime.device
-        )
     if layout is None:
         layout = ParallelLayout.without_mesh(data_parallel_for(config.parallel), env)
+    # A stage's ranks: dp x tp neighbours (the mesh's pipeline dimension is outermost)
+    peers = env.world_size // layout.pp
+    straggler = None
+    if h.straggler and peers > 1:
+        straggler = StragglerWatch(
+            h.straggler,
+            parameters=model.parameters(),
+            rank=env.rank,
+            world_size=env.world_size,
+            device=runtime.device,
+            peers=peers,
+        )
+    elif h.straggler and env.rank == 0:
+        log.info("health.straggler: each stage has one rank, and stages do different work: nothing to compare")
     replicas = None
     # fsdp2 shards the parameters: nothing to compare; under a pipeline each stage's replicas are compared
     if h.check_replicas_every and layout.replicated and layout.dp > 1:

@@ -14,6 +14,11 @@ sum, the schedule does not scale, and the token count, taken from the targets of
 summed over the data-parallel group (not over the stages: every stage of a pipeline sees the same batch), decides
 the factor. torchtitan#2972 multiplies the gradients by the token count once too often; here the count is applied
 once, in :class:`ddpkit.training.token_loss.TokenCount`.
+
+Health sees the pipeline as it sees accumulation: the last stage's loss function is poisoned by
+:func:`ddpkit.training.health_checks.watched` (a non-finite loss makes every gradient NaN, on every stage and
+replica), and the step hands the schedule's losses to ``health.record`` before the update, so a NaN's report names
+the step, the rank and its samples, and the spike detector reads the real loss.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ class PipelineStep:
         busy, spans = pipeline.clock.take()
         reporter.add_stage_time(stage=pipeline.stage, busy=busy, span=span, theory=pipeline.theory, spans=spans)
         self._report(losses, targets)
+        if self.update.health is not None:
+            # The last stage's losses (none elsewhere): what a non-finite step's report names, what spikes are read from
+            self.update.health.record(losses)
         pipeline.tied.reduce()
         self.reporting.update(self.update)
         return len(microbatches)

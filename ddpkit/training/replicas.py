@@ -54,6 +54,13 @@ class ReplicaCheck:
         self.on_divergence = on_divergence
         self.replicas = replicas or world_size
         self.group = group
+        if group is not None:
+            # The first-replica rule below holds only where a stage's replicas are neighbouring ranks
+            replicas_of_this_rank = dist.get_process_group_ranks(group)
+            first = self._first_replica(rank)
+            assert replicas_of_this_rank == list(range(first, first + self.replicas)), (
+                f"rank {rank}'s replicas are ranks {replicas_of_this_rank}, not {self.replicas} neighbours from {first}"
+            )
         #: Checks that found a difference, for metrics.
         self.divergences = 0
 
@@ -85,7 +92,12 @@ class ReplicaCheck:
             for param in self.model.parameters():
                 dist.broadcast(param.data, src=self._first_replica(self.rank), group=self.group)
         if self.rank == 0:
-            log.warning("%s; copied rank 0's parameters to every rank (health.on_divergence=broadcast)", what)
+            source = (
+                "rank 0's parameters to every rank"
+                if self.replicas == self.world_size
+                else ("each stage's first replica's parameters to its other replicas")
+            )
+            log.warning("%s; copied %s (health.on_divergence=broadcast)", what, source)
         return differing
 
 

@@ -15,7 +15,20 @@ import torch
 
 from ddpkit.distributed.collectives import all_gather_object
 
-__all__ = ["seed_everything", "seed_for_setup", "use_deterministic_kernels", "capture_rng", "restore_rng", "RngStreams"]
+__all__ = [
+    "seed_everything",
+    "seed_for_setup",
+    "rank_seed",
+    "STAGE_STRIDE",
+    "use_deterministic_kernels",
+    "capture_rng",
+    "restore_rng",
+    "RngStreams",
+]
+
+#: How far apart two pipeline stages' seeds are: a prime far above any rank count, so no stage's ranks share a seed
+#: with another stage's (nor, for nearby ``run.seed`` values, with another run's stage).
+STAGE_STRIDE = 1_000_003
 
 
 def seed_everything(seed: int) -> None:
@@ -34,6 +47,22 @@ def seed_for_setup(seed: int, *, deterministic: bool) -> None:
     if deterministic:
         use_deterministic_kernels()
     seed_everything(seed)
+
+
+def rank_seed(seed: int, *, rank: int, world_size: int, stage: int = 0, stages: int = 1) -> int:
+    """The seed rank ``rank`` of a fresh run draws from (dropout masks, augmentations): ``run.seed``, the rank's
+    pipeline stage and its place among that stage's ranks.
+
+    Without a pipeline it is ``seed + rank``, as it always was: each rank is a replica reading other samples, and
+    draws its own masks. Under a pipeline each stage holds other layers, and seeding the stages alike would repeat
+    one stage's masks in the next (torchtitan and Megatron seed each pipeline rank apart): stage ``k``'s ranks, the
+    ``world_size / stages`` neighbours the mesh gives it (pipeline outermost), draw from ``seed + k * STAGE_STRIDE``
+    plus their place among them. So a stage's seeds depend on the run's seed and the stage, not on the global rank
+    alone: stage 1 of replica 0 draws the same stream on 2 ranks (pp2) as on 4 (pp2 x dp2), and every launch of the
+    same run draws the same masks.
+    """
+    per_stage = world_size // stages
+    return seed + STAGE_STRIDE * stage + (rank - stage * per_stage)
 
 
 def use_deterministic_kernels() -> None:
@@ -95,14 +124,24 @@ class RngStreams:
     ``state_dict()`` gathers each rank's :func:`capture_rng` in rank order (a collective: every rank
     calls it, as every rank captures a checkpoint); ``load_state_dict`` restores this rank's own
     streams, or rank 0's when the run resumes on another world size (``data.global_batch_size``).
+    There, under a pipeline (``stage``: this rank's pipeline coordinate), the ranks of stage ``k > 0``
+    draw one number from rank 0's streams and seed from it and their stage, as :func:`rank_seed` does
+    (``+ k * STAGE_STRIDE``): every stage resuming rank 0's streams would repeat its masks in the next.
     """
 
-    def __init__(self, *, rank: int, world_size: int):
+    def __init__(self, *, rank: int, world_size: int, stage: int = 0):
         self.rank = rank
         self.world_size = world_size
+        self.stage = stage
 
     def state_dict(self) -> list[dict[str, Any]]:
         return all_gather_object(capture_rng())
 
     def load_state_dict(self, streams: list[dict[str, Any]]) -> None:
-        restore_rng(streams[self.rank] if len(streams) == self.world_size else streams[0])
+        if len(streams) == self.world_size:
+            restore_rng(streams[self.rank])
+            return
+        restore_rng(streams[0])
+        if self.stage > 0:
+            # From the checkpoint alone: the same streams in every launch, each stage's its own
+            seed_everything(int(torch.randint(2**62, (1,))) + STAGE_STRIDE * self.stage)

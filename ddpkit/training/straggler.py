@@ -56,11 +56,15 @@ class StragglerWatch:
         rank: int,
         world_size: int,
         device: torch.device,
+        peers: int | None = None,
     ):
+        """``peers``: how many neighbouring ranks do the same work and are compared with one another (under a
+        pipeline, the ranks of one stage; by default every rank)."""
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.peers = peers or world_size
         self._started = self._data_end = self._grad_ready = 0.0
         #: This step so far, seconds.
         self._data = self._compute = 0.0
@@ -80,7 +84,10 @@ class StragglerWatch:
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         """The micro-batch's last gradient is ready: its forward and backward compute ends here."""
-        self._compute += time.perf_counter() - self._data_end
+        now = time.perf_counter()
+        self._compute += now - self._data_end
+        # A pipeline's M microbatches end their backwards after one data span: each adds only its own stretch
+        self._data_end = now
 
     def _keep_one_hook(self) -> None:
         """After the first step: hook only the parameter whose gradient came last (a Python call per step, not per
@@ -125,18 +132,29 @@ class StragglerWatch:
         table[self.rank] = torch.tensor([own, data, compute], dtype=torch.float64)
         # Every rank gets the same table, so every rank decides alike.
         rows = all_reduce_sum(table).tolist()
-        slow = dict(slower_ranks([row[0] for row in rows], margin=self.cfg.margin, floor=MIN_GAP_S))
+        slow = self._slower([row[0] for row in rows])
         self._slow_windows = [self._slow_windows[r] + 1 if r in slow else 0 for r in range(self.world_size)]
         named = [(r, slow[r]) for r in range(self.world_size) if self._slow_windows[r] >= self.cfg.windows]
+        peer = "rank" if self.peers == self.world_size else "rank of its stage"
         self.named = max(named, key=lambda item: item[1]) if named else None
         return (
             "; ".join(
-                f"straggler: rank {r} is {fraction:.0%} slower than the median rank over the last {window} steps "
+                f"straggler: rank {r} is {fraction:.0%} slower than the median {peer} over the last {window} steps "
                 f"(data {rows[r][1] * 1e3:.1f} ms, compute {rows[r][2] * 1e3:.1f} ms per step)"
                 for r, fraction in named
             )
             or None
         )
+
+    def _slower(self, times: list[float]) -> dict[int, float]:
+        """The slow ranks of ``times`` (one a rank) and how much slower, each compared with its peers only: the
+        ranks of one pipeline stage are neighbours (the mesh puts the pipeline outermost), and stages do different
+        work, so a stage's ranks are compared with one another, never with another stage's."""
+        slow = {}
+        for first in range(0, self.world_size, self.peers):
+            peers = times[first : first + self.peers]
+            slow.update({first + r: f for r, f in slower_ranks(peers, margin=self.cfg.margin, floor=MIN_GAP_S)})
+        return slow
 
     def close(self) -> None:
         """Remove the gradient hooks."""

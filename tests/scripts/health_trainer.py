@@ -9,7 +9,11 @@ Environment variables (read when the Trainer is built), steps 1-based optimizer 
   gradients stay finite, only the loss tells), ``mul`` (loss * NaN: NaN gradients too) or ``grad``
   (a finite loss whose backward makes one weight's gradient NaN: only the gradients tell).
 * ``HEALTH_SPIKE_STEPS``: every rank's loss is multiplied by 1000 at those steps.
-* ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step.
+* ``HEALTH_SLOW_RANK``, ``HEALTH_SLOW_MS``: that rank sleeps this long in every training_step (pipeline_loss).
+
+Under ``parallel.tensor`` use :class:`SequentialHealthTrainer`, under ``parallel.pipeline``
+:class:`PipelineHealthTrainer`: the faults go into ``pipeline_loss``, on the last stage's ranks (``HEALTH_NAN_RANK``
+must be one of them).
 * ``HEALTH_PERTURB_RANK``, ``HEALTH_PERTURB_STEP``: after that step, that rank adds 1e-3 to one
   weight outside the optimizer (``HEALTH_PERTURB_NAN=1``: sets it to NaN instead).
 """
@@ -51,7 +55,13 @@ class HealthTrainer(ddpkit.Trainer):
         self._poisoned_step = -1
 
     def training_step(self, batch: Any) -> torch.Tensor:
-        loss = super().training_step(batch)
+        return self._faulty(super().training_step(batch))
+
+    def pipeline_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        """Under a pipeline: the last stage's loss per microbatch, with the same faults."""
+        return self._faulty(super().pipeline_loss(output, target))
+
+    def _faulty(self, loss: torch.Tensor) -> torch.Tensor:
         step = self.progress.step + 1  # the optimizer step this micro-batch belongs to
         if self.rank == self.slow_rank:
             time.sleep(self.slow_s)
@@ -70,6 +80,29 @@ class HealthTrainer(ddpkit.Trainer):
             with torch.no_grad():
                 weight = next(self.unwrapped_model.parameters()).view(-1)
                 weight[0] = float("nan") if self.perturb_nan else weight[0] + 1e-3
+
+
+class SequentialHealthTrainer(HealthTrainer):
+    """The same faults on an ``nn.Sequential`` MLP that a tensor plan splits (``parallel.tensor=2``) and a pipeline
+    cuts by its children's names (``parallel.split_points: ["3"]``)."""
+
+    def build_model(self) -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(144, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)
+        )
+
+    def tensor_plan(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The hidden layer column-wise, the output layer row-wise (Megatron's pair)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"1": ColwiseParallel(), "3": RowwiseParallel()}
+
+
+class PipelineHealthTrainer(SequentialHealthTrainer):
+    """Under ``parallel.pipeline`` the faults go into ``pipeline_loss`` on the last stage (a pipeline refuses a
+    Trainer that overrides ``training_step``: the model is never whole on one rank)."""
+
+    training_step = ddpkit.Trainer.training_step
 
 
 if __name__ == "__main__":
