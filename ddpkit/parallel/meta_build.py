@@ -84,8 +84,6 @@ def _not_on_meta(config: Config) -> str | None:
     """Why this config's model is built whole today, or None."""
     if config.model.lora is not None:
         return "model.lora: its adapters are not initialised by name yet"
-    if (config.model.kwargs or {}).get("init_from") is not None:
-        return "model.kwargs.init_from: its weights are read whole yet"
     return None
 
 
