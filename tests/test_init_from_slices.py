@@ -175,9 +175,7 @@ def test_init_from_reads_only_what_each_rank_holds_and_gives_transformers_logits
         assert "model: built on the meta device; each rank makes and initialises only what it holds" in result["log"]
         merged.update(result["initial"])
         read = sum(n for _, n in result["reads"])
-        names = [name for name, _ in result["reads"]]
-        # each tensor read once, and only what this rank holds (a padded vocabulary's rows are zeros, not read)
-        assert len(names) == len(set(names)), names
+        # only what this rank holds (a padded vocabulary's rows are zeros, not read)
         assert read == result["held"] if "vocab_size" not in model else read <= result["held"], (read, result["held"])
         assert read < total
     if "vocab_size" in model:
@@ -218,7 +216,7 @@ def test_a_truncated_shard_stops_every_rank_naming_the_file_and_a_tensor_it_hold
         f.truncate(os.path.getsize(shard) - 100)
     messages = run_in_pool(_bad, 2, args=(_config(tmp_path / "run", directory, {}, {"mode": "fsdp2"}),), timeout=120)
     assert messages[0] == messages[1]
-    assert f"{shard}, the file of tensor 'model." in messages[0] and "cannot be read" in messages[0]
+    assert f"{shard} (it holds 'model." in messages[0] and "cannot be read" in messages[0]
 
 
 def test_a_missing_tensor_a_missing_shard_and_a_misshapen_tensor_are_named_with_their_file(tmp_path):
@@ -235,7 +233,7 @@ def test_a_missing_tensor_a_missing_shard_and_a_misshapen_tensor_are_named_with_
     with pytest.raises(CheckpointError, match=rf"{shards[0]}: tensor '{name}' has shape \[3\], but the model's"):
         gpt(init_from=str(directory))
     shards[-1].unlink()
-    with pytest.raises(CheckpointError, match=rf"{shards[-1]} is missing \(the file of tensor 'model\."):
+    with pytest.raises(CheckpointError, match=rf"{shards[-1]} is missing \(it holds 'model\."):
         gpt(init_from=str(directory))
 
 
@@ -248,3 +246,14 @@ def test_a_pytorch_model_bin_is_read_mapped_into_the_same_weights(tmp_path):
     safe, pickled = gpt(init_from=str(tmp_path / "safe")), gpt(init_from=str(tmp_path / "bin"))
     for name, value in safe.state_dict().items():
         assert torch.equal(pickled.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
+def test_a_slice_read_in_blocks_of_a_few_rows_gives_the_same_bits(tmp_path, kind):
+    directory, model = _directory(tmp_path, kind)
+    whole = gpt(init_from=str(directory), **model).state_dict()
+    # 100 elements a block: a few rows at a time, GPT-2's transposed Conv1D a few columns of its file at a time
+    with mock.patch.object(hf_slices, "BLOCK", 100):
+        blocks = gpt(init_from=str(directory), **model).state_dict()
+    for name, value in whole.items():
+        assert torch.equal(blocks[name], value), name

@@ -7,8 +7,9 @@
 family's renaming, GPT-2's transposed ``Conv1D``, a padded vocabulary); :mod:`ddpkit.models.hf_gpt2` and
 :mod:`ddpkit.models.hf_llama` write it. A rank that holds a pipeline stage reads its stage's tensors; a rank that
 holds a tensor plan's or FSDP2's shard reads the rows and columns of that shard (``safe_open(...).get_slice(name)
-[rows, cols]``: the bytes are mapped, and only the slice's pages are touched); each slice is converted to the
-parameter's dtype alone, so a rank never holds more than its part plus one slice. A tied head is read once, as the
+[rows, cols]``: the bytes are mapped, and only the slice's pages are touched), in blocks of at most :data:`BLOCK`
+elements, the file opened for each (its mapped pages leave with it); each block is converted to the parameter's
+dtype alone, so a rank never holds more than its part plus one block. A tied head is read once, as the
 embedding. Rows a padded vocabulary adds past the file's are zeros (their logits are masked); a position table
 shorter than the file's reads its first rows.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,10 @@ from torch import nn
 from ddpkit.errors import CheckpointError
 from ddpkit.models.hf_files import safetensors_torch
 
-__all__ = ["Wanted", "HFWeights"]
+__all__ = ["Wanted", "HFWeights", "BLOCK"]
+
+#: The most elements read at once (16 Mi: 64 MiB of fp32): a larger slice is read in blocks of rows.
+BLOCK = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,13 @@ class HFWeights:
     def fill(self, module: nn.Module) -> None:
         """Every parameter ``module`` holds (the whole model or a part of it under its names) read from the files:
         a plain parameter whole, a DTensor its own shard only; each converted to the parameter's dtype alone."""
-        with ExitStack() as files, torch.no_grad():
-            opened: dict[Path, Any] = {}
+        with torch.no_grad():
             # named_parameters gives a tied parameter once, under its first name (the embedding's)
             for name, param in module.named_parameters():
                 found = self._found.get(name)
                 if found is None:
                     raise CheckpointError(f"model.kwargs.init_from: the model's {name!r} has no tensor in the files")
-                if found.file not in opened:
-                    opened[found.file] = files.enter_context(_open(found.file))
-                _read_into(param, opened[found.file], found, self._wanted[name])
+                _read_into(param, found, self._wanted[name])
 
     def __repr__(self) -> str:
         return f"HFWeights({str(self.directory)!r}, {len(self._found)} tensors)"
@@ -146,7 +146,7 @@ def _headers(directory: Path) -> tuple[dict[str, tuple[Path, tuple[int, ...]]], 
         )
     if missing:
         raise CheckpointError(
-            f"model.kwargs.init_from: {directory / missing[0]} is missing ({_holding(placed, missing[0])}, by "
+            f"model.kwargs.init_from: {directory / missing[0]} is missing ({_holding(placed, missing[0])}, says "
             f"{index.name}); copy the weight files next to it"
         )
     headers = {}
@@ -165,7 +165,7 @@ def _holding(placed: dict[str, list[str]], name: str) -> str:
     if not tensors:
         return ""
     more = f" and {len(tensors) - 1} more" if len(tensors) > 1 else ""
-    return f"the file of tensor {tensors[0]!r}{more}"
+    return f"it holds {tensors[0]!r}{more}"
 
 
 class _Torch:
@@ -210,7 +210,7 @@ def _open(path: Path, *, holding: str = "") -> Any:
         safetensors_torch(f"reading {path}")
         raise
     except Exception as error:
-        what = f", {holding}" if holding else ""
+        what = f" ({holding})" if holding else ""
         raise CheckpointError(
             f"model.kwargs.init_from: {path}{what} cannot be read ({str(error).splitlines()[0]}); the file is "
             "truncated or not a weight file: copy it again"
@@ -227,7 +227,7 @@ def _held(param: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]
         yield param, (0,) * param.dim()
 
 
-def _read_into(param: torch.Tensor, handle: Any, found: _Found, where: Wanted) -> None:
+def _read_into(param: torch.Tensor, found: _Found, where: Wanted) -> None:
     """The slice of ``found`` that ``param`` holds, read and copied in (rows past the file's: zeros)."""
     for local, offsets in _held(param):
         if local.numel() == 0:
@@ -244,6 +244,20 @@ def _read_into(param: torch.Tensor, handle: Any, found: _Found, where: Wanted) -
                 continue
             box[0] = slice(box[0].start, end)
             target = local[:kept]
-        index = tuple(reversed(box)) if where.transposed else tuple(box)
-        piece = handle.get_slice(found.name)[index]
-        target.copy_(piece.t() if where.transposed else piece)
+        _copy_rows(target, box, found, where)
+
+
+def _copy_rows(target: torch.Tensor, box: list[slice], found: _Found, where: Wanted) -> None:
+    """``box`` of ``found`` (in the model's layout) copied into ``target``, at most :data:`BLOCK` elements at a time,
+    the file opened for each block: the pages a read maps leave with it, so a rank's peak is its part plus one
+    block twice (the mapped pages and the converted copy), never a whole file or a whole tensor."""
+    width = max(1, target[0].numel()) if target.dim() > 1 else 1
+    step = max(1, BLOCK // width)
+    start = box[0].start
+    for first in range(0, target.shape[0], step):
+        rows = slice(start + first, start + min(first + step, target.shape[0]))
+        block = [rows, *box[1:]]
+        index = tuple(reversed(block)) if where.transposed else tuple(block)
+        with _open(found.file) as handle:
+            piece = handle.get_slice(found.name)[index]
+        target[first : first + step].copy_(piece.t() if where.transposed else piece)
