@@ -151,23 +151,29 @@ def _directory(tmp_path: Path, kind: str) -> tuple[Path, dict]:
 
 
 #: (directory, layout): pp2 on a sharded untied Qwen2; tp2 on a tied Llama in bf16 with grouped k/v; fsdp2 on a
-#: tied Qwen3 with one k/v head; fsdp2 on GPT-2 (transposed Conv1D, a padded vocabulary, a cropped position table).
+#: tied Qwen3 with one k/v head; fsdp2 on GPT-2 (transposed Conv1D, a padded vocabulary, a cropped position table);
+#: on 4 ranks, fsdp2 x tp2 (FSDP2's shard of a tensor plan's shard) and pp2 x tp2.
 CASES = [
     ("qwen2-pp", {"pipeline": 2}),
     ("llama-bf16", {"tensor": 2}),
     ("qwen3", {"mode": "fsdp2"}),
     ("gpt2", {"mode": "fsdp2"}),
+    ("llama-bf16", {"mode": "fsdp2", "tensor": 2}),
+    ("qwen2-pp", {"pipeline": 2, "tensor": 2}),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("kind", "parallel"), CASES, ids=[kind for kind, _ in CASES])
+@pytest.mark.parametrize(
+    ("kind", "parallel"), CASES, ids=[f"{kind}-{'-'.join(map(str, p.values()))}" for kind, p in CASES]
+)
 def test_init_from_reads_only_what_each_rank_holds_and_gives_transformers_logits(tmp_path, kind, parallel):
     directory, model = _directory(tmp_path, kind)
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) > 1 and (directory / "model.safetensors.index.json").is_file()
     theirs, ours = _reference(directory, model)
-    results = run_in_pool(_run, 2, args=(_config(tmp_path / "run", directory, model, parallel),), timeout=180)
+    ranks = 4 if len(parallel) > 1 else 2
+    results = run_in_pool(_run, ranks, args=(_config(tmp_path / "run", directory, model, parallel),), timeout=180)
     whole = ours.state_dict()
     total = sum(p.numel() for p in ours.parameters())
     merged: dict[str, torch.Tensor] = {}
@@ -195,7 +201,7 @@ def test_init_from_reads_only_what_each_rank_holds_and_gives_transformers_logits
             torch.testing.assert_close(result["logits"], mine, atol=1e-5, rtol=0)
     if "pipeline" in parallel:
         # each stage read only its own tensors: the first stage no final norm, the last no first block
-        first, last = ({name for name, _ in r["reads"]} for r in results)
+        first, last = ({name for name, _ in r["reads"]} for r in (results[0], results[-1]))
         assert "model.norm.weight" not in first and "model.layers.0.mlp.up_proj.weight" not in last
 
 
