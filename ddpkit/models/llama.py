@@ -50,6 +50,7 @@ from ddpkit.models import hf_llama
 from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against
+from ddpkit.models.hf_slices import HFWeights
 from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta, recompute_buffers
 from ddpkit.models.rope import Rotary, apply_rotary, check_scaling
 
@@ -270,7 +271,7 @@ class Llama(nn.Module):
         self.init_seed = draw_init_seed()
         #: The Hugging Face directory ``init_weights`` reads (``init_from``: ddpkit.models.hf_slices.HFWeights);
         #: None: drawn by name from the seed.
-        self.weights_from: Any = None
+        self.weights_from: HFWeights | None = None
         self.shape = shape
         self.vocab_size = shape.vocab_size
         self.dim = shape.dim
