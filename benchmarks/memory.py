@@ -2,6 +2,7 @@
 
     python -m benchmarks.memory                          # a Llama shape of about 1 GB of fp32 weights, every layout
     python -m benchmarks.memory --dim 1024 --depth 4     # a smaller one (the test's, about 200 MB)
+    python -m benchmarks.memory --init-from               # the same shape from a Hugging Face directory
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
@@ -10,6 +11,10 @@ from there to the first step (``VmHWM``, reset at the baseline through ``/proc/s
 ``--steps`` training steps (AdamW: gradients and two state tensors a parameter); and its peak to the end (the last
 checkpoint and ``model.pt``, which a pipeline gathers on rank 0). The table gives each number above the baseline,
 the largest rank's, and the seconds from the baseline to the first step.
+
+``--init-from``: the model's weights come from a Hugging Face directory (``model.kwargs.init_from``) that
+transformers writes first (``LlamaForCausalLM.save_pretrained``, fp32, in shards of ``--shard-mb``; ``--bf16``: in
+bf16), so the setup peak includes each rank's reads of its own tensors and slices (ddpkit.models.hf_slices).
 
 The goal (issue 67): while training, every sharded layout's peak per rank is at most (parameters + gradients +
 optimizer state) / N x 1.1 above the baseline, where a world of one holds all of it.
@@ -155,6 +160,28 @@ def goal_mib(label: str, ranks: int, weights: float) -> float:
     return 4 * weights / ranks * 1.1
 
 
+def write_hf_directory(model: dict[str, Any], directory: Path, *, shard_mb: int, bf16: bool) -> Path:
+    """A random ``LlamaForCausalLM`` of ``model``'s shape, saved by transformers into ``directory`` (once)."""
+    if (directory / "config.json").is_file():
+        return directory
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=model["vocab_size"],
+        hidden_size=model["dim"],
+        intermediate_size=model["mlp_dim"],
+        num_hidden_layers=model["depth"],
+        num_attention_heads=model["heads"],
+        num_key_value_heads=model["kv_heads"],
+        max_position_embeddings=model["max_len"],
+        tie_word_embeddings=model["tied"],
+    )
+    hf = transformers.LlamaForCausalLM(config)
+    hf = hf.to(torch.bfloat16) if bf16 else hf
+    hf.save_pretrained(directory, max_shard_size=f"{shard_mb}MB")
+    return directory
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=2048)
@@ -163,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--layouts", nargs="*", default=[label for label, _, _ in LAYOUTS])
     parser.add_argument("--out", default="/tmp/ddpkit-memory")
+    parser.add_argument("--init-from", action="store_true", help="read the weights from a Hugging Face directory")
+    parser.add_argument("--shard-mb", type=int, default=200, help="--init-from: the directory's shard size")
+    parser.add_argument("--bf16", action="store_true", help="--init-from: the directory's weights in bf16")
     args = parser.parse_args(argv)
     model = {
         "arch": "llama",
@@ -176,6 +206,12 @@ def main(argv: list[str] | None = None) -> None:
         "tied": False,
     }
     weights = model_bytes(model) / MiB
+    if args.init_from:
+        name = f"hf-{args.dim}x{args.depth}-{args.vocab}-{'bf16' if args.bf16 else 'fp32'}-{args.shard_mb}"
+        directory = write_hf_directory(model, Path(args.out) / name, shard_mb=args.shard_mb, bf16=args.bf16)
+        files = sorted(directory.glob("*.safetensors"))
+        print(f"init_from: {directory} ({len(files)} files, {sum(f.stat().st_size for f in files) / MiB:,.0f} MiB)")
+        model = {"init_from": str(directory), "vocab_size": model["vocab_size"], "max_len": model["max_len"]}
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW: x4 with gradients and two state tensors")
     print(

@@ -6,7 +6,8 @@
   with ``gpt``); ``document_mask``: attention inside each document of a packed window;
 - ``generation``: greedy / temperature / top-k / top-p sampling and the protocol a model follows to be sampled;
 - ``hf_gpt2`` / ``hf_llama`` (on ``hf_files``): Hugging Face directories in (``init_from``) and out
-  (``ddpkit export --format hf``);
+  (``ddpkit export --format hf``); ``hf_slices``: their weights read a held part at a time, each rank only the
+  tensors and slices it holds;
 - ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft);
 - ``init_by_name``: each parameter drawn from a generator seeded by its name: the same initial weights in every
   layout, for the whole model or any part of it (``GPT.init_weights(parts)``, ``Llama.init_weights(parts)``);

@@ -34,8 +34,9 @@ from ddpkit.models import hf_llama
 from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against, family_of
-from ddpkit.models.hf_gpt2 import read_config, read_weights
-from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta
+from ddpkit.models.hf_gpt2 import read_config, wanted
+from ddpkit.models.hf_slices import HFWeights
+from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta, recompute_buffers
 from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 from ddpkit.registry import register_model
 
@@ -116,6 +117,8 @@ class GPT(nn.Module):
         super().__init__()
         # First, before any submodule draws: the same seed whether built on the CPU or on the meta device.
         self.init_seed = draw_init_seed()
+        #: The Hugging Face directory ``init_weights`` reads (``init_from``); None: drawn by name from the seed.
+        self.weights_from: HFWeights | None = None
         _check_shape(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, max_len=max_len, dropout=dropout)
         _check_options(activation, valid_vocab, vocab_size)
         self.vocab_size = vocab_size
@@ -163,7 +166,13 @@ class GPT(nn.Module):
     def init_weights(self, parts: nn.Module | None = None) -> None:
         """GPT-2's initialisation, each parameter drawn by its name (ddpkit.models.init_by_name): of ``parts`` (any
         part of this model under its names, materialised with ``to_empty``), or of the whole model. Residual
-        projections (two per block add to the stream) get std 0.02 / sqrt(2 * depth)."""
+        projections (two per block add to the stream) get std 0.02 / sqrt(2 * depth). With ``init_from``, the
+        directory's weights instead, only the slices ``parts`` holds read (ddpkit.models.hf_slices)."""
+        if self.weights_from is not None:
+            target = self if parts is None else parts
+            self.weights_from.fill(target)
+            recompute_buffers(target)
+            return
         residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.proj", "proj")]
         initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
 
@@ -324,21 +333,23 @@ def resolve(kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def build_gpt(kwargs: dict[str, Any], *, weights: bool = True) -> GPT | Llama:
-    """The model of the ``gpt`` kwargs; with ``weights`` and ``init_from``, the directory's weights loaded."""
+    """The model of the ``gpt`` kwargs; with ``weights`` and ``init_from``, the directory's weights loaded.
+
+    Built on the meta device (ddpkit.parallel.meta_build), the directory is only checked: each rank reads the
+    tensors and slices it holds when its part is made (``init_weights(parts)``). Built on the CPU, the weights are
+    read now, one tensor at a time, into the parameters."""
     arch, resolved = resolve(kwargs)
     init_from = kwargs.get("init_from") if weights else None
-    if arch == "llama":
-        model = Llama(LlamaShape(**resolved))
-        if init_from is not None:
-            names = list(model.state_dict())
-            tensors = hf_llama.read_weights(init_from, names=names, vocab_size=model.vocab_size, tied=resolved["tied"])
-            model.load_state_dict(tensors)
-        return model
-    model = GPT(**resolved)
+    model = Llama(LlamaShape(**resolved)) if arch == "llama" else GPT(**resolved)
     if init_from is not None:
-        model.load_state_dict(
-            read_weights(init_from, vocab_size=model.vocab_size, max_len=model.max_len, depth=model.depth)
-        )
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+        if arch == "llama":
+            where = hf_llama.wanted(list(shapes), tied=resolved["tied"])
+        else:
+            where = wanted(model.depth)
+        model.weights_from = HFWeights.open(init_from, where, shapes)
+        if not is_on_meta(model):
+            model.init_weights()
     return model
 
 

@@ -1,14 +1,12 @@
 """The files of a Hugging Face model directory, as ``save_pretrained`` writes them: ``config.json`` and the weights.
 
     config = read_hf_config("models/Qwen2.5-0.5B")          # the parsed config.json (a ConfigError if absent)
-    tensors = weight_files(Path("models/Qwen2.5-0.5B"))      # every tensor, whatever the layout of the files
     family_of("models/gpt2")                                 # its model_type: "gpt2", "llama", "qwen2", ...
 
 The weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json``
-(``save_pretrained(max_shard_size=...)``), or ``pytorch_model.bin`` (read with ``weights_only=True``).
-Nothing is downloaded, and ``transformers`` is not needed: only ``safetensors`` for safetensors files.
-The readers of each family (:mod:`ddpkit.models.hf_gpt2`, :mod:`ddpkit.models.hf_llama`) rename
-what these return.
+(``save_pretrained(max_shard_size=...)``), or ``pytorch_model.bin``; :mod:`ddpkit.models.hf_slices` reads them a
+held slice at a time, where each family (:mod:`ddpkit.models.hf_gpt2`, :mod:`ddpkit.models.hf_llama`) says each
+parameter is. Nothing is downloaded, and ``transformers`` is not needed: only ``safetensors`` for safetensors files.
 """
 
 from __future__ import annotations
@@ -18,11 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
+from ddpkit.errors import ConfigError
 
-from ddpkit.errors import CheckpointError, ConfigError
-
-__all__ = ["read_hf_config", "family_of", "weight_files", "safetensors_torch", "check_against", "TOKENIZER_FILES"]
+__all__ = ["read_hf_config", "family_of", "safetensors_torch", "check_against", "TOKENIZER_FILES"]
 
 #: Files of a tokenizer that travel with a model directory (copied by ``ddpkit export --format hf``).
 TOKENIZER_FILES = (
@@ -51,24 +47,6 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
 def family_of(directory: str | os.PathLike) -> str | None:
     """The ``model_type`` of the directory's config.json (None when it names none)."""
     return read_hf_config(directory).get("model_type")
-
-
-def weight_files(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` (or its shards) or ``pytorch_model.bin``, under the files' names."""
-    index = directory / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    if all((directory / name).is_file() for name in files):
-        load_file = safetensors_torch(f"reading {directory / files[0]}").load_file
-        return {key: value for name in files for key, value in load_file(directory / name).items()}
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    missing = next(name for name in files if not (directory / name).is_file())
-    raise CheckpointError(
-        f"model.kwargs.init_from: {directory} has a config.json but no weights ({missing} or pytorch_model.bin); "
-        "copy the weight files next to it"
-    )
 
 
 def safetensors_torch(purpose: str) -> Any:

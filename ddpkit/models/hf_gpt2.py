@@ -29,11 +29,12 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.models.hf_files import read_hf_config, safetensors_torch, weight_files
+from ddpkit.models.hf_files import read_hf_config, safetensors_torch
+from ddpkit.models.hf_slices import Wanted
 
 __all__ = [
     "read_config",
-    "read_weights",
+    "wanted",
     "to_hf",
     "hf_config",
     "safetensors_torch",
@@ -105,24 +106,15 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def read_weights(directory: str | os.PathLike, *, vocab_size: int, max_len: int, depth: int) -> dict[str, torch.Tensor]:
-    """The directory's weights under the ``gpt`` model's names (``head.weight`` tied), padded or cropped to shape."""
-    hf = {key.removeprefix("transformer."): value for key, value in weight_files(Path(directory)).items()}
+def wanted(depth: int) -> dict[str, Wanted]:
+    """Where each of the ``gpt`` model's parameters is in a GPT-2 directory's files (ddpkit.models.hf_slices): under
+    ``transformer.`` (GPT2LMHeadModel) or not (GPT2Model); the Conv1D weights transposed; the head tied to the
+    embedding, whose padded rows are zeros; the position table's first ``max_len`` rows."""
+    why = " (GPT2LMHeadModel or GPT2Model)"
     out = {}
     for ours, (theirs, transposed) in _each_name(depth):
-        if theirs not in hf:
-            raise CheckpointError(
-                f"model.kwargs.init_from: {directory}'s weights have no {theirs!r}; the files are not a complete "
-                "GPT-2 (GPT2LMHeadModel or GPT2Model) checkpoint"
-            )
-        tensor = hf[theirs].t() if transposed else hf[theirs]
-        out[ours] = tensor.contiguous().float()
-    embed = out["embed.weight"]
-    pos = out["pos.weight"]
-    out["embed.weight"] = torch.cat(
-        [embed, embed.new_zeros(vocab_size - embed.shape[0], embed.shape[1])]
-    )  # padded ids: zero rows
-    out["pos.weight"] = pos[:max_len].clone()
+        rows = ours in ("embed.weight", "pos.weight")
+        out[ours] = Wanted((f"transformer.{theirs}", theirs), transposed=transposed, rows=rows, why=why)
     out["head.weight"] = out["embed.weight"]
     return out
 

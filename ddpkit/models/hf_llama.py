@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.models.hf_files import read_hf_config, weight_files
+from ddpkit.models.hf_files import read_hf_config
+from ddpkit.models.hf_slices import Wanted
 
-__all__ = ["read_config", "read_weights", "to_hf", "hf_config", "hf_name", "our_name", "ARCHITECTURES"]
+__all__ = ["read_config", "wanted", "to_hf", "hf_config", "hf_name", "our_name", "ARCHITECTURES"]
 
 #: model_type -> the class transformers builds from the config.json written on export.
 ARCHITECTURES = {
@@ -137,30 +138,16 @@ def check_window(window: int | None, *, max_len: int, source: str) -> None:
         )
 
 
-def read_weights(
-    directory: str | os.PathLike, *, names: list[str], vocab_size: int, tied: bool
-) -> dict[str, torch.Tensor]:
-    """The directory's weights under ddpkit's ``names`` (fp32), the vocabulary padded with zero rows to
-    ``vocab_size``; a tied ``head.weight`` is the embedding."""
-    ours = {}
-    for theirs, tensor in weight_files(Path(directory)).items():
-        name = our_name(theirs)
-        if name is not None:
-            ours[name] = tensor
-    if tied:
-        ours["head.weight"] = ours.get("embed.weight")
+def wanted(names: list[str], *, tied: bool) -> dict[str, Wanted]:
+    """Where each of the model's parameters ``names`` is in the directory's files (ddpkit.models.hf_slices): renamed
+    only; a tied head is the embedding; a padded vocabulary's rows past the file's are zeros."""
     out = {}
     for name in names:
-        if ours.get(name) is None:
-            raise CheckpointError(
-                f"model.kwargs.init_from: {directory}'s weights have no {hf_name(name)!r}; the files are not a "
-                "complete checkpoint of the model its config.json describes"
-                + ("" if tied or name != "head.weight" else " (tie_word_embeddings is false: lm_head.weight is needed)")
-            )
-        tensor = ours[name].float()
-        if name in ("embed.weight", "head.weight") and tensor.shape[0] < vocab_size:
-            tensor = torch.cat([tensor, tensor.new_zeros(vocab_size - tensor.shape[0], tensor.shape[1])])
-        out[name] = tensor.contiguous()
+        theirs = hf_name("embed.weight" if tied and name == "head.weight" else name)
+        if theirs is None:
+            raise CheckpointError(f"the model has {name!r}: it is not ddpkit's Llama-family model")
+        why = " (tie_word_embeddings is false: lm_head.weight is needed)" if name == "head.weight" else ""
+        out[name] = Wanted((theirs,), rows=name in ("embed.weight", "head.weight"), why=why)
     return out
 
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["draw_init_seed", "initialize", "is_on_meta", "tied_names", "retie"]
+__all__ = ["draw_init_seed", "initialize", "recompute_buffers", "is_on_meta", "tied_names", "retie"]
 
 #: GPT-2's standard deviation for every weight drawn from a normal distribution.
 STD = 0.02
@@ -67,6 +67,13 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
             whole = torch.empty(tuple(param.shape))
             _draw_into(whole, owner, key, name=name, seed=seed, std=std)
             _keep_own_part(param, whole)
+    recompute_buffers(module)
+
+
+def recompute_buffers(module: nn.Module) -> None:
+    """Each module of ``module`` with buffers of its own (RoPE's frequencies) recomputes them (``reset_parameters``):
+    ``to_empty`` left them uninitialised."""
+    for owner in module.modules():
         if dict(owner.named_buffers(recurse=False)) and callable(getattr(owner, "reset_parameters", None)):
             owner.reset_parameters()
 

@@ -50,7 +50,8 @@ from ddpkit.models import hf_llama
 from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against
-from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta
+from ddpkit.models.hf_slices import HFWeights
+from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta, recompute_buffers
 from ddpkit.models.rope import Rotary, apply_rotary, check_scaling
 
 __all__ = [
@@ -268,6 +269,9 @@ class Llama(nn.Module):
         super().__init__()
         # First, before any submodule draws: the same seed whether built on the CPU or on the meta device.
         self.init_seed = draw_init_seed()
+        #: The Hugging Face directory ``init_weights`` reads (``init_from``: ddpkit.models.hf_slices.HFWeights);
+        #: None: drawn by name from the seed.
+        self.weights_from: HFWeights | None = None
         self.shape = shape
         self.vocab_size = shape.vocab_size
         self.dim = shape.dim
@@ -313,7 +317,13 @@ class Llama(nn.Module):
 
     def init_weights(self, parts: nn.Module | None = None) -> None:
         """GPT-2's initialisation, each parameter drawn by its name (ddpkit.models.init_by_name), of ``parts`` (any
-        part of this model under its names) or of the whole model; RoPE's frequencies recomputed."""
+        part of this model under its names) or of the whole model; RoPE's frequencies recomputed. With ``init_from``,
+        the directory's weights instead, only the slices ``parts`` holds read (ddpkit.models.hf_slices)."""
+        if self.weights_from is not None:
+            target = self if parts is None else parts
+            self.weights_from.fill(target)
+            recompute_buffers(target)
+            return
         residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.o_proj", "mlp.down_proj")]
         initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
 

@@ -2,7 +2,8 @@
 
     whole = build_on_meta(trainer.build_model, cfg)     # shapes only; today's whole build where it cannot be
     ...                                                  # the tensor plan, the pipeline cut, fully_shard: on meta
-    part = materialize(part, whole, device)              # to_empty on the device, then whole.init_weights(part)
+    part = materialize(part, whole, device)              # to_empty on the device, then whole.init_weights(part):
+                                                         # drawn by name, or read from init_from's files
 
 torchtitan's order: every rank builds the model on the meta device (no memory, nothing drawn), splits it there, and
 only then makes the parameters and shards it holds, directly on its device, and initialises them. ddpkit's models
@@ -13,8 +14,11 @@ Which models: those that can initialise a part of themselves, ``init_weights(par
 Llama family), built by the Trainer's own ``build_model`` from the config, or by a subclass's ``build_model`` that
 opts in (``Trainer.build_on_meta = True``: a build that loads or reads weights would lose them on meta, silently).
 Another model is built whole on every rank as before, and the start-up log says so in one line, with the fix.
-Not yet on meta: ``model.kwargs.init_from`` (the weights are read whole) and ``model.lora`` (the adapters' random
-half is not drawn by name).
+
+``model.kwargs.init_from`` (a Hugging Face directory) is on meta too: the build only checks the files (every tensor
+found, its shape fitting, none truncated; the same verdict on every rank), and ``init_weights(parts)`` reads the
+tensors and slices the part holds instead of drawing them (:mod:`ddpkit.models.hf_slices`). Not yet on meta:
+``model.lora`` (the adapters' random half is not drawn by name).
 """
 
 from __future__ import annotations
@@ -84,8 +88,6 @@ def _not_on_meta(config: Config) -> str | None:
     """Why this config's model is built whole today, or None."""
     if config.model.lora is not None:
         return "model.lora: its adapters are not initialised by name yet"
-    if (config.model.kwargs or {}).get("init_from") is not None:
-        return "model.kwargs.init_from: its weights are read whole yet"
     return None
 
 
