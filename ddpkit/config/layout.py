@@ -119,6 +119,13 @@ def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
         )
     if cfg.ddp.comm_hook == "powersgd":
         problems.append("ddp.comm_hook: powersgd is not supported inside a pipeline; set ddp.comm_hook=none")
+    # A rank holds one stage: no rank has the embedding, the blocks and the head that one generated token needs,
+    # and generation through the stages (a send per token, the KV cache split by stage) is not written.
+    if cfg.train.sample is not None:
+        problems.append(
+            "train.sample: generation needs the whole model on one rank and a pipeline rank holds one stage; set "
+            "train.sample=null under parallel.pipeline > 1 and sample from model.pt"
+        )
     return problems
 
 
