@@ -86,8 +86,10 @@ class ParallelConfig:
         "by `mode` (`fsdp2` over any degree, `ddp` with one replica) (docs/modes.md#tensor-parallelism). `1`: none.",
         ge=1,
     )
-    vocab_parallel: bool = option(
-        False,
+    vocab_parallel: bool | None = option(
+        None,
         "Under `tensor` > 1, shard the embedding and the head by vocabulary too (torch's `loss_parallel`: the logits "
-        "are never whole on one rank). `false`: both replicated, the logits whole.",
+        "are never whole on one rank). `null`: on where ddpkit's model's vocabulary divides by `tensor` and has no "
+        "padded ids, else off; `true`: on (refused where the vocabulary does not divide); `false`: both replicated, "
+        "the logits whole.",
     )

@@ -24,8 +24,9 @@ block during its forward and backward (the largest block's full parameters), all
 Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters
 replicated (ddp), its optimizer state sharded (zero1) or everything sharded (fsdp2) over the ``N / P``
 data-parallel replicas. Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves
-a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the rest whole), over ``N / (P x T)`` replicas;
-ddpkit's own models have their plans, another model is counted whole. The recommendation compares the total
+a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the embedding and head by vocabulary where the
+run would shard them: ``parallel.vocab_parallel``, the rest whole), over ``N / (P x T)`` replicas; ddpkit's own
+models have their plans, another model is counted whole. The recommendation compares the total
 with ``--memory-per-rank`` (default: the GPU's memory, or the host's available memory divided by
 ``--nproc-per-node``).
 """
@@ -115,20 +116,20 @@ def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:
 
 
 def _tensor_shard_shapes(
-    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool
+    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool | None
 ) -> list[tuple[int, ...]]:
     """Each parameter's shape on one rank under ``tensor``-way tensor parallelism: the dimension its module's style
     splits (ddpkit.parallel.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
-    without a plan of ddpkit's."""
+    without a plan of ddpkit's. ``vocab_parallel``: ``parallel.vocab_parallel`` (null: resolved as a run does)."""
     shapes = {id(p): tuple(p.shape) for p in params}
     if tensor == 1:
         return list(shapes.values())
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ddpkit.parallel.tensor_plan import tensor_plan
+    from ddpkit.parallel.tensor_plan import tensor_plan, vocab_parallel_for
 
     try:
-        plan = tensor_plan(model, vocab_parallel=vocab_parallel)
+        plan = tensor_plan(model, vocab_parallel=vocab_parallel_for(model, tensor, vocab_parallel))
     except ValueError:
         return list(shapes.values())
     for name, style in plan.items():
