@@ -26,7 +26,8 @@ replicated (ddp), its optimizer state sharded (zero1) or everything sharded (fsd
 data-parallel replicas. Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves
 a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the embedding and head by vocabulary where the
 run would shard them: ``parallel.vocab_parallel``, the rest whole), over ``N / (P x T)`` replicas; ddpkit's own
-models have their plans, another model is counted whole. The recommendation compares the total
+models have their plans, another model is counted whole. Under HSDP (``parallel.replicate: R``) fsdp2's row is a
+rank of one of the R replicas, sharding over ``N / (P x T x R)`` ranks. The recommendation compares the total
 with ``--memory-per-rank`` (default: the GPU's memory, or the host's available memory divided by
 ``--nproc-per-node``).
 """
@@ -68,6 +69,7 @@ class Estimate:
         self.count = sum(p.numel() for p in params)
         self.stages = cfg.parallel.pipeline
         self.tensor = cfg.parallel.tensor
+        self.replicate = cfg.parallel.replicate
         if self.stages > 1:
             params = _largest_stage(model, cfg)
         replicas = max(1, nproc // (self.stages * self.tensor))
@@ -240,6 +242,11 @@ def _pipeline_line(est: Estimate) -> list[str]:
         lines.append(
             f"tensor {est.tensor} x data-parallel {replicas}: the bytes below are one tensor rank's shards "
             "(its plan's split Linears / T, the rest whole)"
+        )
+    if est.replicate > 1 and "fsdp2" in est.per_mode:
+        lines.append(
+            f"fsdp2 as HSDP: {est.replicate} replicas x {replicas // est.replicate} shards (parallel.replicate): "
+            f"fsdp2's row is a rank of one replica, sharding over {replicas // est.replicate} ranks"
         )
     if est.stages > 1:
         lines.append(
