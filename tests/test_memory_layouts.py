@@ -30,7 +30,7 @@ MODEL = {
 
 def test_pp2_tp2_and_fsdp2_ranks_peak_well_under_a_world_of_one(tmp_path):
     """Each sharded layout's rank peaks at most 0.7 of a world of one's, at the first step and over a step (half
-    the model a rank, plus what every rank keeps whole: the norms, a tensor plan's replicated embeddings)."""
+    the model a rank, plus what every rank keeps whole: the norms; tp2 now shards the 4,000-id vocabulary too)."""
     (one,) = measure("one", 1, {}, MODEL, 1, str(tmp_path))
     # the model's 390 MB, and the step's gradients and AdamW state on top
     assert one["setup_peak"] > 370 and one["train_peak"] > 1200, one

@@ -179,6 +179,9 @@ def test_layouts_that_cannot_work_are_refused_before_any_group_naming_the_valid_
         load_config({"parallel": {"pipeline": 2, "schedule": "interleaved_1f1b"}})
     with pytest.raises(ConfigError, match="only with parallel.pipeline > 1"):
         load_config({"parallel": {"microbatches": 4}})
+    # generation needs every stage on one rank: refused before setup, not found failing after it
+    with pytest.raises(ConfigError, match="train.sample: generation needs the whole model on one rank"):
+        load_config({"parallel": {"pipeline": 2}, "train": {"sample": {"every_steps": 10}}})
     # fsdp2 inside a pipeline runs (tests/test_pipeline_fsdp.py)
     assert load_config({"parallel": {"pipeline": 2, "mode": "fsdp2"}}).parallel.mode == "fsdp2"
     # and beside tensor parallelism: dp x pp x tp (tests/test_tensor_training.py, 8 ranks)

@@ -31,6 +31,7 @@ from ddpkit.parallel.tensor_plan import (
     check_tensor_plan,
     tensor_plan,
     valid_tensor_degrees,
+    vocab_parallel_for,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,7 +134,7 @@ def _determined(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool = False, **options: Any) -> dict:
+def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool, **options: Any) -> dict:
     """T = world size against the same model trained here alone (``options``: :func:`_train`'s): the relative
     differences and the counts."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -160,11 +161,13 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
 def _runs_against_one() -> dict:
     """Several comparisons in one spawn (each spawn costs seconds)."""
     return {
-        "gqa": _against_one("gqa", 50, torch.float32),
-        "qwen": _against_one("qwen", 50, torch.float32),
-        "gpt2": _against_one("gpt2", 50, torch.float32),
-        "gqa_float64": _against_one("gqa", 50, torch.float64),
-        "qwen_accumulated": _against_one("qwen", 10, torch.float32, microbatches=2),
+        # the vocabulary replicated (a run's parallel.vocab_parallel: false)
+        "gqa": _against_one("gqa", 50, torch.float32, vocab_parallel=False),
+        "qwen": _against_one("qwen", 50, torch.float32, vocab_parallel=False),
+        "gpt2": _against_one("gpt2", 50, torch.float32, vocab_parallel=False),
+        "gqa_float64": _against_one("gqa", 50, torch.float64, vocab_parallel=False),
+        "qwen_accumulated": _against_one("qwen", 10, torch.float32, vocab_parallel=False, microbatches=2),
+        # the vocabulary sharded (a run's default where it divides by T)
         "gqa_vocab": _against_one("gqa", 50, torch.float32, vocab_parallel=True),
         "qwen_vocab": _against_one("qwen", 50, torch.float32, vocab_parallel=True),
         "gpt2_vocab": _against_one("gpt2", 50, torch.float32, vocab_parallel=True),
@@ -193,8 +196,9 @@ def test_two_ranks_match_a_world_of_one_and_count_their_collectives():
         assert run["counts_alone"] == {}, name
         # a tied head is still one parameter with its embedding, replicated or sharded by vocabulary rows
         assert run["tied"] == (not name.startswith("gqa")), name
-    # a step: per block two all-reduces forward (o_proj, down_proj) and two backward (the inputs of q/k/v and of
-    # gate/up), one more per q/k norm; GPT-2 shards its MLP only (one each way); one for the clipping norm
+    # the vocabulary replicated, a step: per block two all-reduces forward (o_proj, down_proj) and two backward (the
+    # inputs of q/k/v and of gate/up), one more per q/k norm; GPT-2 shards its MLP only (one each way); one for the
+    # clipping norm
     assert runs["gqa"]["counts"] == {"c10d_functional.all_reduce": 4 * 2 + 1}
     assert runs["qwen"]["counts"] == {"c10d_functional.all_reduce": 6 * 2 + 1}
     assert runs["gpt2"]["counts"] == {"c10d_functional.all_reduce": 2 * 2 + 1}
@@ -320,6 +324,22 @@ def test_a_sharded_vocabulary_must_divide_and_cannot_be_padded():
     with pytest.raises(ConfigError, match=r"model.kwargs.valid_vocab 60 pads the vocabulary"):
         check_tensor_plan(padded, 2, vocab_parallel=True)
     assert valid_tensor_degrees(_model("gpt2"), vocab_parallel=True) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_run_shards_the_vocabulary_by_default_where_it_divides_and_has_no_padding():
+    # parallel.vocab_parallel: null (the default) resolved against the model
+    assert vocab_parallel_for(LlamaShape(**GQA), 2, None) is True
+    assert vocab_parallel_for(_model("gpt2"), 4, None) is True
+    assert vocab_parallel_for({"arch": "llama", "vocab_size": 50}, 2, None) is True
+    # 50 ids do not split 4-way; padded ids could not be masked on a shard; nothing to shard at T = 1
+    assert vocab_parallel_for({"arch": "llama", "vocab_size": 50}, 4, None) is False
+    assert vocab_parallel_for({"arch": "llama", "vocab_size": 64, "valid_vocab": 60}, 2, None) is False
+    assert vocab_parallel_for(LlamaShape(**GQA), 1, None) is False
+    # a user's model: its plan is its own
+    assert vocab_parallel_for(nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64)), 2, None) is False
+    # set explicitly: as set (true on a vocabulary that does not divide is refused by check_tensor_plan)
+    assert vocab_parallel_for(LlamaShape(**GQA), 2, False) is False
+    assert vocab_parallel_for({"arch": "llama", "vocab_size": 50}, 4, True) is True
 
 
 def test_the_degrees_a_model_can_take():

@@ -4,7 +4,8 @@ that cannot work, refused before any process group.
 
     .venv/bin/pytest -q tests/test_tensor_training.py
 
-The model is a tiny Llama (grouped-query attention, untied head) on ragged token sequences, AdamW with clipping:
+The model is a tiny Llama (grouped-query attention, untied head, 50 ids: under tp2 the vocabulary is sharded unless
+a test sets ``vocab_parallel: false``) on ragged token sequences, AdamW with clipping:
 tensor parallelism splits each block's sums in two, so the runs agree to rounding, not bitwise. The measure is
 each weight tensor's relative error ``|a - b| / |b|`` (L2 norms) and the loss's: within 1e-5 in float32 over 50
 steps. Elementwise the largest difference is larger (4.6e-5 of the tensor's largest weight at 50 steps, in a
@@ -91,7 +92,8 @@ def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
     coordinates = {"pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank, "dp": layout.dp}
     held = rank_bytes(trainer.placed.held, trainer.optimizer)
     weights = _whole(trainer.placed.held.state_dict())
-    return {"metrics": metrics, "weights": weights, "layout": coordinates, "bytes": held}
+    vocab = trainer.placed.vocab_parallel
+    return {"metrics": metrics, "weights": weights, "layout": coordinates, "bytes": held, "vocab_parallel": vocab}
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -183,13 +185,18 @@ def _fit_validated(cfg: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_a_vocabulary_sharded_tp2_trains_and_validates_like_a_world_of_one(tmp_path):
+@pytest.mark.parametrize("vocab_parallel", [None, False], ids=["sharded_by_default", "replicated_on_request"])
+def test_tp2_with_the_vocabulary_sharded_or_replicated_trains_and_validates_like_a_world_of_one(
+    tmp_path, vocab_parallel
+):
     cfg = _config(tmp_path / "one")
     cfg["train"]["eval_every"] = 4
     reference = run_in_pool(_fit_validated, 1, args=(cfg,), timeout=120)[0]
-    sharded = _config(tmp_path / "vocab", tensor=2, vocab_parallel=True)
-    sharded["train"]["eval_every"] = 4
-    results = run_in_pool(_fit_validated, 2, args=(sharded,), timeout=200)
+    # the default (null): sharded, the 50 ids dividing by 2
+    tp = _config(tmp_path / "vocab", tensor=2, vocab_parallel=vocab_parallel)
+    tp["train"]["eval_every"] = 4
+    results = run_in_pool(_fit_validated, 2, args=(tp,), timeout=200)
+    assert [r["vocab_parallel"] for r in results] == [vocab_parallel is None] * 2
     _assert_close_to(results, reference)
     for result in results:
         # each tensor rank ran the whole batch: its copies of the float64 sums and counts leave the means as they are

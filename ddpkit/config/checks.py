@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpkit.config.layout import pipeline_problems, tensor_config_problems
+from ddpkit.config.layout import pipeline_problems, replicate_problems, tensor_config_problems
 from ddpkit.config.schema import HANG_TIMEOUT
 from ddpkit.config.train_sections import COMPILE_DDPKIT_OPTIONS, COMPILE_MODES, COMPILE_TORCH_OPTIONS
 from ddpkit.config.urls import url_problems
@@ -109,7 +109,7 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
 
 def parallel_problems(cfg: Config) -> list[str]:
     """Combinations a sharded mode or a pipeline cannot run, as ``"path: message"`` strings naming the fix."""
-    problems = pipeline_problems(cfg) + tensor_config_problems(cfg)
+    problems = pipeline_problems(cfg) + tensor_config_problems(cfg) + replicate_problems(cfg)
     if cfg.parallel.mode != "fsdp2":
         return problems
     if cfg.ddp.comm_hook != "none":

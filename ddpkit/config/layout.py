@@ -2,11 +2,13 @@
 
     problems = pipeline_problems(cfg)              # what no world size can fix (with cross_field_problems)
     problems += tensor_config_problems(cfg)        # the same for parallel.tensor
+    problems += replicate_problems(cfg)            # and for parallel.replicate (HSDP)
     check_layout(cfg.parallel, world_size=8)       # ConfigError naming the valid layouts of 8 ranks
 
 A layout is the degrees of the three ways of spreading a model: data parallel (dp, held by
 ``parallel.mode``), pipeline (pp, ``parallel.pipeline``) and tensor (tp, ``parallel.tensor``).
-``dp = world_size / (pp * tp)``. torchtitan checks the same arithmetic in its
+``dp = world_size / (pp * tp)``; under HSDP (``parallel.replicate: R``, fsdp2) dp is R replicas x dp / R shards,
+R dividing dp. torchtitan checks the same arithmetic in its
 ``ParallelDims``; here it runs in the Trainer's constructor, from the environment the launcher set,
 so a layout that cannot work stops with one message instead of a hang in the first send.
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "pipeline_problems",
     "tensor_config_problems",
+    "replicate_problems",
     "layout_problems",
     "check_layout",
     "microbatches_of",
@@ -119,6 +122,13 @@ def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
         )
     if cfg.ddp.comm_hook == "powersgd":
         problems.append("ddp.comm_hook: powersgd is not supported inside a pipeline; set ddp.comm_hook=none")
+    # A rank holds one stage: no rank has the embedding, the blocks and the head that one generated token needs,
+    # and generation through the stages (a send per token, the KV cache split by stage) is not written.
+    if cfg.train.sample is not None:
+        problems.append(
+            "train.sample: generation needs the whole model on one rank and a pipeline rank holds one stage; set "
+            "train.sample=null under parallel.pipeline > 1 and sample from model.pt"
+        )
     return problems
 
 
@@ -165,12 +175,37 @@ def _unsupported_with_tensor_parallel(cfg: Config) -> list[str]:
     return problems
 
 
+def replicate_problems(cfg: Config) -> list[str]:
+    """The ``parallel.replicate`` options that cannot work whatever the world size, each naming the fix."""
+    parallel = cfg.parallel
+    if parallel.replicate == 1 or parallel.mode == "fsdp2":
+        return []
+    return [
+        f"parallel.replicate: {parallel.replicate} replicas of fsdp2's shards (HSDP) need parallel.mode=fsdp2, got "
+        f"{parallel.mode} (which already holds a whole copy on every data-parallel rank); set parallel.mode=fsdp2 or "
+        "parallel.replicate=1"
+    ]
+
+
+def _replicate_divides(parallel: ParallelConfig, *, world_size: int) -> list[str]:
+    """R must divide the data-parallel degree, so that every replica holds the same number of shards."""
+    replicate = parallel.replicate
+    replicas = world_size // (parallel.pipeline * parallel.tensor)
+    if replicate == 1 or replicas % replicate == 0:
+        return []
+    valid = [str(r) for r in range(1, replicas + 1) if replicas % r == 0]
+    return [
+        f"parallel.replicate: {replicate} does not divide the data-parallel degree {replicas} (world size "
+        f"{world_size} / (pipeline {parallel.pipeline} x tensor {parallel.tensor})); valid: {', '.join(valid)}"
+    ]
+
+
 def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
     """What this layout cannot do on ``world_size`` ranks (P x T not dividing it, too few microbatches)."""
     stages = parallel.pipeline
     tensor = parallel.tensor
     if stages == 1 and tensor == 1:
-        return []
+        return _replicate_divides(parallel, world_size=world_size)
     if world_size % (stages * tensor):
         if tensor == 1:
             degrees = f"parallel.pipeline: {stages} stages do not"
@@ -181,7 +216,7 @@ def layout_problems(parallel: ParallelConfig, *, world_size: int) -> list[str]:
         return [
             f"{degrees} divide the world size {world_size}; valid on {world_size} ranks: {_valid_layouts(world_size)}"
         ]
-    problems = []
+    problems = _replicate_divides(parallel, world_size=world_size)
     replicas = world_size // (stages * tensor)
     if tensor > 1 and replicas > 1 and parallel.mode == "ddp":
         problems.append(

@@ -50,6 +50,15 @@ class ParallelConfig:
         "`fsdp2` write sharded checkpoints (a DCP directory) that resume in any mode on any number of ranks.",
     )
     fsdp: FSDPConfig = option(factory=FSDPConfig, doc="FSDP2 options (`parallel.mode: fsdp2`).")
+    replicate: int = option(
+        1,
+        "HSDP (`parallel.mode: fsdp2` only): the data-parallel ranks form R replicas, each sharding the model over "
+        "dp / R ranks (torch's `fully_shard` on a 2-D (replicate, shard) mesh): all-gathers and reduce-scatters stay "
+        "within a shard group (one node's fast links), and one gradient all-reduce crosses the replicas. R must "
+        "divide the data-parallel degree world_size / (P x T) (docs/modes.md#hsdp). `1`: plain fsdp2 over every "
+        "data-parallel rank.",
+        ge=1,
+    )
     pipeline: int = option(
         1,
         "Pipeline stages P: the model is cut into P stages, each on its own rank (torch.distributed.pipelining); the "
@@ -86,8 +95,10 @@ class ParallelConfig:
         "by `mode` (`fsdp2` over any degree, `ddp` with one replica) (docs/modes.md#tensor-parallelism). `1`: none.",
         ge=1,
     )
-    vocab_parallel: bool = option(
-        False,
+    vocab_parallel: bool | None = option(
+        None,
         "Under `tensor` > 1, shard the embedding and the head by vocabulary too (torch's `loss_parallel`: the logits "
-        "are never whole on one rank). `false`: both replicated, the logits whole.",
+        "are never whole on one rank). `null`: on where ddpkit's model's vocabulary divides by `tensor` and has no "
+        "padded ids, else off; `true`: on (refused where the vocabulary does not divide); `false`: both replicated, "
+        "the logits whole.",
     )

@@ -153,7 +153,8 @@ class TrainConfig:
         None,
         "Sample text from a language model while it trains: `{every_steps, prompt, max_new_tokens, temperature, top_k, "
         "seed, tokenizer}`, written to the log, `<output_dir>/samples.jsonl` and TensorBoard's text tab on rank 0, "
-        "outside the timed steps (every rank samples: fsdp2's forward is collective). `null`: off.",
+        "outside the timed steps (every rank samples: fsdp2's forward is collective). Refused under a pipeline or "
+        "tensor parallelism (no rank holds the whole model). `null`: off.",
     )
     peak_tflops: float | None = option(
         None,

@@ -192,7 +192,7 @@ def _step(
         reporting=reporting,
         device=device,
         accum=config.train.grad_accum_steps,
-        vocab_parallel=config.parallel.vocab_parallel,
+        vocab_parallel=built.placed.vocab_parallel,
         data_parallel=layout.data_parallel,
     )
 

@@ -7,7 +7,10 @@
 
 One wrapper for a whole model and for a pipeline's stage alike (torchtitan's order): each block of it
 (:func:`fsdp_blocks`), then the module itself, ``fully_shard``-ed over the layout's ``dp`` mesh dimension (a 2-D
-(dp, tp) layout when tensor-parallel: FSDP2 shards each DTensor's local rows further). Under a pipeline torch's
+(dp, tp) layout when tensor-parallel: FSDP2 shards each DTensor's local rows further). Under HSDP
+(``parallel.replicate`` R > 1) the layout hands a 2-D ``("dp_replicate", "dp_shard")`` mesh instead, which
+``fully_shard`` takes as HSDP: parameters ``(Replicate(), Shard(0))``, all-gathered and reduce-scattered within a
+shard group, their gradient shards then all-reduced across the R replicas. Under a pipeline torch's
 ``PipelineStage`` drives FSDP2 itself: every microbatch's backward but the last runs without gradient sync and
 without resharding, and after the last it runs FSDP2's post-backward (one reduce-scatter a unit). Gradients are
 reduced in fp32 whatever the compute precision: bf16 sums drift from DDP's.
@@ -49,14 +52,16 @@ class FSDP2(DataParallel):
     replicated = False
     sharded_checkpoints = True
 
-    def __init__(self, options: FSDPConfig, *, precision: str = "fp32"):
+    def __init__(self, options: FSDPConfig, *, precision: str = "fp32", replicate: int = 1):
         self.blocks = options.blocks
         self.reshard_after_forward = options.reshard_after_forward
         self.precision = precision
+        #: HSDP's replicas (``parallel.replicate``): the data-parallel ranks hold R copies of one sharding.
+        self.replicate = replicate
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, *, precision: str = "fp32") -> FSDP2:
-        return cls(parallel.fsdp, precision=precision)
+        return cls(parallel.fsdp, precision=precision, replicate=parallel.replicate)
 
     def shard(self, model: nn.Module, *, mesh: Any, runtime: Runtime) -> nn.Module:
         """``fully_shard`` each block, then ``model``, over ``mesh`` (None: a mesh over every rank, built here)."""
@@ -79,10 +84,13 @@ class FSDP2(DataParallel):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
         # The root keeps its parameters for the backward (FSDP2's rule).
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        # A 2-D mesh is HSDP: replicated over its first dimension, sharded over its last.
+        replicas = mesh.size(0) if mesh.ndim == 2 else 1
         log.info(
-            "fsdp2: %d block(s) sharded over %d rank(s) (%s), then the root",
+            "fsdp2: %d block(s) sharded over %d rank(s)%s (%s), then the root",
             len(blocks),
-            mesh.size(),
+            mesh.size(mesh.ndim - 1),
+            f", replicated {replicas} times (HSDP)" if replicas > 1 else "",
             ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
         )
         return model
@@ -152,10 +160,19 @@ class FSDP2(DataParallel):
     def bytes_per_rank(
         self, shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
     ) -> list[RankBytes]:
-        return fsdp_bytes(shapes, world_size=world_size, slots=slots, element_size=element_size)
+        """``world_size``: the data-parallel degree; under HSDP each of the R replicas shards over world_size / R
+        ranks, so a rank holds R times fsdp2's share over all of them."""
+        if world_size % self.replicate:
+            raise ConfigError(
+                f"parallel.replicate: {self.replicate} does not divide the data-parallel degree {world_size}; set a "
+                f"divisor of {world_size}"
+            )
+        shards = fsdp_bytes(shapes, world_size=world_size // self.replicate, slots=slots, element_size=element_size)
+        return shards * self.replicate
 
     def __repr__(self) -> str:
-        return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward})"
+        hsdp = f", replicate={self.replicate}" if self.replicate > 1 else ""
+        return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward}{hsdp})"
 
 
 def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:

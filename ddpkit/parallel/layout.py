@@ -6,6 +6,7 @@
     layout.pp, layout.pp_rank, layout.pp_group               # a pipeline's stages
     layout.tp, layout.tp_rank, layout.tp_mesh                # the tensor-parallel ranks a model's plan splits over
     layout.replicated                                        # every data-parallel rank holds the same parameters
+    layout.replicate, layout.dp_mesh                         # HSDP: R replicas of fsdp2's shards, a 2-D dp mesh
 
 torchtitan's ``ParallelDims`` is the model: the degrees are checked first (``ddpkit.config.layout``,
 before any group exists), then one ``DeviceMesh`` is built once and passed to everything that shards
@@ -14,7 +15,15 @@ dimension innermost (torchtitan's order): the T ranks of one tensor-parallel gro
 GPU node, the fastest links carry its per-block all-reduces), the ranks of one pipeline are ``dp x tp``
 apart, and rank 0 holds stage 0 of replica 0.
 
-Without a pipeline or tensor parallelism no mesh is built: the data-parallel group is the whole world,
+HSDP (``parallel.replicate`` R > 1, fsdp2) splits the data-parallel dimension in two, ``("dp_replicate",
+"dp_shard")``, R x dp / R, the shard dimension inner (its ranks neighbours: one node's fast links carry the
+all-gathers and reduce-scatters, and one gradient all-reduce a unit crosses the replicas). That mesh,
+``("pp", "dp_replicate", "dp_shard", "tp")``, is what FSDP2 and the tensor plan use (torch's FSDP2 needs its
+mesh and the tensor mesh cut from one root); the ``("pp", "dp", "tp")`` mesh is built beside it for its groups,
+so a rank's data-parallel rank and group (samplers, token counts, checks) are those of plain fsdp2 over dp ranks:
+the same samples.
+
+Without a pipeline, tensor parallelism or HSDP no mesh is built: the data-parallel group is the whole world,
 i.e. the default group (``dp_group`` None), exactly what every run used before layouts existed, at no
 extra cost.
 """
@@ -57,9 +66,13 @@ class ParallelLayout:
     pp_rank: int
     tp: int = 1
     tp_rank: int = 0
-    #: The ``("pp", "dp", "tp")`` DeviceMesh; None with neither a pipeline nor tensor parallelism (then the
+    #: The ``("pp", "dp", "tp")`` DeviceMesh; None with neither a pipeline, tensor parallelism nor HSDP (then the
     #: default group is the dp group).
     mesh: Any = None
+    #: HSDP's replicas R (``parallel.replicate``): each holds the model sharded over dp / R ranks.
+    replicate: int = 1
+    #: HSDP's ``("pp", "dp_replicate", "dp_shard", "tp")`` DeviceMesh; None when ``replicate`` is 1.
+    hsdp_mesh: Any = None
 
     @classmethod
     def build(cls, parallel: ParallelConfig, runtime: Runtime, *, precision: str = "fp32") -> ParallelLayout:
@@ -71,13 +84,21 @@ class ParallelLayout:
         stages = parallel.pipeline
         tensor = parallel.tensor
         replicas = env.world_size // (stages * tensor)
-        if stages == 1 and tensor == 1:
+        replicate = parallel.replicate
+        if stages == 1 and tensor == 1 and replicate == 1:
             return cls.without_mesh(way, env)
         # Imported here: DeviceMesh pulls in DTensor, which plain data-parallel runs never need.
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (stages, replicas, tensor)
         mesh = init_device_mesh(runtime.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
+        hsdp_mesh = None
+        if replicate > 1:
+            hsdp_mesh = init_device_mesh(
+                runtime.device.type,
+                (stages, replicate, replicas // replicate, tensor),
+                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+            )
         return cls(
             data_parallel=way,
             dp=replicas,
@@ -87,6 +108,8 @@ class ParallelLayout:
             tp=tensor,
             tp_rank=mesh.get_local_rank("tp"),
             mesh=mesh,
+            replicate=replicate,
+            hsdp_mesh=hsdp_mesh,
         )
 
     @classmethod
@@ -107,13 +130,20 @@ class ParallelLayout:
 
     @property
     def dp_mesh(self) -> Any:
-        """The 1-D mesh of this rank's data-parallel replicas (what FSDP2 shards over); None without a mesh."""
+        """What FSDP2 shards over: the 1-D mesh of this rank's data-parallel replicas, or under HSDP the 2-D
+        ``("dp_replicate", "dp_shard")`` mesh (replicated over the first, sharded over the second); None without a
+        mesh."""
+        if self.hsdp_mesh is not None:
+            return self.hsdp_mesh["dp_replicate", "dp_shard"]
         return None if self.mesh is None else self.mesh["dp"]
 
     @property
     def tp_mesh(self) -> Any:
         """The 1-D mesh of this rank's tensor-parallel group (what a tensor plan splits over); None when T is 1."""
-        return None if self.tp == 1 else self.mesh["tp"]
+        if self.tp == 1:
+            return None
+        # Under HSDP from FSDP2's own root mesh: torch refuses a tensor mesh and a data mesh of different roots.
+        return (self.mesh if self.hsdp_mesh is None else self.hsdp_mesh)["tp"]
 
     @property
     def replicated(self) -> bool:
@@ -154,7 +184,10 @@ class ParallelLayout:
         """One line for the log: the degrees and this rank's coordinates."""
         if self.mesh is None:
             return f"data-parallel {self.dp} ({self.data_parallel.name})"
-        degrees = [f"data-parallel {self.dp} ({self.data_parallel.name})"]
+        way = self.data_parallel.name
+        if self.replicate > 1:
+            way += f": {self.replicate} replicas x {self.dp // self.replicate} shards"
+        degrees = [f"data-parallel {self.dp} ({way})"]
         if self.pp > 1:
             degrees.insert(0, f"pipeline {self.pp}")
         if self.tp > 1:
@@ -163,4 +196,7 @@ class ParallelLayout:
         where = rank_place(
             pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pipeline=self.pp, tensor=self.tp
         )
+        if self.replicate > 1:
+            shards = self.dp // self.replicate
+            where += f" (HSDP: shard {self.dp_rank % shards} of replica {self.dp_rank // shards})"
         return f"{' x '.join(degrees)}: this rank is {where}"

@@ -58,6 +58,9 @@ class Placed:
     #: Under a pipeline, the whole model's parameter names in its optimizer's order: a single-file checkpoint's
     #: optimizer state is keyed by that position, and this rank finds its own parameters in it. None otherwise.
     optimizer_order: list[str] | None = None
+    #: Whether the tensor plan sharded the vocabulary (``parallel.vocab_parallel`` resolved for this model): the
+    #: logits are then a vocabulary-sharded DTensor, and the step runs its losses under ``loss_parallel()``.
+    vocab_parallel: bool = False
 
     @property
     def held(self) -> nn.Module:
@@ -84,9 +87,10 @@ def check_tensor_degree(config: Config) -> None:
     if parallel.tensor == 1 or config.model.name != "gpt":
         return
     # Imported here: the plans pull in DTensor, which a run without tensor parallelism never needs.
-    from ddpkit.parallel.tensor_plan import check_tensor_plan
+    from ddpkit.parallel.tensor_plan import check_tensor_plan, vocab_parallel_for
 
-    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=parallel.vocab_parallel)
+    vocab_parallel = vocab_parallel_for(config.model.kwargs, parallel.tensor, parallel.vocab_parallel)
+    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=vocab_parallel)
 
 
 def parallelize(
@@ -110,18 +114,19 @@ def parallelize(
     way = layout.data_parallel
     made = _maker(whole, runtime.device)
     model = whole
+    vocab_parallel = False
     if layout.tp > 1:
-        model = _tensor_parallel(whole, layout, config, runtime, plan)
+        model, vocab_parallel = _tensor_parallel(whole, layout, config, runtime, plan)
     if layout.pp > 1:
         prepare = _prepare(config)
         pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=prepare, made=made)
         models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way)
-        return Placed(models, pipeline, way, optimizer_order)
+        return Placed(models, pipeline, way, optimizer_order, vocab_parallel=vocab_parallel)
     model = _prepare(config)(model)
     model = made(way.shard(model, mesh=layout.dp_mesh, runtime=runtime))
     group = layout.dp_group
     models = build_models(model, runtime, ddp=config.ddp, train=config.train, data_parallel=way, group=group)
-    return Placed(models, None, way)
+    return Placed(models, None, way, vocab_parallel=vocab_parallel)
 
 
 def _maker(whole: nn.Module, device: torch.device) -> Callable[[nn.Module], nn.Module]:
@@ -147,25 +152,30 @@ def _prepare(config: Config) -> Callable[[nn.Module], nn.Module]:
 
 def _tensor_parallel(
     model: nn.Module, layout: ParallelLayout, config: Config, runtime: Runtime, plan: Mapping[str, Any] | None
-) -> nn.Module:
-    """``model`` split by its tensor plan over the layout's tensor mesh (collectives: the shards are scattered)."""
+) -> tuple[nn.Module, bool]:
+    """``model`` split by its tensor plan over the layout's tensor mesh (collectives: the shards are scattered), and
+    whether the plan sharded the vocabulary."""
     # Imported here: the plans pull in DTensor's parallel styles, which runs without tensor parallelism never need.
-    from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
+    from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan, vocab_parallel_for
 
-    parallel = config.parallel
+    setting = config.parallel.vocab_parallel
+    # A user's plan shards the vocabulary only where it says so, and then the user sets vocab_parallel: true.
+    vocab_parallel = bool(setting) if plan is not None else vocab_parallel_for(model, layout.tp, setting)
     # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.
-    check_tensor_plan(model, layout.tp, vocab_parallel=parallel.vocab_parallel)
+    check_tensor_plan(model, layout.tp, vocab_parallel=vocab_parallel)
     if not is_on_meta(model):
         model = model.to(runtime.device)
-    styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=parallel.vocab_parallel))
+    styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=vocab_parallel))
     apply_tensor_parallel(model, layout.tp_mesh, styles)
     split = sorted({type(style).__name__ for style in styles.values()})
     log.info(
-        "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s); this rank is tensor rank %d",
+        "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s), the vocabulary %s; this rank is "
+        "tensor rank %d",
         len(styles),
         type(model).__name__,
         layout.tp,
         ", ".join(split),
+        "sharded" if vocab_parallel else "replicated",
         layout.tp_rank,
     )
-    return model
+    return model, vocab_parallel

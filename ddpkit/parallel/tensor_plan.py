@@ -34,12 +34,15 @@ whole model's ``kv_heads``, so a tensor-parallel model does not generate. The pl
 activation checkpointing, compile and FSDP2 (torchtitan's order): a checkpoint wrapper renames the blocks' modules.
 
 One step costs, under T > 1, four all-reduces per block (two forward, two backward; six with Qwen3's q/k norms)
-and nothing else by default: the embeddings and head are replicated, the logits come back whole and the loss is
-the usual one. ``tensor_plan(model, vocab_parallel=True)`` shards the vocabulary as torchtitan does (five more
-all-reduces a step: the embedding's lookup, the head's input gradient, three in ``loss_parallel``'s cross-entropy),
-and the loop must then compute the loss and call backward inside ``with loss_parallel():``. Every parameter is
-a DTensor (the replicated ones ``Replicate()``), which is what ``clip_grad_norm_`` and the optimizers' foreach
-kernels need: a model mixing DTensors and plain tensors fails there ("got mixed torch.Tensor and DTensor").
+with the vocabulary replicated (``vocab_parallel=False``): the logits come back whole and the loss is the usual
+one. ``tensor_plan(model, vocab_parallel=True)`` shards the vocabulary as torchtitan does (five more all-reduces a
+step: the embedding's lookup, the head's input gradient, three in ``loss_parallel``'s cross-entropy), and the loop
+must then compute the loss and call backward inside ``with loss_parallel():``. A run does that by default where
+the vocabulary divides by T (:func:`vocab_parallel_for`, ``parallel.vocab_parallel: null``): the embedding and
+head are 13% of Llama 3 8B, and replicated they leave each of 8 tensor ranks about 24% of the model, not 12.5%.
+Every parameter is a DTensor (the replicated ones ``Replicate()``), which is what ``clip_grad_norm_`` and the
+optimizers' foreach kernels need: a model mixing DTensors and plain tensors fails there ("got mixed torch.Tensor
+and DTensor").
 
 GPT-2 (``arch: gpt2``) fuses q, k and v into one ``attn.qkv`` Linear whose rows are ``[q | k | v]``: a colwise
 split of it hands rank 0 all of q and the first half of k (at T = 2), not whole heads, so its plan shards the MLP
@@ -73,6 +76,7 @@ __all__ = [
     "check_tensor_plan",
     "tensor_problems",
     "valid_tensor_degrees",
+    "vocab_parallel_for",
     "apply_tensor_parallel",
 ]
 
@@ -142,6 +146,22 @@ def _split_widths(sizes: _Sizes, vocab_parallel: bool) -> dict[str, int]:
     if vocab_parallel and sizes.vocab_size is not None:
         return {**sizes.widths, "model.kwargs.vocab_size": sizes.vocab_size}
     return sizes.widths
+
+
+def vocab_parallel_for(model_or_shape: Any, tensor: int, setting: bool | None) -> bool:
+    """Whether a run shards the vocabulary: ``parallel.vocab_parallel`` when set, and when null (the default) yes
+    for ddpkit's own models whose vocabulary divides by ``tensor`` with no padded ids (padding could not be masked
+    on a shard); never with ``tensor`` 1 or for a user's model, whose plan ddpkit does not know.
+
+    ``model_or_shape``: as :func:`check_tensor_plan` takes it. ``true`` on a vocabulary that does not divide is
+    refused by :func:`check_tensor_plan`, naming the valid degrees.
+    """
+    if setting is not None:
+        return setting
+    if tensor == 1:
+        return False
+    sizes = _sizes(model_or_shape)
+    return sizes.vocab_size is not None and sizes.vocab_size % tensor == 0 and sizes.valid_vocab is None
 
 
 def valid_tensor_degrees(model_or_shape: Any, *, vocab_parallel: bool = False) -> list[int] | None:

@@ -24,8 +24,10 @@ block during its forward and backward (the largest block's full parameters), all
 Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters
 replicated (ddp), its optimizer state sharded (zero1) or everything sharded (fsdp2) over the ``N / P``
 data-parallel replicas. Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves
-a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the rest whole), over ``N / (P x T)`` replicas;
-ddpkit's own models have their plans, another model is counted whole. The recommendation compares the total
+a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the embedding and head by vocabulary where the
+run would shard them: ``parallel.vocab_parallel``, the rest whole), over ``N / (P x T)`` replicas; ddpkit's own
+models have their plans, another model is counted whole. Under HSDP (``parallel.replicate: R``) fsdp2's row is a
+rank of one of the R replicas, sharding over ``N / (P x T x R)`` ranks. The recommendation compares the total
 with ``--memory-per-rank`` (default: the GPU's memory, or the host's available memory divided by
 ``--nproc-per-node``).
 """
@@ -67,6 +69,7 @@ class Estimate:
         self.count = sum(p.numel() for p in params)
         self.stages = cfg.parallel.pipeline
         self.tensor = cfg.parallel.tensor
+        self.replicate = cfg.parallel.replicate
         if self.stages > 1:
             params = _largest_stage(model, cfg)
         replicas = max(1, nproc // (self.stages * self.tensor))
@@ -115,20 +118,20 @@ def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:
 
 
 def _tensor_shard_shapes(
-    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool
+    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool | None
 ) -> list[tuple[int, ...]]:
     """Each parameter's shape on one rank under ``tensor``-way tensor parallelism: the dimension its module's style
     splits (ddpkit.parallel.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
-    without a plan of ddpkit's."""
+    without a plan of ddpkit's. ``vocab_parallel``: ``parallel.vocab_parallel`` (null: resolved as a run does)."""
     shapes = {id(p): tuple(p.shape) for p in params}
     if tensor == 1:
         return list(shapes.values())
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ddpkit.parallel.tensor_plan import tensor_plan
+    from ddpkit.parallel.tensor_plan import tensor_plan, vocab_parallel_for
 
     try:
-        plan = tensor_plan(model, vocab_parallel=vocab_parallel)
+        plan = tensor_plan(model, vocab_parallel=vocab_parallel_for(model, tensor, vocab_parallel))
     except ValueError:
         return list(shapes.values())
     for name, style in plan.items():
@@ -239,6 +242,11 @@ def _pipeline_line(est: Estimate) -> list[str]:
         lines.append(
             f"tensor {est.tensor} x data-parallel {replicas}: the bytes below are one tensor rank's shards "
             "(its plan's split Linears / T, the rest whole)"
+        )
+    if est.replicate > 1 and "fsdp2" in est.per_mode:
+        lines.append(
+            f"fsdp2 as HSDP: {est.replicate} replicas x {replicas // est.replicate} shards (parallel.replicate): "
+            f"fsdp2's row is a rank of one replica, sharding over {replicas // est.replicate} ranks"
         )
     if est.stages > 1:
         lines.append(
