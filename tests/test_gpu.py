@@ -41,6 +41,7 @@ def _run(tmp, cfg: dict, *extra: str):
 
 
 def test_one_gpu_run_uses_nccl_on_cuda_and_writes_finite_weights(tmp_path):
+    """NCCL and CUDA exist only in a real launch on a GPU machine: `ddpkit run` as users call it."""
     done = _run(tmp_path, _cnn(tmp_path))
     assert "backend=nccl device=cuda:0" in done.stderr
     weights = load_weights(tmp_path / "run" / "model.pt")
@@ -49,6 +50,7 @@ def test_one_gpu_run_uses_nccl_on_cuda_and_writes_finite_weights(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_resume_on_cuda_is_bitwise_equal_to_a_straight_run(tmp_path, precision):
+    """Three real launches on the GPU (straight, cut, resumed): cuDNN's and cuBLAS's determinism only shows there."""
     # train.deterministic: without it cuDNN's convolution backward is not bitwise reproducible at all
     # (an fp32 run resumed here once ended 6e-8 away from the straight one).
     train = {"precision": precision, "deterministic": True}
@@ -71,12 +73,14 @@ def _resumed_equals_straight(tmp, build, train: dict, *, first: dict, whole: dic
 
 
 def test_compile_on_cuda(tmp_path):
+    """Inductor's CUDA kernels, compiled in a real launch (the CPU path compiles C++ instead)."""
     _run(tmp_path, _cnn(tmp_path, train={"epochs": 1, "compile": True, "precision": "bf16"}))
     assert all(torch.isfinite(t).all() for t in load_weights(tmp_path / "run" / "model.pt").values())
 
 
 @pytest.mark.parametrize("mode", ["zero1", "fsdp2"])
 def test_sharded_modes_on_nccl_save_and_resume(tmp_path, mode):
+    """zero1 and fsdp2 over NCCL, saved and resumed by two real launches: the collectives Gloo does not exercise."""
     _run(tmp_path, _cnn(tmp_path, train={"epochs": 1}, parallel={"mode": mode}))
     _run(
         tmp_path,
@@ -105,6 +109,7 @@ def test_gradient_norm_reads_bucket_views_on_cuda():
 @pytest.mark.parametrize("action, code", [("skip", 0), ("stop", 4)])  # 4: ddpkit.errors.EXIT_UNHEALTHY
 @pytest.mark.parametrize("how", ["mul", "grad"])
 def test_nan_on_cuda_is_skipped_or_stops_without_a_host_sync_guard(tmp_path, action, code, how):
+    """The CUDA guard without a host sync, and the exit code a launch returns: only a real GPU launch shows both."""
     # On CUDA the loss guard is loss * (loss * 0 + 1) (no host read) and the gradient norm is read
     # once before the update: a NaN loss (`mul`) and a NaN made only by backward (`grad`) are both caught.
     cfg = _cnn(tmp_path, train={"epochs": 1}, checkpoint={"every_steps": 2}, health={"nonfinite": action})
@@ -175,6 +180,7 @@ def test_language_model_on_cuda_resumes_bitwise_with_tokens_weighting(tmp_path, 
 
 
 def test_a_token_id_outside_the_vocabulary_is_named_on_cuda_not_a_device_assert(tmp_path):
+    """A device-side assert kills the whole process's CUDA context: only a real launch shows what the user reads."""
     cfg = _lm(tmp_path, train={"max_steps": 5})
     cfg["model"]["kwargs"]["vocab_size"] = 50  # the file holds ids up to 96
     path = tmp_path / "config.yaml"

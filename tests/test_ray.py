@@ -41,6 +41,8 @@ def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_sigkilled_ray_worker_costs_no_step_and_the_end_is_bitwise_equal(tmp_path):
+    """An engine: Ray Train starts the ranks as its own actors and restarts a killed one, which a pool of ranks
+    cannot stand in for."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     _ray_job(whole)
     done = _ray_job(cut, kill_step=27)
