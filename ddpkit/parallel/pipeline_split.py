@@ -204,6 +204,12 @@ class TiedWeights:
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
         grad = self.weight.grad
+        placements = getattr(self.weight, "placements", None)
+        if placements is not None and grad.placements != placements:
+            # A vocabulary-sharded embedding's lookup leaves its gradient replicated on the first stage, while the
+            # last stage's head leaves it sharded: both laid out as the weight (a local slice, no communication),
+            # so that the two stages reduce tensors of one size.
+            grad = self.weight.grad = grad.redistribute(placements=placements)
         # fsdp2: the two stages of one replica hold the same shard (their data-parallel coordinate is the same).
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         torch.distributed.all_reduce(local, group=self.group)

@@ -42,6 +42,11 @@ PEER_GRACE_S = 1.0
 STACKS_GRACE_S = 1.0
 # A pool being closed gets this long to leave its loop before it is killed.
 CLOSE_GRACE_S = 5.0
+# How long a rank may take to start and load a function (a new process imports torch and ddpkit, then the
+# function's module) before the pool fails: a function's timeout counts from when the ranks have loaded it.
+LOAD_S = 300.0
+#: What a rank sends once it has read a function (imported its module), before it runs it.
+LOADED = b"loaded"
 
 
 class RankPool:
@@ -101,6 +106,7 @@ class RankPool:
         try:
             for conn in self._conns:
                 conn.send_bytes(job)
+            self._wait_until_loaded()
             results, failures = self._collect(timeout)
         except BaseException:
             # Interrupted while the ranks run (Ctrl-C, pytest-timeout): their reply would answer the next call.
@@ -110,6 +116,20 @@ class RankPool:
             self.close(kill=True)
             raise RankFailure("\n".join(failures[rank] for rank in sorted(failures)))
         return [results[rank] for rank in range(self.world_size)]
+
+    def _wait_until_loaded(self) -> None:
+        """Wait for every rank to have read the function: its ``timeout`` counts from then, not from a new process's
+        imports or the import of the function's module (seconds on a busy machine), so that a hang's stacks are
+        written before the pool stops waiting for them."""
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+            if not wait([conn, proc.sentinel], timeout=LOAD_S) or not conn.poll():
+                self.close(kill=True)
+                raise RankFailure(f"rank {rank}: did not load the function within {LOAD_S:.0f}s")
+            try:
+                conn.recv_bytes()
+            except EOFError:
+                self.close(kill=True)
+                raise RankFailure(f"rank {rank}: exit code {proc.exitcode} before it ran the function") from None
 
     def _collect(self, timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
         """Each rank's result, or its failure; ranks still running at the end are reported as such."""
@@ -205,7 +225,7 @@ def _serve(rank: int, world_size: int, conn: Connection, workdir: str) -> None:
                 break
             if not job:
                 break
-            status, payload = _run_one(job, rank, world_size, stacks)
+            status, payload = _run_one(job, rank, world_size, stacks, conn)
             if status == "ok":
                 leaked = state.restore()
                 if leaked:
@@ -217,13 +237,17 @@ def _serve(rank: int, world_size: int, conn: Connection, workdir: str) -> None:
     os._exit(EXIT_OK)
 
 
-def _run_one(job: bytes, rank: int, world_size: int, stacks: Any) -> tuple[str, Any]:
+def _run_one(job: bytes, rank: int, world_size: int, stacks: Any, conn: Connection) -> tuple[str, Any]:
     import torch.distributed as dist
 
     stacks.seek(0)
     stacks.truncate()
     try:
-        fn, args, env, store, timeout = pickle.loads(job)
+        try:
+            fn, args, env, store, timeout = pickle.loads(job)
+        finally:
+            # Loaded (or not: the error is the reply): the parent's clock for the timeout starts now.
+            conn.send_bytes(LOADED)
         os.environ.update(env)
         faulthandler.dump_traceback_later(timeout, file=stacks)
         dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
