@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import RaggedSequences, run_in_pool
-from hf_tiny import save_tiny, tokens
+from hf_tiny import save_tiny, tokens, write_tokenizer
 
 import ddpkit
 from ddpkit.checkpoint.final_outputs import final_outputs
@@ -71,6 +71,7 @@ def _source(tmp_path: Path, kind: str) -> dict:
         transformers.GPT2LMHeadModel(config).save_pretrained(directory)
         return {"init_from": str(directory), "vocab_size": 128}
     save_tiny(directory, kind)
+    write_tokenizer(directory)
     return {"init_from": str(directory)}
 
 
@@ -102,6 +103,8 @@ def test_a_split_model_is_written_by_its_ranks_and_loads_in_transformers_and_ini
     assert set(index["weight_map"].values()) == set(files)
     assert sorted(p.name for p in out.iterdir() if "hf" in p.name) == ["hf"] and not (directory / "sharded").exists()
     assert (out / "model.pt").exists() == checkpoint.get("model_pt", True)
+    # complete for transformers as ddpkit export writes it: init_from's tokenizer beside the weights
+    assert (directory / "tokenizer.json").is_file() == (kind != "gpt2-padded")
     # init_from of it: the trained weights, bit for bit (GPT-2's pad rows come back as zeros, as trained)
     reloaded = gpt(init_from=str(directory), max_len=16, vocab_size=kwargs.get("vocab_size")).eval()
     assert reloaded.state_dict().keys() == trained.keys()

@@ -8,8 +8,9 @@ tensors it holds (DTensors stay DTensors) to the Hugging Face model's names, and
 Hugging Face writer (``HuggingFaceStorageWriter``: a ``sharded/`` directory, each rank's pieces of each file; a
 tensor held by several ranks, replicated, is written once). Then torch's
 ``consolidate_safetensors_files_on_every_rank`` joins the pieces into whole tensors, each output file by one rank,
-one tensor at a time, and writes ``model.safetensors.index.json``; rank 0 adds ``config.json``. So a rank's memory
-is what it holds plus one whole tensor, never the model.
+one tensor at a time, and writes ``model.safetensors.index.json``; rank 0 adds ``config.json`` and copies
+``init_from``'s tokenizer files, as ``ddpkit export --format hf`` does. So a rank's memory is what it holds (and
+its fp32 copy, when it holds bf16) plus one whole tensor while it joins a file, never the model.
 
 The directory is written as ``<name>.partial`` and renamed once complete, so a crash leaves no directory that looks
 whole. It needs a filesystem every rank sees (as sharded checkpoints do). ddpkit writes no file format of its own
@@ -37,6 +38,7 @@ from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.models import hf_gpt2, hf_llama
 from ddpkit.models.gpt import resolve
+from ddpkit.models.hf_files import copy_tokenizer, special_tokens
 from ddpkit.reporting.log import log
 
 __all__ = ["save_hf_directory", "hf_views"]
@@ -74,6 +76,10 @@ def save_hf_directory(
     dcp.save(views, storage_writer=writer)
     consolidate_safetensors_files_on_every_rank(str(partial / "sharded"), str(partial), files)
     if rank == 0:
+        # As ddpkit export writes it: init_from's special tokens and tokenizer, so the directory is complete
+        init_from = model_kwargs.get("init_from")
+        config.update(special_tokens(init_from))
+        copy_tokenizer(init_from, partial)
         write_atomically(partial / "config.json", json.dumps(config, indent=2) + "\n", durable=True)
         shutil.rmtree(partial / "sharded")
         shutil.rmtree(directory, ignore_errors=True)
