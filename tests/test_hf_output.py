@@ -130,6 +130,25 @@ def test_a_world_of_one_writes_model_pt_and_no_directory(tmp_path):
     assert whole.keys() == trained.keys() and all(torch.equal(whole[k], trained[k]) for k in whole)
 
 
+def _run_on_a_small_host(cfg: dict) -> dict[str, torch.Tensor]:
+    """Rank r: :func:`_run` where no model fits rank 0's host (the share of its available memory is 0)."""
+    from ddpkit.checkpoint import final_outputs
+
+    final_outputs.HOST_SHARE = 0.0
+    try:
+        return _run(cfg)
+    finally:
+        final_outputs.HOST_SHARE = 0.25
+
+
+@pytest.mark.multiprocess
+def test_auto_writes_no_model_pt_for_a_split_model_that_does_not_fit_rank_0s_host(tmp_path):
+    kwargs = _source(tmp_path, "qwen3")
+    out = tmp_path / "run"
+    run_in_pool(_run_on_a_small_host, 2, args=(_config(out, kwargs, {"mode": "fsdp2"}),), timeout=120)
+    assert (out / "hf" / "model.safetensors.index.json").is_file() and not (out / "model.pt").exists()
+
+
 @pytest.mark.multiprocess
 def test_a_model_its_family_cannot_describe_writes_model_pt_in_place_of_the_directory(tmp_path):
     # qwen2 has q/k/v biases; this model has none: no config.json can describe it, and the run still ends well
