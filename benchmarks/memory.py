@@ -9,7 +9,8 @@ Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks
 group, the data, and torch's FSDP2, pipelining and tensor-parallel modules, whichever the layout uses); its peak
 from there to the first step (``VmHWM``, reset at the baseline through ``/proc/self/clear_refs``); its peak over
 ``--steps`` training steps (AdamW: gradients and two state tensors a parameter); and its peak to the end (the last
-checkpoint and ``model.pt``, which a pipeline gathers on rank 0). The table gives each number above the baseline,
+checkpoint and the final weights: ``model.pt``, which rank 0 writes whole, and a split layout's ``hf/``, which every
+rank writes its part of; ``--model-pt false``: ``hf/`` alone). The table gives each number above the baseline,
 the largest rank's, and the seconds from the baseline to the first step.
 
 ``--init-from``: the model's weights come from a Hugging Face directory (``model.kwargs.init_from``) that
@@ -102,8 +103,11 @@ class MemoryTrainer(ddpkit.Trainer):
         self.end_rss = status_bytes("VmRSS")
 
 
-def config(out: str, model: dict[str, Any], parallel: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A run of ``steps`` AdamW steps on a global batch of 4 (2 micro-batches), nothing saved."""
+def config(
+    out: str, model: dict[str, Any], parallel: dict[str, Any], steps: int, model_pt: bool | str = "auto"
+) -> dict[str, Any]:
+    """A run of ``steps`` AdamW steps on a global batch of 4 (2 micro-batches), no checkpoint; the final weights by
+    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
     pipelined = parallel.get("pipeline", 1) > 1
     return {
         "run": {"name": "memory", "output_dir": out, "seed": 0},
@@ -112,7 +116,7 @@ def config(out: str, model: dict[str, Any], parallel: dict[str, Any], steps: int
         "optim": {"name": "adamw", "lr": 1e-4},
         "train": {"max_steps": steps, "grad_accum_steps": 1 if pipelined else 2, "loss_normalization": "tokens"},
         "parallel": {**parallel, **({"microbatches": 2} if pipelined else {})},
-        "checkpoint": {"every_epochs": None, "every_steps": None},
+        "checkpoint": {"every_epochs": None, "every_steps": None, "model_pt": model_pt},
         "log": {"progress_bar": False},
     }
 
@@ -133,11 +137,13 @@ def measure_rank(cfg: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def measure(label: str, ranks: int, parallel: dict[str, Any], model: dict[str, Any], steps: int, out: str) -> list:
+def measure(
+    label: str, ranks: int, parallel: dict[str, Any], model: dict[str, Any], steps: int, out: str, model_pt: Any
+) -> list:
     """Every rank's numbers for one layout, in fresh processes."""
     from ddpkit.testing import run_on_ranks
 
-    cfg = config(os.path.join(out, label), model, parallel, steps)
+    cfg = config(os.path.join(out, label), model, parallel, steps, model_pt)
     return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
 
 
@@ -193,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from", action="store_true", help="read the weights from a Hugging Face directory")
     parser.add_argument("--shard-mb", type=int, default=200, help="--init-from: the directory's shard size")
     parser.add_argument("--bf16", action="store_true", help="--init-from: the directory's weights in bf16")
+    parser.add_argument(
+        "--model-pt", choices=["auto", "true", "false"], default="auto", help="checkpoint.model_pt: the end's files"
+    )
     args = parser.parse_args(argv)
     model = {
         "arch": "llama",
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, ranks, parallel in LAYOUTS:
         if label not in args.layouts:
             continue
-        rows = measure(label, ranks, parallel, model, args.steps, args.out)
+        model_pt = {"true": True, "false": False}.get(args.model_pt, args.model_pt)
+        rows = measure(label, ranks, parallel, model, args.steps, args.out, model_pt)
         worst = {key: max(row[key] for row in rows) for key in rows[0]}
         goal = goal_mib(label, ranks, weights)
         print(

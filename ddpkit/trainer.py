@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit import data, registry, training
-from ddpkit.checkpoint import Checkpointer, Stateful, save_model
+from ddpkit.checkpoint import Checkpointer, Stateful, save_final_model
 from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
@@ -390,9 +390,8 @@ class Trainer:
         self.checkpointer.wait()
         self.reporter.write_timeline()
         if not stopped:
-            # fsdp2 gathers first; a pipeline's stages send their parts to rank 0
-            pipeline = self.layout if self.placed.pipeline is not None else None
-            save_model(self.placed.held, self.output_dir / "model.pt", rank=self.rank, pipeline=pipeline)
+            # model.pt and, for a split model, hf/ (each rank writing what it holds): checkpoint.model_pt's rule
+            save_final_model(self.placed.held, self.output_dir, rank=self.rank, config=self.config, layout=self.layout)
         self.worker.barrier("end of training", note=self.reporter.note)
         return {**self.metrics, "step": self.progress.step, "epoch": self.progress.epoch}
 

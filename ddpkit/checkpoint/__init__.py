@@ -13,7 +13,9 @@
 - ``checkpointer``: the one owner of the run's checkpointed parts: whether a save is due, writing it
   (two collectives in ddp mode), resuming, waiting; ``metadata``: the fields every kind of save writes;
   ``resume``: which checkpoint a run resumes from, and whether it may.
-- ``best``: ``best.pt`` when ``checkpoint.best.metric`` improves; ``model_export``: the final ``model.pt``.
+- ``best``: ``best.pt`` when ``checkpoint.best.metric`` improves; ``final_outputs``: the run's final weights by
+  ``checkpoint.model_pt``'s rule: ``model_export``'s ``model.pt``, and for a split model ``hf_output``'s Hugging
+  Face directory, each rank writing what it holds.
 - ``interval``: ``checkpoint.every_steps: auto``, the Young/Daly interval from measured save and step times.
 - ``sharded`` / ``sharded_run``: ``parallel.mode`` zero1 / fsdp2: a DCP directory per checkpoint,
   every rank writing its shard, committed by rename; any checkpoint resumes into any mode and world size.
@@ -28,6 +30,7 @@
 from ddpkit.checkpoint.best import BestCheckpoint
 from ddpkit.checkpoint.checkpointer import Checkpointer
 from ddpkit.checkpoint.components import Stateful
+from ddpkit.checkpoint.final_outputs import save_final_model
 from ddpkit.checkpoint.model_export import save_model
 
-__all__ = ["BestCheckpoint", "Checkpointer", "Stateful", "save_model"]
+__all__ = ["BestCheckpoint", "Checkpointer", "Stateful", "save_final_model", "save_model"]

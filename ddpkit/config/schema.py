@@ -291,6 +291,15 @@ class CheckpointConfig:
         "When a worker dies (SIGKILL, segfault, OOM kill), the lowest surviving rank saves the last completed step "
         "before it exits, so a restart under `--max-restarts` re-runs no step (see docs/goodput.md). Needs 2+ ranks.",
     )
+    model_pt: bool | Literal["auto"] = option(
+        "auto",
+        "The final `model.pt` (the whole model in one file, written by rank 0). A split `gpt` model (pipeline, tensor "
+        "plan, fsdp2; no LoRA) also writes `hf/`, each rank writing what it holds: safetensors files, their index and "
+        "config.json, what transformers and `init_from` load. `auto`: `model.pt` when each rank holds the whole "
+        "model (a world of one, ddp, zero1), when there is no `hf/` (not `gpt`, or a LoRA run), or when the whole "
+        "model fits a quarter of the memory available on rank 0's host; rank 0 then holds it once, a pipeline's "
+        "stages sent one tensor at a time. `true`: always; `false`: never (docs/modes.md, outputs).",
+    )
     memory_every_steps: int | Literal["auto"] | None = option(
         "auto",
         "Keep a copy of the state in shared memory (`/dev/shm`) every this many steps, written off the training "

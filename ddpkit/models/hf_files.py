@@ -13,12 +13,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
 
-__all__ = ["read_hf_config", "family_of", "safetensors_torch", "check_against", "TOKENIZER_FILES"]
+__all__ = [
+    "read_hf_config",
+    "family_of",
+    "safetensors_torch",
+    "check_against",
+    "special_tokens",
+    "copy_tokenizer",
+    "TOKENIZER_FILES",
+]
+
+#: config.json keys copied from ``init_from``'s own config.json on export: the special tokens generation stops at.
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 #: Files of a tokenizer that travel with a model directory (copied by ``ddpkit export --format hf``).
 TOKENIZER_FILES = (
@@ -75,3 +87,24 @@ def check_against(shape: dict[str, Any], given: dict[str, Any], *, source: str) 
                 f"model.kwargs.{key}: {value!r} contradicts {source}, whose model has {shape[key]!r} "
                 f"(it must be {rule} that); drop model.kwargs.{key}"
             )
+
+
+def special_tokens(init_from: str | None) -> dict[str, Any]:
+    """The special-token ids of ``init_from``'s config.json, when it is there to read."""
+    path = Path(init_from) / "config.json" if init_from else None
+    if path is None or not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {key: config[key] for key in SPECIAL_TOKEN_KEYS if key in config}
+
+
+def copy_tokenizer(init_from: str | None, output: Path) -> list[str]:
+    """Copy the tokenizer's files of ``init_from`` (those it has) into ``output``; their names."""
+    if not init_from or Path(init_from).resolve() == output.resolve():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(init_from) / name).is_file():
+            shutil.copyfile(Path(init_from) / name, output / name)
+            copied.append(name)
+    return copied

@@ -36,6 +36,7 @@ __all__ = [
     "read_config",
     "wanted",
     "to_hf",
+    "hf_name",
     "hf_config",
     "safetensors_torch",
     "ACTIVATION_OF_HF",
@@ -125,6 +126,17 @@ def _each_name(depth: int) -> list[tuple[str, tuple[str, bool]]]:
         blocks = range(depth) if "{i}" in ours else [None]
         pairs += [(ours.format(i=i), (theirs.format(i=i), transposed)) for i in blocks]
     return pairs
+
+
+def hf_name(name: str) -> tuple[str, bool] | None:
+    """GPT2LMHeadModel's name of a ``gpt`` tensor name and whether it is a transposed Conv1D weight (None: none)."""
+    block, _, rest = name.partition(".")
+    index, _, leaf = rest.partition(".")
+    if block == "blocks" and f"blocks.{{i}}.{leaf}" in _NAMES:
+        theirs, transposed = _NAMES[f"blocks.{{i}}.{leaf}"]
+        return f"transformer.{theirs.format(i=index)}", transposed
+    theirs, transposed = _NAMES.get(name, (None, False))
+    return (f"transformer.{theirs}", transposed) if theirs is not None and "{i}" not in name else None
 
 
 def hf_config(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +27,13 @@ from ddpkit.atomic import write_atomically
 from ddpkit.errors import CheckpointError
 from ddpkit.models import hf_gpt2, hf_llama
 from ddpkit.models.gpt import resolve
-from ddpkit.models.hf_files import TOKENIZER_FILES
+from ddpkit.models.hf_files import copy_tokenizer, special_tokens
 from ddpkit.models.lora import adapter_of
 from ddpkit.models.lora_peft import peft_files
 from ddpkit.tools.export import save_safetensors
 from ddpkit.tools.lm_source import ModelSpec, merged_weights, read_model
 
 __all__ = ["export_hf", "export_peft", "write_hf_directory"]
-
-#: config.json keys copied from ``init_from``'s own config.json: the special tokens generation stops at.
-_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_hf(source: str | os.PathLike, output: str | os.PathLike, *, merge: bool = False) -> str:
@@ -99,33 +95,12 @@ def write_hf_directory(spec: ModelSpec, weights: dict[str, Any], output: Path) -
         config = hf_gpt2.hf_config(kwargs)
         shape = f"GPT-2 {kwargs['depth']} x {kwargs['dim']}"
     init_from = spec.kwargs.get("init_from")
-    config.update(_special_tokens(init_from))
+    config.update(special_tokens(init_from))
     output.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, output / "model.safetensors", metadata={"source": spec.source})
     write_atomically(output / "config.json", json.dumps(config, indent=2) + "\n", durable=True)
-    copied = _copy_tokenizer(init_from, output)
+    copied = copy_tokenizer(init_from, output)
     extra = f" + {len(copied)} tokenizer files" if copied else ""
     return (
         f"wrote {output}: config.json + model.safetensors ({len(tensors)} tensors, {shape}){extra} from {spec.source}"
     )
-
-
-def _special_tokens(init_from: str | None) -> dict[str, Any]:
-    """The special-token ids of ``init_from``'s config.json, when it is there to read."""
-    path = Path(init_from) / "config.json" if init_from else None
-    if path is None or not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    return {key: config[key] for key in _SPECIAL_TOKEN_KEYS if key in config}
-
-
-def _copy_tokenizer(init_from: str | None, output: Path) -> list[str]:
-    """Copy the tokenizer's files of ``init_from`` (those it has) into ``output``; their names."""
-    if not init_from or Path(init_from).resolve() == output.resolve():
-        return []
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(init_from) / name).is_file():
-            shutil.copyfile(Path(init_from) / name, output / name)
-            copied.append(name)
-    return copied
