@@ -276,6 +276,8 @@ class Trainer:
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.
         data.require_vocab_of(whole, train_set, val_set)
+        # A layout whose largest rank cannot hold its share: refused on every rank before any of it is made (exit 2)
+        training.refuse_what_cannot_fit(whole, cfg, runtime=self.runtime)
         self.placed = self._place(whole)
         held = self.placed.held
         self.train_loader = self.build_train_loader(train_set)
