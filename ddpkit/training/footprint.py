@@ -140,7 +140,8 @@ def refuse_before_spawning(cfg: Config, *, world_size: int, local_world_size: in
     from ddpkit import registry
 
     try:
-        with torch.device("meta"):
+        # The launcher's generator left as it was: forked workers start from it
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = registry.build_model(cfg.model)
     # Whatever stops the build here (a name the script registers, kwargs it rejects) each worker reports in full
     except Exception:
