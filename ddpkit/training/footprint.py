@@ -68,8 +68,9 @@ class Footprint:
 def footprint(model: nn.Module, cfg: Config, *, nproc: int, modes: Sequence[str] = MODES) -> Footprint:
     """Each of ``modes``' largest rank on ``nproc`` ranks, for ``model`` (on the meta device, or real)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # Over the model, as the Trainer builds it: optim.groups select parameters by name
     with torch.device("meta"):
-        slots = optimizer_slots(build_optimizer(trainable, cfg.optim)) if trainable else 0
+        slots = optimizer_slots(build_optimizer(model, cfg.optim)) if trainable else 0
     held = _largest_stage(model, cfg) if cfg.parallel.pipeline > 1 else list(model.parameters())
     stages, tensor = cfg.parallel.pipeline, cfg.parallel.tensor
     replicas = max(1, nproc // (stages * tensor))
@@ -156,6 +157,9 @@ def _refuse(model: nn.Module, cfg: Config, *, budget: int, world_size: int) -> N
     except ConfigError as error:
         # A model the pipeline's own rule cannot cut (the Trainer's pipeline_stages does): nothing to check here
         log.info("memory check: skipped (%s)", str(error).splitlines()[0])
+        return
+    if cfg.parallel.mode not in held.per_mode:
+        # A mode the layout's own checks refuse beside tensor parallelism: they say so, with the fix
         return
     problem = fit_problem(held, cfg.parallel.mode, budget, nproc=world_size)
     if problem is not None:
