@@ -3,6 +3,7 @@
     python -m benchmarks.memory                          # a Llama shape of about 1 GB of fp32 weights, every layout
     python -m benchmarks.memory --dim 1024 --depth 4     # a smaller one (the test's, about 200 MB)
     python -m benchmarks.memory --init-from               # the same shape from a Hugging Face directory
+    python -m benchmarks.memory --adamw fused --layouts one fsdp2   # AdamW's fused kernel (or loop) for foreach
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
@@ -103,18 +104,36 @@ class MemoryTrainer(ddpkit.Trainer):
         self.end_rss = status_bytes("VmRSS")
 
 
+#: AdamW's implementations (``--adamw``): torch's default (``foreach`` on lists of tensors, whose intermediate results
+#: are lists as large as the parameters), a loop over the parameters, or the fused kernel.
+ADAMW = {"foreach": {}, "loop": {"foreach": False}, "fused": {"fused": True}}
+
+
 def config(
-    out: str, model: dict[str, Any], parallel: dict[str, Any], steps: int, model_pt: bool | str = "auto"
+    out: str,
+    model: dict[str, Any],
+    parallel: dict[str, Any],
+    steps: int,
+    *,
+    adamw: str = "foreach",
+    keep: bool = True,
+    model_pt: bool | str = "auto",
 ) -> dict[str, Any]:
-    """A run of ``steps`` AdamW steps on a global batch of 4 (2 micro-batches), no checkpoint; the final weights by
-    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
+    """A run of ``steps`` AdamW steps (the ``adamw`` implementation) on a global batch of 4 (2 micro-batches), no
+    checkpoint; ``keep``: ``train.keep_host_memory`` (freed blocks up to 32 MiB stay in the process); the final
+    weights by ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
     pipelined = parallel.get("pipeline", 1) > 1
     return {
         "run": {"name": "memory", "output_dir": out, "seed": 0},
         "data": {"global_batch_size": 4, "order": "index_free"},
         "model": {"name": "gpt", "kwargs": model},
-        "optim": {"name": "adamw", "lr": 1e-4},
-        "train": {"max_steps": steps, "grad_accum_steps": 1 if pipelined else 2, "loss_normalization": "tokens"},
+        "optim": {"name": "adamw", "lr": 1e-4, "kwargs": ADAMW[adamw]},
+        "train": {
+            "max_steps": steps,
+            "grad_accum_steps": 1 if pipelined else 2,
+            "loss_normalization": "tokens",
+            "keep_host_memory": keep,
+        },
         "parallel": {**parallel, **({"microbatches": 2} if pipelined else {})},
         "checkpoint": {"every_epochs": None, "every_steps": None, "model_pt": model_pt},
         "log": {"progress_bar": False},
@@ -138,12 +157,20 @@ def measure_rank(cfg: dict[str, Any]) -> dict[str, float]:
 
 
 def measure(
-    label: str, ranks: int, parallel: dict[str, Any], model: dict[str, Any], steps: int, out: str, model_pt: Any
+    label: str,
+    ranks: int,
+    parallel: dict[str, Any],
+    model: dict[str, Any],
+    steps: int,
+    out: str,
+    adamw: str,
+    keep: bool = True,
+    model_pt: Any = "auto",
 ) -> list:
     """Every rank's numbers for one layout, in fresh processes."""
     from ddpkit.testing import run_on_ranks
 
-    cfg = config(os.path.join(out, label), model, parallel, steps, model_pt)
+    cfg = config(os.path.join(out, label), model, parallel, steps, adamw=adamw, keep=keep, model_pt=model_pt)
     return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
 
 
@@ -202,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model-pt", choices=["auto", "true", "false"], default="auto", help="checkpoint.model_pt: the end's files"
     )
+    parser.add_argument("--adamw", choices=sorted(ADAMW), default="foreach", help="AdamW's implementation")
+    parser.add_argument(
+        "--release-host-memory", action="store_true", help="train.keep_host_memory=false: freed blocks go back"
+    )
     args = parser.parse_args(argv)
     model = {
         "arch": "llama",
@@ -222,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"init_from: {directory} ({len(files)} files, {sum(f.stat().st_size for f in files) / MiB:,.0f} MiB)")
         model = {"init_from": str(directory), "vocab_size": model["vocab_size"], "max_len": model["max_len"]}
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW: x4 with gradients and two state tensors")
+    print(
+        f"model: {weights:,.0f} MiB of fp32 parameters; AdamW ({args.adamw}): x4 with gradients and two state tensors"
+    )
     print(
         f"{'layout':<9} {'ranks':>5} {'baseline':>9} {'setup peak':>11} {'first step':>11} {'train peak':>11} "
         f"{'goal':>9} {'end peak':>9} {'to step 1':>10}"
@@ -231,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         if label not in args.layouts:
             continue
         model_pt = {"true": True, "false": False}.get(args.model_pt, args.model_pt)
-        rows = measure(label, ranks, parallel, model, args.steps, args.out, model_pt)
+        keep = not args.release_host_memory
+        rows = measure(label, ranks, parallel, model, args.steps, args.out, args.adamw, keep, model_pt)
         worst = {key: max(row[key] for row in rows) for key in rows[0]}
         goal = goal_mib(label, ranks, weights)
         print(

@@ -275,16 +275,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_layout_before_spawning(cfg: Config, *, nproc: str, nnodes: str) -> None:
-    """The layout's degrees against the world size, and the model's widths against the tensor degree, refused here
-    (exit 2, the valid layouts named) rather than in every worker once spawned. Skipped when torchrun counts the
-    processes or the node count is elastic (``MIN:MAX``): the world size is known only then."""
+def _check_layout_before_spawning(cfg: Config, *, nproc: str, nnodes: str, device: str | None) -> None:
+    """The layout's degrees against the world size, the model's widths against the tensor degree, and each rank's
+    share of the model against its device's memory, refused here (exit 2, the valid layouts named) rather than in
+    every worker once spawned. The world size's checks are skipped when torchrun counts the processes or the node
+    count is elastic (``MIN:MAX``): the world size is known only then."""
+    import torch
+
     from ddpkit.config.layout import check_layout
     from ddpkit.parallel.parallelize import check_tensor_degree
+    from ddpkit.training.footprint import refuse_before_spawning
 
-    if nproc.isdigit() and nnodes.isdigit():
+    known = nproc.isdigit() and nnodes.isdigit()
+    if known:
         check_layout(cfg.parallel, world_size=int(nproc) * int(nnodes))
     check_tensor_degree(cfg)
+    if known and device is not None:
+        on = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        refuse_before_spawning(cfg, world_size=int(nproc) * int(nnodes), local_world_size=int(nproc), device=on)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -299,7 +307,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         device=cfg.dist.device,
         precision=cfg.train.precision,
     )
-    _check_layout_before_spawning(cfg, nproc=args.nproc_per_node or str(default_nproc()), nnodes=args.nnodes)
+    _check_layout_before_spawning(
+        cfg, nproc=args.nproc_per_node or str(default_nproc()), nnodes=args.nnodes, device=device
+    )
     # A refused launch (exit 2): a retry will not fix it.
     if args.worker_start == "fork" and device != "cpu":
         raise ConfigError(

@@ -271,11 +271,13 @@ class Trainer:
         train_set, val_set = self.build_datasets()
         custom = type(self).build_model is not Trainer.build_model and not self.build_on_meta
         whole = build_on_meta(self.build_model, cfg, custom=custom, splits=self.layout.splits_model)
-        whole = training.apply_lora(whole, cfg.model)
+        whole = training.apply_lora(whole, cfg.model, precision=cfg.train.precision)
         # First: any later failure would say less.
         check_same_run_on_every_rank(cfg, whole, train_set, val_set)
         # A token id the model cannot embed: its file and offset.
         data.require_vocab_of(whole, train_set, val_set)
+        # A layout whose largest rank cannot hold its share: refused on every rank before any of it is made (exit 2)
+        training.refuse_what_cannot_fit(whole, cfg, runtime=self.runtime)
         self.placed = self._place(whole)
         held = self.placed.held
         self.train_loader = self.build_train_loader(train_set)

@@ -99,9 +99,10 @@ def test_hsdp_gathers_within_a_shard_group_and_all_reduces_across_replicas(monke
         # the first Linear's 16 rows: half on each rank of a shard group, a quarter under fsdp2 over 4
         assert (hsdp["placements"], hsdp["local_rows"]) == (("Replicate", "Shard"), 8)
         assert (flat["placements"], flat["local_rows"]) == (("Shard",), 4)
-        # 3 units (two blocks and the root): an all-gather each in the forward, the blocks' again in the backward
-        # (resharded after forward; the root is not), and each unit's gradients reduce-scattered
-        collectives = {"all_gather_single": 5, "reduce_scatter_single": 3}
+        # 3 units with parameters (two blocks in the inner Sequential, and the last Linear: the default rule's end
+        # beside them), each resharded after forward: an all-gather in the forward and again in the backward, and its
+        # gradients reduce-scattered; the root holds no parameter of its own and issues none
+        collectives = {"all_gather_single": 6, "reduce_scatter_single": 3}
         assert sorted(hsdp["joined"]) == sorted(
             [(name, shards) for name, count in collectives.items() for _ in range(count)]
             # HSDP's one addition: each unit's gradient shard all-reduced across the replicas

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, run_cli, run_in_pool, samples_by_step, tiny_config
+from helpers import REPO, cpu_runtime, run_cli, run_in_pool, samples_by_step, tiny_config
 from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
@@ -58,6 +58,51 @@ def test_fsdp_blocks_default_rule_and_named_classes():
     with pytest.raises(ConfigError, match="parallel.fsdp.blocks: no submodule of class Block.*TransformerBlock"):
         fsdp_blocks(lm, ["Block"])
     assert ParallelConfig().mode == "ddp"
+
+
+def test_fsdp2_default_rule_gives_the_embedding_norm_and_head_units_of_their_own_and_leaves_a_tied_pair_in_the_root():
+    from ddpkit.models.gpt import gpt
+    from ddpkit.parallel.fsdp import fsdp_ends
+
+    def ends(model: torch.nn.Module) -> list[str]:
+        units = fsdp_ends(model, fsdp_blocks(model, None))
+        return [name for name, child in model.named_children() if any(child is unit for unit in units)]
+
+    llama = {"arch": "llama", "dim": 16, "depth": 2, "heads": 2, "kv_heads": 1, "max_len": 8, "vocab_size": 32}
+    assert ends(gpt(**llama, tied=False)) == ["embed", "norm", "head"]
+    # tied: one matrix reads tokens in and scores them out, so it cannot live in two units; the root keeps it
+    assert ends(gpt(**llama, tied=True)) == ["norm"]
+    assert ends(TinyLM(vocab=16, dim=8, depth=3, heads=2)) == ["embed", "pos", "ln_f", "head"]
+    # an MLP whose layers are all blocks leaves nothing else
+    assert ends(MLP(16, (8, 8))) == []
+
+
+def _held_after_forward(rank: int) -> dict[str, tuple[str, ...]]:
+    """Rank ``rank`` of 2 on the fake backend: after one forward of an untied Llama under fsdp2, which parameters
+    are held whole (plain tensors: FSDP2 swaps a unit's shards for the gathered tensors until it reshards)."""
+    from torch.distributed.tensor import DTensor
+
+    from ddpkit.config.loader import load_config
+    from ddpkit.models.gpt import gpt
+    from ddpkit.parallel.layout import ParallelLayout
+    from ddpkit.testing import fake_ranks
+
+    with fake_ranks(2, rank=rank):
+        cfg = load_config({"parallel": {"mode": "fsdp2"}})
+        layout = ParallelLayout.build(cfg.parallel, cpu_runtime())
+        torch.manual_seed(0)
+        model = gpt(arch="llama", dim=16, depth=2, heads=2, kv_heads=1, max_len=8, vocab_size=32, tied=False)
+        model = layout.data_parallel.shard(model, mesh=layout.dp_mesh, runtime=cpu_runtime())
+        model(torch.zeros(1, 4, dtype=torch.long)).sum()
+        whole = tuple(name for name, p in model.named_parameters() if not isinstance(p, DTensor))
+        return {"whole": whole, "rows": tuple(model.head.weight.to_local().shape)}
+
+
+def test_fsdp2_reshards_the_vocabulary_matrices_after_the_forward_where_the_root_kept_them_whole():
+    for rank in range(2):
+        held = _held_after_forward(rank)
+        # the root unit (FSDP2 keeps its parameters until the backward) holds nothing now: no matrix stays whole
+        assert held == {"whole": (), "rows": (16, 16)}, rank
 
 
 def _three_modes(tmp: str) -> dict:

@@ -16,8 +16,8 @@ and the loss is the unpadded vocabulary's. ``forward(x, cache=KVCache(...))`` ap
 keys and values to a cache and attends over all of them: generation feeds one token a step.
 
 The blocks are ``GPT.blocks``, an ``nn.ModuleList`` of :class:`GPTBlock`: FSDP2's default rule
-(:func:`ddpkit.parallel.fsdp.fsdp_blocks`) shards each block as one unit, the root keeps
-the embeddings and the final LayerNorm (``parallel.fsdp.blocks: [GPTBlock]`` says the same).
+(:func:`ddpkit.parallel.fsdp.fsdp_blocks`) shards each block as one unit, then the position embedding and the final
+LayerNorm as units of their own (:func:`ddpkit.parallel.fsdp.fsdp_ends`); the root keeps the tied token embedding.
 """
 
 from __future__ import annotations

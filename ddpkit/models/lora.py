@@ -130,13 +130,22 @@ class LoraBase(nn.Module):
             )
 
 
+#: Elements of a tensor hashed at a time: a GPU's tensor crosses to the host in pieces of at most 64 MiB (fp32).
+_HASHED_AT_ONCE = 2**24
+
+
 def base_fingerprint(model: nn.Module) -> str:
-    """sha256 over every parameter's name, dtype, shape and bytes, in ``named_parameters`` order (tied ones once)."""
+    """sha256 over every parameter's name, dtype, shape and bytes, in ``named_parameters`` order (tied ones once).
+
+    Tensor by tensor, a piece at a time: a CPU tensor's own bytes are hashed where they are (no copy), a GPU's come
+    over in pieces, so no second copy of the model, nor of its largest matrix, is ever made."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
-        tensor = param.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
+        data = param.detach()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)};".encode())
+        # a view for a contiguous parameter (all of a model's, in practice); the same bytes in the same order
+        for piece in data.reshape(-1).split(_HASHED_AT_ONCE):
+            digest.update(piece.cpu().view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
@@ -175,10 +184,13 @@ def describe_base(model_cfg: ModelConfig) -> str:
     return f"{model_cfg.name or 'the model'}({shown})"
 
 
-def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
+def apply_lora(model: nn.Module, model_cfg: ModelConfig, *, precision: str = "fp32") -> nn.Module:
     """``model`` with ``model_cfg.lora``'s adapter and its base frozen (the model itself when ``lora`` is null).
 
-    Call it on the bare model before ``shard_model`` and the optimizer (the Trainer does)."""
+    ``precision``: ``train.precision``; under ``bf16`` the frozen base is stored in bf16 (half its fp32 bytes: the
+    autocast computes in bf16 anyway and no update ever touches it), the adapter stays fp32. The fingerprint is the
+    base's as built, so a checkpoint resumes under either precision. Call it on the bare model before
+    ``shard_model`` and the optimizer (the Trainer does)."""
     cfg = model_cfg.lora
     if cfg is None:
         return model
@@ -204,6 +216,8 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
     settings = {"r": cfg.r, "alpha": cfg.alpha, "targets": sorted({n.rsplit(".", 1)[-1] for n in names})}
     model.lora_base = LoraBase(base=describe_base(model_cfg), fingerprint=fingerprint, config=settings)
     _keep_the_adapter_only(model)
+    if precision in _FROZEN_DTYPE:
+        _store_frozen_as(model, _FROZEN_DTYPE[precision])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info(
@@ -218,6 +232,18 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> nn.Module:
         fingerprint[:16],
     )
     return model
+
+
+#: The dtype the frozen base is kept in, by ``train.precision`` (fp32 and fp16 keep the base as built).
+_FROZEN_DTYPE = {"bf16": torch.bfloat16}
+
+
+def _store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every frozen floating-point parameter cast to ``dtype`` in place, one at a time (a tied one once): the model
+    is never held twice, only one tensor's two copies at once."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _is_hugging_face(model: nn.Module) -> bool:

@@ -6,12 +6,13 @@
         ...
 
 One wrapper for a whole model and for a pipeline's stage alike (torchtitan's order): each block of it
-(:func:`fsdp_blocks`), then the module itself, ``fully_shard``-ed over the layout's ``dp`` mesh dimension (a 2-D
-(dp, tp) layout when tensor-parallel: FSDP2 shards each DTensor's local rows further). Under HSDP
-(``parallel.replicate`` R > 1) the layout hands a 2-D ``("dp_replicate", "dp_shard")`` mesh instead, which
-``fully_shard`` takes as HSDP: parameters ``(Replicate(), Shard(0))``, all-gathered and reduce-scattered within a
-shard group, their gradient shards then all-reduced across the R replicas. Under a pipeline torch's
-``PipelineStage`` drives FSDP2 itself: every microbatch's backward but the last runs without gradient sync and
+(:func:`fsdp_blocks`), then under the default rule each of the root's other children that holds parameters of its own
+(:func:`fsdp_ends`: the embedding, the final norm, the output head), then the module itself, each ``fully_shard``-ed
+over the layout's ``dp`` mesh dimension (a 2-D (dp, tp) layout when tensor-parallel: FSDP2 shards each DTensor's local
+rows further). Under HSDP (``parallel.replicate`` R > 1) the layout hands a 2-D ``("dp_replicate", "dp_shard")`` mesh
+instead, which ``fully_shard`` takes as HSDP: parameters ``(Replicate(), Shard(0))``, all-gathered and
+reduce-scattered within a shard group, their gradient shards then all-reduced across the R replicas. Under a pipeline
+torch's ``PipelineStage`` drives FSDP2 itself: every microbatch's backward but the last runs without gradient sync and
 without resharding, and after the last it runs FSDP2's post-backward (one reduce-scatter a unit). Gradients are
 reduced in fp32 whatever the compute precision: bf16 sums drift from DDP's.
 """
@@ -36,13 +37,15 @@ from ddpkit.errors import ConfigError
 from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.data_parallel import DataParallel
 
-__all__ = ["FSDP2", "fsdp_blocks", "is_sharded"]
+__all__ = ["FSDP2", "fsdp_blocks", "fsdp_ends", "is_sharded"]
 
 log = logging.getLogger("ddpkit")
 
 _PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 #: What FSDP2's sync_gradients hands out: one shared object, nothing allocated per micro-step.
 _EVERY_MICRO_STEP = contextlib.nullcontext()
+#: The containers whose children are blocks under the default rule.
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 class FSDP2(DataParallel):
@@ -80,18 +83,23 @@ class FSDP2(DataParallel):
             mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
         mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[self.precision], reduce_dtype=torch.float32)
         blocks = fsdp_blocks(model, self.blocks)
-        for block in blocks:
+        # Named classes are the user's whole choice; the default rule also takes the vocabulary matrices out of the
+        # root, which FSDP2 keeps unsharded from its forward to the end of the backward.
+        ends = fsdp_ends(model, blocks) if self.blocks is None else []
+        for block in [*blocks, *ends]:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
         # The root keeps its parameters for the backward (FSDP2's rule).
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         # A 2-D mesh is HSDP: replicated over its first dimension, sharded over its last.
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
         log.info(
-            "fsdp2: %d block(s) sharded over %d rank(s)%s (%s), then the root",
+            "fsdp2: %d block(s) sharded over %d rank(s)%s (%s), %d end(s) (%s), then the root",
             len(blocks),
             mesh.size(mesh.ndim - 1),
             f", replicated {replicas} times (HSDP)" if replicas > 1 else "",
             ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
+            len(ends),
+            ", ".join(type(e).__name__ for e in ends) or "none",
         )
         return model
 
@@ -195,9 +203,34 @@ def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:
     return list(_container_children(model))
 
 
+def fsdp_ends(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The root's other children sharded as one unit each: the default rule's second half (docs/modes.md).
+
+    Every direct child of ``model`` that holds parameters, is not a container and holds no block: a transformer's
+    embedding, final norm and output head (torchtitan shards its embedding and its norm and output as units of their
+    own). Without this they sit in the root unit, which FSDP2 never reshards after its forward, so a rank would hold
+    the whole vocabulary matrices, often the largest part of a language model, for the whole step. A child that
+    shares a parameter with another (a head tied to the embedding) stays in the root: a parameter belongs to exactly
+    one unit.
+    """
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    # Which top-level names reach each parameter (tied weights are reached from two; the root's own from "")
+    owners: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name.split(".", 1)[0] if "." in name else "")
+    ends = []
+    for name, child in model.named_children():
+        if isinstance(child, _CONTAINERS) or any(id(m) in in_blocks for m in child.modules()):
+            continue
+        params = list(child.parameters())
+        if params and all(owners[id(p)] == {name} for p in params):
+            ends.append(child)
+    return ends
+
+
 def _container_children(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if isinstance(child, _CONTAINERS):
             yield from (c for c in child.children() if any(True for _ in c.parameters()))
         else:
             yield from _container_children(child)

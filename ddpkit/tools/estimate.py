@@ -13,29 +13,27 @@
     fsdp2    18.33 MiB   18.33 MiB   36.66 MiB   736.27 MiB      809.58 MiB
     recommendation: ddp: 882.89 MiB per rank fits in 6.01 GiB (the fastest mode: one all-reduce per step)
 
-The model is built on the meta device (no memory, no weights); the per-rank numbers follow
-torch's own partition rules (each way's ``bytes_per_rank``, :mod:`ddpkit.parallel.data_parallel`) and match what the
-run logs at startup. Activations are the outputs of every module for one per-rank batch, from a
-forward pass on the meta device with one sample of the configured dataset (an upper bound on
-what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DDP's gradient
-buckets when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on by default, the
-gradients are the buckets), FSDP2's all-gathered
-block during its forward and backward (the largest block's full parameters), allocator slack.
-Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters
-replicated (ddp), its optimizer state sharded (zero1) or everything sharded (fsdp2) over the ``N / P``
-data-parallel replicas. Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves
-a rank (a colwise Linear's rows / T, a rowwise one's columns / T, the embedding and head by vocabulary where the
-run would shard them: ``parallel.vocab_parallel``, the rest whole), over ``N / (P x T)`` replicas; ddpkit's own
-models have their plans, another model is counted whole. Under HSDP (``parallel.replicate: R``) fsdp2's row is a
-rank of one of the R replicas, sharding over ``N / (P x T x R)`` ranks. The recommendation compares the total
-with ``--memory-per-rank`` (default: the GPU's memory, or the host's available memory divided by
-``--nproc-per-node``).
+The model is built on the meta device (no memory, no weights); the per-rank numbers follow torch's own partition rules
+(each way's ``bytes_per_rank``, :mod:`ddpkit.parallel.data_parallel`, computed in :mod:`ddpkit.training.footprint`,
+which a run's own fit check shares) and match what the run logs at startup. Activations are the outputs of every
+module for one per-rank batch, from a forward pass on the meta device with one sample of the configured dataset (an
+upper bound on what autograd keeps; ``n/a`` when the model cannot run on meta). Not counted: DDP's gradient buckets
+when ``ddp.gradient_as_bucket_view`` is off (one more gradient copy; on by default, the gradients are the buckets),
+FSDP2's all-gathered block during its forward and backward (the largest block's full parameters), allocator slack.
+Under ``parallel.pipeline: P`` the numbers are those of the rank holding the largest stage, its parameters replicated
+(ddp), its optimizer state sharded (zero1) or everything sharded (fsdp2) over the ``N / P`` data-parallel replicas.
+Under ``parallel.tensor: T`` each parameter is counted as the shard its tensor plan leaves a rank (a colwise Linear's
+rows / T, a rowwise one's columns / T, the embedding and head by vocabulary where the run would shard them:
+``parallel.vocab_parallel``, the rest whole), over ``N / (P x T)`` replicas; ddpkit's own models have their plans,
+another model is counted whole. Under HSDP (``parallel.replicate: R``) fsdp2's row is a rank of one of the R replicas,
+sharding over ``N / (P x T x R)`` ranks. A frozen parameter (LoRA's base) counts as a parameter only. The
+recommendation compares the total with ``--memory-per-rank`` (default: the GPU's memory, or the host's available
+memory divided by ``--nproc-per-node``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,53 +42,30 @@ import torch
 
 from ddpkit import registry
 from ddpkit.config.cli_args import OLD_SPELLINGS, add_config_arguments, renamed
-from ddpkit.config.layout import layout_problems, tensor_config_problems
 from ddpkit.config.loader import load_config
 from ddpkit.config.schema import Config
-from ddpkit.distributed.memory import RankBytes, format_bytes, optimizer_slots
+from ddpkit.distributed.memory import RankBytes, format_bytes
 from ddpkit.errors import exit_code_of
-from ddpkit.parallel.layout import DATA_PARALLEL
-from ddpkit.parallel.pipeline_split import split_model
-from ddpkit.training.optim import build_optimizer
+from ddpkit.training.footprint import MODES, device_memory_per_rank, footprint
 
 __all__ = ["main", "estimate", "Estimate"]
 
-MODES = tuple(DATA_PARALLEL)
-
 
 class Estimate:
-    """Per-rank bytes of each mode for one config and world size (the largest rank's numbers)."""
+    """Per-rank bytes of each mode for one config and world size (the largest rank's numbers), and the activations."""
 
     def __init__(self, cfg: Config, nproc: int, modes: Sequence[str] = MODES):
         with torch.device("meta"):
             model = registry.build_model(cfg.model)
-            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.count = sum(p.numel() for p in params)
+        held = footprint(model, cfg, nproc=nproc, modes=modes)
+        self.count = held.count
+        self.stage_count = held.stage_count
+        self.element_size = held.element_size
+        self.slots = held.slots
+        self.per_mode: dict[str, RankBytes] = held.per_mode
         self.stages = cfg.parallel.pipeline
         self.tensor = cfg.parallel.tensor
         self.replicate = cfg.parallel.replicate
-        if self.stages > 1:
-            params = _largest_stage(model, cfg)
-        replicas = max(1, nproc // (self.stages * self.tensor))
-        if self.tensor > 1:
-            # What the config refuses beside tensor parallelism (zero1, and ddp over several replicas) is left out.
-            modes = [mode for mode in modes if _accepted(cfg, mode, nproc)]
-        self.element_size = params[0].element_size() if params else 4
-        self.slots = optimizer_slots(optimizer)
-        shapes = _tensor_shard_shapes(model, params, cfg.parallel.tensor, cfg.parallel.vocab_parallel)
-        # An unknown optimizer: Adam's two, said in the output
-        slots = self.slots if self.slots is not None else 2
-        self.per_mode: dict[str, RankBytes] = {
-            mode: max(
-                DATA_PARALLEL[mode]
-                .from_config(cfg.parallel)
-                .bytes_per_rank(shapes, world_size=replicas, slots=slots, element_size=self.element_size),
-                key=lambda b: b.total,
-            )
-            for mode in modes
-        }
-        self.stage_count = sum(p.numel() for p in params)
         # Under a pipeline a stage holds the activations of up to M microbatches: not estimated (n/a).
         self.activations = _activation_bytes(model, cfg, nproc) if self.stages == 1 else None
         self.nproc = nproc
@@ -99,57 +74,6 @@ class Estimate:
 
     def total(self, mode: str) -> int:
         return self.per_mode[mode].total + (self.activations or 0)
-
-
-def _accepted(cfg: Config, mode: str, nproc: int) -> bool:
-    """Whether the config's layout with ``parallel.mode`` set to ``mode`` passes the config's own checks."""
-    parallel = dataclasses.replace(cfg.parallel, mode=mode)
-    changed = dataclasses.replace(cfg, parallel=parallel)
-    return not tensor_config_problems(changed) and not layout_problems(parallel, world_size=nproc)
-
-
-def _largest_stage(model: torch.nn.Module, cfg: Config) -> list[torch.Tensor]:
-    """The trainable parameters of the pipeline stage that holds the most (each counted once)."""
-    stages = split_model(
-        model, stages=cfg.parallel.pipeline * cfg.parallel.stages_per_rank, split_points=cfg.parallel.split_points
-    )
-    held = [list({id(p): p for p in stage.parameters() if p.requires_grad}.values()) for stage in stages]
-    return max(held, key=lambda params: sum(p.numel() for p in params))
-
-
-def _tensor_shard_shapes(
-    model: torch.nn.Module, params: list[torch.Tensor], tensor: int, vocab_parallel: bool | None
-) -> list[tuple[int, ...]]:
-    """Each parameter's shape on one rank under ``tensor``-way tensor parallelism: the dimension its module's style
-    splits (ddpkit.parallel.tensor_plan) divided by ``tensor``; the shapes as they are for ``tensor`` 1 or a model
-    without a plan of ddpkit's. ``vocab_parallel``: ``parallel.vocab_parallel`` (null: resolved as a run does)."""
-    shapes = {id(p): tuple(p.shape) for p in params}
-    if tensor == 1:
-        return list(shapes.values())
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from ddpkit.parallel.tensor_plan import tensor_plan, vocab_parallel_for
-
-    try:
-        plan = tensor_plan(model, vocab_parallel=vocab_parallel_for(model, tensor, vocab_parallel))
-    except ValueError:
-        return list(shapes.values())
-    for name, style in plan.items():
-        module = model.get_submodule(name)
-        embedding = isinstance(module, torch.nn.Embedding)
-        for key, param in module.named_parameters(recurse=False):
-            if id(param) not in shapes or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                continue
-            # Linear weights are [out, in]: colwise splits the rows (and the bias), rowwise the columns;
-            # an Embedding's [vocab, dim] the other way round.
-            rows = isinstance(style, ColwiseParallel) != embedding
-            dim = 0 if rows or key == "bias" else 1
-            if key == "bias" and not rows:
-                continue
-            shape = list(shapes[id(param)])
-            shape[dim] //= tensor
-            shapes[id(param)] = tuple(shape)
-    return list(shapes.values())
 
 
 def _per_rank_batch(cfg: Config, nproc: int) -> int:
@@ -186,10 +110,8 @@ def _activation_bytes(model: torch.nn.Module, cfg: Config, nproc: int) -> int | 
 
 
 def _memory_per_rank(nproc: int) -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available // nproc
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return device_memory_per_rank(device, local_world_size=nproc)
 
 
 def _fmt(n: int | None) -> str:

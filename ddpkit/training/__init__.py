@@ -12,6 +12,8 @@
   loss); ``token_loss``: ``train.loss_normalization: tokens``, exact for any split of a global batch.
 - ``health`` / ``health_checks`` / ``straggler`` / ``replicas``: training health: non-finite
   losses and gradients, loss spikes, slow ranks, replicas that drifted apart.
+- ``footprint``: what each rank of a layout will hold (``ddpkit estimate``'s numbers), and the refusal of a layout
+  whose largest rank cannot hold it, before the model is made.
 - ``rng``: seeding, and capturing / restoring every generator.
 - ``train_step``: the loop's step object (one optimizer step of the batches it takes): accumulation;
   ``pipeline_step``: a pipeline schedule as the step, over a model cut into stages (:mod:`ddpkit.parallel`);
@@ -27,6 +29,7 @@ from ddpkit.models.lora import apply_lora
 from ddpkit.training import steps
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import Evaluation
+from ddpkit.training.footprint import refuse_what_cannot_fit
 from ddpkit.training.health import TrainingHealth
 from ddpkit.training.health_checks import watched
 from ddpkit.training.metrics import evaluate
@@ -41,6 +44,7 @@ from ddpkit.training.train_step import AccumulationStep, StepReporting, TrainSte
 __all__ = [
     "apply_lora",
     "Evaluation",
+    "refuse_what_cannot_fit",
     "TrainingHealth",
     "watched",
     "evaluate",

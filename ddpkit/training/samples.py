@@ -17,6 +17,7 @@ are not lowered by it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -87,20 +88,24 @@ class TrainingSamples:
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens = list(
-                generate(
-                    self.model,
-                    self.prompt_ids,
-                    max_new_tokens=self.section.max_new_tokens,
-                    temperature=self.section.temperature,
-                    top_k=self.section.top_k,
-                    eot=self.codec.eot,
-                    seed=self.section.seed,
-                )
-            )
+            with _in_its_narrowest_dtype(self.model):
+                tokens = self._tokens()
         finally:
             self.model.train(was_training)
         return self.codec.decode(tokens)
+
+    def _tokens(self) -> list[int]:
+        return list(
+            generate(
+                self.model,
+                self.prompt_ids,
+                max_new_tokens=self.section.max_new_tokens,
+                temperature=self.section.temperature,
+                top_k=self.section.top_k,
+                eot=self.codec.eot,
+                seed=self.section.seed,
+            )
+        )
 
     def write(self, step: int, text: str) -> None:
         """Rank 0: the log line, ``samples.jsonl`` and TensorBoard's text tab."""
@@ -135,3 +140,14 @@ class TrainingSamples:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _in_its_narrowest_dtype(model: torch.nn.Module) -> AbstractContextManager[Any]:
+    """Autocast to the narrowest of the model's parameter dtypes when it stores two (LoRA's bf16 base beside its
+    fp32 adapter under ``train.precision: bf16``: the matrix products need one dtype); nothing otherwise, so a model
+    of one dtype samples as it always did."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) < 2:
+        return contextlib.nullcontext()
+    narrowest = min(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+    return torch.autocast(next(model.parameters()).device.type, dtype=narrowest)
