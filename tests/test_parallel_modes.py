@@ -17,7 +17,7 @@ from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
 from ddpkit.config.loader import load_config
-from ddpkit.config.parallel import ParallelConfig
+from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.errors import ConfigError
 from ddpkit.models.builtin import MLP
 from ddpkit.parallel.fsdp import fsdp_blocks
@@ -58,6 +58,18 @@ def test_fsdp_blocks_default_rule_and_named_classes():
     with pytest.raises(ConfigError, match="parallel.fsdp.blocks: no submodule of class Block.*TransformerBlock"):
         fsdp_blocks(lm, ["Block"])
     assert ParallelConfig().mode == "ddp"
+
+
+def test_fsdp2_reshards_after_forward_alone_and_keeps_a_stage_gathered_inside_a_pipeline_unless_told():
+    from ddpkit.parallel.fsdp import FSDP2
+
+    def resolved(**parallel) -> bool:
+        return FSDP2.from_config(ParallelConfig(mode="fsdp2", **parallel)).reshard_after_forward
+
+    assert resolved() is True
+    assert resolved(pipeline=2) is False
+    assert resolved(fsdp=FSDPConfig(reshard_after_forward=False)) is False
+    assert resolved(pipeline=2, fsdp=FSDPConfig(reshard_after_forward=True)) is True
 
 
 def _three_modes(tmp: str) -> dict:
