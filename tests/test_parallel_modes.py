@@ -36,7 +36,6 @@ def test_combinations_fsdp2_cannot_run_are_refused_by_name():
     base = {"train": {"epochs": 1}, "parallel": {"mode": "fsdp2"}}
     for extra, key in [
         ({"ddp": {"comm_hook": "powersgd"}}, "ddp.comm_hook"),
-        ({"train": {"epochs": 1, "compile": True}}, "train.compile"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
             load_config({**base, **extra})
