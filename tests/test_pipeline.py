@@ -128,13 +128,22 @@ LLAMA = {"arch": "llama", "vocab_size": 50, "dim": 32, "depth": 4, "heads": 4, "
 
 
 def _masked(tmp: Path, pipeline: int) -> dict:
-    """GPT-2 (learned positions, a tied head) and Llama (RoPE, untied) with the document mask, validated at step 2."""
+    """GPT-2 (learned positions, a tied head) and Llama (RoPE, untied) with the document mask, validated at step 2;
+    under a pipeline GPT-2 with fsdp2 inside too."""
+    llama = {"model": {"name": "gpt", "kwargs": {**LLAMA, "tied": False}}}
+    runs = {"gpt": {}, "llama": llama, "gpt-fsdp2": {"parallel": {"mode": "fsdp2"}}}
     out = {}
-    for name, model in {"gpt": {}, "llama": {"model": {"name": "gpt", "kwargs": {**LLAMA, "tied": False}}}}.items():
+    for name, extra in runs.items():
+        if pipeline == 1 and name == "gpt-fsdp2":
+            continue
         train = {"max_steps": 2, "eval_every": 2}
-        cfg = _config(tmp / f"{name}-{pipeline}", pipeline=pipeline, microbatches=4, train=train, **model)
+        cfg = _config(tmp / f"{name}-{pipeline}", pipeline=pipeline, microbatches=4, train=train, **extra)
         cfg["data"]["val_batch_size"] = 3
-        out[name] = _fit(cfg, PackedTrainer)
+        result = _fit(cfg, PackedTrainer)
+        # fsdp2's shards (of one replica here) as whole tensors
+        weights = result["weights"].items()
+        result["weights"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights}
+        out[name] = result
     return out
 
 
@@ -144,17 +153,18 @@ def test_the_document_mask_under_two_stages_trains_and_validates_like_a_world_of
     the same masked attention and restarted positions as one process accumulating the same microbatches."""
     one = run_in_pool(_masked, 1, args=(tmp_path, 1), timeout=120)[0]
     results = run_in_pool(_masked, 2, args=(tmp_path, 2), timeout=240)
-    for name in ("gpt", "llama"):
+    for name in ("gpt", "llama", "gpt-fsdp2"):
         stages = [result[name] for result in results]
         merged = _merged(stages)
+        reference = one[name.removesuffix("-fsdp2")]
         if name == "llama":
             # Untied: the same arithmetic as one process, in the same order.
-            assert_bitwise_equal(merged, one[name]["weights"])
+            assert_bitwise_equal(merged, reference["weights"])
         else:
             # The tied matrix's two gradients are added in another order than one process's autograd adds them.
-            assert _relative(merged, one[name]["weights"]) < 1e-6
+            assert _relative(merged, reference["weights"]) < 1e-6, name
         for metric in ("train_loss", "val_loss"):
-            expected = one[name]["metrics"][metric]
+            expected = reference["metrics"][metric]
             assert stages[-1]["metrics"][metric] == pytest.approx(expected, rel=1e-6), (name, metric)
     # The mask is on: without it the same runs end elsewhere.
     assert one["gpt"]["metrics"]["train_loss"] != pytest.approx(_unmasked_loss(tmp_path), rel=1e-6)
