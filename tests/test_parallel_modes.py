@@ -17,7 +17,7 @@ from tiny_lm import TinyLM
 
 from ddpkit.checkpoint import files
 from ddpkit.config.loader import load_config
-from ddpkit.config.parallel import ParallelConfig
+from ddpkit.config.parallel import FSDPConfig, ParallelConfig
 from ddpkit.errors import ConfigError
 from ddpkit.models.builtin import MLP
 from ddpkit.parallel.fsdp import fsdp_blocks
@@ -36,7 +36,6 @@ def test_combinations_fsdp2_cannot_run_are_refused_by_name():
     base = {"train": {"epochs": 1}, "parallel": {"mode": "fsdp2"}}
     for extra, key in [
         ({"ddp": {"comm_hook": "powersgd"}}, "ddp.comm_hook"),
-        ({"train": {"epochs": 1, "compile": True}}, "train.compile"),
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
             load_config({**base, **extra})
@@ -103,6 +102,18 @@ def test_fsdp2_reshards_the_vocabulary_matrices_after_the_forward_where_the_root
         held = _held_after_forward(rank)
         # the root unit (FSDP2 keeps its parameters until the backward) holds nothing now: no matrix stays whole
         assert held == {"whole": (), "rows": (16, 16)}, rank
+
+
+def test_fsdp2_reshards_after_forward_alone_and_keeps_a_stage_gathered_inside_a_pipeline_unless_told():
+    from ddpkit.parallel.fsdp import FSDP2
+
+    def resolved(**parallel) -> bool:
+        return FSDP2.from_config(ParallelConfig(mode="fsdp2", **parallel)).reshard_after_forward
+
+    assert resolved() is True
+    assert resolved(pipeline=2) is False
+    assert resolved(fsdp=FSDPConfig(reshard_after_forward=False)) is False
+    assert resolved(pipeline=2, fsdp=FSDPConfig(reshard_after_forward=True)) is True
 
 
 def _three_modes(tmp: str) -> dict:

@@ -110,6 +110,72 @@ def test_two_stages_match_a_world_of_one_accumulating_the_same_microbatches(tmp_
             assert stage["metrics"]["step"] == 4
 
 
+class PackedTrainer(ddpkit.Trainer):
+    """Ragged sequences read as packed windows: token 7 ends a document (a few in each window), and the model
+    attends within each document, its positions restarted there (``data.kwargs.document_mask``'s setting, handed
+    to the model as the tokens dataset hands it); validated on 21 more."""
+
+    def build_datasets(self):
+        return RaggedSequences(n=64), RaggedSequences(n=21)
+
+    def build_model(self):
+        model = super().build_model()
+        model.use_documents(eot=7, restart_positions=True)
+        return model
+
+
+LLAMA = {"arch": "llama", "vocab_size": 50, "dim": 32, "depth": 4, "heads": 4, "kv_heads": 2, "mlp_dim": 64}
+
+
+def _masked(tmp: Path, pipeline: int) -> dict:
+    """GPT-2 (learned positions, a tied head) and Llama (RoPE, untied) with the document mask, validated at step 2;
+    under a pipeline GPT-2 with fsdp2 inside too."""
+    llama = {"model": {"name": "gpt", "kwargs": {**LLAMA, "tied": False}}}
+    runs = {"gpt": {}, "llama": llama, "gpt-fsdp2": {"parallel": {"mode": "fsdp2"}}}
+    out = {}
+    for name, extra in runs.items():
+        if pipeline == 1 and name == "gpt-fsdp2":
+            continue
+        train = {"max_steps": 2, "eval_every": 2}
+        cfg = _config(tmp / f"{name}-{pipeline}", pipeline=pipeline, microbatches=4, train=train, **extra)
+        cfg["data"]["val_batch_size"] = 3
+        result = _fit(cfg, PackedTrainer)
+        # fsdp2's shards (of one replica here) as whole tensors
+        weights = result["weights"].items()
+        result["weights"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights}
+        out[name] = result
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_document_mask_under_two_stages_trains_and_validates_like_a_world_of_one(tmp_path):
+    """Every stage finds the documents in the microbatch's token ids (the step passes them to each stage's forward):
+    the same masked attention and restarted positions as one process accumulating the same microbatches."""
+    one = run_in_pool(_masked, 1, args=(tmp_path, 1), timeout=120)[0]
+    results = run_in_pool(_masked, 2, args=(tmp_path, 2), timeout=240)
+    for name in ("gpt", "llama", "gpt-fsdp2"):
+        stages = [result[name] for result in results]
+        merged = _merged(stages)
+        reference = one[name.removesuffix("-fsdp2")]
+        if name == "llama":
+            # Untied: the same arithmetic as one process, in the same order.
+            assert_bitwise_equal(merged, reference["weights"])
+        else:
+            # The tied matrix's two gradients are added in another order than one process's autograd adds them.
+            assert _relative(merged, reference["weights"]) < 1e-6, name
+        for metric in ("train_loss", "val_loss"):
+            expected = reference["metrics"][metric]
+            assert stages[-1]["metrics"][metric] == pytest.approx(expected, rel=1e-6), (name, metric)
+    # The mask is on: without it the same runs end elsewhere.
+    assert one["gpt"]["metrics"]["train_loss"] != pytest.approx(_unmasked_loss(tmp_path), rel=1e-6)
+
+
+def _unmasked_loss(tmp: Path) -> float:
+    cfg = _config(tmp / "unmasked", pipeline=1, microbatches=4, train={"max_steps": 2, "eval_every": 2})
+    cfg["data"]["val_batch_size"] = 3
+    return run_in_pool(_fit, 1, args=(cfg, RaggedTrainer), timeout=120)[0]["metrics"]["train_loss"]
+
+
 class Mlp(ddpkit.Trainer):
     """A user's model: an nn.Sequential cut by module names (untied: the same arithmetic as one process)."""
 

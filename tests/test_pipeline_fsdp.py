@@ -7,12 +7,14 @@ other layouts with the same samples and optimizer state.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import RaggedSequences, full_state, run_in_pool
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpkit
 
@@ -78,6 +80,65 @@ def test_fsdp2_inside_pp2_x_dp2_trains_and_validates_like_a_world_of_one(tmp_pat
     one = run_in_pool(_trained, 1, args=(_gpt(tmp_path / "one", pipeline=1),), timeout=120)[0]
     results = run_in_pool(_trained, 4, args=(_gpt(tmp_path / "pp", pipeline=2, replicas=2),), timeout=240)
     _against_one(results, one)
+
+
+class _Collectives(TorchDispatchMode):
+    """The c10d collectives run inside it, counted by name (what the all-gathers a step cost are read from)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            self.counts[name.split(".")[1].strip("_")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountedGpt(TiedGpt):
+    """Each optimizer step's collectives on this rank: the schedule's run, counted."""
+
+    def on_fit_start(self):
+        schedule = self.placed.pipeline.schedule
+        step = schedule.step
+        self.counts: list[Counter[str]] = []
+
+        def counted(*args, **kwargs):
+            with _Collectives() as collectives:
+                result = step(*args, **kwargs)
+            self.counts.append(collectives.counts)
+            return result
+
+        schedule.step = counted
+
+
+def _counted(out: Path) -> dict:
+    """Two steps of pp2 x dp2 with fsdp2 inside, 4 microbatches, resharding after forward as configured (null)
+    and forced on."""
+    counts = {}
+    for setting in (None, True):
+        cfg = _gpt(out / str(setting), pipeline=2, replicas=2)
+        cfg["train"] = {**cfg["train"], "max_steps": 2, "eval_every": None}
+        cfg["data"]["global_batch_size"] = 16
+        cfg["parallel"].update(microbatches=4, fsdp={"reshard_after_forward": setting})
+        trainer = CountedGpt(cfg)
+        trainer.fit()
+        counts[setting] = trainer.counts
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_inside_a_pipeline_gathers_each_unit_once_a_step_not_per_microbatch(tmp_path):
+    """Each stage holds 3 units (its 2 blocks, then the stage itself): by default each is all-gathered once in a step
+    of 4 microbatches and reduce-scattered once; resharding after each forward gathers 11 times. The first step also
+    infers the stages' shapes (a forward and backward of its own), so the second is the one counted."""
+    for rank in run_in_pool(_counted, 4, args=(tmp_path,), timeout=240):
+        kept, resharded = rank[None][1], rank[True][1]
+        assert kept["allgather_base"] == 3
+        assert kept["reduce_scatter_base"] == resharded["reduce_scatter_base"] == 3
+        assert resharded["allgather_base"] == 11
 
 
 class Mlp(ddpkit.Trainer):

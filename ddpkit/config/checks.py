@@ -117,11 +117,6 @@ def parallel_problems(cfg: Config) -> list[str]:
             f"ddp.comm_hook: {cfg.ddp.comm_hook!r} is a DDP communication hook and FSDP2 reduce-scatters gradients "
             "itself; set ddp.comm_hook=none or parallel.mode=ddp (or zero1)"
         )
-    if cfg.train.compile is not False:
-        problems.append(
-            "train.compile: not supported with parallel.mode=fsdp2 in ddpkit yet; set train.compile=false "
-            "or use parallel.mode=ddp / zero1"
-        )
     if cfg.ddp.sync_batchnorm:
         problems.append(
             "ddp.sync_batchnorm: SyncBatchNorm is applied by the DDP wrapper; set it false with parallel.mode=fsdp2"

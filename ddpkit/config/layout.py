@@ -114,8 +114,6 @@ def pipeline_problems(cfg: Config) -> list[str]:
 
 def _unsupported_with_a_pipeline(cfg: Config) -> list[str]:
     problems = []
-    if cfg.train.compile is not False:
-        problems.append("train.compile: not wired for pipeline stages yet; set train.compile=false")
     if cfg.train.precision == "fp16":
         problems.append(
             "train.precision: fp16's GradScaler would need one scale agreed across stages; use train.precision=bf16"

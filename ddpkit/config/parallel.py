@@ -31,11 +31,13 @@ class FSDPConfig:
         "Class names of the submodules sharded as one unit each (e.g. `[GPTBlock]`); the root takes the rest. "
         "`null`: every child with parameters of the outermost `nn.ModuleList` / `nn.Sequential` containers.",
     )
-    reshard_after_forward: bool = option(
-        True,
+    reshard_after_forward: bool | None = option(
+        None,
         "Free each block's gathered parameters after its forward and gather them again for the backward: "
         "less memory, one more all-gather per block and step (ZeRO-3). "
-        "`false`: keep them until the backward (ZeRO-2 like).",
+        "`false`: keep them until the backward (ZeRO-2 like); inside a pipeline, until the step's last microbatch "
+        "(one all-gather per block and step instead of about two per microbatch). "
+        "`null`: `true` without a pipeline, `false` inside one (torchtitan's default).",
     )
 
 

@@ -148,13 +148,14 @@ class GPT(nn.Module):
     stage_parts = {"first": ("embed", "pos", "drop"), "every": (), "last": ("ln_f", "head")}
 
     @staticmethod
-    def stage_input(parts: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The first stage's input to the blocks: token and position embeddings of ``x`` (``parts`` holds them)."""
-        positions = torch.arange(x.shape[1], device=x.device)
+    def stage_input(parts: nn.Module, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """The first stage's input to the blocks: token and position embeddings of ``x`` (``parts`` holds them); with
+        ``documents``, their positions (restarted in each document where asked), as :meth:`forward` takes them."""
+        positions = torch.arange(x.shape[1], device=x.device) if documents is None else documents.positions
         return parts.drop(parts.embed(x) + parts.pos(positions))
 
     @staticmethod
-    def stage_rotation(parts: nn.Module, h: torch.Tensor) -> None:
+    def stage_rotation(parts: nn.Module, h: torch.Tensor, documents: Documents | None = None) -> None:
         """What each block takes besides its input on a stage: nothing (learned positions)."""
         return None
 

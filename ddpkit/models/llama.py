@@ -300,14 +300,18 @@ class Llama(nn.Module):
     stage_parts = {"first": ("embed", "drop"), "every": ("rope",), "last": ("norm", "head")}
 
     @staticmethod
-    def stage_input(parts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def stage_input(parts: nn.Module, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """The first stage's input to the blocks: the token embeddings of ``x`` (``parts`` holds them)."""
         return parts.drop(parts.embed(x))
 
     @staticmethod
-    def stage_rotation(parts: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's ``(cos, sin)`` for a stage's input ``h``, each block's second argument."""
-        positions = torch.arange(h.shape[1], device=h.device)
+    def stage_rotation(
+        parts: nn.Module, h: torch.Tensor, documents: Documents | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``(cos, sin)`` for a stage's input ``h``, each block's second argument; restarted in each of
+        ``documents`` when the model restarts positions (``parts.documents``), as :meth:`rotation` does."""
+        restart = documents is not None and (getattr(parts, "documents", None) or {}).get("restart_positions")
+        positions = documents.positions if restart else torch.arange(h.shape[1], device=h.device)
         return parts.rope(positions, dtype=h.dtype)
 
     @staticmethod

@@ -14,6 +14,7 @@
   rank holds; ``pipeline``: this rank's stages wrapped, torch's stages and schedule; ``pipeline_forward``: the
   forward-only pass through the stages that validation runs;
 - ``model_views``: the model as the loop sees it (wrapped and compiled for training, bare for evaluation and
-  saving) and ``train.compile``'s watch;
+  saving) and ``train.compile``'s watch; ``block_compile``: ``train.compile`` block by block, before the sharding,
+  under fsdp2 and inside pipeline stages;
 - ``activation_checkpointing``: blocks that recompute their activations (``train.activation_checkpointing``).
 """

@@ -1,5 +1,8 @@
 """The model as the loop sees it, and torch.compile from the config: DDP then compile, compile time kept apart.
 
+Under fsdp2 and inside pipeline stages the blocks are compiled one by one instead, before the sharding
+(:mod:`ddpkit.parallel.block_compile`); the watch below is the same.
+
     models = build_models(model, runtime, ddp=cfg.ddp, train=cfg.train, data_parallel=way, group=dp_group)
     models.watch.exclude_with(reporter.outside_training)   # when compiling: compile time left out of samples/s
     loss = F.cross_entropy(models.train(x), y)      # compile(DDP(model)), or DDP(model) when off
@@ -56,6 +59,8 @@ __all__ = [
     "build_models",
     "compile_settings",
     "CompileWatch",
+    "CompileSettings",
+    "explain_failures",
     "DDPKIT_OPTIONS",
     "to_channels_last",
     "unwrap_model",
@@ -132,9 +137,11 @@ def build_models(
     exclude: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
     data_parallel: DataParallel | None = None,
     group: Any = None,
+    blocks_compiled: bool = False,
 ) -> Models:
     """``model`` wrapped by ``data_parallel`` (DDP by default) over ``group`` (None: every rank), then compiled if
-    ``train.compile`` asks: the three views.
+    ``train.compile`` asks: the three views. ``blocks_compiled``: its blocks were compiled one by one before the
+    wrapper (fsdp2: :mod:`ddpkit.parallel.block_compile`), so the views are not compiled again, only watched.
 
     ``exclude(name)`` is a context for work left out of samples/s; each compilation runs inside it (also settable
     later, once the reporter exists: :meth:`CompileWatch.exclude_with`).
@@ -153,6 +160,8 @@ def build_models(
     if settings is None:
         return Models(train=wrapped, eval=bare, bare=bare, data_parallel=way)
     watch = CompileWatch(settings.recompile_limit, exclude=exclude)
+    if blocks_compiled:
+        return Models(train=wrapped, eval=bare, bare=bare, data_parallel=way, watch=watch)
     compiled = _compiled(wrapped, settings)
     eval_model = _compiled(bare, settings) if settings.validation and _eval_compile_is_safe(runtime) else bare
     return Models(train=compiled, eval=eval_model, bare=bare, data_parallel=way, watch=watch)
@@ -180,7 +189,7 @@ def _compiled(module: nn.Module, settings: CompileSettings) -> nn.Module:
     compiled = torch.compile(module, **settings.torch_kwargs)
     # OptimizedModule calls its instance attribute `forward`; wrapping it turns Dynamo's and
     # Inductor's internal errors into one message that names the config key to change.
-    compiled.forward = _explain_failures(compiled.forward, settings.recompile_limit)
+    compiled.forward = explain_failures(compiled.forward, settings.recompile_limit)
     return compiled
 
 
@@ -193,7 +202,7 @@ def _eval_compile_is_safe(runtime: Runtime) -> bool:
     return runtime.env.world_size == 1 or not torch._dynamo.config.enable_compiler_collectives
 
 
-def _explain_failures(forward: Callable[..., Any], limit: int) -> Callable[..., Any]:
+def explain_failures(forward: Callable[..., Any], limit: int) -> Callable[..., Any]:
     from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
     failures: tuple[type[BaseException], ...] = (TorchDynamoException,)

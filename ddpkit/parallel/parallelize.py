@@ -17,7 +17,9 @@
    ``dp`` mesh (a 2-D (dp, tp) layout when tensor-parallel);
 5. a model built on the meta device (:mod:`ddpkit.parallel.meta_build`) is made now, the part only, its shards
    only, on the rank's device, and initialised by parameter name; steps 1 to 4 ran on meta, with no memory;
-6. DDP wraps the part (ddp, zero1), then ``torch.compile`` (:mod:`ddpkit.parallel.model_views`).
+6. DDP wraps the part (ddp, zero1), then ``torch.compile`` (:mod:`ddpkit.parallel.model_views`); under fsdp2 or
+   inside a pipeline ``torch.compile`` runs in step 3 instead, each block on its own after activation checkpointing
+   and before the sharding (:mod:`ddpkit.parallel.block_compile`, torchtitan's order).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
+from ddpkit.parallel.block_compile import compile_blocks, compiles_per_block
 from ddpkit.parallel.data_parallel import DataParallel
 from ddpkit.parallel.layout import ParallelLayout
 from ddpkit.parallel.meta_build import materialize
-from ddpkit.parallel.model_views import Models, build_models, to_channels_last
+from ddpkit.parallel.model_views import CompileWatch, Models, build_models, compile_settings, to_channels_last
 from ddpkit.parallel.pipeline import Pipeline, build_pipeline
 from ddpkit.parallel.pipeline_split import TiedWeights
 from ddpkit.reporting.log import log
@@ -117,15 +120,17 @@ def parallelize(
     vocab_parallel = False
     if layout.tp > 1:
         model, vocab_parallel = _tensor_parallel(whole, layout, config, runtime, plan)
+    prepare = _prepare(config, layout)
     if layout.pp > 1:
-        prepare = _prepare(config)
         pipeline = build_pipeline(model, layout, config, runtime, split=split, loss=loss, prepare=prepare, made=made)
-        models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way)
+        settings = compile_settings(config.train.compile)
+        # The stages' blocks were compiled in prepare: the watch times and caps their compilations.
+        watch = CompileWatch(settings.recompile_limit) if settings is not None else None
+        models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way, watch=watch)
         return Placed(models, pipeline, way, optimizer_order, vocab_parallel=vocab_parallel)
-    model = _prepare(config)(model)
-    model = made(way.shard(model, mesh=layout.dp_mesh, runtime=runtime))
-    group = layout.dp_group
-    models = build_models(model, runtime, ddp=config.ddp, train=config.train, data_parallel=way, group=group)
+    model = made(way.shard(prepare(model), mesh=layout.dp_mesh, runtime=runtime))
+    options = dict(ddp=config.ddp, train=config.train, data_parallel=way, group=layout.dp_group)
+    models = build_models(model, runtime, **options, blocks_compiled=compiles_per_block(layout))
     return Placed(models, None, way, vocab_parallel=vocab_parallel)
 
 
@@ -137,14 +142,19 @@ def _maker(whole: nn.Module, device: torch.device) -> Callable[[nn.Module], nn.M
     return lambda part: materialize(part, whole, device)
 
 
-def _prepare(config: Config) -> Callable[[nn.Module], nn.Module]:
-    """What every part gets before its data-parallel wrapper: activation checkpointing, then channels_last."""
+def _prepare(config: Config, layout: ParallelLayout) -> Callable[[nn.Module], nn.Module]:
+    """What every part gets before its data-parallel wrapper: activation checkpointing, then channels_last, then
+    under fsdp2 or inside a pipeline ``train.compile`` block by block (its blocks: FSDP2's units)."""
     train = config.train
+    settings = compile_settings(train.compile) if compiles_per_block(layout) else None
+    names = getattr(layout.data_parallel, "blocks", None)
 
     def prepare(part: nn.Module) -> nn.Module:
         apply_activation_checkpointing(part, train.activation_checkpointing)
         if train.channels_last:
             part = to_channels_last(part)
+        if settings is not None:
+            compile_blocks(part, settings, names=names)
         return part
 
     return prepare

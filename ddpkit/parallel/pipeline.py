@@ -76,6 +76,9 @@ class Pipeline:
     #: bubble (P - 1) / (M + P - 1) (None for the interleaved schedules).
     stage: int
     theory: float | None
+    #: Whether every stage's forward takes the microbatch's token ids (``tokens=``): the document mask
+    #: (``data.kwargs.document_mask``) is found in them on each stage, as the whole model finds it in its input.
+    takes_tokens: bool = False
 
 
 def build_pipeline(
@@ -121,7 +124,10 @@ def build_pipeline(
     argument = torch_stages if parallel.schedule in INTERLEAVED else torch_stages[0]
     timed_loss = clock.timed(loss, "stage loss")
     schedule = schedule_class(argument, n_microbatches=microbatches, loss_fn=timed_loss, scale_grads=scale)
-    forward = PipelineForward(local, ids, total=total, device=runtime.device, group=layout.pp_group)
+    takes_tokens = any(getattr(stage, "documents", None) for stage in local)
+    forward = PipelineForward(
+        local, ids, total=total, device=runtime.device, group=layout.pp_group, takes_tokens=takes_tokens
+    )
     # A LoRA model's stages save their adapter alone, as the whole model does
     held = adapter_only_parts(HeldParts(local, forward=forward), model)
     tied = TiedWeights(_shared_weight(local) if is_tied else None, _tied_group(layout) if is_tied else None)
@@ -132,7 +138,7 @@ def build_pipeline(
     _log_layout(layout, every, ids, microbatches, parallel.schedule)
     theory = None if parallel.schedule in INTERLEAVED else bubble_fraction(layout.pp, microbatches)
     parts = (local, held, wrapped, schedule, microbatches, first, last, tied, norm_parameters, forward, clock)
-    return Pipeline(*parts, layout.pp_rank, theory)
+    return Pipeline(*parts, layout.pp_rank, theory, takes_tokens=takes_tokens)
 
 
 def _cut(

@@ -35,9 +35,18 @@ class PipelineForward:
     """This rank's stages run forward only, one validation batch at a time, with torch's stage and schedule."""
 
     def __init__(
-        self, stages: list[nn.Module], ids: list[int], *, total: int, device: torch.device, group: Any
+        self,
+        stages: list[nn.Module],
+        ids: list[int],
+        *,
+        total: int,
+        device: torch.device,
+        group: Any,
+        takes_tokens: bool = False,
     ) -> None:
         self.stages = stages
+        #: Every stage's forward takes the batch's token ids too (``tokens=``: the document mask's source).
+        self.takes_tokens = takes_tokens
         self.ids = ids
         self.total = total
         self.device = device
@@ -51,9 +60,11 @@ class PipelineForward:
     def run(self, x: torch.Tensor) -> torch.Tensor | None:
         """One batch through this rank's stages: the logits on the last stage, None on the others."""
         schedule = self._schedule_for(x)
+        # Every stage of a replica holds the batch: the ones after the first take its token ids from it.
+        kwarg_mbs = [{"tokens": x}] if self.takes_tokens else None
         if self.first:
-            return schedule.eval(arg_mbs=[(x,)])
-        return schedule.eval()
+            return schedule.eval(arg_mbs=[(x,)], kwarg_mbs=kwarg_mbs)
+        return schedule.eval(kwarg_mbs=kwarg_mbs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The held parts' forward on the last stage, inside ``validation_step``: this batch's logits."""
@@ -123,5 +134,5 @@ class _ForwardOf(nn.Module):
         # A tuple: not registered as a submodule.
         self._stage = (stage,)
 
-    def forward(self, *args: Any) -> Any:
-        return self._stage[0](*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stage[0](*args, **kwargs)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.models.document_mask import Documents, documents_of
 
 __all__ = ["split_model", "cut_blocks", "stage_blocks", "TiedWeights", "tied_weight", "HeldParts"]
 
@@ -43,11 +44,6 @@ def split_model(model: nn.Module, *, stages: int, split_points: Sequence[str] | 
             "parallel.split_points to the names of its top-level children where a stage starts (children "
             f"{', '.join(name for name, _ in model.named_children())}), or override the Trainer's "
             "pipeline_stages(model, stages)"
-        )
-    if getattr(model, "documents", None):
-        raise ConfigError(
-            "data.kwargs.document_mask: the document mask is built from the token ids, which only the first pipeline "
-            "stage holds; turn it off or set parallel.pipeline=1"
         )
     ranges = cut_blocks(model, stages, family)
     return [LanguageModelStage(model, family, blocks, index, stages) for index, blocks in enumerate(ranges)]
@@ -118,6 +114,9 @@ class LanguageModelStage(nn.Module):
         self.is_last = index == stages - 1
         #: The model's class: its stage_input / stage_rotation / stage_output run on this stage's parts.
         self.family = type(model)
+        #: The model's document mask setting (``use_documents``), None without one: each stage then needs the batch's
+        #: token ids beside its activations (the ``tokens`` keyword every stage's forward gets from the schedule).
+        self.documents = getattr(model, "documents", None)
         self.valid_vocab = getattr(model, "valid_vocab", None)
         tied = getattr(model, "head", None) is not None and model.head.weight is model.embed.weight
         wanted = set(family["every"])
@@ -135,15 +134,31 @@ class LanguageModelStage(nn.Module):
             elif name in wanted:
                 self.add_module(name, child)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's output of ``h`` (the token ids on the first stage, the previous stage's activations after).
+
+        ``tokens``: the microbatch's token ids, which a model with the document mask needs on every stage (only the
+        first receives them as its input); each stage finds the documents in them itself, as the whole model does.
+        """
+        documents = self._documents(tokens)
         if self.is_first:
-            h = self.family.stage_input(self, h)
-        rope = self.family.stage_rotation(self, h)
+            h = self.family.stage_input(self, h, documents)
+        rope = self.family.stage_rotation(self, h, documents)
         for block in self.blocks.values():
-            h = block(h, rope, None, None) if rope is not None else block(h, None, None)
+            h = block(h, rope, None, documents) if rope is not None else block(h, None, documents)
         if self.is_last:
             h = self._logits(h)
         return h
+
+    def _documents(self, tokens: torch.Tensor | None) -> Documents | None:
+        if self.documents is None:
+            return None
+        if tokens is None:
+            raise RuntimeError(
+                "data.kwargs.document_mask: a pipeline stage needs the batch's token ids (its forward's tokens=) to "
+                "mask attention by document; the pipeline's step and validation pass them"
+            )
+        return documents_of(tokens, **self.documents)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.family.stage_output(self, h)

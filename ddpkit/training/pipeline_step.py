@@ -65,6 +65,10 @@ class PipelineStep:
         kwargs: dict[str, Any] = {"return_outputs": False}
         if pipeline.first:
             kwargs["arg_mbs"] = [(batch[0],) for batch in microbatches]
+        if pipeline.takes_tokens:
+            # The document mask: every stage finds the documents in the token ids, which every rank of the pipeline
+            # holds (each reads the same batch), beside the activations it receives.
+            kwargs["kwarg_mbs"] = [{"tokens": batch[0]} for batch in microbatches]
         losses: list[torch.Tensor] = []
         if pipeline.last:
             kwargs["target_mbs"] = targets
