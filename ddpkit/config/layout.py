@@ -156,8 +156,6 @@ def tensor_config_problems(cfg: Config) -> list[str]:
 
 def _unsupported_with_tensor_parallel(cfg: Config) -> list[str]:
     problems = []
-    if cfg.model.lora is not None:
-        problems.append("model.lora: LoRA's adapters have no tensor plan yet; set parallel.tensor=1 with model.lora")
     if cfg.train.sample is not None:
         problems.append(
             "train.sample: generation's KV cache holds the whole model's key/value heads, not a tensor rank's; set "

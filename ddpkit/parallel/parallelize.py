@@ -90,7 +90,9 @@ def check_tensor_degree(config: Config) -> None:
     from ddpkit.parallel.tensor_plan import check_tensor_plan, vocab_parallel_for
 
     vocab_parallel = vocab_parallel_for(config.model.kwargs, parallel.tensor, parallel.vocab_parallel)
-    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=vocab_parallel)
+    # dist.device auto: CUDA where there is one, as the runtime will choose (dropout splits on CUDA only)
+    device = config.dist.device if config.dist.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=vocab_parallel, device=device)
 
 
 def parallelize(
@@ -162,7 +164,7 @@ def _tensor_parallel(
     # A user's plan shards the vocabulary only where it says so, and then the user sets vocab_parallel: true.
     vocab_parallel = bool(setting) if plan is not None else vocab_parallel_for(model, layout.tp, setting)
     # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.
-    check_tensor_plan(model, layout.tp, vocab_parallel=vocab_parallel)
+    check_tensor_plan(model, layout.tp, vocab_parallel=vocab_parallel, device=runtime.device.type)
     if not is_on_meta(model):
         model = model.to(runtime.device)
     styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=vocab_parallel))

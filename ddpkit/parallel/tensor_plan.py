@@ -68,6 +68,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT, resolve
 from ddpkit.models.init_by_name import tied_names
 from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.models.lora import LoraLinear
+from ddpkit.models.lora_tensor import lora_plan
 from ddpkit.models.tensor_plans import Replicated
 
 __all__ = [
@@ -113,6 +115,8 @@ class _Sizes(NamedTuple):
     valid_vocab: int | None
     dropout: float
     dropout_key: str
+    #: A LoRA adapter's dropout (``model.lora.dropout``), applied to each adapted layer's input.
+    lora_dropout: float = 0.0
 
 
 def _sizes(model_or_shape: Any) -> _Sizes:
@@ -125,7 +129,7 @@ def _sizes(model_or_shape: Any) -> _Sizes:
             return _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
         model_or_shape = LlamaShape(**kwargs)
     if isinstance(model_or_shape, Llama):
-        model_or_shape = model_or_shape.shape
+        return _sizes(model_or_shape.shape)._replace(lora_dropout=_dropouts(model_or_shape)[1])
     if isinstance(model_or_shape, LlamaShape):
         shape = model_or_shape
         widths = {"model.kwargs.heads": shape.heads, "model.kwargs.kv_heads": shape.kv_heads}
@@ -133,13 +137,20 @@ def _sizes(model_or_shape: Any) -> _Sizes:
         padded = shape.valid_vocab if (shape.valid_vocab or 0) < shape.vocab_size else None
         return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key)
     if isinstance(model_or_shape, nn.Module):
-        dropout = max((m.p for m in model_or_shape.modules() if isinstance(m, nn.Dropout)), default=0.0)
+        dropout, adapters = _dropouts(model_or_shape)
         if isinstance(model_or_shape, GPT):
             gpt = model_or_shape
-            return _Sizes({_GPT2_WIDTH: 4 * gpt.dim}, gpt.vocab_size, gpt.valid_vocab, dropout, key)
+            return _Sizes({_GPT2_WIDTH: 4 * gpt.dim}, gpt.vocab_size, gpt.valid_vocab, dropout, key, adapters)
         # a user's model: its plan is its own; only its dropout can be judged from outside
-        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p")
+        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p", adapters)
     raise TypeError(f"check_tensor_plan: expected a model, a LlamaShape or gpt model.kwargs, got {model_or_shape!r}")
+
+
+def _dropouts(model: nn.Module) -> tuple[float, float]:
+    """The largest ``nn.Dropout`` p of ``model``'s own layers, and of its LoRA adapters' (``model.lora.dropout``)."""
+    adapters = [m.lora_dropout for m in model.modules() if isinstance(m, LoraLinear)]
+    own = [m.p for m in model.modules() if isinstance(m, nn.Dropout) and not any(m is a for a in adapters)]
+    return max(own, default=0.0), max((a.p for a in adapters), default=0.0)
 
 
 def _split_widths(sizes: _Sizes, vocab_parallel: bool) -> dict[str, int]:
@@ -174,8 +185,11 @@ def valid_tensor_degrees(model_or_shape: Any, *, vocab_parallel: bool = False) -
     return [t for t in range(1, smallest + 1) if all(size % t == 0 for size in widths.values())]
 
 
-def tensor_problems(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> list[str]:
-    """What stops ``model_or_shape`` from running ``tensor``-way, one sentence each (empty: it can)."""
+def tensor_problems(
+    model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False, device: str = "cpu"
+) -> list[str]:
+    """What stops ``model_or_shape`` from running ``tensor``-way on ``device`` (its type: ``cpu``, ``cuda``), one
+    sentence each (empty: it can)."""
     if tensor == 1:
         return []
     sizes = _sizes(model_or_shape)
@@ -186,25 +200,29 @@ def tensor_problems(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = 
             f"model.kwargs.valid_vocab {sizes.valid_vocab} pads the vocabulary, and DTensor cannot mask a sharded "
             "vocabulary's padded logits (aten.fill_ has no sharding strategy); keep the head replicated"
         )
-    if sizes.dropout > 0:
-        problems.append(
-            f"{sizes.dropout_key} {sizes.dropout} cannot run tensor-parallel: on the CPU DTensor has no random ops "
-            "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the dropouts "
-            "act on each rank's shard, whose masks would not match a world of one; set it to 0 or parallel.tensor: 1"
-        )
+    dropouts = ((sizes.dropout_key, sizes.dropout), ("model.lora.dropout", sizes.lora_dropout))
+    for key, p in dropouts if device != "cuda" else ():
+        if p > 0:
+            problems.append(
+                f"{key} {p} cannot run tensor-parallel on the {device}: there DTensor has no random ops "
+                "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the "
+                "dropouts would act on each rank's shard, whose masks would match neither each other nor a world of "
+                "one; set it to 0, parallel.tensor: 1, or run on GPUs (dist.device: cuda)"
+            )
     return problems
 
 
-def check_tensor_plan(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> None:
+def check_tensor_plan(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False, device: str = "cpu") -> None:
     """Refuse a tensor degree the model cannot take, naming the valid ones (before any process group exists).
 
     ``model_or_shape``: a :class:`Llama` or :class:`GPT` (or a user's model: dropout only), a
     :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does);
-    ``vocab_parallel``: the plan shards the vocabulary too (:func:`tensor_plan`).
+    ``vocab_parallel``: the plan shards the vocabulary too (:func:`tensor_plan`); ``device``: the device type the
+    run computes on (dropout runs tensor-parallel on ``cuda`` only).
     """
     if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
         raise ConfigError(f"parallel.tensor: expected a positive integer, got {tensor!r}")
-    problems = tensor_problems(model_or_shape, tensor, vocab_parallel=vocab_parallel)
+    problems = tensor_problems(model_or_shape, tensor, vocab_parallel=vocab_parallel, device=device)
     if problems:
         valid = valid_tensor_degrees(model_or_shape, vocab_parallel=vocab_parallel)
         valid_text = "" if valid is None else f" (valid parallel.tensor for this model: {', '.join(map(str, valid))})"
@@ -225,14 +243,17 @@ def apply_tensor_parallel(
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D (the tensor dimension), got {tp_mesh}")
     tied = tied_names(model)
-    parallelize_module(model, tp_mesh, dict(tensor_plan(model) if plan is None else plan))
+    # a LoRA model's adapted layers split with their adapters (ddpkit.models.lora_tensor)
+    parallelize_module(model, tp_mesh, lora_plan(model, tensor_plan(model) if plan is None else plan))
     # a tied head still holds the plain tensor here, so it too gets Replicated's hooks before it is tied again
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, tp_mesh, Replicated())
     _retie(model, tied)
+    # a frozen parameter (a LoRA base's) gets no gradient to reduce
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
     return model
 
 
