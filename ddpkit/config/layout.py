@@ -141,9 +141,15 @@ def tensor_config_problems(cfg: Config) -> list[str]:
     parallel = cfg.parallel
     tensor = parallel.tensor
     if tensor == 1:
+        problems = []
         if parallel.vocab_parallel:
-            return ["parallel.vocab_parallel: only with parallel.tensor > 1; set parallel.vocab_parallel=false"]
-        return []
+            problems.append("parallel.vocab_parallel: only with parallel.tensor > 1; set parallel.vocab_parallel=false")
+        if parallel.sequence_parallel:
+            problems.append(
+                "parallel.sequence_parallel: splits the sequence over the tensor ranks, only with parallel.tensor > 1; "
+                "set parallel.sequence_parallel=false"
+            )
+        return problems
     problems = []
     if parallel.mode == "zero1":
         problems.append(

@@ -70,7 +70,7 @@ from ddpkit.models.init_by_name import tied_names
 from ddpkit.models.llama import Llama, LlamaShape
 from ddpkit.models.lora import LoraLinear
 from ddpkit.models.lora_tensor import lora_plan
-from ddpkit.models.tensor_plans import Replicated
+from ddpkit.models.tensor_plans import GPT2_NO_SEQUENCE_PARALLEL, Replicated
 
 __all__ = [
     "Replicated",
@@ -84,20 +84,30 @@ __all__ = [
 
 # What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
 _GPT2_WIDTH = "the MLP width (4 x model.kwargs.dim)"
+_USER_NO_SEQUENCE_PARALLEL = (
+    "ddpkit splits the sequence in its own models' plans; a user's plan lays out its own modules (torch's "
+    "SequenceParallel for the norms, with the matmuls' input and output layouts to match), so set "
+    "parallel.sequence_parallel=false and put those styles in the plan"
+)
 
 
-def tensor_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tensor_plan(
+    model: nn.Module, *, vocab_parallel: bool = False, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`: their ``tensor_plan``) by
     module name.
 
     ``vocab_parallel``: shard the embedding and the head by vocabulary too; the model then returns its logits as a
     DTensor sharded on the vocabulary, and the loss and its backward must run under torch's ``loss_parallel()``.
+    ``sequence_parallel``: the residual stream between the blocks' matmuls split by sequence (the Llama family).
     A user's model brings its own plan (a dict of the same kind); ddpkit cannot guess which of its Linears pair up.
     """
     # Each of ddpkit's model families owns its plan (ddpkit.models.tensor_plans).
     own_plan = getattr(model, "tensor_plan", None)
     if callable(own_plan):
-        return own_plan(vocab_parallel=vocab_parallel)
+        # a user's model's tensor_plan need not know the option it does not use
+        options = {"sequence_parallel": True} if sequence_parallel else {}
+        return own_plan(vocab_parallel=vocab_parallel, **options)
     raise ConfigError(
         f"parallel.tensor: ddpkit has no tensor plan for a {type(model).__name__}; give one as torch's ParallelStyle "
         "objects by module name (ColwiseParallel for a pair's first Linear, RowwiseParallel for its second), e.g. "
@@ -117,6 +127,8 @@ class _Sizes(NamedTuple):
     dropout_key: str
     #: A LoRA adapter's dropout (``model.lora.dropout``), applied to each adapted layer's input.
     lora_dropout: float = 0.0
+    #: Why the model's plan cannot split its sequence (None: it can, the Llama family).
+    no_sequence_parallel: str | None = None
 
 
 def _sizes(model_or_shape: Any) -> _Sizes:
@@ -126,7 +138,8 @@ def _sizes(model_or_shape: Any) -> _Sizes:
         arch, kwargs = resolve(dict(model_or_shape))
         if arch == "gpt2":
             padded = kwargs["valid_vocab"] if (kwargs["valid_vocab"] or 0) < kwargs["vocab_size"] else None
-            return _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
+            sizes = _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
+            return sizes._replace(no_sequence_parallel=GPT2_NO_SEQUENCE_PARALLEL)
         model_or_shape = LlamaShape(**kwargs)
     if isinstance(model_or_shape, Llama):
         return _sizes(model_or_shape.shape)._replace(lora_dropout=_dropouts(model_or_shape)[1])
@@ -140,9 +153,10 @@ def _sizes(model_or_shape: Any) -> _Sizes:
         dropout, adapters = _dropouts(model_or_shape)
         if isinstance(model_or_shape, GPT):
             gpt = model_or_shape
-            return _Sizes({_GPT2_WIDTH: 4 * gpt.dim}, gpt.vocab_size, gpt.valid_vocab, dropout, key, adapters)
+            widths = {_GPT2_WIDTH: 4 * gpt.dim}
+            return _Sizes(widths, gpt.vocab_size, gpt.valid_vocab, dropout, key, adapters, GPT2_NO_SEQUENCE_PARALLEL)
         # a user's model: its plan is its own; only its dropout can be judged from outside
-        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p", adapters)
+        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p", adapters, _USER_NO_SEQUENCE_PARALLEL)
     raise TypeError(f"check_tensor_plan: expected a model, a LlamaShape or gpt model.kwargs, got {model_or_shape!r}")
 
 
@@ -186,7 +200,12 @@ def valid_tensor_degrees(model_or_shape: Any, *, vocab_parallel: bool = False) -
 
 
 def tensor_problems(
-    model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False, device: str = "cpu"
+    model_or_shape: Any,
+    tensor: int,
+    *,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+    device: str = "cpu",
 ) -> list[str]:
     """What stops ``model_or_shape`` from running ``tensor``-way on ``device`` (its type: ``cpu``, ``cuda``), one
     sentence each (empty: it can)."""
@@ -200,6 +219,8 @@ def tensor_problems(
             f"model.kwargs.valid_vocab {sizes.valid_vocab} pads the vocabulary, and DTensor cannot mask a sharded "
             "vocabulary's padded logits (aten.fill_ has no sharding strategy); keep the head replicated"
         )
+    if sequence_parallel and sizes.no_sequence_parallel is not None:
+        problems.append(f"parallel.sequence_parallel: {sizes.no_sequence_parallel}")
     dropouts = ((sizes.dropout_key, sizes.dropout), ("model.lora.dropout", sizes.lora_dropout))
     for key, p in dropouts if device != "cuda" else ():
         if p > 0:
@@ -212,17 +233,26 @@ def tensor_problems(
     return problems
 
 
-def check_tensor_plan(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False, device: str = "cpu") -> None:
+def check_tensor_plan(
+    model_or_shape: Any,
+    tensor: int,
+    *,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+    device: str = "cpu",
+) -> None:
     """Refuse a tensor degree the model cannot take, naming the valid ones (before any process group exists).
 
     ``model_or_shape``: a :class:`Llama` or :class:`GPT` (or a user's model: dropout only), a
     :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does);
-    ``vocab_parallel``: the plan shards the vocabulary too (:func:`tensor_plan`); ``device``: the device type the
+    ``vocab_parallel``, ``sequence_parallel``: the plan shards the vocabulary, the sequence too (:func:`tensor_plan`);
+    ``device``: the device type the
     run computes on (dropout runs tensor-parallel on ``cuda`` only).
     """
     if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
         raise ConfigError(f"parallel.tensor: expected a positive integer, got {tensor!r}")
-    problems = tensor_problems(model_or_shape, tensor, vocab_parallel=vocab_parallel, device=device)
+    split = {"vocab_parallel": vocab_parallel, "sequence_parallel": sequence_parallel}
+    problems = tensor_problems(model_or_shape, tensor, **split, device=device)
     if problems:
         valid = valid_tensor_degrees(model_or_shape, vocab_parallel=vocab_parallel)
         valid_text = "" if valid is None else f" (valid parallel.tensor for this model: {', '.join(map(str, valid))})"
