@@ -188,8 +188,11 @@ def llama_plan(
     rest = (None,) * (_ATTENTION_INPUTS - 1)
     # the whole sequence, replicated: what q/k/v and gate/up compute on
     whole = (Replicate(),) + rest
+    # the dropouts on the residual stream run on DTensors, their masks drawn by DTensor's RNG tracker (CUDA)
+    plan["drop"] = Replicated(input_layout=stream)
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
+        plan[f"{prefix}.drop"] = Replicated(input_layout=stream)
         plan[f"{prefix}.attn_norm"] = norm()
         plan[f"{prefix}.mlp_norm"] = norm()
         plan[f"{prefix}.attn"] = PrepareModuleInput(
@@ -223,10 +226,11 @@ def gpt2_plan(
     """
     if sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel: {GPT2_NO_SEQUENCE_PARALLEL}")
-    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "ln_f": Replicated()}
+    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "drop": Replicated(), "ln_f": Replicated()}
     for i in range(len(model.blocks)):
         prefix = f"blocks.{i}"
-        for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
+        # drop: the residual dropout on DTensors, one mask on every rank from DTensor's RNG tracker (CUDA)
+        for name in ("ln1", "ln2", "attn.qkv", "attn.proj", "drop"):
             plan[f"{prefix}.{name}"] = Replicated()
         plan[f"{prefix}.fc"] = ColwiseParallel()
         plan[f"{prefix}.proj"] = RowwiseParallel()

@@ -84,6 +84,12 @@ __all__ = [
 
 # What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
 _GPT2_WIDTH = "the MLP width (4 x model.kwargs.dim)"
+_LLAMA_NO_DROPOUT = (
+    "the Llama family's attention applies it inside scaled_dot_product_attention to each rank's own heads, as "
+    "plain tensors that DTensor's RNG tracker does not see, so the tensor ranks (one seed, ddpkit.training.rng) "
+    "would draw one mask for each other's heads; set it to 0 or parallel.tensor: 1 (GPT-2, whose attention is "
+    "whole on every rank, and model.lora.dropout run tensor-parallel on CUDA)"
+)
 _USER_NO_SEQUENCE_PARALLEL = (
     "ddpkit splits the sequence in its own models' plans; a user's plan lays out its own modules (torch's "
     "SequenceParallel for the norms, with the matmuls' input and output layouts to match), so set "
@@ -129,6 +135,8 @@ class _Sizes(NamedTuple):
     lora_dropout: float = 0.0
     #: Why the model's plan cannot split its sequence (None: it can, the Llama family).
     no_sequence_parallel: str | None = None
+    #: Why its dropout cannot run tensor-parallel even on CUDA (None: it can there).
+    no_dropout: str | None = None
 
 
 def _sizes(model_or_shape: Any) -> _Sizes:
@@ -148,7 +156,7 @@ def _sizes(model_or_shape: Any) -> _Sizes:
         widths = {"model.kwargs.heads": shape.heads, "model.kwargs.kv_heads": shape.kv_heads}
         widths["model.kwargs.mlp_dim"] = shape.mlp_dim
         padded = shape.valid_vocab if (shape.valid_vocab or 0) < shape.vocab_size else None
-        return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key)
+        return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key, no_dropout=_LLAMA_NO_DROPOUT)
     if isinstance(model_or_shape, nn.Module):
         dropout, adapters = _dropouts(model_or_shape)
         if isinstance(model_or_shape, GPT):
@@ -221,15 +229,17 @@ def tensor_problems(
         )
     if sequence_parallel and sizes.no_sequence_parallel is not None:
         problems.append(f"parallel.sequence_parallel: {sizes.no_sequence_parallel}")
-    dropouts = ((sizes.dropout_key, sizes.dropout), ("model.lora.dropout", sizes.lora_dropout))
-    for key, p in dropouts if device != "cuda" else ():
-        if p > 0:
+    dropouts = ((sizes.dropout_key, sizes.dropout, sizes.no_dropout), ("model.lora.dropout", sizes.lora_dropout, None))
+    for key, p, on_cuda in dropouts:
+        if p > 0 and device != "cuda":
             problems.append(
                 f"{key} {p} cannot run tensor-parallel on the {device}: there DTensor has no random ops "
                 "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the "
                 "dropouts would act on each rank's shard, whose masks would match neither each other nor a world of "
                 "one; set it to 0, parallel.tensor: 1, or run on GPUs (dist.device: cuda)"
             )
+        elif p > 0 and on_cuda is not None:
+            problems.append(f"{key} {p} cannot run tensor-parallel: {on_cuda}")
     return problems
 
 
@@ -272,6 +282,7 @@ def apply_tensor_parallel(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D (the tensor dimension), got {tp_mesh}")
+    _track_rng_without_a_broadcast(tp_mesh)
     tied = tied_names(model)
     # a LoRA model's adapted layers split with their adapters (ddpkit.models.lora_tensor)
     parallelize_module(model, tp_mesh, lora_plan(model, tensor_plan(model) if plan is None else plan))
@@ -285,6 +296,21 @@ def apply_tensor_parallel(
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(_reduce_partial_grad)
     return model
+
+
+def _track_rng_without_a_broadcast(tp_mesh: DeviceMesh) -> None:
+    """On CUDA, DTensor's RNG tracker made now, from the ranks' own generators, not at its first dropout.
+
+    Made lazily, the tracker broadcasts global rank 0's generator to every rank at the first random DTensor op:
+    a collective inside some rank's forward (under a pipeline, at other times on other stages) that would also give
+    every data-parallel replica one stream. ddpkit seeds a replica's tensor ranks alike instead
+    (:func:`ddpkit.training.rng.rank_seed`), torch's own advice, so the tracker needs no broadcast. Nothing on the CPU,
+    where DTensor has no random ops (dropout is refused there)."""
+    from torch.distributed.tensor import _random
+
+    if tp_mesh.device_type == "cpu" or _random._rng_tracker is not None:
+        return
+    _random._rng_tracker = _random.OffsetBasedRNGTracker(tp_mesh, run_state_sync=False)
 
 
 def _reduce_partial_grad(param: nn.Parameter) -> None:
