@@ -90,12 +90,15 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
     sp = _train(apply_tensor_parallel(model, mesh, plan), steps, vocab_parallel=vocab_parallel)
     plain = _model(kind, dtype)
     plain = apply_tensor_parallel(plain, mesh, tensor_plan(plain, vocab_parallel=vocab_parallel))
-    tp = _train(plain, 1, vocab_parallel=vocab_parallel)
+    tp = _train(plain, steps, vocab_parallel=vocab_parallel)
     one = _train(_model(kind, dtype), steps, vocab_parallel=vocab_parallel)
     return {
         "losses": _relative(sp["losses"], one["losses"]),
         "norms": _relative(sp["norms"], one["norms"]),
         "weights": _relative(sp["weights"], one["weights"]),
+        # for scale: the plain plan's distance (the same products; the norms' weight gradients are summed in
+        # another order, each rank's positions first)
+        "plain_weights": _relative(tp["weights"], one["weights"]),
         "first_norm": one["norms"][0],
         "counts": sp["counts"],
         "plain_counts": tp["counts"],
