@@ -22,8 +22,15 @@ applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a t
                                   sum over every head, is all-reduced
 ``embed`` / ``head``              :class:`Replicated`, or with ``vocab_parallel`` sharded by vocabulary rows
                                   (RowwiseParallel / ColwiseParallel), the logits a vocabulary-sharded DTensor
+``drop`` (residual dropouts)      :class:`Replicated` over the stream's layout: their masks DTensor ops
 everything else                   :class:`Replicated`: position embeddings and norms whole on every rank
 ================================  ===========================================================================
+
+With ``sequence_parallel`` (the Llama family) the residual stream between the sharded pairs is split by
+sequence, ``Shard(1)``: the norms are torch's ``SequenceParallel``, ``attn`` and ``mlp`` all-gather their input,
+``o_proj`` and ``down_proj`` reduce-scatter instead of all-reducing, the embedding hands each rank its slice and
+the head all-gathers it back (torchtitan's Llama plan; :func:`~ddpkit.models.tensor_plans.llama_plan`). A LoRA
+model's adapted layers split with their adapters (:mod:`ddpkit.models.lora_tensor`).
 
 The heads each rank holds need no setting: :class:`~ddpkit.models.llama.LlamaAttention` reads its head count
 off the projection (``view(batch, length, -1, head_dim)``), so a rank with ``heads / T`` heads' rows gets
@@ -49,9 +56,13 @@ split of it hands rank 0 all of q and the first half of k (at T = 2), not whole 
 only (``fc`` colwise, ``proj`` rowwise: 2/3 of a block's parameters) and replicates the attention. The Llama
 family (``arch: llama``, separate q/k/v) shards both.
 
-Dropout is refused under T > 1: on the CPU DTensor has no random ops (``OffsetBasedRNGTracker`` requires a
-CUDA-like device, torch/distributed/tensor/_random.py; ``is_rng_supported_mesh`` is False), and this plan's
-dropouts act on each rank's local shard, whose masks match neither each other nor a world of one.
+Dropout under T > 1 is refused on the CPU: there DTensor has no random ops (``OffsetBasedRNGTracker`` requires a
+CUDA-like device, torch/distributed/tensor/_random.py; ``is_rng_supported_mesh`` is False), and the dropouts
+would act on each rank's local shard, whose masks match neither each other nor a world of one. On CUDA the
+residual dropouts run on DTensors (their plan entries) and DTensor's RNG tracker draws their masks, made here
+without its first-use broadcast since a replica's tensor ranks share a seed (:func:`ddpkit.training.rng.rank_seed`);
+GPT-2's (its attention is whole) and LoRA's adapters' dropouts run, the Llama family's stays refused: its attention
+drops inside ``scaled_dot_product_attention`` on each rank's heads as plain tensors the tracker does not see.
 """
 
 from __future__ import annotations
