@@ -232,12 +232,16 @@ def test_a_run_with_parallel_sequence_parallel_trains_like_a_world_of_one(tmp_pa
         assert _relative(result["weights"], reference["weights"]) < 1e-5
 
 
-def test_sequence_parallel_without_tensor_parallelism_or_on_gpt2_is_refused_before_any_group(tmp_path):
+def test_sequence_parallel_without_tensor_parallelism_in_a_pipeline_or_on_gpt2_is_refused_before_any_group(tmp_path):
     from ddpkit.config.loader import load_config
     from ddpkit.parallel.parallelize import check_tensor_degree
 
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: .*only with parallel.tensor > 1"):
         load_config(_config(tmp_path, sequence_parallel=True))
+    # a pipeline stage would make its rotary positions from its slice's length (tried: RoPE's tables of 8
+    # positions met a 16-token sequence)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: a pipeline stage sees its rank's slice"):
+        load_config(_config(tmp_path, pipeline=2, microbatches=2, tensor=2, sequence_parallel=True))
     gpt2 = _config(tmp_path, tensor=2, sequence_parallel=True)
     gpt2["model"]["kwargs"] = {"dim": 32, "heads": 4, "depth": 1, "vocab_size": 50, "max_len": 16}
     # what the Trainer's constructor checks, from model.kwargs
