@@ -247,3 +247,14 @@ def test_sequence_parallel_without_tensor_parallelism_in_a_pipeline_or_on_gpt2_i
     # what the Trainer's constructor checks, from model.kwargs
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: GPT-2's plan"):
         check_tensor_degree(load_config(gpt2))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sequence_parallel_under_fsdp2_over_dp2_x_tp2_trains_like_a_world_of_one(tmp_path):
+    reference = run_in_pool(_fit, 1, args=(_config(tmp_path / "one"),), timeout=120)[0]
+    parallel = {"mode": "fsdp2", "tensor": 2, "sequence_parallel": True}
+    results = run_in_pool(_fit, 4, args=(_config(tmp_path / "dp_sp", **parallel),), timeout=300)
+    for result in results:
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+        assert _relative(result["weights"], reference["weights"]) < 1e-5
