@@ -229,3 +229,21 @@ def test_a_lora_run_under_tp2_trains_its_adapter_like_a_world_of_one(tmp_path):
         assert _relative(result["adapter"], reference["adapter"]) < 1e-5
     # the adapter moved (B starts at zero): the comparison is not of two untrained adapters
     assert max(float(v.abs().max()) for k, v in reference["adapter"].items() if ".lora_B." in k) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "parallel",
+    [{"mode": "fsdp2", "tensor": 2}, {"pipeline": 2, "microbatches": 2, "tensor": 2}],
+    ids=["fsdp2_dp2_x_tp2", "pp2_x_tp2"],
+)
+def test_a_lora_run_over_4_ranks_with_tensor_parallelism_trains_its_adapter_like_a_world_of_one(tmp_path, parallel):
+    reference = run_in_pool(_fit, 1, args=(_lora_config(tmp_path / "one"),), timeout=120)[0]
+    results = run_in_pool(_fit, 4, args=(_lora_config(tmp_path / "four", **parallel),), timeout=300)
+    # under a pipeline each stage holds its own blocks' adapters
+    merged = {k: v for result in results for k, v in result["adapter"].items()}
+    assert merged.keys() == reference["adapter"].keys()
+    assert _relative(merged, reference["adapter"]) < 1e-5
+    for result in results:
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
