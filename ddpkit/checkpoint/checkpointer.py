@@ -197,11 +197,10 @@ class Checkpointer:
             self.mirror.fetch(self.config.checkpoint_dir)
         chosen = choose_checkpoint(self.config, rank=self.rank)
         if chosen is None:
-            # seed + rank; under a pipeline, each stage seeded apart (rank_seed)
+            # seed + rank; under a pipeline, each stage seeded apart; a replica's tensor ranks alike (rank_seed)
             layout = self.layout
-            seed = rank_seed(
-                self.config.run.seed, rank=self.rank, world_size=self.world_size, stage=layout.pp_rank, stages=layout.pp
-            )
+            where = {"stage": layout.pp_rank, "stages": layout.pp, "tensor": layout.tp}
+            seed = rank_seed(self.config.run.seed, rank=self.rank, world_size=self.world_size, **where)
             seed_everything(seed)
             return False
         path, state = chosen

@@ -139,14 +139,28 @@ def tensor_config_problems(cfg: Config) -> list[str]:
     parallel = cfg.parallel
     tensor = parallel.tensor
     if tensor == 1:
+        problems = []
         if parallel.vocab_parallel:
-            return ["parallel.vocab_parallel: only with parallel.tensor > 1; set parallel.vocab_parallel=false"]
-        return []
+            problems.append("parallel.vocab_parallel: only with parallel.tensor > 1; set parallel.vocab_parallel=false")
+        if parallel.sequence_parallel:
+            problems.append(
+                "parallel.sequence_parallel: splits the sequence over the tensor ranks, only with parallel.tensor > 1; "
+                "set parallel.sequence_parallel=false"
+            )
+        return problems
     problems = []
     if parallel.mode == "zero1":
         problems.append(
             "parallel.mode: zero1 does not shard tensor-parallel (DTensor) parameters; use parallel.mode=fsdp2 "
             "with parallel.tensor > 1 (it shards over the data-parallel ranks), or parallel.mode=ddp"
+        )
+    # A stage's RoPE tables are made from its input's length (the model's stage_rotation), which is a rank's slice
+    # of the sequence when it is split: the stages would rotate by the wrong positions.
+    if parallel.sequence_parallel and parallel.pipeline > 1:
+        problems.append(
+            "parallel.sequence_parallel: a pipeline stage sees its rank's slice of the sequence and makes its "
+            "rotary positions from that length, not the whole sequence's; set parallel.sequence_parallel=false "
+            "under parallel.pipeline > 1"
         )
     problems += _unsupported_with_tensor_parallel(cfg)
     return problems
@@ -154,8 +168,6 @@ def tensor_config_problems(cfg: Config) -> list[str]:
 
 def _unsupported_with_tensor_parallel(cfg: Config) -> list[str]:
     problems = []
-    if cfg.model.lora is not None:
-        problems.append("model.lora: LoRA's adapters have no tensor plan yet; set parallel.tensor=1 with model.lora")
     if cfg.train.sample is not None:
         problems.append(
             "train.sample: generation's KV cache holds the whole model's key/value heads, not a tensor rank's; set "

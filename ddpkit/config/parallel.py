@@ -104,3 +104,11 @@ class ParallelConfig:
         "padded ids, else off; `true`: on (refused where the vocabulary does not divide); `false`: both replicated, "
         "the logits whole.",
     )
+    sequence_parallel: bool = option(
+        False,
+        "Under `tensor` > 1, split the residual stream between each block's sharded matmuls by sequence too "
+        "(Megatron-LM's sequence parallelism, torch's `SequenceParallel` norms): each tensor rank holds `length / "
+        "tensor` positions of the norms' and residuals' activations, and the attention and MLP all-gather their "
+        "input and reduce-scatter their output instead of all-reducing it. The Llama family only; every batch's "
+        "sequence length must divide by `tensor` (docs/modes.md#sequence-parallelism).",
+    )

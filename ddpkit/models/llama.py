@@ -331,11 +331,11 @@ class Llama(nn.Module):
         residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.o_proj", "mlp.down_proj")]
         initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
 
-    def tensor_plan(self, *, vocab_parallel: bool = False) -> dict[str, Any]:
+    def tensor_plan(self, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Any]:
         """This model's tensor plan: q/k/v and gate/up colwise, o/down rowwise (ddpkit.models.tensor_plans)."""
         from ddpkit.models.tensor_plans import llama_plan
 
-        return llama_plan(self, vocab_parallel=vocab_parallel)
+        return llama_plan(self, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
 
     def use_documents(self, *, eot: int, restart_positions: bool = False) -> None:
         """Attend within the documents ``eot`` separates (``data.kwargs.document_mask``; training.document_mask)."""

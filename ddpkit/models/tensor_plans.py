@@ -11,16 +11,32 @@ styles are a second's import that runs without tensor parallelism never pay.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Replicated", "llama_plan", "gpt2_plan"]
+from ddpkit.errors import ConfigError
+
+__all__ = ["Replicated", "SequenceSplit", "llama_plan", "gpt2_plan"]
+
+#: Why GPT-2's plan has no sequence parallelism (ddpkit.parallel.tensor_plan refuses it before any group).
+GPT2_NO_SEQUENCE_PARALLEL = (
+    "GPT-2's plan keeps its fused attention whole on every rank (its residual stream replicated), so there is no "
+    "sharded matmul pair around it to split the sequence between; use arch: llama, or set "
+    "parallel.sequence_parallel=false"
+)
 
 # LlamaBlock calls its attention as attn(x, rope, cache, documents): only x becomes a DTensor.
 _ATTENTION_INPUTS = 4
@@ -38,9 +54,20 @@ class Replicated(ParallelStyle):
     (none in ddpkit's norms, embeddings and Linears; RoPE's tables sit in a module the plan leaves alone).
     """
 
-    def __init__(self, *, input_layout: Placement | None = None):
+    def __init__(
+        self,
+        *,
+        input_layout: Placement | None = None,
+        desired_input_layout: Placement | None = None,
+        output_layout: Placement | None = None,
+    ):
         super().__init__()
         self.input_layout = input_layout or Replicate()
+        #: With sequence parallelism: the layout the module computes on (``Replicate()``: the head all-gathers the
+        #: sequence-sharded stream), and the one its output is handed back in (``Shard(1)``: the embedding keeps
+        #: its rank's slice of the sequence, no collective forward, an all-gather backward). None: as they come.
+        self.desired_input_layout = desired_input_layout
+        self.output_layout = output_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -48,14 +75,30 @@ class Replicated(ParallelStyle):
             device_mesh,
             partition_fn=_replicate_parameters,
             input_fn=self._inputs_as_dtensors,
-            output_fn=_outputs_as_local,
+            output_fn=self._outputs_as_local,
         )
 
     def _inputs_as_dtensors(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(_as_dtensor(x, mesh, self.input_layout) for x in inputs)
+        inputs = tuple(_as_dtensor(x, mesh, self.input_layout) for x in inputs)
+        if self.desired_input_layout is None:
+            return inputs
+        return tuple(_laid_out(x, self.desired_input_layout) for x in inputs)
+
+    def _outputs_as_local(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        if self.output_layout is not None:
+            outputs = _laid_out(outputs, self.output_layout)
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
     def __repr__(self) -> str:
-        return f"Replicated(input_layout={self.input_layout!r})"
+        layouts = (self.input_layout, self.desired_input_layout, self.output_layout)
+        names = ("input_layout", "desired_input_layout", "output_layout")
+        return f"Replicated({', '.join(f'{n}={p!r}' for n, p in zip(names, layouts) if p is not None)})"
+
+
+def _laid_out(x: Any, layout: Placement) -> Any:
+    if isinstance(x, DTensor) and x.placements != (layout,):
+        return x.redistribute(placements=(layout,))
+    return x
 
 
 def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> Any:
@@ -63,10 +106,6 @@ def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> Any:
         # run_check=False: the layout is the plan's promise; checking it would cost a collective per call
         return DTensor.from_local(x, mesh, (layout,), run_check=False)
     return x
-
-
-def _outputs_as_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -77,52 +116,107 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
             module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
-def _vocabulary(vocab_parallel: bool) -> dict[str, ParallelStyle]:
+def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
 
     Sharded, the embedding's rows are split (RowwiseParallel on an ``nn.Embedding``: each rank looks up the ids it
     holds, zeros elsewhere, one all-reduce) and so are the head's (ColwiseParallel: each rank scores its ids); the
     logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
-    rows, so a tied head stays one parameter.
+    rows, so a tied head stays one parameter. With ``sequence_parallel`` the embedding hands each rank its slice of
+    the sequence (sharded: a reduce-scatter instead of the all-reduce; replicated: a slice, no collective) and the
+    head all-gathers the sequence back before it scores.
     """
-    if not vocab_parallel:
+    if not vocab_parallel and not sequence_parallel:
         # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
         return {"embed": Replicated(), "head": Replicated()}
+    if not vocab_parallel:
+        head = Replicated(input_layout=Shard(1), desired_input_layout=Replicate())
+        return {"embed": SequenceSplit(Replicated(output_layout=Shard(1))), "head": head}
+    stream = Shard(1) if sequence_parallel else Replicate()
+    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     return {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+        "embed": SequenceSplit(embed) if sequence_parallel else embed,
+        "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
     }
 
 
-def llama_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+class SequenceSplit(ParallelStyle):
+    """``style`` on the embedding under sequence parallelism, refusing a length the tensor ranks cannot split evenly.
+
+    Each rank's slice of the sequence is read back as ``Shard(1)`` of a length ``T`` times its own
+    (``DTensor.from_local``), so an uneven split would all-gather the wrong length. The check is a forward
+    pre-hook on the token ids, before any collective."""
+
+    def __init__(self, style: ParallelStyle):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_pre_hook(partial(_check_sequence_splits, device_mesh.size()))
+        return module
+
+    def __repr__(self) -> str:
+        return f"SequenceSplit({self.style!r})"
+
+
+def _check_sequence_splits(tensor: int, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+    length = inputs[0].shape[1]
+    if length % tensor:
+        raise ValueError(
+            f"parallel.sequence_parallel: a batch of {length}-token sequences does not split evenly over {tensor} "
+            f"tensor ranks; give the model sequences whose length divides by {tensor} (pad them, or choose the "
+            "data's sequence length), or set parallel.sequence_parallel=false"
+        )
+
+
+def llama_plan(
+    model: nn.Module, *, vocab_parallel: bool = False, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The Llama family's plan (the table in :mod:`ddpkit.parallel.tensor_plan`): q/k/v and gate/up colwise,
-    o/down rowwise; ``model`` is a :class:`~ddpkit.models.llama.Llama`."""
-    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel), "norm": Replicated()}
-    whole_input = (Replicate(),) + (None,) * (_ATTENTION_INPUTS - 1)
+    o/down rowwise; ``model`` is a :class:`~ddpkit.models.llama.Llama`.
+
+    ``sequence_parallel`` (Megatron-LM's sequence parallelism, torchtitan's plan): between the blocks' sharded
+    matmuls the residual stream is split by sequence, ``Shard(1)``, each rank holding ``length / T`` positions; the
+    norms (``SequenceParallel``) and the residual adds compute on that slice. Each attention and MLP all-gathers
+    its input and reduce-scatters its output (``RowwiseParallel(output_layouts=Shard(1))``) where the plain plan
+    all-reduces: the same bytes, and the activations between them a T-th.
+    """
+    norm = SequenceParallel if sequence_parallel else Replicated
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel, sequence_parallel), "norm": norm()}
+    rest = (None,) * (_ATTENTION_INPUTS - 1)
+    # the whole sequence, replicated: what q/k/v and gate/up compute on
+    whole = (Replicate(),) + rest
+    # the dropouts on the residual stream run on DTensors, their masks drawn by DTensor's RNG tracker (CUDA)
+    plan["drop"] = Replicated(input_layout=stream)
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
-        plan[f"{prefix}.attn_norm"] = Replicated()
-        plan[f"{prefix}.mlp_norm"] = Replicated()
+        plan[f"{prefix}.drop"] = Replicated(input_layout=stream)
+        plan[f"{prefix}.attn_norm"] = norm()
+        plan[f"{prefix}.mlp_norm"] = norm()
         plan[f"{prefix}.attn"] = PrepareModuleInput(
-            input_layouts=whole_input, desired_input_layouts=whole_input, use_local_output=False
+            input_layouts=(stream,) + rest, desired_input_layouts=whole, use_local_output=False
         )
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel()
+        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel(output_layouts=stream)
         if block.attn.q_norm is not None:
             # q and k are [batch, length, heads, head_dim] there, each rank holding dim 2's slice
             plan[f"{prefix}.attn.q_norm"] = Replicated(input_layout=Shard(2))
             plan[f"{prefix}.attn.k_norm"] = Replicated(input_layout=Shard(2))
         plan[f"{prefix}.mlp"] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
         plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=stream)
     return plan
 
 
-def gpt2_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+def gpt2_plan(
+    model: nn.Module, *, vocab_parallel: bool = False, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """GPT-2's plan (``model``: a :class:`~ddpkit.models.gpt.GPT`): each block's MLP sharded (``fc`` colwise,
     ``proj`` rowwise), its fused attention replicated.
 
@@ -130,10 +224,13 @@ def gpt2_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, Pa
     whole heads; splitting it by heads would need a strided placement torch keeps private (``_StridedShard``)
     and a checkpoint layout of its own, so the attention stays whole on every rank (see the module docstring).
     """
-    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "ln_f": Replicated()}
+    if sequence_parallel:
+        raise ConfigError(f"parallel.sequence_parallel: {GPT2_NO_SEQUENCE_PARALLEL}")
+    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "drop": Replicated(), "ln_f": Replicated()}
     for i in range(len(model.blocks)):
         prefix = f"blocks.{i}"
-        for name in ("ln1", "ln2", "attn.qkv", "attn.proj"):
+        # drop: the residual dropout on DTensors, one mask on every rank from DTensor's RNG tracker (CUDA)
+        for name in ("ln1", "ln2", "attn.qkv", "attn.proj", "drop"):
             plan[f"{prefix}.{name}"] = Replicated()
         plan[f"{prefix}.fc"] = ColwiseParallel()
         plan[f"{prefix}.proj"] = RowwiseParallel()

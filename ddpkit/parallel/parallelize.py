@@ -93,7 +93,10 @@ def check_tensor_degree(config: Config) -> None:
     from ddpkit.parallel.tensor_plan import check_tensor_plan, vocab_parallel_for
 
     vocab_parallel = vocab_parallel_for(config.model.kwargs, parallel.tensor, parallel.vocab_parallel)
-    check_tensor_plan(config.model.kwargs, parallel.tensor, vocab_parallel=vocab_parallel)
+    # dist.device auto: CUDA where there is one, as the runtime will choose (dropout splits on CUDA only)
+    device = config.dist.device if config.dist.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    split = {"vocab_parallel": vocab_parallel, "sequence_parallel": parallel.sequence_parallel}
+    check_tensor_plan(config.model.kwargs, parallel.tensor, **split, device=device)
 
 
 def parallelize(
@@ -172,20 +175,22 @@ def _tensor_parallel(
     # A user's plan shards the vocabulary only where it says so, and then the user sets vocab_parallel: true.
     vocab_parallel = bool(setting) if plan is not None else vocab_parallel_for(model, layout.tp, setting)
     # A user's model is judged here (its dropout); ddpkit's own were judged from model.kwargs before any group.
-    check_tensor_plan(model, layout.tp, vocab_parallel=vocab_parallel)
+    # A user's plan lays out its own sequence: parallel.sequence_parallel is for ddpkit's plans (refused otherwise).
+    split = {"vocab_parallel": vocab_parallel, "sequence_parallel": config.parallel.sequence_parallel}
+    check_tensor_plan(model, layout.tp, **split, device=runtime.device.type)
     if not is_on_meta(model):
         model = model.to(runtime.device)
-    styles = dict(plan if plan is not None else tensor_plan(model, vocab_parallel=vocab_parallel))
+    styles = dict(plan if plan is not None else tensor_plan(model, **split))
     apply_tensor_parallel(model, layout.tp_mesh, styles)
-    split = sorted({type(style).__name__ for style in styles.values()})
     log.info(
-        "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s), the vocabulary %s; this rank is "
-        "tensor rank %d",
+        "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s), the vocabulary %s, the sequence %s; "
+        "this rank is tensor rank %d",
         len(styles),
         type(model).__name__,
         layout.tp,
-        ", ".join(split),
+        ", ".join(sorted({type(style).__name__ for style in styles.values()})),
         "sharded" if vocab_parallel else "replicated",
+        "split" if config.parallel.sequence_parallel else "whole",
         layout.tp_rank,
     )
     return model, vocab_parallel

@@ -22,8 +22,15 @@ applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a t
                                   sum over every head, is all-reduced
 ``embed`` / ``head``              :class:`Replicated`, or with ``vocab_parallel`` sharded by vocabulary rows
                                   (RowwiseParallel / ColwiseParallel), the logits a vocabulary-sharded DTensor
+``drop`` (residual dropouts)      :class:`Replicated` over the stream's layout: their masks DTensor ops
 everything else                   :class:`Replicated`: position embeddings and norms whole on every rank
 ================================  ===========================================================================
+
+With ``sequence_parallel`` (the Llama family) the residual stream between the sharded pairs is split by
+sequence, ``Shard(1)``: the norms are torch's ``SequenceParallel``, ``attn`` and ``mlp`` all-gather their input,
+``o_proj`` and ``down_proj`` reduce-scatter instead of all-reducing, the embedding hands each rank its slice and
+the head all-gathers it back (torchtitan's Llama plan; :func:`~ddpkit.models.tensor_plans.llama_plan`). A LoRA
+model's adapted layers split with their adapters (:mod:`ddpkit.models.lora_tensor`).
 
 The heads each rank holds need no setting: :class:`~ddpkit.models.llama.LlamaAttention` reads its head count
 off the projection (``view(batch, length, -1, head_dim)``), so a rank with ``heads / T`` heads' rows gets
@@ -49,9 +56,13 @@ split of it hands rank 0 all of q and the first half of k (at T = 2), not whole 
 only (``fc`` colwise, ``proj`` rowwise: 2/3 of a block's parameters) and replicates the attention. The Llama
 family (``arch: llama``, separate q/k/v) shards both.
 
-Dropout is refused under T > 1: on the CPU DTensor has no random ops (``OffsetBasedRNGTracker`` requires a
-CUDA-like device, torch/distributed/tensor/_random.py; ``is_rng_supported_mesh`` is False), and this plan's
-dropouts act on each rank's local shard, whose masks match neither each other nor a world of one.
+Dropout under T > 1 is refused on the CPU: there DTensor has no random ops (``OffsetBasedRNGTracker`` requires a
+CUDA-like device, torch/distributed/tensor/_random.py; ``is_rng_supported_mesh`` is False), and the dropouts
+would act on each rank's local shard, whose masks match neither each other nor a world of one. On CUDA the
+residual dropouts run on DTensors (their plan entries) and DTensor's RNG tracker draws their masks, made here
+without its first-use broadcast since a replica's tensor ranks share a seed (:func:`ddpkit.training.rng.rank_seed`);
+GPT-2's (its attention is whole) and LoRA's adapters' dropouts run, the Llama family's stays refused: its attention
+drops inside ``scaled_dot_product_attention`` on each rank's heads as plain tensors the tracker does not see.
 """
 
 from __future__ import annotations
@@ -68,7 +79,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT, resolve
 from ddpkit.models.init_by_name import tied_names
 from ddpkit.models.llama import Llama, LlamaShape
-from ddpkit.models.tensor_plans import Replicated
+from ddpkit.models.lora import LoraLinear
+from ddpkit.models.lora_tensor import lora_plan
+from ddpkit.models.tensor_plans import GPT2_NO_SEQUENCE_PARALLEL, Replicated
 
 __all__ = [
     "Replicated",
@@ -82,20 +95,36 @@ __all__ = [
 
 # What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
 _GPT2_WIDTH = "the MLP width (4 x model.kwargs.dim)"
+_LLAMA_NO_DROPOUT = (
+    "the Llama family's attention applies it inside scaled_dot_product_attention to each rank's own heads, as "
+    "plain tensors that DTensor's RNG tracker does not see, so the tensor ranks (one seed, ddpkit.training.rng) "
+    "would draw one mask for each other's heads; set it to 0 or parallel.tensor: 1 (GPT-2, whose attention is "
+    "whole on every rank, and model.lora.dropout run tensor-parallel on CUDA)"
+)
+_USER_NO_SEQUENCE_PARALLEL = (
+    "ddpkit splits the sequence in its own models' plans; a user's plan lays out its own modules (torch's "
+    "SequenceParallel for the norms, with the matmuls' input and output layouts to match), so set "
+    "parallel.sequence_parallel=false and put those styles in the plan"
+)
 
 
-def tensor_plan(model: nn.Module, *, vocab_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tensor_plan(
+    model: nn.Module, *, vocab_parallel: bool = False, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The tensor plan of one of ddpkit's own models (:class:`Llama`, :class:`GPT`: their ``tensor_plan``) by
     module name.
 
     ``vocab_parallel``: shard the embedding and the head by vocabulary too; the model then returns its logits as a
     DTensor sharded on the vocabulary, and the loss and its backward must run under torch's ``loss_parallel()``.
+    ``sequence_parallel``: the residual stream between the blocks' matmuls split by sequence (the Llama family).
     A user's model brings its own plan (a dict of the same kind); ddpkit cannot guess which of its Linears pair up.
     """
     # Each of ddpkit's model families owns its plan (ddpkit.models.tensor_plans).
     own_plan = getattr(model, "tensor_plan", None)
     if callable(own_plan):
-        return own_plan(vocab_parallel=vocab_parallel)
+        # a user's model's tensor_plan need not know the option it does not use
+        options = {"sequence_parallel": True} if sequence_parallel else {}
+        return own_plan(vocab_parallel=vocab_parallel, **options)
     raise ConfigError(
         f"parallel.tensor: ddpkit has no tensor plan for a {type(model).__name__}; give one as torch's ParallelStyle "
         "objects by module name (ColwiseParallel for a pair's first Linear, RowwiseParallel for its second), e.g. "
@@ -113,6 +142,12 @@ class _Sizes(NamedTuple):
     valid_vocab: int | None
     dropout: float
     dropout_key: str
+    #: A LoRA adapter's dropout (``model.lora.dropout``), applied to each adapted layer's input.
+    lora_dropout: float = 0.0
+    #: Why the model's plan cannot split its sequence (None: it can, the Llama family).
+    no_sequence_parallel: str | None = None
+    #: Why its dropout cannot run tensor-parallel even on CUDA (None: it can there).
+    no_dropout: str | None = None
 
 
 def _sizes(model_or_shape: Any) -> _Sizes:
@@ -122,24 +157,33 @@ def _sizes(model_or_shape: Any) -> _Sizes:
         arch, kwargs = resolve(dict(model_or_shape))
         if arch == "gpt2":
             padded = kwargs["valid_vocab"] if (kwargs["valid_vocab"] or 0) < kwargs["vocab_size"] else None
-            return _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
+            sizes = _Sizes({_GPT2_WIDTH: 4 * kwargs["dim"]}, kwargs["vocab_size"], padded, kwargs["dropout"], key)
+            return sizes._replace(no_sequence_parallel=GPT2_NO_SEQUENCE_PARALLEL)
         model_or_shape = LlamaShape(**kwargs)
     if isinstance(model_or_shape, Llama):
-        model_or_shape = model_or_shape.shape
+        return _sizes(model_or_shape.shape)._replace(lora_dropout=_dropouts(model_or_shape)[1])
     if isinstance(model_or_shape, LlamaShape):
         shape = model_or_shape
         widths = {"model.kwargs.heads": shape.heads, "model.kwargs.kv_heads": shape.kv_heads}
         widths["model.kwargs.mlp_dim"] = shape.mlp_dim
         padded = shape.valid_vocab if (shape.valid_vocab or 0) < shape.vocab_size else None
-        return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key)
+        return _Sizes(widths, shape.vocab_size, padded, shape.dropout, key, no_dropout=_LLAMA_NO_DROPOUT)
     if isinstance(model_or_shape, nn.Module):
-        dropout = max((m.p for m in model_or_shape.modules() if isinstance(m, nn.Dropout)), default=0.0)
+        dropout, adapters = _dropouts(model_or_shape)
         if isinstance(model_or_shape, GPT):
             gpt = model_or_shape
-            return _Sizes({_GPT2_WIDTH: 4 * gpt.dim}, gpt.vocab_size, gpt.valid_vocab, dropout, key)
+            widths = {_GPT2_WIDTH: 4 * gpt.dim}
+            return _Sizes(widths, gpt.vocab_size, gpt.valid_vocab, dropout, key, adapters, GPT2_NO_SEQUENCE_PARALLEL)
         # a user's model: its plan is its own; only its dropout can be judged from outside
-        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p")
+        return _Sizes({}, None, None, dropout, "the model's nn.Dropout p", adapters, _USER_NO_SEQUENCE_PARALLEL)
     raise TypeError(f"check_tensor_plan: expected a model, a LlamaShape or gpt model.kwargs, got {model_or_shape!r}")
+
+
+def _dropouts(model: nn.Module) -> tuple[float, float]:
+    """The largest ``nn.Dropout`` p of ``model``'s own layers, and of its LoRA adapters' (``model.lora.dropout``)."""
+    adapters = [m.lora_dropout for m in model.modules() if isinstance(m, LoraLinear)]
+    own = [m.p for m in model.modules() if isinstance(m, nn.Dropout) and not any(m is a for a in adapters)]
+    return max(own, default=0.0), max((a.p for a in adapters), default=0.0)
 
 
 def _split_widths(sizes: _Sizes, vocab_parallel: bool) -> dict[str, int]:
@@ -174,8 +218,16 @@ def valid_tensor_degrees(model_or_shape: Any, *, vocab_parallel: bool = False) -
     return [t for t in range(1, smallest + 1) if all(size % t == 0 for size in widths.values())]
 
 
-def tensor_problems(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> list[str]:
-    """What stops ``model_or_shape`` from running ``tensor``-way, one sentence each (empty: it can)."""
+def tensor_problems(
+    model_or_shape: Any,
+    tensor: int,
+    *,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+    device: str = "cpu",
+) -> list[str]:
+    """What stops ``model_or_shape`` from running ``tensor``-way on ``device`` (its type: ``cpu``, ``cuda``), one
+    sentence each (empty: it can)."""
     if tensor == 1:
         return []
     sizes = _sizes(model_or_shape)
@@ -186,25 +238,42 @@ def tensor_problems(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = 
             f"model.kwargs.valid_vocab {sizes.valid_vocab} pads the vocabulary, and DTensor cannot mask a sharded "
             "vocabulary's padded logits (aten.fill_ has no sharding strategy); keep the head replicated"
         )
-    if sizes.dropout > 0:
-        problems.append(
-            f"{sizes.dropout_key} {sizes.dropout} cannot run tensor-parallel: on the CPU DTensor has no random ops "
-            "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the dropouts "
-            "act on each rank's shard, whose masks would not match a world of one; set it to 0 or parallel.tensor: 1"
-        )
+    if sequence_parallel and sizes.no_sequence_parallel is not None:
+        problems.append(f"parallel.sequence_parallel: {sizes.no_sequence_parallel}")
+    dropouts = ((sizes.dropout_key, sizes.dropout, sizes.no_dropout), ("model.lora.dropout", sizes.lora_dropout, None))
+    for key, p, on_cuda in dropouts:
+        if p > 0 and device != "cuda":
+            problems.append(
+                f"{key} {p} cannot run tensor-parallel on the {device}: there DTensor has no random ops "
+                "(torch.distributed.tensor._random: OffsetBasedRNGTracker needs a CUDA-like device) and the "
+                "dropouts would act on each rank's shard, whose masks would match neither each other nor a world of "
+                "one; set it to 0, parallel.tensor: 1, or run on GPUs (dist.device: cuda)"
+            )
+        elif p > 0 and on_cuda is not None:
+            problems.append(f"{key} {p} cannot run tensor-parallel: {on_cuda}")
     return problems
 
 
-def check_tensor_plan(model_or_shape: Any, tensor: int, *, vocab_parallel: bool = False) -> None:
+def check_tensor_plan(
+    model_or_shape: Any,
+    tensor: int,
+    *,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+    device: str = "cpu",
+) -> None:
     """Refuse a tensor degree the model cannot take, naming the valid ones (before any process group exists).
 
     ``model_or_shape``: a :class:`Llama` or :class:`GPT` (or a user's model: dropout only), a
     :class:`LlamaShape`, or the ``gpt`` builder's ``model.kwargs`` (resolved as the builder does);
-    ``vocab_parallel``: the plan shards the vocabulary too (:func:`tensor_plan`).
+    ``vocab_parallel``, ``sequence_parallel``: the plan shards the vocabulary, the sequence too (:func:`tensor_plan`);
+    ``device``: the device type the
+    run computes on (dropout runs tensor-parallel on ``cuda`` only).
     """
     if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
         raise ConfigError(f"parallel.tensor: expected a positive integer, got {tensor!r}")
-    problems = tensor_problems(model_or_shape, tensor, vocab_parallel=vocab_parallel)
+    split = {"vocab_parallel": vocab_parallel, "sequence_parallel": sequence_parallel}
+    problems = tensor_problems(model_or_shape, tensor, **split, device=device)
     if problems:
         valid = valid_tensor_degrees(model_or_shape, vocab_parallel=vocab_parallel)
         valid_text = "" if valid is None else f" (valid parallel.tensor for this model: {', '.join(map(str, valid))})"
@@ -224,16 +293,35 @@ def apply_tensor_parallel(
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D (the tensor dimension), got {tp_mesh}")
+    _track_rng_without_a_broadcast(tp_mesh)
     tied = tied_names(model)
-    parallelize_module(model, tp_mesh, dict(tensor_plan(model) if plan is None else plan))
+    # a LoRA model's adapted layers split with their adapters (ddpkit.models.lora_tensor)
+    parallelize_module(model, tp_mesh, lora_plan(model, tensor_plan(model) if plan is None else plan))
     # a tied head still holds the plain tensor here, so it too gets Replicated's hooks before it is tied again
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, tp_mesh, Replicated())
     _retie(model, tied)
+    # a frozen parameter (a LoRA base's) gets no gradient to reduce
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
     return model
+
+
+def _track_rng_without_a_broadcast(tp_mesh: DeviceMesh) -> None:
+    """On CUDA, DTensor's RNG tracker made now, from the ranks' own generators, not at its first dropout.
+
+    Made lazily, the tracker broadcasts global rank 0's generator to every rank at the first random DTensor op:
+    a collective inside some rank's forward (under a pipeline, at other times on other stages) that would also give
+    every data-parallel replica one stream. ddpkit seeds a replica's tensor ranks alike instead
+    (:func:`ddpkit.training.rng.rank_seed`), torch's own advice, so the tracker needs no broadcast. Nothing on the CPU,
+    where DTensor has no random ops (dropout is refused there)."""
+    from torch.distributed.tensor import _random
+
+    if tp_mesh.device_type == "cpu" or _random._rng_tracker is not None:
+        return
+    _random._rng_tracker = _random.OffsetBasedRNGTracker(tp_mesh, run_state_sync=False)
 
 
 def _reduce_partial_grad(param: nn.Parameter) -> None:

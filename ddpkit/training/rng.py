@@ -49,7 +49,7 @@ def seed_for_setup(seed: int, *, deterministic: bool) -> None:
     seed_everything(seed)
 
 
-def rank_seed(seed: int, *, rank: int, world_size: int, stage: int = 0, stages: int = 1) -> int:
+def rank_seed(seed: int, *, rank: int, world_size: int, stage: int = 0, stages: int = 1, tensor: int = 1) -> int:
     """The seed rank ``rank`` of a fresh run draws from (dropout masks, augmentations): ``run.seed``, the rank's
     pipeline stage and its place among that stage's ranks.
 
@@ -60,9 +60,14 @@ def rank_seed(seed: int, *, rank: int, world_size: int, stage: int = 0, stages: 
     plus their place among them. So a stage's seeds depend on the run's seed and the stage, not on the global rank
     alone: stage 1 of replica 0 draws the same stream on 2 ranks (pp2) as on 4 (pp2 x dp2), and every launch of the
     same run draws the same masks.
+
+    Under tensor parallelism (``tensor`` > 1) the ``tensor`` ranks of one replica (neighbours: the mesh holds the
+    tensor dimension innermost) compute one model on one batch, so they share a seed: a dropout on an activation
+    they all hold whole must draw one mask on all of them, and DTensor's RNG tracker (CUDA) draws a sharded
+    activation's slices from one shared stream, each rank at its own offset, as a world of one draws the whole.
     """
     per_stage = world_size // stages
-    return seed + STAGE_STRIDE * stage + (rank - stage * per_stage)
+    return seed + STAGE_STRIDE * stage + (rank - stage * per_stage) // tensor
 
 
 def use_deterministic_kernels() -> None:

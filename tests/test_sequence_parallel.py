@@ -1,0 +1,260 @@
+"""Sequence parallelism (``parallel.sequence_parallel``: ddpkit.models.tensor_plans.llama_plan) on real Gloo ranks:
+T = 2 against a world of one (losses, clipping norms, weights), the collectives a step costs against the plain
+tensor plan's, and the lengths and models that cannot split their sequence.
+
+    .venv/bin/pytest -q tests/test_sequence_parallel.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import RaggedSequences, run_in_pool
+from torch import nn
+from torch.nn import functional as F
+
+import ddpkit
+from ddpkit.errors import ConfigError
+from ddpkit.models.gpt import GPT
+from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
+
+pytestmark = pytest.mark.timeout(200)
+
+VOCAB = 64
+GQA = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, kv_heads=2, mlp_dim=64, max_len=16, tied=False)
+#: Qwen-like: per-head q/k norms, a tied head.
+QWEN = {**GQA, "tied": True, "qkv_bias": True, "qk_norm": True}
+CLIP = 0.5
+
+
+def _model(kind: str, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return Llama(LlamaShape(**(GQA if kind == "gqa" else QWEN))).to(dtype)
+
+
+def _batch(step: int) -> torch.Tensor:
+    """One of four fixed batches of 8 sequences of 17 tokens (inputs 16: they split over 2 ranks)."""
+    return torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step % 4))
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _train(model: nn.Module, steps: int, *, vocab_parallel: bool) -> dict:
+    """AdamW, clipped over the whole model; the first step's collectives counted."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses, norms, counts = [], [], None
+    for step in range(steps):
+        x = _batch(step)
+        with CommDebugMode() as comm:
+            with loss_parallel() if vocab_parallel else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+                loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
+        losses.append(_whole(loss).item())
+        norms.append(_whole(norm).item())
+    weights = {name: _whole(p.detach()).clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
+
+
+def _relative(a: list[float] | dict, b: list[float] | dict) -> float:
+    """Per loss and norm, and per weight tensor in L2 norms: the largest difference relative to a world of one."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in a)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool) -> dict:
+    """T = world size with the sequence split, against the same model alone and against the plain tensor plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model(kind, dtype)
+    plan = tensor_plan(model, vocab_parallel=vocab_parallel, sequence_parallel=True)
+    sp = _train(apply_tensor_parallel(model, mesh, plan), steps, vocab_parallel=vocab_parallel)
+    plain = _model(kind, dtype)
+    plain = apply_tensor_parallel(plain, mesh, tensor_plan(plain, vocab_parallel=vocab_parallel))
+    tp = _train(plain, steps, vocab_parallel=vocab_parallel)
+    one = _train(_model(kind, dtype), steps, vocab_parallel=vocab_parallel)
+    return {
+        "losses": _relative(sp["losses"], one["losses"]),
+        "norms": _relative(sp["norms"], one["norms"]),
+        "weights": _relative(sp["weights"], one["weights"]),
+        # for scale: the plain plan's distance (the same products; the norms' weight gradients are summed in
+        # another order, each rank's positions first)
+        "plain_weights": _relative(tp["weights"], one["weights"]),
+        "first_norm": one["norms"][0],
+        "counts": sp["counts"],
+        "plain_counts": tp["counts"],
+        "tied": model.head.weight is model.embed.weight,
+    }
+
+
+def _uneven() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model("gqa", torch.float32)
+    model = apply_tensor_parallel(model, mesh, tensor_plan(model, sequence_parallel=True))
+    try:
+        model(_batch(0)[:, :15])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _gqa_and_uneven() -> dict:
+    return {"gqa": _against_one("gqa", 2, torch.float32, vocab_parallel=False), "uneven": _uneven()}
+
+
+def _qwen() -> dict:
+    """Several comparisons in one spawn (each spawn costs seconds)."""
+    return {
+        "qwen_vocab": _against_one("qwen", 3, torch.float32, vocab_parallel=True),
+        "qwen_float64": _against_one("qwen", 3, torch.float64, vocab_parallel=False),
+    }
+
+
+def _check(name: str, run: dict) -> None:
+    # clipping acted: the norm it clipped was the whole model's, as a world of one measures it
+    assert run["first_norm"] > CLIP, name
+    tolerance = 1e-12 if name.endswith("float64") else 1e-5
+    assert run["losses"] < tolerance, (name, run)
+    assert run["norms"] < tolerance, (name, run)
+    assert run["weights"] < tolerance, (name, run)
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_tp2_matches_a_world_of_one_and_trades_all_reduces_for_gathers_and_scatters():
+    results = run_in_pool(_gqa_and_uneven, world_size=2, timeout=180)
+    assert results[0] == results[1]
+    run = results[0]["gqa"]
+    _check("gqa", run)
+    # the plain plan (vocabulary replicated): 4 all-reduces a block, one for the clipping norm
+    assert run["plain_counts"] == {"c10d_functional.all_reduce": 4 * 2 + 1}
+    # the sequence split: each block's attention and MLP all-gather their input and reduce-scatter their output
+    # forward, and the same backward (4 + 4 a block, where the plain plan all-reduces 4 times); the head all-gathers
+    # the sequence forward, the embedding's slice gathers its gradient backward. The norms now see each rank's
+    # positions only: their weight gradients are all-reduced (2 a block and the final norm's, dim-wide each)
+    assert run["counts"] == {
+        "c10d_functional.all_gather_into_tensor": 4 * 2 + 2,
+        "c10d_functional.reduce_scatter_tensor": 4 * 2,
+        "c10d_functional.all_reduce": 2 * 2 + 1 + 1,
+    }
+    assert results[0]["uneven"].startswith("parallel.sequence_parallel: a batch of 15-token sequences")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sequence_parallel_with_the_vocabulary_sharded_and_qk_norms_matches_a_world_of_one():
+    results = run_in_pool(_qwen, world_size=2, timeout=180)
+    assert results[0] == results[1]
+    runs = results[0]
+    for name, run in runs.items():
+        _check(name, run)
+        # a tied head stays one parameter with its embedding
+        assert run["tied"], name
+    # Qwen's q/k norms add one all-reduce each, as in the plain plan
+    assert runs["qwen_float64"]["counts"] == {
+        "c10d_functional.all_gather_into_tensor": 4 * 2 + 2,
+        "c10d_functional.reduce_scatter_tensor": 4 * 2,
+        "c10d_functional.all_reduce": 2 * 2 + 1 + 2 * 2 + 1,
+    }
+    # the vocabulary sharded: the embedding's lookup is reduce-scattered (not all-reduced), the head's input
+    # gradient too; loss_parallel's three all-reduces remain
+    assert runs["qwen_vocab"]["plain_counts"] == {"c10d_functional.all_reduce": 6 * 2 + 1 + 5}
+    assert runs["qwen_vocab"]["counts"] == {
+        "c10d_functional.all_gather_into_tensor": 4 * 2 + 2,
+        "c10d_functional.reduce_scatter_tensor": 4 * 2 + 2,
+        "c10d_functional.all_reduce": 2 * 2 + 1 + 2 * 2 + 1 + 3,
+    }
+
+
+def test_only_the_llama_familys_plan_splits_the_sequence():
+    check_tensor_plan(LlamaShape(**GQA), 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: GPT-2's plan keeps its fused attention"):
+        check_tensor_plan({"dim": 32, "heads": 4}, 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: GPT-2's plan"):
+        tensor_plan(GPT(vocab_size=VOCAB, dim=32, depth=1, heads=4, max_len=16), sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"a user's plan lays out its own modules"):
+        check_tensor_plan(nn.Sequential(nn.Linear(4, 4)), 2, sequence_parallel=True)
+
+
+class _RaggedTrainer(ddpkit.Trainer):
+    def build_datasets(self):
+        return RaggedSequences(n=64), None
+
+
+def _fit(cfg: dict) -> dict:
+    trainer = _RaggedTrainer(cfg)
+    metrics = trainer.fit()
+    state = trainer.placed.held.state_dict()
+    return {"metrics": metrics, "weights": {k: _whole(v).detach().clone() for k, v in state.items()}}
+
+
+def _config(out: Path, **parallel: Any) -> dict:
+    """Sequences padded to 16 tokens (they split over 2 ranks), the token-weighted loss, AdamW clipped."""
+    llama = {"arch": "llama", "vocab_size": 50, "dim": 32, "depth": 2, "heads": 4, "kv_heads": 2, "mlp_dim": 64}
+    return {
+        "run": {"name": "sp", "output_dir": str(out), "seed": 3},
+        "data": {"global_batch_size": 8, "order": "index_free"},
+        "model": {"name": "gpt", "kwargs": {**llama, "max_len": 16, "tied": False}},
+        "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1},
+        "train": {"max_steps": 4, "log_every": 2, "clip_grad_norm": 0.5, "loss_normalization": "tokens"},
+        "parallel": parallel,
+        "checkpoint": {"every_epochs": None, "every_steps": None},
+        "log": {"progress_bar": False},
+    }
+
+
+@pytest.mark.multiprocess
+def test_a_run_with_parallel_sequence_parallel_trains_like_a_world_of_one(tmp_path):
+    reference = run_in_pool(_fit, 1, args=(_config(tmp_path / "one"),), timeout=120)[0]
+    results = run_in_pool(_fit, 2, args=(_config(tmp_path / "sp", tensor=2, sequence_parallel=True),), timeout=120)
+    for result in results:
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+        assert _relative(result["weights"], reference["weights"]) < 1e-5
+
+
+def test_sequence_parallel_without_tensor_parallelism_in_a_pipeline_or_on_gpt2_is_refused_before_any_group(tmp_path):
+    from ddpkit.config.loader import load_config
+    from ddpkit.parallel.parallelize import check_tensor_degree
+
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: .*only with parallel.tensor > 1"):
+        load_config(_config(tmp_path, sequence_parallel=True))
+    # a pipeline stage would make its rotary positions from its slice's length (tried: RoPE's tables of 8
+    # positions met a 16-token sequence)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: a pipeline stage sees its rank's slice"):
+        load_config(_config(tmp_path, pipeline=2, microbatches=2, tensor=2, sequence_parallel=True))
+    gpt2 = _config(tmp_path, tensor=2, sequence_parallel=True)
+    gpt2["model"]["kwargs"] = {"dim": 32, "heads": 4, "depth": 1, "vocab_size": 50, "max_len": 16}
+    # what the Trainer's constructor checks, from model.kwargs
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: GPT-2's plan"):
+        check_tensor_degree(load_config(gpt2))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sequence_parallel_under_fsdp2_over_dp2_x_tp2_trains_like_a_world_of_one(tmp_path):
+    reference = run_in_pool(_fit, 1, args=(_config(tmp_path / "one"),), timeout=120)[0]
+    parallel = {"mode": "fsdp2", "tensor": 2, "sequence_parallel": True}
+    results = run_in_pool(_fit, 4, args=(_config(tmp_path / "dp_sp", **parallel),), timeout=300)
+    for result in results:
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+        assert _relative(result["weights"], reference["weights"]) < 1e-5
