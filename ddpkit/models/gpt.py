@@ -36,7 +36,7 @@ from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against, family_of
 from ddpkit.models.hf_gpt2 import read_config, wanted
 from ddpkit.models.hf_slices import HFWeights
-from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta, recompute_buffers
+from ddpkit.models.init_by_name import draw_init_seed, initialize_or_read, is_on_meta
 from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
 from ddpkit.registry import register_model
 
@@ -169,13 +169,8 @@ class GPT(nn.Module):
         part of this model under its names, materialised with ``to_empty``), or of the whole model. Residual
         projections (two per block add to the stream) get std 0.02 / sqrt(2 * depth). With ``init_from``, the
         directory's weights instead, only the slices ``parts`` holds read (ddpkit.models.hf_slices)."""
-        if self.weights_from is not None:
-            target = self if parts is None else parts
-            self.weights_from.fill(target)
-            recompute_buffers(target)
-            return
         residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.proj", "proj")]
-        initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
+        initialize_or_read(self, parts, residuals=residuals)
 
     def tensor_plan(self, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Any]:
         """This model's tensor plan: each block's MLP split, its fused attention whole (ddpkit.models.tensor_plans)."""

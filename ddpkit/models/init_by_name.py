@@ -26,7 +26,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["draw_init_seed", "initialize", "recompute_buffers", "is_on_meta", "tied_names", "retie"]
+__all__ = [
+    "draw_init_seed",
+    "initialize",
+    "initialize_or_read",
+    "recompute_buffers",
+    "is_on_meta",
+    "tied_names",
+    "retie",
+]
 
 #: GPT-2's standard deviation for every weight drawn from a normal distribution.
 STD = 0.02
@@ -68,6 +76,18 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
             _draw_into(whole, owner, key, name=name, seed=seed, std=std)
             _keep_own_part(param, whole)
     recompute_buffers(module)
+
+
+def initialize_or_read(model: nn.Module, parts: nn.Module | None, *, residuals: Iterable[str]) -> None:
+    """What ddpkit's models' ``init_weights(parts)`` does: ``parts`` (or the whole ``model``) drawn by name from the
+    model's ``init_seed``, or, with ``init_from``, the directory's weights (``model.weights_from``: only the slices
+    ``parts`` holds are read, ddpkit.models.hf_slices), the buffers recomputed either way."""
+    target = model if parts is None else parts
+    if model.weights_from is None:
+        initialize(target, seed=model.init_seed, residuals=residuals, depth=model.depth)
+        return
+    model.weights_from.fill(target)
+    recompute_buffers(target)
 
 
 def recompute_buffers(module: nn.Module) -> None:

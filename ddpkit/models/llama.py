@@ -51,7 +51,7 @@ from ddpkit.models.attention import KVCache, LayerCache, causal_attention
 from ddpkit.models.document_mask import Documents, documents_of
 from ddpkit.models.hf_files import check_against
 from ddpkit.models.hf_slices import HFWeights
-from ddpkit.models.init_by_name import draw_init_seed, initialize, is_on_meta, recompute_buffers
+from ddpkit.models.init_by_name import draw_init_seed, initialize_or_read, is_on_meta
 from ddpkit.models.rope import Rotary, apply_rotary, check_scaling
 
 __all__ = [
@@ -323,13 +323,8 @@ class Llama(nn.Module):
         """GPT-2's initialisation, each parameter drawn by its name (ddpkit.models.init_by_name), of ``parts`` (any
         part of this model under its names) or of the whole model; RoPE's frequencies recomputed. With ``init_from``,
         the directory's weights instead, only the slices ``parts`` holds read (ddpkit.models.hf_slices)."""
-        if self.weights_from is not None:
-            target = self if parts is None else parts
-            self.weights_from.fill(target)
-            recompute_buffers(target)
-            return
         residuals = [f"blocks.{i}.{name}" for i in range(self.depth) for name in ("attn.o_proj", "mlp.down_proj")]
-        initialize(self if parts is None else parts, seed=self.init_seed, residuals=residuals, depth=self.depth)
+        initialize_or_read(self, parts, residuals=residuals)
 
     def tensor_plan(self, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Any]:
         """This model's tensor plan: q/k/v and gate/up colwise, o/down rowwise (ddpkit.models.tensor_plans)."""
