@@ -25,6 +25,7 @@ import ddpkit
 from ddpkit.config.layout import check_layout, layout_problems
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
+from ddpkit.testing import RankPool
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -356,6 +357,25 @@ def test_a_tied_head_under_pp2_x_tp2_sums_its_gradients_between_its_two_stages(t
     results = run_in_pool(_pp2_x_tp2, 4, args=(tmp_path / "pp",), timeout=240)
     assert _relative(_merged([results[0], results[2]]), reference["weights"]) < 1e-6
     assert_bitwise_equal(results[0]["weights"], results[1]["weights"])
+
+
+def _pp2_x_tp2_after_other_groups(tmp: Path) -> dict:
+    for _ in range(15):
+        torch.distributed.new_group([0, 1, 2, 3])
+    return _pp2_x_tp2(tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_pooled_rank_runs_pp2_x_tp2_after_a_function_that_named_its_groups_otherwise(tmp_path):
+    """The rank pool's reset: DTensor caches sharding by mesh, and meshes of the same ranks and names compare equal
+    whatever their groups, so without clearing those caches the second run's embedding output was laid out on the
+    first run's mesh, whose groups were gone ("Could not resolve the process group registered under the name 19",
+    seen in CI after another file's 4-rank function)."""
+    with RankPool(4) as pool:
+        first = pool.run(_pp2_x_tp2_after_other_groups, args=(tmp_path / "first",), timeout=240)
+        second = pool.run(_pp2_x_tp2, args=(tmp_path / "second",), timeout=240)
+    assert_bitwise_equal(first[0]["weights"], second[0]["weights"])
 
 
 @pytest.mark.parametrize(

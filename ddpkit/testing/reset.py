@@ -10,7 +10,7 @@ starts; :meth:`RankState.restore` puts the process back into that picture after 
 - torch's process-wide switches (default dtype, grad mode, deterministic algorithms, threads,
   matmul precision, compiled graphs, Inductor's compile workers) and every random generator, seeded as a new
   process seeds them;
-- ddpkit's own process-wide caches;
+- DTensor's sharding propagation caches, and ddpkit's own process-wide caches;
 
 and it names the Python threads the function left running, which a fresh process would not have.
 """
@@ -120,6 +120,7 @@ class RankState:
         self._restore_loggers()
         self._restore_torch()
         self._reseed()
+        _reset_dtensor_caches()
         _reset_ddpkit_caches()
         # What the function left unreachable goes now, loaders' finalizers included.
         gc.collect()
@@ -183,6 +184,18 @@ def _loggers() -> dict[str, logging.Logger]:
         name: logger for name, logger in logging.root.manager.loggerDict.items() if isinstance(logger, logging.Logger)
     }
     return {"": logging.root, **named}
+
+
+def _reset_dtensor_caches() -> None:
+    """DTensor's sharding propagation, as a fresh process has it: empty. Its caches key on a ``DeviceMesh``, whose
+    equality ignores the process groups, so an entry from the last function would hand this one an output laid out
+    on the last function's mesh, whose groups were destroyed (``Could not resolve the process group``)."""
+    if "torch.distributed.tensor._api" not in sys.modules:
+        return
+    # torch's own clearing of both caches, its C++ fast path's and Python's (torch.distributed.tensor.debug)
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def _reset_ddpkit_caches() -> None:
