@@ -163,7 +163,7 @@ def measure(
     model: dict[str, Any],
     steps: int,
     out: str,
-    adamw: str,
+    adamw: str = "foreach",
     keep: bool = True,
     model_pt: Any = "auto",
 ) -> list:
