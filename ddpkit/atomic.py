@@ -4,6 +4,7 @@
     write_atomically(path, b"...")                                  # bytes or str
     write_atomically(path, lambda f: torch.save(state, f))          # or a function that writes to a file
     sha256, size = write_atomically(path, data, durable=True)       # fsync the data and the directory entry
+    file_sha256(path)                                               # the same digest, read back a piece at a time
 
 The data goes to a hidden temporary file beside ``path`` (``.NAME.PID.tmp``, the pattern
 :func:`ddpkit.checkpoint.files.remove_stale_temporaries` cleans up after a killed writer), is
@@ -22,7 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["write_atomically", "fsync_dir", "temporary_path"]
+__all__ = ["write_atomically", "fsync_dir", "temporary_path", "file_sha256"]
+
+#: Bytes of a file read at a time by :func:`file_sha256`.
+_HASH_PIECE = 16 * 1024 * 1024
 
 
 def temporary_path(path: Path) -> Path:
@@ -89,3 +93,13 @@ class _HashingWriter:
     def __getattr__(self, name: str) -> Any:
         """``tell``, ``seek`` and the rest from the file (after a seek the hash no longer matches the file)."""
         return getattr(self.f, name)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of the file at ``path``, read a piece at a time: what :func:`write_atomically` returns for it,
+    without the file in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while piece := handle.read(_HASH_PIECE):
+            digest.update(piece)
+    return digest.hexdigest()

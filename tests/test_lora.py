@@ -106,10 +106,10 @@ def test_the_adapter_alone_loads_onto_its_base_and_another_base_is_refused_namin
     save_tiny(tmp_path / "b", "llama", initializer_range=0.03)
     other = lora_model(str(tmp_path / "b"))
     with pytest.raises(
-        CheckpointError, match=rf"trained on the base {tmp_path / 'a'} \(weights sha256 [0-9a-f]{{16}}\)"
+        CheckpointError, match=rf"trained on the base {tmp_path / 'a'} \(sha256 of its source [0-9a-f]{{16}}\)"
     ):
         other.load_state_dict(state)
-    with pytest.raises(CheckpointError, match=rf"but this run's base is {tmp_path / 'b'} \(weights sha256"):
+    with pytest.raises(CheckpointError, match=rf"but this run's base is {tmp_path / 'b'} \(sha256 of its source"):
         other.load_state_dict(state)
     with pytest.raises(CheckpointError, match=r"this run's model.lora is \{'r': 8"):
         lora_model(str(tmp_path / "a"), r=8).load_state_dict(state)
@@ -188,7 +188,7 @@ def test_a_lora_run_checkpoints_the_adapter_resumes_bitwise_and_refuses_a_change
     model, _ = load_model(tmp_path / "whole")
     assert torch.equal(merge_lora(model).embed.weight, reference.model.embed_tokens.weight)
     save_tiny(tmp_path / "hf", "llama", initializer_range=0.03)  # the same directory, other weights
-    with pytest.raises(CheckpointError, match=r"LoRA adapter was trained on the base .*hf \(weights sha256"):
+    with pytest.raises(CheckpointError, match=r"LoRA adapter was trained on the base .*hf \(sha256 of its source"):
         fit(lora_run(str(tmp_path / "hf"), str(tmp_path / "half"), data, steps=6))
 
 

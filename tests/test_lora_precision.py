@@ -18,6 +18,7 @@ import ddpkit
 from ddpkit.config.loader import load_config
 from ddpkit.models.gpt import gpt
 from ddpkit.models.lora import apply_lora, base_fingerprint
+from ddpkit.models.lora_fingerprint import source_fingerprint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,10 +53,12 @@ def test_under_bf16_the_frozen_base_is_bf16_the_adapter_fp32_and_the_fingerprint
     assert all(p.dtype == torch.float32 for p in full.parameters())
     # the base's fingerprint is taken as built, before the cast: a checkpoint resumes under either precision
     assert half.lora_base.fingerprint == full.lora_base.fingerprint
-    # the same digest as hashing each tensor whole, now taken a piece at a time
+    # ddpkit's own model is fingerprinted by its source (the seed its weights are drawn from), not its bytes
     torch.manual_seed(0)
     base = gpt(**MODEL)
-    assert base_fingerprint(base) == _whole_tensor_fingerprint(base) == full.lora_base.fingerprint
+    assert full.lora_base.fingerprint_of == "source" and full.lora_base.fingerprint == source_fingerprint(base)
+    # another model's weights: the same digest as hashing each tensor whole, taken a piece at a time
+    assert base_fingerprint(base) == _whole_tensor_fingerprint(base) != source_fingerprint(base)
     # the bf16 base is the fp32 one rounded, parameter by parameter
     full_params = dict(full.named_parameters())
     for name, param in half.named_parameters():

@@ -268,3 +268,70 @@ def test_only_an_init_weights_taking_parts_by_that_name_counts():
 
     assert initialises_parts(SelfInitialising()) and initialises_parts(GPT(vocab_size=8, dim=8, depth=1, heads=2))
     assert not initialises_parts(ApplyStyle()) and not initialises_parts(Plain())
+
+
+LORA = {"r": 4, "alpha": 8, "targets": "all-linear"}
+
+
+class InitialParameters(InitialWeights):
+    """The parameters it starts from, whole, the frozen base's too (a LoRA model's state_dict holds the adapter only),
+    and what the meta build logged."""
+
+    def on_fit_start(self) -> None:
+        params = self.placed.held.named_parameters()
+        # a DTensor's full_tensor is a collective on its mesh: every rank of the layout runs it, in the same order
+        self.initial = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in params
+        }
+
+
+def _lora_initial(cfg: dict) -> tuple[dict[str, torch.Tensor], str]:
+    trainer = InitialParameters(cfg)
+    _, log = _logged(trainer.fit)
+    return trainer.initial, log
+
+
+def _hand_built_lora(model: dict, precision: str) -> dict[str, torch.Tensor]:
+    """The model class built whole on the CPU by hand, its adapter added by ``apply_lora``, under the run's seed."""
+    from ddpkit.config.loader import load_config
+    from ddpkit.models.gpt import build_gpt
+    from ddpkit.models.lora import apply_lora
+    from ddpkit.training.rng import seed_for_setup
+
+    seed_for_setup(SEED, deterministic=False)
+    section = load_config({"model": {"name": "gpt", "kwargs": model, "lora": LORA}}).model
+    built = apply_lora(build_gpt({**model, "max_len": 16}), section, precision=precision)
+    return {k: v.detach().clone() for k, v in built.named_parameters()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_lora_model_is_built_on_meta_its_base_and_adapter_bitwise_equal_in_every_layout(tmp_path, precision):
+    """The base drawn by name as without LoRA, the adapter's A by name too (B zero), the frozen base stored in the
+    run's precision: the same bits made a part a rank as built whole by hand."""
+    reference = _hand_built_lora(LLAMA, precision)
+    adapter_a = [name for name in reference if name.endswith("lora_A.weight")]
+    assert len(adapter_a) == 4 * 7 and all(reference[name].abs().max() > 0 for name in adapter_a)
+    layouts = [(1, {}), (2, {"mode": "fsdp2"}), (2, {"pipeline": 2}), (2, {"tensor": 2})]
+    for ranks, parallel in layouts:
+        cfg = _config(tmp_path / f"{precision}-{ranks}-{'-'.join(map(str, parallel.values())) or 'one'}", LLAMA)
+        cfg["parallel"] = _config(tmp_path, LLAMA, **parallel)["parallel"]
+        cfg["train"] = {**_config(tmp_path, LLAMA, **parallel)["train"], "precision": precision}
+        cfg["model"]["lora"] = LORA
+        results = run_in_pool(_lora_initial, ranks, args=(cfg,), timeout=200)
+        assert all("model: built on the meta device" in log for _, log in results), parallel
+        merged = _merged([weights for weights, _ in results])
+        assert merged.keys() == reference.keys(), parallel
+        for name, value in reference.items():
+            assert merged[name].dtype == value.dtype and torch.equal(merged[name], value), (parallel, name)
+
+
+def test_an_adapter_saved_with_a_fingerprint_of_the_other_kind_is_resumed_with_a_warning(caplog):
+    """An adapter saved by an earlier ddpkit carries a fingerprint of its base's weights and no ``fingerprint_of``:
+    it cannot be compared with a fingerprint of the base's source, so it loads, saying so."""
+    from ddpkit.models.lora import LoraBase
+
+    base = LoraBase(base="gpt", fingerprint="a" * 64, fingerprint_of="source", config={"r": 4}, adapter_seed=0)
+    with caplog.at_level("WARNING"):
+        base.set_extra_state({"base": "gpt", "fingerprint": "b" * 64, "r": 4})
+    assert "fingerprint of its base's weights (an earlier ddpkit)" in caplog.text and "not checked" in caplog.text

@@ -27,7 +27,6 @@ This module reads and writes state dicts; it knows nothing of the Trainer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.atomic import write_atomically
+from ddpkit.atomic import file_sha256, write_atomically
 from ddpkit.checkpoint.components import StateTree
 from ddpkit.checkpoint.disk_space import room_check, state_bytes, write_failure
 from ddpkit.checkpoint.staging import HostStaging
@@ -66,7 +65,6 @@ log = logging.getLogger("ddpkit")
 FORMAT_VERSION = 1
 #: .dcp: a sharded checkpoint directory (checkpoint/sharded.py)
 _STEP_FILE = re.compile(r"^step-(\d{9})\.(?:pt|dcp)$")
-_HASH_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -210,7 +208,7 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hash: bool = True) ->
             raise CheckpointError(
                 f"checkpoint {path} is truncated or altered: {size} bytes, manifest says {manifest['bytes']}"
             )
-        if verify_hash and _sha256(path) != manifest["sha256"]:
+        if verify_hash and file_sha256(path) != manifest["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the manifest")
     except OSError as exc:
         # Unreadable (permissions, a lost mount): not a checkpoint this run can use
@@ -241,14 +239,6 @@ def _validate_dcp(path: Path) -> CheckpointInfo:
                 f"sharded checkpoint {path} is incomplete or altered: {name} is missing or not {size} bytes"
             )
     return CheckpointInfo(path, manifest)
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:

@@ -9,7 +9,8 @@
   (``ddpkit export --format hf``); ``hf_slices``: their weights read a held part at a time, each rank only the
   tensors and slices it holds;
 - ``lora``: ``model.lora``'s adapter on a frozen base, checkpoints of the adapter (``lora_peft``: through peft;
-  ``lora_tensor``: the adapters split with their base layer's tensor plan);
+  ``lora_tensor``: the adapters split with their base layer's tensor plan; ``lora_fingerprint``: the base's
+  fingerprint, by its source for ddpkit's own models so the base can be built on the meta device);
 - ``init_by_name``: each parameter drawn from a generator seeded by its name: the same initial weights in every
   layout, for the whole model or any part of it (``GPT.init_weights(parts)``, ``Llama.init_weights(parts)``);
 - ``tensor_plans``: each family's tensor plan (``GPT.tensor_plan``, ``Llama.tensor_plan``); its pipeline cut is

@@ -37,6 +37,7 @@ from torch import nn
 
 from ddpkit.errors import CheckpointError
 from ddpkit.models.hf_files import safetensors_torch
+from ddpkit.models.init_by_name import is_adapter
 
 __all__ = ["Wanted", "HFWeights", "BLOCK"]
 
@@ -102,9 +103,16 @@ class HFWeights:
             # named_parameters gives a tied parameter once, under its first name (the embedding's)
             for name, param in module.named_parameters():
                 found = self._found.get(name)
+                # a LoRA adapter is no tensor of the files: drawn by its own rule (ddpkit.models.lora)
+                if found is None and is_adapter(name):
+                    continue
                 if found is None:
                     raise CheckpointError(f"model.kwargs.init_from: the model's {name!r} has no tensor in the files")
                 _read_into(param, found, self._wanted[name])
+
+    def files(self) -> list[Path]:
+        """The weight files the model's tensors are read from, sorted (what a LoRA base is fingerprinted by)."""
+        return sorted({found.file for found in self._found.values()})
 
     def __repr__(self) -> str:
         return f"HFWeights({str(self.directory)!r}, {len(self._found)} tensors)"

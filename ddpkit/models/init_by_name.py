@@ -34,7 +34,13 @@ __all__ = [
     "is_on_meta",
     "tied_names",
     "retie",
+    "keep_own_part",
+    "name_seed",
+    "is_adapter",
 ]
+
+#: The modules LoRA adds beside a linear layer (ddpkit.models.lora): not the base's, drawn by the adapter's own rule.
+ADAPTER_MODULES = ("lora_A", "lora_B")
 
 #: GPT-2's standard deviation for every weight drawn from a normal distribution.
 STD = 0.02
@@ -43,6 +49,11 @@ STD = 0.02
 def draw_init_seed() -> int:
     """One 63-bit seed from torch's default CPU generator (on the CPU even inside ``torch.device("meta")``)."""
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64, device="cpu"))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a LoRA adapter (``blocks.0.attn.q.lora_A.weight``), not to the base."""
+    return any(part in ADAPTER_MODULES for part in name.split("."))
 
 
 def is_on_meta(module: nn.Module) -> bool:
@@ -54,7 +65,8 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
     """Every parameter of ``module`` drawn by its name; ``residuals``: the module names of the residual projections.
 
     ``module`` is the whole model or any part of it that keeps the whole model's names (a pipeline's held parts,
-    a model split by a tensor plan or sharded by FSDP2). Buffers are recomputed.
+    a model split by a tensor plan or sharded by FSDP2). Buffers are recomputed. A LoRA adapter's parameters are
+    left to its own rule (ddpkit.models.lora.initialize_adapters).
     """
     residual = set(residuals)
     # A tied parameter is drawn once, under its first name (``embed.weight``, not the head's): as the whole model
@@ -66,6 +78,8 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
                 continue
             seen.add(id(param))
             name = f"{module_name}.{key}" if module_name else key
+            if is_adapter(name):
+                continue
             std = STD / math.sqrt(2 * depth) if module_name in residual else STD
             if _drawn_in_place(param):
                 # A whole fp32 CPU parameter takes the draw itself: the same bits, no second copy of it.
@@ -74,7 +88,7 @@ def initialize(module: nn.Module, *, seed: int, residuals: Iterable[str], depth:
                 continue
             whole = torch.empty(tuple(param.shape))
             _draw_into(whole, owner, key, name=name, seed=seed, std=std)
-            _keep_own_part(param, whole)
+            keep_own_part(param, whole)
     recompute_buffers(module)
 
 
@@ -113,10 +127,10 @@ def _draw_into(out: torch.Tensor, owner: nn.Module, key: str, *, name: str, seed
         # a norm's weight (LayerNorm, RMSNorm)
         out.fill_(1.0)
     else:
-        out.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name)))
+        out.normal_(0.0, std, generator=torch.Generator().manual_seed(name_seed(seed, name)))
 
 
-def _keep_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
+def keep_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy this rank's part of ``whole`` into ``param`` (a plain tensor, or a DTensor's local shard)."""
     with torch.no_grad():
         if hasattr(param, "device_mesh"):
@@ -128,7 +142,7 @@ def _keep_own_part(param: torch.Tensor, whole: torch.Tensor) -> None:
             param.copy_(whole)
 
 
-def _name_seed(seed: int, name: str) -> int:
+def name_seed(seed: int, name: str) -> int:
     """A 63-bit seed of its own for each parameter name."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)

@@ -11,8 +11,9 @@
 Each target ``nn.Linear`` becomes a :class:`LoraLinear`: the same ``weight`` and ``bias`` (frozen,
 under the same names), plus ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``; the output is
 ``x W^T + b + (alpha / r) * B(A(dropout(x)))``. ``A`` starts as ``nn.Linear``'s default (Kaiming
-uniform) and ``B`` at zero, so the model starts as the base: peft's initialisation, names and
-arithmetic, so ``ddpkit export --format peft`` is a renaming. Every other parameter is frozen
+uniform, drawn by its name: the same in every layout, :func:`initialize_adapters`) and ``B`` at zero,
+so the model starts as the base: peft's initialisation, names and arithmetic, so ``ddpkit export
+--format peft`` is a renaming. Every other parameter is frozen
 (``requires_grad=False``) before ``shard_model`` and the optimizer see the model, so DDP reduces,
 FSDP2 shards and the optimizer keeps state for the adapter only (AdamW: 2 x its size).
 
@@ -23,9 +24,11 @@ that matches no linear layer is refused with the model's own linear names.
 **Checkpoints hold the adapter.** The model's ``state_dict()`` leaves out the frozen parameters
 (a state-dict hook; ``load_state_dict`` does not miss them), so a checkpoint, ``model.pt`` and a
 memory snapshot hold the adapter, its optimizer state, and, as the model's extra state
-(``lora_base._extra_state``), a fingerprint of the base: the sha256 of every frozen tensor,
-taken once before the adapter is added (under a pipeline, each rank's stages save the same way:
-:func:`adapter_only_parts`). The base itself comes from the builder at every start
+(``lora_base._extra_state``), a fingerprint of the base taken before the adapter is added: for
+ddpkit's own models, of what the base's weights come from (the files or the seed), so the base may be
+built on the meta device and made a part a rank; for any other model, of every frozen tensor
+(:mod:`ddpkit.models.lora_fingerprint`). Under a pipeline, each rank's stages save the same way
+(:func:`adapter_only_parts`). The base itself comes from the builder at every start
 (``init_from`` or a seeded initialisation). A checkpoint resumed on another base is refused naming
 both (:class:`LoraBase`); a run resumes bitwise because the base is rebuilt identically.
 
@@ -36,7 +39,6 @@ same keys, the same adapter-only checkpoints and the same fingerprint.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import sys
@@ -45,9 +47,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import skip_init
 
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.models.init_by_name import draw_init_seed, is_on_meta, keep_own_part, name_seed
+from ddpkit.models.lora_fingerprint import WEIGHTS, base_fingerprint, fingerprint_base
 
 __all__ = [
     "LoraLinear",
@@ -55,6 +60,7 @@ __all__ = [
     "apply_lora",
     "merge_lora",
     "base_fingerprint",
+    "initialize_adapters",
     "lora_targets",
     "adapter_of",
     "adapter_only_parts",
@@ -81,10 +87,9 @@ class LoraLinear(nn.Linear):
         self.scaling = alpha / r
         self.lora_dropout = nn.Dropout(dropout)
         where = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Linear(base.in_features, r, bias=False, **where)
-        self.lora_B = nn.Linear(r, base.out_features, bias=False, **where)
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+        # drawn by name afterwards (initialize_adapters): skip_init leaves them as allocated, drawing nothing
+        self.lora_A = skip_init(nn.Linear, base.in_features, r, bias=False, **where)
+        self.lora_B = skip_init(nn.Linear, r, base.out_features, bias=False, **where)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
@@ -102,23 +107,40 @@ class LoraLinear(nn.Linear):
 class LoraBase(nn.Module):
     """The base an adapter belongs to, kept in the model's state_dict (``lora_base._extra_state``) and checked on load.
 
-    ``base`` names it for people (``init_from``'s directory, or the model's name and kwargs); ``fingerprint``
-    is :func:`base_fingerprint`; ``config`` the adapter's r, alpha and targets."""
+    ``base`` names it for people (``init_from``'s directory, or the model's name and kwargs); ``fingerprint`` is
+    its sha256 (ddpkit.models.lora_fingerprint), of its ``fingerprint_of`` (``source`` or ``weights``); ``config``
+    the adapter's r, alpha and targets. ``adapter_seed``: the seed the adapter's A matrices are drawn from by name
+    (:func:`initialize_adapters`; not saved: a checkpoint holds the adapter itself)."""
 
-    def __init__(self, *, base: str, fingerprint: str, config: dict[str, Any]):
+    def __init__(
+        self, *, base: str, fingerprint: str, config: dict[str, Any], fingerprint_of: str = WEIGHTS, adapter_seed: int
+    ):
         super().__init__()
         self.base = base
         self.fingerprint = fingerprint
+        self.fingerprint_of = fingerprint_of
         self.config = config
+        self.adapter_seed = adapter_seed
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"base": self.base, "fingerprint": self.fingerprint, **self.config}
+        fingerprint = {"fingerprint": self.fingerprint, "fingerprint_of": self.fingerprint_of}
+        return {"base": self.base, **fingerprint, **self.config}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint:
+        # an adapter saved before ddpkit fingerprinted its own models by their source carries no fingerprint_of
+        theirs = state.get("fingerprint_of", WEIGHTS)
+        if theirs != self.fingerprint_of:
+            log.warning(
+                "lora: the checkpoint's adapter carries a fingerprint of its base's %s (an earlier ddpkit), this run "
+                "has one of its base's %s: the two cannot be compared, so the base %s is not checked",
+                theirs,
+                self.fingerprint_of,
+                self.base,
+            )
+        elif state["fingerprint"] != self.fingerprint:
             raise CheckpointError(
-                f"the checkpoint's LoRA adapter was trained on the base {state['base']} (weights sha256 "
-                f"{state['fingerprint'][:16]}), but this run's base is {self.base} (weights sha256 "
+                f"the checkpoint's LoRA adapter was trained on the base {state['base']} (sha256 of its {theirs} "
+                f"{state['fingerprint'][:16]}), but this run's base is {self.base} (sha256 of its {theirs} "
                 f"{self.fingerprint[:16]}); resume it on the base it was trained on, or start a new run "
                 "(checkpoint.resume=none)"
             )
@@ -130,23 +152,28 @@ class LoraBase(nn.Module):
             )
 
 
-#: Elements of a tensor hashed at a time: a GPU's tensor crosses to the host in pieces of at most 64 MiB (fp32).
-_HASHED_AT_ONCE = 2**24
+def initialize_adapters(module: nn.Module, *, seed: int) -> None:
+    """Every adapter of ``module`` (the whole model, or any part of it under its names) at its start: ``lora_A``
+    as ``nn.Linear``'s default (Kaiming uniform, peft's), drawn whole from a generator seeded by ``seed`` and its
+    name, ``lora_B`` zero. A rank holding a shard (a tensor plan's, FSDP2's) keeps its slice of the whole draw, so
+    the adapter starts the same in every layout, built whole or on the meta device."""
+    with torch.no_grad():
+        for name, owner in module.named_modules():
+            if not isinstance(owner, LoraLinear):
+                continue
+            key = f"{name}.lora_A.weight" if name else "lora_A.weight"
+            whole = torch.empty(tuple(owner.lora_A.weight.shape))
+            generator = torch.Generator().manual_seed(name_seed(seed, key))
+            nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+            keep_own_part(owner.lora_A.weight, whole)
+            owner.lora_B.weight.zero_()
 
 
-def base_fingerprint(model: nn.Module) -> str:
-    """sha256 over every parameter's name, dtype, shape and bytes, in ``named_parameters`` order (tied ones once).
-
-    Tensor by tensor, a piece at a time: a CPU tensor's own bytes are hashed where they are (no copy), a GPU's come
-    over in pieces, so no second copy of the model, nor of its largest matrix, is ever made."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        data = param.detach()
-        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)};".encode())
-        # a view for a contiguous parameter (all of a model's, in practice); the same bytes in the same order
-        for piece in data.reshape(-1).split(_HASHED_AT_ONCE):
-            digest.update(piece.cpu().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
+def initialize_adapters_of(part: nn.Module, model: nn.Module) -> None:
+    """:func:`initialize_adapters` on ``part`` of a LoRA ``model`` made from the meta device (no-op without LoRA)."""
+    base = getattr(model, "lora_base", None)
+    if isinstance(base, LoraBase):
+        initialize_adapters(part, seed=base.adapter_seed)
 
 
 def lora_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
@@ -201,7 +228,11 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig, *, precision: str = "fp
             f"model.lora: the model is an {type(model).__name__}, whose children are its layers; give it a module "
             "of its own around them (a LoRA model carries its base's fingerprint as a child, lora_base)"
         )
-    fingerprint = base_fingerprint(model)
+    # before the adapter exists and before any cast: the base as built, whatever the precision
+    fingerprint, fingerprint_of = fingerprint_base(model)
+    # ddpkit's models: the seed their weights are drawn from, so the adapter starts alike whether built whole or not
+    seed = getattr(model, "init_seed", None)
+    adapter_seed = draw_init_seed() if seed is None else int(seed)
     if _is_hugging_face(model):
         from ddpkit.models.lora_peft import apply_peft
 
@@ -214,7 +245,16 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig, *, precision: str = "fp
             owner = model.get_submodule(parent)
             setattr(owner, leaf, LoraLinear(getattr(owner, leaf), r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout))
     settings = {"r": cfg.r, "alpha": cfg.alpha, "targets": sorted({n.rsplit(".", 1)[-1] for n in names})}
-    model.lora_base = LoraBase(base=describe_base(model_cfg), fingerprint=fingerprint, config=settings)
+    model.lora_base = LoraBase(
+        base=describe_base(model_cfg),
+        fingerprint=fingerprint,
+        fingerprint_of=fingerprint_of,
+        config=settings,
+        adapter_seed=adapter_seed,
+    )
+    # on the meta device each rank draws the adapter's part it holds when it is made (ddpkit.parallel.meta_build)
+    if not _is_hugging_face(model) and not is_on_meta(model):
+        initialize_adapters(model, seed=adapter_seed)
     _keep_the_adapter_only(model)
     if precision in _FROZEN_DTYPE:
         _store_frozen_as(model, _FROZEN_DTYPE[precision])

@@ -17,8 +17,10 @@ Another model is built whole on every rank as before, and the start-up log says 
 
 ``model.kwargs.init_from`` (a Hugging Face directory) is on meta too: the build only checks the files (every tensor
 found, its shape fitting, none truncated; the same verdict on every rank), and ``init_weights(parts)`` reads the
-tensors and slices the part holds instead of drawing them (:mod:`ddpkit.models.hf_slices`). Not yet on meta:
-``model.lora`` (the adapters' random half is not drawn by name).
+tensors and slices the part holds instead of drawing them (:mod:`ddpkit.models.hf_slices`). ``model.lora`` on
+ddpkit's models is on meta too: the base is fingerprinted by its source (the files, or the seed), the adapters
+drawn by name where they are made (:mod:`ddpkit.models.lora`, :mod:`ddpkit.models.lora_fingerprint`). A LoRA base
+of another model is built whole: its fingerprint hashes its weights.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from torch import nn
 
 from ddpkit.config.schema import Config
 from ddpkit.models.init_by_name import retie, tied_names
+from ddpkit.models.lora import initialize_adapters_of
+from ddpkit.models.lora_fingerprint import fingerprinted_by_source
 
 __all__ = ["build_on_meta", "materialize", "initialises_parts"]
 
@@ -50,14 +54,16 @@ def build_on_meta(
     Such a build may load or read weights (``load_state_dict``, a snapshot of the initial state), which on the meta
     device would be lost without an error; the opt-in says it does neither.
     """
-    why = _not_on_meta(config)
-    if why is None and custom:
+    why = None
+    if custom:
         why = (
             "Trainer.build_model is overridden; set build_on_meta = True on the Trainer if it neither loads nor "
             "reads weights"
         )
-    if why is None:
+    else:
         model, why = _on_meta(build)
+        if model is not None and config.model.lora is not None and not fingerprinted_by_source(model):
+            model, why = None, "model.lora: this base is fingerprinted from its weights, which need real tensors"
         if model is not None:
             log.info("model: built on the meta device; each rank makes and initialises only what it holds")
             return model
@@ -84,13 +90,6 @@ def _on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module | None, str | No
     return model, None
 
 
-def _not_on_meta(config: Config) -> str | None:
-    """Why this config's model is built whole today, or None."""
-    if config.model.lora is not None:
-        return "model.lora: its adapters are not initialised by name yet"
-    return None
-
-
 def initialises_parts(model: nn.Module) -> bool:
     """Whether ``model`` has ``init_weights(parts)``: an argument named ``parts``, a part of it under its names.
 
@@ -113,4 +112,6 @@ def materialize(part: nn.Module, whole: nn.Module, device: torch.device) -> nn.M
     # to_empty gives each name its own tensor: a tied head is one parameter again
     retie(part, tied)
     whole.init_weights(parts=part)
+    # a LoRA adapter's parameters: drawn by its own rule (ddpkit.models.lora), after the base's
+    initialize_adapters_of(part, whole)
     return part
