@@ -20,11 +20,14 @@ import pytest
 import torch
 from helpers import RaggedSequences, run_in_pool
 from hf_tiny import save_tiny, tokens, write_tokenizer
+from storage_server import s3_server, s3_url  # noqa: F401 (fixtures, found by name)
 
 import ddpkit
 from ddpkit.checkpoint.final_outputs import final_outputs
 from ddpkit.checkpoint.hf_output import hf_views
+from ddpkit.checkpoint.storage.store import open_store
 from ddpkit.models.gpt import gpt, resolve
+from ddpkit.testing import run_on_ranks
 from ddpkit.tools.hf_export import write_hf_directory
 from ddpkit.tools.lm_source import ModelSpec
 
@@ -179,6 +182,29 @@ def _assert_loads_as_trained(directory: Path, trained: dict[str, torch.Tensor], 
     with torch.no_grad():
         expected = theirs(X).logits
         torch.testing.assert_close(reloaded(X)[..., : expected.shape[-1]], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_with_a_url_checkpoint_dir_hf_goes_up_whole_and_loads_from_the_bucket(s3_server, s3_url, tmp_path):  # noqa: F811
+    kwargs = _source(tmp_path, "gpt2-padded")
+    out = tmp_path / "run"
+    cfg = _config(out, kwargs, {"mode": "fsdp2"}, dir=s3_url)
+    # fresh ranks, not the pool's: an S3 client's IO thread (fsspec's, one a process) outlives the run
+    results = run_on_ranks(_run, 2, args=(cfg,), timeout=180, env=s3_server.env())
+    trained = {k: v for result in results for k, v in result.items()}
+    # another machine: hf/ read back from the bucket through ddpkit's store
+    store = open_store(s3_url)
+    local = out / "hf"
+    assert sorted(store.listing("hf/")) == sorted(f"hf/{f.name}" for f in local.iterdir())
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for key in store.listing("hf/"):
+        store.get_file(key, downloaded / key.removeprefix("hf/"))
+    assert all((downloaded / f.name).read_bytes() == f.read_bytes() for f in local.iterdir())
+    _assert_loads_as_trained(downloaded, trained, kwargs)
+    # model.pt goes up as before (auto: the tiny model fits the host)
+    assert store.get_bytes("model.pt") == (out / "model.pt").read_bytes()
 
 
 @pytest.mark.multiprocess
