@@ -247,6 +247,26 @@ def test_a_model_its_family_cannot_describe_writes_model_pt_in_place_of_the_dire
     assert all(torch.equal(whole[k], results[0][k]) for k in results[0])
 
 
+def _save_on_a_disk_of_its_own(base: str, kwargs: dict) -> str | None:
+    """Rank r: the whole model written to ``base/node-r/hf``: each rank's own disk, as on nodes sharing none."""
+    import torch.distributed as dist
+
+    from ddpkit.checkpoint.hf_output import save_hf_directory
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    return save_hf_directory(gpt(**kwargs), Path(base, f"node-{rank}", "hf"), model_kwargs=kwargs, rank=rank)
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_share_no_disk_write_no_directory_and_say_why(tmp_path):
+    # each node would join only its own pieces into rank 0's directory: holes, under a config.json
+    kwargs = {"arch": "llama", "family": "llama", "vocab_size": 50, "dim": 16, "depth": 2, "heads": 2, "max_len": 16}
+    answers = run_in_pool(_save_on_a_disk_of_its_own, 2, args=(str(tmp_path), kwargs), timeout=120)
+    assert all("is not one filesystem every rank sees: rank(s) 1 do not see rank 0's hf.partial" in a for a in answers)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_the_rule_names_which_outputs_a_run_writes():
     # hf/ for a split gpt model; model.pt (auto) where each rank holds the model, where no Hugging Face form exists,
     # or where the whole model fits a share of rank 0's host
