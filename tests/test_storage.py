@@ -301,3 +301,53 @@ def test_start_up_calls_ride_out_a_hiccup_but_not_a_denied_access(store):
     with pytest.raises(PermissionError):
         with_retries(denied, store, sleep=waits.append)
     assert waits == [1.0, 2.0]  # no retry: the store's answer, not a hiccup
+
+
+HF_JOB = {"op": "directory", "name": "hf", "last": ["model.safetensors.index.json", "config.json"]}
+
+
+def _hf_directory(directory: Path, files: int, tag: bytes) -> Path:
+    """A Hugging Face directory's files (their bytes made up, ``tag`` telling two copies apart)."""
+    directory.mkdir(parents=True)
+    for i in range(1, files + 1):
+        (directory / f"model-{i:05d}-of-{files:05d}.safetensors").write_bytes(tag * (100 * i))
+    for name in ("model.safetensors.index.json", "config.json", "tokenizer.json"):
+        (directory / name).write_bytes(tag + name.encode())
+    return directory
+
+
+def test_a_directory_goes_up_over_its_previous_copy_with_its_config_last(store, tmp_path):
+    from ddpkit.checkpoint.storage.publish import publish_directory
+
+    publish_directory(store, {**HF_JOB, "path": str(_hf_directory(tmp_path / "old", 3, b"o"))})
+    new = _hf_directory(tmp_path / "hf", 2, b"n")
+    answer = publish_directory(store, {**HF_JOB, "path": str(new)})
+    # the previous copy's third file is gone: the index names two
+    assert sorted(store.listing()) == sorted(f"hf/{f.name}" for f in new.iterdir())
+    assert all(store.get_bytes(f"hf/{f.name}") == f.read_bytes() for f in new.iterdir())
+    assert answer["bytes"] == sum(f.stat().st_size for f in new.iterdir())
+
+
+@pytest.mark.parametrize("killed_at", ["hf/model-00001-of-00002.safetensors", "hf/config.json"])
+def test_a_directory_cut_short_never_looks_complete(store, tmp_path, killed_at):
+    from ddpkit.checkpoint.storage.publish import publish_directory
+
+    publish_directory(store, {**HF_JOB, "path": str(_hf_directory(tmp_path / "old", 3, b"o"))})
+    store.fs.die_on = killed_at
+    with pytest.raises(Killed):
+        publish_directory(store, {**HF_JOB, "path": str(_hf_directory(tmp_path / "hf", 2, b"n"))})
+    # no config.json: transformers loads nothing from it, old or new (the previous copy's went before its data)
+    remote = store.listing()
+    assert "hf/config.json" not in remote and "hf/model-00003-of-00003.safetensors" not in remote
+    if killed_at == "hf/config.json":
+        # every data file and the index of the new copy are up: only the marker is missing
+        assert store.get_bytes("hf/model.safetensors.index.json") == b"nmodel.safetensors.index.json"
+
+
+def test_a_directory_without_its_config_is_not_uploaded_and_not_retried(store, tmp_path):
+    directory = _hf_directory(tmp_path / "hf", 2, b"n")
+    (directory / "config.json").unlink()
+    waits: list[float] = []
+    answer = Worker(store, sleep=waits.append).handle({**HF_JOB, "path": str(directory), "seq": 1})
+    assert not answer["ok"] and "has no config.json" in answer["error"] and waits == []
+    assert store.listing() == {}

@@ -145,3 +145,18 @@ def test_a_checkpoint_saved_behind_the_mirrors_back_goes_up_at_the_end(s3_url, t
     assert mirror.on_exit("FAILED", deadline_s=60) == []
     (remote,) = find_remote(mirror.store)
     assert remote.step == 10 and remote.manifest["objects"][path.name]["bytes"] == path.stat().st_size
+
+
+def test_the_hf_directory_goes_up_when_the_run_finished_and_stays_when_it_failed(s3_url, tmp_path):  # noqa: F811
+    config = _config(tmp_path, s3_url)
+    directory = Path(config.output_dir, "hf")
+    directory.mkdir(parents=True)
+    for name in ("model-00001-of-00001.safetensors", "model.safetensors.index.json", "config.json"):
+        (directory / name).write_bytes(name.encode() * 1000)
+    failed = RemoteMirror.for_run(config, cpu_runtime())
+    # a failed run's hf/ may be an earlier run's: the store's copy stays as it was
+    assert failed.on_exit("FAILED", deadline_s=60) == [] and failed.store.listing("hf/") == {}
+    finished = RemoteMirror.for_run(config, cpu_runtime())
+    assert finished.on_exit("FINISHED", deadline_s=60) == []
+    assert finished.store.listing("hf/") == {f"hf/{f.name}": f.stat().st_size for f in directory.iterdir()}
+    assert all(finished.store.get_bytes(f"hf/{f.name}") == f.read_bytes() for f in directory.iterdir())

@@ -61,7 +61,7 @@ def save_final_model(model: torch.nn.Module, output_dir: Path, *, rank: int, con
     if hf:
         why_not = save_hf_directory(model, output_dir / HF_DIRECTORY, model_kwargs=config.model.kwargs, rank=rank)
         if why_not is not None:
-            # No Hugging Face form after all: auto's rule writes model.pt in its place
+            # No Hugging Face form after all, or no disk every rank sees: auto's rule writes model.pt in its place
             pt = pt or model_pt == "auto"
             if rank == 0:
                 log.warning("%s not written: %s%s", HF_DIRECTORY, why_not, "; writing model.pt instead" if pt else "")

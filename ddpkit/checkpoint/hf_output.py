@@ -13,8 +13,9 @@ one tensor at a time, and writes ``model.safetensors.index.json``; rank 0 adds `
 its fp32 copy, when it holds bf16) plus one whole tensor while it joins a file, never the model.
 
 The directory is written as ``<name>.partial`` and renamed once complete, so a crash leaves no directory that looks
-whole. It needs a filesystem every rank sees (as sharded checkpoints do). ddpkit writes no file format of its own
-here: the conversion is ``hf_llama`` / ``hf_gpt2``'s names, and the files are DCP's.
+whole. It needs a filesystem every rank sees (as sharded checkpoints do): where a rank does not see rank 0's partial
+directory (nodes with disks of their own) nothing is written, and the caller hears why. ddpkit writes no file format
+of its own here: the conversion is ``hf_llama`` / ``hf_gpt2``'s names, and the files are DCP's.
 
 What the directory holds is ``ddpkit export RUN --format hf``'s: the tied head left out, GPT-2's ``Conv1D`` weights
 transposed back (a transposed DTensor: the shard dimension swaps), fp32, a padded vocabulary cut back to its real
@@ -24,6 +25,7 @@ rows (that one tensor replicated on the ranks sharing it first: DTensor slicing 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ from ddpkit.reporting.log import log
 
 __all__ = ["save_hf_directory", "hf_views"]
 
+#: Rank 0's token in the partial directory, which every rank must read there: the disk is one for all.
+_SHARED = ".ddpkit-shared"
+
 
 def save_hf_directory(
     model: torch.nn.Module, directory: Path, *, model_kwargs: dict[str, Any], rank: int
@@ -51,7 +56,8 @@ def save_hf_directory(
 
     A collective: every rank calls it with what it holds; each writes its pieces, then the pieces of a file are
     joined by one rank. ``model_kwargs``: ``model.kwargs`` of the run (the shape, the family, a padded vocabulary).
-    Returns None once written, or why the model has no Hugging Face form (the same on every rank; nothing written).
+    Returns None once written, or why not (the same on every rank; nothing written): the model has no Hugging Face
+    form, or ``directory``'s disk is not one every rank sees.
     """
     try:
         arch, kwargs = resolve(model_kwargs)
@@ -68,10 +74,13 @@ def save_hf_directory(
         return problems[0]
     files = _file_of_each(sorted({name for names, _ in held for name in names}), dist.get_world_size())
     partial = directory.with_name(directory.name + ".partial")
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
+    blind = _ranks_that_cannot_see(partial, rank=rank)
+    if blind:
+        # Each node would join its own pieces: files with holes, and rank 0's hf/ looking complete
+        return (
+            f"{directory.parent} is not one filesystem every rank sees: rank(s) {', '.join(map(str, blind))} do "
+            f"not see rank 0's {partial.name}, and every rank writes its pieces of hf/ into it (a shared disk)"
+        )
     writer = HuggingFaceStorageWriter(str(partial / "sharded"), fqn_to_index_mapping=files, save_distributed=True)
     dcp.save(views, storage_writer=writer)
     consolidate_safetensors_files_on_every_rank(str(partial / "sharded"), str(partial), files)
@@ -82,6 +91,7 @@ def save_hf_directory(
         copy_tokenizer(init_from, partial)
         write_atomically(partial / "config.json", json.dumps(config, indent=2) + "\n", durable=True)
         shutil.rmtree(partial / "sharded")
+        (partial / _SHARED).unlink()
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
         count = len(set(files.values()))
@@ -89,6 +99,27 @@ def save_hf_directory(
     # The directory is complete for every rank once rank 0 has renamed it
     dist.barrier()
     return None
+
+
+def _ranks_that_cannot_see(partial: Path, *, rank: int) -> list[int]:
+    """Rank 0 makes ``partial`` afresh with a token of this run in it; the ranks that do not read that token there
+    (another node's disk, a stale directory of an earlier run) are returned, on every rank. A collective."""
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        write_atomically(partial / _SHARED, token[0], durable=True)
+    dist.broadcast_object_list(token, src=0)
+    try:
+        seen = (partial / _SHARED).read_text() == token[0]
+    except OSError:
+        seen = False
+    everyone: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    blind = [other for other, saw in enumerate(everyone) if not saw]
+    if blind and rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    return blind
 
 
 def hf_views(weights: dict[str, torch.Tensor], *, arch: str, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@
     mirror.saved(path)                               # after each committed local save: queued, returns at once
     mirror.metrics()                                 # {"remote_upload_s": ..., "remote_lag_steps": ...}
     mirror.drain()                                   # the end of training: metrics.jsonl, model.pt, the queue
-    mirror.on_exit(status)                           # every rank, however the run ends: drain if not yet, unlock
+    mirror.on_exit(status)                           # every rank, however it ends: hf/ if finished, drain, unlock
 
 The run writes its checkpoints into the local staging folder ``config.checkpoint_dir``
 (``<output_dir>/checkpoints``) exactly as without a URL, and the existing local discovery resumes from
@@ -44,6 +44,9 @@ log = logging.getLogger("ddpkit")
 EXIT_DEADLINE_S = 600.0
 _STEP = re.compile(r"^step-(\d{9})\.")
 _RUN_FILES = ("metrics.jsonl", "model.pt")
+#: The run's final Hugging Face directory (ddpkit.checkpoint.final_outputs.HF_DIRECTORY) and the files that make it
+#: complete for a reader, uploaded last in this order: its index, then the config.json transformers reads first.
+_HF_DIRECTORY, _HF_LAST = "hf", ("model.safetensors.index.json", "config.json")
 
 
 class RemoteMirror:
@@ -286,12 +289,18 @@ class RemoteMirror:
         return undone
 
     def on_exit(self, status: str = "finished", *, deadline_s: float | None = None) -> list[str]:
-        """The run's end however it ends (a listener's teardown): upload what is left (``model.pt``), at most
-        ``deadline_s`` seconds (default :attr:`exit_deadline_s`), and release the store's lock.
+        """The run's end however it ends (a listener's teardown): upload what is left (``model.pt``; ``hf/`` when
+        the run finished, so a stopped or failed run leaves the store's copy as it was), at most ``deadline_s``
+        seconds (default :attr:`exit_deadline_s`), and release the store's lock.
 
         Returns the paths whose upload was left behind. Then the lock is not released (the store is likely
         unreachable): it expires by itself, LEASE_S after the last renewal.
         """
+        directory = self.output_dir / _HF_DIRECTORY
+        if self.env.rank == 0 and status.upper() == "FINISHED" and directory.is_dir():
+            # Written at the end of training, after the last drain; only here, so it goes up once
+            job = {"op": "directory", "path": str(directory), "name": _HF_DIRECTORY, "last": list(_HF_LAST)}
+            self._uploads.submit(job)
         left = self.drain(self.exit_deadline_s if deadline_s is None else deadline_s)
         if self.lease is not None and not left:
             try:

@@ -5,7 +5,9 @@
 Runs in the upload process (:mod:`ddpkit.checkpoint.storage.worker`), never on the training thread.
 A sharded checkpoint spread over nodes without a shared disk is published in parts: each node's
 upload process sends the shard files its ranks wrote and a part list (``.ddpkit/parts/<name>/node-<k>.json``);
-node 0's waits for every part, then writes the one manifest covering them all.
+node 0's waits for every part, then writes the one manifest covering them all. The run's files go up whole
+(:func:`publish_file`: ``metrics.jsonl``, ``model.pt``), and its ``hf/`` directory with its ``config.json`` last
+(:func:`publish_directory`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ddpkit.errors import CheckpointError
 __all__ = [
     "publish_checkpoint",
     "publish_file",
+    "publish_directory",
     "newer_committed",
     "NotRetried",
     "LeaseLost",
@@ -120,6 +123,32 @@ def publish_file(store: Store, job: dict[str, Any]) -> dict[str, Any]:
         return {"name": job["name"], "bytes": len(data)}
     _, size = store.put_file(path, job["name"])
     return {"name": job["name"], "bytes": size}
+
+
+def publish_directory(store: Store, job: dict[str, Any]) -> dict[str, Any]:
+    """Upload the local directory ``job["path"]`` (the run's ``hf/``) as ``job["name"]/...`` over its previous copy,
+    so that a reader finds it complete or finds it incomplete, never a mix that looks complete.
+
+    An object store has no rename: objects appear one by one. So ``job["last"]``'s files (``hf/``'s index, then its
+    ``config.json``, without which transformers loads nothing) play a manifest's part: they are deleted first, the
+    previous copy's marker before anything of it changes; then the objects the new copy lacks go, every other file is
+    sent, and the ``last`` files are sent in their order after all of them. An upload cut short leaves no marker.
+    """
+    local = Path(job["path"])
+    name = job["name"]
+    last = list(job.get("last", ()))
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    missing = [marker for marker in last if marker not in files]
+    if missing:
+        raise NotRetried(f"{local} has no {', '.join(missing)}: it is incomplete and not uploaded")
+    store.delete([f"{name}/{marker}" for marker in reversed(last)])
+    # A previous copy's files this one lacks (another file count: model-00003-of-00004.safetensors)
+    previous = [key for key in store.listing(f"{name}/") if key.startswith(f"{name}/")]
+    store.delete([key for key in previous if key[len(name) + 1 :] not in files])
+    sent = 0
+    for file in [f for f in files if f not in last] + last:
+        sent += store.put_file(local / file, f"{name}/{file}")[1]
+    return {"name": name, "bytes": sent}
 
 
 def _local_manifest(path: Path) -> Path:

@@ -34,6 +34,7 @@ from ddpkit.checkpoint.storage.publish import (
     Superseded,
     newer_committed,
     publish_checkpoint,
+    publish_directory,
     publish_file,
 )
 from ddpkit.checkpoint.storage.store import Store
@@ -82,6 +83,8 @@ class Worker:
                     done = publish_checkpoint(
                         self.store, job, epoch=self.epoch, keep_last=self.keep_last, protected=self.protected
                     )
+                elif job["op"] == "directory":
+                    done = publish_directory(self.store, job)
                 else:
                     done = publish_file(self.store, job)
                 return {"seq": job.get("seq"), "ok": True, "seconds": round(time.monotonic() - started, 3), **done}
