@@ -5,7 +5,8 @@
 docs/modes.md's "Every combination" table says, for every pair of options, whether it is tested, and by which test,
 or refused and why. These are the pairs that no other test ran: a pipeline with ZeRO-1, activation checkpointing
 (AC) or bf16; tensor parallelism with the document mask or bf16; HSDP with compile, LoRA, the document mask, AC or
-bf16; ZeRO-1 and FSDP2 with the document mask or bf16; and LoRA, the document mask, AC and bf16 with each other.
+bf16; ZeRO-1 and FSDP2 with the document mask or bf16; LoRA, the document mask, AC and bf16 with each other; and
+three that other tests ran only in part (DDP with the document mask, alone and with AC, and compiled).
 Each is the real Trainer's run of a tiny Llama (2 blocks, dim 32, grouped-query attention, an untied head) on a
 token file the test writes, 3 SGD steps with momentum, the token-weighted loss: the pair on 2 ranks (4 for HSDP
 and for a pipeline with ZeRO-1 beside it), and the same options but the layout in a world of one.
@@ -30,18 +31,19 @@ too, where ``torch.autocast`` keeps them in fp32; its reference is fsdp2 in a wo
 That each option is on is checked beside the numbers, from what ran: under bf16 every ``nn.Linear`` returned bf16;
 under AC each block's ``nn.Linear`` ran twice a micro-batch (the recompute); under the document mask the model
 holds the documents' setting; under LoRA the model's state is the adapter alone; under compile the watch counted
-compilations.
+compilations. And the table itself is checked: every test it names exists, every pair here is named there.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import full_state, run_in_pool
+from helpers import REPO, full_state, run_in_pool
 from torch import nn
 
 import ddpkit
@@ -84,6 +86,10 @@ PAIRS: dict[str, tuple[int, dict, dict, float | None]] = {
     "hsdp_x_bf16": (4, HSDP, {"bf16": True}, None),
     "hsdp_x_compile": (4, HSDP, {"compile": True}, 1e-6),
     "compile_x_lora": (2, {}, {"compile": True, "lora": True}, 1e-6),
+    # tested before only by a run's finite loss (configs/packed_tiny.yaml) or by the model's logits alone
+    "ddp_x_mask": (2, {}, {"mask": True}, 1e-6),
+    "mask_x_ac": (2, {}, {"mask": True, "ac": True}, 1e-6),
+    "compile_x_mask": (2, {}, {"compile": True, "mask": True}, 1e-6),
 }
 COMPILED = [name for name, (_, _, options, _) in PAIRS.items() if options.get("compile")]
 EAGER = [name for name in PAIRS if name not in COMPILED]
@@ -236,3 +242,30 @@ def test_each_compiled_pair_trains_like_an_eager_world_of_one(tmp_path, name):
     # Dynamo's cache is the rank's: each run compiles from nothing, so its watch sees its compilations.
     run_in_pool(torch._dynamo.reset, PAIRS[name][0])
     _check_pair(tmp_path, name)
+
+
+def _combination_table() -> str:
+    text = (REPO / "docs" / "modes.md").read_text()
+    start = text.index("## Every combination")
+    end = text.find("\n## ", start)
+    return text[start : None if end < 0 else end]
+
+
+def test_the_docs_table_names_a_test_that_exists_for_every_pair():
+    """docs/modes.md's "Every combination" table stays true: each test it names is defined (with each of these
+    pairs' ids), each pair here is named there, and no row is left untested."""
+    table = _combination_table()
+    defined = {
+        name
+        for path in (REPO / "tests").glob("test_*.py")
+        for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+    }
+    named = re.findall(r"`(test_\w+)(?:\[(\w+)\])?`", table)
+    assert named
+    for test, pair in named:
+        assert test in defined, test
+        if pair:
+            assert pair in PAIRS, f"{test}[{pair}]"
+    ids = {pair for _, pair in named}
+    assert set(PAIRS) <= ids, set(PAIRS) - ids
+    assert "not refused, untested |" not in table
