@@ -1,15 +1,19 @@
 """What each rank holds in each layout: its peak host memory while the model is built and placed, and while training.
 
     python -m benchmarks.memory                          # a Llama shape of about 1 GB of fp32 weights, every layout
-    python -m benchmarks.memory --dim 1024 --depth 4     # a smaller one (the test's, about 200 MB)
+    python -m benchmarks.memory --dim 2048 --depth 3     # the same bytes in 3 wide blocks (the earlier default)
+    python -m benchmarks.memory --dim 1024 --depth 4 --vocab 32000   # a smaller one (about 450 MB)
     python -m benchmarks.memory --init-from               # the same shape from a Hugging Face directory
     python -m benchmarks.memory --adamw fused --layouts one fsdp2   # AdamW's fused kernel (or loop) for foreach
+    python -m benchmarks.memory --host-memory keep       # train.keep_host_memory: true in every layout
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
 group, the data, and torch's FSDP2, pipelining and tensor-parallel modules, whichever the layout uses); its peak
 from there to the first step (``VmHWM``, reset at the baseline through ``/proc/self/clear_refs``); its peak over
-``--steps`` training steps (AdamW: gradients and two state tensors a parameter); and its peak to the end (the last
+``--steps`` training steps (AdamW: gradients and two state tensors a parameter; 3 by default, because AdamW makes its
+state in the first step, after that step's backward: only from the second step on does a backward run beside it,
+and a one-step run reads a peak a steady run exceeds); and its peak to the end (the last
 checkpoint and the final weights: ``model.pt``, which rank 0 writes whole, and a split layout's ``hf/``, which every
 rank writes its part of; ``--model-pt false``: ``hf/`` alone). The table gives each number above the baseline,
 the largest rank's, and the seconds from the baseline to the first step.
@@ -104,9 +108,12 @@ class MemoryTrainer(ddpkit.Trainer):
         self.end_rss = status_bytes("VmRSS")
 
 
-#: AdamW's implementations (``--adamw``): torch's default (``foreach`` on lists of tensors, whose intermediate results
-#: are lists as large as the parameters), a loop over the parameters, or the fused kernel.
+#: AdamW's implementations (``--adamw``): torch's default (on CUDA ``foreach`` on lists of tensors, whose intermediate
+#: results are lists as large as the parameters; on the CPU the loop), a loop over the parameters, or the fused kernel.
 ADAMW = {"foreach": {}, "loop": {"foreach": False}, "fused": {"fused": True}}
+
+#: ``--host-memory``: ``train.keep_host_memory``'s three values.
+HOST_MEMORY = {"default": None, "keep": True, "give-back": False}
 
 
 def config(
@@ -116,12 +123,13 @@ def config(
     steps: int,
     *,
     adamw: str = "foreach",
-    keep: bool = True,
+    keep: bool | None = None,
     model_pt: bool | str = "auto",
 ) -> dict[str, Any]:
     """A run of ``steps`` AdamW steps (the ``adamw`` implementation) on a global batch of 4 (2 micro-batches), no
-    checkpoint; ``keep``: ``train.keep_host_memory`` (freed blocks up to 32 MiB stay in the process); the final
-    weights by ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
+    checkpoint; ``keep``: ``train.keep_host_memory`` (true: freed blocks up to 32 MiB stay in the process; false:
+    given back; None: the default, which keeps unless the layout splits the model); the final weights by
+    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
     pipelined = parallel.get("pipeline", 1) > 1
     return {
         "run": {"name": "memory", "output_dir": out, "seed": 0},
@@ -164,7 +172,7 @@ def measure(
     steps: int,
     out: str,
     adamw: str = "foreach",
-    keep: bool = True,
+    keep: bool | None = None,
     model_pt: Any = "auto",
 ) -> list:
     """Every rank's numbers for one layout, in fresh processes."""
@@ -217,10 +225,10 @@ def write_hf_directory(model: dict[str, Any], directory: Path, *, shard_mb: int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layouts", nargs="*", default=[label for label, _, _ in LAYOUTS])
     parser.add_argument("--out", default="/tmp/ddpkit-memory")
     parser.add_argument("--init-from", action="store_true", help="read the weights from a Hugging Face directory")
@@ -231,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--adamw", choices=sorted(ADAMW), default="foreach", help="AdamW's implementation")
     parser.add_argument(
-        "--release-host-memory", action="store_true", help="train.keep_host_memory=false: freed blocks go back"
+        "--host-memory",
+        choices=sorted(HOST_MEMORY),
+        default="default",
+        help="train.keep_host_memory: keep (true), give-back (false), or the default (null: by layout)",
     )
     args = parser.parse_args(argv)
     model = {
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         if label not in args.layouts:
             continue
         model_pt = {"true": True, "false": False}.get(args.model_pt, args.model_pt)
-        keep = not args.release_host_memory
+        keep = HOST_MEMORY[args.host_memory]
         rows = measure(label, ranks, parallel, model, args.steps, args.out, args.adamw, keep, model_pt)
         worst = {key: max(row[key] for row in rows) for key in rows[0]}
         goal = goal_mib(label, ranks, weights)

@@ -47,7 +47,7 @@ from ddpkit.parallel.parallelize import Placed
 from ddpkit.parallel.pipeline import Pipeline
 from ddpkit.progress import Progress
 from ddpkit.reporting import Events, Profiler, Reporter, TokenThroughput
-from ddpkit.training.allocator import keep_freed_host_memory
+from ddpkit.training.allocator import apply_host_memory
 
 __all__ = ["Built", "RunParts", "build_run_parts"]
 
@@ -145,8 +145,7 @@ def build_run_parts(
     )
     update = _update(model, built, config=config, layout=layout, tokens=tokens, health=health, device=device)
     models = built.placed.models
-    if config.train.keep_host_memory:
-        keep_freed_host_memory()
+    apply_host_memory(config.train.keep_host_memory, splits_model=layout.splits_model)
     if models.watch is not None:
         models.watch.exclude_with(reporter.outside_training)
     reporting = training.StepReporting(reporter, events, progress)
