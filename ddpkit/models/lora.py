@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import skip_init
 
+from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.models.init_by_name import draw_init_seed, is_on_meta, keep_own_part, name_seed
@@ -233,17 +234,7 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig, *, precision: str = "fp
     # ddpkit's models: the seed their weights are drawn from, so the adapter starts alike whether built whole or not
     seed = getattr(model, "init_seed", None)
     adapter_seed = draw_init_seed() if seed is None else int(seed)
-    if _is_hugging_face(model):
-        from ddpkit.models.lora_peft import apply_peft
-
-        model, names = apply_peft(model, cfg)
-    else:
-        names = lora_targets(model, cfg.targets)
-        model.requires_grad_(False)
-        for name in names:
-            parent, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            setattr(owner, leaf, LoraLinear(getattr(owner, leaf), r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout))
+    model, names = _add_adapters(model, cfg)
     settings = {"r": cfg.r, "alpha": cfg.alpha, "targets": sorted({n.rsplit(".", 1)[-1] for n in names})}
     model.lora_base = LoraBase(
         base=describe_base(model_cfg),
@@ -272,6 +263,22 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig, *, precision: str = "fp
         fingerprint[:16],
     )
     return model
+
+
+def _add_adapters(model: nn.Module, cfg: LoraConfig) -> tuple[nn.Module, list[str]]:
+    """``model`` with its base frozen and an adapter on each target (peft's for a Hugging Face model, else a
+    :class:`LoraLinear` in place of each target ``nn.Linear``), and the targets' names."""
+    if _is_hugging_face(model):
+        from ddpkit.models.lora_peft import apply_peft
+
+        return apply_peft(model, cfg)
+    names = lora_targets(model, cfg.targets)
+    model.requires_grad_(False)
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, leaf, LoraLinear(getattr(owner, leaf), r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout))
+    return model, names
 
 
 #: The dtype the frozen base is kept in, by ``train.precision`` (fp32 and fp16 keep the base as built).
