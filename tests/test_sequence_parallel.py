@@ -232,16 +232,12 @@ def test_a_run_with_parallel_sequence_parallel_trains_like_a_world_of_one(tmp_pa
         assert _relative(result["weights"], reference["weights"]) < 1e-5
 
 
-def test_sequence_parallel_without_tensor_parallelism_in_a_pipeline_or_on_gpt2_is_refused_before_any_group(tmp_path):
+def test_sequence_parallel_without_tensor_parallelism_or_on_gpt2_is_refused_before_any_group(tmp_path):
     from ddpkit.config.loader import load_config
     from ddpkit.parallel.parallelize import check_tensor_degree
 
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: .*only with parallel.tensor > 1"):
         load_config(_config(tmp_path, sequence_parallel=True))
-    # a pipeline stage would make its rotary positions from its slice's length (tried: RoPE's tables of 8
-    # positions met a 16-token sequence)
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: a pipeline stage sees its rank's slice"):
-        load_config(_config(tmp_path, pipeline=2, microbatches=2, tensor=2, sequence_parallel=True))
     gpt2 = _config(tmp_path, tensor=2, sequence_parallel=True)
     gpt2["model"]["kwargs"] = {"dim": 32, "heads": 4, "depth": 1, "vocab_size": 50, "max_len": 16}
     # what the Trainer's constructor checks, from model.kwargs
@@ -258,3 +254,21 @@ def test_sequence_parallel_under_fsdp2_over_dp2_x_tp2_trains_like_a_world_of_one
     for result in results:
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
         assert _relative(result["weights"], reference["weights"]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sequence_parallel_inside_a_pipeline_pp2_x_tp2_trains_like_a_world_of_one(tmp_path):
+    """Each stage's input is its tensor rank's slice of the sequence (a later stage receives the slice the previous
+    one's last block reduce-scattered to it), and its rotary positions are the whole sequence's: the stage reads
+    the whole length as the slice's times the tensor degree. Before that, 8 positions' tables met a 16-token
+    sequence and the run stopped."""
+    reference = run_in_pool(_fit, 1, args=(_config(tmp_path / "one"),), timeout=120)[0]
+    parallel = {"pipeline": 2, "microbatches": 2, "tensor": 2, "sequence_parallel": True}
+    results = run_in_pool(_fit, 4, args=(_config(tmp_path / "pp_sp", **parallel),), timeout=300)
+    held: dict[str, torch.Tensor] = {}
+    for result in results:
+        assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+        held.update(result["weights"])
+    # the two stages together hold every weight of the model, each within 1e-5 of a world of one's
+    assert _relative(held, reference["weights"]) < 1e-5

@@ -154,14 +154,6 @@ def tensor_config_problems(cfg: Config) -> list[str]:
             "parallel.mode: zero1 does not shard tensor-parallel (DTensor) parameters; use parallel.mode=fsdp2 "
             "with parallel.tensor > 1 (it shards over the data-parallel ranks), or parallel.mode=ddp"
         )
-    # A stage's RoPE tables are made from its input's length (the model's stage_rotation), which is a rank's slice
-    # of the sequence when it is split: the stages would rotate by the wrong positions.
-    if parallel.sequence_parallel and parallel.pipeline > 1:
-        problems.append(
-            "parallel.sequence_parallel: a pipeline stage sees its rank's slice of the sequence and makes its "
-            "rotary positions from that length, not the whole sequence's; set parallel.sequence_parallel=false "
-            "under parallel.pipeline > 1"
-        )
     problems += _unsupported_with_tensor_parallel(cfg)
     return problems
 

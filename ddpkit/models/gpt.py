@@ -155,7 +155,9 @@ class GPT(nn.Module):
         return parts.drop(parts.embed(x) + parts.pos(positions))
 
     @staticmethod
-    def stage_rotation(parts: nn.Module, h: torch.Tensor, documents: Documents | None = None) -> None:
+    def stage_rotation(
+        parts: nn.Module, h: torch.Tensor, documents: Documents | None = None, length: int | None = None
+    ) -> None:
         """What each block takes besides its input on a stage: nothing (learned positions)."""
         return None
 

@@ -306,12 +306,14 @@ class Llama(nn.Module):
 
     @staticmethod
     def stage_rotation(
-        parts: nn.Module, h: torch.Tensor, documents: Documents | None = None
+        parts: nn.Module, h: torch.Tensor, documents: Documents | None = None, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's ``(cos, sin)`` for a stage's input ``h``, each block's second argument; restarted in each of
-        ``documents`` when the model restarts positions (``parts.documents``), as :meth:`rotation` does."""
+        ``documents`` when the model restarts positions (``parts.documents``), as :meth:`rotation` does.
+        ``length``: the whole sequence's, where ``h`` holds a rank's slice of it (sequence parallelism)."""
         restart = documents is not None and (getattr(parts, "documents", None) or {}).get("restart_positions")
-        positions = documents.positions if restart else torch.arange(h.shape[1], device=h.device)
+        whole = h.shape[1] if length is None else length
+        positions = documents.positions if restart else torch.arange(whole, device=h.device)
         return parts.rope(positions, dtype=h.dtype)
 
     @staticmethod

@@ -182,6 +182,9 @@ def _tensor_parallel(
         model = model.to(runtime.device)
     styles = dict(plan if plan is not None else tensor_plan(model, **split))
     apply_tensor_parallel(model, layout.tp_mesh, styles)
+    if config.parallel.sequence_parallel:
+        # what a pipeline's later stages read their whole sequence's length by (ddpkit.parallel.pipeline_split)
+        model.sequence_split = layout.tp
     log.info(
         "tensor parallelism: %d module(s) of %s split %d-way by its plan (%s), the vocabulary %s, the sequence %s; "
         "this rank is tensor rank %d",

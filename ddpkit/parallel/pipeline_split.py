@@ -117,6 +117,9 @@ class LanguageModelStage(nn.Module):
         #: The model's document mask setting (``use_documents``), None without one: each stage then needs the batch's
         #: token ids beside its activations (the ``tokens`` keyword every stage's forward gets from the schedule).
         self.documents = getattr(model, "documents", None)
+        #: Into how many slices sequence parallelism splits the residual stream (``parallel.sequence_parallel``: the
+        #: tensor degree; 1 without it): a later stage's input holds one slice, its rotary positions the whole.
+        self.sequence_split = getattr(model, "sequence_split", 1)
         self.valid_vocab = getattr(model, "valid_vocab", None)
         tied = getattr(model, "head", None) is not None and model.head.weight is model.embed.weight
         wanted = set(family["every"])
@@ -141,9 +144,11 @@ class LanguageModelStage(nn.Module):
         first receives them as its input); each stage finds the documents in them itself, as the whole model does.
         """
         documents = self._documents(tokens)
+        # the whole sequence's length: the first stage's token ids are whole, a later stage's input may be a slice
+        length = h.shape[1] if self.is_first else h.shape[1] * self.sequence_split
         if self.is_first:
             h = self.family.stage_input(self, h, documents)
-        rope = self.family.stage_rotation(self, h, documents)
+        rope = self.family.stage_rotation(self, h, documents, length=length)
         for block in self.blocks.values():
             h = block(h, rope, None, documents) if rope is not None else block(h, None, documents)
         if self.is_last:
