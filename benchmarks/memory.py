@@ -6,6 +6,7 @@
     python -m benchmarks.memory --init-from               # the same shape from a Hugging Face directory
     python -m benchmarks.memory --adamw fused --layouts one fsdp2   # AdamW's fused kernel (or loop) for foreach
     python -m benchmarks.memory --host-memory keep       # train.keep_host_memory: true in every layout
+    python -m benchmarks.memory --lora 8                 # a LoRA fine-tune (r 8, every linear layer) of the same shape
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
@@ -22,6 +23,12 @@ the largest rank's, and the seconds from the baseline to the first step.
 transformers writes first (``LlamaForCausalLM.save_pretrained``, fp32, in shards of ``--shard-mb``; ``--bf16``: in
 bf16), so the setup peak includes each rank's reads of its own tensors and slices (ddpkit.models.hf_slices).
 
+Each layout's run directory (its ``model.pt`` and ``hf/``: a GB each at the default shape) is removed once it is
+measured (``--keep-outputs`` keeps them), so a full table does not fill the disk.
+
+``--lora R``: ``model.lora`` with rank ``R`` on every linear layer; the frozen base has no gradients or optimizer
+state, so the goal printed is the base's share alone, x 1.1.
+
 The goal (issue 67): while training, every sharded layout's peak per rank is at most (parameters + gradients +
 optimizer state) / N x 1.1 above the baseline, where a world of one holds all of it.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -125,16 +133,18 @@ def config(
     adamw: str = "foreach",
     keep: bool | None = None,
     model_pt: bool | str = "auto",
+    lora: int = 0,
 ) -> dict[str, Any]:
     """A run of ``steps`` AdamW steps (the ``adamw`` implementation) on a global batch of 4 (2 micro-batches), no
     checkpoint; ``keep``: ``train.keep_host_memory`` (true: freed blocks up to 32 MiB stay in the process; false:
     given back; None: the default, which keeps unless the layout splits the model); the final weights by
-    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``."""
+    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``; ``lora``: the adapter's rank (0: none)."""
+    adapter = {"lora": {"r": lora, "alpha": 2 * lora, "targets": "all-linear"}} if lora else {}
     pipelined = parallel.get("pipeline", 1) > 1
     return {
         "run": {"name": "memory", "output_dir": out, "seed": 0},
         "data": {"global_batch_size": 4, "order": "index_free"},
-        "model": {"name": "gpt", "kwargs": model},
+        "model": {"name": "gpt", "kwargs": model, **adapter},
         "optim": {"name": "adamw", "lr": 1e-4, "kwargs": ADAMW[adamw]},
         "train": {
             "max_steps": steps,
@@ -174,12 +184,19 @@ def measure(
     adamw: str = "foreach",
     keep: bool | None = None,
     model_pt: Any = "auto",
+    lora: int = 0,
+    keep_outputs: bool = True,
 ) -> list:
-    """Every rank's numbers for one layout, in fresh processes."""
+    """Every rank's numbers for one layout, in fresh processes; ``keep_outputs``: leave its run directory."""
     from ddpkit.testing import run_on_ranks
 
-    cfg = config(os.path.join(out, label), model, parallel, steps, adamw=adamw, keep=keep, model_pt=model_pt)
-    return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
+    directory = os.path.join(out, label)
+    cfg = config(directory, model, parallel, steps, adamw=adamw, keep=keep, model_pt=model_pt, lora=lora)
+    try:
+        return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
+    finally:
+        if not keep_outputs:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def model_bytes(model: dict[str, Any]) -> int:
@@ -191,9 +208,12 @@ def model_bytes(model: dict[str, Any]) -> int:
     return sum(p.numel() for p in built.parameters()) * 4
 
 
-def goal_mib(label: str, ranks: int, weights: float) -> float:
+def goal_mib(label: str, ranks: int, weights: float, *, lora: bool = False) -> float:
     """The issue's goal for one layout: what a rank must hold (parameters, gradients, AdamW's two state tensors) of
-    ``weights`` MiB of parameters, x 1.1; replicated layouts hold all of it, zero1 shards only the state."""
+    ``weights`` MiB of parameters, x 1.1; replicated layouts hold all of it, zero1 shards only the state. Under
+    ``lora`` only the frozen base's share (the adapter's bytes are nothing next to it)."""
+    if lora:
+        return weights * 1.1 if label in ("one", "ddp", "zero1") else weights / ranks * 1.1
     if label in ("one", "ddp"):
         return 4 * weights * 1.1
     if label == "zero1":
@@ -238,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         "--model-pt", choices=["auto", "true", "false"], default="auto", help="checkpoint.model_pt: the end's files"
     )
     parser.add_argument("--adamw", choices=sorted(ADAMW), default="foreach", help="AdamW's implementation")
+    parser.add_argument("--lora", type=int, default=0, help="model.lora's rank on every linear layer (0: none)")
+    parser.add_argument("--keep-outputs", action="store_true", help="leave each layout's run directory")
     parser.add_argument(
         "--host-memory",
         choices=sorted(HOST_MEMORY),
@@ -264,9 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"init_from: {directory} ({len(files)} files, {sum(f.stat().st_size for f in files) / MiB:,.0f} MiB)")
         model = {"init_from": str(directory), "vocab_size": model["vocab_size"], "max_len": model["max_len"]}
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(
-        f"model: {weights:,.0f} MiB of fp32 parameters; AdamW ({args.adamw}): x4 with gradients and two state tensors"
-    )
+    trained = f"LoRA r={args.lora}, the base frozen" if args.lora else "x4 with gradients and two state tensors"
+    print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW ({args.adamw}): {trained}")
     print(
         f"{'layout':<9} {'ranks':>5} {'baseline':>9} {'setup peak':>11} {'first step':>11} {'train peak':>11} "
         f"{'goal':>9} {'end peak':>9} {'to step 1':>10}"
@@ -276,9 +297,21 @@ def main(argv: list[str] | None = None) -> None:
             continue
         model_pt = {"true": True, "false": False}.get(args.model_pt, args.model_pt)
         keep = HOST_MEMORY[args.host_memory]
-        rows = measure(label, ranks, parallel, model, args.steps, args.out, args.adamw, keep, model_pt)
+        rows = measure(
+            label,
+            ranks,
+            parallel,
+            model,
+            args.steps,
+            args.out,
+            args.adamw,
+            keep,
+            model_pt,
+            lora=args.lora,
+            keep_outputs=args.keep_outputs,
+        )
         worst = {key: max(row[key] for row in rows) for key in rows[0]}
-        goal = goal_mib(label, ranks, weights)
+        goal = goal_mib(label, ranks, weights, lora=bool(args.lora))
         print(
             f"{label:<9} {ranks:>5} {worst['baseline']:>8.0f}M {worst['setup_peak']:>10.0f}M "
             f"{worst['first_step']:>10.0f}M {worst['train_peak']:>10.0f}M {goal:>8.0f}M {worst['end_peak']:>8.0f}M "
