@@ -113,6 +113,18 @@ def test_every_rank_refuses_a_layout_that_cannot_fit_before_making_the_model_and
     assert ranks[0]["refused"] == ranks[1]["refused"]
 
 
+def test_train_memory_check_false_lets_the_layout_start(tmp_path):
+    """The check is an estimate against what the device has now: a user who knows better (memory another job will
+    free, swap) turns it off, and the same layout is not refused."""
+    from ddpkit.training.footprint import refuse_before_spawning
+
+    checked = load_config(_config(tmp_path, HUGE))
+    with pytest.raises(ConfigError, match=r"cannot fit: .*; train.memory_check=false starts it anyway"):
+        refuse_before_spawning(checked, world_size=2, local_world_size=2, device=torch.device("cpu"))
+    unchecked = load_config({**_config(tmp_path, HUGE), "train": {"max_steps": 1, "memory_check": False}})
+    refuse_before_spawning(unchecked, world_size=2, local_world_size=2, device=torch.device("cpu"))
+
+
 def test_ddpkit_run_refuses_it_before_starting_a_worker(tmp_path):
     path = tmp_path / "huge.yaml"
     path.write_text(yaml.safe_dump({**_config(tmp_path / "out", HUGE), "data": {"name": "digits"}}))

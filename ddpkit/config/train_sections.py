@@ -189,6 +189,13 @@ class TrainConfig:
         "with no deterministic kernel raises. Without it GPU runs differ in the last bits (convolutions' "
         "backward); CPU runs are deterministic either way.",
     )
+    memory_check: bool = option(
+        True,
+        "Refuse, before the model is made, a layout whose largest rank cannot hold its parameters, gradients and "
+        "optimizer state in its device's memory (a GPU's total, or the host's available memory over its ranks), "
+        "naming the layouts that would fit (`ddpkit estimate`'s arithmetic; activations are not counted). `false` "
+        "starts anyway: memory another job will free, swap, or an estimate that errs for your model.",
+    )
     keep_host_memory: bool | None = option(
         None,
         "Host memory freed during training: `true` keeps it in the process for reuse (glibc `mallopt`; blocks up "

@@ -57,6 +57,8 @@ HARMLESS_PREFIXES = (
     "train.channels_last",
     # How fast, not what is computed.
     "train.keep_host_memory",
+    # A check before the model is made, not part of the math.
+    "train.memory_check",
     # Which kernels compute it: the same math, in a fixed order.
     "train.deterministic",
     # Where the gradients live, not their values (the same buckets are all-reduced).

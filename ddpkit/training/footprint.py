@@ -123,7 +123,8 @@ def fit_problem(fp: Footprint, mode: str, budget: int, *, nproc: int) -> str | N
         f"{format_bytes(need.total, exact=False)} (parameters {format_bytes(need.parameters, exact=False)}, "
         f"gradients {format_bytes(need.gradients, exact=False)}, optimizer state "
         f"{format_bytes(need.optimizer, exact=False)}) and the device has {format_bytes(budget, exact=False)} a rank; "
-        f"{instead}, or make the model smaller (`ddpkit estimate CONFIG --nproc-per-node N` prints each layout)"
+        f"{instead}, or make the model smaller (`ddpkit estimate CONFIG --nproc-per-node N` prints each layout); "
+        "train.memory_check=false starts it anyway"
     )
 
 
@@ -152,6 +153,8 @@ def refuse_before_spawning(cfg: Config, *, world_size: int, local_world_size: in
 
 
 def _refuse(model: nn.Module, cfg: Config, *, budget: int, world_size: int) -> None:
+    if not cfg.train.memory_check:
+        return
     try:
         held = footprint(model, cfg, nproc=world_size)
     except ConfigError as error:
