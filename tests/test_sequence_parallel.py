@@ -15,38 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import RaggedSequences, run_in_pool
+from tensor_harness import GQA, VOCAB, fixed_batch, relative_l2, tiny_model, whole
 from torch import nn
 from torch.nn import functional as F
 
 import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT
-from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.models.llama import LlamaShape
 from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
 
 pytestmark = pytest.mark.timeout(200)
 
-VOCAB = 64
-GQA = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, kv_heads=2, mlp_dim=64, max_len=16, tied=False)
-#: Qwen-like: per-head q/k norms, a tied head.
-QWEN = {**GQA, "tied": True, "qkv_bias": True, "qk_norm": True}
 CLIP = 0.5
-
-
-def _model(kind: str, dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return Llama(LlamaShape(**(GQA if kind == "gqa" else QWEN))).to(dtype)
-
-
-def _batch(step: int) -> torch.Tensor:
-    """One of four fixed batches of 8 sequences of 17 tokens (inputs 16: they split over 2 ranks)."""
-    return torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step % 4))
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _train(model: nn.Module, steps: int, *, vocab_parallel: bool) -> dict:
@@ -57,7 +38,7 @@ def _train(model: nn.Module, steps: int, *, vocab_parallel: bool) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     losses, norms, counts = [], [], None
     for step in range(steps):
-        x = _batch(step)
+        x = fixed_batch(step)
         with CommDebugMode() as comm:
             with loss_parallel() if vocab_parallel else contextlib.nullcontext():
                 loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
@@ -66,18 +47,10 @@ def _train(model: nn.Module, steps: int, *, vocab_parallel: bool) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
-        losses.append(_whole(loss).item())
-        norms.append(_whole(norm).item())
-    weights = {name: _whole(p.detach()).clone() for name, p in model.named_parameters()}
+        losses.append(whole(loss).item())
+        norms.append(whole(norm).item())
+    weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
-
-
-def _relative(a: list[float] | dict, b: list[float] | dict) -> float:
-    """Per loss and norm, and per weight tensor in L2 norms: the largest difference relative to a world of one."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in a)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool) -> dict:
@@ -85,20 +58,20 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _model(kind, dtype)
+    model = tiny_model(kind, dtype)
     plan = tensor_plan(model, vocab_parallel=vocab_parallel, sequence_parallel=True)
     sp = _train(apply_tensor_parallel(model, mesh, plan), steps, vocab_parallel=vocab_parallel)
-    plain = _model(kind, dtype)
+    plain = tiny_model(kind, dtype)
     plain = apply_tensor_parallel(plain, mesh, tensor_plan(plain, vocab_parallel=vocab_parallel))
     tp = _train(plain, steps, vocab_parallel=vocab_parallel)
-    one = _train(_model(kind, dtype), steps, vocab_parallel=vocab_parallel)
+    one = _train(tiny_model(kind, dtype), steps, vocab_parallel=vocab_parallel)
     return {
-        "losses": _relative(sp["losses"], one["losses"]),
-        "norms": _relative(sp["norms"], one["norms"]),
-        "weights": _relative(sp["weights"], one["weights"]),
+        "losses": relative_l2(sp["losses"], one["losses"]),
+        "norms": relative_l2(sp["norms"], one["norms"]),
+        "weights": relative_l2(sp["weights"], one["weights"]),
         # for scale: the plain plan's distance (the same products; the norms' weight gradients are summed in
         # another order, each rank's positions first)
-        "plain_weights": _relative(tp["weights"], one["weights"]),
+        "plain_weights": relative_l2(tp["weights"], one["weights"]),
         "first_norm": one["norms"][0],
         "counts": sp["counts"],
         "plain_counts": tp["counts"],
@@ -110,10 +83,10 @@ def _uneven() -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _model("gqa", torch.float32)
+    model = tiny_model("gqa", torch.float32)
     model = apply_tensor_parallel(model, mesh, tensor_plan(model, sequence_parallel=True))
     try:
-        model(_batch(0)[:, :15])
+        model(fixed_batch(0)[:, :15])
     except ValueError as error:
         return str(error)
     return "no error"
@@ -205,7 +178,7 @@ def _fit(cfg: dict) -> dict:
     trainer = _RaggedTrainer(cfg)
     metrics = trainer.fit()
     state = trainer.placed.held.state_dict()
-    return {"metrics": metrics, "weights": {k: _whole(v).detach().clone() for k, v in state.items()}}
+    return {"metrics": metrics, "weights": {k: whole(v).detach().clone() for k, v in state.items()}}
 
 
 def _config(out: Path, **parallel: Any) -> dict:
@@ -229,7 +202,7 @@ def test_a_run_with_parallel_sequence_parallel_trains_like_a_world_of_one(tmp_pa
     results = run_in_pool(_fit, 2, args=(_config(tmp_path / "sp", tensor=2, sequence_parallel=True),), timeout=120)
     for result in results:
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
-        assert _relative(result["weights"], reference["weights"]) < 1e-5
+        assert relative_l2(result["weights"], reference["weights"]) < 1e-5
 
 
 def test_sequence_parallel_without_tensor_parallelism_or_on_gpt2_is_refused_before_any_group(tmp_path):
@@ -253,7 +226,7 @@ def test_sequence_parallel_under_fsdp2_over_dp2_x_tp2_trains_like_a_world_of_one
     results = run_in_pool(_fit, 4, args=(_config(tmp_path / "dp_sp", **parallel),), timeout=300)
     for result in results:
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
-        assert _relative(result["weights"], reference["weights"]) < 1e-5
+        assert relative_l2(result["weights"], reference["weights"]) < 1e-5
 
 
 @pytest.mark.slow
@@ -271,4 +244,4 @@ def test_sequence_parallel_inside_a_pipeline_pp2_x_tp2_trains_like_a_world_of_on
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
         held.update(result["weights"])
     # the two stages together hold every weight of the model, each within 1e-5 of a world of one's
-    assert _relative(held, reference["weights"]) < 1e-5
+    assert relative_l2(held, reference["weights"]) < 1e-5

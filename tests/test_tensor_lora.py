@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import RaggedSequences, run_in_pool
+from tensor_harness import GQA, fixed_batch, relative_l2, tiny_model, whole
 from torch import nn
 from torch.nn import functional as F
 
@@ -24,39 +25,22 @@ import ddpkit
 from ddpkit.config.lora_section import LoraConfig
 from ddpkit.config.schema import ModelConfig
 from ddpkit.errors import ConfigError
-from ddpkit.models.gpt import GPT
 from ddpkit.models.llama import Llama, LlamaShape
 from ddpkit.models.lora import LoraLinear, apply_lora
 from ddpkit.parallel.tensor_plan import apply_tensor_parallel, check_tensor_plan, tensor_plan
 
 pytestmark = pytest.mark.timeout(200)
 
-VOCAB = 64
-GQA = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, kv_heads=2, mlp_dim=64, max_len=16, tied=False)
-QWEN = {**GQA, "tied": True, "qkv_bias": True, "qk_norm": True}
-GPT2 = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, max_len=16)
 CLIP = 0.01
 
 
 def _model(kind: str, dtype: torch.dtype = torch.float32, targets: Any = "all-linear") -> nn.Module:
-    torch.manual_seed(0)
-    model = GPT(**GPT2) if kind == "gpt2" else Llama(LlamaShape(**(GQA if kind == "gqa" else QWEN)))
-    model = apply_lora(model.to(dtype), ModelConfig(name="gpt", lora=LoraConfig(r=4, alpha=8, targets=targets)))
+    model = apply_lora(tiny_model(kind, dtype), ModelConfig(name="gpt", lora=LoraConfig(r=4, alpha=8, targets=targets)))
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLinear):
                 module.lora_B.weight.normal_(0, 0.05)
     return model
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step % 4))
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _train(model: nn.Module, steps: int) -> dict:
@@ -68,7 +52,7 @@ def _train(model: nn.Module, steps: int) -> dict:
     optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.1)
     losses, norms, counts = [], [], None
     for step in range(steps):
-        x = _batch(step)
+        x = fixed_batch(step)
         with CommDebugMode() as comm:
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             loss.backward()
@@ -76,17 +60,10 @@ def _train(model: nn.Module, steps: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
-        losses.append(_whole(loss).item())
-        norms.append(_whole(norm).item())
-    adapter = {name: _whole(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
+        losses.append(whole(loss).item())
+        norms.append(whole(norm).item())
+    adapter = {name: whole(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "norms": norms, "counts": counts, "adapter": adapter}
-
-
-def _relative(a: list[float] | dict, b: list[float] | dict) -> float:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in a)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _against_one(kind: str, steps: int, dtype: torch.dtype, targets: Any = "all-linear") -> dict:
@@ -98,9 +75,9 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, targets: Any = "all-
     tp = _train(model, steps)
     one = _train(_model(kind, dtype, targets), steps)
     return {
-        "losses": _relative(tp["losses"], one["losses"]),
-        "norms": _relative(tp["norms"], one["norms"]),
-        "adapter": _relative(tp["adapter"], one["adapter"]),
+        "losses": relative_l2(tp["losses"], one["losses"]),
+        "norms": relative_l2(tp["norms"], one["norms"]),
+        "adapter": relative_l2(tp["adapter"], one["adapter"]),
         "first_norm": one["norms"][0],
         "counts": tp["counts"],
         "placements": placements,
@@ -197,7 +174,7 @@ def _fit(cfg: dict) -> dict:
     metrics = trainer.fit()
     state = trainer.placed.held.state_dict()
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return {"metrics": metrics, "adapter": {k: _whole(v).detach().clone() for k, v in tensors.items()}}
+    return {"metrics": metrics, "adapter": {k: whole(v).detach().clone() for k, v in tensors.items()}}
 
 
 def _lora_config(out: Path, **parallel: Any) -> dict:
@@ -226,7 +203,7 @@ def test_a_lora_run_under_tp2_trains_its_adapter_like_a_world_of_one(tmp_path):
     assert all(".lora_A." in k or ".lora_B." in k for k in reference["adapter"])
     for result in results:
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
-        assert _relative(result["adapter"], reference["adapter"]) < 1e-5
+        assert relative_l2(result["adapter"], reference["adapter"]) < 1e-5
     # the adapter moved (B starts at zero): the comparison is not of two untrained adapters
     assert max(float(v.abs().max()) for k, v in reference["adapter"].items() if ".lora_B." in k) > 1e-3
 
@@ -244,6 +221,6 @@ def test_a_lora_run_over_4_ranks_with_tensor_parallelism_trains_its_adapter_like
     # under a pipeline each stage holds its own blocks' adapters
     merged = {k: v for result in results for k, v in result["adapter"].items()}
     assert merged.keys() == reference["adapter"].keys()
-    assert _relative(merged, reference["adapter"]) < 1e-5
+    assert relative_l2(merged, reference["adapter"]) < 1e-5
     for result in results:
         assert result["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)

@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_in_pool
+from tensor_harness import GPT2, GQA, fixed_batch, relative_l2, relative_max, tiny_model, whole
 from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT
-from ddpkit.models.llama import Llama, LlamaShape
+from ddpkit.models.llama import LlamaShape
 from ddpkit.parallel.tensor_plan import (
     Replicated,
     apply_tensor_parallel,
@@ -36,31 +37,8 @@ from ddpkit.parallel.tensor_plan import (
 
 pytestmark = pytest.mark.timeout(300)
 
-VOCAB = 64
-#: Grouped-query attention (4 query heads, 2 key/value heads), an untied head.
-GQA = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, kv_heads=2, mlp_dim=64, max_len=16, tied=False)
-#: Qwen-like: q/k/v biases, per-head q/k RMSNorms (their weights see every head: an all-reduce each), tied head.
-QWEN = {**GQA, "tied": True, "qkv_bias": True, "qk_norm": True}
-GPT2 = dict(vocab_size=VOCAB, dim=32, depth=2, heads=4, max_len=16)
 #: Below every run's first gradient norm (about 1.0 to 1.5), so clipping acts from the first step.
 CLIP = 0.5
-
-
-def _model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    model = GPT(**GPT2) if kind == "gpt2" else Llama(LlamaShape(**(GQA if kind == "gqa" else QWEN)))
-    return model.to(dtype)
-
-
-def _batch(step: int) -> torch.Tensor:
-    """One of four fixed batches of 8 sequences of 17 tokens (inputs 16, targets shifted by one)."""
-    return torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(step % 4))
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _loss(model: nn.Module, x: torch.Tensor, *, tokens: int | None) -> torch.Tensor:
@@ -91,35 +69,19 @@ def _train(
     for step in range(steps):
         with CommDebugMode() as comm:
             total = 0.0
-            for x in _batch(step).chunk(microbatches):
+            for x in fixed_batch(step).chunk(microbatches):
                 with loss_parallel() if vocab_parallel else contextlib.nullcontext():
                     loss = _loss(model, x, tokens=tokens) / microbatches
                     loss.backward()
-                total += _whole(loss).item()
+                total += whole(loss).item()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             optimizer.zero_grad()
         counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
         losses.append(total)
-        norms.append(_whole(norm).item())
-    weights = {name: _whole(p.detach()).clone() for name, p in model.named_parameters()}
+        norms.append(whole(norm).item())
+    weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
-
-
-def _relative(a: list[float] | dict, b: list[float] | dict) -> float:
-    """The largest difference relative to the world of one's size: per loss, per norm, per weight tensor."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _relative_l2(a: dict, b: dict) -> float:
-    """The largest relative error of a weight tensor, ``|a - b| / |b|`` in L2 norms (tests/test_tensor_training.py's
-    measure): AdamW's per-element normalisation lets a few elements' rounding grow, which the elementwise maximum
-    reports at their size and this at their share of the tensor."""
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in a)
 
 
 def _determined(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -140,16 +102,16 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _model(kind, dtype)
+    model = tiny_model(kind, dtype)
     model = apply_tensor_parallel(model, mesh, tensor_plan(model, vocab_parallel=vocab_parallel))
     every_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
     tp = _train(model, steps, vocab_parallel=vocab_parallel, **options)
-    one = _train(_model(kind, dtype), steps, vocab_parallel=vocab_parallel, **options)
+    one = _train(tiny_model(kind, dtype), steps, vocab_parallel=vocab_parallel, **options)
     return {
-        "losses": _relative(tp["losses"], one["losses"]),
-        "norms": _relative(tp["norms"], one["norms"]),
-        "weights": _relative(_determined(tp["weights"]), _determined(one["weights"])),
-        "weights_l2": _relative_l2(_determined(tp["weights"]), _determined(one["weights"])),
+        "losses": relative_max(tp["losses"], one["losses"]),
+        "norms": relative_max(tp["norms"], one["norms"]),
+        "weights": relative_max(_determined(tp["weights"]), _determined(one["weights"])),
+        "weights_l2": relative_l2(_determined(tp["weights"]), _determined(one["weights"])),
         "first_norm": one["norms"][0],
         "counts": tp["counts"],
         "counts_alone": one["counts"],
@@ -216,27 +178,27 @@ def _fsdp2_over_dp_tp(steps: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = apply_tensor_parallel(_model("qwen", torch.float64), mesh["tp"])
+    model = apply_tensor_parallel(tiny_model("qwen", torch.float64), mesh["tp"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     dp_rank = mesh["dp"].get_local_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    alone = _model("qwen", torch.float64)
+    alone = tiny_model("qwen", torch.float64)
     optimizer_alone = torch.optim.AdamW(alone.parameters(), lr=1e-3, weight_decay=0.1)
     norms = []
     for step in range(steps):
-        x = _batch(step)
+        x = fixed_batch(step)
         for net, opt, rows in ((model, optimizer, x.chunk(2)[dp_rank]), (alone, optimizer_alone, x)):
             F.cross_entropy(net(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten()).backward()
-            norms.append(_whole(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)).item())
+            norms.append(whole(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)).item())
             opt.step()
             opt.zero_grad()
-    weights = {name: _whole(p.detach()) for name, p in model.named_parameters()}
+    weights = {name: whole(p.detach()) for name, p in model.named_parameters()}
     placements = {name: str(p.placements) for name, p in model.named_parameters()}
     return {
-        "weights": _relative(weights, {name: p.detach() for name, p in alone.named_parameters()}),
-        "norms": _relative(norms[0::2], norms[1::2]),
+        "weights": relative_max(weights, {name: p.detach() for name, p in alone.named_parameters()}),
+        "norms": relative_max(norms[0::2], norms[1::2]),
         "q_proj": placements["blocks.0.attn.q_proj.weight"],
     }
 
@@ -255,9 +217,9 @@ def test_a_one_rank_mesh_is_the_plain_model_bitwise(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    model = apply_tensor_parallel(_model("qwen"), init_device_mesh("cpu", (1,)))
+    model = apply_tensor_parallel(tiny_model("qwen"), init_device_mesh("cpu", (1,)))
     tp = _train(model, 5)
-    one = _train(_model("qwen"), 5)
+    one = _train(tiny_model("qwen"), 5)
     assert tp["losses"] == one["losses"]
     assert all(torch.equal(tp["weights"][k], one["weights"][k]) for k in one["weights"])
     # a tied head stays tied: one parameter under both names
@@ -267,7 +229,7 @@ def test_a_one_rank_mesh_is_the_plain_model_bitwise(tmp_path):
 def test_the_llama_plan_names_torchs_styles():
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    plan = tensor_plan(_model("qwen"))
+    plan = tensor_plan(tiny_model("qwen"))
     for name in ("q_proj", "k_proj", "v_proj"):
         assert isinstance(plan[f"blocks.1.attn.{name}"], ColwiseParallel)
     assert isinstance(plan["blocks.1.attn.o_proj"], RowwiseParallel)
@@ -276,11 +238,11 @@ def test_the_llama_plan_names_torchs_styles():
     assert isinstance(plan["blocks.1.attn"], PrepareModuleInput)
     assert "Shard(dim=2)" in repr(plan["blocks.1.attn.q_norm"])
     assert isinstance(plan["embed"], Replicated) and isinstance(plan["head"], Replicated)
-    assert "blocks.0.attn.q_norm" not in tensor_plan(_model("gqa"))
-    vocab = tensor_plan(_model("qwen"), vocab_parallel=True)
+    assert "blocks.0.attn.q_norm" not in tensor_plan(tiny_model("gqa"))
+    vocab = tensor_plan(tiny_model("qwen"), vocab_parallel=True)
     assert isinstance(vocab["embed"], RowwiseParallel) and isinstance(vocab["head"], ColwiseParallel)
     # GPT-2's fused qkv stays whole: a colwise split of [q | k | v] rows would not be whole heads
-    gpt2 = tensor_plan(_model("gpt2"))
+    gpt2 = tensor_plan(tiny_model("gpt2"))
     assert isinstance(gpt2["blocks.0.attn.qkv"], Replicated)
     assert isinstance(gpt2["blocks.0.fc"], ColwiseParallel)
     assert isinstance(gpt2["blocks.0.proj"], RowwiseParallel)
@@ -323,13 +285,13 @@ def test_a_sharded_vocabulary_must_divide_and_cannot_be_padded():
     check_tensor_plan(padded, 2)
     with pytest.raises(ConfigError, match=r"model.kwargs.valid_vocab 60 pads the vocabulary"):
         check_tensor_plan(padded, 2, vocab_parallel=True)
-    assert valid_tensor_degrees(_model("gpt2"), vocab_parallel=True) == [1, 2, 4, 8, 16, 32, 64]
+    assert valid_tensor_degrees(tiny_model("gpt2"), vocab_parallel=True) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_a_run_shards_the_vocabulary_by_default_where_it_divides_and_has_no_padding():
     # parallel.vocab_parallel: null (the default) resolved against the model
     assert vocab_parallel_for(LlamaShape(**GQA), 2, None) is True
-    assert vocab_parallel_for(_model("gpt2"), 4, None) is True
+    assert vocab_parallel_for(tiny_model("gpt2"), 4, None) is True
     assert vocab_parallel_for({"arch": "llama", "vocab_size": 50}, 2, None) is True
     # 50 ids do not split 4-way; padded ids could not be masked on a shard; nothing to shard at T = 1
     assert vocab_parallel_for({"arch": "llama", "vocab_size": 50}, 4, None) is False
@@ -347,5 +309,5 @@ def test_the_degrees_a_model_can_take():
     check_tensor_plan(LlamaShape(**{**GQA, "dropout": 0.1}), 1)
     check_tensor_plan(nn.Sequential(nn.Linear(4, 4)), 8)
     assert valid_tensor_degrees({"preset": "llama3.2-1b"}) == [1, 2, 4, 8]
-    assert valid_tensor_degrees(_model("gpt2")) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert valid_tensor_degrees(tiny_model("gpt2")) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert valid_tensor_degrees(nn.Linear(4, 4)) is None
