@@ -2,16 +2,19 @@
 a split run with a world of one (tests/test_tensor_parallel.py, test_sequence_parallel.py, test_tensor_lora.py).
 
     model = tiny_model("gqa")                    # the same weights on every rank (seeded), split afterwards
-    loss = F.cross_entropy(model(fixed_batch(step)[:, :-1]) ...)
-    assert relative_l2(split_weights, reference_weights) < 1e-5
+    run = train_counted(split, steps=4, clip=0.5)    # AdamW on fixed_batch(step), the collectives counted
+    assert relative_l2(run["weights"], train_counted(tiny_model("gqa"), 4, clip=0.5)["weights"]) < 1e-5
 
-Each test file keeps what it varies itself (its clip value, its loss, LoRA); only these are the same everywhere.
+Each test file keeps what it varies itself (its clip value, its plans, LoRA); only these are the same everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ddpkit.models.gpt import GPT
 from ddpkit.models.llama import Llama, LlamaShape
@@ -61,3 +64,56 @@ def relative_max(a: list[float] | dict, b: list[float] | dict) -> float:
         assert a.keys() == b.keys()
         return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def next_token_loss(model: nn.Module, x: torch.Tensor, *, tokens: int | None = None) -> torch.Tensor:
+    """The mean next-token loss of the batch ``x``, or with ``tokens`` the token-weighted one: the sum over counted
+    targets (every fifth is ignored) divided by the whole batch's count, as ``train.loss_normalization: tokens``."""
+    logits = model(x[:, :-1]).flatten(0, 1)
+    targets = x[:, 1:].flatten()
+    if tokens is None:
+        return F.cross_entropy(logits, targets)
+    targets = targets.masked_fill(torch.arange(targets.numel()) % 5 == 0, -100)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / tokens
+
+
+def train_counted(
+    model: nn.Module,
+    steps: int,
+    *,
+    clip: float,
+    microbatches: int = 1,
+    vocab_parallel: bool = False,
+    token_loss: bool = False,
+) -> dict:
+    """``steps`` of AdamW (lr 1e-3, weight decay 0.1) on the parameters that train, their gradient clipped at
+    ``clip`` over all of them, each step on :func:`fixed_batch` in ``microbatches``; the first step's collectives
+    counted (DTensor's ``CommDebugMode``).
+
+    ``vocab_parallel``: the logits are sharded on the vocabulary, so the loss and its backward run under torch's
+    ``loss_parallel()``; ``token_loss``: the token-weighted loss (:func:`next_token_loss`). Returns each step's
+    loss and gradient norm, the counts, and the trained parameters whole (``weights``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.1)
+    # fixed_batch's 8 x 16 targets less the fifth ignored
+    tokens = 8 * 16 - (8 * 16 + 4) // 5 if token_loss else None
+    losses, norms, counts = [], [], None
+    for step in range(steps):
+        with CommDebugMode() as comm:
+            total = 0.0
+            for x in fixed_batch(step).chunk(microbatches):
+                with loss_parallel() if vocab_parallel else contextlib.nullcontext():
+                    loss = next_token_loss(model, x, tokens=tokens) / microbatches
+                    loss.backward()
+                total += whole(loss).item()
+            norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
+        losses.append(total)
+        norms.append(whole(norm).item())
+    weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
+    return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}

@@ -7,7 +7,6 @@ tensor plan's, and the lengths and models that cannot split their sequence.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import RaggedSequences, run_in_pool
-from tensor_harness import GQA, VOCAB, fixed_batch, relative_l2, tiny_model, whole
+from tensor_harness import GQA, VOCAB, fixed_batch, relative_l2, tiny_model, train_counted, whole
 from torch import nn
-from torch.nn import functional as F
 
 import ddpkit
 from ddpkit.errors import ConfigError
@@ -30,29 +28,6 @@ pytestmark = pytest.mark.timeout(200)
 CLIP = 0.5
 
 
-def _train(model: nn.Module, steps: int, *, vocab_parallel: bool) -> dict:
-    """AdamW, clipped over the whole model; the first step's collectives counted."""
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    losses, norms, counts = [], [], None
-    for step in range(steps):
-        x = fixed_batch(step)
-        with CommDebugMode() as comm:
-            with loss_parallel() if vocab_parallel else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-                loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
-        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
-        losses.append(whole(loss).item())
-        norms.append(whole(norm).item())
-    weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
-
-
 def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool) -> dict:
     """T = world size with the sequence split, against the same model alone and against the plain tensor plan."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -60,11 +35,11 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = tiny_model(kind, dtype)
     plan = tensor_plan(model, vocab_parallel=vocab_parallel, sequence_parallel=True)
-    sp = _train(apply_tensor_parallel(model, mesh, plan), steps, vocab_parallel=vocab_parallel)
+    sp = train_counted(apply_tensor_parallel(model, mesh, plan), steps, clip=CLIP, vocab_parallel=vocab_parallel)
     plain = tiny_model(kind, dtype)
     plain = apply_tensor_parallel(plain, mesh, tensor_plan(plain, vocab_parallel=vocab_parallel))
-    tp = _train(plain, steps, vocab_parallel=vocab_parallel)
-    one = _train(tiny_model(kind, dtype), steps, vocab_parallel=vocab_parallel)
+    tp = train_counted(plain, steps, clip=CLIP, vocab_parallel=vocab_parallel)
+    one = train_counted(tiny_model(kind, dtype), steps, clip=CLIP, vocab_parallel=vocab_parallel)
     return {
         "losses": relative_l2(sp["losses"], one["losses"]),
         "norms": relative_l2(sp["norms"], one["norms"]),

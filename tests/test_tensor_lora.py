@@ -17,9 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import RaggedSequences, run_in_pool
-from tensor_harness import GQA, fixed_batch, relative_l2, tiny_model, whole
+from tensor_harness import GQA, relative_l2, tiny_model, train_counted, whole
 from torch import nn
-from torch.nn import functional as F
 
 import ddpkit
 from ddpkit.config.lora_section import LoraConfig
@@ -43,41 +42,18 @@ def _model(kind: str, dtype: torch.dtype = torch.float32, targets: Any = "all-li
     return model
 
 
-def _train(model: nn.Module, steps: int) -> dict:
-    """AdamW on the adapter, clipped; the first step's collectives counted (the logits are whole: no
-    ``loss_parallel``)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.1)
-    losses, norms, counts = [], [], None
-    for step in range(steps):
-        x = fixed_batch(step)
-        with CommDebugMode() as comm:
-            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
-        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
-        losses.append(whole(loss).item())
-        norms.append(whole(norm).item())
-    adapter = {name: whole(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
-    return {"losses": losses, "norms": norms, "counts": counts, "adapter": adapter}
-
-
 def _against_one(kind: str, steps: int, dtype: torch.dtype, targets: Any = "all-linear") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = apply_tensor_parallel(_model(kind, dtype, targets), mesh, tensor_plan(_model(kind, dtype, targets)))
     placements = {name: str(p.placements) for name, p in model.named_parameters() if ".lora_" in name}
-    tp = _train(model, steps)
-    one = _train(_model(kind, dtype, targets), steps)
+    tp = train_counted(model, steps, clip=CLIP)
+    one = train_counted(_model(kind, dtype, targets), steps, clip=CLIP)
     return {
         "losses": relative_l2(tp["losses"], one["losses"]),
         "norms": relative_l2(tp["norms"], one["norms"]),
-        "adapter": relative_l2(tp["adapter"], one["adapter"]),
+        "adapter": relative_l2(tp["weights"], one["weights"]),
         "first_norm": one["norms"][0],
         "counts": tp["counts"],
         "placements": placements,

@@ -12,14 +12,13 @@ agree to 1e-12 (asserted), so what differs is rounding and nothing else.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_in_pool
-from tensor_harness import GPT2, GQA, fixed_batch, relative_l2, relative_max, tiny_model, whole
+from tensor_harness import GPT2, GQA, fixed_batch, relative_l2, relative_max, tiny_model, train_counted, whole
 from torch import nn
 from torch.nn import functional as F
 
@@ -41,49 +40,6 @@ pytestmark = pytest.mark.timeout(300)
 CLIP = 0.5
 
 
-def _loss(model: nn.Module, x: torch.Tensor, *, tokens: int | None) -> torch.Tensor:
-    """The mean next-token loss, or with ``tokens`` the token-weighted one: the sum over counted targets (every
-    fifth is ignored) divided by the whole batch's count, as ``train.loss_normalization: tokens`` does."""
-    logits = model(x[:, :-1]).flatten(0, 1)
-    targets = x[:, 1:].flatten()
-    if tokens is None:
-        return F.cross_entropy(logits, targets)
-    targets = targets.masked_fill(torch.arange(targets.numel()) % 5 == 0, -100)
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / tokens
-
-
-def _train(
-    model: nn.Module, steps: int, *, microbatches: int = 1, vocab_parallel: bool = False, token_loss: bool = False
-) -> dict:
-    """AdamW with weight decay, the gradient clipped over the whole model; the first step's collectives counted.
-
-    ``vocab_parallel``: the logits are sharded on the vocabulary, so the loss and its backward run under torch's
-    ``loss_parallel()``; ``token_loss``: the token-weighted loss (:func:`_loss`).
-    """
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    tokens = 8 * 16 - (8 * 16 + 4) // 5 if token_loss else None
-    losses, norms, counts = [], [], None
-    for step in range(steps):
-        with CommDebugMode() as comm:
-            total = 0.0
-            for x in fixed_batch(step).chunk(microbatches):
-                with loss_parallel() if vocab_parallel else contextlib.nullcontext():
-                    loss = _loss(model, x, tokens=tokens) / microbatches
-                    loss.backward()
-                total += whole(loss).item()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
-        counts = counts if counts is not None else {str(op): n for op, n in comm.get_comm_counts().items()}
-        losses.append(total)
-        norms.append(whole(norm).item())
-    weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
-
-
 def _determined(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights without GPT-2's key biases (the middle third of ``attn.qkv.bias``): their gradient is zero in exact
     arithmetic (a bias added to every key adds ``q . b`` to every score of a query, which softmax cancels), so AdamW
@@ -97,7 +53,7 @@ def _determined(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: bool, **options: Any) -> dict:
-    """T = world size against the same model trained here alone (``options``: :func:`_train`'s): the relative
+    """T = world size against the same model trained here alone (``options``: ``train_counted``'s): the relative
     differences and the counts."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,8 +61,8 @@ def _against_one(kind: str, steps: int, dtype: torch.dtype, *, vocab_parallel: b
     model = tiny_model(kind, dtype)
     model = apply_tensor_parallel(model, mesh, tensor_plan(model, vocab_parallel=vocab_parallel))
     every_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
-    tp = _train(model, steps, vocab_parallel=vocab_parallel, **options)
-    one = _train(tiny_model(kind, dtype), steps, vocab_parallel=vocab_parallel, **options)
+    tp = train_counted(model, steps, clip=CLIP, vocab_parallel=vocab_parallel, **options)
+    one = train_counted(tiny_model(kind, dtype), steps, clip=CLIP, vocab_parallel=vocab_parallel, **options)
     return {
         "losses": relative_max(tp["losses"], one["losses"]),
         "norms": relative_max(tp["norms"], one["norms"]),
@@ -218,8 +174,8 @@ def test_a_one_rank_mesh_is_the_plain_model_bitwise(tmp_path):
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     model = apply_tensor_parallel(tiny_model("qwen"), init_device_mesh("cpu", (1,)))
-    tp = _train(model, 5)
-    one = _train(tiny_model("qwen"), 5)
+    tp = train_counted(model, 5, clip=CLIP)
+    one = train_counted(tiny_model("qwen"), 5, clip=CLIP)
     assert tp["losses"] == one["losses"]
     assert all(torch.equal(tp["weights"][k], one["weights"][k]) for k in one["weights"])
     # a tied head stays tied: one parameter under both names
