@@ -54,7 +54,6 @@ def build_on_meta(
     Such a build may load or read weights (``load_state_dict``, a snapshot of the initial state), which on the meta
     device would be lost without an error; the opt-in says it does neither.
     """
-    why = None
     if custom:
         why = (
             "Trainer.build_model is overridden; set build_on_meta = True on the Trainer if it neither loads nor "
