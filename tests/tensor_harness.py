@@ -117,3 +117,14 @@ def train_counted(
         norms.append(whole(norm).item())
     weights = {name: whole(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "norms": norms, "counts": counts, "weights": weights}
+
+
+def assert_like_a_world_of_one(name: str, run: dict, *, clip: float) -> None:
+    """``run``'s distances from a world of one (``losses``, ``norms``, ``weights``: :func:`relative_l2` of two
+    :func:`train_counted` runs) within 1e-5, or 1e-12 for a ``*float64`` run; and its clipping acted (``first_norm``,
+    the world of one's first gradient norm, above ``clip``), so the norm it clipped was the whole model's."""
+    assert run["first_norm"] > clip, name
+    tolerance = 1e-12 if name.endswith("float64") else 1e-5
+    assert run["losses"] < tolerance, (name, run)
+    assert run["norms"] < tolerance, (name, run)
+    assert run["weights"] < tolerance, (name, run)
