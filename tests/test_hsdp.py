@@ -73,7 +73,8 @@ def _collectives_of_one_step(parallel: dict, rank: int, monkeypatch: pytest.Monk
         layout = ParallelLayout.build(cfg.parallel, cpu_runtime())
         model = layout.data_parallel.shard(_mlp(), mesh=layout.dp_mesh, runtime=cpu_runtime())
         # FSDP2's own calls, as torch.distributed's functions (torch/distributed/fsdp/_fully_shard/_fsdp_collectives)
-        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        # and ddpkit's replacements of them on Gloo, this runtime's backend (ddpkit/parallel/gloo_collectives.py)
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast"):
             patch.setattr(dist, name, spy(name))
         model(torch.ones(3, 8)).sum().backward()
         weight = model[0][0].weight
@@ -101,16 +102,17 @@ def test_hsdp_gathers_within_a_shard_group_and_all_reduces_across_replicas(monke
         assert (flat["placements"], flat["local_rows"]) == (("Shard",), 4)
         # 3 units with parameters (two blocks in the inner Sequential, and the last Linear: the default rule's end
         # beside them), each resharded after forward: an all-gather in the forward and again in the backward, and its
-        # gradients reduce-scattered; the root holds no parameter of its own and issues none
-        collectives = {"all_gather_single": 6, "reduce_scatter_single": 3}
+        # gradients reduce-scattered; the root holds no parameter of its own and issues none. On Gloo an all-gather is
+        # one broadcast from each rank of the shard group, a reduce-scatter one all-reduce in place.
         assert sorted(hsdp["joined"]) == sorted(
-            [(name, shards) for name, count in collectives.items() for _ in range(count)]
+            [("broadcast", shards)] * 6 * len(shards)
+            + [("all_reduce", shards)] * 3
             # HSDP's one addition: each unit's gradient shard all-reduced across the replicas
             + [("all_reduce", replicas)] * 3
         ), rank
-        assert sorted(flat["joined"]) == sorted(
-            [(name, (0, 1, 2, 3)) for name, count in collectives.items() for _ in range(count)]
-        ), rank
+        everyone = (0, 1, 2, 3)
+        flat_calls = [("broadcast", everyone)] * 6 * 4 + [("all_reduce", everyone)] * 3
+        assert sorted(flat["joined"]) == sorted(flat_calls), rank
 
 
 def test_estimate_counts_a_replica_s_shards():

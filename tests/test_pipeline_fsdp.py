@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpkit
+from ddpkit.parallel.gloo_collectives import BroadcastAllGather, InPlaceReduceScatter
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,11 +84,32 @@ def test_fsdp2_inside_pp2_x_dp2_trains_and_validates_like_a_world_of_one(tmp_pat
 
 
 class _Collectives(TorchDispatchMode):
-    """The c10d collectives run inside it, counted by name (what the all-gathers a step cost are read from)."""
+    """The c10d collectives run inside it, counted by name, and FSDP2's unit collectives as ``all-gather`` and
+    ``reduce-scatter`` (what the all-gathers a step cost are read from): on Gloo ddpkit's replacements
+    (ddpkit.parallel.gloo_collectives) run them as broadcasts and an all-reduce, so their calls are counted."""
 
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._calls = {"all-gather": BroadcastAllGather, "reduce-scatter": InPlaceReduceScatter}
+        self._real = {name: comm.__call__ for name, comm in self._calls.items()}
+
+    def __enter__(self):
+        for name, comm in self._calls.items():
+            comm.__call__ = self._counting(name, self._real[name])
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, comm in self._calls.items():
+            comm.__call__ = self._real[name]
+        return super().__exit__(*exc)
+
+    def _counting(self, name, call):
+        def counted(comm, *args, **kwargs):
+            self.counts[name] += 1
+            return call(comm, *args, **kwargs)
+
+        return counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -140,10 +162,10 @@ def test_fsdp2_inside_a_pipeline_gathers_each_unit_once_a_step_not_per_microbatc
     of its own), so the second is the one counted."""
     for rank, counts in enumerate(run_in_pool(_counted, 4, args=(tmp_path,), timeout=240)):
         kept, resharded = counts[None][1], counts[True][1]
-        assert kept["allgather_base"] == 4
-        assert kept["reduce_scatter_base"] == resharded["reduce_scatter_base"] == 4
+        assert kept["all-gather"] == 4
+        assert kept["reduce-scatter"] == resharded["reduce-scatter"] == 4
         # ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1
-        assert resharded["allgather_base"] == (18 if rank < 2 else 16)
+        assert resharded["all-gather"] == (18 if rank < 2 else 16)
 
 
 class Mlp(ddpkit.Trainer):

@@ -200,7 +200,7 @@ class TrainConfig:
         None,
         "Host memory freed during training: `true` keeps it in the process for reuse (glibc `mallopt`; blocks up "
         "to 32 MiB), so each step's CPU activations do not fault in fresh pages (measured 200-1,900 page faults "
-        "and up to 5 ms per MNIST-CNN step without it); `false` gives it back (blocks from 1 MiB unmapped when "
+        "and up to 5 ms per MNIST-CNN step without it); `false` gives it back (blocks from 128 KiB unmapped when "
         "freed), so a rank's resident memory follows what it holds (measured: fsdp2's steady training peak 15% "
         "lower on a 946 MiB Llama); null: keep where every rank holds the whole model (a world of one, ddp, "
         "zero1), give back where the layout splits it (a pipeline, a tensor plan, fsdp2). Linux/glibc only.",

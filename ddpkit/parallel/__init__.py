@@ -8,6 +8,7 @@
   data-parallel way chosen from ``parallel.mode``);
 - ``data_parallel`` / ``fsdp``: the ways replicas hold parameters, one class each (``DDP``, ``Zero1``, ``FSDP2``):
   wrap, shard the optimizer, skip gradient sync, gather full parameters, bytes a rank keeps;
+- ``gloo_collectives``: FSDP2's all-gather and reduce-scatter on Gloo without Gloo's whole-size staging copies;
 - ``tensor_plan``: tensor parallelism's plans of ddpkit's ``gpt`` and ``llama`` (torch's ParallelStyles by
   module name), the degrees they take, the plan applied;
 - ``pipeline_split``: a model cut into pipeline stages (by module names or a model's own cut), the parts a
