@@ -7,6 +7,7 @@
     python -m benchmarks.memory --adamw fused --layouts one fsdp2   # AdamW's fused kernel (or loop) for foreach
     python -m benchmarks.memory --host-memory keep       # train.keep_host_memory: true in every layout
     python -m benchmarks.memory --lora 8                 # a LoRA fine-tune (r 8, every linear layer) of the same shape
+    python -m benchmarks.memory --activation-checkpointing   # each block recomputes its activations in the backward
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
@@ -134,11 +135,13 @@ def config(
     keep: bool | None = None,
     model_pt: bool | str = "auto",
     lora: int = 0,
+    recompute: bool = False,
 ) -> dict[str, Any]:
     """A run of ``steps`` AdamW steps (the ``adamw`` implementation) on a global batch of 4 (2 micro-batches), no
     checkpoint; ``keep``: ``train.keep_host_memory`` (true: freed blocks up to 32 MiB stay in the process; false:
     given back; None: the default, which keeps unless the layout splits the model); the final weights by
-    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``; ``lora``: the adapter's rank (0: none)."""
+    ``checkpoint.model_pt``: ``model.pt`` and, for a split layout, ``hf/``; ``lora``: the adapter's rank (0: none);
+    ``recompute``: ``train.activation_checkpointing``."""
     adapter = {"lora": {"r": lora, "alpha": 2 * lora, "targets": "all-linear"}} if lora else {}
     pipelined = parallel.get("pipeline", 1) > 1
     return {
@@ -151,6 +154,7 @@ def config(
             "grad_accum_steps": 1 if pipelined else 2,
             "loss_normalization": "tokens",
             "keep_host_memory": keep,
+            "activation_checkpointing": recompute,
         },
         "parallel": {**parallel, **({"microbatches": 2} if pipelined else {})},
         "checkpoint": {"every_epochs": None, "every_steps": None, "model_pt": model_pt},
@@ -186,12 +190,15 @@ def measure(
     model_pt: Any = "auto",
     lora: int = 0,
     keep_outputs: bool = True,
+    recompute: bool = False,
 ) -> list:
     """Every rank's numbers for one layout, in fresh processes; ``keep_outputs``: leave its run directory."""
     from ddpkit.testing import run_on_ranks
 
     directory = os.path.join(out, label)
-    cfg = config(directory, model, parallel, steps, adamw=adamw, keep=keep, model_pt=model_pt, lora=lora)
+    cfg = config(
+        directory, model, parallel, steps, adamw=adamw, keep=keep, model_pt=model_pt, lora=lora, recompute=recompute
+    )
     try:
         return run_on_ranks(measure_rank, ranks, args=(cfg,), timeout=1800)
     finally:
@@ -261,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora", type=int, default=0, help="model.lora's rank on every linear layer (0: none)")
     parser.add_argument("--keep-outputs", action="store_true", help="leave each layout's run directory")
     parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="train.activation_checkpointing: true (every block)"
+    )
+    parser.add_argument(
         "--host-memory",
         choices=sorted(HOST_MEMORY),
         default="default",
@@ -287,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         model = {"init_from": str(directory), "vocab_size": model["vocab_size"], "max_len": model["max_len"]}
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     trained = f"LoRA r={args.lora}, the base frozen" if args.lora else "x4 with gradients and two state tensors"
-    print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW ({args.adamw}): {trained}")
+    recomputed = "; activations recomputed block by block" if args.activation_checkpointing else ""
+    print(f"model: {weights:,.0f} MiB of fp32 parameters; AdamW ({args.adamw}): {trained}{recomputed}")
     print(
         f"{'layout':<9} {'ranks':>5} {'baseline':>9} {'setup peak':>11} {'first step':>11} {'train peak':>11} "
         f"{'goal':>9} {'end peak':>9} {'to step 1':>10}"
@@ -309,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             model_pt,
             lora=args.lora,
             keep_outputs=args.keep_outputs,
+            recompute=args.activation_checkpointing,
         )
         worst = {key: max(row[key] for row in rows) for key in rows[0]}
         goal = goal_mib(label, ranks, weights, lora=bool(args.lora))
