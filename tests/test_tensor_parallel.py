@@ -128,6 +128,42 @@ def test_two_ranks_match_a_world_of_one_and_count_their_collectives():
         assert vocab == runs[name]["counts"]["c10d_functional.all_reduce"] + 5, name
 
 
+def _gradients_as_placed() -> dict:
+    """Each parameter's gradient after two accumulated micro-batches of the vocabulary-sharded gqa (untied) and qwen
+    (tied) models: its placements and local shape against its parameter's, and the embedding's against a world of
+    one's gradient rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    found = {}
+    for kind in ("gqa", "qwen"):
+        model = apply_tensor_parallel(tiny_model(kind), mesh, tensor_plan(tiny_model(kind), vocab_parallel=True))
+        alone = tiny_model(kind)
+        for step in range(2):
+            x = fixed_batch(step)
+            for net in (model, alone):
+                logits = whole(net(x[:, :-1]))
+                F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        found[kind] = {
+            name: (p.grad.placements == p.placements, p.grad.to_local().shape == p.to_local().shape)
+            for name, p in model.named_parameters()
+        }
+        rows = model.embed.weight.grad.to_local()
+        mine = alone.embed.weight.grad.chunk(dist.get_world_size())[dist.get_rank()]
+        found[f"{kind} embed rows"] = float((rows - mine).abs().max() / mine.abs().max())
+    return found
+
+
+@pytest.mark.multiprocess
+def test_every_gradient_is_held_as_its_parameter_is_placed_the_embeddings_too():
+    """DTensor's embedding backward makes a vocabulary-sharded embedding's gradient replicated (the whole matrix on
+    every rank, until the optimizer step); ddpkit cuts it to the shard as it arrives."""
+    for found in run_in_pool(_gradients_as_placed, 2):
+        for kind in ("gqa", "qwen"):
+            assert all(same == (True, True) for same in found[kind].values()), found[kind]
+            assert found[f"{kind} embed rows"] < 1e-6, found
+
+
 def _fsdp2_over_dp_tp(steps: int) -> dict:
     """FSDP2 over "dp" after the tensor plan over "tp" on a (2, 2) mesh, each dp replica half of every batch."""
     from torch.distributed.device_mesh import init_device_mesh
