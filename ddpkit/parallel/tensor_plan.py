@@ -318,9 +318,10 @@ def _sliced_as_placed(grad: torch.Tensor, *, placements: tuple) -> torch.Tensor:
 
     DTensor's embedding backward (``RowwiseParallel`` on an ``nn.Embedding``: the vocabulary sharded by rows, the
     ids replicated) makes the weight's gradient ``Replicate()``: the whole vocabulary matrix on every tensor rank,
-    kept until the optimizer step, and cut to the shard again inside each of AdamW's ops. Measured on a 946 MiB Llama
-    under tp2, 125 MiB a rank where its shard is 62.5. A ``Partial`` gradient is left to :func:`_reduce_partial_grad`
-    (one all-reduce after accumulation, not one a micro-batch)."""
+    kept until the optimizer step (125 MiB a rank on a 946 MiB Llama under tp2, where its shard is 62.5), and cut to
+    the shard again inside each of AdamW's ops. This keeps the shard from the backward on; it does not lower the peak,
+    which is that backward computing the whole matrix first (docs/modes.md). A ``Partial`` gradient is left to
+    :func:`_reduce_partial_grad` (one all-reduce after accumulation, not one a micro-batch)."""
     if isinstance(grad, DTensor) and grad.placements != placements and all(p.is_replicate() for p in grad.placements):
         return grad.redistribute(placements=placements)
     return grad
