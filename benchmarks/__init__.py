@@ -9,6 +9,7 @@
     python -m benchmarks.gpu_bound           # one GPU, data on it: GPT-2 124M / resnet50 / Llama 1B, hand vs ddpkit
     python -m benchmarks.gpu_generate        # one GPU, bf16: Llama 1B generation, KV cache vs none, batch 1 and 8
     python -m benchmarks.generate            # GPT-2 124M sampling with vs without the KV cache; decay groups' cost
+    python -m benchmarks.gloo_collectives    # FSDP2's all-gather and reduce-scatter on Gloo: Gloo's own vs in place
     python -m benchmarks.startup             # import time and time to the first step
     python -m benchmarks.time_to_accuracy    # launch to exit, to 95% on the digits data (hand side: tta_hand)
     python -m benchmarks.feature_cost --feature health|watchdog|goodput|step-parts   # what each per-step feature costs

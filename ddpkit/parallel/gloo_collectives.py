@@ -16,7 +16,7 @@ FSDP2's keywords. The two here:
 
 - :class:`InPlaceReduceScatter`: ``all_reduce`` of FSDP2's reduce-scatter input in place, then this rank's chunk
   copied out. Gloo's own reduce-scatter is that same all-reduce on its copy, so the sums are bitwise the same
-  (checked on 2, 3 and 4 ranks, SUM and AVG, in tests/test_fsdp_memory.py).
+  (checked on 2 and 3 ranks, SUM and AVG, in tests/test_fsdp_memory.py).
 - :class:`BroadcastAllGather`: FSDP2 has already copied this rank's shard into its slot of the output; each rank's
   slot is then broadcast from that rank, in place. No arithmetic, so the bytes are exact; the same bytes cross the
   wire as Gloo's ring all-gather, in ``world size`` collectives instead of one.
