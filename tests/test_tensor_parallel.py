@@ -18,13 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_in_pool
-from tensor_harness import GPT2, GQA, fixed_batch, relative_l2, relative_max, tiny_model, train_counted, whole
+from tensor_harness import GPT2, GQA, VOCAB, fixed_batch, relative_l2, relative_max, tiny_model, train_counted, whole
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.gpt import GPT
 from ddpkit.models.llama import LlamaShape
+from ddpkit.models.vocab_embedding import VocabParallelEmbedding
 from ddpkit.parallel.tensor_plan import (
     Replicated,
     apply_tensor_parallel,
@@ -141,9 +144,11 @@ def _gradients_as_placed() -> dict:
         alone = tiny_model(kind)
         for step in range(2):
             x = fixed_batch(step)
-            for net in (model, alone):
-                logits = whole(net(x[:, :-1]))
+            logits = whole(model(x[:, :-1]))
+            with _EmbeddingGradients() as made:
                 F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+            found[f"{kind} made"] = made.shapes
+            F.cross_entropy(whole(alone(x[:, :-1])).flatten(0, 1), x[:, 1:].flatten()).backward()
         found[kind] = {
             name: (p.grad.placements == p.placements, p.grad.to_local().shape == p.to_local().shape)
             for name, p in model.named_parameters()
@@ -154,14 +159,31 @@ def _gradients_as_placed() -> dict:
     return found
 
 
+class _EmbeddingGradients(TorchDispatchMode):
+    """The local shape of every embedding gradient an ``aten.embedding_dense_backward`` makes under it (a DTensor's:
+    the rank's own tensor, as DTensor hands it to the op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self.shapes.append(tuple((out.to_local() if isinstance(out, DTensor) else out).shape))
+        return out
+
+
 @pytest.mark.multiprocess
 def test_every_gradient_is_held_as_its_parameter_is_placed_the_embeddings_too():
-    """DTensor's embedding backward makes a vocabulary-sharded embedding's gradient replicated (the whole matrix on
-    every rank, until the optimizer step); ddpkit cuts it to the shard as it arrives."""
+    """A vocabulary-sharded embedding's backward makes only the rank's rows' gradient, ``[vocab / T, dim]``
+    (ddpkit.models.vocab_embedding; torch's RowwiseParallel makes the whole matrix on every rank), and every gradient
+    is held as its parameter is placed, with a world of one's values."""
     for found in run_in_pool(_gradients_as_placed, 2):
         for kind in ("gqa", "qwen"):
             assert all(same == (True, True) for same in found[kind].values()), found[kind]
             assert found[f"{kind} embed rows"] < 1e-6, found
+            assert found[f"{kind} made"] == [(VOCAB // 2, tiny_model(kind).embed.embedding_dim)], found
 
 
 def _fsdp2_over_dp_tp(steps: int) -> dict:
@@ -232,7 +254,7 @@ def test_the_llama_plan_names_torchs_styles():
     assert isinstance(plan["embed"], Replicated) and isinstance(plan["head"], Replicated)
     assert "blocks.0.attn.q_norm" not in tensor_plan(tiny_model("gqa"))
     vocab = tensor_plan(tiny_model("qwen"), vocab_parallel=True)
-    assert isinstance(vocab["embed"], RowwiseParallel) and isinstance(vocab["head"], ColwiseParallel)
+    assert isinstance(vocab["embed"], VocabParallelEmbedding) and isinstance(vocab["head"], ColwiseParallel)
     # GPT-2's fused qkv stays whole: a colwise split of [q | k | v] rows would not be whole heads
     gpt2 = tensor_plan(tiny_model("gpt2"))
     assert isinstance(gpt2["blocks.0.attn.qkv"], Replicated)

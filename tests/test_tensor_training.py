@@ -10,8 +10,11 @@ tensor parallelism splits each block's sums in two, so the runs agree to roundin
 each weight tensor's relative error ``|a - b| / |b|`` (L2 norms) and the loss's: within 1e-5 in float32 over 50
 steps. Elementwise the largest difference is larger (4.6e-5 of the tensor's largest weight at 50 steps, in a
 SwiGLU's down projection): AdamW divides each update by the root of its own squared gradients, so a unit whose
-gradient is tiny moves by as much as any other and its rounding with it. The same runs in float64 agree to 1e-12,
-elementwise: what differs is rounding and nothing else.
+gradient is tiny moves by as much as any other and its rounding with it. The same runs in float64 agree to 1e-11,
+elementwise: what differs is rounding and nothing else. (Measured: 4.9e-12 at 50 steps, in block 0's MLP, from one
+step whose weight gradients there differ by 3.5e-11 of their largest while the weights differed by 1e-15; the same
+bits with torch's RowwiseParallel embedding in place of ddpkit's. 6e-16 while the embedding's gradient was still
+held whole on each tensor rank, before the run kept its gradient hooks.)
 """
 
 from __future__ import annotations
@@ -130,6 +133,25 @@ def _fit_float64(cfg: dict) -> dict:
     return _fit(cfg, Float64Trainer)
 
 
+class PlacementWatch(RaggedTrainer):
+    """Records, as each gradient is accumulated, whether it is placed as its parameter (a post-accumulate hook,
+    which runs after the tensor plan's own hooks)."""
+
+    def on_fit_start(self) -> None:
+        self.placed_as_parameter: dict[str, list[bool]] = {}
+        for name, param in self.placed.held.named_parameters():
+            seen = self.placed_as_parameter.setdefault(name, [])
+            param.register_post_accumulate_grad_hook(
+                lambda p, seen=seen: seen.append(p.grad.placements == p.placements)
+            )
+
+
+def _gradient_placements(cfg: dict) -> dict[str, list[bool]]:
+    trainer = PlacementWatch(cfg)
+    trainer.fit()
+    return trainer.placed_as_parameter
+
+
 def _batch_report(cfg: dict) -> dict:
     """What the reporter says of the global batch after one step, and what the training loader gave this rank."""
     trainer = RaggedTrainer(cfg)
@@ -171,13 +193,27 @@ def test_the_reported_global_batch_counts_data_parallel_replicas_only(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_1e_12_in_float64(tmp_path):
+def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_1e_11_in_float64(tmp_path):
     reference = _one(tmp_path / "one", steps=50)
     results = run_in_pool(_fit, 2, args=(_config(tmp_path / "tp", steps=50, tensor=2),), timeout=280)
     _assert_close_to(results, reference)
     one = run_in_pool(_fit_float64, 1, args=(_config(tmp_path / "one64", steps=50),), timeout=120)[0]
     tp = run_in_pool(_fit_float64, 2, args=(_config(tmp_path / "tp64", steps=50, tensor=2),), timeout=280)
-    assert _elementwise(tp[0]["weights"], one["weights"]) < 1e-12
+    assert _elementwise(tp[0]["weights"], one["weights"]) < 1e-11
+
+
+@pytest.mark.multiprocess
+def test_every_gradient_of_a_tp2_run_is_held_as_its_parameter_is_placed(tmp_path):
+    """The tensor plan's gradient hooks survive the run's set-up (the meta build makes new parameters, and a
+    ``.to()`` swaps DTensors in anew): Qwen3's per-head norms' gradients, ``Partial`` sums of each rank's heads, are
+    reduced once as they are accumulated, the vocabulary-sharded embedding's arrive in shards."""
+    cfg = _config(tmp_path, steps=2, tensor=2)
+    cfg["model"]["kwargs"] = {**cfg["model"]["kwargs"], "qk_norm": True, "tied": True}
+    for placed in run_in_pool(_gradient_placements, 2, args=(cfg,), timeout=120):
+        # 2 steps x 2 micro-batches, every parameter
+        assert {name: len(seen) for name, seen in placed.items()} == {name: 4 for name in placed}, placed
+        assert all(all(seen) for seen in placed.values()), placed
+        assert "blocks.0.attn.q_norm.weight" in placed
 
 
 def _fit_validated(cfg: dict) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -53,7 +54,10 @@ def wrap_model(
     # A model the user placed across several devices (its halves on cuda:0 and cuda:1) stays where it is, and DDP
     # takes it with device_ids=None, as torch documents for multi-device modules.
     spans_devices = len(devices_of(model)) > 1
-    if not spans_devices:
+    # A model already on the device is left as it is: DTensor's .to() makes a new tensor even then, and
+    # Module._apply swaps it into the parameter, dropping the gradient hooks a tensor plan gave it.
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if not spans_devices and any(t.device != runtime.device for t in tensors):
         model = model.to(runtime.device)
     if replicas == 1:
         return model

@@ -14,7 +14,8 @@
 - ``init_by_name``: each parameter drawn from a generator seeded by its name: the same initial weights in every
   layout, for the whole model or any part of it (``GPT.init_weights(parts)``, ``Llama.init_weights(parts)``);
 - ``tensor_plans``: each family's tensor plan (``GPT.tensor_plan``, ``Llama.tensor_plan``); its pipeline cut is
-  on the class too (``stage_parts``, ``stage_input``, ``stage_rotation``, ``stage_output``).
+  on the class too (``stage_parts``, ``stage_input``, ``stage_rotation``, ``stage_output``);
+  ``vocab_embedding``: the plans' vocabulary-sharded embedding, whose backward makes only the rank's rows.
 
 Applying a plan or a cut, and how the ranks hold the parts, lives in :mod:`ddpkit.parallel`.
 """

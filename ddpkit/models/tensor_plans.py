@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 from ddpkit.errors import ConfigError
+from ddpkit.models.vocab_embedding import VocabParallelEmbedding
 
 __all__ = ["Replicated", "SequenceSplit", "llama_plan", "gpt2_plan"]
 
@@ -119,8 +120,9 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
 def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
 
-    Sharded, the embedding's rows are split (RowwiseParallel on an ``nn.Embedding``: each rank looks up the ids it
-    holds, zeros elsewhere, one all-reduce) and so are the head's (ColwiseParallel: each rank scores its ids); the
+    Sharded, the embedding's rows are split (:class:`~ddpkit.models.vocab_embedding.VocabParallelEmbedding`: each
+    rank looks up the ids it holds, zeros elsewhere, one all-reduce; its backward makes only its rows' gradient)
+    and so are the head's (ColwiseParallel: each rank scores its ids); the
     logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
     rows, so a tied head stays one parameter. With ``sequence_parallel`` the embedding hands each rank its slice of
     the sequence (sharded: a reduce-scatter instead of the all-reduce; replicated: a slice, no collective) and the
@@ -133,7 +135,8 @@ def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[s
         head = Replicated(input_layout=Shard(1), desired_input_layout=Replicate())
         return {"embed": SequenceSplit(Replicated(output_layout=Shard(1))), "head": head}
     stream = Shard(1) if sequence_parallel else Replicate()
-    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    # RowwiseParallel's lookup; its backward makes only the rank's rows' gradient (ddpkit.models.vocab_embedding)
+    embed = VocabParallelEmbedding(output_layout=stream)
     return {
         "embed": SequenceSplit(embed) if sequence_parallel else embed,
         "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),

@@ -118,7 +118,7 @@ def parallelize(
     placed value carries to the checkpoint.
     """
     way = layout.data_parallel
-    made = _maker(whole, runtime.device)
+    made = _maker(whole, runtime.device, tensor_parallel=layout.tp > 1)
     model = whole
     vocab_parallel = False
     if layout.tp > 1:
@@ -137,12 +137,22 @@ def parallelize(
     return Placed(models, None, way, vocab_parallel=vocab_parallel)
 
 
-def _maker(whole: nn.Module, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+def _maker(whole: nn.Module, device: torch.device, *, tensor_parallel: bool) -> Callable[[nn.Module], nn.Module]:
     """What a part gets once sharded, before its wrapper: made on the device and initialised by name when ``whole``
-    was built on the meta device (ddpkit.parallel.meta_build), else nothing (it was built whole)."""
+    was built on the meta device (ddpkit.parallel.meta_build), else nothing (it was built whole). A tensor plan's
+    gradient hooks go on the made parameters: ``to_empty`` makes new ones, without the meta ones' hooks."""
     if not is_on_meta(whole):
         return lambda part: part
-    return lambda part: materialize(part, whole, device)
+    if not tensor_parallel:
+        return lambda part: materialize(part, whole, device)
+    from ddpkit.parallel.tensor_plan import hook_gradients
+
+    def made(part: nn.Module) -> nn.Module:
+        part = materialize(part, whole, device)
+        hook_gradients(part)
+        return part
+
+    return made
 
 
 def _prepare(config: Config, layout: ParallelLayout) -> Callable[[nn.Module], nn.Module]:

@@ -21,7 +21,9 @@ applied by ``parallelize_module`` as torchtitan does. Megatron-LM's split of a t
 ``attn.q_norm/k_norm`` (Qwen3)    :class:`Replicated` over a head-sharded input: their weight's gradient, a
                                   sum over every head, is all-reduced
 ``embed`` / ``head``              :class:`Replicated`, or with ``vocab_parallel`` sharded by vocabulary rows
-                                  (RowwiseParallel / ColwiseParallel), the logits a vocabulary-sharded DTensor
+                                  (:class:`~ddpkit.models.vocab_embedding.VocabParallelEmbedding`, whose
+                                  backward makes only the rank's rows / ColwiseParallel), the logits a
+                                  vocabulary-sharded DTensor
 ``drop`` (residual dropouts)      :class:`Replicated` over the stream's layout: their masks DTensor ops
 everything else                   :class:`Replicated`: position embeddings and norms whole on every rank
 ================================  ===========================================================================
@@ -93,6 +95,7 @@ __all__ = [
     "valid_tensor_degrees",
     "vocab_parallel_for",
     "apply_tensor_parallel",
+    "hook_gradients",
 ]
 
 # What GPT-2's plan splits T-way (its attention is replicated: see gpt2_plan).
@@ -304,24 +307,37 @@ def apply_tensor_parallel(
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, tp_mesh, Replicated())
     _retie(model, tied)
-    # a frozen parameter (a LoRA base's) gets no gradient to slice or reduce
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_hook(functools.partial(_sliced_as_placed, placements=param.placements))
-            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    hook_gradients(model)
     return model
+
+
+def hook_gradients(model: nn.Module) -> None:
+    """Give each trainable DTensor parameter of ``model`` its gradient hooks (:func:`_sliced_as_placed`,
+    :func:`_reduce_partial_grad`), once; a parameter still on the meta device is skipped.
+
+    The hooks belong to the parameter object, and ``to_empty`` makes new ones: a model built on the meta device
+    (ddpkit.parallel.meta_build) gets them here once made (ddpkit.parallel.parallelize), not from
+    :func:`apply_tensor_parallel`, whose hooks went with the meta parameters. A frozen parameter (a LoRA base's)
+    gets no gradient to slice or reduce."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad and not param.is_meta:
+            if not getattr(param, "_ddpkit_gradient_hooks", False):
+                param.register_hook(functools.partial(_sliced_as_placed, placements=param.placements))
+                param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+                param._ddpkit_gradient_hooks = True
 
 
 def _sliced_as_placed(grad: torch.Tensor, *, placements: tuple) -> torch.Tensor:
     """A replicated gradient DTensor cut to its parameter's placements before it is accumulated (a slice, no
     collective).
 
-    DTensor's embedding backward (``RowwiseParallel`` on an ``nn.Embedding``: the vocabulary sharded by rows, the
-    ids replicated) makes the weight's gradient ``Replicate()``: the whole vocabulary matrix on every tensor rank,
-    kept until the optimizer step (125 MiB a rank on a 946 MiB Llama under tp2, where its shard is 62.5), and cut to
-    the shard again inside each of AdamW's ops. This keeps the shard from the backward on; it does not lower the peak,
-    which is that backward computing the whole matrix first (docs/modes.md). A ``Partial`` gradient is left to
-    :func:`_reduce_partial_grad` (one all-reduce after accumulation, not one a micro-batch)."""
+    For a user's plan: torch's ``RowwiseParallel`` on an ``nn.Embedding`` (the vocabulary sharded by rows, the ids
+    replicated) makes the weight's gradient ``Replicate()``, since DTensor has no sharding rule for that backward:
+    the whole vocabulary matrix on every tensor rank, kept until the optimizer step and cut to the shard again
+    inside each of AdamW's ops. This keeps the shard from the backward on; the whole matrix is still made first.
+    ddpkit's own plans use :class:`~ddpkit.models.vocab_embedding.VocabParallelEmbedding`, whose backward makes only
+    the shard. A ``Partial`` gradient is left to :func:`_reduce_partial_grad` (one all-reduce after accumulation,
+    not one a micro-batch)."""
     if isinstance(grad, DTensor) and grad.placements != placements and all(p.is_replicate() for p in grad.placements):
         return grad.redistribute(placements=placements)
     return grad

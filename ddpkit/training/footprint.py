@@ -221,25 +221,31 @@ def _tensor_shard_shapes(
         return shapes
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from ddpkit.models.tensor_plans import SequenceSplit
+    from ddpkit.models.vocab_embedding import VocabParallelEmbedding
     from ddpkit.parallel.tensor_plan import tensor_plan, vocab_parallel_for
 
+    splitting = (ColwiseParallel, RowwiseParallel, VocabParallelEmbedding)
     try:
         plan = tensor_plan(model, vocab_parallel=vocab_parallel_for(model, tensor, vocab_parallel))
     except ValueError:
         return shapes
+    whole = dict(shapes)
     for name, style in plan.items():
         module = model.get_submodule(name)
         embedding = isinstance(module, nn.Embedding)
+        style = style.style if isinstance(style, SequenceSplit) else style
         for key, param in module.named_parameters(recurse=False):
-            if id(param) not in shapes or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            if id(param) not in shapes or not isinstance(style, splitting):
                 continue
             # Linear weights are [out, in]: colwise splits the rows (and the bias), rowwise the columns;
-            # an Embedding's [vocab, dim] the other way round.
+            # an Embedding's [vocab, dim] the other way round (VocabParallelEmbedding: its rows, as rowwise).
             rows = isinstance(style, ColwiseParallel) != embedding
             dim = 0 if rows or key == "bias" else 1
             if key == "bias" and not rows:
                 continue
-            shape = list(shapes[id(param)])
+            # from the whole shape: a tied head's style splits the embedding's rows again, the same ones
+            shape = list(whole[id(param)])
             shape[dim] //= tensor
             shapes[id(param)] = tuple(shape)
     return shapes
