@@ -325,3 +325,16 @@ def test_the_degrees_a_model_can_take():
     assert valid_tensor_degrees({"preset": "llama3.2-1b"}) == [1, 2, 4, 8]
     assert valid_tensor_degrees(tiny_model("gpt2")) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert valid_tensor_degrees(nn.Linear(4, 4)) is None
+
+
+@pytest.mark.parametrize("kind", ["gqa", "qwen"])
+def test_the_estimate_splits_a_vocabulary_matrix_once_tied_or_not(kind):
+    """``ddpkit estimate``'s per-rank shapes under tp2 with the vocabulary sharded: the embedding and the head hold
+    ``vocab / 2`` rows each; a tied head, one matrix under two styles, is split once, not twice."""
+    from ddpkit.training.footprint import _tensor_shard_shapes
+
+    model = tiny_model(kind)
+    shapes = _tensor_shard_shapes(model, list(model.parameters()), 2, True)
+    dim = model.embed.embedding_dim
+    assert shapes[id(model.embed.weight)] == shapes[id(model.head.weight)] == (VOCAB // 2, dim)
+    assert shapes[id(model.blocks[0].attn.q_proj.weight)] == (model.blocks[0].attn.q_proj.out_features // 2, dim)
