@@ -122,11 +122,11 @@ def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[s
 
     Sharded, the embedding's rows are split (:class:`~ddpkit.models.vocab_embedding.VocabParallelEmbedding`: each
     rank looks up the ids it holds, zeros elsewhere, one all-reduce; its backward makes only its rows' gradient)
-    and so are the head's (ColwiseParallel: each rank scores its ids); the
-    logits stay a DTensor sharded on the vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]``
-    rows, so a tied head stays one parameter. With ``sequence_parallel`` the embedding hands each rank its slice of
-    the sequence (sharded: a reduce-scatter instead of the all-reduce; replicated: a slice, no collective) and the
-    head all-gathers the sequence back before it scores.
+    and so are the head's (ColwiseParallel: each rank scores its ids); the logits stay a DTensor sharded on the
+    vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]`` rows, so a tied head stays one
+    parameter. With ``sequence_parallel`` the embedding hands each rank its slice of the sequence (sharded: a
+    reduce-scatter instead of the all-reduce; replicated: a slice, no collective) and the head all-gathers the
+    sequence back before it scores.
     """
     if not vocab_parallel and not sequence_parallel:
         # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)

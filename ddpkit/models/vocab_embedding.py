@@ -15,10 +15,11 @@ rank, ``T`` times the rank's share (125 MiB a rank for a 946 MiB Llama under tp2
 lookup runs on the rank's own rows as plain tensors (``to_local``), so autograd's embedding backward makes a
 ``[vocab / T, dim]`` gradient, handed back as the parameter's ``Shard(0)``: the same values, a T-th of the bytes.
 
-The style sets the module's ``forward`` to :func:`_lookup_own_rows` (a bound method, so a deep copy of the module
-keeps it); the parameter keeps its name and placement, so checkpoints, a tied head (``ColwiseParallel`` on the
-same rows) and initialisation by name are unchanged. It takes an ``nn.Embedding`` with no ``padding_idx`` or
-``max_norm`` (ddpkit's models use neither) and a vocabulary that divides by ``T`` (the plan's checks refuse others).
+The style sets the module's ``forward`` to a function bound to it that calls :func:`_lookup_own_rows` (bound, so a
+deep copy of the module keeps it); the parameter keeps its name and placement, so checkpoints, a tied head
+(``ColwiseParallel`` on the same rows) and initialisation by name are unchanged. It takes an ``nn.Embedding`` with
+no ``padding_idx`` or ``max_norm`` (ddpkit's models use neither) and a vocabulary that divides by ``T`` (the plan's
+checks refuse others).
 """
 
 from __future__ import annotations
