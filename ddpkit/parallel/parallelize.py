@@ -19,7 +19,9 @@
    only, on the rank's device, and initialised by parameter name; steps 1 to 4 ran on meta, with no memory;
 6. DDP wraps the part (ddp, zero1), then ``torch.compile`` (:mod:`ddpkit.parallel.model_views`); under fsdp2 or
    inside a pipeline ``torch.compile`` runs in step 3 instead, each block on its own after activation checkpointing
-   and before the sharding (:mod:`ddpkit.parallel.block_compile`, torchtitan's order).
+   and before the sharding (:mod:`ddpkit.parallel.block_compile`, torchtitan's order);
+7. ``parallel.tensor`` > 1: the tensor plan's gradient hooks go on the parameters as now placed
+   (:func:`ddpkit.parallel.tensor_plan.hook_gradients`).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def parallelize(
     placed value carries to the checkpoint.
     """
     way = layout.data_parallel
-    made = _maker(whole, runtime.device, tensor_parallel=layout.tp > 1)
+    made = _maker(whole, runtime.device)
     model = whole
     vocab_parallel = False
     if layout.tp > 1:
@@ -130,29 +132,27 @@ def parallelize(
         # The stages' blocks were compiled in prepare: the watch times and caps their compilations.
         watch = CompileWatch(settings.recompile_limit) if settings is not None else None
         models = Models(train=pipeline.held, eval=pipeline.held, bare=pipeline.held, data_parallel=way, watch=watch)
-        return Placed(models, pipeline, way, optimizer_order, vocab_parallel=vocab_parallel)
-    model = made(way.shard(prepare(model), mesh=layout.dp_mesh, runtime=runtime))
-    options = dict(ddp=config.ddp, train=config.train, data_parallel=way, group=layout.dp_group)
-    models = build_models(model, runtime, **options, blocks_compiled=compiles_per_block(layout))
-    return Placed(models, None, way, vocab_parallel=vocab_parallel)
+        placed = Placed(models, pipeline, way, optimizer_order, vocab_parallel=vocab_parallel)
+    else:
+        model = made(way.shard(prepare(model), mesh=layout.dp_mesh, runtime=runtime))
+        options = dict(ddp=config.ddp, train=config.train, data_parallel=way, group=layout.dp_group)
+        models = build_models(model, runtime, **options, blocks_compiled=compiles_per_block(layout))
+        placed = Placed(models, None, way, vocab_parallel=vocab_parallel)
+    if layout.tp > 1:
+        from ddpkit.parallel.tensor_plan import hook_gradients
+
+        # The tensor plan's gradient hooks, on the parameters as they are now: building on the meta device made new
+        # ones since the plan was applied (to_empty), without the meta ones' hooks.
+        hook_gradients(placed.held)
+    return placed
 
 
-def _maker(whole: nn.Module, device: torch.device, *, tensor_parallel: bool) -> Callable[[nn.Module], nn.Module]:
+def _maker(whole: nn.Module, device: torch.device) -> Callable[[nn.Module], nn.Module]:
     """What a part gets once sharded, before its wrapper: made on the device and initialised by name when ``whole``
-    was built on the meta device (ddpkit.parallel.meta_build), else nothing (it was built whole). A tensor plan's
-    gradient hooks go on the made parameters: ``to_empty`` makes new ones, without the meta ones' hooks."""
+    was built on the meta device (ddpkit.parallel.meta_build), else nothing (it was built whole)."""
     if not is_on_meta(whole):
         return lambda part: part
-    if not tensor_parallel:
-        return lambda part: materialize(part, whole, device)
-    from ddpkit.parallel.tensor_plan import hook_gradients
-
-    def made(part: nn.Module) -> nn.Module:
-        part = materialize(part, whole, device)
-        hook_gradients(part)
-        return part
-
-    return made
+    return lambda part: materialize(part, whole, device)
 
 
 def _prepare(config: Config, layout: ParallelLayout) -> Callable[[nn.Module], nn.Module]:

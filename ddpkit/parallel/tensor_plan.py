@@ -316,7 +316,7 @@ def hook_gradients(model: nn.Module) -> None:
     :func:`_reduce_partial_grad`), once; a parameter still on the meta device is skipped.
 
     The hooks belong to the parameter object, and ``to_empty`` makes new ones: a model built on the meta device
-    (ddpkit.parallel.meta_build) gets them here once made (ddpkit.parallel.parallelize), not from
+    (ddpkit.parallel.meta_build) gets them here once placed (ddpkit.parallel.parallelize), not from
     :func:`apply_tensor_parallel`, whose hooks went with the meta parameters. A frozen parameter (a LoRA base's)
     gets no gradient to slice or reduce."""
     for param in model.parameters():
