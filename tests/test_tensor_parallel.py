@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_in_pool
+from helpers import cpu_runtime, run_in_pool
 from tensor_harness import GPT2, GQA, VOCAB, fixed_batch, relative_l2, relative_max, tiny_model, train_counted, whole
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -338,3 +338,22 @@ def test_the_estimate_splits_a_vocabulary_matrix_once_tied_or_not(kind):
     dim = model.embed.embedding_dim
     assert shapes[id(model.embed.weight)] == shapes[id(model.head.weight)] == (VOCAB // 2, dim)
     assert shapes[id(model.blocks[0].attn.q_proj.weight)] == (model.blocks[0].attn.q_proj.out_features // 2, dim)
+
+
+def test_ddp_s_wrapper_leaves_a_model_already_on_its_device_as_it_is(tmp_path):
+    """``ddp.wrap_model`` (one replica: no DDP) on a tensor-parallel model already on its device leaves its
+    parameters with their hooks. DTensor's ``.to()`` makes a new tensor even to its own device, and
+    ``Module._apply`` swaps it into the parameter, dropping the gradient hooks on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor as Distributed
+
+    from ddpkit.config.schema import DDPConfig
+    from ddpkit.distributed.ddp import wrap_model
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    model = apply_tensor_parallel(tiny_model("qwen"), init_device_mesh("cpu", (1,)))
+    seen = []
+    model.norm.weight.register_hook(lambda grad: seen.append(type(grad)) or grad)
+    assert wrap_model(model, cpu_runtime(world_size=1), DDPConfig()) is model
+    F.cross_entropy(model(fixed_batch(0)[:, :-1]).flatten(0, 1), fixed_batch(0)[:, 1:].flatten()).backward()
+    assert seen == [Distributed]
