@@ -26,6 +26,9 @@ JOB = REPO / "tests" / "scripts" / "ray_job.py"
 def _ray_job(out: Path, kill_step: int = 0) -> subprocess.CompletedProcess:
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (pip install 'ddpkit[ray]')")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    # Ray Train kills the surviving workers at its next health check (every 2 s by default): on a loaded CI machine
+    # the survivor's crash save can lose that race (docs/ray.md); 10 s gives it time
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "10"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "examples"), env.get("PYTHONPATH")]))  # ray_train
     args = [sys.executable, str(JOB), str(out), *([str(kill_step)] if kill_step else [])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
