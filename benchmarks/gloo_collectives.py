@@ -36,10 +36,13 @@ def measure(shard_mb: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     n = shard_mb * MiB // 4
     whole, shard = torch.randn(n * world), torch.randn(n)
+    # the in-place reduce-scatter frees its input as it ends (as FSDP2 drops it): a fresh copy each round, made
+    # before the clock and the peak start
+    spent = [whole.clone()]
     calls = {
         "gloo reduce-scatter": lambda: dist.reduce_scatter_tensor(shard, whole),
         "in-place reduce-scatter": lambda: InPlaceReduceScatter()(
-            output_tensor=shard, input_tensor=whole, group=group, op=dist.ReduceOp.SUM
+            output_tensor=shard, input_tensor=spent[0], group=group, op=dist.ReduceOp.SUM
         ),
         "gloo all-gather": lambda: dist.all_gather_into_tensor(whole, shard),
         "broadcast all-gather": lambda: BroadcastAllGather()(
@@ -49,6 +52,8 @@ def measure(shard_mb: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     found = {name: {"seconds": [], "peak": []} for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            if name == "in-place reduce-scatter":
+                spent[0] = whole.clone()
             dist.barrier()
             before = _status("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")

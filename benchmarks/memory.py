@@ -8,6 +8,7 @@
     python -m benchmarks.memory --host-memory keep       # train.keep_host_memory: true in every layout
     python -m benchmarks.memory --lora 8                 # a LoRA fine-tune (r 8, every linear layer) of the same shape
     python -m benchmarks.memory --activation-checkpointing   # each block recomputes its activations in the backward
+    python -m benchmarks.memory --layouts fsdp2 fsdp2-vocab  # fsdp2 with the vocabulary split outside its units
 
 Each layout runs in fresh Gloo ranks on this host (``ddpkit.testing.run_on_ranks``). Every rank reads its own
 ``/proc/self/status``: its resident memory just before the model is built (the baseline: torch, ddpkit, the process
@@ -53,6 +54,8 @@ LAYOUTS = [
     ("ddp", 2, {}),
     ("zero1", 2, {"mode": "zero1"}),
     ("fsdp2", 2, {"mode": "fsdp2"}),
+    # the embedding and the head split by vocabulary rows outside FSDP2's units (parallel.fsdp.shard_vocabulary)
+    ("fsdp2-vocab", 2, {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}),
     ("pp2", 2, {"pipeline": 2}),
     ("tp2", 2, {"tensor": 2}),
     ("pp2xtp2", 4, {"pipeline": 2, "tensor": 2}),

@@ -41,8 +41,11 @@ def _against_gloos_own(n: int) -> dict[str, bool]:
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         theirs, ours = torch.empty(n), torch.empty(n)
         dist.reduce_scatter_tensor(theirs, x.clone(), op=op)
-        InPlaceReduceScatter()(output_tensor=ours, input_tensor=x.clone(), group=group, op=op)
+        spent = x.clone()
+        InPlaceReduceScatter()(output_tensor=ours, input_tensor=spent, group=group, op=op)
         same[f"reduce-scatter {op}"] = torch.equal(_bits(theirs), _bits(ours))
+        # its input is freed as the call ends (FSDP2 would hold it through the next unit's backward)
+        same[f"reduce-scatter {op} frees its input"] = spent.untyped_storage().nbytes() == 0
     shard = x[:n]
     theirs = torch.empty(n * world)
     dist.all_gather_into_tensor(theirs, shard)
@@ -81,10 +84,12 @@ def _staging_memory() -> dict[str, float]:
     group, world = dist.group.WORLD, dist.get_world_size()
     # 64 MiB in, 32 MiB out a rank: blocks this large are mapped and unmapped whatever malloc's settings
     x, out = torch.randn(16 * MiB // 2 * world), torch.empty(16 * MiB // 2)
+    # the in-place reduce-scatter frees its input when done
+    spent = x.clone()
     return {
         "gloo reduce-scatter": _peak_above_now(lambda: dist.reduce_scatter_tensor(out, x)),
         "in-place reduce-scatter": _peak_above_now(
-            lambda: InPlaceReduceScatter()(output_tensor=out, input_tensor=x, group=group, op=dist.ReduceOp.SUM)
+            lambda: InPlaceReduceScatter()(output_tensor=out, input_tensor=spent, group=group, op=dist.ReduceOp.SUM)
         ),
         "gloo all-gather": _peak_above_now(lambda: dist.all_gather_into_tensor(x, out)),
         "broadcast all-gather": _peak_above_now(

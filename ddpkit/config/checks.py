@@ -15,6 +15,7 @@ from ddpkit.config.urls import url_problems
 from ddpkit.errors import ConfigError, check_requeue_exit_code
 
 if TYPE_CHECKING:
+    from ddpkit.config.parallel import ParallelConfig
     from ddpkit.config.schema import Config, DistConfig
 
 __all__ = ["cross_field_problems", "hang_timeout_seconds", "parallel_problems"]
@@ -110,6 +111,7 @@ def _compile_problems(value: bool | dict[str, Any]) -> list[str]:
 def parallel_problems(cfg: Config) -> list[str]:
     """Combinations a sharded mode or a pipeline cannot run, as ``"path: message"`` strings naming the fix."""
     problems = pipeline_problems(cfg) + tensor_config_problems(cfg) + replicate_problems(cfg)
+    problems += _vocabulary_problems(cfg.parallel)
     if cfg.parallel.mode != "fsdp2":
         return problems
     if cfg.ddp.comm_hook != "none":
@@ -127,3 +129,23 @@ def parallel_problems(cfg: Config) -> list[str]:
             "use train.precision=bf16 (FSDP2's MixedPrecisionPolicy) or parallel.mode=ddp"
         )
     return problems
+
+
+def _vocabulary_problems(parallel: ParallelConfig) -> list[str]:
+    """``parallel.fsdp.shard_vocabulary`` outside the layout it is built for: fsdp2 over a 1-D data-parallel mesh."""
+    if not parallel.fsdp.shard_vocabulary:
+        return []
+    settings = {
+        "mode": (parallel.mode, parallel.mode != "fsdp2"),
+        "pipeline": (parallel.pipeline, parallel.pipeline > 1),
+        "tensor": (parallel.tensor, parallel.tensor > 1),
+        "replicate": (parallel.replicate, parallel.replicate > 1),
+    }
+    clash = [f"parallel.{name}={value}" for name, (value, clashes) in settings.items() if clashes]
+    if not clash:
+        return []
+    return [
+        "parallel.fsdp.shard_vocabulary: splits the vocabulary over plain fsdp2's data-parallel ranks only, and this "
+        f"run sets {', '.join(clash)}; set parallel.fsdp.shard_vocabulary=false (under a tensor plan "
+        "parallel.vocab_parallel shards the vocabulary)"
+    ]

@@ -39,6 +39,14 @@ class FSDPConfig:
         "(one all-gather per block and step instead of about two per microbatch). "
         "`null`: `true` without a pipeline, `false` inside one (torchtitan's default).",
     )
+    shard_vocabulary: bool = option(
+        False,
+        "Hold the token embedding and the output head of ddpkit's language models as vocabulary rows split over the "
+        "data-parallel ranks, outside FSDP2's units, so that no rank ever gathers a whole `[vocab, dim]` matrix or "
+        "its gradient: the token ids and the final hidden states are all-gathered instead, and an all-to-all hands "
+        "each rank its own tokens' logits (docs/modes.md#a-vocabulary-split-over-the-data-parallel-ranks). fsdp2 "
+        "alone: no pipeline, tensor plan or HSDP. `false`: FSDP2 shards them as units of their own.",
+    )
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module,
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["VocabParallelEmbedding"]
+__all__ = ["VocabParallelEmbedding", "lookup_own_rows"]
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -87,10 +87,17 @@ def _lookup_own_rows(
     """The ids' embeddings from this rank's rows, zeros for the rest, summed over the tensor ranks."""
     local = module.weight.to_local()
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
-    first = mesh.get_local_rank() * local.shape[0]
-    elsewhere = (ids < first) | (ids >= first + local.shape[0])
-    # an id held elsewhere looks up row 0 and is zeroed, so its gradient (zero) lands in a row this rank holds
-    own = F.embedding((ids - first).masked_fill(elsewhere, 0), local)
-    own = own.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+    own = lookup_own_rows(local, ids, first=mesh.get_local_rank() * local.shape[0])
     summed = DTensor.from_local(own, mesh, (Partial(),), run_check=False)
     return summed.redistribute(placements=(output_layout,)).to_local()
+
+
+def lookup_own_rows(rows: torch.Tensor, ids: torch.Tensor, *, first: int) -> torch.Tensor:
+    """The embeddings of ``ids`` found in ``rows`` (the matrix's rows ``first`` onwards), zeros for the others.
+
+    Summed over the ranks that hold the other rows, every position has exactly one non-zero term: the lookup of a
+    whole matrix, bit for bit. The backward makes a gradient of ``rows``' shape only."""
+    elsewhere = (ids < first) | (ids >= first + rows.shape[0])
+    # an id held elsewhere looks up row 0 and is zeroed, so its gradient (zero) lands in a row this rank holds
+    own = F.embedding((ids - first).masked_fill(elsewhere, 0), rows)
+    return own.masked_fill(elsewhere.unsqueeze(-1), 0.0)

@@ -8,6 +8,8 @@
   data-parallel way chosen from ``parallel.mode``);
 - ``data_parallel`` / ``fsdp``: the ways replicas hold parameters, one class each (``DDP``, ``Zero1``, ``FSDP2``):
   wrap, shard the optimizer, skip gradient sync, gather full parameters, bytes a rank keeps;
+- ``fsdp_vocabulary``: ``parallel.fsdp.shard_vocabulary``, a language model's embedding and head split by
+  vocabulary rows over fsdp2's ranks, outside FSDP2's units (activations move instead of whole matrices);
 - ``gloo_collectives``: FSDP2's all-gather and reduce-scatter on Gloo without Gloo's whole-size staging copies;
 - ``tensor_plan``: tensor parallelism's plans of ddpkit's ``gpt`` and ``llama`` (torch's ParallelStyles by
   module name), the degrees they take, the plan applied;

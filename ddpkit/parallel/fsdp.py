@@ -72,6 +72,9 @@ class FSDP2(DataParallel):
         self.precision = precision
         #: HSDP's replicas (``parallel.replicate``): the data-parallel ranks hold R copies of one sharding.
         self.replicate = replicate
+        #: ``parallel.fsdp.shard_vocabulary``: the embedding and the head split by vocabulary rows outside FSDP2's
+        #: units (:mod:`ddpkit.parallel.fsdp_vocabulary`).
+        self.shard_vocabulary = options.shard_vocabulary
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, *, precision: str = "fp32") -> FSDP2:
@@ -93,10 +96,17 @@ class FSDP2(DataParallel):
         if mesh is None:
             mesh = init_device_mesh(runtime.device.type, (runtime.env.world_size,), mesh_dim_names=("dp",))
         mp_policy = MixedPrecisionPolicy(param_dtype=_PRECISION[self.precision], reduce_dtype=torch.float32)
+        ignored: set[nn.Parameter] = set()
+        if self.shard_vocabulary:
+            from ddpkit.parallel.fsdp_vocabulary import shard_vocabulary
+
+            ignored = shard_vocabulary(model, mesh)
         blocks = fsdp_blocks(model, self.blocks)
         # Named classes are the user's whole choice; the default rule also takes the vocabulary matrices out of the
         # root, which FSDP2 keeps unsharded from its forward to the end of the backward.
         ends = fsdp_ends(model, blocks) if self.blocks is None else []
+        # a module whose every parameter is split by vocabulary is no unit: FSDP2 would hold nothing of it
+        ends = [end for end in ends if not set(end.parameters()) <= ignored]
         for block in [*blocks, *ends]:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
             use_in_place_collectives(block, runtime.backend)
@@ -106,18 +116,19 @@ class FSDP2(DataParallel):
             if _embeddings_only(end):
                 end.set_unshard_in_backward(False)
         # The root keeps its parameters for the backward (FSDP2's rule).
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored or None)
         use_in_place_collectives(model, runtime.backend)
         # A 2-D mesh is HSDP: replicated over its first dimension, sharded over its last.
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
         log.info(
-            "fsdp2: %d block(s) sharded over %d rank(s)%s (%s), %d end(s) (%s), then the root",
+            "fsdp2: %d block(s) sharded over %d rank(s)%s (%s), %d end(s) (%s), then the root%s",
             len(blocks),
             mesh.size(mesh.ndim - 1),
             f", replicated {replicas} times (HSDP)" if replicas > 1 else "",
             ", ".join(sorted({type(b).__name__ for b in blocks})) or "none",
             len(ends),
             ", ".join(type(e).__name__ for e in ends) or "none",
+            "; the embedding and the head split by vocabulary rows outside its units" if ignored else "",
         )
         return model
 
@@ -174,7 +185,8 @@ class FSDP2(DataParallel):
             unit.unshard()
         model.set_reshard_after_forward(False)
         try:
-            yield
+            with self._whole_vocabulary(model):
+                yield
         finally:
             for unit in units:
                 unit.reshard()
@@ -182,6 +194,14 @@ class FSDP2(DataParallel):
             for unit in units:
                 if unit is not model:
                     unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+
+    def _whole_vocabulary(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """The vocabulary rows gathered whole too, when split outside FSDP2's units (``shard_vocabulary``)."""
+        if not self.shard_vocabulary:
+            return contextlib.nullcontext()
+        from ddpkit.parallel.fsdp_vocabulary import whole_vocabulary
+
+        return whole_vocabulary(model)
 
     def bytes_per_rank(
         self, shapes: Sequence[tuple[int, ...]], *, world_size: int, slots: int, element_size: int = 4
@@ -198,7 +218,8 @@ class FSDP2(DataParallel):
 
     def __repr__(self) -> str:
         hsdp = f", replicate={self.replicate}" if self.replicate > 1 else ""
-        return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward}{hsdp})"
+        vocabulary = ", shard_vocabulary=True" if self.shard_vocabulary else ""
+        return f"FSDP2(blocks={self.blocks!r}, reshard_after_forward={self.reshard_after_forward}{hsdp}{vocabulary})"
 
 
 def fsdp_blocks(model: nn.Module, names: list[str] | None) -> list[nn.Module]:
