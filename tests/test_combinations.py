@@ -5,8 +5,9 @@
 docs/modes.md's "Every combination" table says, for every pair of options, whether it is tested, and by which test,
 or refused and why. These are the pairs that no other test ran: a pipeline with ZeRO-1, activation checkpointing
 (AC) or bf16; tensor parallelism with the document mask or bf16; HSDP with compile, LoRA, the document mask, AC or
-bf16; ZeRO-1 and FSDP2 with the document mask or bf16; LoRA, the document mask, AC and bf16 with each other; and
-three that other tests ran only in part (DDP with the document mask, alone and with AC, and compiled).
+bf16; ZeRO-1 and FSDP2 with the document mask or bf16; LoRA, the document mask, AC and bf16 with each other;
+fsdp2 with its vocabulary split (``parallel.fsdp.shard_vocabulary``) with the document mask, AC, bf16, LoRA or
+compile; and three that other tests ran only in part (DDP with the document mask, alone and with AC, and compiled).
 Each is the real Trainer's run of a tiny Llama (2 blocks, dim 32, grouped-query attention, an untied head) on a
 token file the test writes, 3 SGD steps with momentum, the token-weighted loss: the pair on 2 ranks (4 for HSDP
 and for a pipeline with ZeRO-1 beside it), and the same options but the layout in a world of one.
@@ -56,6 +57,8 @@ STEPS = 3
 #: Micro-batches each rank runs a step (accumulation, or a pipeline's microbatches).
 MICRO = 2
 HSDP = {"mode": "fsdp2", "replicate": 2}
+#: fsdp2 with the embedding and the head split by vocabulary rows over the ranks, outside FSDP2's units.
+VOCAB_SPLIT = {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}
 #: bf16 keeps 8 significant bits (neighbours 2^-8 = 3.9e-3 apart). Data-parallel ranks add gradients in another
 #: order than the world of one: fp32 weights 1e-7 apart, which now and then round to different bf16 neighbours,
 #: and so does every product a weight enters. Measured at 3 steps over 9 seeds: at most 6e-8 under FSDP2's bf16 and
@@ -93,6 +96,11 @@ PAIRS: dict[str, tuple[int, dict, dict, float | None]] = {
     "ddp_x_mask": (2, {}, {"mask": True}, 1e-6),
     "mask_x_ac": (2, {}, {"mask": True, "ac": True}, 1e-6),
     "compile_x_mask": (2, {}, {"compile": True, "mask": True}, 1e-6),
+    "vocab_split_x_mask": (2, VOCAB_SPLIT, {"mask": True}, 1e-6),
+    "vocab_split_x_ac": (2, VOCAB_SPLIT, {"ac": True}, 1e-6),
+    "vocab_split_x_bf16": (2, VOCAB_SPLIT, {"bf16": True}, BF16),
+    "vocab_split_x_lora": (2, VOCAB_SPLIT, {"lora": True}, 1e-6),
+    "vocab_split_x_compile": (2, VOCAB_SPLIT, {"compile": True}, 1e-6),
 }
 COMPILED = [name for name, (_, _, options, _) in PAIRS.items() if options.get("compile")]
 EAGER = [name for name in PAIRS if name not in COMPILED]

@@ -172,9 +172,8 @@ def _score(module: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torc
     every = DTensor.from_local(F.pad(flat, (0, 0, 0, most - count)), mesh, (Shard(0),), run_check=False)
     # each vocabulary shard adds its part to these states' gradient: summed and scattered back to their ranks
     every = every.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
-    # under bf16 the states arrive in it from FSDP2's units, which cast only what they hold
-    rows = module.weight.to_local().to(every.dtype)
-    scores = DTensor.from_local(_Scores.apply(every, rows, mesh.size()), mesh, (Shard(1),), run_check=False)
+    scores = _Scores.apply(every, module.weight.to_local(), mesh.size())
+    scores = DTensor.from_local(scores, mesh, (Shard(1),), run_check=False)
     mine = scores.redistribute(placements=(Shard(0),)).to_local()
     return mine[:count].reshape(*lead, mine.shape[-1])
 
@@ -187,20 +186,25 @@ def _largest(count: int, mesh: DeviceMesh, device: torch.device) -> int:
 
 
 class _Scores(torch.autograd.Function):
-    """``F.linear(states, rows)``, whose backward makes the rows' gradient divided by ``ranks`` in the one matmul
-    that makes it: the states are divided (``tokens x dim``) rather than the result (``vocab / N x dim``), so no
-    second rows-sized tensor is ever made beside the first (in a second micro-batch, beside every gradient)."""
+    """``F.linear(states, rows)`` in the states' type, whose backward makes the rows' gradient divided by ``ranks``
+    in the one matmul that makes it.
+
+    The states are divided (``tokens x dim``) rather than the result (``vocab / N x dim``), so no second rows-sized
+    tensor is made beside the first (in a second micro-batch, beside every gradient). Under bf16 (the states come
+    from FSDP2's units in it) that matmul runs in the rows' fp32: it sums every rank's tokens, the sum FSDP2 would
+    reduce in fp32."""
 
     @staticmethod
     def forward(ctx: Any, states: torch.Tensor, rows: torch.Tensor, ranks: int) -> torch.Tensor:
         ctx.save_for_backward(states, rows)
         ctx.ranks = ranks
-        return F.linear(states, rows)
+        return F.linear(states, rows.to(states.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         states, rows = ctx.saved_tensors
-        return grad @ rows, grad.t() @ (states / ctx.ranks), None
+        summed = grad.t().to(rows.dtype) @ (states.to(rows.dtype) / ctx.ranks)
+        return grad @ rows.to(grad.dtype), summed, None
 
 
 class _DividedGradient(torch.autograd.Function):
