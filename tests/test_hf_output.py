@@ -107,7 +107,8 @@ BF16 = {"precision": "bf16"}
 #: (model, parallel, train, checkpoint, ranks). pp2 on an untied Qwen2, tp2 on a tied Llama with biases (model.pt
 #: turned off), fsdp2 on GPT-2 (transposed Conv1D weights, a padded vocabulary cut back), pp2 x tp2; then layouts where
 #: a tensor has several holders that must write it once: HSDP (2 replicas of 2 shards), pp2 x dp2 (ddp, and fsdp2 on
-#: GPT-2, inside each stage); and bf16 under fsdp2 and pp2 x tp2. A tiny model fits the host: ``auto`` writes model.pt.
+#: GPT-2, inside each stage); bf16 under fsdp2 and pp2 x tp2; fsdp2 with the vocabulary split
+#: (``parallel.fsdp.shard_vocabulary``). A tiny model fits the host: ``auto`` writes model.pt.
 CASES = [
     pytest.param("qwen2", {"pipeline": 2}, {}, {}, 2, id="pp2"),
     pytest.param("llama", {"tensor": 2}, {}, {"model_pt": False}, 2, id="tp2"),
@@ -118,6 +119,8 @@ CASES = [
     pytest.param("gpt2-padded", {"pipeline": 2, "mode": "fsdp2"}, {}, {}, 4, id="pp2-fsdp2"),
     pytest.param("qwen2", {"mode": "fsdp2"}, BF16, {}, 2, id="fsdp2-bf16"),
     pytest.param("llama", {"pipeline": 2, "tensor": 2}, BF16, {}, 4, id="pp2-tp2-bf16"),
+    # the tied Llama's one vocabulary matrix split by rows outside FSDP2's units
+    pytest.param("llama", {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}, {}, {}, 2, id="fsdp2-vocab-split"),
 ]
 
 
