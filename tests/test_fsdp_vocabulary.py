@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bitwise_equal, run_in_pool
-from test_tensor_training import (
-    BOUND,
-    RaggedTrainer,
-    _assert_close_to,
-    _config,
-    _first_half,
-    _fit,
-    _fit_validated,
-    _one,
-)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from trainer_layouts import (
+    BOUND,
+    RaggedTrainer,
+    assert_close_to,
+    fit,
+    fit_alone,
+    fit_first_half,
+    fit_validated,
+    layout_config,
+)
 
 from ddpkit.config.loader import load_config
 from ddpkit.errors import ConfigError
@@ -113,20 +113,20 @@ def test_split_rows_compute_what_whole_matrices_do_for_ranks_with_different_batc
 
 
 def _split(out: Path, **options) -> dict:
-    cfg = _config(out, mode="fsdp2", **options)
+    cfg = layout_config(out, mode="fsdp2", **options)
     cfg["parallel"]["fsdp"] = {"shard_vocabulary": True}
     return cfg
 
 
 @pytest.mark.multiprocess
 def test_fsdp2_with_the_vocabulary_split_trains_and_validates_like_a_world_of_one(tmp_path):
-    one = _config(tmp_path / "one")
+    one = layout_config(tmp_path / "one")
     one["train"]["eval_every"] = 4
-    reference = run_in_pool(_fit_validated, 1, args=(one,), timeout=120)[0]
+    reference = run_in_pool(fit_validated, 1, args=(one,), timeout=120)[0]
     cfg = _split(tmp_path / "split")
     cfg["train"]["eval_every"] = 4
-    results = run_in_pool(_fit_validated, 2, args=(cfg,), timeout=200)
-    _assert_close_to(results, reference)
+    results = run_in_pool(fit_validated, 2, args=(cfg,), timeout=200)
+    assert_close_to(results, reference)
     for result in results:
         assert result["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=BOUND)
         assert result["metrics"]["val_accuracy"] == reference["metrics"]["val_accuracy"]
@@ -173,7 +173,7 @@ def test_no_training_step_makes_a_whole_vocabulary_matrix(tmp_path, split):
     """The vocabulary matrices are ``[50, 32]``: split, no op of a step makes one (the lookups' and the scores'
     gradients are ``[25, 32]``); as FSDP2's units, the all-gathers and the gradients do, which shows the check
     sees them."""
-    cfg = _split(tmp_path / "run", steps=2) if split else _config(tmp_path / "run", steps=2, mode="fsdp2")
+    cfg = _split(tmp_path / "run", steps=2) if split else layout_config(tmp_path / "run", steps=2, mode="fsdp2")
     cfg["checkpoint"] = {"every_epochs": None, "every_steps": None}
     for shapes in run_in_pool(_training_shapes, 2, args=(cfg,), timeout=120):
         assert ((50, 32) in shapes) is not split, shapes
@@ -184,16 +184,16 @@ def test_no_training_step_makes_a_whole_vocabulary_matrix(tmp_path, split):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_with_the_vocabulary_split_resumes_in_a_world_of_one_and_back(tmp_path):
-    reference = _one(tmp_path / "one")
-    run_in_pool(_first_half, 2, args=(_split(tmp_path / "a"),), timeout=200)
-    resumed = run_in_pool(_fit, 1, args=(_config(tmp_path / "a"),), timeout=120)[0]
+    reference = fit_alone(tmp_path / "one")
+    run_in_pool(fit_first_half, 2, args=(_split(tmp_path / "a"),), timeout=200)
+    resumed = run_in_pool(fit, 1, args=(layout_config(tmp_path / "a"),), timeout=120)[0]
     assert resumed["metrics"]["step"] == 8
-    _assert_close_to([resumed], reference)
+    assert_close_to([resumed], reference)
     # a world of one's checkpoint, then fsdp2 with the vocabulary split: each rank takes its rows
-    run_in_pool(_first_half, 1, args=(_config(tmp_path / "b"),), timeout=120)
-    split = run_in_pool(_fit, 2, args=(_split(tmp_path / "b"),), timeout=200)
+    run_in_pool(fit_first_half, 1, args=(layout_config(tmp_path / "b"),), timeout=120)
+    split = run_in_pool(fit, 2, args=(_split(tmp_path / "b"),), timeout=200)
     assert split[0]["metrics"]["step"] == 8
-    _assert_close_to(split, reference)
+    assert_close_to(split, reference)
     assert_bitwise_equal(split[0]["weights"], split[1]["weights"])
 
 
@@ -207,7 +207,7 @@ def test_a_checkpoint_with_the_vocabulary_split_resumes_in_a_world_of_one_and_ba
     ],
 )
 def test_a_split_vocabulary_outside_plain_fsdp2_is_refused_naming_the_setting(tmp_path, parallel, named):
-    cfg = _config(tmp_path, **parallel)
+    cfg = layout_config(tmp_path, **parallel)
     cfg["parallel"]["fsdp"] = {"shard_vocabulary": True}
     with pytest.raises(ConfigError, match=rf"parallel.fsdp.shard_vocabulary: .*{named}.*shard_vocabulary=false"):
         load_config(cfg)

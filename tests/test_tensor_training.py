@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    RaggedSequences,
     assert_bitwise_equal,
     assert_same_samples_after_restart,
     launch_with_a_restart,
@@ -32,30 +31,28 @@ from helpers import (
     run_in_pool,
 )
 from torch import nn
+from trainer_layouts import (
+    BOUND,
+    LLAMA,
+    RaggedTrainer,
+    assert_close_to,
+    fit,
+    fit_alone,
+    fit_first_half,
+    fit_validated,
+    layout_config,
+    relative_error,
+)
 
 import ddpkit
 from ddpkit.config.layout import check_layout
 from ddpkit.config.loader import load_config
-from ddpkit.distributed.memory import rank_bytes
 from ddpkit.errors import ConfigError
 from ddpkit.tools.estimate import estimate
 
 pytestmark = pytest.mark.timeout(300)
 
-LLAMA = {"arch": "llama", "vocab_size": 50, "dim": 32, "depth": 2, "heads": 4, "kv_heads": 2, "mlp_dim": 64}
-#: Relative, on every weight and the losses (the issue's bound for T-way against a world of one).
-BOUND = 1e-5
 SCRIPT = "tests/scripts/tensor_trainer.py"
-
-
-class RaggedTrainer(ddpkit.Trainer):
-    def build_datasets(self):
-        return RaggedSequences(n=64), None
-
-
-class ValidatedTrainer(RaggedTrainer):
-    def build_datasets(self):
-        return RaggedSequences(n=64), RaggedSequences(n=24)
 
 
 class Float64Trainer(RaggedTrainer):
@@ -63,74 +60,13 @@ class Float64Trainer(RaggedTrainer):
         return super().build_model().double()
 
 
-def _config(out: Path, *, steps: int = 8, **parallel) -> dict:
-    """Global batch 8 in 2 micro-batches (accumulation, or a pipeline's microbatches), AdamW clipped at 0.5; the
-    token-weighted loss, exact for any split of the batch (a mean per micro-batch would change with the split)."""
-    train = {"max_steps": steps, "log_every": 2, "clip_grad_norm": 0.5, "loss_normalization": "tokens"}
-    if parallel.get("pipeline", 1) > 1:
-        parallel["microbatches"] = 2
-    else:
-        train["grad_accum_steps"] = 2
-    return {
-        "run": {"name": "tp", "output_dir": str(out), "seed": 3},
-        "data": {"global_batch_size": 8, "order": "index_free"},
-        "model": {"name": "gpt", "kwargs": {**LLAMA, "max_len": 16, "tied": False}},
-        "optim": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1},
-        "train": train,
-        "parallel": parallel,
-        "checkpoint": {"every_epochs": None, "every_steps": 4},
-        "log": {"progress_bar": False},
-    }
-
-
-def _whole(state: dict) -> dict[str, torch.Tensor]:
-    """A state dict's tensors made whole (a DTensor's full_tensor: a collective on its mesh), on the CPU."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
-
-
-def _fit(cfg: dict, trainer_class: type = RaggedTrainer) -> dict:
-    trainer = trainer_class(cfg)
-    metrics = trainer.fit()
-    layout = trainer.layout
-    coordinates = {"pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank, "dp": layout.dp}
-    held = rank_bytes(trainer.placed.held, trainer.optimizer)
-    weights = _whole(trainer.placed.held.state_dict())
-    vocab = trainer.placed.vocab_parallel
-    return {"metrics": metrics, "weights": weights, "layout": coordinates, "bytes": held, "vocab_parallel": vocab}
-
-
-def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest relative error of a weight tensor, |a - b| / |b| in L2 norms (see the module docstring)."""
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)) for k in a)
-
-
 def _elementwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference of one weight, relative to its tensor's largest weight."""
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)) for k in a)
 
 
-def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        merged.update(result["weights"])
-    return merged
-
-
-def _one(out: Path, **options) -> dict:
-    return run_in_pool(_fit, 1, args=(_config(out, **options),), timeout=120)[0]
-
-
-def _assert_close_to(results: list[dict], reference: dict) -> None:
-    assert _relative(_merged(results), reference["weights"]) < BOUND
-    for result in results:
-        loss = result["metrics"]["train_loss"]
-        assert loss == pytest.approx(reference["metrics"]["train_loss"], rel=BOUND)
-        assert result["metrics"]["step"] == reference["metrics"]["step"]
-
-
 def _fit_float64(cfg: dict) -> dict:
-    return _fit(cfg, Float64Trainer)
+    return fit(cfg, Float64Trainer)
 
 
 class PlacementWatch(RaggedTrainer):
@@ -182,7 +118,7 @@ def _batch_report(cfg: dict) -> dict:
 def test_the_reported_global_batch_counts_data_parallel_replicas_only(tmp_path, ranks, parallel, line):
     """Issue 66: the ranks of a tensor-parallel group, or of a pipeline, read the same batches. The start-up line,
     samples/s and tokens/s count the data-parallel replicas, not the ranks: a global batch of 8 is 8 here."""
-    results = run_in_pool(_batch_report, ranks, args=(_config(tmp_path, steps=1, **parallel),), timeout=120)
+    results = run_in_pool(_batch_report, ranks, args=(layout_config(tmp_path, steps=1, **parallel),), timeout=120)
     dp = ranks // (parallel.get("pipeline", 1) * parallel.get("tensor", 1))
     for report in results:
         assert report["samples_per_step"] == 8, report
@@ -194,11 +130,11 @@ def test_the_reported_global_batch_counts_data_parallel_replicas_only(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_over_50_adamw_steps_stays_within_1e_5_of_a_world_of_one_and_within_1e_11_in_float64(tmp_path):
-    reference = _one(tmp_path / "one", steps=50)
-    results = run_in_pool(_fit, 2, args=(_config(tmp_path / "tp", steps=50, tensor=2),), timeout=280)
-    _assert_close_to(results, reference)
-    one = run_in_pool(_fit_float64, 1, args=(_config(tmp_path / "one64", steps=50),), timeout=120)[0]
-    tp = run_in_pool(_fit_float64, 2, args=(_config(tmp_path / "tp64", steps=50, tensor=2),), timeout=280)
+    reference = fit_alone(tmp_path / "one", steps=50)
+    results = run_in_pool(fit, 2, args=(layout_config(tmp_path / "tp", steps=50, tensor=2),), timeout=280)
+    assert_close_to(results, reference)
+    one = run_in_pool(_fit_float64, 1, args=(layout_config(tmp_path / "one64", steps=50),), timeout=120)[0]
+    tp = run_in_pool(_fit_float64, 2, args=(layout_config(tmp_path / "tp64", steps=50, tensor=2),), timeout=280)
     assert _elementwise(tp[0]["weights"], one["weights"]) < 1e-11
 
 
@@ -209,7 +145,7 @@ def test_every_gradient_of_a_tp2_run_is_held_as_its_parameter_is_placed(tmp_path
     ``.to()`` swaps DTensors in anew): Qwen3's per-head norms' gradients, ``Partial`` sums of each rank's heads, are
     reduced once as they are accumulated, the vocabulary-sharded embedding's arrive in shards. Under tp2 and under
     pp2 x tp2 (each stage its own parameters)."""
-    cfg = _config(tmp_path, steps=2, **parallel)
+    cfg = layout_config(tmp_path, steps=2, **parallel)
     cfg["model"]["kwargs"] = {**cfg["model"]["kwargs"], "qk_norm": True, "tied": True}
     for placed in run_in_pool(_gradient_placements, ranks, args=(cfg,), timeout=120):
         # 2 steps x 2 micro-batches, every parameter this rank holds
@@ -218,24 +154,20 @@ def test_every_gradient_of_a_tp2_run_is_held_as_its_parameter_is_placed(tmp_path
         assert any(name.endswith("attn.q_norm.weight") for name in placed), placed
 
 
-def _fit_validated(cfg: dict) -> dict:
-    return _fit(cfg, ValidatedTrainer)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("vocab_parallel", [None, False], ids=["sharded_by_default", "replicated_on_request"])
 def test_tp2_with_the_vocabulary_sharded_or_replicated_trains_and_validates_like_a_world_of_one(
     tmp_path, vocab_parallel
 ):
-    cfg = _config(tmp_path / "one")
+    cfg = layout_config(tmp_path / "one")
     cfg["train"]["eval_every"] = 4
-    reference = run_in_pool(_fit_validated, 1, args=(cfg,), timeout=120)[0]
+    reference = run_in_pool(fit_validated, 1, args=(cfg,), timeout=120)[0]
     # the default (null): sharded, the 50 ids dividing by 2
-    tp = _config(tmp_path / "vocab", tensor=2, vocab_parallel=vocab_parallel)
+    tp = layout_config(tmp_path / "vocab", tensor=2, vocab_parallel=vocab_parallel)
     tp["train"]["eval_every"] = 4
-    results = run_in_pool(_fit_validated, 2, args=(tp,), timeout=200)
+    results = run_in_pool(fit_validated, 2, args=(tp,), timeout=200)
     assert [r["vocab_parallel"] for r in results] == [vocab_parallel is None] * 2
-    _assert_close_to(results, reference)
+    assert_close_to(results, reference)
     for result in results:
         # each tensor rank ran the whole batch: its copies of the float64 sums and counts leave the means as they are
         assert result["metrics"]["val_loss"] == pytest.approx(reference["metrics"]["val_loss"], rel=BOUND)
@@ -245,21 +177,21 @@ def test_tp2_with_the_vocabulary_sharded_or_replicated_trains_and_validates_like
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp_path):
-    reference = _one(tmp_path / "one")
-    results = run_in_pool(_fit, 2, args=(_config(tmp_path / "tp", tensor=2),), timeout=200)
-    recomputed = _config(tmp_path / "ac", tensor=2)
+    reference = fit_alone(tmp_path / "one")
+    results = run_in_pool(fit, 2, args=(layout_config(tmp_path / "tp", tensor=2),), timeout=200)
+    recomputed = layout_config(tmp_path / "ac", tensor=2)
     recomputed["train"]["activation_checkpointing"] = True
     # activation checkpointing wraps the blocks after the plan: the same bits
-    assert_bitwise_equal(run_in_pool(_fit, 2, args=(recomputed,), timeout=200)[0]["weights"], results[0]["weights"])
+    assert_bitwise_equal(run_in_pool(fit, 2, args=(recomputed,), timeout=200)[0]["weights"], results[0]["weights"])
     assert [r["layout"]["tp_rank"] for r in results] == [0, 1]
     assert all(r["layout"]["dp"] == 1 for r in results)
-    _assert_close_to(results, reference)
+    assert_close_to(results, reference)
     # model.pt: the whole model under its own names, as a world of one writes it
     tp_model = load_weights(tmp_path / "tp/model.pt")
-    assert _relative(tp_model, load_weights(tmp_path / "one/model.pt")) < BOUND
+    assert relative_error(tp_model, load_weights(tmp_path / "one/model.pt")) < BOUND
     assert_bitwise_equal(tp_model, results[0]["weights"])
     # `ddpkit estimate` predicts what each tensor rank holds, from the model on the meta device
-    predicted = estimate(_config(tmp_path / "estimate", tensor=2), nproc=2).per_mode["ddp"]
+    predicted = estimate(layout_config(tmp_path / "estimate", tensor=2), nproc=2).per_mode["ddp"]
     assert predicted.parameters == results[0]["bytes"].parameters < reference["bytes"].parameters
     assert predicted.optimizer == results[0]["bytes"].optimizer
     # the checkpoints are DCP directories each tensor rank wrote its shards of
@@ -269,26 +201,26 @@ def test_tp2_trains_within_1e_5_of_a_world_of_one_and_writes_the_whole_model(tmp
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fsdp2_over_dp2_x_tp2_and_pp2_x_tp2_train_within_1e_5_of_a_world_of_one(tmp_path):
-    reference = _one(tmp_path / "one")
-    fsdp = run_in_pool(_fit, 4, args=(_config(tmp_path / "fsdp", tensor=2, mode="fsdp2"),), timeout=280)
+    reference = fit_alone(tmp_path / "one")
+    fsdp = run_in_pool(fit, 4, args=(layout_config(tmp_path / "fsdp", tensor=2, mode="fsdp2"),), timeout=280)
     assert [(r["layout"]["dp_rank"], r["layout"]["tp_rank"]) for r in fsdp] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    _assert_close_to(fsdp[:1], reference)
-    pipelined = run_in_pool(_fit, 4, args=(_config(tmp_path / "pp", tensor=2, pipeline=2),), timeout=280)
+    assert_close_to(fsdp[:1], reference)
+    pipelined = run_in_pool(fit, 4, args=(layout_config(tmp_path / "pp", tensor=2, pipeline=2),), timeout=280)
     # ranks 0, 1: stage 0 (tensor ranks 0, 1); ranks 2, 3: stage 1
     assert [(r["layout"]["pp_rank"], r["layout"]["tp_rank"]) for r in pipelined] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    _assert_close_to([pipelined[0], pipelined[2]], reference)
-    assert _relative(load_weights(tmp_path / "pp/model.pt"), reference["weights"]) < BOUND
+    assert_close_to([pipelined[0], pipelined[2]], reference)
+    assert relative_error(load_weights(tmp_path / "pp/model.pt"), reference["weights"]) < BOUND
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_compiled_tp2_trains_like_the_eager_one(tmp_path):
-    eager = run_in_pool(_fit, 2, args=(_config(tmp_path / "eager", tensor=2),), timeout=200)
-    compiled = _config(tmp_path / "compiled", tensor=2)
+    eager = run_in_pool(fit, 2, args=(layout_config(tmp_path / "eager", tensor=2),), timeout=200)
+    compiled = layout_config(tmp_path / "compiled", tensor=2)
     compiled["train"]["compile"] = True
     # Inductor fuses the blocks' elementwise ops (another rounding), so within the bound, not bitwise.
-    results = run_in_pool(_fit, 2, args=(compiled,), timeout=280)
-    _assert_close_to(results, eager[0])
+    results = run_in_pool(fit, 2, args=(compiled,), timeout=280)
+    assert_close_to(results, eager[0])
 
 
 class MlpWithAPlan(ddpkit.Trainer):
@@ -313,7 +245,7 @@ def _fit_mlp(tensor: int, out: str) -> dict:
         "checkpoint": {"every_epochs": None},
         "log": {"progress_bar": False},
     }
-    return _fit(cfg, MlpWithAPlan)
+    return fit(cfg, MlpWithAPlan)
 
 
 @pytest.mark.multiprocess
@@ -321,52 +253,47 @@ def test_a_user_model_splits_by_its_own_tensor_plan(tmp_path):
     one = run_in_pool(_fit_mlp, 1, args=(1, str(tmp_path / "one")), timeout=120)[0]
     split = run_in_pool(_fit_mlp, 2, args=(2, str(tmp_path / "tp")), timeout=120)
     # the hidden layer's rows on two ranks: the output layer's sum is split in two, rounding only
-    assert _relative(split[0]["weights"], one["weights"]) < BOUND
+    assert relative_error(split[0]["weights"], one["weights"]) < BOUND
     assert split[0]["metrics"]["train_loss"] == pytest.approx(one["metrics"]["train_loss"], rel=BOUND)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dp2_x_pp2_x_tp2_on_8_ranks_trains_within_1e_5_of_a_world_of_one(tmp_path):
-    reference = _one(tmp_path / "one")
-    cfg = _config(tmp_path / "3d", tensor=2, pipeline=2, mode="fsdp2")
-    results = run_in_pool(_fit, 8, args=(cfg,), timeout=280)
+    reference = fit_alone(tmp_path / "one")
+    cfg = layout_config(tmp_path / "3d", tensor=2, pipeline=2, mode="fsdp2")
+    results = run_in_pool(fit, 8, args=(cfg,), timeout=280)
     # the mesh's order (pp, dp, tp): rank 5 is stage 1 of replica 0, tensor rank 1
     assert results[5]["layout"] == {"pp_rank": 1, "dp_rank": 0, "tp_rank": 1, "dp": 2}
-    _assert_close_to([results[0], results[4]], reference)
-    assert _relative(load_weights(tmp_path / "3d/model.pt"), reference["weights"]) < BOUND
-
-
-def _first_half(cfg: dict) -> dict:
-    cfg["train"]["max_steps"] = 4
-    return _fit(cfg)
+    assert_close_to([results[0], results[4]], reference)
+    assert relative_error(load_weights(tmp_path / "3d/model.pt"), reference["weights"]) < BOUND
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tp2_checkpoint_resumes_in_a_world_of_one_and_a_ddp_one_as_tp2(tmp_path):
-    reference = _one(tmp_path / "one")
+    reference = fit_alone(tmp_path / "one")
     # tp2 for 4 steps, then a world of one from its DCP checkpoint (the same samples from step 5 on)
-    run_in_pool(_first_half, 2, args=(_config(tmp_path / "a", tensor=2),), timeout=200)
-    resumed = run_in_pool(_fit, 1, args=(_config(tmp_path / "a"),), timeout=120)[0]
+    run_in_pool(fit_first_half, 2, args=(layout_config(tmp_path / "a", tensor=2),), timeout=200)
+    resumed = run_in_pool(fit, 1, args=(layout_config(tmp_path / "a"),), timeout=120)[0]
     assert resumed["metrics"]["step"] == 8
-    assert _relative(resumed["weights"], reference["weights"]) < BOUND
+    assert relative_error(resumed["weights"], reference["weights"]) < BOUND
     # a world of one's single-file checkpoint, then tp2: each tensor rank takes its shards of it
-    run_in_pool(_first_half, 1, args=(_config(tmp_path / "b"),), timeout=120)
-    as_tp = run_in_pool(_fit, 2, args=(_config(tmp_path / "b", tensor=2),), timeout=200)
+    run_in_pool(fit_first_half, 1, args=(layout_config(tmp_path / "b"),), timeout=120)
+    as_tp = run_in_pool(fit, 2, args=(layout_config(tmp_path / "b", tensor=2),), timeout=200)
     assert as_tp[0]["metrics"]["step"] == 8
-    _assert_close_to(as_tp, reference)
+    assert_close_to(as_tp, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_pp2_x_tp2_checkpoint_resumes_under_ddp_on_2_ranks(tmp_path):
-    reference = _one(tmp_path / "one")
-    run_in_pool(_first_half, 4, args=(_config(tmp_path / "run", tensor=2, pipeline=2),), timeout=280)
-    resumed = run_in_pool(_fit, 2, args=(_config(tmp_path / "run"),), timeout=200)
+    reference = fit_alone(tmp_path / "one")
+    run_in_pool(fit_first_half, 4, args=(layout_config(tmp_path / "run", tensor=2, pipeline=2),), timeout=280)
+    resumed = run_in_pool(fit, 2, args=(layout_config(tmp_path / "run"),), timeout=200)
     assert resumed[0]["metrics"]["step"] == 8
     assert_bitwise_equal(resumed[0]["weights"], resumed[1]["weights"])
-    assert _relative(resumed[0]["weights"], reference["weights"]) < BOUND
+    assert relative_error(resumed[0]["weights"], reference["weights"]) < BOUND
 
 
 def test_tensor_layouts_that_cannot_work_are_refused_before_any_group_naming_the_fix(monkeypatch):
@@ -396,7 +323,7 @@ def test_tensor_layouts_that_cannot_work_are_refused_before_any_group_naming_the
 
 
 def _launch(out: Path, env: dict[str, str]) -> str:
-    cfg = _config(out / "run", steps=10, tensor=2)
+    cfg = layout_config(out / "run", steps=10, tensor=2)
     # The script imports the tests' RaggedSequences (tests/helpers.py).
     return launch_with_a_restart(out, cfg, script=SCRIPT, nproc=2, env={"PYTHONPATH": "tests", **env}, timeout=280)
 
