@@ -236,3 +236,23 @@ def _refusal(kwargs: dict) -> str:
 def test_a_model_the_split_cannot_take_is_refused_with_the_fix(kwargs, says):
     for message in run_in_pool(_refusal, 2, args=(kwargs,), timeout=60):
         assert says in message and "parallel.fsdp.shard_vocabulary=false" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor": 2}, {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}],
+    ids=["tp2", "vocabulary_split"],
+)
+def test_a_padded_vocabulary_trains_like_a_world_of_one_where_the_head_s_output_is_a_dtensor_s_view(tmp_path, parallel):
+    """50 ids padded to 52 rows (``valid_vocab``): the models set the padded ids' logits to -inf out of place, since
+    under a tensor plan (the vocabulary then replicated) or the split the head returns a view a custom autograd
+    Function made (``to_local``), which autograd forbids filling in place (it raised before)."""
+
+    def padded(cfg: dict) -> dict:
+        cfg["model"]["kwargs"] = {**cfg["model"]["kwargs"], "vocab_size": 52, "valid_vocab": 50}
+        return cfg
+
+    reference = run_in_pool(fit, 1, args=(padded(layout_config(tmp_path / "one")),), timeout=120)[0]
+    results = run_in_pool(fit, 2, args=(padded(layout_config(tmp_path / "split", **dict(parallel))),), timeout=200)
+    assert_close_to(results, reference)

@@ -164,17 +164,19 @@ def test_a_missing_run_is_one_line_naming_what_to_give(tmp_path):
         _cli(tmp_path / "nowhere")
 
 
-def _sample_in_fsdp2(out: str) -> list[dict]:
-    """Rank r: 2 steps of a byte GPT under fsdp2 with train.sample every step; rank 0's samples.jsonl lines."""
+def _sample_in_fsdp2(out: str, split: bool = False) -> list[dict]:
+    """Rank r: 2 steps of a byte GPT under fsdp2 with train.sample every step; rank 0's samples.jsonl lines.
+    ``split``: the vocabulary split over the ranks (``parallel.fsdp.shard_vocabulary``), padded to 258 rows."""
+    vocab = {"vocab_size": 258, "valid_vocab": 257} if split else {"vocab_size": 257}
     ddpkit.Trainer(
         {
             "run": {"output_dir": out},
             "log": {"progress_bar": False},
             "dist": {"timeout": 60},
-            "model": {"name": "gpt", "kwargs": {"vocab_size": 257, "dim": 32, "depth": 2, "heads": 4, "max_len": 64}},
+            "model": {"name": "gpt", "kwargs": {**vocab, "dim": 32, "depth": 2, "heads": 4, "max_len": 64}},
             "data": {"name": "tokens", "batch_size": 4, "kwargs": {"corpus": "stdlib", "seq_len": 32}},
             "optim": {"name": "adamw", "lr": 1e-3},
-            "parallel": {"mode": "fsdp2"},
+            "parallel": {"mode": "fsdp2", "fsdp": {"shard_vocabulary": split}},
             "train": {
                 "max_steps": 2,
                 "eval_every": 100,
@@ -189,6 +191,7 @@ def _sample_in_fsdp2(out: str) -> list[dict]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_train_sample_under_fsdp2_samples_on_every_rank_and_rank_0_writes(tmp_path):
-    first, _ = run_in_pool(_sample_in_fsdp2, 2, args=(str(tmp_path / "run"),), timeout=240)
+@pytest.mark.parametrize("split", [False, True], ids=["fsdp2", "vocabulary_split"])
+def test_train_sample_under_fsdp2_samples_on_every_rank_and_rank_0_writes(tmp_path, split):
+    first, _ = run_in_pool(_sample_in_fsdp2, 2, args=(str(tmp_path / "run"), split), timeout=240)
     assert [r["step"] for r in first] == [1, 2] and all(len(r["text"]) > 0 for r in first)

@@ -37,7 +37,7 @@ from ddpkit.models.hf_files import check_against, family_of
 from ddpkit.models.hf_gpt2 import read_config, wanted
 from ddpkit.models.hf_slices import HFWeights
 from ddpkit.models.init_by_name import draw_init_seed, initialize_or_read, is_on_meta
-from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs
+from ddpkit.models.llama import FAMILIES, LLAMA_PRESETS, Llama, LlamaShape, llama_kwargs, mask_padded_ids
 from ddpkit.registry import register_model
 
 __all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "KVCache", "PRESETS", "ACTIVATIONS", "gpt", "gpt_kwargs"]
@@ -199,12 +199,7 @@ class GPT(nn.Module):
         h = self.drop(self.embed(x) + self.pos(positions))
         for i, block in enumerate(self.blocks):
             h = block(h, cache.layers[i] if cache is not None else None, documents)
-        logits = self.head(self.ln_f(h))
-        if self.valid_vocab is not None:
-            logits[..., self.valid_vocab :] = float(
-                "-inf"
-            )  # padded ids: probability 0, no gradient, the loss unchanged
-        return logits
+        return mask_padded_ids(self.head(self.ln_f(h)), self.valid_vocab)
 
     def make_cache(self, batch: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` sequences (the sampling protocol of ddpkit.models.generation)."""

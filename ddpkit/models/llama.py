@@ -64,6 +64,7 @@ __all__ = [
     "LLAMA_PRESETS",
     "FAMILIES",
     "llama_kwargs",
+    "mask_padded_ids",
 ]
 
 #: Hugging Face ``model_type`` values the family exports as (and ``init_from`` reads).
@@ -361,11 +362,7 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the output layer; padded ids (``valid_vocab``) get -inf."""
-        logits = self.head(self.norm(h))
-        if self.valid_vocab is not None:
-            # padded ids: probability 0, no gradient, the loss unchanged
-            logits[..., self.valid_vocab :] = float("-inf")
-        return logits
+        return mask_padded_ids(self.head(self.norm(h)), self.valid_vocab)
 
     def make_cache(self, batch: int) -> KVCache:
         """An empty :class:`KVCache` (``kv_heads`` heads) for ``batch`` sequences (ddpkit.models.generation)."""
@@ -412,3 +409,15 @@ def llama_kwargs(preset: str | None = None, init_from: str | None = None, **give
     kwargs = {**base, **given, "valid_vocab": base["vocab_size"]}
     hf_llama.check_window(window, max_len=kwargs["max_len"], source=source)
     return LlamaShape(**kwargs).to_kwargs()
+
+
+def mask_padded_ids(logits: torch.Tensor, valid_vocab: int | None) -> torch.Tensor:
+    """``logits`` with the padded ids past ``valid_vocab`` at -inf: probability 0, no gradient, the loss unchanged.
+
+    Out of place: under a tensor plan or a vocabulary split the head's output is a view made by a custom autograd
+    Function (DTensor's ``to_local``), which autograd forbids modifying in place. The same bits as an in-place fill.
+    """
+    if valid_vocab is None:
+        return logits
+    padded = torch.arange(logits.shape[-1], device=logits.device) >= valid_vocab
+    return logits.masked_fill(padded, float("-inf"))
