@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.vocab_embedding import lookup_own_rows
@@ -147,9 +148,7 @@ def _lookup(module: nn.Embedding, ids: torch.Tensor, *, mesh: DeviceMesh) -> tor
     if whole is not None:
         return F.embedding(ids, whole)
     count = ids.numel()
-    most = _largest(count, mesh, ids.device)
-    every = DTensor.from_local(F.pad(ids.reshape(-1), (0, most - count)), mesh, (Shard(0),), run_check=False)
-    every = every.redistribute(placements=(Replicate(),)).to_local()
+    every = _every_ranks(ids.reshape(-1), mesh)
     rows = module.weight.to_local()
     own = lookup_own_rows(rows, every, first=mesh.get_local_rank() * rows.shape[0])
     # divided here, on every rank's tokens' gradients (tokens x dim), not on the rows' gradient: the embedding's
@@ -168,21 +167,27 @@ def _score(module: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torc
     lead, width = hidden.shape[:-1], hidden.shape[-1]
     flat = hidden.reshape(-1, width)
     count = flat.shape[0]
-    most = _largest(count, mesh, hidden.device)
-    every = DTensor.from_local(F.pad(flat, (0, 0, 0, most - count)), mesh, (Shard(0),), run_check=False)
     # each vocabulary shard adds its part to these states' gradient: summed and scattered back to their ranks
-    every = every.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+    every = _every_ranks(flat, mesh, grad_placement=Partial())
     scores = _Scores.apply(every, module.weight.to_local(), mesh.size())
     scores = DTensor.from_local(scores, mesh, (Shard(1),), run_check=False)
     mine = scores.redistribute(placements=(Shard(0),)).to_local()
     return mine[:count].reshape(*lead, mine.shape[-1])
 
 
-def _largest(count: int, mesh: DeviceMesh, device: torch.device) -> int:
-    """The largest of the ranks' ``count``: every rank pads its tokens to it, as the collectives need."""
-    most = torch.tensor([count], device=device)
+def _every_ranks(mine: torch.Tensor, mesh: DeviceMesh, *, grad_placement: Placement | None = None) -> torch.Tensor:
+    """Every rank's tokens (``mine``: this rank's, along dim 0), rank by rank, each padded to the largest rank's
+    count (agreed first: one all-reduce of an integer, read on the host), as the collectives need equal pieces.
+
+    ``grad_placement``: what the result's gradient is (``Partial()``: a part of a sum, reduce-scattered back to
+    the ranks; None: the same on every rank, each keeping its own piece)."""
+    count = mine.shape[0]
+    most = torch.tensor([count], device=mine.device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
-    return int(most.item())
+    padding = [0, 0] * (mine.dim() - 1) + [0, int(most.item()) - count]
+    pieces = DTensor.from_local(F.pad(mine, padding), mesh, (Shard(0),), run_check=False)
+    grad_placements = (grad_placement,) if grad_placement is not None else None
+    return pieces.redistribute(placements=(Replicate(),)).to_local(grad_placements=grad_placements)
 
 
 class _Scores(torch.autograd.Function):
