@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{worst['first_step']:>10.0f}M {worst['train_peak']:>10.0f}M {goal:>8.0f}M {worst['end_peak']:>8.0f}M "
             f"{worst['to_first_step']:>9.1f}s"
         )
+        if ranks > 1:
+            peaks = ", ".join(f"{row['train_peak']:.0f}M" for row in rows)
+            print(f"{'':<9} train peak by rank: {peaks}")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

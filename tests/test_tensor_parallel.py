@@ -142,12 +142,13 @@ def _gradients_as_placed() -> dict:
     for kind in ("gqa", "qwen"):
         model = apply_tensor_parallel(tiny_model(kind), mesh, tensor_plan(tiny_model(kind), vocab_parallel=True))
         alone = tiny_model(kind)
+        found[f"{kind} made"] = []
         for step in range(2):
             x = fixed_batch(step)
             logits = whole(model(x[:, :-1]))
             with _EmbeddingGradients() as made:
                 F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
-            found[f"{kind} made"] = made.shapes
+            found[f"{kind} made"].append(made.shapes)
             F.cross_entropy(whole(alone(x[:, :-1])).flatten(0, 1), x[:, 1:].flatten()).backward()
         found[kind] = {
             name: (p.grad.placements == p.placements, p.grad.to_local().shape == p.to_local().shape)
@@ -177,13 +178,23 @@ class _EmbeddingGradients(TorchDispatchMode):
 @pytest.mark.multiprocess
 def test_every_gradient_is_held_as_its_parameter_is_placed_the_embeddings_too():
     """A vocabulary-sharded embedding's backward makes only the rank's rows' gradient, ``[vocab / T, dim]``
-    (ddpkit.models.vocab_embedding; torch's RowwiseParallel makes the whole matrix on every rank), and every gradient
-    is held as its parameter is placed, with a world of one's values."""
+    (ddpkit.models.vocab_embedding; torch's RowwiseParallel makes the whole matrix on every rank), and from the
+    second micro-batch on, untied, only the rows of the ids it looked up, added into ``.grad`` in place
+    (ddpkit.models.accumulate_in_place); every gradient is held as its parameter is placed, with a world of one's
+    values."""
     for found in run_in_pool(_gradients_as_placed, 2):
         for kind in ("gqa", "qwen"):
             assert all(same == (True, True) for same in found[kind].values()), found[kind]
             assert found[f"{kind} embed rows"] < 1e-6, found
-            assert found[f"{kind} made"] == [(VOCAB // 2, tiny_model(kind).embed.embedding_dim)], found
+            dim = tiny_model(kind).embed.embedding_dim
+            first, second = found[f"{kind} made"]
+            assert first == [(VOCAB // 2, dim)], found
+            if kind == "qwen":
+                # tied: the head's and the embedding's gradients are summed by autograd first, as before
+                assert second == [(VOCAB // 2, dim)], found
+            else:
+                # the ids this rank holds (and row 0, where the others' zeros land): fewer rows than its shard
+                assert len(second) == 1 and second[0][0] < VOCAB // 2 and second[0][1] == dim, found
 
 
 def _fsdp2_over_dp_tp(steps: int) -> dict:

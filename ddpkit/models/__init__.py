@@ -15,7 +15,10 @@
   layout, for the whole model or any part of it (``GPT.init_weights(parts)``, ``Llama.init_weights(parts)``);
 - ``tensor_plans``: each family's tensor plan (``GPT.tensor_plan``, ``Llama.tensor_plan``); its pipeline cut is
   on the class too (``stage_parts``, ``stage_input``, ``stage_rotation``, ``stage_output``);
-  ``vocab_embedding``: the plans' vocabulary-sharded embedding, whose backward makes only the rank's rows.
+  ``vocab_embedding``: the plans' vocabulary-sharded embedding, whose backward makes only the rank's rows;
+  ``vocab_head``: their vocabulary-sharded head;
+- ``accumulate_in_place``: the embedding's and the head's micro-batch gradients added into ``.grad`` in place, with
+  autograd's bits (no second vocabulary matrix beside the accumulated one).
 
 Applying a plan or a cut, and how the ranks hold the parts, lives in :mod:`ddpkit.parallel`.
 """

@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.vocab_embedding import VocabParallelEmbedding
+from ddpkit.models.vocab_head import VocabParallelHead
 
 __all__ = ["Replicated", "SequenceSplit", "llama_plan", "gpt2_plan"]
 
@@ -117,7 +118,7 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
             module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
-def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False, *, tied: bool) -> dict[str, ParallelStyle]:
     """The embedding and the head: replicated, or sharded by vocabulary rows (``vocab_parallel``).
 
     Sharded, the embedding's rows are split (:class:`~ddpkit.models.vocab_embedding.VocabParallelEmbedding`: each
@@ -126,7 +127,9 @@ def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[s
     vocabulary, for ``loss_parallel``. Both shard the same ``[vocab, dim]`` rows, so a tied head stays one
     parameter. With ``sequence_parallel`` the embedding hands each rank its slice of the sequence (sharded: a
     reduce-scatter instead of the all-reduce; replicated: a slice, no collective) and the head all-gathers the
-    sequence back before it scores.
+    sequence back before it scores. From the second micro-batch on, both add their rows' gradient into ``.grad`` in
+    place (:mod:`ddpkit.models.accumulate_in_place`), unless ``tied``: one matrix used twice has autograd sum the two
+    uses' gradients first, an order the in-place adds would change.
     """
     if not vocab_parallel and not sequence_parallel:
         # a tied head gets its own hooks and, once applied, embed's parameter again (apply_tensor_parallel)
@@ -136,10 +139,10 @@ def _vocabulary(vocab_parallel: bool, sequence_parallel: bool = False) -> dict[s
         return {"embed": SequenceSplit(Replicated(output_layout=Shard(1))), "head": head}
     stream = Shard(1) if sequence_parallel else Replicate()
     # RowwiseParallel's lookup; its backward makes only the rank's rows' gradient (ddpkit.models.vocab_embedding)
-    embed = VocabParallelEmbedding(output_layout=stream)
+    embed = VocabParallelEmbedding(output_layout=stream, in_place=not tied)
     return {
         "embed": SequenceSplit(embed) if sequence_parallel else embed,
-        "head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+        "head": VocabParallelHead(input_layout=stream, in_place=not tied),
     }
 
 
@@ -187,7 +190,8 @@ def llama_plan(
     """
     norm = SequenceParallel if sequence_parallel else Replicated
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {**_vocabulary(vocab_parallel, sequence_parallel), "norm": norm()}
+    vocabulary = _vocabulary(vocab_parallel, sequence_parallel, tied=model.head.weight is model.embed.weight)
+    plan: dict[str, ParallelStyle] = {**vocabulary, "norm": norm()}
     rest = (None,) * (_ATTENTION_INPUTS - 1)
     # the whole sequence, replicated: what q/k/v and gate/up compute on
     whole = (Replicate(),) + rest
@@ -229,7 +233,8 @@ def gpt2_plan(
     """
     if sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel: {GPT2_NO_SEQUENCE_PARALLEL}")
-    plan = {**_vocabulary(vocab_parallel), "pos": Replicated(), "drop": Replicated(), "ln_f": Replicated()}
+    # GPT's head is its embedding
+    plan = {**_vocabulary(vocab_parallel, tied=True), "pos": Replicated(), "drop": Replicated(), "ln_f": Replicated()}
     for i in range(len(model.blocks)):
         prefix = f"blocks.{i}"
         # drop: the residual dropout on DTensors, one mask on every rank from DTensor's RNG tracker (CUDA)

@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module,
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from ddpkit.models.accumulate_in_place import Accumulated, embedding
+
 __all__ = ["VocabParallelEmbedding", "lookup_own_rows"]
 
 
@@ -43,9 +45,11 @@ class VocabParallelEmbedding(ParallelStyle):
     (``Replicate()``: an all-reduce; ``Shard(1)``: a reduce-scatter, each rank keeping its slice of the sequence).
     The output is handed back as a local tensor, as ``RowwiseParallel``'s is by default."""
 
-    def __init__(self, *, output_layout: Placement):
+    def __init__(self, *, output_layout: Placement, in_place: bool = True):
         super().__init__()
         self.output_layout = output_layout
+        #: Whether the backward adds into the parameter's ``.grad`` in place (False for a tied head's matrix).
+        self.in_place = in_place
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
@@ -60,17 +64,17 @@ class VocabParallelEmbedding(ParallelStyle):
                 "ranks; pad the vocabulary to a multiple of the tensor degree, or keep the embedding replicated"
             )
         distribute_module(module, device_mesh, partition_fn=functools.partial(_rows, self.src_data_rank))
-        output_layout = self.output_layout
+        output_layout, in_place = self.output_layout, self.in_place
 
         # a function, not a functools.partial: torch.compile traces a bound function, and reads its __name__
         def forward(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-            return _lookup_own_rows(embedding, ids, mesh=device_mesh, output_layout=output_layout)
+            return _lookup_own_rows(embedding, ids, mesh=device_mesh, output_layout=output_layout, in_place=in_place)
 
         module.forward = types.MethodType(forward, module)
         return module
 
     def __repr__(self) -> str:
-        return f"VocabParallelEmbedding(output_layout={self.output_layout!r})"
+        return f"VocabParallelEmbedding(output_layout={self.output_layout!r}, in_place={self.in_place})"
 
 
 def _rows(src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -82,22 +86,34 @@ def _rows(src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceM
 
 
 def _lookup_own_rows(
-    module: nn.Embedding, ids: torch.Tensor, *, mesh: DeviceMesh, output_layout: Placement
+    module: nn.Embedding, ids: torch.Tensor, *, mesh: DeviceMesh, output_layout: Placement, in_place: bool
 ) -> torch.Tensor:
     """The ids' embeddings from this rank's rows, zeros for the rest, summed over the tensor ranks."""
-    local = module.weight.to_local()
+    weight = module.weight
+    local = weight.to_local()
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
-    own = lookup_own_rows(local, ids, first=mesh.get_local_rank() * local.shape[0])
+
+    def accumulated() -> torch.Tensor | None:
+        # the micro-batches' gradients of the rows are added into the parameter's local shard in place
+        return weight.grad.to_local() if weight.grad is not None else None
+
+    first = mesh.get_local_rank() * local.shape[0]
+    own = lookup_own_rows(local, ids, first=first, accumulated=accumulated if in_place else None)
     summed = DTensor.from_local(own, mesh, (Partial(),), run_check=False)
     return summed.redistribute(placements=(output_layout,)).to_local()
 
 
-def lookup_own_rows(rows: torch.Tensor, ids: torch.Tensor, *, first: int) -> torch.Tensor:
+def lookup_own_rows(
+    rows: torch.Tensor, ids: torch.Tensor, *, first: int, accumulated: Accumulated | None = None
+) -> torch.Tensor:
     """The embeddings of ``ids`` found in ``rows`` (the matrix's rows ``first`` onwards), zeros for the others.
 
     Summed over the ranks that hold the other rows, every position has exactly one non-zero term: the lookup of a
-    whole matrix, bit for bit. The backward makes a gradient of ``rows``' shape only."""
+    whole matrix, bit for bit. The backward makes a gradient of ``rows``' shape only; with ``accumulated`` (where
+    the rows' gradient accumulates) it adds into that in place once it exists
+    (:mod:`ddpkit.models.accumulate_in_place`)."""
     elsewhere = (ids < first) | (ids >= first + rows.shape[0])
     # an id held elsewhere looks up row 0 and is zeroed, so its gradient (zero) lands in a row this rank holds
-    own = F.embedding((ids - first).masked_fill(elsewhere, 0), rows)
+    local_ids = (ids - first).masked_fill(elsewhere, 0)
+    own = F.embedding(local_ids, rows) if accumulated is None else embedding(local_ids, rows, accumulated)
     return own.masked_fill(elsewhere.unsqueeze(-1), 0.0)

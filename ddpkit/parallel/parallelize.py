@@ -35,6 +35,7 @@ from torch import nn
 
 from ddpkit.config.schema import Config
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.models.accumulate_in_place import rebind_vocabulary
 from ddpkit.models.init_by_name import is_on_meta
 from ddpkit.parallel.activation_checkpointing import apply_activation_checkpointing
 from ddpkit.parallel.block_compile import compile_blocks, compiles_per_block
@@ -163,6 +164,8 @@ def _prepare(config: Config, layout: ParallelLayout) -> Callable[[nn.Module], nn
     names = getattr(layout.data_parallel, "blocks", None)
 
     def prepare(part: nn.Module) -> nn.Module:
+        # a plain embedding's and head's micro-batch gradients added into .grad in place (no second vocabulary matrix)
+        rebind_vocabulary(part)
         apply_activation_checkpointing(part, train.activation_checkpointing)
         if train.channels_last:
             part = to_channels_last(part)
