@@ -2,6 +2,7 @@
 
     held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters, gradients, optimizer)
     log_rank_bytes(model, optimizer, layout="data-parallel 2 (fsdp2)")   # every rank's numbers, logged (a collective)
+    adam_temporaries(optimizer)        # the line that log names torch's default Adam's temporaries in, and the fix
     plan = zero_bytes(shapes, world_size=2, slots=2, element_size=4)   # the same, from shapes only (zero1)
 
 ``rank_bytes`` measures the tensors a rank really owns (an FSDP2 parameter's local shard, the
@@ -28,6 +29,7 @@ __all__ = [
     "rank_bytes",
     "optimizer_slots",
     "log_rank_bytes",
+    "adam_temporaries",
     "replicated_bytes",
     "zero_bytes",
     "fsdp_bytes",
@@ -123,7 +125,40 @@ def log_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, layout
         for r, b in enumerate(ranks)
     ]
     log.info("%s: %s parameters; what each rank holds:\n  %s", layout, f"{count:,}", "\n  ".join(lines))
+    note = adam_temporaries(optimizer)
+    if note is not None:
+        log.info("%s", note)
     return ranks
+
+
+def adam_temporaries(optimizer: torch.optim.Optimizer) -> str | None:
+    """One line naming the temporaries of torch's default Adam / AdamW on this rank, above what it holds, and the
+    fix; None for another optimizer or an implementation the user chose (``fused``, ``foreach`` set).
+
+    torch's default on the CPU is a loop that makes two temporaries the size of each parameter in turn (the largest
+    sets the peak: a vocabulary matrix); on CUDA it is ``foreach``, whose square root of the second moments is one
+    more tensor per parameter at once: a fourth more than parameters, gradients and state. The fused kernel
+    (``optim.kwargs.fused: true``; torchtitan's default) makes neither."""
+    inner = getattr(optimizer, "optim", optimizer)
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+    groups = inner.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return None
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        return None
+    name = type(inner).__name__
+    if all(p.device.type == "cuda" for p in params):
+        extra = sum(_nbytes(p) for p in params)
+        how = f"foreach, one more tensor per parameter at once ({format_bytes(extra, exact=False)} on this rank)"
+    else:
+        extra = 2 * max(_nbytes(p) for p in params)
+        how = f"a loop, two temporaries the size of each parameter ({format_bytes(extra, exact=False)} at the largest)"
+    return (
+        f"optim: torch's default {name} runs {how}, above what the rank holds; optim.kwargs.fused: true makes none "
+        "(the same state, rounded by another kernel)"
+    )
 
 
 def replicated_bytes(
