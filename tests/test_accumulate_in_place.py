@@ -145,7 +145,7 @@ def test_a_frozen_matrix_takes_autograd_s_path():
     assert model.head.weight.grad is None and model.embed.weight.grad is not None
 
 
-def _under_ddp() -> dict[str, bool]:
+def _under_ddp(bucket_view: bool) -> dict[str, bool]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -157,11 +157,12 @@ def _under_ddp() -> dict[str, bool]:
         model = copy.deepcopy(base)
         if rebound:
             rebind_vocabulary(model)
-        ddp = DDP(model)
+        ddp = DDP(model, gradient_as_bucket_view=bucket_view)
         batches = _micro_batches(3, seed=10 + dist.get_rank())
-        # two steps: the second runs with .grad already a view of DDP's buckets
+        # two steps: with bucket_view the second runs with .grad already a view of DDP's bucket, zeroed in place, so
+        # even its first micro-batch adds into the bucket
         for _ in range(2):
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=not bucket_view)
             with ddp.no_sync():
                 for ids, targets in batches[:-1]:
                     F.cross_entropy(ddp(ids).flatten(0, 1), targets.flatten()).backward()
@@ -177,8 +178,10 @@ def _under_ddp() -> dict[str, bool]:
 
 
 @pytest.mark.multiprocess
-def test_under_ddp_the_reducer_still_sees_each_matrix_and_averages_autograd_s_bits():
-    for result in run_in_pool(_under_ddp, 2, timeout=120):
+@pytest.mark.parametrize("bucket_view", [True, False], ids=["grad-as-bucket-view", "grad-copied"])
+def test_under_ddp_the_reducer_still_sees_each_matrix_and_averages_autograd_s_bits(bucket_view):
+    # ddp.gradient_as_bucket_view is on by default in ddpkit: .grad is then a view of DDP's bucket
+    for result in run_in_pool(_under_ddp, 2, args=(bucket_view,), timeout=120):
         assert result == {"bitwise": True, "agreed": True}
 
 

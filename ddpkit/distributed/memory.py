@@ -2,7 +2,7 @@
 
     held = rank_bytes(model, optimizer)            # this rank, now: RankBytes(parameters, gradients, optimizer)
     log_rank_bytes(model, optimizer, layout="data-parallel 2 (fsdp2)")   # every rank's numbers, logged (a collective)
-    adam_temporaries(optimizer)        # the line that log names torch's default Adam's temporaries in, and the fix
+    adam_temporaries(optimizer)        # the line it adds under torch's default Adam / AdamW: their temporaries, the fix
     plan = zero_bytes(shapes, world_size=2, slots=2, element_size=4)   # the same, from shapes only (zero1)
 
 ``rank_bytes`` measures the tensors a rank really owns (an FSDP2 parameter's local shard, the

@@ -1,8 +1,8 @@
 """The vocabulary matrices' gradients added into ``.grad`` where it already exists, never made whole beside it.
 
     rebind_vocabulary(stage)                        # its plain `embed` and `head`, if it has them
-    embedding(ids, rows, accumulated=lambda: ...)   # the lookup itself, for a style that holds rows as DTensors
-    linear(x, rows, accumulated=lambda: ...)        # the head's product, the same way
+    embedding(ids, local_rows, grad_of(weight))     # the lookup itself, for a style that holds rows as DTensors
+    linear(x, local_rows, grad_of(weight))          # the head's product, the same way
 
 With micro-batches (a pipeline's, ``train.grad_accum_steps``), autograd makes each micro-batch's gradient of a
 parameter as a new tensor and then adds it into ``.grad``. For the embedding and the output head that new tensor
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Accumulated", "embedding", "linear", "rebind_vocabulary"]
+__all__ = ["Accumulated", "embedding", "grad_of", "linear", "rebind_vocabulary"]
 
 #: The bytes of one block of the head's weight gradient made at a time.
 BLOCK_BYTES = 8 * 2**20
@@ -84,16 +84,24 @@ def _plain(module: nn.Module | None, kind: type[nn.Module]) -> bool:
     return isinstance(module, kind) and not _is_dtensor(module.weight) and "forward" not in vars(module)
 
 
+def grad_of(param: torch.Tensor) -> Accumulated:
+    """Where ``param``'s gradient accumulates, as a plain tensor: its ``.grad``, a DTensor's local shard of it."""
+
+    def accumulated() -> torch.Tensor | None:
+        grad = param.grad
+        return grad.to_local() if grad is not None and _is_dtensor(grad) else grad
+
+    return accumulated
+
+
 def _embed_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """An ``nn.Embedding``'s forward, accumulating in place (:func:`rebind_vocabulary`)."""
-    weight = module.weight
-    return embedding(ids, weight, lambda: weight.grad)
+    return embedding(ids, module.weight, grad_of(module.weight))
 
 
 def _head_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A bias-free ``nn.Linear``'s forward, accumulating in place (:func:`rebind_vocabulary`)."""
-    weight = module.weight
-    return linear(x, weight, lambda: weight.grad)
+    return linear(x, module.weight, grad_of(module.weight))
 
 
 def _fuses(rows: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_module,
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from ddpkit.models.accumulate_in_place import Accumulated, embedding
+from ddpkit.models.accumulate_in_place import Accumulated, embedding, grad_of
 
 __all__ = ["VocabParallelEmbedding", "lookup_own_rows"]
 
@@ -89,16 +89,12 @@ def _lookup_own_rows(
     module: nn.Embedding, ids: torch.Tensor, *, mesh: DeviceMesh, output_layout: Placement, in_place: bool
 ) -> torch.Tensor:
     """The ids' embeddings from this rank's rows, zeros for the rest, summed over the tensor ranks."""
-    weight = module.weight
-    local = weight.to_local()
+    local = module.weight.to_local()
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
-
-    def accumulated() -> torch.Tensor | None:
-        # the micro-batches' gradients of the rows are added into the parameter's local shard in place
-        return weight.grad.to_local() if weight.grad is not None else None
-
     first = mesh.get_local_rank() * local.shape[0]
-    own = lookup_own_rows(local, ids, first=first, accumulated=accumulated if in_place else None)
+    # the micro-batches' gradients of the rows are added into the parameter's local shard in place
+    accumulated = grad_of(module.weight) if in_place else None
+    own = lookup_own_rows(local, ids, first=first, accumulated=accumulated)
     summed = DTensor.from_local(own, mesh, (Partial(),), run_check=False)
     return summed.redistribute(placements=(output_layout,)).to_local()
 

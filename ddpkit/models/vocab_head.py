@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import types
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from ddpkit.models.accumulate_in_place import linear
+from ddpkit.models.accumulate_in_place import grad_of, linear
 
 __all__ = ["VocabParallelHead"]
 
@@ -54,11 +53,6 @@ class VocabParallelHead(ColwiseParallel):
 
 def _score_own_rows(head: nn.Linear, x: DTensor, *, mesh: DeviceMesh) -> DTensor:
     """The logits of the rank's own vocabulary rows, as the vocabulary-sharded DTensor ``ColwiseParallel`` gives."""
-    weight = head.weight
-
-    def accumulated() -> torch.Tensor | None:
-        return weight.grad.to_local() if weight.grad is not None else None
-
     # each rank's input gradient is its rows' part of a sum over the vocabulary: Partial, reduced by x's producer
-    scores = linear(x.to_local(grad_placements=(Partial(),)), weight.to_local(), accumulated)
+    scores = linear(x.to_local(grad_placements=(Partial(),)), head.weight.to_local(), grad_of(head.weight))
     return DTensor.from_local(scores, mesh, (Shard(scores.dim() - 1),), run_check=False)
