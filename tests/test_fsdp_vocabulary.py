@@ -241,18 +241,21 @@ def test_a_model_the_split_cannot_take_is_refused_with_the_fix(kwargs, says):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "parallel",
-    [{"tensor": 2}, {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}],
-    ids=["tp2", "vocabulary_split"],
+    [{"tensor": 2}, {"mode": "fsdp2", "fsdp": {"shard_vocabulary": True}}, {"pipeline": 2, "tensor": 2}],
+    ids=["tp2", "vocabulary_split", "pp2_x_tp2"],
 )
 def test_a_padded_vocabulary_trains_like_a_world_of_one_where_the_head_s_output_is_a_dtensor_s_view(tmp_path, parallel):
-    """50 ids padded to 52 rows (``valid_vocab``): the models set the padded ids' logits to -inf out of place, since
-    under a tensor plan (the vocabulary then replicated) or the split the head returns a view a custom autograd
-    Function made (``to_local``), which autograd forbids filling in place (it raised before)."""
+    """50 ids padded to 52 rows (``valid_vocab``): the models and a pipeline's last stage set the padded ids' logits
+    to -inf out of place, since under a tensor plan (the vocabulary replicated or sharded) or the split the head
+    returns a view a custom autograd Function made (``to_local``, ``from_local``), which autograd forbids filling in
+    place (it raised before)."""
 
     def padded(cfg: dict) -> dict:
         cfg["model"]["kwargs"] = {**cfg["model"]["kwargs"], "vocab_size": 52, "valid_vocab": 50}
         return cfg
 
     reference = run_in_pool(fit, 1, args=(padded(layout_config(tmp_path / "one")),), timeout=120)[0]
-    results = run_in_pool(fit, 2, args=(padded(layout_config(tmp_path / "split", **dict(parallel))),), timeout=200)
+    ranks = 4 if "pipeline" in parallel else 2
+    config = padded(layout_config(tmp_path / "split", **dict(parallel)))
+    results = run_in_pool(fit, ranks, args=(config,), timeout=200)
     assert_close_to(results, reference)

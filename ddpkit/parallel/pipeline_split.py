@@ -28,6 +28,7 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.models.document_mask import Documents, documents_of
+from ddpkit.models.llama import mask_padded_ids
 
 __all__ = ["split_model", "cut_blocks", "stage_blocks", "TiedWeights", "tied_weight", "HeldParts"]
 
@@ -166,11 +167,8 @@ class LanguageModelStage(nn.Module):
         return documents_of(tokens, **self.documents)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.family.stage_output(self, h)
-        if self.valid_vocab is not None:
-            # padded ids: probability 0, no gradient, the loss unchanged
-            logits[..., self.valid_vocab :] = float("-inf")
-        return logits
+        # padded ids at -inf out of place, as the whole model does: under a tensor plan the head's output is a view
+        return mask_padded_ids(self.family.stage_output(self, h), self.valid_vocab)
 
 
 class ChildrenStage(nn.Module):
